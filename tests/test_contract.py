@@ -1,0 +1,47 @@
+"""The NumPy statement of the contract against the real references (torch on CPU)."""
+
+import numpy as np
+import pytest
+
+from trainstream import _contract as C
+
+torch = pytest.importorskip("torch")
+
+
+def _torch_adamw_run(p0, grads, hp, clip=None, foreach=False):
+    p = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    opt = torch.optim.AdamW([p], lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                            weight_decay=hp.weight_decay, foreach=foreach)
+    out = []
+    for i, g in enumerate(grads):
+        p.grad = torch.from_numpy(g.copy())
+        if clip is not None:
+            p.grad.mul_(torch.tensor(clip[i], dtype=torch.float32))
+        opt.step()
+        st = opt.state[p]
+        out.append((p.detach().numpy().copy(), st["exp_avg"].numpy().copy(),
+                    st["exp_avg_sq"].numpy().copy()))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 4095, 4097, 65537])
+@pytest.mark.parametrize("hp", [
+    C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01),
+    C.AdamWHyperParams(3e-2, 0.3, 0.95, 1e-6, 0.0),   # lerp weight >= 0.5
+    C.AdamWHyperParams(1e-2, 0.5, 0.99, 1e-8, 0.1),   # lerp weight exactly 0.5
+])
+def test_torch_cpu_reference_bitwise(n, hp):
+    rng = np.random.default_rng(n)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+             for _ in range(50)]
+    clip = [np.float32(rng.uniform(0.1, 1.0)) for _ in range(50)]
+    ref = _torch_adamw_run(p0, grads, hp, clip)
+    p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t, g in enumerate(grads, 1):
+        s = C.step_scalars(hp, t, "torch", "cpu", clip=clip[t - 1])
+        p, m, v = C.reference_update(p, m, v, g, s, "torch", "cpu")
+        rp, rm, rv = ref[t - 1]
+        np.testing.assert_array_equal(m, rm, err_msg=f"exp_avg step {t}")
+        np.testing.assert_array_equal(v, rv, err_msg=f"exp_avg_sq step {t}")
+        np.testing.assert_array_equal(p, rp, err_msg=f"param step {t}")
