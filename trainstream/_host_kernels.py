@@ -10,22 +10,46 @@ Element types. Numba has no bfloat16 and its float16 support on the CPU is parti
 half-precision buffers are passed as their ``uint16`` bit patterns with a *kind* code:
 
 =====  ==========================
-kind   meaning of a uint16 buffer
+kind   meaning of a buffer
 =====  ==========================
-0      (float32 buffer, no code)
-1      IEEE float16
-2      bfloat16
+0      float32 buffer
+1      IEEE float16 (uint16 bits)
+2      bfloat16 (uint16 bits)
 =====  ==========================
 
 Conversions to float32 are exact; conversions from float32 round to nearest even and
 keep Inf and NaN, bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the
 canonical quiet NaN). No kernel uses fast-math: LLVM may not contract ``a*b + c``; the
 FMA instruction appears only through :func:`fma32`, exactly where the contract has it.
+
+Specialisation and vectorisation (what the loops need so that LLVM vectorises them):
+
+* The raw kernels (``adamw_chunk`` ...) are thin Python functions that pick a compiled
+  specialisation from a table keyed by the *kind* codes (and the variant). Each
+  specialisation is a closure whose codes are compile-time constants, so its loop has
+  no per-element branch. (``numba.literally`` did the same job but re-ran Numba's type
+  inference, under Numba's global compile lock, on *every call*: ~50 ms per call.)
+  Specialisations compile on first use and are cached on disk (closures are cached per
+  value of their captured constants).
+* Loops run over unsigned indices: a signed index makes Numba emit a negative-index
+  wrap-around select per access.
+* Scalars are read into locals before the loops; per-element choices are ``select``
+  instructions (:func:`_select`), never branches: the half-precision conversions are
+  branch-free.
+* A float64 sum is not reassociable without fast-math, so :func:`sumsq_blocks` fixes
+  its summation order to 8 interleaved lanes per block (see there): that order vectorises
+  and is deterministic.
+
+``inspect_asm`` of a specialisation loaded from the on-disk cache is empty; use
+:func:`vectorisation_report`, which compiles uncached copies, to check the machine code.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import threading
+from collections import Counter
 
 import numpy as np
 from llvmlite import ir
@@ -33,6 +57,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ._contract import (
+    N_SCALARS,
     S_BC1,
     S_BC2,
     S_BC2_OPTAX,
@@ -52,13 +77,37 @@ from ._contract import (
     VARIANT_OPTAX_CUDA,
     VARIANT_TORCH_CPU,
     VARIANT_TORCH_CUDA,
+    variant_id,
 )
+
+__all__ = [
+    "KIND_F32",
+    "KIND_F16",
+    "KIND_BF16",
+    "adamw_chunk",
+    "accumulate_chunk",
+    "sumsq_blocks",
+    "convert_to_f32",
+    "round_from_f32",
+    "host_adamw_update",
+    "torch_cpu_sqrt",
+    "fma32",
+    "vectorisation_report",
+]
 
 KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
+_KINDS = (KIND_F32, KIND_F16, KIND_BF16)
+_VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+
+#: Lanes of the fixed summation order of :func:`sumsq_blocks`.
+SUMSQ_LANES = 8
+
+
+# -- LLVM intrinsics -------------------------------------------------------------------------
 
 
 @intrinsic
@@ -96,61 +145,73 @@ def _f32_bits(typingctx, u):
     return sig, codegen
 
 
-# -- half-precision conversions (on bit patterns) ------------------------------------------
+@intrinsic
+def _select(typingctx, cond, a, b):
+    """``a if cond else b`` as one LLVM ``select`` (no branch); ``a``, ``b`` of one type."""
+    if not isinstance(cond, types.Boolean) or a != b:
+        return None
+    sig = a(cond, a, b)
+
+    def codegen(context, builder, signature, args):
+        return builder.select(args[0], args[1], args[2])
+
+    return sig, codegen
+
+
+# -- half-precision conversions (on bit patterns, branch-free) ------------------------------
+
+_U16 = np.uint32(16)
 
 
 @njit(inline="always", **_OPTS)
 def bf16_to_f32(h):
-    return _f32_bits(np.uint32(h) << np.uint32(16))
+    """bfloat16 bits -> float32 (exact)."""
+    return _f32_bits(np.uint32(h) << _U16)
 
 
 @njit(inline="always", **_OPTS)
 def f32_to_bf16(x):
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16)."""
     u = _bits_f32(x)
-    if x != x:  # NaN -> canonical quiet NaN, as c10::BFloat16
-        return np.uint16(0x7FC0)
-    return np.uint16((u + (((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF))) >> np.uint32(16))
+    r = np.uint32(np.uint32(u + (((u >> _U16) & np.uint32(1)) + np.uint32(0x7FFF))) >> _U16)
+    return np.uint16(_select(x != x, np.uint32(0x7FC0), r))
 
 
 @njit(inline="always", **_OPTS)
 def f16_to_f32(h):
-    # Branch-free IEEE half -> float (as c10::detail::fp16_ieee_to_fp32_value).
-    w = np.uint32(h) << np.uint32(16)
+    """IEEE half bits -> float32 (exact), as c10::detail::fp16_ieee_to_fp32_value."""
+    w = np.uint32(h) << _U16
     sign = w & np.uint32(0x80000000)
-    two_w = np.uint32(w + w)  # numba widens integer arithmetic: wrap to 32 bits
-    normalized = _f32_bits((two_w >> np.uint32(4)) + np.uint32(0xE0 << 23)) * np.float32(1.925929944387236e-34)
+    two_w = np.uint32(w + w)  # Numba widens integer arithmetic: wrap to 32 bits
+    normalized = _f32_bits(np.uint32((two_w >> np.uint32(4)) + np.uint32(0xE0 << 23))) * np.float32(
+        1.925929944387236e-34
+    )  # 2**-112
     denormalized = _f32_bits((two_w >> np.uint32(17)) | np.uint32(126 << 23)) - np.float32(0.5)
-    if two_w < np.uint32(1 << 27):
-        r = _bits_f32(denormalized)
-    else:
-        r = _bits_f32(normalized)
-    return _f32_bits(sign | r)
+    r = _select(two_w < np.uint32(1 << 27), _bits_f32(denormalized), _bits_f32(normalized))
+    return _f32_bits(np.uint32(sign | r))
 
 
 @njit(inline="always", **_OPTS)
 def f32_to_f16(x):
-    # Round to nearest even (as c10::detail::fp16_ieee_from_fp32_value).
-    base = (abs(x) * np.float32(5.192296858534828e33)) * np.float32(7.703719777548943e-34)
+    """float32 -> IEEE half bits, round to nearest even (c10::detail::fp16_ieee_from_fp32_value)."""
+    base = (abs(x) * np.float32(5.192296858534828e33)) * np.float32(7.703719777548943e-34)  # 2**112, 2**-110
     w = _bits_f32(x)
     shl1_w = np.uint32(w + w)  # wrap to 32 bits
     sign = w & np.uint32(0x80000000)
-    bias = shl1_w & np.uint32(0xFF000000)
-    if bias < np.uint32(0x71000000):
-        bias = np.uint32(0x71000000)
-    base = _f32_bits((bias >> np.uint32(1)) + np.uint32(0x07800000)) + base
+    bias = np.uint32(shl1_w & np.uint32(0xFF000000))
+    bias = _select(bias < np.uint32(0x71000000), np.uint32(0x71000000), bias)
+    base = _f32_bits(np.uint32((bias >> np.uint32(1)) + np.uint32(0x07800000))) + base
     b = _bits_f32(base)
     exp_bits = (b >> np.uint32(13)) & np.uint32(0x00007C00)
     mantissa_bits = b & np.uint32(0x00000FFF)
-    nonsign = exp_bits + mantissa_bits
-    if shl1_w > np.uint32(0xFF000000):
-        nonsign = np.uint32(0x7E00)
-    return np.uint16((sign >> np.uint32(16)) | nonsign)
+    nonsign = np.uint32(exp_bits + mantissa_bits)
+    nonsign = _select(shl1_w > np.uint32(0xFF000000), np.uint32(0x7E00), nonsign)
+    return np.uint16(np.uint32(sign >> _U16) | nonsign)
 
 
 @njit(inline="always", **_OPTS)
-def load_f32(buf, i, kind):
-    """Element ``i`` of a float32 buffer or of a uint16 buffer of ``kind``, as float32."""
-    x = buf[i]
+def _load(x, kind):
+    """One buffer element as float32; ``kind`` is a compile-time constant (folded by LLVM)."""
     if kind == KIND_F16:
         return f16_to_f32(x)
     if kind == KIND_BF16:
@@ -159,11 +220,11 @@ def load_f32(buf, i, kind):
 
 
 @njit(inline="always", **_OPTS)
-def store_16(out, i, x, kind):
+def _round16(x, kind):
+    """float32 -> uint16 bits of ``kind`` (1 fp16, 2 bf16); ``kind`` a compile-time constant."""
     if kind == KIND_F16:
-        out[i] = f32_to_f16(x)
-    elif kind == KIND_BF16:
-        out[i] = f32_to_bf16(x)
+        return f32_to_f16(x)
+    return f32_to_bf16(x)
 
 
 # -- sqrt of the torch/cpu convention --------------------------------------------------------
@@ -175,120 +236,425 @@ def torch_cpu_sqrt(x):
     return np.float32(math.sqrt(x))
 
 
-# -- AdamW ----------------------------------------------------------------------------------
+# -- specialisation factories -----------------------------------------------------------------
+# Each returns a Numba dispatcher whose codes (closure constants) are folded at compile time.
+# ``cache=False`` builds an uncached copy (for inspecting the machine code).
 
 
-@njit(**_OPTS)
+def _build_adamw(variant: int, gkind: int, okind: int, cache: bool = True):
+    opts = dict(_OPTS, cache=cache)
+    torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
+    cpu = variant == VARIANT_TORCH_CPU
+    write16 = okind != KIND_F32
+
+    @njit(**opts)
+    def adamw_kernel(p, m, v, g, out16, begin, end, s):
+        # Every scalar into a local before the loop (no reload per element).
+        c = s[S_CLIP]
+        if torch_conv:
+            decay = s[S_DECAY]
+            small = s[S_LERP_SMALL] != np.float32(0.0)
+            # lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g)
+            w = s[S_LERP_W] if small else s[S_LERP_W] - np.float32(1.0)
+            b2 = s[S_BETA2]
+            omb2 = s[S_OMB2]
+            bc2 = s[S_BC2]
+            eps = s[S_EPS]
+            neg_step = s[S_NEG_STEP]
+            for i in range(np.uint64(begin), np.uint64(end)):
+                gi = _load(g[i], gkind) * c  # g = g * c
+                mi = m[i]
+                pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
+                mi = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
+                if cpu:
+                    vi = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                    d = torch_cpu_sqrt(vi) / bc2 + eps
+                    pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
+                else:
+                    vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
+                    d = np.float32(math.sqrt(vi)) * bc2 + eps
+                    pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
+                m[i] = mi
+                v[i] = vi
+                p[i] = pi
+                if write16:
+                    out16[i] = _round16(pi, okind)
+        else:  # optax (cpu and cuda: the host uses the IEEE sqrt, see the contract)
+            omb1 = s[S_OMB1]
+            b1 = s[S_BETA1]
+            omb2 = s[S_OMB2]
+            b2 = s[S_BETA2]
+            bc1 = s[S_BC1]
+            bc2 = s[S_BC2_OPTAX]
+            eps = s[S_EPS]
+            wd = s[S_WD]
+            neg_lr = s[S_NEG_LR]
+            for i in range(np.uint64(begin), np.uint64(end)):
+                gi = _load(g[i], gkind) * c
+                pi = p[i]
+                mi = omb1 * gi + b1 * m[i]
+                vi = omb2 * (gi * gi) + b2 * v[i]
+                u = mi / (bc1 * (np.float32(math.sqrt(vi / bc2)) + eps))
+                u = u + wd * pi
+                pi = pi + u * neg_lr
+                m[i] = mi
+                v[i] = vi
+                p[i] = pi
+                if write16:
+                    out16[i] = _round16(pi, okind)
+
+    return adamw_kernel
+
+
+def _build_accumulate(gkind: int, fresh: bool, cache: bool = True):
+    @njit(**dict(_OPTS, cache=cache))
+    def accumulate_kernel(acc, g, begin, end):
+        if fresh:
+            for i in range(np.uint64(begin), np.uint64(end)):
+                acc[i] = _load(g[i], gkind)
+        else:
+            for i in range(np.uint64(begin), np.uint64(end)):
+                acc[i] = acc[i] + _load(g[i], gkind)
+
+    return accumulate_kernel
+
+
+def _build_sumsq(gkind: int, cache: bool = True):
+    @njit(**dict(_OPTS, cache=cache))
+    def sumsq_kernel(g, begin, end, block, out):
+        # Lane j of a block sums the squares of its elements j, j + 8, j + 16, ... in
+        # order; the lanes live in a small array so that the j loop is a plain
+        # element-wise loop (LLVM does not vectorise 8 scalar accumulators).
+        # x*x is exact in float64 (24-bit significands), so only the adds round.
+        lanes = np.zeros(SUMSQ_LANES)
+        ulanes = np.uint64(SUMSQ_LANES)
+        k = 0
+        start = np.uint64(begin)
+        stop_all = np.uint64(end)
+        ublock = np.uint64(block)
+        while start < stop_all:
+            stop = min(start + ublock, stop_all)
+            for j in range(SUMSQ_LANES):
+                lanes[j] = 0.0
+            full = start + ((stop - start) // ulanes) * ulanes
+            for i in range(start, full, ulanes):
+                for j in range(SUMSQ_LANES):
+                    x = np.float64(_load(g[i + np.uint64(j)], gkind))
+                    lanes[j] += x * x
+            for j in range(stop - full):  # tail: element full + j goes to lane j
+                x = np.float64(_load(g[full + j], gkind))
+                lanes[j] += x * x
+            out[k] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
+                (lanes[4] + lanes[5]) + (lanes[6] + lanes[7])
+            )
+            k += 1
+            start = stop
+
+    return sumsq_kernel
+
+
+def _build_convert(kind: int, cache: bool = True):
+    @njit(**dict(_OPTS, cache=cache))
+    def convert_kernel(dst, src, begin, end):
+        for i in range(np.uint64(begin), np.uint64(end)):
+            dst[i] = _load(src[i], kind)
+
+    return convert_kernel
+
+
+def _build_round(kind: int, cache: bool = True):
+    @njit(**dict(_OPTS, cache=cache))
+    def round_kernel(dst, src, begin, end):
+        for i in range(np.uint64(begin), np.uint64(end)):
+            dst[i] = _round16(src[i], kind)
+
+    return round_kernel
+
+
+_BUILDERS = {
+    "adamw": _build_adamw,
+    "accumulate": _build_accumulate,
+    "sumsq": _build_sumsq,
+    "convert": _build_convert,
+    "round": _build_round,
+}
+_VALID_KEYS = {
+    "adamw": {(vr, gk, ok) for vr in _VARIANTS for gk in _KINDS for ok in _KINDS},
+    "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
+    "sumsq": {(gk,) for gk in _KINDS},
+    "convert": {(k,) for k in _KINDS},
+    "round": {(KIND_F16,), (KIND_BF16,)},
+}
+_TABLE: dict = {}
+_TABLE_LOCK = threading.Lock()
+
+
+def _specialisation(kernel: str, key: tuple):
+    """The compiled specialisation of ``kernel`` for ``key`` (built on first use)."""
+    fn = _TABLE.get((kernel, key))
+    if fn is not None:
+        return fn
+    if key not in _VALID_KEYS[kernel]:
+        raise ValueError(f"{kernel}: no specialisation for codes {key}")
+    with _TABLE_LOCK:
+        fn = _TABLE.get((kernel, key))
+        if fn is None:
+            fn = _BUILDERS[kernel](*key)
+            _TABLE[(kernel, key)] = fn
+    return fn
+
+
+_NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
+
+
+# -- the raw kernels (the engine calls these; no validation beyond the codes) ----------------
+
+
 def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s):
     """One AdamW update of elements ``[begin, end)``; see :mod:`trainstream._contract`.
 
     ``p`` fp32 master (updated in place), ``m``/``v`` fp32 moments (in place), ``g`` the
-    gradient (float32, or uint16 bits of ``gkind``), ``out16`` receives the new weights
-    rounded to ``okind`` (1 fp16, 2 bf16; 0: not written), ``s`` the float32 scalars.
+    gradient (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16), ``out16``
+    (uint16, or None: nothing written, whatever ``okind``) receives the new weights
+    rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written), ``s`` the float32 scalars of :func:`~trainstream._contract.step_scalars`.
+    Unchecked: buffers must be C-contiguous, long enough, and disjoint
+    (see :func:`host_adamw_update` for a validating entry point).
     """
-    c = s[S_CLIP]
-    if variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA:
-        decay = s[S_DECAY]
-        w = s[S_LERP_W]
-        small = s[S_LERP_SMALL] != np.float32(0.0)
-        wm1 = w - np.float32(1.0)
-        b2 = s[S_BETA2]
-        omb2 = s[S_OMB2]
-        bc2 = s[S_BC2]
-        eps = s[S_EPS]
-        neg_step = s[S_NEG_STEP]
-        cpu = variant == VARIANT_TORCH_CPU
-        for i in range(begin, end):
-            gi = load_f32(g, i, gkind) * c  # g = g * c
-            mi = m[i]
-            pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
-            if small:  # lerp(m, g, w)
-                mi = fma32(w, gi - mi, mi)
-            else:
-                mi = fma32(wm1, gi - mi, gi)
-            if cpu:
-                vi = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                d = torch_cpu_sqrt(vi) / bc2 + eps
-                pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
-            else:
-                vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
-                d = np.float32(math.sqrt(vi)) * bc2 + eps
-                pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
-            m[i] = mi
-            v[i] = vi
-            p[i] = pi
-            store_16(out16, i, pi, okind)
-    elif variant == VARIANT_OPTAX_CPU or variant == VARIANT_OPTAX_CUDA:
-        omb1 = s[S_OMB1]
-        b1 = s[S_BETA1]
-        omb2 = s[S_OMB2]
-        b2 = s[S_BETA2]
-        bc1 = s[S_BC1]
-        bc2 = s[S_BC2_OPTAX]
-        eps = s[S_EPS]
-        wd = s[S_WD]
-        neg_lr = s[S_NEG_LR]
-        for i in range(begin, end):
-            gi = load_f32(g, i, gkind) * c
-            pi = p[i]
-            mi = omb1 * gi + b1 * m[i]
-            vi = omb2 * (gi * gi) + b2 * v[i]
-            u = mi / (bc1 * (np.float32(math.sqrt(vi / bc2)) + eps))
-            u = u + wd * pi
-            pi = pi + u * neg_lr
-            m[i] = mi
-            v[i] = vi
-            p[i] = pi
-            store_16(out16, i, pi, okind)
-    else:
-        raise ValueError("adamw_chunk: unknown variant")
+    if out16 is None:
+        okind, out16 = KIND_F32, _NO_OUT
+    fn = _TABLE.get(("adamw", (variant, gkind, okind)))
+    if fn is None:
+        fn = _specialisation("adamw", (variant, gkind, okind))
+    fn(p, m, v, g, out16, begin, end, s)
 
 
-# -- accumulation and sum of squares -------------------------------------------------------
-
-
-@njit(**_OPTS)
 def accumulate_chunk(acc, g, gkind, begin, end, fresh):
     """``acc[i] = g[i]`` (``fresh``) or ``acc[i] += g[i]`` in float32 over ``[begin, end)``."""
-    if fresh:
-        for i in range(begin, end):
-            acc[i] = load_f32(g, i, gkind)
-    else:
-        for i in range(begin, end):
-            acc[i] = acc[i] + load_f32(g, i, gkind)
+    key = (gkind, bool(fresh))
+    fn = _TABLE.get(("accumulate", key))
+    if fn is None:
+        fn = _specialisation("accumulate", key)
+    fn(acc, g, begin, end)
 
 
-@njit(**_OPTS)
 def sumsq_blocks(g, gkind, begin, end, block, out):
     """Float64 sums of squares of ``g`` over the fixed blocks ``[k*block, (k+1)*block)``.
 
-    ``begin`` must be a multiple of ``block``; ``out[k - begin // block]`` receives block
-    ``k``. Blocks are fixed in element space, so the partials (and any sum of them taken
-    in block order) do not depend on how ``[0, n)`` was cut into chunks.
+    ``begin`` must be a multiple of ``block`` (and ``end`` a multiple of it, or the end of
+    the buffer); ``out[k - begin // block]`` receives block ``k``. Summation order, fixed:
+    within a block starting at ``b``, lane ``j`` (0..7) sums ``g[b + j + 8q]**2`` for
+    ``q = 0, 1, ...`` in order, then ``((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))``. Blocks are
+    fixed in element space, so the partials (and any sum of them taken in block order) do
+    not depend on how ``[0, n)`` was cut into chunks.
     """
-    k0 = begin // block
-    k = k0
-    start = begin
-    while start < end:
-        stop = min(start + block, end)
-        acc = 0.0
-        for i in range(start, stop):
-            x = np.float64(load_f32(g, i, gkind))
-            acc += x * x
-        out[k - k0] = acc
-        k += 1
-        start = stop
+    fn = _TABLE.get(("sumsq", (gkind,)))
+    if fn is None:
+        fn = _specialisation("sumsq", (gkind,))
+    fn(g, begin, end, block, out)
 
 
-@njit(**_OPTS)
 def convert_to_f32(dst, src, kind, begin, end):
     """``dst[i] = float32(src[i])`` (exact) over ``[begin, end)``."""
-    for i in range(begin, end):
-        dst[i] = load_f32(src, i, kind)
+    fn = _TABLE.get(("convert", (kind,)))
+    if fn is None:
+        fn = _specialisation("convert", (kind,))
+    fn(dst, src, begin, end)
 
 
-@njit(**_OPTS)
 def round_from_f32(dst, src, kind, begin, end):
     """``dst[i] = round(src[i])`` to ``kind`` bits (1 fp16, 2 bf16) over ``[begin, end)``."""
-    for i in range(begin, end):
-        store_16(dst, i, src[i], kind)
+    fn = _TABLE.get(("round", (kind,)))
+    if fn is None:
+        fn = _specialisation("round", (kind,))
+    fn(dst, src, begin, end)
+
+
+# -- validating public entry point -------------------------------------------------------------
+
+
+def _bf16_dtype():
+    try:
+        import ml_dtypes  # optional
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _check_array(name, a, *, writeable):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (got a strided view)")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only; it is updated in place and must be writeable")
+
+
+def _grad_kind(g, grad_kind):
+    """The kind code of gradient ``g`` (and ``g`` as the buffer the kernel reads)."""
+    bf16 = _bf16_dtype()
+    if g.dtype == np.float32:
+        kind = KIND_F32
+    elif g.dtype == np.float16:
+        kind, g = KIND_F16, g.view(np.uint16)
+    elif bf16 is not None and g.dtype == bf16:
+        kind, g = KIND_BF16, g.view(np.uint16)
+    elif g.dtype == np.uint16:
+        if grad_kind not in ("float16", "bfloat16"):
+            raise TypeError(
+                "g is a uint16 array: pass grad_kind='float16' or 'bfloat16' to say "
+                f"what its bit patterns are (got grad_kind={grad_kind!r})"
+            )
+        return (KIND_F16 if grad_kind == "float16" else KIND_BF16), g
+    else:
+        raise TypeError(
+            f"g must be float32, float16, bfloat16 (ml_dtypes) or uint16 bit patterns "
+            f"with grad_kind, got dtype {g.dtype}"
+        )
+    if grad_kind is not None and grad_kind != ("float32", "float16", "bfloat16")[kind]:
+        raise TypeError(f"grad_kind={grad_kind!r} contradicts g's dtype {g.dtype}")
+    return kind, g
+
+
+def _out_kind(out, out_kind):
+    bf16 = _bf16_dtype()
+    if out.dtype == np.float16:
+        kind, out = KIND_F16, out.view(np.uint16)
+    elif bf16 is not None and out.dtype == bf16:
+        kind, out = KIND_BF16, out.view(np.uint16)
+    elif out.dtype == np.uint16:
+        if out_kind not in ("float16", "bfloat16"):
+            raise TypeError(
+                "out is a uint16 array: pass out_kind='float16' or 'bfloat16' to say "
+                f"what its bit patterns are (got out_kind={out_kind!r})"
+            )
+        return (KIND_F16 if out_kind == "float16" else KIND_BF16), out
+    else:
+        raise TypeError(
+            f"out must be float16, bfloat16 (ml_dtypes) or uint16 bit patterns with "
+            f"out_kind, got dtype {out.dtype}"
+        )
+    if out_kind is not None and out_kind != ("float32", "float16", "bfloat16")[kind]:
+        raise TypeError(f"out_kind={out_kind!r} contradicts out's dtype {out.dtype}")
+    return kind, out
+
+
+def host_adamw_update(
+    p,
+    m,
+    v,
+    g,
+    scalars,
+    *,
+    convention: str = "torch",
+    platform: str = "cpu",
+    out=None,
+    begin: int = 0,
+    end: int | None = None,
+    grad_kind: str | None = None,
+    out_kind: str | None = None,
+) -> None:
+    """One AdamW update of ``p``, ``m``, ``v`` in place over ``[begin, end)``, validated.
+
+    ``p``, ``m``, ``v``: float32 1-D C-contiguous writeable arrays of one length (master
+    weight and moments). ``g``: the gradient, same length: float32, float16, bfloat16
+    (``ml_dtypes``) or uint16 bit patterns with ``grad_kind`` ("float16"/"bfloat16").
+    ``scalars``: the float32 vector of :func:`trainstream._contract.step_scalars` for the
+    same ``convention``/``platform``. ``out`` (optional): receives the new weights rounded
+    to float16/bfloat16 (or uint16 with ``out_kind``). Raises ``TypeError`` for a wrong
+    type or dtype, ``ValueError`` for a wrong shape, length, layout, range or name.
+    """
+    variant = variant_id(convention, platform)
+    _check_array("p", p, writeable=True)
+    _check_array("m", m, writeable=True)
+    _check_array("v", v, writeable=True)
+    _check_array("g", g, writeable=False)
+    _check_array("scalars", scalars, writeable=False)
+    for name, a in (("p", p), ("m", m), ("v", v)):
+        if a.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got dtype {a.dtype}")
+    if scalars.dtype != np.float32:
+        raise TypeError(f"scalars must be float32, got dtype {scalars.dtype}")
+    if scalars.shape[0] < N_SCALARS:
+        raise ValueError(f"scalars must have {N_SCALARS} entries (step_scalars), got {scalars.shape[0]}")
+    gkind, gbuf = _grad_kind(g, grad_kind)
+    n = p.shape[0]
+    for name, a in (("m", m), ("v", v), ("g", g)):
+        if a.shape[0] != n:
+            raise ValueError(f"{name} has {a.shape[0]} elements but p has {n}")
+    okind, obuf = KIND_F32, None
+    if out is not None:
+        _check_array("out", out, writeable=True)
+        okind, obuf = _out_kind(out, out_kind)
+        if out.shape[0] != n:
+            raise ValueError(f"out has {out.shape[0]} elements but p has {n}")
+    elif out_kind is not None:
+        raise ValueError(f"out_kind={out_kind!r} given without out")
+    if end is None:
+        end = n
+    for name, x in (("begin", begin), ("end", end)):
+        if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
+            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    begin, end = int(begin), int(end)
+    if not 0 <= begin <= end <= n:
+        raise ValueError(f"need 0 <= begin <= end <= len(p) = {n}, got begin={begin}, end={end}")
+    bufs = [p, m, v, g] + ([out] if out is not None else [])
+    names = ["p", "m", "v", "g", "out"]
+    for i in range(len(bufs)):
+        for j in range(i + 1, len(bufs)):
+            if np.shares_memory(bufs[i], bufs[j]):
+                raise ValueError(f"{names[i]} and {names[j]} share memory; buffers must be distinct")
+    if begin == end:
+        return
+    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars)
+
+
+# -- machine-code check ------------------------------------------------------------------------
+
+# A packed arithmetic instruction on a ymm/zmm register (moves and broadcasts excluded).
+_PACKED_OP = re.compile(r"^\s+(v(?!mov|broadcast|zeroupper|extract|insert|perm|shuf|unpck|blend|xor|pxor)\w+)\s[^\n]*%[yz]mm", re.M)
+
+
+def vectorisation_report(specs=None) -> list[dict]:
+    """Compile *uncached* copies of kernel specialisations and summarise their machine code.
+
+    ``specs``: iterable of ``(kernel, key)`` as in the dispatch tables (default: all).
+    Returns one dict per specialisation: ``kernel``, ``key``, ``vector`` (True when the
+    code has packed arithmetic on ymm/zmm registers), ``zmm`` (AVX-512 registers used)
+    and ``packed_ops`` (instruction -> count). Cached specialisations have no
+    inspectable assembly, hence the uncached copies.
+    """
+    if specs is None:
+        specs = [(k, key) for k in _BUILDERS for key in sorted(_VALID_KEYS[k])]
+    f32 = types.float32[::1]
+    u16 = types.uint16[::1]
+    f64 = types.float64[::1]
+    i64 = types.int64
+    rows = []
+    for kernel, key in specs:
+        fn = _BUILDERS[kernel](*key, cache=False)
+        if kernel == "adamw":
+            gt = f32 if key[1] == KIND_F32 else u16
+            sig = (f32, f32, f32, gt, u16, i64, i64, f32)
+        elif kernel == "accumulate":
+            sig = (f32, f32 if key[0] == KIND_F32 else u16, i64, i64)
+        elif kernel == "sumsq":
+            sig = (f32 if key[0] == KIND_F32 else u16, i64, i64, i64, f64)
+        elif kernel == "convert":
+            sig = (f32, f32 if key[0] == KIND_F32 else u16, i64, i64)
+        else:
+            sig = (u16, f32, i64, i64)
+        fn.compile(sig)
+        asm = fn.inspect_asm(fn.signatures[0])
+        ops = Counter(_PACKED_OP.findall(asm))
+        rows.append(
+            {
+                "kernel": kernel,
+                "key": key,
+                "vector": sum(ops.values()) > 0,
+                "zmm": "%zmm" in asm,
+                "packed_ops": dict(ops.most_common()),
+            }
+        )
+    return rows

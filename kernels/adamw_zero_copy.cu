@@ -1,0 +1,374 @@
+// TrainStream zero-copy AdamW: the `gpu` mode update, one launch per parameter tensor.
+//
+//   weights   GPU memory, updated in place: fp32, fp16 or bf16
+//   gradient  GPU memory, read once: fp32, fp16 or bf16
+//   m, v      fp32 exp_avg / exp_avg_sq in mapped pinned host memory (device pointers
+//             to host memory): each element read once and written once over PCIe
+//   master    fp32 master weights in mapped pinned host memory, for fp16/bf16 weights
+//             only; fp32 weights are their own master (pass nullptr)
+//
+// The arithmetic is the AdamW contract of trainstream/_contract.py, one branch per
+// (convention, platform) variant; each line of maths below quotes the contract line
+// it implements. Rounding is explicit: every float operation is an _rn intrinsic,
+// fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not depend
+// on nvcc/NVRTC contraction (-fmad). The loader also pins --ftz=false, which the _rn
+// intrinsics do obey.
+//
+// Kernels: adamw_zero_copy_<variant>_<param>_<grad>, e.g. adamw_zero_copy_torch_cuda_bf16_f32,
+// with <variant> in {torch_cpu, torch_cuda, optax_cpu, optax_cuda} and <param>, <grad> in
+// {f32, f16, bf16}. Launch with blockDim.x == TS_ADAMW_THREADS and any grid (grid-stride).
+//
+// No #include: compiled by NVRTC through CuPy (trainstream/_device_kernels.py).
+
+#define TS_ADAMW_THREADS 256
+
+// ---- the per-step float32 scalar vector: indices are trainstream._contract.S_* ----
+// (trainstream/_device_kernels.py checks these against the contract when it loads this file)
+#define TS_N_SCALARS 12
+#define TS_S_CLIP 0
+#define TS_S_DECAY 1
+#define TS_S_LERP_W 2
+#define TS_S_LERP_SMALL 3
+#define TS_S_BETA2 4
+#define TS_S_OMB2 5
+#define TS_S_BC2 6
+#define TS_S_EPS 7
+#define TS_S_NEG_STEP 8
+#define TS_S_OMB1 2
+#define TS_S_BETA1 3
+#define TS_S_BC1 6
+#define TS_S_BC2_OPTAX 9
+#define TS_S_WD 1
+#define TS_S_NEG_LR 8
+
+// ---- kernel variants: trainstream._contract.VARIANT_* ----
+#define TS_VARIANT_TORCH_CPU 0
+#define TS_VARIANT_TORCH_CUDA 1
+#define TS_VARIANT_OPTAX_CPU 2
+#define TS_VARIANT_OPTAX_CUDA 3
+
+// The scalar vector, passed by value (48 bytes of kernel parameters).
+struct TsScalars {
+  float s[TS_N_SCALARS];
+};
+
+// 16-bit storage types, as raw bits (no cuda_fp16.h / cuda_bf16.h needed).
+struct ts_f16 {
+  unsigned short bits;
+};
+struct ts_bf16 {
+  unsigned short bits;
+};
+
+// ------------------------------------------------------------------------------------------
+// Square roots and divisions that differ between variants
+// ------------------------------------------------------------------------------------------
+
+// torch/cpu: the square root ATen's CPU kernels use. The host contract
+// (trainstream._contract) defines this function; this is its device form.
+__device__ __forceinline__ float torch_cpu_sqrt(float x) { return __fsqrt_rn(x); }
+
+// optax/cuda: XLA:GPU calls libdevice __nv_sqrtf with __CUDA_PREC_SQRT unset and
+// __CUDA_FTZ = xla_gpu_ftz = false, i.e. the approximate square root without .ftz.
+__device__ __forceinline__ float xla_gpu_sqrt(float x) {
+  float r;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// optax/cuda: XLA:GPU runs LLVM's NVPTX backend with -nvptx-prec-divf32=1, which
+// lowers every f32 division to div.full.f32 (full-range approximation, <= 2 ulp), not
+// to the IEEE div.rn.f32. Define TS_XLA_DIV_RN (loader: TRAINSTREAM_XLA_DIV=rn) to use
+// the IEEE division instead.
+__device__ __forceinline__ float xla_gpu_div(float a, float b) {
+#ifdef TS_XLA_DIV_RN
+  return __fdiv_rn(a, b);
+#else
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// Storage conversions (all exact except the final rounding of the weights)
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float ts_to_f32(float x) { return x; }
+// bf16 -> f32: the bits are the high half of the float (exact)
+__device__ __forceinline__ float ts_to_f32(ts_bf16 x) {
+  return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+// f16 -> f32: exact
+__device__ __forceinline__ float ts_to_f32(ts_f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+
+template <typename T>
+__device__ __forceinline__ T ts_from_f32(float x);
+
+template <>
+__device__ __forceinline__ float ts_from_f32<float>(float x) {
+  return x;
+}
+// f32 -> bf16: round to nearest even, NaN -> 0x7FC0 (_contract.f32_to_bf16_bits, c10::BFloat16)
+template <>
+__device__ __forceinline__ ts_bf16 ts_from_f32<ts_bf16>(float x) {
+  const unsigned int u = __float_as_uint(x);
+  ts_bf16 r;
+  r.bits = (x != x) ? (unsigned short)0x7FC0u
+                    : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return r;
+}
+// f32 -> f16: round to nearest even, overflow to Inf (numpy's astype(float16))
+template <>
+__device__ __forceinline__ ts_f16 ts_from_f32<ts_f16>(float x) {
+  ts_f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  return r;
+}
+
+// 4 consecutive elements as one 16-byte (fp32) or 8-byte (fp16/bf16) access.
+__device__ __forceinline__ void ts_load4(const float* p, float out[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  out[0] = q.x;
+  out[1] = q.y;
+  out[2] = q.z;
+  out[3] = q.w;
+}
+template <typename H>
+__device__ __forceinline__ void ts_load4(const H* p, float out[4]) {
+  const ushort4 q = *reinterpret_cast<const ushort4*>(p);
+  H h;
+  h.bits = q.x;
+  out[0] = ts_to_f32(h);
+  h.bits = q.y;
+  out[1] = ts_to_f32(h);
+  h.bits = q.z;
+  out[2] = ts_to_f32(h);
+  h.bits = q.w;
+  out[3] = ts_to_f32(h);
+}
+__device__ __forceinline__ void ts_store4(float* p, const float in[4]) {
+  float4 q;
+  q.x = in[0];
+  q.y = in[1];
+  q.z = in[2];
+  q.w = in[3];
+  *reinterpret_cast<float4*>(p) = q;
+}
+template <typename H>
+__device__ __forceinline__ void ts_store4(H* p, const float in[4]) {
+  ushort4 q;
+  q.x = ts_from_f32<H>(in[0]).bits;
+  q.y = ts_from_f32<H>(in[1]).bits;
+  q.z = ts_from_f32<H>(in[2]).bits;
+  q.w = ts_from_f32<H>(in[3]).bits;
+  *reinterpret_cast<ushort4*>(p) = q;
+}
+
+__device__ __forceinline__ bool ts_aligned(const void* p, unsigned long long bytes) {
+  return ((unsigned long long)p) % bytes == 0ull;
+}
+
+// ------------------------------------------------------------------------------------------
+// Gradient clipping coefficient from the device sum of squares (grad_sumsq.cu)
+// ------------------------------------------------------------------------------------------
+
+// _contract.clip_coefficient(sqrt(sumsq), max_norm), in the same float32 operations
+__device__ __forceinline__ float ts_clip_coefficient(double sumsq, float max_norm) {
+  // norm = sqrt(sum of squares), float64, then f32(norm)
+  const float norm = __double2float_rn(__dsqrt_rn(sumsq));
+  // coef = f32(max_norm) / (f32(norm) + f32(1e-6))
+  const float coef = __fdiv_rn(max_norm, __fadd_rn(norm, 1e-6f));
+  // min(1, coef), a NaN coefficient kept (it poisons the update, as in torch)
+  return (coef < 1.0f || coef != coef) ? coef : 1.0f;
+}
+
+// ------------------------------------------------------------------------------------------
+// One element of AdamW: the contract, line by line
+// ------------------------------------------------------------------------------------------
+
+// p: fp32 master weight, m, v: moments (all updated in place), g: fp32 gradient already
+// multiplied by the clip coefficient (g = g * c).
+template <int VARIANT>
+__device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, const float g,
+                                              const TsScalars& s) {
+  if (VARIANT == TS_VARIANT_TORCH_CPU || VARIANT == TS_VARIANT_TORCH_CUDA) {
+    // p1 = p * f(1 - lr*wd)
+    const float p1 = __fmul_rn(p, s.s[TS_S_DECAY]);
+    // g - m   (lerp: end - self)
+    const float diff = __fsub_rn(g, m);
+    if (s.s[TS_S_LERP_SMALL] != 0.0f) {
+      // m = fma(f(1-b1), g - m, m)            lerp, weight < 0.5
+      m = __fmaf_rn(s.s[TS_S_LERP_W], diff, m);
+    } else {
+      // m = fma(f(1-b1) - 1, g - m, g)        lerp, weight >= 0.5
+      m = __fmaf_rn(__fsub_rn(s.s[TS_S_LERP_W], 1.0f), diff, g);
+    }
+    if (VARIANT == TS_VARIANT_TORCH_CPU) {
+      // v = fma(f(1-b2) * g, g, v * f(b2))
+      v = __fmaf_rn(__fmul_rn(s.s[TS_S_OMB2], g), g, __fmul_rn(v, s.s[TS_S_BETA2]));
+      // d = sqrt(v) / f(sqrt(bc2)) + f(eps)
+      const float d = __fadd_rn(__fdiv_rn(torch_cpu_sqrt(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
+      // p = p1 + (f(-lr/bc1) * m) / d
+      p = __fadd_rn(p1, __fdiv_rn(__fmul_rn(s.s[TS_S_NEG_STEP], m), d));
+    } else {
+      // v = fma(f(1-b2), g * g, v * f(b2))
+      v = __fmaf_rn(s.s[TS_S_OMB2], __fmul_rn(g, g), __fmul_rn(v, s.s[TS_S_BETA2]));
+      // d = sqrt(v) * f(1/sqrt(bc2)) + f(eps)
+      const float d = __fadd_rn(__fmul_rn(__fsqrt_rn(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
+      // p = fma(f(-lr/bc1), m / d, p1)
+      p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
+    }
+  } else {
+    // m = f(1-b1) * g + f(b1) * m
+    m = __fadd_rn(__fmul_rn(s.s[TS_S_OMB1], g), __fmul_rn(s.s[TS_S_BETA1], m));
+    // v = f(1-b2) * (g * g) + f(b2) * v
+    v = __fadd_rn(__fmul_rn(s.s[TS_S_OMB2], __fmul_rn(g, g)), __fmul_rn(s.s[TS_S_BETA2], v));
+    float u;
+    if (VARIANT == TS_VARIANT_OPTAX_CPU) {
+      // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       IEEE sqrt and division
+      u = __fdiv_rn(m, __fmul_rn(s.s[TS_S_BC1],
+                                 __fadd_rn(__fsqrt_rn(__fdiv_rn(v, s.s[TS_S_BC2_OPTAX])),
+                                           s.s[TS_S_EPS])));
+    } else {
+      // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       XLA:GPU sqrt and division
+      u = xla_gpu_div(m, __fmul_rn(s.s[TS_S_BC1],
+                                   __fadd_rn(xla_gpu_sqrt(xla_gpu_div(v, s.s[TS_S_BC2_OPTAX])),
+                                             s.s[TS_S_EPS])));
+    }
+    // u = u + f(wd) * p
+    u = __fadd_rn(u, __fmul_rn(s.s[TS_S_WD], p));
+    // p = p + u * f(-lr)
+    p = __fadd_rn(p, __fmul_rn(u, s.s[TS_S_NEG_LR]));
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// The kernel body
+// ------------------------------------------------------------------------------------------
+
+// P: weight storage type (float, ts_f16, ts_bf16); G: gradient storage type.
+// For fp32 weights `param` holds the master weights and `master` is unused.
+template <int VARIANT, typename P, typename G>
+__device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
+                                                   const G* __restrict__ grad,
+                                                   float* __restrict__ master,
+                                                   float* __restrict__ m,
+                                                   float* __restrict__ v, const long long n,
+                                                   const TsScalars& scalars,
+                                                   const float* __restrict__ scalars_dev,
+                                                   const double* __restrict__ sumsq,
+                                                   const float max_norm) {
+  constexpr bool kOwnMaster = sizeof(P) == sizeof(float);  // fp32 weights are the master
+  // the per-step scalars: by value, or from device memory when a pointer is given (JAX)
+  TsScalars s = scalars;
+  if (scalars_dev != nullptr) {
+#pragma unroll
+    for (int k = 0; k < TS_N_SCALARS; ++k) s.s[k] = scalars_dev[k];
+  }
+  // c: from the device sum of squares when given (then S_CLIP is ignored), else S_CLIP
+  const float c = (sumsq != nullptr) ? ts_clip_coefficient(*sumsq, max_norm) : s.s[TS_S_CLIP];
+
+  // Vector path: `head` scalar elements bring m to a 16-byte boundary; the body runs in
+  // groups of 4 if every array is then aligned for its 4-wide access, else everything
+  // goes through the scalar path (head = n). m is a float*, so 4-byte aligned.
+  long long head = (long long)(((16ull - ((unsigned long long)m & 15ull)) & 15ull) >> 2);
+  if (head > n) head = n;
+  const bool vec = ts_aligned(m + head, 16) && ts_aligned(v + head, 16) &&
+                   (kOwnMaster || ts_aligned(master + head, 16)) &&
+                   ts_aligned(param + head, 4 * sizeof(P)) &&
+                   ts_aligned(grad + head, 4 * sizeof(G));
+  if (!vec) head = n;
+  const long long nvec = (n - head) >> 2;  // groups of 4 in the body
+  const long long tail = head + (nvec << 2);  // first element of the scalar tail
+
+  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+
+  // scalar head (and the whole tensor when the arrays are not mutually aligned)
+  for (long long i = tid; i < head; i += nthreads) {
+    float p;
+    if (kOwnMaster) p = ts_to_f32(param[i]);
+    else p = master[i];
+    float mi = m[i];
+    float vi = v[i];
+    // g = g * c
+    const float g = __fmul_rn(ts_to_f32(grad[i]), c);
+    ts_adamw_math<VARIANT>(p, mi, vi, g, s);
+    m[i] = mi;
+    v[i] = vi;
+    if (!kOwnMaster) master[i] = p;
+    param[i] = ts_from_f32<P>(p);
+  }
+
+  // vector body: every PCIe access 16 bytes wide
+  for (long long k = tid; k < nvec; k += nthreads) {
+    const long long i = head + (k << 2);
+    float p[4], mi[4], vi[4], g[4];
+    ts_load4(m + i, mi);
+    ts_load4(v + i, vi);
+    if (kOwnMaster) ts_load4(param + i, p);
+    else ts_load4(master + i, p);
+    ts_load4(grad + i, g);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // g = g * c
+      g[j] = __fmul_rn(g[j], c);
+      ts_adamw_math<VARIANT>(p[j], mi[j], vi[j], g[j], s);
+    }
+    ts_store4(m + i, mi);
+    ts_store4(v + i, vi);
+    if (!kOwnMaster) ts_store4(master + i, p);
+    ts_store4(param + i, p);
+  }
+
+  // scalar tail: the last (n - head) % 4 elements
+  for (long long i = tail + tid; i < n; i += nthreads) {
+    float p;
+    if (kOwnMaster) p = ts_to_f32(param[i]);
+    else p = master[i];
+    float mi = m[i];
+    float vi = v[i];
+    // g = g * c
+    const float g = __fmul_rn(ts_to_f32(grad[i]), c);
+    ts_adamw_math<VARIANT>(p, mi, vi, g, s);
+    m[i] = mi;
+    v[i] = vi;
+    if (!kOwnMaster) master[i] = p;
+    param[i] = ts_from_f32<P>(p);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// extern "C" entry points: 4 variants x 3 weight types x 3 gradient types
+// ------------------------------------------------------------------------------------------
+
+#define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                                   \
+  extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
+      adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
+          P* __restrict__ param, const G* __restrict__ grad, float* __restrict__ master,      \
+          float* __restrict__ m, float* __restrict__ v, long long n, TsScalars scalars,        \
+          const float* __restrict__ scalars_dev, const double* __restrict__ sumsq,            \
+          float max_norm) {                                                                   \
+    ts_adamw_zero_copy<VARIANT, P, G>(param, grad, master, m, v, n, scalars, scalars_dev,     \
+                                      sumsq, max_norm);                                       \
+  }
+
+#define TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, PNAME, P)         \
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f32, float)         \
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f16, ts_f16)        \
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)
+
+#define TS_DEFINE_ADAMW_VARIANT(VNAME, VARIANT)              \
+  TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, f32, float)          \
+  TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, f16, ts_f16)         \
+  TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, bf16, ts_bf16)
+
+TS_DEFINE_ADAMW_VARIANT(torch_cpu, TS_VARIANT_TORCH_CPU)
+TS_DEFINE_ADAMW_VARIANT(torch_cuda, TS_VARIANT_TORCH_CUDA)
+TS_DEFINE_ADAMW_VARIANT(optax_cpu, TS_VARIANT_OPTAX_CPU)
+TS_DEFINE_ADAMW_VARIANT(optax_cuda, TS_VARIANT_OPTAX_CUDA)

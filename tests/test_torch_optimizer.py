@@ -1,0 +1,351 @@
+"""OffloadAdamW against torch.optim.AdamW (CPU parameters; the CUDA twin is test_torch_gpu)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from trainstream import _contract as C  # noqa: E402
+from trainstream import _host_kernels as K  # noqa: E402
+from trainstream._engine import WorkerError  # noqa: E402
+from trainstream.torch import OffloadAdamW  # noqa: E402
+
+VOCAB, CTX = 32, 12
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, x):
+        return self.head(self.layer(self.emb(x)))
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return TinyTransformer().to(dtype)
+
+
+def batches(n, seed=1, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, CTX), generator=g) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+
+
+def two_groups(model, lr=(3e-3, 1e-2), wd=(0.1, 0.0)):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [
+        {"params": decay, "lr": lr[0], "weight_decay": wd[0]},
+        {"params": no_decay, "lr": lr[1], "weight_decay": wd[1]},
+    ]
+
+
+def assert_same(m1, m2):
+    for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs (max abs {(a.float() - b.float()).abs().max()})"
+
+
+def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4096, eager=False):
+    ref_model, ts_model = make_model(), make_model()
+    ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
+    ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
+                      threads=threads, chunk_size=chunk)
+    scheds = []
+    if sched:
+        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
+                  for o in (ref, ts)]
+    data = batches(steps * micro)
+    norms = []
+    for step in range(steps):
+        xs = data[step * micro:(step + 1) * micro]
+        # TrainStream first: its norm fixes the float32 clip coefficient the reference uses.
+        ts.zero_grad()
+        for i, x in enumerate(xs):
+            loss = loss_of(ts_model, x) / micro
+            if eager and i == micro - 1:
+                with ts.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
+        ts.step()
+        ref.zero_grad()
+        for x in xs:
+            (loss_of(ref_model, x) / micro).backward()
+        if max_norm is not None:
+            torch_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf"))
+            ours = ts.last_grad_norm()
+            assert abs(ours - torch_norm.item()) <= 1e-6 * torch_norm.item()
+            norms.append(ours)
+            coef = torch.tensor(C.clip_coefficient(ours, max_norm))
+            for p in ref_model.parameters():
+                p.grad.mul_(coef)
+        ref.step()
+        for s in scheds:
+            s.step()
+    ts.synchronize()
+    return ref_model, ts_model, ref, ts, norms
+
+
+def test_two_groups_bit_identical():
+    ref_model, ts_model, _, ts, _ = train_pair()
+    assert_same(ref_model, ts_model)
+    st = ts.stats()
+    assert st["steps"] == 50 and st["params"] == len(list(ts_model.parameters()))
+    ts.close()
+
+
+def test_scheduler_bit_identical():
+    ref_model, ts_model, ref, ts, _ = train_pair(steps=30, sched=True)
+    assert_same(ref_model, ts_model)
+    assert [g["lr"] for g in ref.param_groups] == [g["lr"] for g in ts.param_groups]
+    ts.close()
+
+
+def test_accumulation_four_micro_batches():
+    ref_model, ts_model, _, ts, _ = train_pair(steps=20, micro=4)
+    assert_same(ref_model, ts_model)
+    assert ts.stats()["accumulate_ms_total"] > 0
+    ts.close()
+
+
+def test_eager_last_micro_batch():
+    ref_model, ts_model, _, ts, _ = train_pair(steps=20, micro=2, eager=True)
+    assert_same(ref_model, ts_model)
+    assert ts.stats()["eager_updates"] > 0
+    ts.close()
+
+
+def test_clipping_matches_clip_grad_norm():
+    ref_model, ts_model, _, ts, norms = train_pair(steps=25, max_norm=0.5)
+    assert_same(ref_model, ts_model)
+    assert min(norms) > 0.5  # the clip was active
+    ts.close()
+
+
+@pytest.mark.parametrize("threads,chunk", [(1, 4096), (2, 8192), (5, 4096), (5, 1 << 20)])
+def test_threads_and_chunks_identical(threads, chunk):
+    _, base, _, ts0, n0 = train_pair(steps=8, max_norm=0.5, threads=1, chunk=1 << 20)
+    _, other, _, ts1, n1 = train_pair(steps=8, max_norm=0.5, threads=threads, chunk=chunk)
+    assert n0 == n1
+    assert_same(base, other)
+    ts0.close()
+    ts1.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_params_against_fp32_master(dtype):
+    model = make_model(dtype=dtype)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=4096)
+    for x in batches(20):
+        loss = loss_of(model, x)
+        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        for m, g in zip(master, grads):
+            m.grad = g.float()
+        loss.backward()
+        ts.step()
+        ref.step()
+        ts.synchronize()
+        for sid, (p, m) in enumerate(zip(model.parameters(), master)):
+            ours = ts.state_dict()["state"][sid]["master_param"] if sid == 0 else None
+            if ours is not None:
+                assert torch.equal(ours, m.detach())
+            assert torch.equal(p.detach(), m.detach().to(dtype))
+    sd = ts.state_dict()
+    for sid, m in enumerate(master):
+        assert torch.equal(sd["state"][sid]["master_param"], m.detach())
+        assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"])
+    ts.close()
+
+
+def test_checkpoint_resume_and_interop(tmp_path):
+    data = batches(40)
+    model = make_model()
+    ts = OffloadAdamW(two_groups(model), threads=2, chunk_size=4096)
+
+    def run(m, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            loss_of(m, x).backward()
+            opt.step()
+        if isinstance(opt, OffloadAdamW):
+            opt.synchronize()
+
+    run(model, ts, data[:20])
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": ts.state_dict()}, path)
+    run(model, ts, data[20:])  # the uninterrupted run
+
+    ck = torch.load(path)
+    m2 = make_model()
+    m2.load_state_dict(ck["model"])
+    ts2 = OffloadAdamW(two_groups(m2), threads=3, chunk_size=8192)
+    ts2.load_state_dict(ck["opt"])
+    run(m2, ts2, data[20:])
+    assert_same(model, m2)
+
+    m3 = make_model()
+    m3.load_state_dict(ck["model"])
+    ref = torch.optim.AdamW(two_groups(m3))
+    ref.load_state_dict(ck["opt"])
+    run(m3, ref, data[20:])
+    assert_same(model, m3)
+
+    # ... and a torch.optim.AdamW checkpoint loads into OffloadAdamW.
+    m4 = make_model()
+    m4.load_state_dict(m3.state_dict())
+    ts4 = OffloadAdamW(two_groups(m4))
+    ts4.load_state_dict(ref.state_dict())
+    run(m3, ref, data[:5])
+    run(m4, ts4, data[:5])
+    assert_same(m3, m4)
+    for o in (ts, ts2, ts4):
+        o.close()
+
+
+def test_frozen_and_unused_parameters_left_alone():
+    model = make_model()
+    model.emb.weight.requires_grad_(False)
+    extra = nn.Parameter(torch.randn(5))  # never receives a gradient
+    before = (model.emb.weight.clone(), extra.detach().clone())
+    ts = OffloadAdamW([*model.parameters(), extra], threads=1)
+    for x in batches(3):
+        ts.zero_grad()
+        loss_of(model, x).backward()
+        ts.step()
+    ts.synchronize()
+    assert torch.equal(model.emb.weight, before[0])
+    assert torch.equal(extra.detach(), before[1])
+    assert 0 not in ts.state_dict()["state"]
+    ts.close()
+
+
+def test_gradient_released_after_backward():
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=1)
+    loss_of(model, batches(1)[0]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    ts.step()
+    ts.close()
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_rejects_unsupported_dtypes(dtype):
+    p = torch.zeros(4, dtype=dtype)
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        OffloadAdamW([p])
+
+
+def test_rejects_bad_hyperparameters():
+    p = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
+        OffloadAdamW([p], betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        OffloadAdamW([p], lr=-1.0)
+    with pytest.raises(ValueError, match="Invalid epsilon"):
+        OffloadAdamW([p], eps=-1e-8)
+    with pytest.raises(ValueError, match="Invalid weight_decay"):
+        OffloadAdamW([p], weight_decay=-0.1)
+    with pytest.raises(ValueError, match="mode"):
+        OffloadAdamW([p], mode="tpu")
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        OffloadAdamW([p], amsgrad=True)
+
+
+def test_rejects_non_contiguous_and_other_devices():
+    base = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="not contiguous"):
+        OffloadAdamW([nn.Parameter(base.t())])
+    with pytest.raises(ValueError, match="unsupported device"):
+        OffloadAdamW([nn.Parameter(torch.zeros(3, device="meta"))])
+
+
+def test_sparse_gradient_is_refused():
+    emb = nn.Embedding(10, 4, sparse=True)
+    ts = OffloadAdamW(emb.parameters(), threads=1)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    ts.close()
+
+
+def test_mismatched_state_dict():
+    model = make_model()
+    ts = OffloadAdamW(two_groups(model), threads=1)
+    for x in batches(2):
+        loss_of(model, x).backward()
+        ts.step()
+    sd = ts.state_dict()
+    other = OffloadAdamW(make_model().parameters(), threads=1)
+    with pytest.raises(ValueError, match="parameter groups"):
+        other.load_state_dict(sd)
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["exp_avg"] = torch.zeros(3)
+    ts2 = OffloadAdamW(two_groups(make_model()), threads=1)
+    before = ts2.state_dict()
+    with pytest.raises(ValueError, match="shape"):
+        ts2.load_state_dict(bad)
+    assert ts2.state_dict()["state"] == before["state"]  # nothing half-loaded
+    for o in (ts, other, ts2):
+        o.close()
+
+
+def test_closed_optimizer_refuses_work():
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=2)
+    ts.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ts.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        ts.state_dict()
+    ts.close()  # idempotent
+
+
+def test_worker_failure_reaches_caller(monkeypatch):
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=2)
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected kernel failure")
+
+    monkeypatch.setattr(K, "adamw_chunk", boom)
+    loss_of(model, batches(1)[0]).backward()
+    ts.step()
+    with pytest.raises(WorkerError, match="injected kernel failure"):
+        ts.synchronize()
+    monkeypatch.undo()
+    ts.close()
+    # the process is healthy: a new optimizer trains normally
+    ref_model, ts_model, _, ts2, _ = train_pair(steps=3)
+    assert_same(ref_model, ts_model)
+    ts2.close()
+
+
+def test_close_joins_workers_and_gc_closes():
+    before = {t.name for t in threading.enumerate()}
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=3)
+    assert sum(t.name.startswith("trainstream-worker") for t in threading.enumerate()) >= 3
+    del ts
+    gc.collect()
+    after = {t.name for t in threading.enumerate() if t.name.startswith("trainstream-worker")}
+    assert after <= {n for n in before if n.startswith("trainstream-worker")}

@@ -1,0 +1,665 @@
+"""The offload engine: slots, worker pool, the ``cpu`` mode pipeline, stats.
+
+The engine imports neither torch nor jax. It speaks to a framework through a
+:class:`Backend` (pinned host buffers, asynchronous copies, events, the compute stream);
+``trainstream.backends`` implements one per framework. The arithmetic is the contract's
+(:mod:`trainstream._contract`), run by the Numba kernels of :mod:`trainstream._host_kernels`.
+
+Pipeline (``cpu`` mode), per parameter ("slot"):
+
+1. ``offload_grad``: the gradient is copied (asynchronously, on the backend's D2H
+   stream) into the slot's pinned staging buffer. If the update may start now (one
+   micro-batch, no clipping: the *eager* path) the update is queued right behind the
+   copy. Otherwise the gradient stays in staging; a second micro-batch first folds the
+   staging buffer into an fp32 accumulator (created on first need), then adds itself.
+2. ``step``: with clipping, the sum of squares of every gradient is taken from float64
+   partials over fixed element blocks (so the norm does not depend on the thread count
+   or the chunk size), then each slot's update is queued with the clip coefficient.
+3. An update batch runs over the slot's chunks; its last chunk uploads the new weights
+   (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
+   event, which the next forward waits on for that parameter only.
+
+A chunk of a slot always goes to the same worker (``worker_for``), so accumulate -> norm
+-> update on one chunk stay in FIFO order without locks. A failure in a worker is kept
+and raised, with its message, at the next call into the engine; batches always finish
+their bookkeeping, so a failure never leaves a waiter hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from . import _contract as C
+from . import _host_kernels as K
+
+__all__ = ["Backend", "Engine", "HostBuffer", "WorkerError", "NORM_BLOCK"]
+
+#: Element block of the gradient-norm partials (chunk sizes are multiples of it).
+NORM_BLOCK = 4096
+
+_KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class WorkerError(RuntimeError):
+    """A failure inside an engine worker thread, raised at the next call into the engine."""
+
+
+class HostBuffer(Protocol):
+    """A flat host buffer owned by a backend.
+
+    ``array`` is a writable NumPy view (float32, or uint16 bit patterns for fp16/bf16);
+    ``handle`` is the framework object (e.g. a pinned torch tensor) for copies.
+    """
+
+    array: np.ndarray
+    handle: Any
+    pinned: bool
+
+
+class Event(Protocol):
+    def synchronize(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What the engine needs from a framework (see ``trainstream.backends``)."""
+
+    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
+        """A new host buffer; raises ``MemoryError`` naming ``what`` and the bytes."""
+
+    def param_to_host_f32(self, param: Any, out: np.ndarray) -> None:
+        """Copy the (flat) parameter into ``out`` (float32), synchronously."""
+
+    def record_compute(self, param: Any) -> Event | None:
+        """An event marking the current point of the compute stream of ``param``."""
+
+    def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None) -> Event | None:
+        """Start ``dst <- src`` (device tensor) after ``after``; return its completion."""
+
+    def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
+        """Start ``dst (param) <- src`` after ``after``; return its completion event."""
+
+    def wait_on_compute(self, event: Event | None, param: Any) -> None:
+        """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
+
+    def all_reduce_sum(self, value: float) -> float:
+        """Sum a float64 over all processes (identity for one process)."""
+
+
+# -- worker pool ----------------------------------------------------------------------------
+
+
+class _WorkerPool:
+    """``threads`` workers, each with its own FIFO queue."""
+
+    def __init__(self, threads: int, on_error: Callable[[BaseException], None]):
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads)]
+        self._on_error = on_error
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"trainstream-worker-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def _run(self, q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, worker: int, job: Callable[[], None]) -> None:
+        self._queues[worker % len(self._queues)].put(job)
+
+    def shutdown(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+def _shutdown_pool(pool: _WorkerPool) -> None:
+    pool.shutdown()
+
+
+# -- slots ----------------------------------------------------------------------------------
+
+_NO_GRAD, _STAGED, _ACCUMULATED = 0, 1, 2
+
+
+@dataclass(eq=False)
+class _Slot:
+    id: int
+    param: Any
+    numel: int
+    dtype: str
+    platform: str
+    nchunks: int
+    master: HostBuffer
+    exp_avg: HostBuffer
+    exp_avg_sq: HostBuffer
+    grad_stage: HostBuffer | None = None
+    grad_acc: HostBuffer | None = None
+    param_stage: HostBuffer | None = None
+    step: int = 0
+    grad_state: int = _NO_GRAD
+    landed: Any = None  # completion event of the last gradient copy
+    grad_keep: Any = None  # the device gradient, alive until its copy completed
+    ready: Any = None  # completion event of the last weight upload
+    inflight: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.eager_updates = 0
+        self.grad_bytes = 0
+        self.param_bytes = 0
+        self.update_s = 0.0
+        self.accumulate_s = 0.0
+        self.ready_stall_s = 0.0
+        self.grad_stall_s = 0.0
+        self.step_start = 0.0
+        self.last_finalize = 0.0
+
+    def add(self, name: str, value: float) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + value)
+
+
+class Engine:
+    """Offloaded AdamW state and its worker pool (``cpu`` mode).
+
+    Args:
+      backend: the framework adapter (:class:`Backend`).
+      mode: ``"cpu"`` (host update). ``"gpu"`` (zero-copy) is served by the backend's
+        device path; see ``trainstream.torch.OffloadAdamW``.
+      threads: worker threads (default: half the cores, at least 1).
+      chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
+      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream._contract`).
+      pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
+        only needs the gradient and weight staging pinned; the moments only feed host
+        threads, so pageable memory keeps the page-locked footprint small).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        mode: str = "cpu",
+        threads: int | None = None,
+        chunk_elems: int = 1 << 20,
+        convention: str = "torch",
+        pin_moments: bool = False,
+    ):
+        if mode != "cpu":
+            raise ValueError(f"Engine mode must be 'cpu' (the host pipeline), got {mode!r}")
+        if convention not in C.CONVENTIONS:
+            raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 2) // 2)
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if not isinstance(chunk_elems, int) or chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be a positive integer, got {chunk_elems!r}")
+        self.backend = backend
+        self.mode = mode
+        self.convention = convention
+        self.chunk = -(-chunk_elems // NORM_BLOCK) * NORM_BLOCK
+        self.pin_moments = pin_moments
+        self._slots: list[_Slot] = []
+        self._error: str | None = None
+        self._error_lock = threading.Lock()
+        self._stats = _Stats()
+        self._host_bytes = 0
+        self._pinned_bytes = 0
+        self._pageable_bytes = 0
+        self._last_norm: float | None = None
+        self._closed = False
+        self._pool = _WorkerPool(threads, self._record_error)
+        self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    @property
+    def threads(self) -> int:
+        return len(self._pool)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TrainStream engine is closed")
+
+    def _record_error(self, exc: BaseException) -> None:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        with self._error_lock:
+            if self._error is None:
+                self._error = text
+
+    def check_error(self) -> None:
+        """Raise :class:`WorkerError` if a worker failed since the last check."""
+        with self._error_lock:
+            msg, self._error = self._error, None
+        if msg is not None:
+            raise WorkerError(
+                f"TrainStream optimizer worker failed: {msg}. The optimizer state of the "
+                "parameters updated in that step may be partly updated; reload a checkpoint "
+                "to continue from a consistent state."
+            )
+
+    def _slot(self, sid: int) -> _Slot:
+        if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._slots):
+            raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
+        return self._slots[sid]
+
+    def _alloc(self, numel: int, dtype: str, pinned: bool, what: str) -> HostBuffer:
+        buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
+        nbytes = numel * _ITEMSIZE[dtype]
+        self._host_bytes += nbytes
+        if buf.pinned:
+            self._pinned_bytes += nbytes
+        else:
+            self._pageable_bytes += nbytes
+        return buf
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
+        """Register a flat parameter; returns its slot id. Copies its value to the master."""
+        self._check_open()
+        if dtype not in _KIND:
+            raise TypeError(
+                f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}"
+            )
+        if platform not in C.PLATFORMS:
+            raise ValueError(f"Unknown platform {platform!r}; expected one of {C.PLATFORMS}")
+        numel = int(numel)
+        sid = len(self._slots)
+        pin = self.pin_moments
+        master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
+        self.backend.param_to_host_f32(param, master.array)
+        m = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg")
+        v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
+        m.array[:] = 0
+        v.array[:] = 0
+        slot = _Slot(
+            id=sid,
+            param=param,
+            numel=numel,
+            dtype=dtype,
+            platform=platform,
+            nchunks=max(1, -(-numel // self.chunk)),
+            master=master,
+            exp_avg=m,
+            exp_avg_sq=v,
+        )
+        slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
+        if dtype != "float32":
+            slot.param_stage = self._alloc(numel, dtype, pinned=True, what="param.staging")
+        self._slots.append(slot)
+        return sid
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def get_step(self, sid: int) -> int:
+        return self._slot(sid).step
+
+    def has_grad(self, sid: int) -> bool:
+        return self._slot(sid).grad_state != _NO_GRAD
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def _worker_for(self, sid: int, chunk: int) -> int:
+        # Deterministic (slot, chunk) -> worker: per-chunk FIFO order without locks.
+        return (sid * 2654435761 + chunk) % len(self._pool)
+
+    def _run_batch(
+        self,
+        s: _Slot,
+        body: Callable[[int, int, int], None],
+        finalize: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``."""
+        with s.cond:
+            s.inflight += 1
+        remaining = [s.nchunks]
+        lock = threading.Lock()
+
+        def job(c: int, b: int, e: int) -> None:
+            try:
+                body(c, b, e)
+            except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
+                self._record_error(exc)
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                try:
+                    if finalize is not None:
+                        finalize()
+                except BaseException as exc:  # noqa: BLE001
+                    self._record_error(exc)
+                finally:
+                    with s.cond:
+                        s.inflight -= 1
+                        s.cond.notify_all()
+
+        for c in range(s.nchunks):
+            b = c * self.chunk
+            e = min(s.numel, b + self.chunk)
+            self._pool.submit(self._worker_for(s.id, c), lambda c=c, b=b, e=e: job(c, b, e))
+
+    def _wait_idle(self, s: _Slot) -> None:
+        with s.cond:
+            while s.inflight:
+                s.cond.wait()
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def offload_grad(
+        self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None
+    ) -> None:
+        """Take the gradient of slot ``sid`` (a device tensor of ``grad_dtype``).
+
+        With ``update`` (the eager path: last micro-batch, no clipping) the AdamW update
+        with those hyper-parameters is queued right behind the copy.
+        """
+        self._check_open()
+        self.check_error()
+        s = self._slot(sid)
+        if grad_dtype != s.dtype:
+            raise TypeError(
+                f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}"
+            )
+        # The staging buffer may still be read by the previous batch of this slot.
+        t0 = time.perf_counter()
+        self._wait_idle(s)
+        self._stats.add("grad_stall_s", time.perf_counter() - t0)
+        self.check_error()
+        if s.grad_state == _STAGED:
+            # Second micro-batch: fold the staged gradient into the fp32 accumulator first.
+            self._accumulate_from_stage(s, fresh=True)
+            self._wait_idle(s)
+            self.check_error()
+        after = self.backend.record_compute(s.param)
+        s.landed = self.backend.copy_to_host(s.grad_stage, grad, after)
+        s.grad_keep = grad
+        self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
+        if s.grad_state == _ACCUMULATED:
+            self._accumulate_from_stage(s, fresh=False)
+        else:
+            s.grad_state = _STAGED
+        if update is not None:
+            # Eager: the update follows the copy (or the accumulation) in each chunk's FIFO.
+            self._stats.add("eager_updates", 1)
+            self._enqueue_update(s, update, np.float32(1.0), after)
+
+    def _accumulate_from_stage(self, s: _Slot, fresh: bool) -> None:
+        if s.grad_acc is None:
+            s.grad_acc = self._alloc(s.numel, "float32", pinned=False, what="grad.accumulator")
+        acc, stage, kind, landed = s.grad_acc.array, s.grad_stage.array, _KIND[s.dtype], s.landed
+
+        def body(c: int, b: int, e: int) -> None:
+            if landed is not None:
+                landed.synchronize()
+            t = time.perf_counter()
+            K.accumulate_chunk(acc, stage, kind, b, e, fresh)
+            self._stats.add("accumulate_s", time.perf_counter() - t)
+
+        def release() -> None:
+            s.grad_keep = None
+
+        s.grad_state = _ACCUMULATED
+        self._run_batch(s, body, release)
+
+    def discard_grads(self) -> None:
+        """Forget gradients offloaded since the last step (``zero_grad``)."""
+        self._check_open()
+        for s in self._slots:
+            if s.grad_state != _NO_GRAD:
+                self._wait_idle(s)
+                s.grad_state = _NO_GRAD
+                s.grad_keep = None
+        self.check_error()
+
+    # -- the update -------------------------------------------------------------------------
+
+    def _grad_source(self, s: _Slot) -> tuple[np.ndarray, int]:
+        if s.grad_state == _ACCUMULATED:
+            return s.grad_acc.array, K.KIND_F32
+        return s.grad_stage.array, _KIND[s.dtype]
+
+    def _enqueue_update(
+        self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any
+    ) -> None:
+        s.step += 1
+        scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
+        variant = C.variant_id(self.convention, s.platform)
+        g, gkind = self._grad_source(s)
+        landed = s.landed if s.grad_state == _STAGED else None
+        prev_ready = s.ready
+        p, m, v = s.master.array, s.exp_avg.array, s.exp_avg_sq.array
+        out = s.param_stage.array if s.param_stage is not None else None
+        okind = _KIND[s.dtype] if out is not None else 0
+        upload_src = s.param_stage if s.param_stage is not None else s.master
+        nbytes = s.numel * _ITEMSIZE[s.dtype]
+
+        def body(c: int, b: int, e: int) -> None:
+            if prev_ready is not None:  # the previous upload may still read master/stage
+                prev_ready.synchronize()
+            if landed is not None:  # the gradient copy must have landed in staging
+                landed.synchronize()
+            t = time.perf_counter()
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars)
+            self._stats.add("update_s", time.perf_counter() - t)
+
+        def finalize() -> None:
+            s.grad_keep = None
+            s.ready = self.backend.copy_to_device(s.param, upload_src, after)
+            self._stats.add("param_bytes", nbytes)
+            self._stats.last_finalize = time.perf_counter()
+
+        s.grad_state = _NO_GRAD
+        self._run_batch(s, body, finalize)
+
+    def grad_sumsq(self, sids: Sequence[int]) -> float:
+        """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
+
+        Partials are taken over fixed blocks of :data:`NORM_BLOCK` elements and summed in
+        slot order, then block order: the result does not depend on threads or chunking.
+        """
+        partials: list[np.ndarray] = []
+        for sid in sids:
+            s = self._slot(sid)
+            if s.grad_state == _NO_GRAD:
+                continue
+            out = np.zeros(-(-s.numel // NORM_BLOCK), np.float64)
+            partials.append(out)
+            g, kind = self._grad_source(s)
+            landed = s.landed if s.grad_state == _STAGED else None
+
+            def body(c, b, e, g=g, kind=kind, out=out, landed=landed):
+                if landed is not None:
+                    landed.synchronize()
+                K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
+
+            self._run_batch(s, body)
+        for sid in sids:
+            self._wait_idle(self._slot(sid))
+        self.check_error()
+        total = 0.0
+        for out in partials:
+            for x in out.tolist():
+                total += x
+        return total
+
+    def step(
+        self,
+        updates: Sequence[tuple[int, C.AdamWHyperParams]],
+        max_grad_norm: float | None = None,
+        compute_norm: bool = False,
+    ) -> float | None:
+        """Queue the update of every slot in ``updates`` that holds a gradient.
+
+        With ``max_grad_norm`` the gradients are first scaled by
+        ``clip_coefficient(global_norm, max_grad_norm)``. Returns the global gradient norm
+        when it was computed (clipping or ``compute_norm``), else None. Slots already
+        updated eagerly are skipped.
+        """
+        self._check_open()
+        self.check_error()
+        self._stats.add("steps", 1)
+        self._stats.step_start = time.perf_counter()
+        active = [(sid, hp) for sid, hp in updates if self._slot(sid).grad_state != _NO_GRAD]
+        # Slots that went the eager path were queued by offload_grad (no gradient left).
+        pending = active
+        clip = np.float32(1.0)
+        norm = None
+        if max_grad_norm is not None or compute_norm:
+            sumsq = self.backend.all_reduce_sum(self.grad_sumsq([sid for sid, _ in pending]))
+            norm = math.sqrt(sumsq)
+            self._last_norm = norm
+            if max_grad_norm is not None:
+                clip = C.clip_coefficient(norm, max_grad_norm)
+        for sid, hp in pending:
+            s = self._slot(sid)
+            after = self.backend.record_compute(s.param)
+            self._enqueue_update(s, hp, clip, after)
+        return norm
+
+    # -- readiness ----------------------------------------------------------------------------
+
+    def wait_ready(self, sids: Sequence[int]) -> None:
+        """Make the compute stream wait until the new weights of ``sids`` are in place."""
+        self.check_error()
+        t0 = time.perf_counter()
+        for sid in sids:
+            s = self._slot(sid)
+            self._wait_idle(s)
+            if s.ready is not None:
+                self.backend.wait_on_compute(s.ready, s.param)
+        self._stats.add("ready_stall_s", time.perf_counter() - t0)
+        self.check_error()
+
+    def synchronize(self) -> None:
+        """Block until every queued batch and upload has completed; raise worker errors."""
+        for s in self._slots:
+            self._wait_idle(s)
+            if s.ready is not None:
+                s.ready.synchronize()
+        self.check_error()
+
+    def last_grad_norm(self) -> float | None:
+        return self._last_norm
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Copies of ``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid``."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.check_error()
+        return s.master.array.copy(), s.exp_avg.array.copy(), s.exp_avg_sq.array.copy(), s.step
+
+    def load_state(
+        self,
+        sid: int,
+        exp_avg: np.ndarray,
+        exp_avg_sq: np.ndarray,
+        step: int,
+        master: np.ndarray | None = None,
+    ) -> None:
+        """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        if s.ready is not None:
+            s.ready.synchronize()
+        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
+            if arr is None:
+                continue
+            if np.asarray(arr).size != s.numel:
+                raise ValueError(
+                    f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+                    f"elements, expected {s.numel}"
+                )
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
+        s.exp_avg.array[:] = np.asarray(exp_avg, np.float32).reshape(-1)
+        s.exp_avg_sq.array[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
+        if master is not None:
+            s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
+        else:
+            self.backend.param_to_host_f32(s.param, s.master.array)
+        s.step = int(step)
+        s.grad_state = _NO_GRAD
+        self.check_error()
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the reference engine (bytes, milliseconds, counts)."""
+        st = self._stats
+        last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
+        return {
+            "params": float(len(self._slots)),
+            "numel": float(sum(s.numel for s in self._slots)),
+            "threads": float(self.threads),
+            "gpu_mode": 0.0,
+            "steps": float(st.steps),
+            "eager_updates": float(st.eager_updates),
+            "host_state_bytes": float(self._host_bytes),
+            "pinned_state_bytes": float(self._pinned_bytes),
+            "pageable_state_bytes": float(self._pageable_bytes),
+            "grad_bytes_offloaded": float(st.grad_bytes),
+            "param_bytes_uploaded": float(st.param_bytes),
+            "update_ms_total": st.update_s * 1e3,
+            "accumulate_ms_total": st.accumulate_s * 1e3,
+            "ready_stall_ms_total": st.ready_stall_s * 1e3,
+            "grad_stall_ms_total": st.grad_stall_s * 1e3,
+            "last_step_wall_ms": last_wall * 1e3,
+        }
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain the queued work, join the workers and release the host buffers."""
+        if self._closed:
+            return
+        try:
+            for s in self._slots:
+                self._wait_idle(s)
+                if s.ready is not None:
+                    try:
+                        s.ready.synchronize()
+                    except Exception:  # noqa: BLE001 - closing regardless
+                        pass
+        finally:
+            self._closed = True
+            self._finalizer()  # joins the workers (once)
+            for s in self._slots:
+                s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
+                s.grad_stage = s.grad_acc = s.param_stage = None
+                s.grad_keep = s.ready = s.landed = s.param = None
+            self._slots = []
+

@@ -1,0 +1,510 @@
+"""PyTorch adapter: the engine's backend for torch tensors, and ``OffloadAdamW``.
+
+No arithmetic lives here: the update is the engine's (``trainstream._engine``), whose
+arithmetic is the contract's (``trainstream._contract``). This module moves buffers,
+orders streams and speaks ``torch.optim.Optimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch.optim import Optimizer
+
+from .. import _contract as C
+from .._engine import Engine
+
+__all__ = ["OffloadAdamW", "TorchBackend"]
+
+_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TORCH_DTYPE = {v: k for k, v in _DTYPE_NAME.items()}
+
+
+class _TorchHostBuffer:
+    """A flat host tensor and its NumPy view (uint16 bit patterns for fp16/bf16)."""
+
+    __slots__ = ("handle", "array", "pinned")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.handle = tensor
+        self.pinned = tensor.is_pinned() if tensor.device.type == "cpu" else False
+        if tensor.dtype == torch.float32:
+            self.array = tensor.numpy()
+        else:
+            self.array = tensor.view(torch.int16).numpy().view(np.uint16)
+
+
+class TorchBackend:
+    """Pinned buffers, side streams and events for one device (CUDA or CPU).
+
+    With CPU parameters every copy is a plain synchronous copy and there are no events;
+    that is how everything is tested where no GPU exists.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device=device)
+            self.h2d = torch.cuda.Stream(device=device)
+
+    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _TorchHostBuffer:
+        tdtype = _TORCH_DTYPE[dtype]
+        pin = pinned and self.cuda
+        try:
+            t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
+        except RuntimeError as exc:  # cudaHostAlloc failure surfaces as RuntimeError
+            nbytes = numel * t_itemsize(tdtype)
+            raise MemoryError(
+                f"TrainStream could not allocate {nbytes} bytes of "
+                f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}"
+            ) from exc
+        return _TorchHostBuffer(t)
+
+    def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
+        torch.from_numpy(out).copy_(param.detach().reshape(-1))
+
+    def record_compute(self, param: torch.Tensor):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after):
+        if not self.cuda:
+            dst.handle.copy_(src.reshape(-1))
+            return None
+        with torch.cuda.stream(self.d2h):
+            if after is not None:
+                self.d2h.wait_event(after)
+            dst.handle.copy_(src.reshape(-1), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        return ev
+
+    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
+        if not self.cuda:
+            dst.copy_(src.handle)
+            return None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            if after is not None:
+                self.h2d.wait_event(after)
+            dst.copy_(src.handle, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        return ev
+
+    def wait_on_compute(self, event, param: torch.Tensor) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def all_reduce_sum(self, value: float) -> float:
+        return value
+
+
+def t_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_GROUP_FLAGS = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+)
+
+
+class OffloadAdamW(Optimizer):
+    r"""AdamW with its state in host memory, bit-identical to ``torch.optim.AdamW``.
+
+    A drop-in replacement: the same arguments, param groups, LR schedulers,
+    ``zero_grad``, ``step(closure)`` and ``state_dict`` (state keys ``step``, ``exp_avg``,
+    ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``). The fp32
+    master weights (for fp16/bf16 parameters) and both moments live in host memory.
+
+    As backward produces each gradient (a post-accumulate-grad hook), it is copied to a
+    pinned host buffer and ``param.grad`` is set to ``None``: the GPU gradient is
+    released. Gradient accumulation needs nothing special: several ``backward()`` then
+    ``step()`` accumulate on the host in fp32. ``step()`` queues the host update; the
+    new weights are uploaded asynchronously and the next forward waits, per module, only
+    for the weights it is about to use.
+
+    To start the update during backward (the *eager* path), say which backward is the
+    last micro-batch of the step::
+
+        with opt.last_micro_batch():
+            loss.backward()
+        opt.step()
+
+    The eager path is used only without ``max_grad_norm`` (clipping needs every gradient
+    first) and uses each group's ``lr`` as it is during backward.
+
+    Read weights outside a module's forward (``model.state_dict()``, an evaluation
+    through functional calls) only after :meth:`synchronize`.
+
+    Args:
+      params: parameters or param groups, as for ``torch.optim.AdamW``; float32,
+        float16 or bfloat16, contiguous, dense, all on one device (CUDA, or CPU).
+      lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+      max_grad_norm: if set, gradients are clipped by their global L2 norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
+      mode: ``"cpu"`` (update on host threads) or ``"gpu"`` (zero-copy GPU kernel).
+      threads: host worker threads (default half the cores).
+      chunk_size: elements per work item of the worker pool.
+      pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
+      convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream._contract``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        mode: str = "cpu",
+        threads: int | None = None,
+        chunk_size: int = 1 << 20,
+        pin_moments: bool = False,
+        convention: str = "torch",
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ):
+        if isinstance(lr, torch.Tensor):
+            raise TypeError("OffloadAdamW: a Tensor lr is not supported; pass a float")
+        C.validate_hyperparams(lr, betas, eps, weight_decay)
+        if amsgrad:
+            raise NotImplementedError("OffloadAdamW does not implement amsgrad")
+        if maximize:
+            raise NotImplementedError("OffloadAdamW does not implement maximize")
+        if max_grad_norm is not None and not (max_grad_norm > 0):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
+        if mode not in ("cpu", "gpu"):
+            raise ValueError(f"OffloadAdamW mode must be 'cpu' or 'gpu', got {mode!r}")
+        if mode == "gpu":
+            raise NotImplementedError(
+                "OffloadAdamW mode='gpu' (zero-copy CUDA kernels) is not available in this "
+                "build yet; use mode='cpu'"
+            )
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.mode = mode
+        self._engine: Engine | None = None
+        self._engine_args = dict(
+            threads=threads, chunk_elems=chunk_size, convention=convention, pin_moments=pin_moments
+        )
+        self._slot_of: dict[torch.Tensor, int] = {}
+        self._params_of_slot: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+        self._pending: set[int] = set()
+        self._pending_lock = threading.Lock()
+        self._eager = False
+        # Modules seen running forward, and per module the slots its forward must wait
+        # for: its own parameters and those of descendants whose forward never runs
+        # (e.g. MultiheadAttention reads out_proj.weight without calling out_proj).
+        self._called: weakref.WeakSet = weakref.WeakSet()
+        self._wait_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._device: torch.device | None = None
+        self._closed = False
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
+        super().__init__(params, defaults)
+        # One global forward pre-hook: before a module runs, wait for its own weights.
+        ref = weakref.ref(self)
+
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            opt = ref()
+            if opt is None:
+                return
+            if module not in opt._called:
+                opt._called.add(module)
+                opt._wait_sets.clear()
+            if opt._pending:
+                opt._wait_module(module)
+
+        self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+            if group.get(flag):
+                raise NotImplementedError(f"OffloadAdamW does not implement {flag}=True")
+        if not group.get("decoupled_weight_decay", True):
+            raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
+        C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            self._register(p)
+
+    def _register(self, p: torch.Tensor) -> None:
+        index = len(self._params_of_slot)
+        if p.dtype not in _DTYPE_NAME:
+            raise TypeError(
+                "OffloadAdamW supports float32, float16 and bfloat16 parameters; parameter "
+                f"{index} has dtype {p.dtype}"
+            )
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"OffloadAdamW: parameter {index} is not a dense strided tensor")
+        if not p.is_contiguous():
+            raise ValueError(
+                f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous "
+                "before building the optimizer"
+            )
+        if p.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {p.device}")
+        if self._device is None:
+            self._device = p.device
+            self._engine = Engine(TorchBackend(p.device), **self._engine_args)
+        elif p.device != self._device:
+            raise ValueError(
+                f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
+                f"{p.device}, earlier ones on {self._device}"
+            )
+        platform = "cuda" if p.device.type == "cuda" else "cpu"
+        sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
+        assert sid == index
+        self._slot_of[p] = sid
+        self._params_of_slot.append(p)
+        if p.requires_grad:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(sid)))
+
+    def _group_of_slot(self, sid: int) -> dict[str, Any]:
+        p = self._params_of_slot[sid]
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError(sid)
+
+    @staticmethod
+    def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
+        return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def _make_hook(self, sid: int):
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is None or opt._closed or p.grad is None:
+                return
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"OffloadAdamW does not support sparse gradients (parameter {sid})"
+                )
+            if grad.dtype != p.dtype:
+                raise TypeError(
+                    f"OffloadAdamW: gradient of parameter {sid} has dtype {grad.dtype}, "
+                    f"parameter has {p.dtype}"
+                )
+            update = None
+            if opt._eager and opt.max_grad_norm is None:
+                update = opt._hp(opt._group_of_slot(sid))
+            opt._engine.offload_grad(sid, grad.detach(), _DTYPE_NAME[grad.dtype], update)
+            if update is not None:
+                with opt._pending_lock:
+                    opt._pending.add(sid)
+            p.grad = None  # released: the engine keeps it alive until its copy landed
+
+        return hook
+
+    # -- the user API -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("OffloadAdamW is closed")
+
+    @contextlib.contextmanager
+    def last_micro_batch(self):
+        """Mark the backward inside this block as the last micro-batch of the step.
+
+        Each gradient's update then starts as soon as the gradient is on the host,
+        overlapping the rest of backward (not with ``max_grad_norm``).
+        """
+        self._check_open()
+        self._eager = True
+        try:
+            yield self
+        finally:
+            self._eager = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Queue the AdamW update of every parameter that received a gradient."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._engine is None:
+            return loss
+        updates = []
+        for group in self.param_groups:
+            hp = self._hp(group)
+            for p in group["params"]:
+                updates.append((self._slot_of[p], hp))
+        sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
+        self._engine.step(updates, self.max_grad_norm)
+        with self._pending_lock:
+            self._pending.update(sids)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients offloaded since the last step (and any ``param.grad``)."""
+        self._check_open()
+        super().zero_grad(set_to_none=set_to_none)
+        if self._engine is not None:
+            self._engine.discard_grads()
+
+    def _module_slots(self, module: torch.nn.Module) -> list[int]:
+        sids = self._wait_sets.get(module)
+        if sids is None:
+            sids = []
+            todo = [module]
+            while todo:
+                mod = todo.pop()
+                sids.extend(self._slot_of[p] for p in mod._parameters.values() if p in self._slot_of)
+                todo.extend(c for c in mod.children() if c not in self._called)
+            self._wait_sets[module] = sids
+        return sids
+
+    def _wait_module(self, module: torch.nn.Module) -> None:
+        pending = self._pending
+        sids = [sid for sid in self._module_slots(module) if sid in pending]
+        if sids:
+            self._engine.wait_ready(sids)
+            with self._pending_lock:
+                self._pending.difference_update(sids)
+
+    def synchronize(self) -> None:
+        """Block until every queued update has landed in the parameters."""
+        self._check_open()
+        if self._engine is not None:
+            self._engine.synchronize()  # host-blocks on every upload: nothing left to wait for
+            with self._pending_lock:
+                self._pending.clear()
+
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step that computed one (clipping)."""
+        return None if self._engine is None else self._engine.last_grad_norm()
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters: bytes moved, state bytes, update/accumulate/stall times."""
+        self._check_open()
+        return {} if self._engine is None else self._engine.stats()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A ``torch.optim.AdamW``-compatible state dict (CPU tensors).
+
+        Per parameter: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``
+        (float32, the parameter's shape) and, for fp16/bf16 parameters, ``master_param``
+        (the fp32 master, so that resuming is bit-exact).
+        """
+        self._check_open()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for sid, p in enumerate(self._params_of_slot):
+            master, m, v, step = self._engine.state(sid)
+            if step == 0:
+                continue
+            entry = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": torch.from_numpy(m).view(p.shape),
+                "exp_avg_sq": torch.from_numpy(v).view(p.shape),
+            }
+            if p.dtype != torch.float32:
+                entry["master_param"] = torch.from_numpy(master).view(p.shape)
+            state[sid] = entry
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [self._slot_of[p] for p in g["params"]]
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW``."""
+        self._check_open()
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"loaded state dict's parameter group {i} has {len(sg['params'])} parameters, "
+                    f"the optimizer's has {len(g['params'])}"
+                )
+        id_map = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            for p, saved_id in zip(g["params"], sg["params"]):
+                id_map[saved_id] = p
+        # Validate every entry before changing anything: a bad checkpoint loses no state.
+        loads = []
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in id_map:
+                raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
+            p = id_map[saved_id]
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key not in entry:
+                    raise ValueError(f"loaded state for parameter {saved_id} lacks '{key}'")
+            for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                if key in entry and tuple(entry[key].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"loaded state '{key}' of parameter {saved_id} has shape "
+                        f"{tuple(entry[key].shape)}, the parameter has {tuple(p.shape)}"
+                    )
+            step = entry["step"]
+            step = float(step.item() if isinstance(step, torch.Tensor) else step)
+            if step < 0 or step != int(step):
+                raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
+
+            def f32(t):
+                return t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy()
+
+            master = f32(entry["master_param"]) if "master_param" in entry else None
+            loads.append((self._slot_of[p], f32(entry["exp_avg"]), f32(entry["exp_avg_sq"]), int(step), master))
+        self.synchronize()
+        for sid, m, v, step, master in loads:
+            self._engine.load_state(sid, m, v, step, master)
+        for g, sg in zip(self.param_groups, saved_groups):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish queued work, stop the worker threads, free host memory, remove hooks."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._forward_hook.remove()
+        if self._engine is not None:
+            try:
+                self._engine.synchronize()
+            finally:
+                self._engine.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

@@ -1,0 +1,5 @@
+"""PyTorch API: ``trainstream.torch.OffloadAdamW``."""
+
+from .backends._torch import OffloadAdamW
+
+__all__ = ["OffloadAdamW"]
