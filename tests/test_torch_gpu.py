@@ -1,0 +1,149 @@
+"""OffloadAdamW with CUDA parameters (``cpu`` mode): bit-identity with torch.optim.AdamW on
+CUDA, no stale weights in the next forward, no optimizer state on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+from test_torch_optimizer import (  # noqa: E402
+    assert_same,
+    batches,
+    loss_of,
+    make_model,
+    two_groups,
+)
+
+from trainstream import _contract as C  # noqa: E402
+from trainstream.torch import OffloadAdamW  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def train_pair_cuda(steps=50, micro=1, max_norm=None, sched=False, eager=False, mode="cpu",
+                    dtype=torch.float32):
+    ref_model, ts_model = make_model().to(DEV), make_model().to(DEV)
+    ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
+    ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
+                      chunk_size=4096, mode=mode)
+    scheds = []
+    if sched:
+        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
+                  for o in (ref, ts)]
+    data = [x.to(DEV) for x in batches(steps * micro)]
+    for step in range(steps):
+        xs = data[step * micro:(step + 1) * micro]
+        ts.zero_grad()
+        for i, x in enumerate(xs):
+            loss = loss_of(ts_model, x) / micro
+            if eager and i == micro - 1:
+                with ts.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
+        ts.step()
+        ref.zero_grad()
+        for x in xs:
+            (loss_of(ref_model, x) / micro).backward()
+        if max_norm is not None:
+            torch_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf"))
+            ours = ts.last_grad_norm()
+            assert abs(ours - torch_norm.item()) <= 1e-6 * torch_norm.item()
+            coef = torch.tensor(C.clip_coefficient(ours, max_norm), device=DEV)
+            for p in ref_model.parameters():
+                p.grad.mul_(coef)
+        ref.step()
+        for s in scheds:
+            s.step()
+    ts.synchronize()
+    return ref_model, ts_model, ref, ts
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(sched=True), dict(micro=4), dict(max_norm=0.5), dict(micro=2, eager=True),
+], ids=["groups", "scheduler", "accumulate4", "clip", "eager"])
+def test_cuda_params_cpu_mode_bit_identical(kw):
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=50 if not kw else 30, **kw)
+    assert_same(ref_model, ts_model)
+    ts.close()
+
+
+def test_cuda_bf16_params_against_fp32_master():
+    model = make_model(dtype=torch.bfloat16).to(DEV)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096)
+    for x in batches(30):
+        x = x.to(DEV)
+        loss = loss_of(model, x)
+        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        for m, g in zip(master, grads):
+            m.grad = g.float()
+        loss.backward()
+        ts.step()
+        ref.step()
+    ts.synchronize()
+    sd = ts.state_dict()
+    for sid, (p, m) in enumerate(zip(model.parameters(), master)):
+        assert torch.equal(sd["state"][sid]["master_param"], m.detach().cpu())
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+    ts.close()
+
+
+class Thin(nn.Module):
+    """Very low arithmetic density: many tiny layers, so uploads race the next forward."""
+
+    def __init__(self, layers=96, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_no_stale_weights_in_next_forward(eager):
+    torch.manual_seed(0)
+    ref_model = Thin().to(DEV)
+    ts_model = Thin().to(DEV)
+    ts_model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    ts = OffloadAdamW(ts_model.parameters(), lr=1e-2, threads=2)
+    x = torch.randn(8, 16, device=DEV)
+    for step in range(100):
+        out_ref = ref_model(x)
+        out_ts = ts_model(x)  # reads the weights uploaded by the previous step
+        assert torch.equal(out_ref, out_ts), f"stale weights read at step {step}"
+        out_ref.square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+        if eager:
+            with ts.last_micro_batch():
+                out_ts.square().mean().backward()
+        else:
+            out_ts.square().mean().backward()
+        ts.step()
+    ts.close()
+
+
+def test_no_optimizer_state_or_gradient_on_gpu():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model = make_model().to(DEV)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ts = OffloadAdamW(model.parameters())
+    x = batches(1)[0].to(DEV)
+    for _ in range(3):
+        loss_of(model, x).backward()
+        ts.step()
+    ts.synchronize()
+    torch.cuda.synchronize()
+    assert all(p.grad is None for p in model.parameters())
+    extra = torch.cuda.memory_allocated() - base - param_bytes
+    assert extra < 64 * 1024, f"{extra} bytes beyond the weights stay on the GPU"
+    ts.close()
