@@ -3,6 +3,8 @@ CUDA, no stale weights in the next forward, no optimizer state on the GPU."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -62,20 +64,26 @@ def train_pair_cuda(steps=50, micro=1, max_norm=None, sched=False, eager=False, 
     return ref_model, ts_model, ref, ts
 
 
+MODES = ["cpu", "gpu"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kw", [
     dict(), dict(sched=True), dict(micro=4), dict(max_norm=0.5), dict(micro=2, eager=True),
 ], ids=["groups", "scheduler", "accumulate4", "clip", "eager"])
-def test_cuda_params_cpu_mode_bit_identical(kw):
-    ref_model, ts_model, _, ts = train_pair_cuda(steps=50 if not kw else 30, **kw)
+def test_cuda_params_bit_identical(kw, mode):
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=50 if not kw else 30, mode=mode, **kw)
     assert_same(ref_model, ts_model)
     ts.close()
 
 
-def test_cuda_bf16_params_against_fp32_master():
-    model = make_model(dtype=torch.bfloat16).to(DEV)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_params_against_fp32_master(mode, dtype):
+    model = make_model(dtype=dtype).to(DEV)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode)
     for x in batches(30):
         x = x.to(DEV)
         loss = loss_of(model, x)
@@ -84,13 +92,63 @@ def test_cuda_bf16_params_against_fp32_master():
             m.grad = g.float()
         loss.backward()
         ts.step()
+        ts.zero_grad()
         ref.step()
     ts.synchronize()
     sd = ts.state_dict()
     for sid, (p, m) in enumerate(zip(model.parameters(), master)):
         assert torch.equal(sd["state"][sid]["master_param"], m.detach().cpu())
-        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+        assert torch.equal(p.detach(), m.detach().to(dtype))
     ts.close()
+
+
+def test_gpu_mode_equals_cpu_mode_and_norm_is_deterministic():
+    runs = {}
+    for mode in ("cpu", "gpu", "gpu"):
+        ref_model, ts_model, _, ts = train_pair_cuda(steps=20, max_norm=0.5, mode=mode)
+        runs.setdefault(mode, []).append((ts_model, ts.last_grad_norm()))
+        ts.close()
+    (g1, n1), (g2, n2) = runs["gpu"]
+    assert n1 == n2  # same bits run after run
+    assert_same(g1, g2)
+    assert_same(runs["cpu"][0][0], g1)
+
+
+def test_checkpoint_moves_between_modes():
+    data = [x.to(DEV) for x in batches(30)]
+
+    def run(m, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            loss_of(m, x).backward()
+            opt.step()
+        opt.synchronize()
+
+    model = make_model().to(DEV)
+    ts = OffloadAdamW(two_groups(model), mode="cpu")
+    run(model, ts, data[:15])
+    ck = {"model": copy.deepcopy(model.state_dict()), "opt": ts.state_dict()}
+    run(model, ts, data[15:])
+    m2 = make_model().to(DEV)
+    m2.load_state_dict(ck["model"])
+    ts2 = OffloadAdamW(two_groups(m2), mode="gpu")
+    ts2.load_state_dict(ck["opt"])
+    run(m2, ts2, data[15:])
+    assert_same(model, m2)
+    m3 = make_model().to(DEV)
+    m3.load_state_dict(m2.state_dict())
+    ts3 = OffloadAdamW(two_groups(m3), mode="cpu")
+    ts3.load_state_dict(ts2.state_dict())
+    run(m2, ts2, data[:5])
+    run(m3, ts3, data[:5])
+    assert_same(m2, m3)
+    for o in (ts, ts2, ts3):
+        o.close()
+
+
+def test_gpu_mode_needs_cuda_parameters():
+    with pytest.raises(ValueError, match="needs CUDA parameters"):
+        OffloadAdamW([nn.Parameter(torch.zeros(3))], mode="gpu")
 
 
 class Thin(nn.Module):
@@ -106,14 +164,14 @@ class Thin(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_no_stale_weights_in_next_forward(eager):
+@pytest.mark.parametrize("mode,eager", [("cpu", False), ("cpu", True), ("gpu", False)])
+def test_no_stale_weights_in_next_forward(mode, eager):
     torch.manual_seed(0)
     ref_model = Thin().to(DEV)
     ts_model = Thin().to(DEV)
     ts_model.load_state_dict(ref_model.state_dict())
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    ts = OffloadAdamW(ts_model.parameters(), lr=1e-2, threads=2)
+    ts = OffloadAdamW(ts_model.parameters(), lr=1e-2, threads=2, mode=mode)
     x = torch.randn(8, 16, device=DEV)
     for step in range(100):
         out_ref = ref_model(x)
@@ -128,19 +186,22 @@ def test_no_stale_weights_in_next_forward(eager):
         else:
             out_ts.square().mean().backward()
         ts.step()
+        ts.zero_grad()
     ts.close()
 
 
-def test_no_optimizer_state_or_gradient_on_gpu():
+@pytest.mark.parametrize("mode", MODES)
+def test_no_optimizer_state_or_gradient_on_gpu(mode):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     model = make_model().to(DEV)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ts = OffloadAdamW(model.parameters())
+    ts = OffloadAdamW(model.parameters(), mode=mode)
     x = batches(1)[0].to(DEV)
     for _ in range(3):
         loss_of(model, x).backward()
         ts.step()
+        ts.zero_grad()
     ts.synchronize()
     torch.cuda.synchronize()
     assert all(p.grad is None for p in model.parameters())

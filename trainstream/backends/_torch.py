@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from .. import _contract as C
 from .._engine import Engine
+from .._gpu_engine import GpuEngine
 
 __all__ = ["OffloadAdamW", "TorchBackend"]
 
@@ -50,8 +51,38 @@ class TorchBackend:
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
             self.h2d = torch.cuda.Stream(device=device)
+            self.upd = torch.cuda.Stream(device=device)
+
+    # -- gpu (zero-copy) mode -------------------------------------------------------------
+
+    def update_stream(self) -> int:
+        return self.upd.cuda_stream
+
+    def update_wait(self, event) -> None:
+        self.upd.wait_event(event)
+
+    def record_update(self):
+        ev = torch.cuda.Event()
+        ev.record(self.upd)
+        return ev
+
+    def device_scratch(self, nbytes: int):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return t, t.data_ptr()
+
+    @staticmethod
+    def data_ptr(t: torch.Tensor) -> int:
+        return t.data_ptr()
+
+    def copy_scalar_to_host(self, handle: torch.Tensor):
+        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        with torch.cuda.stream(self.upd):
+            host.copy_(handle.view(torch.float64), non_blocking=True)
+            ev = self.record_update()
+        return ev, host.numpy()
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _TorchHostBuffer:
         tdtype = _TORCH_DTYPE[dtype]
@@ -69,7 +100,7 @@ class TorchBackend:
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(param.detach().reshape(-1))
 
-    def record_compute(self, param: torch.Tensor):
+    def record_compute(self, param: torch.Tensor | None):
         if not self.cuda:
             return None
         ev = torch.cuda.Event()
@@ -192,11 +223,6 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if mode not in ("cpu", "gpu"):
             raise ValueError(f"OffloadAdamW mode must be 'cpu' or 'gpu', got {mode!r}")
-        if mode == "gpu":
-            raise NotImplementedError(
-                "OffloadAdamW mode='gpu' (zero-copy CUDA kernels) is not available in this "
-                "build yet; use mode='cpu'"
-            )
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
         self._engine: Engine | None = None
@@ -264,8 +290,21 @@ class OffloadAdamW(Optimizer):
         if p.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {p.device}")
         if self._device is None:
+            if self.mode == "gpu":
+                if p.device.type != "cuda":
+                    raise ValueError(
+                        f"OffloadAdamW mode='gpu' needs CUDA parameters; parameter {index} is on {p.device}"
+                    )
+                try:
+                    self._engine = GpuEngine(TorchBackend(p.device), convention=self._engine_args["convention"])
+                except ImportError as exc:
+                    raise ImportError(
+                        "OffloadAdamW mode='gpu' needs CuPy: pip install 'trainstream[cuda12]' or "
+                        f"'trainstream[cuda13]' ({exc})"
+                    ) from exc
+            else:
+                self._engine = Engine(TorchBackend(p.device), **self._engine_args)
             self._device = p.device
-            self._engine = Engine(TorchBackend(p.device), **self._engine_args)
         elif p.device != self._device:
             raise ValueError(
                 f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
@@ -276,7 +315,7 @@ class OffloadAdamW(Optimizer):
         assert sid == index
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
-        if p.requires_grad:
+        if p.requires_grad and self.mode == "cpu":
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(sid)))
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
@@ -353,17 +392,33 @@ class OffloadAdamW(Optimizer):
             hp = self._hp(group)
             for p in group["params"]:
                 updates.append((self._slot_of[p], hp))
-        sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
+        if self.mode == "gpu":
+            updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
+                       if self._params_of_slot[sid].grad is not None]
+            sids = [u[0] for u in updates]
+        else:
+            sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
         self._engine.step(updates, self.max_grad_norm)
         with self._pending_lock:
             self._pending.update(sids)
         return loss
 
+    def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
+        p = self._params_of_slot[sid]
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
+        if grad.device != p.device:
+            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
+        if grad.dtype not in _DTYPE_NAME:
+            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
+        return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients offloaded since the last step (and any ``param.grad``)."""
         self._check_open()
         super().zero_grad(set_to_none=set_to_none)
-        if self._engine is not None:
+        if self._engine is not None and self.mode == "cpu":
             self._engine.discard_grads()
 
     def _module_slots(self, module: torch.nn.Module) -> list[int]:

@@ -1,0 +1,287 @@
+"""The ``gpu`` (zero-copy) mode of the engine.
+
+``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
+pinned host memory. One CUDA kernel per parameter (``kernels/adamw_zero_copy.cu``, via
+:mod:`trainstream._device_kernels`) reads the gradient from GPU memory and the state
+over PCIe, and writes the weights in place; the arithmetic is the contract's
+(:mod:`trainstream._contract`). With clipping, the global sum of squares is reduced on
+the GPU in a fixed order (float64 partials, no atomics) into a device scalar that the
+update kernels read: no host round trip. The norm is read back lazily.
+
+Ordering: the update stream waits for the compute stream at ``step`` (the whole
+backward), each parameter gets a *ready* event that the next forward waits on, and each
+gradient is kept alive until that wait (its memory cannot be reused before the kernel
+that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
+neither torch nor jax: the backend supplies streams, events and device scratch memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import _contract as C
+
+__all__ = ["GpuEngine"]
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(eq=False)
+class _Mapped:
+    host: np.ndarray  # float32 view of the host memory
+    dev_ptr: int
+    free: Callable[[], None]
+
+
+@dataclass(eq=False)
+class _GpuSlot:
+    id: int
+    param: Any
+    numel: int
+    dtype: str
+    exp_avg: _Mapped
+    exp_avg_sq: _Mapped
+    master: _Mapped | None
+    step: int = 0
+    ready: Any = None
+    grad_keep: Any = None
+
+
+class GpuEngine:
+    """Zero-copy AdamW state in mapped host memory, updated by GPU kernels.
+
+    The backend must provide, besides :class:`trainstream._engine.Backend`'s
+    ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
+    ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
+    ``record_update() -> event``, ``device_scratch(nbytes) -> (handle, ptr)``,
+    ``data_ptr(tensor) -> int``, ``device_index: int``, ``copy_from_param(param, dst_ptr)``
+    is not needed (the master is initialised through ``param_to_host_f32``).
+    """
+
+    def __init__(self, backend: Any, *, convention: str = "torch"):
+        from . import _device_kernels as dk  # CuPy is imported here, on first use
+
+        if convention not in C.CONVENTIONS:
+            raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        self._dk = dk
+        self.backend = backend
+        self.convention = convention
+        self.device = backend.device_index
+        dk.compile_kernels(self.device)
+        self._slots: list[_GpuSlot] = []
+        self._closed = False
+        self._lock = threading.Lock()
+        self._scratch = None  # (handle, ptr, capacity in float64) for the norm partials
+        self._sumsq = backend.device_scratch(8)
+        self._norm_host = np.zeros(1, np.float64)
+        self._norm_copy: tuple[Any, Any] | None = None  # (event, pinned host buffer)
+        self._last_norm: float | None = None
+        self._steps = 0
+        self._launch_s = 0.0
+        self._ready_stall_s = 0.0
+        self._mapped_bytes = 0
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TrainStream engine is closed")
+
+    def _mapped(self, numel: int, what: str, owned: list) -> _Mapped:
+        nbytes = max(4, numel * 4)
+        try:
+            host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
+        except MemoryError as exc:
+            raise MemoryError(f"TrainStream gpu mode, {what}: {exc}") from exc
+        owned.append(free)
+        self._mapped_bytes += nbytes
+        return _Mapped(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free)
+
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
+        self._check_open()
+        if platform != "cuda":
+            raise ValueError("gpu mode needs CUDA parameters (the update runs on the GPU)")
+        if dtype not in _ITEMSIZE:
+            raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
+        owned: list[Callable[[], None]] = []
+        try:
+            m = self._mapped(numel, "adamw.exp_avg", owned)
+            v = self._mapped(numel, "adamw.exp_avg_sq", owned)
+            master = self._mapped(numel, "adamw.master_fp32", owned) if dtype != "float32" else None
+        except BaseException:
+            for free in owned:  # nothing leaks from a half-built slot
+                free()
+            raise
+        m.host[:] = 0
+        v.host[:] = 0
+        if master is not None:
+            self.backend.param_to_host_f32(param, master.host)
+        slot = _GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master)
+        self._slots.append(slot)
+        return slot.id
+
+    def _slot(self, sid: int) -> _GpuSlot:
+        if not 0 <= sid < len(self._slots):
+            raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
+        return self._slots[sid]
+
+    def get_step(self, sid: int) -> int:
+        return self._slot(sid).step
+
+    # -- the update -------------------------------------------------------------------------
+
+    def _partials(self, count: int) -> int:
+        if self._scratch is None or self._scratch[2] < count:
+            handle, ptr = self.backend.device_scratch(8 * max(count, 1024))
+            self._scratch = (handle, ptr, max(count, 1024))
+        return self._scratch[1]
+
+    def step(
+        self,
+        updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
+        max_grad_norm: float | None = None,
+        compute_norm: bool = False,
+    ) -> None:
+        """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``.
+
+        Gradients must be contiguous device tensors with the parameter's element count.
+        Asynchronous: returns once the kernels are queued on the update stream.
+        """
+        self._check_open()
+        dk, be = self._dk, self.backend
+        t0 = time.perf_counter()
+        for sid, _, grad, gdtype in updates:
+            s = self._slot(sid)
+            if gdtype not in _ITEMSIZE:
+                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
+        self._steps += 1
+        be.update_wait(be.record_compute(None))  # the whole backward precedes the update
+        stream = be.update_stream()
+        sumsq_ptr = 0
+        if max_grad_norm is not None or compute_norm:
+            grads = [(be.data_ptr(g), gd, self._slot(sid).numel) for sid, _, g, gd in updates]
+            count = sum(dk.blocks_for(n) for _, _, n in grads)
+            dk.launch_grad_sumsq(grads, self._partials(count), self._sumsq[1], stream, device=self.device)
+            sumsq_ptr = self._sumsq[1]
+        for sid, hp, grad, gdtype in updates:
+            s = self._slot(sid)
+            s.step += 1
+            scalars = C.step_scalars(hp, s.step, self.convention, "cuda")
+            dk.launch_adamw(
+                C.variant_id(self.convention, "cuda"),
+                be.data_ptr(s.param),
+                s.dtype,
+                be.data_ptr(grad),
+                gdtype,
+                s.master.dev_ptr if s.master is not None else 0,
+                s.exp_avg.dev_ptr,
+                s.exp_avg_sq.dev_ptr,
+                s.numel,
+                scalars,
+                sumsq_ptr if max_grad_norm is not None else 0,
+                float(max_grad_norm or 0.0),
+                stream,
+                device=self.device,
+            )
+            s.grad_keep = grad  # alive until the compute stream has waited on `ready`
+            s.ready = be.record_update()
+        if sumsq_ptr:
+            self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
+        self._launch_s += time.perf_counter() - t0
+
+    def wait_ready(self, sids: Sequence[int]) -> None:
+        t0 = time.perf_counter()
+        for sid in sids:
+            s = self._slot(sid)
+            if s.ready is not None:
+                self.backend.wait_on_compute(s.ready, s.param)
+            # The compute stream now runs after the kernel: the gradient's memory may be
+            # reused by it from here on.
+            s.grad_keep = None
+        self._ready_stall_s += time.perf_counter() - t0
+
+    def synchronize(self) -> None:
+        for s in self._slots:
+            if s.ready is not None:
+                s.ready.synchronize()
+            s.grad_keep = None
+
+    def last_grad_norm(self) -> float | None:
+        if self._norm_copy is not None:
+            event, host = self._norm_copy
+            event.synchronize()
+            self._last_norm = math.sqrt(float(host[0]))
+            self._norm_copy = None
+        return self._last_norm
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        s = self._slot(sid)
+        if s.ready is not None:
+            s.ready.synchronize()
+        master = s.master.host.copy() if s.master is not None else np.empty(s.numel, np.float32)
+        if s.master is None:
+            self.backend.param_to_host_f32(s.param, master)
+        return master, s.exp_avg.host.copy(), s.exp_avg_sq.host.copy(), s.step
+
+    def load_state(self, sid, exp_avg, exp_avg_sq, step, master=None) -> None:
+        s = self._slot(sid)
+        if s.ready is not None:
+            s.ready.synchronize()
+        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
+            if arr is not None and np.asarray(arr).size != s.numel:
+                raise ValueError(
+                    f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+                    f"elements, expected {s.numel}"
+                )
+        s.exp_avg.host[:] = np.asarray(exp_avg, np.float32).reshape(-1)
+        s.exp_avg_sq.host[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
+        if s.master is not None:
+            if master is not None:
+                s.master.host[:] = np.asarray(master, np.float32).reshape(-1)
+            else:
+                self.backend.param_to_host_f32(s.param, s.master.host)
+        s.step = int(step)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "params": float(len(self._slots)),
+            "numel": float(sum(s.numel for s in self._slots)),
+            "threads": 0.0,
+            "gpu_mode": 1.0,
+            "steps": float(self._steps),
+            "eager_updates": 0.0,
+            "host_state_bytes": float(self._mapped_bytes),
+            "pinned_state_bytes": float(self._mapped_bytes),
+            "pageable_state_bytes": 0.0,
+            "grad_bytes_offloaded": 0.0,
+            "param_bytes_uploaded": 0.0,
+            "update_ms_total": self._launch_s * 1e3,  # host launch time; device time is async
+            "accumulate_ms_total": 0.0,
+            "ready_stall_ms_total": self._ready_stall_s * 1e3,
+            "grad_stall_ms_total": 0.0,
+            "last_step_wall_ms": 0.0,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            for s in self._slots:
+                for buf in (s.exp_avg, s.exp_avg_sq, s.master):
+                    if buf is not None:
+                        buf.host = None  # drop the view before the memory goes
+                        buf.free()
+                s.param = s.grad_keep = s.ready = None
+            self._slots = []
+            self._scratch = None
