@@ -8,6 +8,22 @@ from trainstream import _contract as C
 torch = pytest.importorskip("torch")
 
 
+def torch_sqrt(x):
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).sqrt().numpy()
+
+
+def test_cpu_sqrt_mode_reproduces_torch_exhaustively_on_1_4():
+    from trainstream import _cpu_sqrt as S
+
+    mode = S.detect_mode(torch_sqrt)
+    assert mode is not None, "no MKL sqrt path reproduces torch.sqrt on this machine"
+    x = np.arange(0x3F800000, 0x40800000, 7, dtype=np.uint32).view(np.float32)
+    np.testing.assert_array_equal(S.sqrt_array(x, mode).view(np.uint32), torch_sqrt(x).view(np.uint32))
+    special = np.array([0.0, -0.0, np.inf, 1e-45, 1e-40, 3e38, 2.0**-100], np.float32)
+    np.testing.assert_array_equal(S.sqrt_array(special, mode).view(np.uint32),
+                                  torch_sqrt(special).view(np.uint32))
+
+
 def _torch_adamw_run(p0, grads, hp, clip=None, foreach=False):
     p = torch.nn.Parameter(torch.from_numpy(p0.copy()))
     opt = torch.optim.AdamW([p], lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
@@ -40,7 +56,7 @@ def test_torch_cpu_reference_bitwise(n, hp):
     p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
     for t, g in enumerate(grads, 1):
         s = C.step_scalars(hp, t, "torch", "cpu", clip=clip[t - 1])
-        p, m, v = C.reference_update(p, m, v, g, s, "torch", "cpu")
+        p, m, v = C.reference_update(p, m, v, g, s, "torch", "cpu", sqrt=torch_sqrt)
         rp, rm, rv = ref[t - 1]
         np.testing.assert_array_equal(m, rm, err_msg=f"exp_avg step {t}")
         np.testing.assert_array_equal(v, rv, err_msg=f"exp_avg_sq step {t}")

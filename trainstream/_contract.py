@@ -41,9 +41,13 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
       m  = fma(f(1-b1), g - m, m)                 # exp_avg.lerp_(g, 1-b1), weight < 0.5
          = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
       v  = fma(f(1-b2) * g, g, v * f(b2))         # exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
-      d  = sqrt(v) / f(sqrt(bc2)) + f(eps)        # true division by the host scalar
+      d  = msqrt(v) / f(sqrt(bc2)) + f(eps)       # true division by the host scalar
       p  = p1 + (f(-lr/bc1) * m) / d              # param.addcdiv_(m, d, -lr/bc1)
 
+  ``msqrt`` is ``Tensor.sqrt()`` on the CPU, which is *not* IEEE ``sqrt``: ATen calls
+  MKL's ``vsSqrt``, whose result depends on the CPU (vendor and vector width). The three
+  MKL code paths are reproduced exactly in :mod:`trainstream._cpu_sqrt`; which one torch
+  runs on a machine is found by probing ``torch.sqrt`` (the torch adapter does it once).
   ATen's scalar ``DEFAULT`` build (no AVX2) does not fuse the lerp/addcmul; that build is
   not targeted (every x86-64 server since 2013 has AVX2+FMA).
 
@@ -349,11 +353,14 @@ def reference_update(
     scalars: np.ndarray,
     convention: str,
     platform: str,
+    sqrt=np.sqrt,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One AdamW update in NumPy float32: the executable statement of the contract.
 
     ``p``, ``m``, ``v`` are float32 master weight and moments, ``g`` the fp32 (upcast)
     gradient, ``scalars`` the vector of :func:`step_scalars`. Returns new arrays.
+    ``sqrt`` is ``msqrt`` of the torch/cpu convention (default: IEEE; pass the sqrt the
+    reference really uses, e.g. torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode).
     """
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
@@ -368,7 +375,7 @@ def reference_update(
                 m = fma_f32(s[S_LERP_W] - np.float32(1), g - m, g)
             if variant == VARIANT_TORCH_CPU:
                 v = fma_f32(s[S_OMB2] * g, g, v * s[S_BETA2])
-                d = np.sqrt(v) / s[S_BC2] + s[S_EPS]
+                d = np.asarray(sqrt(v), np.float32) / s[S_BC2] + s[S_EPS]
                 p = p1 + (s[S_NEG_STEP] * m) / d
             else:
                 v = fma_f32(s[S_OMB2], g * g, v * s[S_BETA2])
