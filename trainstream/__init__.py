@@ -1,0 +1,43 @@
+"""TrainStream: AdamW with its state in host memory, bit-identical to the reference.
+
+Public entry points:
+
+* ``trainstream.torch.OffloadAdamW`` (PyTorch optimizer)
+* ``trainstream.benchmark_host_adamw`` / ``trainstream.benchmark_zero_copy_adamw``
+* the arithmetic contract: ``trainstream.contract`` (``trainstream._contract``)
+
+``import trainstream`` needs none of torch, jax or cupy; the names below load lazily.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from . import _contract as contract
+from ._contract import CONVENTIONS, PLATFORMS, AdamWHyperParams
+
+__version__ = "0.2.0.dev0"
+
+__all__ = [
+    "AdamWHyperParams",
+    "CONVENTIONS",
+    "PLATFORMS",
+    "benchmark_host_adamw",
+    "benchmark_rmw_bandwidth",
+    "benchmark_zero_copy_adamw",
+    "contract",
+]
+
+_LAZY = {
+    "benchmark_host_adamw": ("._bench", "benchmark_host_adamw"),
+    "benchmark_rmw_bandwidth": ("._bench", "benchmark_rmw_bandwidth"),
+    "benchmark_zero_copy_adamw": ("._device_kernels", "benchmark_zero_copy_adamw"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(import_module(module, __name__), attr)
+    raise AttributeError(f"module 'trainstream' has no attribute {name!r}")

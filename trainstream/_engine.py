@@ -197,6 +197,8 @@ class Engine:
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
         only needs the gradient and weight staging pinned; the moments only feed host
         threads, so pageable memory keeps the page-locked footprint small).
+      cpu_sqrt_mode: the :mod:`trainstream._cpu_sqrt` mode of the torch/cpu convention's
+        ``msqrt`` (the backend detects which one its framework uses on this machine).
     """
 
     def __init__(
@@ -208,6 +210,7 @@ class Engine:
         chunk_elems: int = 1 << 20,
         convention: str = "torch",
         pin_moments: bool = False,
+        cpu_sqrt_mode: int = 0,
     ):
         if mode != "cpu":
             raise ValueError(f"Engine mode must be 'cpu' (the host pipeline), got {mode!r}")
@@ -224,6 +227,7 @@ class Engine:
         self.convention = convention
         self.chunk = -(-chunk_elems // NORM_BLOCK) * NORM_BLOCK
         self.pin_moments = pin_moments
+        self.cpu_sqrt_mode = int(cpu_sqrt_mode)
         self._slots: list[_Slot] = []
         self._error: str | None = None
         self._error_lock = threading.Lock()
@@ -464,6 +468,7 @@ class Engine:
         okind = _KIND[s.dtype] if out is not None else 0
         upload_src = s.param_stage if s.param_stage is not None else s.master
         nbytes = s.numel * _ITEMSIZE[s.dtype]
+        sqrt_mode = self.cpu_sqrt_mode
 
         def body(c: int, b: int, e: int) -> None:
             if prev_ready is not None:  # the previous upload may still read master/stage
@@ -471,7 +476,7 @@ class Engine:
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars)
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, sqrt_mode)
             self._stats.add("update_s", time.perf_counter() - t)
 
         def finalize() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Any, Iterable
 
@@ -17,6 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _contract as C
+from .. import _cpu_sqrt
 from .._engine import Engine
 from .._gpu_engine import GpuEngine
 
@@ -137,6 +139,30 @@ class TorchBackend:
 
     def all_reduce_sum(self, value: float) -> float:
         return value
+
+
+_SQRT_MODE: int | None = None
+
+
+def torch_cpu_sqrt_mode() -> int:
+    """Which MKL sqrt path ``torch.sqrt`` takes on this CPU (see ``trainstream._cpu_sqrt``).
+
+    Probed once per process. Where no known path reproduces it, the correctly rounded
+    sqrt is used and a warning says that CPU results may differ from torch in the last bit.
+    """
+    global _SQRT_MODE
+    if _SQRT_MODE is None:
+        mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
+        if mode is None:
+            warnings.warn(
+                "TrainStream: torch.sqrt on this CPU matches none of the known MKL paths; "
+                "updates of CPU parameters may differ from torch.optim.AdamW in the last bit",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            mode = _cpu_sqrt.IEEE
+        _SQRT_MODE = mode
+    return _SQRT_MODE
 
 
 def t_itemsize(dtype: torch.dtype) -> int:
@@ -303,7 +329,10 @@ class OffloadAdamW(Optimizer):
                         f"'trainstream[cuda13]' ({exc})"
                     ) from exc
             else:
-                self._engine = Engine(TorchBackend(p.device), **self._engine_args)
+                sqrt_mode = 0
+                if p.device.type == "cpu" and self._engine_args["convention"] == "torch":
+                    sqrt_mode = torch_cpu_sqrt_mode()
+                self._engine = Engine(TorchBackend(p.device), cpu_sqrt_mode=sqrt_mode, **self._engine_args)
             self._device = p.device
         elif p.device != self._device:
             raise ValueError(

@@ -1,0 +1,797 @@
+"""The zero-copy (`gpu` mode) kernels, kernels/*.cu, through trainstream._device_kernels.
+
+GPU tests carry the ``gpu`` marker and skip where CuPy or a CUDA device is missing; the
+few tests without the marker need neither (source/contract consistency, lazy import,
+argument checks). Every GPU comparison is per step and from identical inputs, so a
+failure names the first step, array and elements that differ, with their inputs.
+
+``TRAINSTREAM_GPU_TEST_STEPS`` (default 50) sets the number of steps of the long runs;
+``TRAINSTREAM_OPTAX_CUDA_MAX_ULP`` overrides the optax/cuda bound
+(``_contract.OPTAX_CUDA_MAX_ULP``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# JAX (the XLA comparison) shares the GPU with CuPy and torch in this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+from trainstream import _contract as C
+from trainstream import _device_kernels as dk
+
+gpu = pytest.mark.gpu
+STEPS = int(os.environ.get("TRAINSTREAM_GPU_TEST_STEPS", "50"))
+#: optax/cuda vs the IEEE host reference: the contract's bound, unless overridden (see
+#: test_adamw_matches_contract for the unit).
+OPTAX_CUDA_BOUND = float(os.environ.get("TRAINSTREAM_OPTAX_CUDA_MAX_ULP", C.OPTAX_CUDA_MAX_ULP))
+
+HPS = [
+    C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01),
+    C.AdamWHyperParams(3e-2, 0.3, 0.95, 1e-6, 0.0),  # lerp weight >= 0.5
+    C.AdamWHyperParams(1e-2, 0.5, 0.99, 1e-8, 0.1),  # lerp weight exactly 0.5
+]
+VARIANTS = {
+    C.VARIANT_TORCH_CPU: ("torch", "cpu"),
+    C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
+    C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
+    C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
+}
+VNAME = {v: f"{c}/{p}" for v, (c, p) in VARIANTS.items()}
+DTYPE_COMBOS = [  # (weights, gradient)
+    ("float32", "float32"),
+    ("float32", "bfloat16"),
+    ("float32", "float16"),
+    ("bfloat16", "bfloat16"),
+    ("bfloat16", "float32"),
+    ("float16", "float16"),
+    ("float16", "float32"),
+]
+# element offsets of (param, grad, master, m, v) from an aligned allocation
+LAYOUTS = {
+    "aligned": (0, 0, 0, 0, 0),
+    "shifted": (1, 1, 1, 1, 1),  # same misalignment everywhere: scalar head, then vectors
+    "mixed": (0, 0, 0, 1, 2),  # m and v mutually misaligned: all scalar
+    "grad_odd": (0, 1, 0, 0, 0),  # gradient misaligned: all scalar
+}
+SIZES_LAYOUTS = [(1, "aligned"), (1, "shifted"), (3, "aligned"), (3, "shifted")] + [
+    (n, lay) for n in (4095, 4097) for lay in LAYOUTS
+] + [(1000003, "shifted")]
+
+
+# -- helpers (NumPy only) ----------------------------------------------------------------
+
+
+def _storage_np(dtype: str):
+    return np.float32 if dtype == "float32" else np.uint16
+
+
+def _to_storage(x32: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return np.asarray(x32, np.float32)
+    if dtype == "float16":
+        return np.asarray(x32, np.float32).astype(np.float16).view(np.uint16)
+    return C.f32_to_bf16_bits(x32)
+
+
+def _from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return np.asarray(a, np.float32)
+    if dtype == "float16":
+        return np.asarray(a, np.uint16).view(np.float16).astype(np.float32)
+    return C.bf16_bits_to_f32(a)
+
+
+def _ulps(a, b) -> np.ndarray:
+    """float32 ULP distance on the ordered integer line (equal NaNs: 0)."""
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    ia = a.view(np.int32).astype(np.int64)
+    ib = b.view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(2**31) - ia, ia)
+    ib = np.where(ib < 0, -(2**31) - ib, ib)
+    return np.where(np.isnan(a) & np.isnan(b), 0, np.abs(ia - ib))
+
+
+def _fmt(x) -> str:
+    x = np.float32(x)
+    return f"{float(x)!r} (0x{int(x.view(np.uint32)):08x})"
+
+
+def _regions(n, m_ptr, v_ptr, master_ptr, param_ptr, p_item, grad_ptr, g_item):
+    """The kernel's split of [0, n): (head, vectorised?, tail start), as adamw_zero_copy.cu."""
+    head = min(n, ((16 - (m_ptr & 15)) & 15) // 4)
+    vec = ((m_ptr + 4 * head) % 16 == 0 and (v_ptr + 4 * head) % 16 == 0
+           and (master_ptr == 0 or (master_ptr + 4 * head) % 16 == 0)
+           and (param_ptr + p_item * head) % (4 * p_item) == 0
+           and (grad_ptr + g_item * head) % (4 * g_item) == 0)
+    if not vec:
+        head = n
+    return head, vec, head + ((n - head) // 4) * 4
+
+
+def _where(i, regions) -> str:
+    head, vec, tail = regions
+    if not vec:
+        return "scalar path (arrays not mutually aligned)"
+    return "scalar head" if i < head else ("vector body" if i < tail else "scalar tail")
+
+
+def _distance(got, want, prev=None) -> np.ndarray:
+    """ULPs of the result; with `prev` (the weight before the step), ULPs of the larger
+    operand of p + update, max(|prev|, |want|): the sound measure for an approximate update
+    (1 ULP of the update is many ULPs of a result that cancels to near zero)."""
+    return _ulps(got, want) if prev is None else dk._update_ulps(got, want, prev)
+
+
+def _mismatch_report(title, name, got, want, inputs, regions=None, ulp_bound=0, limit=6, prev=None):
+    """A readable account of where `got` and `want` differ, with each element's inputs."""
+    d = _distance(got, want, prev)
+    bad = np.flatnonzero(d > ulp_bound)
+    unit = "ULP" if prev is None else "ULP of max(|p|, |update|, |p_new|)"
+    lines = [f"{title}: {name} differs from the reference in {bad.size} of {got.size} elements "
+             f"(max {float(d.max(initial=0)):.4g} {unit}, bound {ulp_bound})"]
+    if prev is not None or ulp_bound:
+        edges = [0, 1, 2, 4, 16, np.inf]
+        hist = np.histogram(d[d > 0], bins=edges)[0]
+        lines.append("  distances of the differing elements: " + ", ".join(
+            f"({lo:g}, {hi:g}]: {c}" for lo, hi, c in zip(edges[:-1], edges[1:], hist))
+            + f"; plain ULPs of the result: max {int(_ulps(got, want).max(initial=0))}")
+    for i in bad[:limit]:
+        where = f" [{_where(int(i), regions)}]" if regions else ""
+        ins = ", ".join(f"{k}={_fmt(v[i])}" for k, v in inputs.items())
+        lines.append(f"  [{i}]{where} got {_fmt(got[i])} want {_fmt(want[i])} "
+                     f"({float(d[i]):.4g} {unit}); inputs: {ins}")
+    return "\n".join(lines)
+
+
+# -- CPU tests: no CuPy, no GPU --------------------------------------------------------------
+
+
+def test_kernel_sources_match_contract_constants():
+    dk.check_kernel_constants()
+
+
+def test_every_kernel_name_is_defined_in_the_source():
+    src = (dk.KERNEL_DIR / dk.ADAMW_SOURCE).read_text()
+    for v in VARIANTS:
+        for pd in dk.DTYPES:
+            for gd in dk.DTYPES:
+                name = dk.adamw_kernel_name(v, pd, gd)
+                vname, pname, gname = name.removeprefix("adamw_zero_copy_").rsplit("_", 2)
+                assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
+                assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
+                assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
+    sumsq = (dk.KERNEL_DIR / dk.SUMSQ_SOURCE).read_text()
+    for name in ("ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16",
+                 "ts_sumsq_finalize"):
+        assert name + "(" in sumsq
+
+
+def test_import_is_lazy_and_names_the_extras():
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"  # makes `import cupy` fail
+        "import trainstream._device_kernels as dk\n"
+        "assert 'torch' not in sys.modules and 'jax' not in sys.modules\n"
+        "try:\n"
+        "    dk.alloc_mapped(16)\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(dk.KERNEL_DIR.parent), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "trainstream[cuda12]" in out.stdout and "trainstream[cuda13]" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(variant=7), "Unknown kernel variant"),
+    (dict(param_dtype="int8"), "Unsupported dtype"),
+    (dict(master_ptr=256), "own master"),
+    (dict(param_dtype="bfloat16", master_ptr=0), "master_ptr"),
+    (dict(m_ptr=258), "4-byte aligned"),
+    (dict(v_ptr=0), "null pointer"),
+    (dict(scalars=np.zeros(11, np.float32)), "shape"),
+    (dict(scalars=None), "scalars_ptr"),
+    (dict(n=-1), "n must be"),
+    (dict(sumsq_ptr=260), "8-byte aligned"),
+])
+def test_launch_adamw_rejects_bad_arguments_before_touching_cuda(kwargs, match):
+    args = dict(variant=C.VARIANT_TORCH_CUDA, param_ptr=256, param_dtype="float32", grad_ptr=512,
+                grad_dtype="float32", master_ptr=0, m_ptr=1024, v_ptr=2048, n=10,
+                scalars=np.zeros(C.N_SCALARS, np.float32))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        dk.launch_adamw(**args)
+
+
+def test_dtype_names_and_blocks_for():
+    assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
+    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"
+    assert dk.blocks_for(0) == 1 and dk.blocks_for(1) == 1
+    assert dk.blocks_for(dk.SUMSQ_ELEMS_PER_BLOCK + 1) == 2
+    assert dk.blocks_for(10**12) == dk.SUMSQ_MAX_BLOCKS
+    with pytest.raises(ValueError):
+        dk.launch_sumsq_partials(256, "float32", 10, 512, 0, 0)
+
+
+# -- GPU fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, no device
+        pytest.skip(f"no usable CUDA device: {e}")
+    if count < 1:
+        pytest.skip("no CUDA device")
+    dk.compile_kernels()
+    return cupy
+
+
+@pytest.fixture
+def mapped(cp):
+    """make(n, offset, dtype) -> (numpy view on the host, device pointer), freed at teardown."""
+    frees = []
+
+    def make(n, offset=0, dtype=np.float32):
+        item = np.dtype(dtype).itemsize
+        host, dev, free = dk.alloc_mapped((n + offset) * item + 64)
+        frees.append(free)
+        return dk.host_view(host + offset * item, n, dtype), dev + offset * item
+
+    yield make
+    cp.cuda.Device().synchronize()
+    for free in frees:
+        free()
+
+
+def _device_array(cp, values: np.ndarray, offset: int):
+    """A CuPy array holding `values`, starting `offset` elements past an aligned block."""
+    buf = cp.zeros(values.size + offset + 8, dtype=values.dtype)
+    arr = buf[offset:offset + values.size]
+    arr.set(values)
+    return arr
+
+
+def _stream(cp) -> int:
+    return cp.cuda.get_current_stream().ptr
+
+
+# -- the kernel against the contract ----------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("n, layout", SIZES_LAYOUTS, ids=[f"n{n}-{lay}" for n, lay in SIZES_LAYOUTS])
+@pytest.mark.parametrize("pd, gd", DTYPE_COMBOS, ids=[f"w{p}-g{g}" for p, g in DTYPE_COMBOS])
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=[VNAME[v].replace("/", "_") for v in VARIANTS])
+def test_adamw_matches_contract(cp, mapped, variant, pd, gd, n, layout):
+    """STEPS updates; each step compared with reference_update from the kernel's own inputs.
+
+    torch/*, optax/cpu: bit-identical. optax/cuda: m, v bit-identical, the weights within
+    OPTAX_CUDA_MAX_ULP per step (XLA:GPU's approximate sqrt/division vs the IEEE host),
+    counted in ULPs of max(|p|, |update|, |p_new|): plain ULPs of p_new are unbounded where the
+    update cancels the weight.
+    """
+    conv, plat = VARIANTS[variant]
+    hp = HPS[(variant + n) % len(HPS)]
+    op, og, ow, om, ov = LAYOUTS[layout]
+    rng = np.random.default_rng([variant, n, len(pd), len(gd), op, og, om, ov])
+    p0 = rng.standard_normal(n).astype(np.float32)
+    param = _device_array(cp, _to_storage(p0, pd), op)
+    grad = _device_array(cp, np.zeros(n, _storage_np(gd)), og)
+    m, m_ptr = mapped(n, om)
+    v, v_ptr = mapped(n, ov)
+    m[:] = 0
+    v[:] = 0
+    master, master_ptr = (None, 0)
+    if pd != "float32":
+        master, master_ptr = mapped(n, ow)
+        master[:] = p0
+    regions = _regions(n, m_ptr, v_ptr, master_ptr, param.data.ptr, param.itemsize,
+                       grad.data.ptr, grad.itemsize)
+    ulp_bound = OPTAX_CUDA_BOUND if variant == C.VARIANT_OPTAX_CUDA else 0
+    title = f"{VNAME[variant]} {pd} weights, {gd} grads, n={n}, layout {layout}"
+    for t in range(1, STEPS + 1):
+        g32 = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        g_store = _to_storage(g32, gd)
+        grad.set(g_store)
+        g_in = _from_storage(g_store, gd)
+        clip = np.float32(rng.uniform(0.1, 1.0)) if t % 2 else np.float32(1.0)
+        s = C.step_scalars(hp, t, conv, plat, clip=clip)
+        p_prev = master.copy() if master is not None else param.get()
+        m_prev, v_prev = m.copy(), v.copy()
+        dk.launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_ptr, m_ptr, v_ptr,
+                        n, s, 0, 0.0, _stream(cp))
+        cp.cuda.Device().synchronize()
+        rp, rm, rv = C.reference_update(p_prev, m_prev, v_prev, g_in, s, conv, plat)
+        inputs = {"p": p_prev, "m": m_prev, "v": v_prev, "g": g_in}
+        where = f"{title}, step {t} (scalars {s.tolist()}; regions head/vec/tail={regions})"
+        got_p = master.copy() if master is not None else param.get()
+        approx_prev = p_prev if ulp_bound else None
+        for name, got, want, bound, prev in (
+                ("exp_avg", m.copy(), rm, 0, None), ("exp_avg_sq", v.copy(), rv, 0, None),
+                ("weights" if pd == "float32" else "master", got_p, rp, ulp_bound, approx_prev)):
+            if _distance(got, want, prev).max(initial=0) > bound:
+                pytest.fail(_mismatch_report(where, name, got, want, inputs, regions, bound, prev=prev))
+        if pd != "float32":
+            stored = param.get()
+            want = _to_storage(got_p, pd)
+            if not np.array_equal(stored, want):
+                bad = np.flatnonzero(stored != want)
+                pytest.fail(f"{where}: {pd} weights are not the rounded master at {bad.size} elements, "
+                            f"e.g. [{bad[0]}] master {_fmt(got_p[bad[0]])}: stored 0x{int(stored[bad[0]]):04x}, "
+                            f"want 0x{int(want[bad[0]]):04x}")
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=[VNAME[v].replace("/", "_") for v in VARIANTS])
+def test_adamw_scalars_from_a_device_pointer(cp, mapped, variant):
+    """The JAX path: the scalar vector in device memory instead of by value."""
+    conv, plat = VARIANTS[variant]
+    n = 4097
+    rng = np.random.default_rng(variant)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    param = _device_array(cp, _to_storage(p0, "bfloat16"), 1)
+    grad = _device_array(cp, np.zeros(n, np.float32), 1)
+    m, m_ptr = mapped(n, 1)
+    v, v_ptr = mapped(n, 1)
+    w, w_ptr = mapped(n, 1)
+    m[:] = 0
+    v[:] = 0
+    w[:] = p0
+    for t in range(1, 6):
+        g = rng.standard_normal(n).astype(np.float32)
+        grad.set(g)
+        s = C.step_scalars(HPS[0], t, conv, plat, clip=np.float32(0.5))
+        s_dev = cp.asarray(s)
+        prev = (w.copy(), m.copy(), v.copy())
+        dk.launch_adamw(variant, param.data.ptr, "bfloat16", grad.data.ptr, "float32", w_ptr, m_ptr,
+                        v_ptr, n, None, stream=_stream(cp), scalars_ptr=s_dev.data.ptr)
+        cp.cuda.Device().synchronize()
+        rp, rm, rv = C.reference_update(*prev, g, s, conv, plat)
+        bound = OPTAX_CUDA_BOUND if variant == C.VARIANT_OPTAX_CUDA else 0
+        inputs = {"p": prev[0], "m": prev[1], "v": prev[2], "g": g}
+        for name, got, want, b, pv in (("exp_avg", m.copy(), rm, 0, None), ("exp_avg_sq", v.copy(), rv, 0, None),
+                                       ("master", w.copy(), rp, bound, prev[0] if bound else None)):
+            if _distance(got, want, pv).max(initial=0) > b:
+                pytest.fail(_mismatch_report(f"{VNAME[variant]} scalars by pointer, step {t}",
+                                             name, got, want, inputs, ulp_bound=b, prev=pv))
+
+
+@gpu
+def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped):
+    n = 100003
+    rng = np.random.default_rng(7)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    m, m_ptr = mapped(n)
+    v, v_ptr = mapped(n)
+    m[:] = 0
+    v[:] = 0
+    s = C.step_scalars(HPS[0], 1, "torch", "cuda")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        param = cp.asarray(p0)
+        grad = cp.asarray(g)
+    dk.set_sync_launches(True)
+    try:
+        dk.launch_adamw(C.VARIANT_TORCH_CUDA, param.data.ptr, "float32", grad.data.ptr, "float32", 0,
+                        m_ptr, v_ptr, n, s, stream=stream.ptr)
+    finally:
+        dk.set_sync_launches(False)
+    dk.check_stream(stream.ptr)
+    rp, rm, rv = C.reference_update(p0, np.zeros(n, np.float32), np.zeros(n, np.float32), g, s, "torch", "cuda")
+    np.testing.assert_array_equal(param.get(), rp)
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_array_equal(v, rv)
+
+
+# -- against torch.optim.AdamW on CUDA ----------------------------------------------------------
+
+
+def _hypotheses_report(alternatives) -> str:
+    """alternatives: [(label, {hypothesis: array}, reference array)] -> which ones reproduce it."""
+    lines = []
+    for label, alts, target in alternatives:
+        ok = [k for k, a in alts.items()
+              if np.array_equal(np.asarray(a, np.float32).view(np.uint32), target.view(np.uint32))]
+        lines.append(f"  {label}: reproduced exactly by " + (" | ".join(ok) if ok else
+                     "none of: " + " | ".join(alts)))
+    return "\n".join(lines)
+
+
+def _torch_cuda_hypotheses(p, m, v, g, hp, t, want) -> str:
+    """Which formulas reproduce torch's step from torch's previous state (NumPy)."""
+    f = np.float32
+    with np.errstate(all="ignore"):
+        bc1 = 1 - hp.beta1**t
+        bc2 = 1 - hp.beta2**t
+        w, omb2, b2 = f(1 - hp.beta1), f(1 - hp.beta2), f(hp.beta2)
+        p1 = p * f(1 - hp.lr * hp.weight_decay)
+        diff = g - m
+        small = abs(float(w)) < 0.5
+        m_alts = {
+            "lerp as fma [contract]": C.fma_f32(w, diff, m) if small else C.fma_f32(w - f(1), diff, g),
+            "lerp unfused": (m + w * diff) if small else (g - diff * (f(1) - w)),
+        }
+        vb2 = v * b2
+        v_alts = {
+            "fma(1-b2, g*g, v*b2) [contract]": C.fma_f32(omb2, g * g, vb2),
+            "fma((1-b2)*g, g, v*b2)": C.fma_f32(omb2 * g, g, vb2),
+            "(1-b2)*g*g + v*b2": (omb2 * g) * g + vb2,
+        }
+        mt, vt = want[1], want[2]  # torch's own new moments: p's formula judged alone
+        d_alts = {
+            "sqrt(v)*f(1/sqrt(bc2)) [contract]": np.sqrt(vt) * f(1.0 / bc2**0.5) + f(hp.eps),
+            "sqrt(v)*(1/f(sqrt(bc2)))": np.sqrt(vt) * (f(1) / f(bc2**0.5)) + f(hp.eps),
+            "sqrt(v)/f(sqrt(bc2))": np.sqrt(vt) / f(bc2**0.5) + f(hp.eps),
+        }
+        step = f(-(hp.lr / bc1))
+        p_alts = {}
+        for dn, d in d_alts.items():
+            p_alts[f"d = {dn}, p = fma(step, m/d, p1)"] = C.fma_f32(step, mt / d, p1)
+            p_alts[f"d = {dn}, p = p1 + step*(m/d)"] = p1 + step * (mt / d)
+    return _hypotheses_report([("exp_avg", m_alts, want[1]), ("exp_avg_sq", v_alts, want[2]),
+                               ("param", p_alts, want[0])])
+
+
+@gpu
+@pytest.mark.parametrize("hp_i", range(len(HPS)))
+@pytest.mark.parametrize("foreach", [None, False], ids=["default-foreach", "foreach-False"])
+def test_torch_cuda_variant_matches_torch_adamw_on_cuda(cp, mapped, foreach, hp_i):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    hp = HPS[hp_i]
+    n = 100003
+    rng = np.random.default_rng(hp_i)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    dev = torch.device("cuda", cp.cuda.runtime.getDevice())
+    tp = torch.nn.Parameter(torch.from_numpy(p0.copy()).to(dev))
+    opt = torch.optim.AdamW([tp], lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                            weight_decay=hp.weight_decay, foreach=foreach)
+    param = cp.asarray(p0)
+    grad = cp.zeros(n, cp.float32)
+    m, m_ptr = mapped(n)
+    v, v_ptr = mapped(n)
+    m[:] = 0
+    v[:] = 0
+    prev_t = (p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32))
+    for t in range(1, STEPS + 1):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        tp.grad = torch.from_numpy(g).to(dev)
+        opt.step()
+        torch.cuda.synchronize(dev)
+        st = opt.state[tp]
+        want = (tp.detach().cpu().numpy(), st["exp_avg"].cpu().numpy(), st["exp_avg_sq"].cpu().numpy())
+        grad.set(g)
+        s = C.step_scalars(hp, t, "torch", "cuda")
+        dk.launch_adamw(C.VARIANT_TORCH_CUDA, param.data.ptr, "float32", grad.data.ptr, "float32", 0,
+                        m_ptr, v_ptr, n, s, stream=_stream(cp))
+        cp.cuda.Device().synchronize()
+        got = (param.get(), m.copy(), v.copy())
+        for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq"), got, want):
+            if not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+                report = _mismatch_report(
+                    f"torch/cuda kernel vs torch.optim.AdamW(foreach={foreach}) on CUDA, {hp}, step {t} "
+                    f"(torch {torch.__version__})", name, a, b,
+                    {"p": prev_t[0], "m": prev_t[1], "v": prev_t[2], "g": g})
+                pytest.fail(report + "\nwhich formulas reproduce torch's step from its previous state:\n"
+                            + _torch_cuda_hypotheses(*prev_t, g, hp, t, want))
+        prev_t = tuple(x.copy() for x in want)
+
+
+# -- against optax.adamw under jax.jit on the GPU -----------------------------------------------
+
+_DIAG_SRC = r"""
+__device__ float dv(float a, float b, int full) {
+  float r;
+  if (full) asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  else r = __fdiv_rn(a, b);
+  return r;
+}
+__device__ float sq(float x, int approx) {
+  float r;
+  if (approx) asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  else r = __fsqrt_rn(x);
+  return r;
+}
+extern "C" __global__ void optax_candidates(const float* p, const float* m, const float* v,
+    float bc1, float bc2, float eps, float wd, float neglr, float* out, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (int k = 0; k < 8; ++k) {
+    int full = k & 1, approx = (k >> 1) & 1, fold = (k >> 2) & 1;
+    float den = __fadd_rn(sq(dv(v[i], bc2, full), approx), eps);
+    float u = fold ? dv(m[i], __fmul_rn(bc1, den), full) : dv(dv(m[i], bc1, full), den, full);
+    u = __fadd_rn(u, __fmul_rn(wd, p[i]));
+    out[k * n + i] = __fadd_rn(p[i], __fmul_rn(u, neglr));
+  }
+}
+"""
+
+
+def _optax_candidates(cp, p, m_new, v_new, s):
+    n = p.size
+    kern = cp.RawKernel(_DIAG_SRC, "optax_candidates", options=("--fmad=false",))
+    out = cp.empty(8 * n, cp.float32)
+    f = np.float32
+    kern(((n + 255) // 256,), (256,), (cp.asarray(p), cp.asarray(m_new), cp.asarray(v_new),
+         f(s[C.S_BC1]), f(s[C.S_BC2_OPTAX]), f(s[C.S_EPS]), f(s[C.S_WD]), f(s[C.S_NEG_LR]), out, np.int64(n)))
+    out = out.get().reshape(8, n)
+    names = [f"div {'full' if k & 1 else 'rn'}, sqrt {'approx' if k & 2 else 'rn'}, "
+             f"{'m/(bc1*(...))' if k & 4 else '(m/bc1)/(...)'}" for k in range(8)]
+    return dict(zip(names, out))
+
+
+def _jax_gpu():
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("JAX has no GPU backend here")
+    return jax, gpus[0]
+
+
+@gpu
+@pytest.mark.parametrize("hp_i", [0, 1])
+def test_optax_cuda_variant_matches_xla_gpu(cp, mapped, hp_i):
+    """Bitwise against optax.adamw as XLA:GPU compiles it, with diagnostics on mismatch."""
+    jax, jdev = _jax_gpu()
+    import jax.numpy as jnp
+    import optax
+
+    hp = HPS[hp_i]
+    n = 65537
+    steps = min(STEPS, 30)
+    opt = optax.adamw(hp.lr, b1=hp.beta1, b2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay)
+
+    @jax.jit
+    def xla_step(params, state, g):
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    @jax.jit
+    def optax_bias_corrections(count):  # the expression of optax.tree_utils.tree_bias_correction
+        return 1 - hp.beta1**count, 1 - hp.beta2**count
+
+    rng = np.random.default_rng(100 + hp_i)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    params = jax.device_put(jnp.asarray(p0), jdev)
+    state = opt.init(params)
+    param = cp.asarray(p0)
+    grad = cp.zeros(n, cp.float32)
+    m, m_ptr = mapped(n)
+    v, v_ptr = mapped(n)
+    m[:] = 0
+    v[:] = 0
+    for t in range(1, steps + 1):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        p_prev = np.asarray(params)
+        m_prev, v_prev = m.copy(), v.copy()
+        params, state = xla_step(params, state, jax.device_put(jnp.asarray(g), jdev))
+        bc1, bc2 = (np.float32(x) for x in optax_bias_corrections(jax.device_put(jnp.int32(t), jdev)))
+        want_p = np.asarray(params)
+        want_m = np.asarray(optax.tree_utils.tree_get(state, "mu"))
+        want_v = np.asarray(optax.tree_utils.tree_get(state, "nu"))
+        s = C.optax_step_scalars(hp, bc1, bc2)
+        grad.set(g)
+        dk.launch_adamw(C.VARIANT_OPTAX_CUDA, param.data.ptr, "float32", grad.data.ptr, "float32", 0,
+                        m_ptr, v_ptr, n, s, stream=_stream(cp))
+        cp.cuda.Device().synchronize()
+        got_p, got_m, got_v = param.get(), m.copy(), v.copy()
+        title = f"optax/cuda kernel vs optax.adamw on XLA:GPU (jax {jax.__version__}), {hp}, step {t}"
+        for name, a, b in (("mu", got_m, want_m), ("nu", got_v, want_v)):
+            if not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+                f32 = np.float32
+                omb1, b1, omb2, b2 = (f32(1 - hp.beta1), f32(hp.beta1), f32(1 - hp.beta2), f32(hp.beta2))
+                mp, vp = m_prev, v_prev
+                alts = [("mu", {"(1-b1)*g + b1*m [contract]": omb1 * g + b1 * mp,
+                                "fma(1-b1, g, b1*m)": C.fma_f32(omb1, g, b1 * mp),
+                                "fma(b1, m, (1-b1)*g)": C.fma_f32(b1, mp, omb1 * g)}, want_m),
+                        ("nu", {"(1-b2)*(g*g) + b2*v [contract]": omb2 * (g * g) + b2 * vp,
+                                "fma(1-b2, g*g, b2*v)": C.fma_f32(omb2, g * g, b2 * vp),
+                                "fma(b2, v, (1-b2)*(g*g))": C.fma_f32(b2, vp, omb2 * (g * g))}, want_v)]
+                pytest.fail(_mismatch_report(title, name, a, b, {"g": g, "m": mp, "v": vp})
+                            + "\nwhich formulas reproduce XLA's moments:\n" + _hypotheses_report(alts))
+        if not np.array_equal(got_p.view(np.uint32), want_p.view(np.uint32)):
+            cands = _optax_candidates(cp, p_prev, want_m, want_v, s)
+            rates = ", ".join(f"[{k}]: {np.mean(c.view(np.uint32) == want_p.view(np.uint32)):.4%}"
+                              for k, c in cands.items())
+            pytest.fail(_mismatch_report(title, "params", got_p, want_p,
+                                         {"p": p_prev, "m": want_m, "v": want_v})
+                        + f"\nfraction of XLA's params reproduced by each lowering: {rates}"
+                        + f"\n(bc1={_fmt(bc1)}, bc2={_fmt(bc2)}; the kernel uses div.full unless "
+                          "TRAINSTREAM_XLA_DIV=rn, sqrt.approx, m/(bc1*(...)))")
+        # the same inputs next step for both sides
+        param.set(want_p)
+        m[:] = want_m
+        v[:] = want_v
+
+
+@gpu
+def test_contract_optax_bias_corrections_match_optax_on_xla_gpu():
+    """The contract's jnp expression for bc1, bc2 vs optax's own (pow with an int32 count)."""
+    jax, jdev = _jax_gpu()
+    import jax.numpy as jnp
+
+    counts = jax.device_put(jnp.arange(1, 20001, dtype=jnp.int32), jdev)
+    for b1, b2 in ((0.9, 0.999), (0.3, 0.95), (0.5, 0.99)):
+        ours = jax.jit(jax.vmap(lambda c: C.optax_bias_corrections(b1, b2, c, xp=jnp)))(counts)
+        optax_like = jax.jit(jax.vmap(lambda c: (1 - b1**c, 1 - b2**c)))(counts)
+        for k, name in enumerate(("bc1", "bc2")):
+            a, b = np.asarray(ours[k]), np.asarray(optax_like[k])
+            bad = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+            assert bad.size == 0, (
+                f"b=({b1}, {b2}) {name}: _contract.optax_bias_corrections differs from optax's "
+                f"1 - b**count on XLA:GPU at {bad.size} counts, first count {bad[0] + 1}: "
+                f"{_fmt(a[bad[0]])} vs {_fmt(b[bad[0]])}")
+
+
+# -- deterministic sum of squares and clipping ----------------------------------------------------
+
+_SUMSQ_SPECS = [(1, "float32"), (4097, "bfloat16"), (0, "float16"), (1000003, "float16"),
+                (3000001, "float32"), (65536, "bfloat16"), (12345, "float32")]
+
+
+def _sumsq_inputs(cp, rng, offset_of=lambda i: i % 3):
+    arrays, ref = [], 0.0
+    for i, (n, gd) in enumerate(_SUMSQ_SPECS):
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 2)).astype(np.float32)
+        store = _to_storage(x, gd)
+        arrays.append((_device_array(cp, store, offset_of(i)), gd, n))
+        ref += float(np.sum(_from_storage(store, gd).astype(np.float64) ** 2))
+    return arrays, ref
+
+
+def _run_sumsq(cp, arrays):
+    total = sum(dk.blocks_for(n) for _, _, n in arrays)
+    partials = cp.full(total, np.nan, cp.float64)
+    out = cp.full(1, np.nan, cp.float64)
+    used = dk.launch_grad_sumsq([(a.data.ptr, gd, n) for a, gd, n in arrays], partials.data.ptr,
+                                out.data.ptr, _stream(cp))
+    assert used == total
+    return out.get()[0]
+
+
+@gpu
+def test_grad_sumsq_is_deterministic_and_accurate(cp):
+    rng = np.random.default_rng(11)
+    arrays, ref = _sumsq_inputs(cp, rng)
+    runs = [_run_sumsq(cp, arrays) for _ in range(5)]
+    bits = {np.float64(r).tobytes().hex() for r in runs}
+    assert len(bits) == 1, f"sum of squares differs between identical runs: {runs}"
+    rel = abs(runs[0] - ref) / ref
+    assert rel <= 1e-12, f"device sum of squares {runs[0]!r} vs float64 NumPy {ref!r}: relative {rel:.3e}"
+    # the same values at other alignments: the same bits (scalar loads, order by index only)
+    moved = [(_device_array(cp, a.get(), (i + 1) % 4), gd, n) for i, (a, gd, n) in enumerate(arrays)]
+    again = _run_sumsq(cp, moved)
+    assert np.float64(again).tobytes() == np.float64(runs[0]).tobytes(), (again, runs[0])
+
+
+@gpu
+def test_grad_sumsq_per_tensor_slices(cp):
+    """Each tensor's partials land in its own slice; finalize over a prefix sums just those."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(50000).astype(np.float32)
+    y = rng.standard_normal(9000).astype(np.float32)
+    gx, gy = cp.asarray(x), cp.asarray(y)
+    nx, ny = dk.blocks_for(x.size), dk.blocks_for(y.size)
+    partials = cp.full(nx + ny, np.nan, cp.float64)
+    out = cp.zeros(2, cp.float64)
+    dk.launch_sumsq_partials(gx.data.ptr, "float32", x.size, partials.data.ptr, 0, nx, _stream(cp))
+    dk.launch_sumsq_partials(gy.data.ptr, "float32", y.size, partials.data.ptr, nx, ny, _stream(cp))
+    dk.launch_sumsq_finalize(partials.data.ptr, nx, out.data.ptr, _stream(cp))
+    dk.launch_sumsq_finalize(partials.data.ptr + 8 * nx, ny, out.data.ptr + 8, _stream(cp))
+    sx, sy = out.get()
+    np.testing.assert_allclose(sx, np.sum(x.astype(np.float64) ** 2), rtol=1e-12)
+    np.testing.assert_allclose(sy, np.sum(y.astype(np.float64) ** 2), rtol=1e-12)
+
+
+@gpu
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 3.0, 1e30])
+@pytest.mark.parametrize("pd", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", [C.VARIANT_TORCH_CUDA, C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU],
+                         ids=["torch_cuda", "torch_cpu", "optax_cpu"])
+def test_clip_coefficient_applied_on_device(cp, mapped, variant, pd, max_norm):
+    """Two tensors clipped by the global norm from the device sum of squares, no host sync:
+    the update equals reference_update with S_CLIP = clip_coefficient(sqrt(sumsq), max_norm)."""
+    conv, plat = VARIANTS[variant]
+    rng = np.random.default_rng(int(max_norm * 7) % 1000 + variant)
+    sizes = (4097, 1000)
+    gs = [rng.standard_normal(k).astype(np.float32) * np.float32(0.1) for k in sizes]
+    ps = [rng.standard_normal(k).astype(np.float32) for k in sizes]
+    grads = [cp.asarray(_to_storage(g, "float32")) for g in gs]
+    total = sum(dk.blocks_for(k) for k in sizes)
+    partials = cp.empty(total, cp.float64)
+    sumsq = cp.full(1, np.nan, cp.float64)
+    dk.launch_grad_sumsq([(g.data.ptr, "float32", g.size) for g in grads], partials.data.ptr,
+                         sumsq.data.ptr, _stream(cp))
+    s = C.step_scalars(HPS[0], 3, conv, plat, clip=np.float32(123.0))  # S_CLIP must be ignored
+    states = []
+    for p0, g, k in zip(ps, grads, sizes):
+        param = cp.asarray(_to_storage(p0, pd))
+        m, m_ptr = mapped(k)
+        v, v_ptr = mapped(k)
+        m[:] = rng.standard_normal(k).astype(np.float32) * np.float32(1e-2)
+        v[:] = np.abs(rng.standard_normal(k)).astype(np.float32) * np.float32(1e-4)
+        w, w_ptr = (None, 0) if pd == "float32" else mapped(k)
+        if w is not None:
+            w[:] = p0
+        states.append((param, m, v, w, m.copy(), v.copy()))
+        dk.launch_adamw(variant, param.data.ptr, pd, g.data.ptr, "float32", w_ptr, m_ptr, v_ptr, k, s,
+                        sumsq.data.ptr, max_norm, _stream(cp))
+    cp.cuda.Device().synchronize()
+    sq = float(sumsq.get()[0])
+    ref_sq = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in gs)
+    assert abs(sq - ref_sq) <= 1e-12 * ref_sq, (sq, ref_sq)
+    coef = C.clip_coefficient(np.sqrt(sq), max_norm)
+    s_ref = s.copy()
+    s_ref[C.S_CLIP] = coef
+    for (param, m, v, w, m0, v0), p0, g in zip(states, ps, gs):
+        rp, rm, rv = C.reference_update(p0, m0, v0, g, s_ref, conv, plat)
+        got_p = w if w is not None else param.get()
+        for name, got, want in (("exp_avg", m, rm), ("exp_avg_sq", v, rv), ("weights", got_p, rp)):
+            if not np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32)):
+                pytest.fail(_mismatch_report(
+                    f"{VNAME[variant]} {pd}, max_norm={max_norm}, sumsq={sq!r}, contract coefficient "
+                    f"{_fmt(coef)}", name, np.asarray(got), want, {"p": p0, "m": m0, "v": v0, "g": g}))
+
+
+# -- mapped memory and the benchmark ---------------------------------------------------------------
+
+
+@gpu
+def test_alloc_mapped_failure_raises_memoryerror_naming_the_size(cp):
+    with pytest.raises(MemoryError, match=rf"could not allocate {2**60} bytes of mapped pinned host memory"):
+        dk.alloc_mapped(2**60)
+    host, dev, free = dk.alloc_mapped(1 << 20)  # CUDA still usable afterwards
+    try:
+        view = dk.host_view(host, 4)
+        view[:] = [1, 2, 3, 4]
+        copy4 = cp.RawKernel(r'''extern "C" __global__ void ts_copy4(const float* a, float* b) {
+            b[threadIdx.x] = a[threadIdx.x] * 2.0f; }''', "ts_copy4")
+        out = cp.zeros(4, cp.float32)
+        copy4((1,), (4,), (np.uint64(dev), out))  # the GPU reads the mapped host memory
+        np.testing.assert_array_equal(out.get(), [2, 4, 6, 8])
+        del view
+    finally:
+        free()
+        free()  # idempotent
+
+
+@gpu
+def test_alloc_mapped_cuda_failure_leaves_no_stale_cuda_error(cp, monkeypatch):
+    """The same failure from cudaHostAlloc itself (the physical-memory pre-check disabled):
+    still a MemoryError, and torch's next launch check does not see a stale error."""
+    monkeypatch.setattr(dk, "_physical_memory_bytes", lambda: None)
+    with pytest.raises(MemoryError, match=rf"could not allocate {2**60} bytes of mapped pinned host memory"):
+        dk.alloc_mapped(2**60)
+    host, dev, free = dk.alloc_mapped(4096)
+    free()
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        x = torch.zeros(16, device=torch.device("cuda", cp.cuda.runtime.getDevice())) + 1  # launch check
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 16.0
+
+
+@gpu
+@pytest.mark.parametrize("pd", ["float32", "bfloat16"])
+def test_benchmark_checks_then_times(cp, pd):
+    r = dk.benchmark_zero_copy_adamw(1 << 20, device=cp.cuda.runtime.getDevice(), param_dtype=pd,
+                                     iters=2, repeats=3)
+    assert r["numel"] == 1 << 20 and r["ms"] > 0
+    assert r["bytes_per_elem"] == (16 if pd == "float32" else 24)
+    assert r["pcie_gbps"] == pytest.approx(r["gelems_per_s"] * r["bytes_per_elem"])

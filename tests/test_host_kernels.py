@@ -1,0 +1,545 @@
+"""The Numba host kernels against the NumPy statement of the contract (bit for bit).
+
+Every specialisation compiled here costs Numba compile time (cached on disk afterwards),
+so each test compiles only the specialisations it checks.
+"""
+
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from trainstream import _contract as C
+from trainstream import _host_kernels as K
+
+try:
+    import torch
+except ImportError:  # the kernels do not need torch; only some comparisons use it
+    torch = None
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+VARIANTS = [
+    ("torch", "cpu"),
+    ("torch", "cuda"),
+    ("optax", "cpu"),
+    ("optax", "cuda"),
+]
+KINDS = [K.KIND_F32, K.KIND_F16, K.KIND_BF16]
+KIND_NAMES = {K.KIND_F32: "f32", K.KIND_F16: "f16", K.KIND_BF16: "bf16"}
+SIZES = [1, 7, 4095, 4097, 10007, 65537]  # 7 and 10007 are primes
+HP_A = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
+HP_B = C.AdamWHyperParams(3e-2, 0.3, 0.95, 1e-6, 0.1)  # lerp weight >= 0.5
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def assert_bits_equal(got, want, what=""):
+    """Same bits, element for element; NaN matches NaN (any payload)."""
+    got = np.asarray(got)
+    want = np.asarray(want)
+    assert got.shape == want.shape, what
+    if got.dtype == np.uint16:  # half-precision bit patterns of `kind` given by caller
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    gn, wn = np.isnan(got), np.isnan(want)
+    np.testing.assert_array_equal(gn, wn, err_msg=f"{what}: NaN positions")
+    bad = (got.view(np.uint32) != want.view(np.uint32)) & ~gn
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AssertionError(f"{what}: {bad.sum()} elements differ, first at {i}: {got[i]!r} != {want[i]!r}")
+
+
+def half_nan_equal(got_bits, want_bits, kind, what=""):
+    """uint16 patterns equal, except that any NaN matches any NaN."""
+    f = half_to_f32(got_bits, kind)
+    w = half_to_f32(want_bits, kind)
+    assert_bits_equal(f, w, what)
+
+
+def half_to_f32(bits, kind):
+    bits = np.asarray(bits, np.uint16)
+    if kind == K.KIND_F16:
+        return bits.view(np.float16).astype(np.float32)
+    return C.bf16_bits_to_f32(bits)
+
+
+def round_bits_torch(x, kind):
+    """float32 -> uint16 bits of ``kind`` as torch rounds (numpy where torch is absent)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if torch is not None:
+        dt = torch.float16 if kind == K.KIND_F16 else torch.bfloat16
+        return torch.from_numpy(x).to(dt).view(torch.int16).numpy().view(np.uint16)
+    if kind == K.KIND_F16:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).view(np.uint16)
+    return C.f32_to_bf16_bits(x)
+
+
+def make_grad(rng, n, kind, t=0):
+    """A gradient as the kernel reads it (float32 or uint16 bits) and its exact fp32 upcast."""
+    scale = np.float32(10.0 ** rng.uniform(-4, 1))
+    g = (rng.standard_normal(n) * scale).astype(np.float32)
+    # a spread of magnitudes (fp16 subnormals included) and exact zeros
+    g *= (10.0 ** rng.integers(-6, 2, n)).astype(np.float32)
+    g[rng.random(n) < 0.01] = 0.0
+    if kind == K.KIND_F32:
+        return g, g
+    bits = round_bits_torch(g, kind)
+    return bits, half_to_f32(bits, kind)
+
+
+def uneven_chunks(rng, n, pieces=7):
+    cuts = np.unique(np.concatenate([[0, n], rng.integers(0, n + 1, pieces)]))
+    return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+
+
+# -- AdamW --------------------------------------------------------------------------------------
+
+
+def _run_adamw_case(conv, plat, gkind, okind, n, hp, steps, seed):
+    """Run ``steps`` updates three ways (one chunk, uneven chunks, NumPy) and compare."""
+    variant = C.variant_id(conv, plat)
+    rng = np.random.default_rng(seed)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    if okind != K.KIND_F32:  # fp16/bf16 parameter: the master starts as its weights
+        p0 = half_to_f32(round_bits_torch(p0, okind), okind)
+    ref = [p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    whole = [a.copy() for a in ref]
+    chunked = [a.copy() for a in ref]
+    out_whole = np.full(n, 0xFFFF, np.uint16) if okind else None
+    out_chunked = np.full(n, 0xFFFF, np.uint16) if okind else None
+    chunks = uneven_chunks(rng, n)
+    for t in range(1, steps + 1):
+        gbuf, g32 = make_grad(rng, n, gkind, t)
+        clip = np.float32(rng.uniform(0.1, 1.0)) if t % 2 else np.float32(1.0)
+        s = C.step_scalars(hp, t, conv, plat, clip=clip)
+        K.adamw_chunk(variant, *whole, gbuf, gkind, out_whole, okind, 0, n, s)
+        for b, e in chunks:
+            K.adamw_chunk(variant, *chunked, gbuf, gkind, out_chunked, okind, b, e, s)
+        ref = list(C.reference_update(*ref, g32, s, conv, plat))
+        tag = f"{conv}/{plat} g={KIND_NAMES[gkind]} out={KIND_NAMES[okind]} n={n} step {t}"
+        for name, got, want in zip("pmv", whole, ref):
+            assert_bits_equal(got, want, f"{name} {tag}")
+        for name, got, want in zip("pmv", chunked, whole):
+            assert_bits_equal(got, want, f"{name} chunked vs whole, {tag}")
+        if okind:
+            np.testing.assert_array_equal(out_whole, round_bits_torch(whole[0], okind), err_msg=f"out16 {tag}")
+            np.testing.assert_array_equal(out_chunked, out_whole, err_msg=f"out16 chunked, {tag}")
+
+
+@pytest.mark.parametrize("okind", KINDS, ids=lambda k: "out_" + KIND_NAMES[k])
+@pytest.mark.parametrize("gkind", KINDS, ids=lambda k: "g_" + KIND_NAMES[k])
+@pytest.mark.parametrize("conv,plat", VARIANTS, ids=lambda x: x)
+def test_adamw_matches_reference(conv, plat, gkind, okind):
+    for n in SIZES:
+        _run_adamw_case(conv, plat, gkind, okind, n, HP_A, steps=3, seed=n)
+    _run_adamw_case(conv, plat, gkind, okind, 4097, HP_B, steps=3, seed=1)
+
+
+@pytest.mark.parametrize("conv,plat", VARIANTS, ids=lambda x: x)
+def test_adamw_many_steps_fp32(conv, plat):
+    _run_adamw_case(conv, plat, K.KIND_F32, K.KIND_F32, 1009, HP_A, steps=50, seed=50)
+
+
+@pytest.mark.parametrize("conv,plat", VARIANTS, ids=lambda x: x)
+def test_adamw_nonfinite_gradients_propagate(conv, plat):
+    """Inf/NaN gradients poison m, v, p exactly as the reference does (no guard)."""
+    variant = C.variant_id(conv, plat)
+    n = 64
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal(n).astype(np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    ref = [p.copy(), m.copy(), v.copy()]
+    g = rng.standard_normal(n).astype(np.float32)
+    g[[1, 5, 9]] = [np.inf, -np.inf, np.nan]
+    s = C.step_scalars(HP_A, 1, conv, plat, clip=0.5)
+    K.adamw_chunk(variant, p, m, v, g, 0, None, 0, 0, n, s)
+    ref = C.reference_update(*ref, g, s, conv, plat)
+    for name, got, want in zip("pmv", (p, m, v), ref):
+        assert_bits_equal(got, want, name)
+    assert np.isnan(p[[1, 5, 9]]).all()
+
+
+def test_adamw_empty_range_and_none_output_write_nothing():
+    n = 100
+    p, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    g = np.ones(n, np.float32)
+    s = C.step_scalars(HP_A, 1, "torch", "cpu")
+    K.adamw_chunk(0, p, m, v, g, 0, None, 0, 40, 40, s)
+    assert (p == 1).all() and (m == 0).all()
+    # okind != 0 with out16=None: the update runs, nothing else is written
+    K.adamw_chunk(0, p, m, v, g, 0, None, K.KIND_BF16, 10, 20, s)
+    assert (p[10:20] != 1).all() and (p[:10] == 1).all() and (p[20:] == 1).all()
+
+
+def test_adamw_threads_release_the_gil():
+    """Disjoint chunks from several threads give the single-call result."""
+    n = 200_003
+    rng = np.random.default_rng(7)
+    base = [rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    g = rng.standard_normal(n).astype(np.float32)
+    s = C.step_scalars(HP_A, 1, "torch", "cpu", clip=0.3)
+    one = [a.copy() for a in base]
+    K.adamw_chunk(0, *one, g, 0, None, 0, 0, n, s)
+    many = [a.copy() for a in base]
+    bounds = np.linspace(0, n, 5).astype(int)
+    ts = [threading.Thread(target=K.adamw_chunk, args=(0, *many, g, 0, None, 0, int(b), int(e), s))
+          for b, e in zip(bounds[:-1], bounds[1:])]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for a, b in zip(one, many):
+        assert_bits_equal(a, b)
+
+
+def test_adamw_unknown_codes_rejected():
+    a = np.zeros(4, np.float32)
+    s = C.step_scalars(HP_A, 1, "torch", "cpu")
+    with pytest.raises(ValueError, match="no specialisation"):
+        K.adamw_chunk(7, a, a.copy(), a.copy(), a.copy(), 0, None, 0, 0, 4, s)
+    with pytest.raises(ValueError, match="no specialisation"):
+        K.adamw_chunk(0, a, a.copy(), a.copy(), a.copy(), 3, None, 0, 0, 4, s)
+
+
+# -- the real references ---------------------------------------------------------------------
+
+
+def test_torch_cpu_kernel_matches_torch_adamw():
+    if torch is None:
+        pytest.skip("torch not installed")
+    from trainstream.backends._torch import torch_cpu_sqrt_mode
+
+    sqrt_mode = torch_cpu_sqrt_mode()
+    n, steps = 4097, 50
+    rng = np.random.default_rng(11)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    tp = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    opt = torch.optim.AdamW([tp], lr=HP_A.lr, betas=(HP_A.beta1, HP_A.beta2), eps=HP_A.eps,
+                            weight_decay=HP_A.weight_decay)
+    p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t in range(1, steps + 1):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        clip = np.float32(rng.uniform(0.1, 1.0))
+        tp.grad = torch.from_numpy(g.copy()).mul_(torch.tensor(clip))
+        opt.step()
+        s = C.step_scalars(HP_A, t, "torch", "cpu", clip=clip)
+        K.adamw_chunk(C.VARIANT_TORCH_CPU, p, m, v, g, 0, None, 0, 0, n, s, sqrt_mode)
+        st = opt.state[tp]
+        assert_bits_equal(m, st["exp_avg"].numpy(), f"exp_avg step {t}")
+        assert_bits_equal(v, st["exp_avg_sq"].numpy(), f"exp_avg_sq step {t}")
+        assert_bits_equal(p, tp.detach().numpy(), f"param step {t}")
+
+
+@pytest.mark.xfail(
+    reason="contract's optax/cpu formula not yet XLA:CPU's (XLA fuses m and v into FMAs)",
+    strict=True,
+)
+def test_optax_cpu_kernel_matches_jitted_optax():
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    jnp = jax.numpy
+    n, steps = 4097, 50
+    rng = np.random.default_rng(12)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    opt = optax.adamw(HP_A.lr, b1=HP_A.beta1, b2=HP_A.beta2, eps=HP_A.eps, weight_decay=HP_A.weight_decay)
+
+    @jax.jit
+    def step(params, state, grad):
+        updates, state = opt.update(grad, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jp = jnp.asarray(p0)
+    state = opt.init(jp)
+    p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t in range(1, steps + 1):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        clip = np.float32(rng.uniform(0.1, 1.0))
+        jp, state = step(jp, state, jnp.asarray(g * clip))
+        bc1, bc2 = C.optax_bias_corrections(HP_A.beta1, HP_A.beta2, t, xp=jnp)
+        s = C.optax_step_scalars(HP_A, np.float32(bc1), np.float32(bc2), clip=clip)
+        K.adamw_chunk(C.VARIANT_OPTAX_CPU, p, m, v, g, 0, None, 0, 0, n, s)
+        assert_bits_equal(m, np.asarray(state[0].mu), f"mu step {t}")
+        assert_bits_equal(v, np.asarray(state[0].nu), f"nu step {t}")
+        assert_bits_equal(p, np.asarray(jp), f"params step {t}")
+
+
+# -- conversions -------------------------------------------------------------------------------
+
+ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+
+
+def test_f16_to_f32_exhaustive():
+    out = np.empty(65536, np.float32)
+    K.convert_to_f32(out, ALL16, K.KIND_F16, 0, 65536)
+    assert_bits_equal(out, ALL16.view(np.float16).astype(np.float32), "f16 -> f32")
+    if torch is not None:
+        want = torch.from_numpy(ALL16.view(np.int16)).view(torch.float16).float().numpy()
+        assert_bits_equal(out, want, "f16 -> f32 vs torch")
+
+
+def test_bf16_to_f32_exhaustive():
+    out = np.empty(65536, np.float32)
+    K.convert_to_f32(out, ALL16, K.KIND_BF16, 0, 65536)
+    assert_bits_equal(out, C.bf16_bits_to_f32(ALL16), "bf16 -> f32")
+    np.testing.assert_array_equal(out.view(np.uint32) >> 16, ALL16)  # every bit kept, NaN too
+
+
+def test_f32_copy_kind0():
+    src = np.random.default_rng(0).standard_normal(1001).astype(np.float32)
+    dst = np.zeros_like(src)
+    K.convert_to_f32(dst, src, K.KIND_F32, 3, 998)
+    assert_bits_equal(dst[3:998], src[3:998])
+    assert (dst[:3] == 0).all() and (dst[998:] == 0).all()
+
+
+def _rounding_inputs():
+    """Every upper half-word with lower half-words at and around the rounding ties."""
+    hi = np.arange(65536, dtype=np.uint32) << 16
+    lows = np.array([0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x7FFF, 0x8000, 0x8001, 0xEFFF,
+                     0xF000, 0xFFFF], np.uint32)
+    return (hi[:, None] | lows[None, :]).ravel().view(np.float32)
+
+
+@pytest.mark.parametrize("kind", [K.KIND_F16, K.KIND_BF16], ids=["f16", "bf16"])
+def test_round_from_f32_exhaustive(kind):
+    x = _rounding_inputs()
+    n = x.size
+    out = np.empty(n, np.uint16)
+    K.round_from_f32(out, x, kind, 0, n)
+    want = round_bits_torch(x, kind)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[~nan], want[~nan])
+    assert np.isnan(half_to_f32(out[nan], kind)).all()
+    if kind == K.KIND_BF16:
+        np.testing.assert_array_equal(out, C.f32_to_bf16_bits(x))  # NaN -> 0x7FC0 exactly
+    # round trip of every half value is the identity (NaN stays NaN)
+    up = half_to_f32(ALL16, kind)
+    back = np.empty(65536, np.uint16)
+    K.round_from_f32(back, up, kind, 0, 65536)
+    keep = ~np.isnan(up)
+    np.testing.assert_array_equal(back[keep], ALL16[keep])
+    assert np.isnan(half_to_f32(back[~keep], kind)).all()
+
+
+# -- accumulation and sum of squares ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("gkind", KINDS, ids=lambda k: KIND_NAMES[k])
+def test_accumulate_fresh_and_add(gkind):
+    rng = np.random.default_rng(gkind)
+    for n in SIZES:
+        acc = np.full(n, np.nan, np.float32)
+        acc64 = np.zeros(n)
+        for i in range(4):
+            gbuf, g32 = make_grad(rng, n, gkind)
+            fresh = i == 0
+            for b, e in uneven_chunks(rng, n, pieces=3):
+                K.accumulate_chunk(acc, gbuf, gkind, b, e, fresh)
+            # float32 addition rounds the exact (float64) sum once
+            acc64 = g32.astype(np.float64) if fresh else acc64.astype(np.float32).astype(np.float64) + g32
+            assert_bits_equal(acc, acc64.astype(np.float32), f"n={n} pass {i}")
+
+
+def _sumsq_in_documented_order(x64, block):
+    """The summation order of sumsq_blocks, restated in NumPy."""
+    lanes_n = K.SUMSQ_LANES
+    out = []
+    for b in range(0, x64.size, block):
+        blk = x64[b:b + block]
+        pad = (-blk.size) % lanes_n
+        rows = np.concatenate([blk, np.zeros(pad)]).reshape(-1, lanes_n)
+        lanes = np.zeros(lanes_n)
+        for r in rows:  # in order, lane by lane (adding +0.0 squares changes nothing)
+            lanes = lanes + r * r
+        w = lanes_n // 2
+        while w:
+            lanes[:w] = lanes[:w] + lanes[w:2 * w]
+            w //= 2
+        out.append(lanes[0])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("gkind", KINDS, ids=lambda k: KIND_NAMES[k])
+def test_sumsq_blocks(gkind):
+    rng = np.random.default_rng(10 + gkind)
+    for n, block in [(1, 64), (4095, 1000), (4097, 4096), (65537, 4096), (10007, 977), (300, 7)]:
+        gbuf, g32 = make_grad(rng, n, gkind)
+        nb = -(-n // block)
+        whole = np.full(nb, np.nan)
+        K.sumsq_blocks(gbuf, gkind, 0, n, block, whole)
+        x64 = g32.astype(np.float64)
+        ref = np.array([np.sum(x64[b:b + block] ** 2) for b in range(0, n, block)])
+        np.testing.assert_allclose(whole, ref, rtol=1e-13, atol=0)
+        np.testing.assert_array_equal(whole, _sumsq_in_documented_order(x64, block))
+        # block-aligned uneven chunks give the same partials, bit for bit
+        cuts = np.unique(np.concatenate([[0, nb], rng.integers(0, nb + 1, 4)])) * block
+        cuts[-1] = n
+        parts = np.full(nb, np.nan)
+        for b, e in zip(cuts[:-1], cuts[1:]):
+            if b < e:
+                K.sumsq_blocks(gbuf, gkind, int(b), int(e), block, parts[b // block:])
+        np.testing.assert_array_equal(parts, whole)
+
+
+# -- the validating wrapper ----------------------------------------------------------------------
+
+
+def _good(n=16):
+    rng = np.random.default_rng(0)
+    return dict(
+        p=rng.standard_normal(n).astype(np.float32),
+        m=np.zeros(n, np.float32),
+        v=np.zeros(n, np.float32),
+        g=rng.standard_normal(n).astype(np.float32),
+        scalars=C.step_scalars(HP_A, 1, "torch", "cpu"),
+    )
+
+
+def test_host_adamw_update_matches_reference_and_dtypes():
+    a = _good(1000)
+    want = C.reference_update(a["p"], a["m"], a["v"], a["g"], a["scalars"], "torch", "cpu")
+    b = {k: x.copy() for k, x in a.items()}
+    K.host_adamw_update(b["p"], b["m"], b["v"], b["g"], b["scalars"])
+    for got, w in zip((b["p"], b["m"], b["v"]), want):
+        assert_bits_equal(got, w)
+    # float16 gradient, float16 output
+    g16 = a["g"].astype(np.float16)
+    want = C.reference_update(a["p"], a["m"], a["v"], g16.astype(np.float32), a["scalars"], "torch", "cpu")
+    b = {k: x.copy() for k, x in a.items()}
+    out = np.empty(1000, np.float16)
+    K.host_adamw_update(b["p"], b["m"], b["v"], g16, b["scalars"], out=out)
+    assert_bits_equal(b["p"], want[0])
+    np.testing.assert_array_equal(out.view(np.uint16), round_bits_torch(b["p"], K.KIND_F16))
+    # bfloat16 as uint16 bits with grad_kind, and a sub-range
+    gb = C.f32_to_bf16_bits(a["g"])
+    b = {k: x.copy() for k, x in a.items()}
+    outb = np.zeros(1000, np.uint16)
+    K.host_adamw_update(b["p"], b["m"], b["v"], gb, b["scalars"], grad_kind="bfloat16",
+                        out=outb, out_kind="bfloat16", begin=100, end=900)
+    want = C.reference_update(a["p"], a["m"], a["v"], C.bf16_bits_to_f32(gb), a["scalars"], "torch", "cpu")
+    assert_bits_equal(b["p"][100:900], want[0][100:900])
+    assert_bits_equal(b["p"][:100], a["p"][:100])
+    np.testing.assert_array_equal(outb[100:900], C.f32_to_bf16_bits(b["p"][100:900]))
+    assert (outb[:100] == 0).all()
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes not installed")
+def test_host_adamw_update_ml_dtypes_bfloat16():
+    a = _good(100)
+    gb = a["g"].astype(ml_dtypes.bfloat16)
+    want = C.reference_update(a["p"], a["m"], a["v"], gb.astype(np.float32), a["scalars"], "torch", "cpu")
+    out = np.empty(100, ml_dtypes.bfloat16)
+    K.host_adamw_update(a["p"], a["m"], a["v"], gb, a["scalars"], out=out)
+    assert_bits_equal(a["p"], want[0])
+    np.testing.assert_array_equal(out.view(np.uint16), C.f32_to_bf16_bits(a["p"]))
+
+
+def _readonly(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+BAD_INPUTS = [
+    # (description, argument overrides, keyword overrides, exception, message pattern)
+    ("p float64", dict(p=np.zeros(16)), {}, TypeError, "p must be float32"),
+    ("m float16", dict(m=np.zeros(16, np.float16)), {}, TypeError, "m must be float32"),
+    ("v int32", dict(v=np.zeros(16, np.int32)), {}, TypeError, "v must be float32"),
+    ("p list", dict(p=[0.0] * 16), {}, TypeError, "p must be a numpy.ndarray"),
+    ("g float64", dict(g=np.zeros(16)), {}, TypeError, "g must be float32, float16"),
+    ("g uint16 without kind", dict(g=np.zeros(16, np.uint16)), {}, TypeError, "grad_kind"),
+    ("g kind contradicts", {}, dict(grad_kind="float16"), TypeError, "contradicts"),
+    ("scalars float64", dict(scalars=np.zeros(C.N_SCALARS)), {}, TypeError, "scalars must be float32"),
+    ("scalars short", dict(scalars=np.zeros(3, np.float32)), {}, ValueError, "scalars must have"),
+    ("m short", dict(m=np.zeros(15, np.float32)), {}, ValueError, "m has 15 elements but p has 16"),
+    ("g long", dict(g=np.zeros(17, np.float32)), {}, ValueError, "g has 17 elements"),
+    ("p 2-D", dict(p=np.zeros((4, 4), np.float32)), {}, ValueError, "p must be 1-D"),
+    ("v strided", dict(v=np.zeros(32, np.float32)[::2]), {}, ValueError, "v must be C-contiguous"),
+    ("g strided", dict(g=np.zeros(32, np.float32)[::2]), {}, ValueError, "g must be C-contiguous"),
+    ("p read-only", dict(p=_readonly(np.zeros(16, np.float32))), {}, ValueError, "p is read-only"),
+    ("m read-only", dict(m=_readonly(np.zeros(16, np.float32))), {}, ValueError, "m is read-only"),
+    ("begin > end", {}, dict(begin=10, end=5), ValueError, "begin=10, end=5"),
+    ("end past length", {}, dict(end=17), ValueError, "end <= len"),
+    ("negative begin", {}, dict(begin=-1), ValueError, "0 <= begin"),
+    ("float begin", {}, dict(begin=1.0), TypeError, "begin must be an int"),
+    ("bad convention", {}, dict(convention="adam"), ValueError, "Unknown convention"),
+    ("bad platform", {}, dict(platform="tpu"), ValueError, "Unknown platform"),
+    ("out float32", {}, dict(out=np.zeros(16, np.float32)), TypeError, "out must be float16"),
+    ("out short", {}, dict(out=np.zeros(15, np.float16)), ValueError, "out has 15 elements"),
+    ("out read-only", {}, dict(out=_readonly(np.zeros(16, np.float16))), ValueError, "out is read-only"),
+    ("out uint16 no kind", {}, dict(out=np.zeros(16, np.uint16)), TypeError, "out_kind"),
+    ("out_kind without out", {}, dict(out_kind="float16"), ValueError, "without out"),
+]
+
+
+@pytest.mark.parametrize("desc,args,kwargs,exc,msg", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_host_adamw_update_rejects(desc, args, kwargs, exc, msg):
+    a = _good()
+    before = {k: np.array(x, copy=True) for k, x in a.items()}
+    a.update(args)
+    with pytest.raises(exc, match=re.escape(msg)):
+        K.host_adamw_update(a["p"], a["m"], a["v"], a["g"], a["scalars"], **kwargs)
+    for k in ("p", "m", "v"):  # nothing was touched
+        if k not in args:
+            np.testing.assert_array_equal(a[k], before[k])
+
+
+def test_host_adamw_update_rejects_aliasing():
+    a = _good()
+    with pytest.raises(ValueError, match="m and v share memory"):
+        K.host_adamw_update(a["p"], a["m"], a["m"], a["g"], a["scalars"])
+    with pytest.raises(ValueError, match="p and g share memory"):
+        K.host_adamw_update(a["p"], a["m"], a["v"], a["p"], a["scalars"])
+
+
+# -- the machine code ---------------------------------------------------------------------------
+
+
+def _host_has_avx2():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2 " in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _host_has_avx2(), reason="checks AVX2/AVX-512 code generation")
+def test_kernels_vectorise():
+    """A few specialisations (uncached copies) carry packed sqrt/div/fma or conversions."""
+    rows = K.vectorisation_report([
+        ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
+        ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
+        ("sumsq", (K.KIND_F16,)),
+    ])
+    for r in rows:
+        assert r["vector"], r
+    # (torch/cpu: no vsqrtps check, torch_cpu_sqrt may become an emulation of ATen's sqrt)
+    ops = rows[0]["packed_ops"]
+    assert ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
+    ops = rows[1]["packed_ops"]
+    assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
+    assert "vaddpd" in rows[2]["packed_ops"], rows[2]
+
+
+# -- the micro-benchmark (smoke: it checks itself against the reference before timing) ------
+
+
+def test_benchmarks_smoke():
+    from trainstream import _bench as B
+
+    r = B.benchmark_host_adamw(10_007, threads=3, repeats=2)
+    assert set(r) == {"ms", "gelems_per_s", "gbps", "threads", "numel"}
+    assert r["threads"] == 3 and r["numel"] == 10_007 and r["ms"] > 0
+    assert r["gbps"] == pytest.approx(r["gelems_per_s"] * 28)
+    assert B.benchmark_rmw_bandwidth(10_007, threads=2, repeats=2) > 0
+    assert B.benchmark_rmw_bandwidth(10_007, threads=1, repeats=1, prefetch=False) > 0
+    assert B.split_ranges(100, 3) == [(0, 32), (32, 64), (64, 100)]
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        B.benchmark_host_adamw(100, threads=0)

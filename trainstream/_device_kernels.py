@@ -1,0 +1,797 @@
+"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels in ``kernels/*.cu``.
+
+The arithmetic of the update is :mod:`trainstream._contract` (one kernel variant per
+``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
+it. What lives here: compiling ``kernels/adamw_zero_copy.cu`` and ``kernels/grad_sumsq.cu``
+once per device, launching them on raw pointers and a raw stream handle (plain ``int``\\ s,
+so torch, JAX and CuPy callers all fit), mapped pinned host allocations for the state, and
+a micro-benchmark.
+
+No torch or jax import, and CuPy is imported on first use only: ``import
+trainstream._device_kernels`` works on a machine without CuPy or a GPU; a call that needs
+CuPy raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
+``trainstream[cuda13]``.
+
+Compilation. NVRTC through ``cupy.RawModule`` with ``-std=c++17 --fmad=false --ftz=false
+--prec-div=true --prec-sqrt=true``. The kernels do not rely on any of these: every float
+operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which
+``-fmad`` and ``-prec-*`` do not touch. ``--ftz=false`` does matter (``ftz`` changes the
+``_rn`` intrinsics too) and is pinned; ``--fmad=false`` is a safety net for any future
+line written without an intrinsic. ``TRAINSTREAM_XLA_DIV=rn`` compiles the optax/cuda
+variant with IEEE division instead of XLA:GPU's ``div.full.f32`` (see the kernel source).
+CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
+
+Errors. A launch that the driver refuses raises ``RuntimeError`` naming the kernel. A
+fault inside a kernel (a bad pointer, say) is asynchronous: it surfaces at the next
+synchronising CUDA call on that device, from whichever library makes it. Set
+``TRAINSTREAM_SYNC_LAUNCHES=1`` (or call :func:`set_sync_launches`) to synchronise the
+stream after every launch and raise at the launch that faulted; :func:`check_stream`
+does the same once.
+
+Streams. ``stream`` is a ``cudaStream_t`` as an ``int``: ``0`` is the legacy default
+stream, ``torch.cuda.current_stream().cuda_stream``, ``cupy.cuda.get_current_stream().ptr``
+or the stream XLA hands an FFI handler. Launches are asynchronous on that stream; the
+caller orders them against the producers of the gradient and the readers of the weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import re
+import statistics
+import threading
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from . import _contract as C
+
+__all__ = [
+    "KERNEL_DIR",
+    "ADAMW_THREADS",
+    "SUMSQ_THREADS",
+    "DTYPES",
+    "adamw_kernel_name",
+    "check_kernel_constants",
+    "compile_kernels",
+    "launch_adamw",
+    "blocks_for",
+    "launch_sumsq_partials",
+    "launch_sumsq_finalize",
+    "launch_grad_sumsq",
+    "alloc_mapped",
+    "host_view",
+    "check_stream",
+    "set_sync_launches",
+    "benchmark_zero_copy_adamw",
+]
+
+#: Folder of the CUDA sources: ``<repo>/kernels`` (override: ``TRAINSTREAM_KERNEL_DIR``).
+KERNEL_DIR = Path(
+    os.environ.get("TRAINSTREAM_KERNEL_DIR", Path(__file__).resolve().parent.parent / "kernels")
+)
+ADAMW_SOURCE = "adamw_zero_copy.cu"
+SUMSQ_SOURCE = "grad_sumsq.cu"
+
+#: Block sizes; the .cu files define the same numbers (checked at load time).
+ADAMW_THREADS = 256
+SUMSQ_THREADS = 256
+#: Sum-of-squares stage 1: about this many elements per block, at most this many blocks
+#: per tensor. A function of the tensor size only, so the bits never depend on the GPU.
+SUMSQ_ELEMS_PER_BLOCK = 16 * SUMSQ_THREADS
+SUMSQ_MAX_BLOCKS = 1024
+
+COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+DTYPES = ("float32", "float16", "bfloat16")
+_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_ALIASES = {
+    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+_VARIANT_NAMES = {
+    C.VARIANT_TORCH_CPU: "torch_cpu",
+    C.VARIANT_TORCH_CUDA: "torch_cuda",
+    C.VARIANT_OPTAX_CPU: "optax_cpu",
+    C.VARIANT_OPTAX_CUDA: "optax_cuda",
+}
+_VARIANT_CONVENTION = {
+    C.VARIANT_TORCH_CPU: ("torch", "cpu"),
+    C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
+    C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
+    C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
+}
+
+# cudaHostAllocPortable | cudaHostAllocMapped
+_HOST_ALLOC_PORTABLE = 1
+_HOST_ALLOC_MAPPED = 2
+
+
+class _Scalars(ctypes.Structure):
+    """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
+
+    _fields_ = [("s", ctypes.c_float * C.N_SCALARS)]
+
+
+# -- CuPy, lazily --------------------------------------------------------------------------
+
+_cupy_module = None
+
+
+def _cupy():
+    """Import CuPy on first use, with an actionable message when it is missing."""
+    global _cupy_module
+    if _cupy_module is None:
+        try:
+            import cupy  # noqa: PLC0415
+        except ImportError as e:
+            raise ImportError(
+                "TrainStream's gpu (zero-copy) mode needs CuPy, which is not installed: "
+                "install the extra matching your CUDA driver, `pip install "
+                "trainstream[cuda12]` (cupy-cuda12x) or `pip install trainstream[cuda13]` "
+                f"(cupy-cuda13x). ({e})"
+            ) from e
+        _cupy_module = cupy
+    return _cupy_module
+
+
+_sync_launches = os.environ.get("TRAINSTREAM_SYNC_LAUNCHES", "") not in ("", "0")
+
+
+def set_sync_launches(enabled: bool) -> None:
+    """Synchronise the stream after every launch (debugging: faults raise at the launch)."""
+    global _sync_launches
+    _sync_launches = bool(enabled)
+
+
+# -- the sources and their constants -------------------------------------------------------
+
+
+def _read_source(name: str) -> str:
+    path = KERNEL_DIR / name
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise FileNotFoundError(
+            f"TrainStream CUDA source {path} not found (kernels/ must sit beside the "
+            f"trainstream package, or set TRAINSTREAM_KERNEL_DIR): {e}"
+        ) from e
+
+
+_DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
+
+
+def check_kernel_constants() -> None:
+    """Check that the ``#define``\\ s of the .cu files match :mod:`trainstream._contract`.
+
+    Scalar indices (``TS_S_*`` = ``S_*``), variant numbers (``TS_VARIANT_*`` =
+    ``VARIANT_*``), ``TS_N_SCALARS`` and the block sizes. Raises ``RuntimeError`` listing
+    every difference. Needs no GPU.
+    """
+    problems = []
+    adamw = dict((k, int(v)) for k, v in _DEFINE.findall(_read_source(ADAMW_SOURCE)))
+    sumsq = dict((k, int(v)) for k, v in _DEFINE.findall(_read_source(SUMSQ_SOURCE)))
+    expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
+    for name in dir(C):
+        if name.startswith("S_") or name.startswith("VARIANT_"):
+            expected["TS_" + name] = getattr(C, name)
+    for key, want in sorted(expected.items()):
+        got = adamw.get(key)
+        if got != want:
+            problems.append(f"{ADAMW_SOURCE}: {key} is {got}, the contract says {want}")
+    for key in sorted(adamw):
+        if (key.startswith("TS_S_") or key.startswith("TS_VARIANT_")) and key not in expected:
+            problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream._contract")
+    if sumsq.get("TS_SUMSQ_THREADS") != SUMSQ_THREADS:
+        problems.append(
+            f"{SUMSQ_SOURCE}: TS_SUMSQ_THREADS is {sumsq.get('TS_SUMSQ_THREADS')}, "
+            f"_device_kernels.SUMSQ_THREADS is {SUMSQ_THREADS}"
+        )
+    if problems:
+        raise RuntimeError("TrainStream kernels out of sync with the contract:\n  " + "\n  ".join(problems))
+
+
+def _dtype_name(dtype) -> str:
+    """'float32' / 'float16' / 'bfloat16' from a string, NumPy, ml_dtypes, torch or JAX dtype."""
+    if isinstance(dtype, str):
+        s = dtype
+    else:
+        try:
+            s = np.dtype(dtype).name
+        except TypeError:
+            s = str(dtype)
+    s = s.lower().removeprefix("torch.").removeprefix("jnp.")
+    try:
+        return _DTYPE_ALIASES[s]
+    except KeyError:
+        raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {DTYPES}") from None
+
+
+def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
+    """The ``extern "C"`` name of the AdamW kernel for a variant and two dtypes."""
+    if variant not in _VARIANT_NAMES:
+        raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
+    return (
+        f"adamw_zero_copy_{_VARIANT_NAMES[variant]}_"
+        f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}"
+    )
+
+
+def _all_adamw_names() -> list[str]:
+    return [adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
+
+
+_SUMSQ_NAMES = ["ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16", "ts_sumsq_finalize"]
+
+
+# -- compilation, once per device ----------------------------------------------------------
+
+
+class _Kernel:
+    __slots__ = ("name", "function", "ptr", "max_grid")
+
+    def __init__(self, name, function, ptr, max_grid):
+        self.name = name
+        self.function = function  # keeps the CUmodule loaded
+        self.ptr = ptr
+        self.max_grid = max_grid  # blocks resident at once on the whole device
+
+
+_lock = threading.Lock()
+_modules: dict[str, object] = {}
+_kernels: dict[int, dict[str, _Kernel]] = {}
+
+
+def _options() -> tuple[str, ...]:
+    opts = COMPILE_OPTIONS
+    if os.environ.get("TRAINSTREAM_XLA_DIV", "full").lower() == "rn":
+        opts = opts + ("-DTS_XLA_DIV_RN",)
+    return opts
+
+
+def _current_device() -> int:
+    return int(_cupy().cuda.runtime.getDevice())
+
+
+def compile_kernels(device: int | None = None) -> dict[str, int]:
+    """Compile and load every kernel on ``device`` (default: the current one).
+
+    Idempotent and thread-safe; the launch functions call it. Returns ``{name: resident
+    blocks per device}`` (occupancy x multiprocessors), the grid cap of the AdamW launches.
+    """
+    cp = _cupy()
+    dev = _current_device() if device is None else int(device)
+    table = _kernels.get(dev)
+    if table is not None:
+        return {k: v.max_grid for k, v in table.items()}
+    with _lock:
+        table = _kernels.get(dev)
+        if table is None:
+            check_kernel_constants()
+            if not _modules:
+                opts = _options()
+                _modules["adamw"] = cp.RawModule(code=_read_source(ADAMW_SOURCE), options=opts)
+                _modules["sumsq"] = cp.RawModule(code=_read_source(SUMSQ_SOURCE), options=opts)
+            table = {}
+            with cp.cuda.Device(dev):
+                sm_count = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+                for module, names, threads in (
+                    ("adamw", _all_adamw_names(), ADAMW_THREADS),
+                    ("sumsq", _SUMSQ_NAMES, SUMSQ_THREADS),
+                ):
+                    for name in names:
+                        function = _modules[module].get_function(name).kernel  # compiles once
+                        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                            function.ptr, threads, 0
+                        )
+                        table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
+            _kernels[dev] = table
+    return {k: v.max_grid for k, v in table.items()}
+
+
+def _kernel(device: int, name: str) -> _Kernel:
+    table = _kernels.get(device)
+    if table is None:
+        compile_kernels(device)
+        table = _kernels[device]
+    return table[name]
+
+
+def _ensure_context(cp, device: int) -> None:
+    """Bind the device's primary context to this thread if none is (a thread that never
+    made a CUDA runtime call, e.g. one of XLA's); the driver launch needs one."""
+    if cp.cuda.driver.ctxGetCurrent() == 0:
+        cp.cuda.runtime.setDevice(device)
+        cp.cuda.runtime.free(0)  # any runtime call makes the primary context current
+
+
+def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, stream: int) -> None:
+    cp = _cupy()
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    with cp.cuda.Device(device):
+        _ensure_context(cp, device)
+        try:
+            cp.cuda.driver.launchKernel(
+                kernel.ptr, grid, 1, 1, block, 1, 1, 0, int(stream), ctypes.addressof(params), 0
+            )
+        except cp.cuda.driver.CUDADriverError as e:
+            raise RuntimeError(
+                f"TrainStream: launching {kernel.name} (grid {grid} x {block}) on cuda:{device}, "
+                f"stream {int(stream):#x}, failed: {e}"
+            ) from e
+        if _sync_launches:
+            _sync_or_raise(device, stream, f"{kernel.name} (grid {grid} x {block})")
+
+
+def _sync_or_raise(device: int, stream: int, what: str) -> None:
+    cp = _cupy()
+    try:
+        cp.cuda.runtime.streamSynchronize(int(stream))
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        raise RuntimeError(f"TrainStream: CUDA error on cuda:{device} after {what}: {e}") from e
+
+
+def check_stream(stream: int = 0, device: int | None = None) -> None:
+    """Synchronise ``stream`` and raise ``RuntimeError`` for an asynchronous kernel fault."""
+    cp = _cupy()
+    dev = _current_device() if device is None else int(device)
+    with cp.cuda.Device(dev):
+        _sync_or_raise(dev, stream, "the launches queued on this stream")
+
+
+def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
+    ptr = int(ptr or 0)
+    if ptr == 0:
+        if allow_null:
+            return 0
+        raise ValueError(f"{name} is a null pointer")
+    if ptr < 0:
+        raise ValueError(f"{name} = {ptr} is not a pointer")
+    if ptr % align:
+        raise ValueError(f"{name} = {ptr:#x} is not {align}-byte aligned")
+    return ptr
+
+
+# -- AdamW ---------------------------------------------------------------------------------
+
+
+def _grid_for(n: int, max_grid: int) -> int:
+    """Grid of an AdamW launch: one 4-element group per thread, capped at the blocks
+    resident on the device (grid-stride beyond that), so no block waits for a second wave."""
+    return max(1, min(math.ceil(n / (4 * ADAMW_THREADS)), max_grid))
+
+
+def launch_adamw(
+    variant: int,
+    param_ptr: int,
+    param_dtype,
+    grad_ptr: int,
+    grad_dtype,
+    master_ptr: int,
+    m_ptr: int,
+    v_ptr: int,
+    n: int,
+    scalars: np.ndarray | None,
+    sumsq_ptr: int = 0,
+    max_norm: float = 0.0,
+    stream: int = 0,
+    *,
+    scalars_ptr: int = 0,
+    device: int | None = None,
+) -> None:
+    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous).
+
+    ``variant``: a ``trainstream._contract.VARIANT_*`` number. ``param_ptr``: the weights
+    in GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place.
+    ``grad_ptr``: the gradient in GPU memory (any of the three dtypes). ``master_ptr``:
+    fp32 master weights in mapped host memory (device pointer), required for fp16/bf16
+    weights and ``0`` for fp32 weights (their own master). ``m_ptr``, ``v_ptr``: fp32
+    moments, device pointers to mapped pinned host memory (see :func:`alloc_mapped`).
+    Any element alignment works; 16-byte-aligned state takes the vector path.
+
+    ``scalars``: the float32 vector of :func:`trainstream._contract.step_scalars`,
+    passed by value; or ``scalars_ptr``, a device pointer to those 12 float32 (then
+    ``scalars`` may be ``None``), e.g. the buffer an XLA FFI handler receives.
+
+    Clipping: with ``sumsq_ptr`` (a device float64 from :func:`launch_sumsq_finalize`)
+    the kernel computes ``clip_coefficient(sqrt(sumsq), max_norm)`` on the device and
+    uses it instead of ``scalars[S_CLIP]``; with ``sumsq_ptr=0`` the coefficient is
+    ``scalars[S_CLIP]`` (1.0 when not clipping).
+    """
+    if variant not in _VARIANT_NAMES:
+        raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
+    pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    param_ptr = _check_ptr("param_ptr", param_ptr, _ITEMSIZE[pd])
+    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd])
+    m_ptr = _check_ptr("m_ptr", m_ptr, 4)
+    v_ptr = _check_ptr("v_ptr", v_ptr, 4)
+    if pd == "float32":
+        if master_ptr:
+            raise ValueError("fp32 weights are their own master: pass master_ptr=0")
+        master_ptr = 0
+    else:
+        master_ptr = _check_ptr(f"master_ptr (required for {pd} weights)", master_ptr, 4)
+    scalars_ptr = _check_ptr("scalars_ptr", scalars_ptr, 4, allow_null=True)
+    sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
+    by_value = _Scalars()
+    if scalars_ptr == 0:
+        if scalars is None:
+            raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
+        s = np.ascontiguousarray(scalars, dtype=np.float32)
+        if s.shape != (C.N_SCALARS,):
+            raise ValueError(f"scalars must have shape ({C.N_SCALARS},), got {s.shape}")
+        ctypes.memmove(ctypes.addressof(by_value), s.ctypes.data, s.nbytes)
+    if n == 0:
+        return
+    dev = _current_device() if device is None else int(device)
+    kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
+    grid = _grid_for(n, kernel.max_grid)
+    args = [
+        ctypes.c_void_p(param_ptr),
+        ctypes.c_void_p(grad_ptr),
+        ctypes.c_void_p(master_ptr),
+        ctypes.c_void_p(m_ptr),
+        ctypes.c_void_p(v_ptr),
+        ctypes.c_longlong(n),
+        by_value,
+        ctypes.c_void_p(scalars_ptr),
+        ctypes.c_void_p(sumsq_ptr),
+        ctypes.c_float(float(max_norm)),
+    ]
+    _launch(dev, kernel, grid, ADAMW_THREADS, args, stream)
+
+
+# -- deterministic sum of squares ------------------------------------------------------------
+
+
+def blocks_for(n: int) -> int:
+    """Stage-1 block count (= float64 partials) for a gradient of ``n`` elements.
+
+    A function of ``n`` only (never of the GPU), so the reduction order, and the bits of
+    the result, are the same on every run and every device.
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return max(1, min(SUMSQ_MAX_BLOCKS, -(-n // SUMSQ_ELEMS_PER_BLOCK)))
+
+
+def launch_sumsq_partials(
+    grad_ptr: int,
+    grad_dtype,
+    n: int,
+    partials_ptr: int,
+    offset: int,
+    nblocks: int,
+    stream: int = 0,
+    *,
+    device: int | None = None,
+) -> None:
+    """Queue stage 1 for one gradient: writes ``partials[offset : offset + nblocks]``.
+
+    ``partials_ptr``: a device float64 array shared by all the gradients of a step, each
+    owning the slice at its ``offset``; use ``nblocks = blocks_for(n)``. ``n = 0`` still
+    writes its (zero) partials.
+    """
+    gd = _dtype_name(grad_dtype)
+    n, offset, nblocks = int(n), int(offset), int(nblocks)
+    if n < 0 or offset < 0 or nblocks < 1:
+        raise ValueError(f"need n >= 0, offset >= 0, nblocks >= 1; got n={n}, offset={offset}, nblocks={nblocks}")
+    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=(n == 0))
+    partials_ptr = _check_ptr("partials_ptr", partials_ptr, 8)
+    dev = _current_device() if device is None else int(device)
+    kernel = _kernel(dev, f"ts_sumsq_partials_{_SUFFIX[gd]}")
+    args = [ctypes.c_void_p(grad_ptr), ctypes.c_longlong(n), ctypes.c_void_p(partials_ptr + 8 * offset)]
+    _launch(dev, kernel, nblocks, SUMSQ_THREADS, args, stream)
+
+
+def launch_sumsq_finalize(
+    partials_ptr: int, count: int, out_ptr: int, stream: int = 0, *, device: int | None = None
+) -> None:
+    """Queue stage 2: ``*out = sum(partials[0:count])`` (float64, fixed order, one block)."""
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    partials_ptr = _check_ptr("partials_ptr", partials_ptr, 8, allow_null=(count == 0))
+    out_ptr = _check_ptr("out_ptr", out_ptr, 8)
+    dev = _current_device() if device is None else int(device)
+    kernel = _kernel(dev, "ts_sumsq_finalize")
+    args = [ctypes.c_void_p(partials_ptr), ctypes.c_longlong(count), ctypes.c_void_p(out_ptr)]
+    _launch(dev, kernel, 1, SUMSQ_THREADS, args, stream)
+
+
+def launch_grad_sumsq(
+    grads: Iterable[tuple[int, object, int]],
+    partials_ptr: int,
+    out_ptr: int,
+    stream: int = 0,
+    *,
+    device: int | None = None,
+) -> int:
+    """Both stages for ``grads`` = ``[(ptr, dtype, n), ...]`` in that order.
+
+    ``partials_ptr`` must hold ``sum(blocks_for(n))`` float64; returns that count.
+    """
+    offset = 0
+    for ptr, dtype, n in grads:
+        nb = blocks_for(n)
+        launch_sumsq_partials(ptr, dtype, n, partials_ptr, offset, nb, stream, device=device)
+        offset += nb
+    launch_sumsq_finalize(partials_ptr, offset, out_ptr, stream, device=device)
+    return offset
+
+
+# -- mapped pinned host memory ---------------------------------------------------------------
+
+
+def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Callable[[], None]]:
+    """Allocate ``nbytes`` of pinned host memory mapped into the GPU address space.
+
+    ``cudaHostAlloc(cudaHostAllocMapped | cudaHostAllocPortable)``: usable from every
+    device. Returns ``(host_ptr, dev_ptr, free)``; ``free()`` releases it (idempotent)
+    and must be called (nothing else does). Under UVA the two pointers are equal.
+    Raises ``MemoryError`` naming the size when the allocation fails; nothing leaks.
+    """
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be > 0, got {nbytes}")
+    physical = _physical_memory_bytes()
+    if physical is not None and nbytes > physical:
+        # fail before CUDA: a failed runtime call would leave its error as the "last
+        # error" of the CUDA runtime, which torch (same libcudart) would later report
+        raise MemoryError(
+            f"could not allocate {nbytes} bytes of mapped pinned host memory: "
+            f"more than the {physical} bytes of physical memory"
+        )
+    cp = _cupy()
+    rt = cp.cuda.runtime
+    flags = int(getattr(rt, "hostAllocMapped", _HOST_ALLOC_MAPPED)) | int(
+        getattr(rt, "hostAllocPortable", _HOST_ALLOC_PORTABLE)
+    )
+    dev = _current_device() if device is None else int(device)
+    with cp.cuda.Device(dev):
+        try:
+            host = int(rt.hostAlloc(nbytes, flags))
+        except (rt.CUDARuntimeError, MemoryError, OverflowError) as e:
+            _clear_cuda_last_error()
+            raise MemoryError(f"could not allocate {nbytes} bytes of mapped pinned host memory: {e}") from e
+        freed = threading.Lock()
+        state = {"live": True}
+
+        def free() -> None:
+            with freed:
+                if state["live"]:
+                    state["live"] = False
+                    rt.freeHost(host)
+
+        try:
+            getter = getattr(rt, "hostGetDevicePointer", None)
+            if getter is not None:
+                dev_ptr = int(getter(host, 0))
+            else:
+                dev_ptr = int(rt.pointerGetAttributes(host).devicePointer) or host
+        except BaseException:
+            free()
+            raise
+    return host, dev_ptr, free
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's sticky-until-read "last error" after a failed call, in
+    every libcudart loaded in this process, so that another library's next
+    cudaGetLastError() (torch checks it after each kernel launch) does not report it."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            pass
+
+
+def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:
+    """A NumPy view (no copy) of ``count`` elements at a host address.
+
+    The view does not keep the memory alive: drop it before calling the ``free``
+    returned by :func:`alloc_mapped`.
+    """
+    dtype = np.dtype(dtype)
+    count = int(count)
+    if count == 0:
+        return np.empty(0, dtype)
+    buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(host_ptr))
+    return np.frombuffer(buf, dtype=dtype, count=count)
+
+
+# -- benchmark ------------------------------------------------------------------------------
+
+
+def _update_ulps(got: np.ndarray, want: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """|got - want| in float32 ULPs of the largest term of the final ``p_new = p + update``:
+    max(|p|, |update|, |p_new|), the update taken as want - prev. Plain ULPs of p_new blow
+    up where the update cancels the weight (1 ULP of the update is then many ULPs of a
+    result near zero)."""
+    got, want, prev = (np.asarray(a, np.float32) for a in (got, want, prev))
+    with np.errstate(invalid="ignore", over="ignore"):
+        upd = np.abs(want.astype(np.float64) - prev.astype(np.float64)).astype(np.float32)
+    scale = np.spacing(np.maximum(np.maximum(np.abs(prev), np.abs(want)), upd))
+    with np.errstate(invalid="ignore"):
+        d = np.abs(got.astype(np.float64) - want.astype(np.float64)) / scale.astype(np.float64)
+    same = got.view(np.uint32) == want.view(np.uint32)
+    return np.where(same | (np.isnan(got) & np.isnan(want)), 0.0, d)
+
+
+def _check_sample(variant, p_before, m_before, v_before, g, scalars, p_after, m_after, v_after, param_after, pd):
+    conv, plat = _VARIANT_CONVENTION[variant]
+    rp, rm, rv = C.reference_update(p_before, m_before, v_before, g, scalars, conv, plat)
+    problems = []
+    for name, got, want in (("exp_avg", m_after, rm), ("exp_avg_sq", v_after, rv)):
+        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        if bad.size:
+            problems.append(f"{name}: {bad.size} of {got.size} sampled elements differ, e.g. {got[bad[0]]!r} vs {want[bad[0]]!r}")
+    if variant == C.VARIANT_OPTAX_CUDA:
+        ulps = _update_ulps(p_after, rp, p_before)
+        if ulps.max(initial=0) > C.OPTAX_CUDA_MAX_ULP:
+            problems.append(f"param: {float(ulps.max()):.3g} ULPs (of max(|p|, |update|, |p_new|)) from the "
+                            f"contract (bound {C.OPTAX_CUDA_MAX_ULP})")
+    else:
+        bad = np.flatnonzero(p_after.view(np.uint32) != rp.view(np.uint32))
+        if bad.size:
+            problems.append(f"param: {bad.size} of {p_after.size} sampled elements differ, e.g. {p_after[bad[0]]!r} vs {rp[bad[0]]!r}")
+    if pd != "float32":
+        want = C.round_to(p_after, pd)
+        if not np.array_equal(param_after.view(np.uint32), want.view(np.uint32)):
+            problems.append(f"{pd} weights are not the rounded master weights")
+    if problems:
+        raise AssertionError(
+            f"zero-copy AdamW ({_VARIANT_NAMES[variant]}, {pd} weights) does not match "
+            "trainstream._contract.reference_update:\n  " + "\n  ".join(problems)
+        )
+
+
+def benchmark_zero_copy_adamw(
+    numel: int,
+    device: int = 0,
+    *,
+    param_dtype: str = "float32",
+    grad_dtype: str | None = None,
+    variant: int = C.VARIANT_TORCH_CUDA,
+    iters: int = 5,
+    repeats: int = 7,
+) -> dict:
+    """Time the zero-copy AdamW kernel on ``numel`` elements: weights and gradient in GPU
+    memory, m and v (and the fp32 master for fp16/bf16 weights) in mapped host memory.
+
+    First checks one update against :func:`trainstream._contract.reference_update` on a
+    sample of elements (``AssertionError`` if it differs), then times ``repeats`` runs of
+    ``iters`` back-to-back launches with CUDA events and reports the median:
+    ``{"ms", "gelems_per_s", "pcie_gbps", "numel", "bytes_per_elem", ...}``.
+    ``pcie_gbps`` counts the state traffic: m and v read and written (16 B/element), plus
+    the master (24 B/element) for fp16/bf16 weights.
+    """
+    cp = _cupy()
+    numel = int(numel)
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    pd = _dtype_name(param_dtype)
+    gd = _dtype_name(grad_dtype or pd)
+    conv, plat = _VARIANT_CONVENTION[variant]
+    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
+    scalars = C.step_scalars(hp, 1, conv, plat)
+    frees: list[Callable[[], None]] = []
+    with cp.cuda.Device(device):
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            rng = cp.random.default_rng(1234)
+            p32 = rng.standard_normal(numel, dtype=cp.float32)
+            g32 = rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2)
+            param = _to_storage_cupy(cp, p32, pd)
+            grad = _to_storage_cupy(cp, g32, gd)
+            del g32
+            m_host, m_dev, free_m = alloc_mapped(4 * numel, device)
+            frees.append(free_m)
+            v_host, v_dev, free_v = alloc_mapped(4 * numel, device)
+            frees.append(free_v)
+            master_host = master_dev = 0
+            if pd != "float32":
+                master_host, master_dev, free_w = alloc_mapped(4 * numel, device)
+                frees.append(free_w)
+                cp.cuda.runtime.memcpy(master_host, p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
+            del p32
+            m_np, v_np = host_view(m_host, numel), host_view(v_host, numel)
+            m_np.fill(np.float32(1e-3))
+            v_np.fill(np.float32(1e-6))
+            # a sample with random state: the ends (head/tail paths) and random interior points
+            hrng = np.random.default_rng(5678)
+            idx = np.unique(np.concatenate([
+                np.arange(min(numel, 4096)), np.arange(max(0, numel - 4096), numel),
+                hrng.integers(0, numel, 65536),
+            ]))
+            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
+            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
+            cidx = cp.asarray(idx)
+            p_before = (host_view(master_host, numel)[idx].copy() if master_host
+                        else cp.asnumpy(param[cidx]).astype(np.float32))
+            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), gd)
+            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
+
+            def step():
+                launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_dev, m_dev, v_dev,
+                             numel, scalars, 0, 0.0, stream.ptr, device=device)
+
+            step()
+            stream.synchronize()
+            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
+            p_after = host_view(master_host, numel)[idx].copy() if master_host else param_after
+            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
+                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
+            del m_np, v_np
+
+            step()  # warm-up
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            samples = []
+            for _ in range(max(1, int(repeats))):
+                start.record(stream)
+                for _ in range(max(1, int(iters))):
+                    step()
+                stop.record(stream)
+                stop.synchronize()
+                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+            check_stream(stream.ptr, device)
+            ms = statistics.median(samples)
+            bytes_per_elem = 16 if pd == "float32" else 24
+            grid = _grid_for(numel, _kernel(int(device), adamw_kernel_name(variant, pd, gd)).max_grid)
+            return {
+                "ms": ms,
+                "gelems_per_s": numel / (ms * 1e-3) / 1e9,
+                "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9,
+                "numel": numel,
+                "bytes_per_elem": bytes_per_elem,
+                "param_dtype": pd,
+                "grad_dtype": gd,
+                "variant": _VARIANT_NAMES[variant],
+                "grid": grid,
+                "ms_samples": samples,
+            }
+        finally:
+            try:
+                cp.cuda.Device(device).synchronize()
+            finally:
+                for free in frees:
+                    free()
+
+
+def _to_storage_cupy(cp, x32, dtype: str):
+    """fp32 CuPy array -> storage (float32, float16 bits or bfloat16 bits as uint16)."""
+    if dtype == "float32":
+        return x32
+    if dtype == "float16":
+        return x32.astype(cp.float16).view(cp.uint16)
+    u = x32.view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> cp.uint32(16)) & cp.uint32(1))) >> cp.uint32(16)).astype(cp.uint16)
+
+
+def _from_storage_np(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return a.astype(np.float32)
+    if dtype == "float16":
+        return a.view(np.float16).astype(np.float32)
+    return C.bf16_bits_to_f32(a)
