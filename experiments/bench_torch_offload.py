@@ -70,6 +70,9 @@ class GPT(nn.Module):
 
 
 def build(setup, size, device):
+    """``setup`` may end in ``@N``: N host threads for the TrainStream setups."""
+    setup, _, threads = setup.partition("@")
+    threads = int(threads) if threads else None
     layers, d, heads = SIZES[size]
     torch.manual_seed(0)
     dtype = torch.float32 if setup in ("amp_fused", "torchao_fp32") else torch.bfloat16
@@ -83,7 +86,7 @@ def build(setup, size, device):
     elif setup.startswith("ts_"):
         from trainstream.torch import OffloadAdamW
 
-        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", **lr)
+        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", threads=threads, **lr)
         eager = setup == "ts_cpu_eager"
     else:
         from torchao.optim import CPUOffloadOptimizer

@@ -218,8 +218,8 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     } else {
       // v = fma(f(1-b2), g * g, v * f(b2))
       v = __fmaf_rn(s.s[TS_S_OMB2], __fmul_rn(g, g), __fmul_rn(v, s.s[TS_S_BETA2]));
-      // d = sqrt(v) * f(1/sqrt(bc2)) + f(eps)
-      const float d = __fadd_rn(__fmul_rn(__fsqrt_rn(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
+      // d = sqrt(v) / f(sqrt(bc2)) + f(eps)       (_foreach_div_ by a scalar list: true division)
+      const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
       // p = fma(f(-lr/bc1), m / d, p1)
       p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
     }

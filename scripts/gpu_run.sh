@@ -17,7 +17,7 @@ fi
 T=${TS_TEST_TIMEOUT:-200}
 TRAINSTREAM_GPU_TEST_STEPS=${TRAINSTREAM_GPU_TEST_STEPS:-10} timeout "$T" python3 -m pytest -q -ra -p no:cacheprovider \
   tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
-  "tests/test_torch_optimizer.py::test_two_groups_bit_identical" 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
+  "tests/test_torch_optimizer.py::test_two_groups_bit_identical" > "$OUT/gpu_tests.log" 2>&1
 tail -n 25 "$OUT/gpu_tests.log"
 timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"
 timeout 80 python3 experiments/bench_host_adamw.py --numel 134217728 --threads 16 --json "$OUT/bench_host.json" 2>&1 | tail -n 15 | tee "$OUT/bench_host.log"

@@ -191,7 +191,7 @@ class Engine:
       backend: the framework adapter (:class:`Backend`).
       mode: ``"cpu"`` (host update). ``"gpu"`` (zero-copy) is served by the backend's
         device path; see ``trainstream.torch.OffloadAdamW``.
-      threads: worker threads (default: half the cores, at least 1).
+      threads: worker threads (default: all cores but one, at least 1).
       chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream._contract`).
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
@@ -216,8 +216,8 @@ class Engine:
             raise ValueError(f"Engine mode must be 'cpu' (the host pipeline), got {mode!r}")
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        if threads is None:
-            threads = max(1, (os.cpu_count() or 2) // 2)
+        if threads is None:  # every core but one, which drives the framework
+            threads = max(1, (os.cpu_count() or 2) - 1)
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if not isinstance(chunk_elems, int) or chunk_elems < 1:

@@ -333,7 +333,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, sqrt_mode: int = SQRT_IEE
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
                     else:
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
-                        d = np.float32(math.sqrt(vi)) * bc2 + eps
+                        d = np.float32(math.sqrt(vi)) / bc2 + eps
                         pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
                 else:
                     gi = _load(g[i], gkind) * c

@@ -215,7 +215,7 @@ class OffloadAdamW(Optimizer):
       max_grad_norm: if set, gradients are clipped by their global L2 norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
       mode: ``"cpu"`` (update on host threads) or ``"gpu"`` (zero-copy GPU kernel).
-      threads: host worker threads (default half the cores).
+      threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream._contract``.
