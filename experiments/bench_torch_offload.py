@@ -70,9 +70,11 @@ class GPT(nn.Module):
 
 
 def build(setup, size, device):
-    """``setup`` may end in ``@N``: N host threads for the TrainStream setups."""
-    setup, _, threads = setup.partition("@")
+    """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements."""
+    setup, _, opts = setup.partition("@")
+    threads, _, chunk = opts.partition(":")
     threads = int(threads) if threads else None
+    chunk = int(chunk) if chunk else 1 << 20
     layers, d, heads = SIZES[size]
     torch.manual_seed(0)
     dtype = torch.float32 if setup in ("amp_fused", "torchao_fp32") else torch.bfloat16
@@ -86,7 +88,7 @@ def build(setup, size, device):
     elif setup.startswith("ts_"):
         from trainstream.torch import OffloadAdamW
 
-        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", threads=threads, **lr)
+        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", threads=threads, chunk_size=chunk, **lr)
         eager = setup == "ts_cpu_eager"
     else:
         from torchao.optim import CPUOffloadOptimizer

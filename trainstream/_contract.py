@@ -144,9 +144,12 @@ S_BC2_OPTAX = 9  # bc2 (float32, as XLA computes it)
 S_WD = 1  # f(wd)
 S_NEG_LR = 8  # f(-lr)
 
-#: Largest distance, in float32 ULPs of the weight, between the host emulation of the
-#: optax/XLA:GPU convention (IEEE sqrt) and XLA:GPU itself (approximate sqrt), per step.
-OPTAX_CUDA_MAX_ULP = 2
+#: Largest distance per step between the optax/cuda kernel (XLA:GPU's approximate
+#: ``sqrt.approx``/``div.full``) and its IEEE host emulation, in float32 ULPs of
+#: ``max(|p|, |update|, |p_new|)`` (plain ULPs of ``p_new`` are unbounded where the update
+#: cancels the weight). Measured on the H200 (2026-11-30): at most 5 over 29 layouts and
+#: dtypes x 10 steps; the bound leaves margin.
+OPTAX_CUDA_MAX_ULP = 8
 
 
 class AdamWHyperParams(NamedTuple):

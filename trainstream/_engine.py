@@ -19,8 +19,9 @@ Pipeline (``cpu`` mode), per parameter ("slot"):
    (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
    event, which the next forward waits on for that parameter only.
 
-A chunk of a slot always goes to the same worker (``worker_for``), so accumulate -> norm
--> update on one chunk stay in FIFO order without locks. A failure in a worker is kept
+A chunk of a slot always goes to the same worker (fixed at registration, balanced by
+element count), so accumulate -> norm -> update on one chunk stay in FIFO order without
+locks. A failure in a worker is kept
 and raised, with its message, at the next call into the engine; batches always finish
 their bookkeeping, so a failure never leaves a waiter hanging.
 """
@@ -150,6 +151,7 @@ class _Slot:
     dtype: str
     platform: str
     nchunks: int
+    workers: list  # chunk -> worker, fixed at registration
     master: HostBuffer
     exp_avg: HostBuffer
     exp_avg_sq: HostBuffer
@@ -238,6 +240,7 @@ class Engine:
         self._last_norm: float | None = None
         self._closed = False
         self._pool = _WorkerPool(threads, self._record_error)
+        self._load = [0] * threads  # elements assigned to each worker
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -306,13 +309,15 @@ class Engine:
         v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
         m.array[:] = 0
         v.array[:] = 0
+        nchunks = max(1, -(-numel // self.chunk))
         slot = _Slot(
             id=sid,
             param=param,
             numel=numel,
             dtype=dtype,
             platform=platform,
-            nchunks=max(1, -(-numel // self.chunk)),
+            nchunks=nchunks,
+            workers=self._assign_workers(numel, nchunks),
             master=master,
             exp_avg=m,
             exp_avg_sq=v,
@@ -334,9 +339,19 @@ class Engine:
 
     # -- batches ----------------------------------------------------------------------------
 
-    def _worker_for(self, sid: int, chunk: int) -> int:
-        # Deterministic (slot, chunk) -> worker: per-chunk FIFO order without locks.
-        return (sid * 2654435761 + chunk) % len(self._pool)
+    def _assign_workers(self, numel: int, nchunks: int) -> list[int]:
+        """A fixed worker per chunk: the least loaded one (in elements) at registration.
+
+        A chunk always runs on the same worker, so accumulate -> norm -> update on it stay
+        in FIFO order without locks; balancing by elements keeps a step's slowest worker
+        close to the average (a hash mapping left some workers a third busier).
+        """
+        out = []
+        for c in range(nchunks):
+            w = min(range(len(self._load)), key=self._load.__getitem__)
+            self._load[w] += min(self.chunk, numel - c * self.chunk)
+            out.append(w)
+        return out
 
     def _run_batch(
         self,
@@ -372,7 +387,7 @@ class Engine:
         for c in range(s.nchunks):
             b = c * self.chunk
             e = min(s.numel, b + self.chunk)
-            self._pool.submit(self._worker_for(s.id, c), lambda c=c, b=b, e=e: job(c, b, e))
+            self._pool.submit(s.workers[c], lambda c=c, b=b, e=e: job(c, b, e))
 
     def _wait_idle(self, s: _Slot) -> None:
         with s.cond:
