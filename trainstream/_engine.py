@@ -99,6 +99,8 @@ class Backend(Protocol):
 
 # -- worker pool ----------------------------------------------------------------------------
 
+_WORKER_NICE = int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
+
 
 class _WorkerPool:
     """``threads`` workers, each with its own FIFO queue."""
@@ -117,6 +119,13 @@ class _WorkerPool:
         return len(self._queues)
 
     def _run(self, q: queue.SimpleQueue) -> None:
+        # Workers yield the CPU to the threads that drive the GPU (the training loop and
+        # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
+        # values per thread; elsewhere this is a no-op.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WORKER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             job = q.get()
             if job is None:
