@@ -479,10 +479,20 @@ class Engine:
         return s.grad_stage.array, _KIND[s.dtype]
 
     def _enqueue_update(
-        self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any
+        self,
+        s: _Slot,
+        hp: C.AdamWHyperParams,
+        clip: np.float32,
+        after: Any,
+        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
     ) -> None:
         s.step += 1
-        scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
+        if scalars_fn is not None:  # the adapter computed the scalars (e.g. in XLA)
+            scalars = np.ascontiguousarray(scalars_fn(s.id, s.step), np.float32)
+            if scalars.shape != (C.N_SCALARS,):
+                raise ValueError(f"scalars_fn must return {C.N_SCALARS} float32, got shape {scalars.shape}")
+        else:
+            scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         variant = C.variant_id(self.convention, s.platform)
         g, gkind = self._grad_source(s)
         landed = s.landed if s.grad_state == _STAGED else None
@@ -548,13 +558,16 @@ class Engine:
         updates: Sequence[tuple[int, C.AdamWHyperParams]],
         max_grad_norm: float | None = None,
         compute_norm: bool = False,
+        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
     ) -> float | None:
         """Queue the update of every slot in ``updates`` that holds a gradient.
 
         With ``max_grad_norm`` the gradients are first scaled by
         ``clip_coefficient(global_norm, max_grad_norm)``. Returns the global gradient norm
         when it was computed (clipping or ``compute_norm``), else None. Slots already
-        updated eagerly are skipped.
+        updated eagerly are skipped. ``scalars_fn(slot, step)``, if given, supplies each
+        update's scalar vector instead of :func:`trainstream._contract.step_scalars`
+        (the JAX adapter computes bias corrections and schedules inside XLA).
         """
         self._check_open()
         self.check_error()
@@ -574,7 +587,7 @@ class Engine:
         for sid, hp in pending:
             s = self._slot(sid)
             after = self.backend.record_compute(s.param)
-            self._enqueue_update(s, hp, clip, after)
+            self._enqueue_update(s, hp, clip, after, scalars_fn)
         return norm
 
     # -- readiness ----------------------------------------------------------------------------
