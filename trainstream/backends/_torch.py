@@ -257,6 +257,7 @@ class OffloadAdamW(Optimizer):
         )
         self._slot_of: dict[torch.Tensor, int] = {}
         self._params_of_slot: list[torch.Tensor] = []
+        self._group_of: list[int] = []  # slot -> index of its param group
         self._hooks: list[Any] = []
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
@@ -298,6 +299,7 @@ class OffloadAdamW(Optimizer):
         C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
             self._register(p)
+            self._group_of.append(len(self.param_groups) - 1)
 
     def _register(self, p: torch.Tensor) -> None:
         index = len(self._params_of_slot)
@@ -348,11 +350,7 @@ class OffloadAdamW(Optimizer):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(sid)))
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
-        p = self._params_of_slot[sid]
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
-        raise KeyError(sid)
+        return self.param_groups[self._group_of[sid]]
 
     @staticmethod
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
@@ -397,7 +395,8 @@ class OffloadAdamW(Optimizer):
         """Mark the backward inside this block as the last micro-batch of the step.
 
         Each gradient's update then starts as soon as the gradient is on the host,
-        overlapping the rest of backward (not with ``max_grad_norm``).
+        overlapping the rest of backward (not with ``max_grad_norm``; in ``gpu`` mode the
+        block has no effect: the kernels run at ``step()``).
         """
         self._check_open()
         self._eager = True
