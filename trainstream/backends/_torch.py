@@ -117,7 +117,9 @@ class TorchBackend:
             if after is not None:
                 self.d2h.wait_event(after)
             dst.handle.copy_(src.reshape(-1), non_blocking=True)
-            ev = torch.cuda.Event()
+            # Worker threads wait on this event: a blocking-sync event lets them sleep
+            # instead of spinning (spinning workers starve the threads that launch kernels).
+            ev = torch.cuda.Event(blocking=True)
             ev.record(self.d2h)
         return ev
 
@@ -129,7 +131,7 @@ class TorchBackend:
             if after is not None:
                 self.h2d.wait_event(after)
             dst.copy_(src.handle, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
             ev.record(self.h2d)
         return ev
 
