@@ -237,11 +237,8 @@ def test_torch_cpu_kernel_matches_torch_adamw():
         assert_bits_equal(p, tp.detach().numpy(), f"param step {t}")
 
 
-@pytest.mark.xfail(
-    reason="contract's optax/cpu formula not yet XLA:CPU's (XLA fuses m and v into FMAs)",
-    strict=True,
-)
 def test_optax_cpu_kernel_matches_jitted_optax():
+    """A single-leaf pytree (form R); the clip coefficient applied to the gradient first."""
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     jnp = jax.numpy
@@ -263,11 +260,84 @@ def test_optax_cpu_kernel_matches_jitted_optax():
         clip = np.float32(rng.uniform(0.1, 1.0))
         jp, state = step(jp, state, jnp.asarray(g * clip))
         bc1, bc2 = C.optax_bias_corrections(HP_A.beta1, HP_A.beta2, t, xp=jnp)
-        s = C.optax_step_scalars(HP_A, np.float32(bc1), np.float32(bc2), clip=clip)
+        s = C.optax_step_scalars(HP_A, np.float32(bc1), np.float32(bc2), clip=clip,
+                                 code=C.optax_cpu_code(1, n))
         K.adamw_chunk(C.VARIANT_OPTAX_CPU, p, m, v, g, 0, None, 0, 0, n, s)
         assert_bits_equal(m, np.asarray(state[0].mu), f"mu step {t}")
         assert_bits_equal(v, np.asarray(state[0].nu), f"nu step {t}")
         assert_bits_equal(p, np.asarray(jp), f"params step {t}")
+
+
+def _wide_range(rng, n):
+    """Values from 1e-13 to 1e4, zeros of both signs, denormals and a few Inf."""
+    x = rng.standard_normal(n).astype(np.float32) * (10.0 ** rng.uniform(-13, 4, n)).astype(np.float32)
+    x[rng.random(n) < 0.03] = 0.0
+    x[rng.random(n) < 0.03] = -0.0
+    x[rng.random(n) < 0.03] = np.float32(1e-40) * np.sign(rng.standard_normal())
+    x[rng.random(n) < 0.002] = np.inf
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("code", C.OX_CODES)
+def test_optax_cpu_codes_match_reference_flush_to_zero(code):
+    """Every optax/cpu code, decay on/off, on data full of denormals (FTZ/DAZ emulation)."""
+    rng = np.random.default_rng(100 + code)
+    n = 4099
+    p, m, v = _wide_range(rng, n), _wide_range(rng, n) * np.float32(0.1), np.abs(_wide_range(rng, n))
+    for t, decay in ((1, True), (2, False), (3, True)):
+        g = _wide_range(rng, n)
+        d1, d2 = C.optax_bias_corrections(0.9, 0.999, t)
+        div, mul = (np.float32(0.37), np.float32(2.5)) if t != 2 else (np.float32(1), np.float32(1))
+        s = C.optax_step_scalars(HP_A, d1, d2, clip=mul, clip_div=div, code=code, decay=decay)
+        want = C.reference_update(p, m, v, g, s, "optax", "cpu")
+        got = [p.copy(), m.copy(), v.copy()]
+        K.adamw_chunk(C.VARIANT_OPTAX_CPU, *got, g, K.KIND_F32, None, 0, 0, n, s)
+        for name, a, b in zip("pmv", got, want):
+            assert_bits_equal(a, b, f"{name} code {code} step {t}")
+        p, m, v = got
+
+
+def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax():
+    """Kernel + contract scalars vs chain(clip_by_global_norm, adamw(mask=)) jitted on CPU."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(13)
+    shapes = {"a": (1,), "b": (33,), "c": (300,)}
+    mask = {"a": False, "b": True, "c": True}
+    hp = HP_A
+    for max_norm in (1.0, 0.05):
+        params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        opt = optax.chain(optax.clip_by_global_norm(max_norm),
+                          optax.adamw(hp.lr, b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
+                                      weight_decay=hp.weight_decay, mask=mask))
+
+        @jax.jit
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        norm_fn = jax.jit(optax.tree.norm)
+        jp = jax.tree.map(jnp.asarray, params)
+        state = opt.init(jp)
+        mine = {k: [params[k].ravel().copy(), np.zeros(params[k].size, np.float32),
+                    np.zeros(params[k].size, np.float32)] for k in shapes}
+        for t in range(1, 21):
+            grads = {k: (rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 0)).astype(np.float32)
+                     for k, s in shapes.items()}
+            jg = jax.tree.map(jnp.asarray, grads)
+            jp, state = step(jp, state, jg)
+            d1, d2 = C.optax_bias_corrections(hp.beta1, hp.beta2, t, xp=jnp)
+            div, mul = C.optax_clip_scalars(np.float32(norm_fn(jg)), max_norm)
+            for k in shapes:
+                n = params[k].size
+                s = C.optax_step_scalars(hp, np.float32(d1), np.float32(d2), clip=mul, clip_div=div,
+                                         code=C.optax_cpu_code(len(shapes), n, max_norm), decay=mask[k])
+                K.adamw_chunk(C.VARIANT_OPTAX_CPU, *mine[k], grads[k].ravel(), 0, None, 0, 0, n, s)
+                assert_bits_equal(mine[k][0], np.asarray(jp[k]).ravel(), f"{k} params M={max_norm} step {t}")
+            mu = optax.tree_utils.tree_get(state, "mu")
+            for k in shapes:
+                assert_bits_equal(mine[k][1], np.asarray(mu[k]).ravel(), f"{k} mu step {t}")
 
 
 # -- conversions -------------------------------------------------------------------------------
@@ -517,6 +587,7 @@ def test_kernels_vectorise():
         ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
         ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
         ("sumsq", (K.KIND_F16,)),
+        ("adamw", (C.VARIANT_OPTAX_CPU, K.KIND_F32, K.KIND_F32, C.OX_CLIP)),
     ])
     for r in rows:
         assert r["vector"], r
@@ -526,6 +597,8 @@ def test_kernels_vectorise():
     ops = rows[1]["packed_ops"]
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
     assert "vaddpd" in rows[2]["packed_ops"], rows[2]
+    ops = rows[3]["packed_ops"]  # optax/cpu: IEEE sqrt/div, FMAs, and the FTZ emulation
+    assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
 
 
 # -- the micro-benchmark (smoke: it checks itself against the reference before timing) ------

@@ -66,20 +66,80 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
   ``Tensor / python_scalar`` multiplies by a reciprocal, ``d = sqrt(v) * f(1/sqrt(bc2))
   + f(eps)``; that path is not a convention (it is not the default anywhere).
 
-``optax`` reproduces ``optax.adamw`` as jit-compiled by XLA (``count`` an int32, the bias
-corrections computed by XLA in float32: they are *inputs* here, computed by the JAX
-adapter with the same jnp expression optax uses, see :func:`optax_bias_corrections`)::
+``optax`` reproduces ``optax.adamw`` (optionally ``optax.chain(optax.clip_by_global_norm(M),
+optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates``
+in one program. The per-step inputs are computed by XLA, not by this module: the JAX
+adapter computes them inside the jitted step with the same jnp expressions optax uses and
+passes the float32 results in (see :func:`optax_bias_corrections`):
 
-      g  = g * c                                   # see OPTAX_CLIP below
+* ``t`` = ``safe_increment(count)`` (int32), ``d1 = 1 - b1**t``, ``d2 = 1 - b2**t`` in
+  float32 (XLA:CPU calls glibc ``powf``, which is *not* correctly rounded: a NumPy or
+  float64 power differs in the last bit for thousands of ``t``);
+* ``lr``: the constant ``f(lr)``, or ``schedule(t - 1)`` evaluated by XLA in float32 (XLA's
+  constant folding changes a schedule's arithmetic; only XLA reproduces XLA);
+* the global norm ``n`` of ``optax.tree.norm(grads)`` (XLA's reduction order, which on
+  XLA:CPU depends on leaf sizes and even on the thread count for large leaves).
+
+platform ``cpu`` (XLA:CPU, jax/jaxlib 0.10.2, optax 0.2.8, x86-64 with FMA3, glibc libm;
+reverse-engineered from the optimized HLO and machine code and verified bit for bit).
+XLA:CPU runs with flush-to-zero and denormals-are-zero: every operand below is read with
+denormals as signed zeros and every result (``RN``, ``fma``) is flushed the same way.
+LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the contract::
+
+      B1, B2, C1, C2 = f(b1), f(b2), f(1-b1), f(1-b2)   # 1-b in float64, rounded once
+      g  = RN(RN(g / s[S_CLIP_DIV]) * s[S_CLIP])            # OX_CLIP: IEEE division, multiply
+      g  = RN(g * s[S_CLIP])                                # without OX_CLIP
+           # clip_by_global_norm(M): (S_CLIP_DIV, S_CLIP) = (n, f(M)) unless n < f(M),
+           # else (1, 1); no clipping: (1, 1) (both exact identities on g)
+      m  = fma(C1, g, RN(B1*m))                             # default pairing
+      m  = fma(B1, m, RN(C1*g))                             # OX_MU_SWAP
+      gg = RN(g*g)
+      v  = fma(C2, gg, RN(B2*v))                            # default pairing
+      v  = fma(B2, v, RN(C2*gg))                            # OX_CLIP (clip in the chain)
+      q  = RN(m / RN(d1 * RN(sqrt(RN(v/d2)) + f(eps))))     # form D (default)
+      q  = RN(RN(m*r1) / RN(sqrt(RN(v*r2)) + f(eps)))       # OX_FORM_R, r = RN(1/d)
+      u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
+      p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
+
+  Which pairing and form XLA picks depends on the program, not on the values; the
+  :data:`OX_FORM_R`, :data:`OX_CLIP` and :data:`OX_MU_SWAP` bits of the *code* name them
+  and :func:`optax_cpu_code` gives the code of a leaf: form R only for a pytree of a single
+  leaf with more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires
+  only when ``1 - b**t`` has one use); with ``clip_by_global_norm`` in the chain LLVM
+  swaps the ``v`` pairing for every leaf, and the ``m`` pairing too for one-element
+  leaves (except in a multi-leaf tree with ``M == 1``). ``RN(g / n)`` is a true division,
+  not a multiply by ``1/n`` (60% of elements differ), and the ``* M`` is a second
+  rounding (removed by XLA when ``M == 1``, which is exact anyway).
+  ``apply_updates`` jitted *separately* from ``update`` materialises
+  ``RN(-lr*u)`` and then ``p + that``: a different result, not a convention here.
+
+platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
+
+      g  = g * c                                   # c: the clip coefficient, S_CLIP
       m  = f(1-b1) * g + f(b1) * m                 # two roundings each, no FMA
       v  = f(1-b2) * (g * g) + f(b2) * v
-      u  = m / (bc1 * (sqrt(v / bc2) + f(eps)))    # XLA folds (m/bc1)/(...) into one divide
+      u  = m / (d1 * (sqrt(v / d2) + f(eps)))      # XLA folds (m/d1)/(...) into one divide
       u  = u + f(wd) * p                           # add_decayed_weights
       p  = p + u * f(-lr)                          # scale_by_learning_rate, apply_updates
 
-  On XLA:GPU ``sqrt`` is the approximate ``sqrt.approx.f32`` instruction, which a host
-  cannot reproduce bit for bit; the host kernels use the IEEE ``sqrt`` there and the
-  tests bound the difference in ULPs (see ``OPTAX_CUDA_MAX_ULP``).
+  On XLA:GPU ``sqrt`` is the approximate ``sqrt.approx.f32`` instruction (and division
+  ``div.full.f32``), which a host cannot reproduce bit for bit; the host kernels use the
+  IEEE operations there and the tests bound the difference in ULPs (see
+  ``OPTAX_CUDA_MAX_ULP``). Known differences from XLA:CPU, *not* re-verified against
+  XLA:GPU for clipping, masks, schedules or multi-leaf trees: XLA:GPU keeps denormals
+  (no FTZ unless ``xla_gpu_ftz``), computes ``b**t`` with libdevice ``__nv_powf`` and
+  ``cos`` in schedules with ``__nv_cosf``, never applies the CPU-only reciprocal rewrite
+  (form D everywhere), may contract FMAs with another pairing, and reduces the global
+  norm in another order.
+
+Scalar vector of ``optax``: slots 1-9 below; slot ``S_CLIP`` multiplies the gradient
+(``M`` of ``clip_by_global_norm`` when it triggers, else 1.0; on ``cuda`` the clip
+coefficient), ``S_CLIP_DIV`` divides it first (``cpu`` with ``OX_CLIP`` only: ``n`` when
+clipping triggers, else 1.0) and ``S_OX_CODE`` holds the code as a float (``cpu`` only;
+the host kernels compile one specialisation per code). The engine's own
+``max_grad_norm`` (torch's ``clip_grad_norm_`` formula, ``g * c``) still works through
+``S_CLIP`` in both conventions, but only the adapter's ``clip_by_global_norm`` inputs
+reproduce optax's clipping.
 
 Numerical hazards, named where they occur: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to
 float32 once (not per element); ``d`` is never zero for ``eps > 0`` but a gradient of
@@ -102,10 +162,14 @@ __all__ = [
     "validate_hyperparams",
     "variant_id",
     "torch_step_scalars",
+    "optax_bias_corrections",
+    "optax_clip_scalars",
+    "optax_cpu_code",
     "optax_step_scalars",
     "step_scalars",
     "clip_coefficient",
     "fma_f32",
+    "ftz",
     "f32_to_bf16_bits",
     "bf16_bits_to_f32",
     "round_to",
@@ -141,8 +205,16 @@ S_BETA1 = 3  # f(b1)
 # S_BETA2, S_OMB2, S_EPS as above
 S_BC1 = 6  # bc1 (float32, as XLA computes it)
 S_BC2_OPTAX = 9  # bc2 (float32, as XLA computes it)
-S_WD = 1  # f(wd)
+S_WD = 1  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
 S_NEG_LR = 8  # f(-lr)
+S_CLIP_DIV = 10  # optax/cpu with OX_CLIP: the gradient divisor (global norm, or 1.0)
+S_OX_CODE = 11  # optax/cpu: the code (OX_* bits) as a float32
+
+# -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
+OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
+OX_CLIP = 2  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV, v pairing swapped
+OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with OX_CLIP)
+OX_CODES: tuple[int, ...] = tuple(range(8))
 
 #: Largest distance per step between the optax/cuda kernel (XLA:GPU's approximate
 #: ``sqrt.approx``/``div.full``) and its IEEE host emulation, in float32 ULPs of
@@ -243,24 +315,67 @@ def optax_bias_corrections(b1: float, b2: float, count, xp=np):
     return bc1, bc2
 
 
+def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None) -> int:
+    """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw.
+
+    ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
+    ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None.
+    Determined empirically for jax/jaxlib 0.10.2 on x86-64 (see the module docstring).
+    """
+    code = OX_FORM_R if (n_leaves == 1 and numel > 1) else 0
+    if max_norm is not None:
+        code |= OX_CLIP
+        if numel == 1 and not (n_leaves > 1 and np.float32(max_norm) == np.float32(1.0)):
+            code |= OX_MU_SWAP
+    return code
+
+
+def optax_clip_scalars(g_norm, max_norm) -> tuple[np.float32, np.float32]:
+    """``(S_CLIP_DIV, S_CLIP)`` of ``clip_by_global_norm(max_norm)`` for global norm ``g_norm``.
+
+    optax: ``select(g_norm < M, g, (g / g_norm) * M)`` with an float32 compare: a NaN norm,
+    or ``g_norm == M``, takes the clipping branch. The JAX adapter does the same in-graph.
+    """
+    n, m = np.float32(g_norm), np.float32(max_norm)
+    if n < m:
+        return np.float32(1.0), np.float32(1.0)
+    return n, m
+
+
 def optax_step_scalars(
     hp: AdamWHyperParams,
     bc1: float | np.float32,
     bc2: float | np.float32,
     clip: float | np.float32 = 1.0,
+    *,
+    neg_lr: float | np.float32 | None = None,
+    clip_div: float | np.float32 = 1.0,
+    code: int = 0,
+    decay: bool = True,
 ) -> np.ndarray:
-    """Per-step scalars of the ``optax`` convention, given XLA's float32 bias corrections."""
+    """Per-step scalars of the ``optax`` convention, given XLA's float32 bias corrections.
+
+    ``bc1``, ``bc2``: ``d1``, ``d2`` as XLA computed them. ``clip`` (``S_CLIP``) and
+    ``clip_div`` (``S_CLIP_DIV``): see :func:`optax_clip_scalars`. ``neg_lr``: ``-lr`` as
+    float32 when XLA computed the learning rate (a schedule); default ``f(-hp.lr)``.
+    ``code``: the optax/cpu code (:func:`optax_cpu_code`). ``decay=False``: a leaf masked
+    out of weight decay (``S_WD`` = 0).
+    """
+    if code not in OX_CODES:
+        raise ValueError(f"optax code must be one of {OX_CODES}, got {code!r}")
     s = np.zeros(N_SCALARS, np.float32)
     lr, b1, b2, eps, wd = hp
     s[S_CLIP] = np.float32(clip)
-    s[S_WD] = _f32(wd)
+    s[S_CLIP_DIV] = np.float32(clip_div)
+    s[S_OX_CODE] = np.float32(code)
+    s[S_WD] = _f32(wd) if decay else np.float32(0.0)
     s[S_OMB1] = _f32(1 - b1)
     s[S_BETA1] = _f32(b1)
     s[S_BETA2] = _f32(b2)
     s[S_OMB2] = _f32(1 - b2)
     s[S_BC1] = np.float32(bc1)
     s[S_EPS] = _f32(eps)
-    s[S_NEG_LR] = _f32(-lr)
+    s[S_NEG_LR] = _f32(-lr) if neg_lr is None else np.float32(neg_lr)
     s[S_BC2_OPTAX] = np.float32(bc2)
     return s
 
@@ -373,6 +488,8 @@ def reference_update(
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
     p, m, v = (np.asarray(a, np.float32) for a in (p, m, v))
+    if variant == VARIANT_OPTAX_CPU:
+        return _reference_optax_cpu(p, m, v, np.asarray(g, np.float32), s)
     with np.errstate(all="ignore"):
         g = np.asarray(g, np.float32) * s[S_CLIP]
         if convention == "torch":
@@ -395,4 +512,49 @@ def reference_update(
             u = m / (s[S_BC1] * (np.sqrt(v / s[S_BC2_OPTAX]) + s[S_EPS]))
             u = u + s[S_WD] * p
             p = p + u * s[S_NEG_LR]
+    return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)
+
+
+# -- optax/cpu: XLA:CPU arithmetic (flush-to-zero, FMA pairings, forms) -----------------------
+
+_F32_TINY = np.float32(2.0**-126)
+
+
+def ftz(x) -> np.ndarray:
+    """Denormals to signed zero (XLA:CPU's FTZ on results, DAZ on operands)."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < _F32_TINY, np.copysign(np.float32(0.0), x), x).astype(np.float32)
+
+
+def _reference_optax_cpu(p, m, v, g, s):
+    """The optax/cpu lines of the module docstring, with FTZ/DAZ on every operation."""
+    code = int(s[S_OX_CODE])
+    if float(code) != float(s[S_OX_CODE]) or code not in OX_CODES:
+        raise ValueError(f"scalars[S_OX_CODE] = {s[S_OX_CODE]!r} is not an optax/cpu code")
+    z = ftz
+    B1, C1, B2, C2 = z(s[S_BETA1]), z(s[S_OMB1]), z(s[S_BETA2]), z(s[S_OMB2])
+    d1, d2, eps, wd, neg_lr = z(s[S_BC1]), z(s[S_BC2_OPTAX]), z(s[S_EPS]), z(s[S_WD]), z(s[S_NEG_LR])
+    mul, div = z(s[S_CLIP]), z(s[S_CLIP_DIV])
+    with np.errstate(all="ignore"):
+        p, m, v, g = z(p), z(m), z(v), z(g)
+        if code & OX_CLIP:
+            g = z(z(g / div) * mul)
+        else:
+            g = z(g * mul)
+        if code & OX_MU_SWAP:
+            m = z(fma_f32(B1, m, z(C1 * g)))
+        else:
+            m = z(fma_f32(C1, g, z(B1 * m)))
+        gg = z(g * g)
+        if code & OX_CLIP:
+            v = z(fma_f32(B2, v, z(C2 * gg)))
+        else:
+            v = z(fma_f32(C2, gg, z(B2 * v)))
+        if code & OX_FORM_R:
+            r1, r2 = z(np.float32(1.0) / d1), z(np.float32(1.0) / d2)
+            q = z(z(m * r1) / z(np.sqrt(z(v * r2)) + eps))
+        else:
+            q = z(m / z(d1 * z(np.sqrt(z(v / d2)) + eps)))
+        u = z(fma_f32(wd, p, q)) if wd != 0 else q
+        p = z(fma_f32(neg_lr, u, p))
     return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)

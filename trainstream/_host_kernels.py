@@ -68,6 +68,7 @@ from ._contract import (
     S_BETA1,
     S_BETA2,
     S_CLIP,
+    S_CLIP_DIV,
     S_DECAY,
     S_EPS,
     S_LERP_SMALL,
@@ -76,7 +77,12 @@ from ._contract import (
     S_NEG_STEP,
     S_OMB1,
     S_OMB2,
+    S_OX_CODE,
     S_WD,
+    OX_CLIP,
+    OX_CODES,
+    OX_FORM_R,
+    OX_MU_SWAP,
     VARIANT_OPTAX_CPU,
     VARIANT_OPTAX_CUDA,
     VARIANT_TORCH_CPU,
@@ -160,6 +166,17 @@ def _select(typingctx, cond, a, b):
         return builder.select(args[0], args[1], args[2])
 
     return sig, codegen
+
+
+_EXP_MASK = np.uint32(0x7F800000)
+_SIGN_MASK = np.uint32(0x80000000)
+
+
+@njit(inline="always", **_OPTS)
+def _ftz(x):
+    """Denormal -> signed zero, branch-free (XLA:CPU's FTZ/DAZ, emulated per operation)."""
+    u = _bits_f32(x)
+    return _select((u & _EXP_MASK) == np.uint32(0), _f32_bits(u & _SIGN_MASK), x)
 
 
 def _make_prefetch(write: int):
@@ -280,10 +297,17 @@ from ._cpu_sqrt import torch_cpu_sqrt  # noqa: E402  (msqrt of the contract; mod
 # ``cache=False`` builds an uncached copy (for inspecting the machine code).
 
 
-def _build_adamw(variant: int, gkind: int, okind: int, sqrt_mode: int = SQRT_IEEE, cache: bool = True):
+def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
+    """``mode``: the sqrt mode of torch/cpu, the ``OX_*`` code of optax/cpu, else 0."""
     opts = dict(_OPTS, cache=cache)
     torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
     cpu = variant == VARIANT_TORCH_CPU
+    optax_cpu = variant == VARIANT_OPTAX_CPU
+    sqrt_mode = mode if cpu else SQRT_IEEE
+    ox = mode if optax_cpu else 0
+    ox_form_r = (ox & OX_FORM_R) != 0
+    ox_clip = (ox & OX_CLIP) != 0
+    ox_mu_swap = (ox & OX_MU_SWAP) != 0
     write16 = okind != KIND_F32
 
     @njit(**opts)
@@ -308,6 +332,15 @@ def _build_adamw(variant: int, gkind: int, okind: int, sqrt_mode: int = SQRT_IEE
         bc2_ox = s[S_BC2_OPTAX]
         wd = s[S_WD]
         neg_lr = s[S_NEG_LR]
+        # optax/cpu: every scalar read with DAZ, as XLA:CPU reads it
+        z_c = _ftz(c)
+        z_div = _ftz(s[S_CLIP_DIV])
+        z_b1, z_omb1, z_b2, z_omb2 = _ftz(b1), _ftz(omb1), _ftz(b2), _ftz(omb2)
+        z_d1, z_d2, z_eps = _ftz(bc1), _ftz(bc2_ox), _ftz(s[S_EPS])
+        z_wd, z_neg_lr = _ftz(wd), _ftz(neg_lr)
+        z_r1 = _ftz(np.float32(1.0) / z_d1)  # form R: XLA's divide(1, 1 - b**t)
+        z_r2 = _ftz(np.float32(1.0) / z_d2)
+        decays = z_wd != np.float32(0.0)
 
         stop = np.uint64(end)
         lo = np.uint64(begin)
@@ -335,7 +368,33 @@ def _build_adamw(variant: int, gkind: int, okind: int, sqrt_mode: int = SQRT_IEE
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
                         d = np.float32(math.sqrt(vi)) / bc2 + eps
                         pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
-                else:
+                elif optax_cpu:  # XLA:CPU: FTZ/DAZ on every operation, FMA where LLVM fused
+                    gi = _ftz(_load(g[i], gkind))
+                    if ox_clip:
+                        gi = _ftz(_ftz(gi / z_div) * z_c)
+                    else:
+                        gi = _ftz(gi * z_c)
+                    pi = _ftz(p[i])
+                    mo = _ftz(m[i])
+                    vo = _ftz(v[i])
+                    if ox_mu_swap:
+                        mi = _ftz(fma32(z_b1, mo, _ftz(z_omb1 * gi)))
+                    else:
+                        mi = _ftz(fma32(z_omb1, gi, _ftz(z_b1 * mo)))
+                    gg = _ftz(gi * gi)
+                    if ox_clip:
+                        vi = _ftz(fma32(z_b2, vo, _ftz(z_omb2 * gg)))
+                    else:
+                        vi = _ftz(fma32(z_omb2, gg, _ftz(z_b2 * vo)))
+                    if ox_form_r:
+                        den = _ftz(np.float32(math.sqrt(_ftz(vi * z_r2))) + z_eps)
+                        q = _ftz(_ftz(mi * z_r1) / den)
+                    else:
+                        den = _ftz(np.float32(math.sqrt(_ftz(vi / z_d2))) + z_eps)
+                        q = _ftz(mi / _ftz(z_d1 * den))
+                    u = _select(decays, _ftz(fma32(z_wd, pi, q)), q)
+                    pi = _ftz(fma32(z_neg_lr, u, pi))
+                else:  # optax/cuda (host emulation with IEEE sqrt and division)
                     gi = _load(g[i], gkind) * c
                     pi = p[i]
                     mi = omb1 * gi + b1 * m[i]
@@ -429,8 +488,9 @@ _BUILDERS = {
     "round": _build_round,
 }
 _VALID_KEYS = {
-    "adamw": {(vr, gk, ok, sq) for vr in _VARIANTS for gk in _KINDS for ok in _KINDS
-              for sq in (SQRT_MODES if vr == VARIANT_TORCH_CPU else (SQRT_IEEE,))},
+    "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS for ok in _KINDS
+              for md in (SQRT_MODES if vr == VARIANT_TORCH_CPU
+                         else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
     "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
     "sumsq": {(gk,) for gk in _KINDS},
     "convert": {(k,) for k in _KINDS},
@@ -470,13 +530,21 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, sqrt_mo
     rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written), ``s`` the float32 scalars of
     :func:`~trainstream._contract.step_scalars`. ``sqrt_mode`` (torch/cpu only) is the
     :mod:`trainstream._cpu_sqrt` mode of ``msqrt``; the MKL modes use the CPU's scalar
-    reciprocal-sqrt estimate, so that specialisation is not vectorised.
+    reciprocal-sqrt estimate, so that specialisation is not vectorised. optax/cpu reads
+    its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
+    compiled for that code.
     Unchecked: buffers must be C-contiguous, long enough, and disjoint
     (see :func:`host_adamw_update` for a validating entry point).
     """
     if out16 is None:
         okind, out16 = KIND_F32, _NO_OUT
-    key = (variant, gkind, okind, sqrt_mode if variant == VARIANT_TORCH_CPU else SQRT_IEEE)
+    if variant == VARIANT_OPTAX_CPU:
+        mode = int(s[S_OX_CODE])  # the code travels in the scalars; one specialisation each
+    elif variant == VARIANT_TORCH_CPU:
+        mode = sqrt_mode
+    else:
+        mode = SQRT_IEEE
+    key = (variant, gkind, okind, mode)
     fn = _TABLE.get(("adamw", key))
     if fn is None:
         fn = _specialisation("adamw", key)
