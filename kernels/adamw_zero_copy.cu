@@ -40,6 +40,13 @@
 #define TS_S_BC2_OPTAX 9
 #define TS_S_WD 1
 #define TS_S_NEG_LR 8
+#define TS_S_CLIP_DIV 10
+#define TS_S_OX_CODE 11
+
+// ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream._contract.OX_* ----
+#define TS_OX_FORM_R 1
+#define TS_OX_CLIP 2
+#define TS_OX_MU_SWAP 4
 
 // ---- kernel variants: trainstream._contract.VARIANT_* ----
 #define TS_VARIANT_TORCH_CPU 0
@@ -188,11 +195,42 @@ __device__ __forceinline__ float ts_clip_coefficient(double sumsq, float max_nor
 }
 
 // ------------------------------------------------------------------------------------------
+// optax/cpu: XLA:CPU's flush-to-zero / denormals-are-zero, emulated on every operation
+// ------------------------------------------------------------------------------------------
+
+// denormal -> signed zero (_contract.ftz)
+__device__ __forceinline__ float ts_ftz(float x) {
+  const unsigned int u = __float_as_uint(x);
+  return (u & 0x7F800000u) == 0u ? __uint_as_float(u & 0x80000000u) : x;
+}
+__device__ __forceinline__ float ts_z_mul(float a, float b) { return ts_ftz(__fmul_rn(a, b)); }
+__device__ __forceinline__ float ts_z_div(float a, float b) { return ts_ftz(__fdiv_rn(a, b)); }
+__device__ __forceinline__ float ts_z_add(float a, float b) { return ts_ftz(__fadd_rn(a, b)); }
+__device__ __forceinline__ float ts_z_fma(float a, float b, float c) {
+  return ts_ftz(__fmaf_rn(a, b, c));
+}
+
+// The gradient as the update reads it. optax/cpu (operands already flushed):
+//   g = RN(RN(g / s[S_CLIP_DIV]) * c)    with OX_CLIP
+//   g = RN(g * c)                        without
+// every other variant: g = g * c. c is s[S_CLIP], or the device clip coefficient.
+template <int VARIANT>
+__device__ __forceinline__ float ts_grad_in(const float graw, const float c, const TsScalars& s) {
+  if (VARIANT == TS_VARIANT_OPTAX_CPU) {
+    const int code = (int)s.s[TS_S_OX_CODE];
+    const float g = ts_ftz(graw);
+    if (code & TS_OX_CLIP) return ts_z_mul(ts_z_div(g, ts_ftz(s.s[TS_S_CLIP_DIV])), ts_ftz(c));
+    return ts_z_mul(g, ts_ftz(c));
+  }
+  return __fmul_rn(graw, c);
+}
+
+// ------------------------------------------------------------------------------------------
 // One element of AdamW: the contract, line by line
 // ------------------------------------------------------------------------------------------
 
-// p: fp32 master weight, m, v: moments (all updated in place), g: fp32 gradient already
-// multiplied by the clip coefficient (g = g * c).
+// p: fp32 master weight, m, v: moments (all updated in place), g: fp32 gradient as
+// ts_grad_in returned it (clipped).
 template <int VARIANT>
 __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, const float g,
                                               const TsScalars& s) {
@@ -223,23 +261,53 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
       // p = fma(f(-lr/bc1), m / d, p1)
       p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
     }
+  } else if (VARIANT == TS_VARIANT_OPTAX_CPU) {
+    // XLA:CPU: every operand read with DAZ, every result flushed (ts_z_*); g already is.
+    const int code = (int)s.s[TS_S_OX_CODE];
+    const float B1 = ts_ftz(s.s[TS_S_BETA1]), C1 = ts_ftz(s.s[TS_S_OMB1]);
+    const float B2 = ts_ftz(s.s[TS_S_BETA2]), C2 = ts_ftz(s.s[TS_S_OMB2]);
+    const float d1 = ts_ftz(s.s[TS_S_BC1]), d2 = ts_ftz(s.s[TS_S_BC2_OPTAX]);
+    const float eps = ts_ftz(s.s[TS_S_EPS]), wd = ts_ftz(s.s[TS_S_WD]);
+    const float neg_lr = ts_ftz(s.s[TS_S_NEG_LR]);
+    const float p0 = ts_ftz(p), m0 = ts_ftz(m), v0 = ts_ftz(v);
+    if (code & TS_OX_MU_SWAP) {
+      // m = fma(B1, m, RN(C1*g))
+      m = ts_z_fma(B1, m0, ts_z_mul(C1, g));
+    } else {
+      // m = fma(C1, g, RN(B1*m))
+      m = ts_z_fma(C1, g, ts_z_mul(B1, m0));
+    }
+    // gg = RN(g*g)
+    const float gg = ts_z_mul(g, g);
+    if (code & TS_OX_CLIP) {
+      // v = fma(B2, v, RN(C2*gg))
+      v = ts_z_fma(B2, v0, ts_z_mul(C2, gg));
+    } else {
+      // v = fma(C2, gg, RN(B2*v))
+      v = ts_z_fma(C2, gg, ts_z_mul(B2, v0));
+    }
+    float q;
+    if (code & TS_OX_FORM_R) {
+      // q = RN(RN(m*r1) / RN(sqrt(RN(v*r2)) + f(eps))), r = RN(1/d)
+      const float r1 = ts_z_div(1.0f, d1), r2 = ts_z_div(1.0f, d2);
+      q = ts_z_div(ts_z_mul(m, r1), ts_z_add(__fsqrt_rn(ts_z_mul(v, r2)), eps));
+    } else {
+      // q = RN(m / RN(d1 * RN(sqrt(RN(v/d2)) + f(eps))))
+      q = ts_z_div(m, ts_z_mul(d1, ts_z_add(__fsqrt_rn(ts_z_div(v, d2)), eps)));
+    }
+    // u = fma(f(wd), p, q)   (u = q when wd == 0: no decay / masked)
+    const float u = (wd != 0.0f) ? ts_z_fma(wd, p0, q) : q;
+    // p = fma(f(-lr), u, p)
+    p = ts_z_fma(neg_lr, u, p0);
   } else {
     // m = f(1-b1) * g + f(b1) * m
     m = __fadd_rn(__fmul_rn(s.s[TS_S_OMB1], g), __fmul_rn(s.s[TS_S_BETA1], m));
     // v = f(1-b2) * (g * g) + f(b2) * v
     v = __fadd_rn(__fmul_rn(s.s[TS_S_OMB2], __fmul_rn(g, g)), __fmul_rn(s.s[TS_S_BETA2], v));
-    float u;
-    if (VARIANT == TS_VARIANT_OPTAX_CPU) {
-      // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       IEEE sqrt and division
-      u = __fdiv_rn(m, __fmul_rn(s.s[TS_S_BC1],
-                                 __fadd_rn(__fsqrt_rn(__fdiv_rn(v, s.s[TS_S_BC2_OPTAX])),
-                                           s.s[TS_S_EPS])));
-    } else {
-      // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       XLA:GPU sqrt and division
-      u = xla_gpu_div(m, __fmul_rn(s.s[TS_S_BC1],
-                                   __fadd_rn(xla_gpu_sqrt(xla_gpu_div(v, s.s[TS_S_BC2_OPTAX])),
-                                             s.s[TS_S_EPS])));
-    }
+    // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       XLA:GPU sqrt and division
+    float u = xla_gpu_div(m, __fmul_rn(s.s[TS_S_BC1],
+                                       __fadd_rn(xla_gpu_sqrt(xla_gpu_div(v, s.s[TS_S_BC2_OPTAX])),
+                                                 s.s[TS_S_EPS])));
     // u = u + f(wd) * p
     u = __fadd_rn(u, __fmul_rn(s.s[TS_S_WD], p));
     // p = p + u * f(-lr)
@@ -296,8 +364,8 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     else p = master[i];
     float mi = m[i];
     float vi = v[i];
-    // g = g * c
-    const float g = __fmul_rn(ts_to_f32(grad[i]), c);
+    // g = g * c (optax/cpu: see ts_grad_in)
+    const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
     ts_adamw_math<VARIANT>(p, mi, vi, g, s);
     m[i] = mi;
     v[i] = vi;
@@ -316,8 +384,8 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     ts_load4(grad + i, g);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      // g = g * c
-      g[j] = __fmul_rn(g[j], c);
+      // g = g * c (optax/cpu: see ts_grad_in)
+      g[j] = ts_grad_in<VARIANT>(g[j], c, s);
       ts_adamw_math<VARIANT>(p[j], mi[j], vi[j], g[j], s);
     }
     ts_store4(m + i, mi);
@@ -333,8 +401,8 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     else p = master[i];
     float mi = m[i];
     float vi = v[i];
-    // g = g * c
-    const float g = __fmul_rn(ts_to_f32(grad[i]), c);
+    // g = g * c (optax/cpu: see ts_grad_in)
+    const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
     ts_adamw_math<VARIANT>(p, mi, vi, g, s);
     m[i] = mi;
     v[i] = vi;

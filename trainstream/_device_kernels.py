@@ -170,7 +170,7 @@ def check_kernel_constants() -> None:
     """Check that the ``#define``\\ s of the .cu files match :mod:`trainstream._contract`.
 
     Scalar indices (``TS_S_*`` = ``S_*``), variant numbers (``TS_VARIANT_*`` =
-    ``VARIANT_*``), ``TS_N_SCALARS`` and the block sizes. Raises ``RuntimeError`` listing
+    ``VARIANT_*``), optax/cpu code bits (``TS_OX_*`` = ``OX_*``), ``TS_N_SCALARS`` and the block sizes. Raises ``RuntimeError`` listing
     every difference. Needs no GPU.
     """
     problems = []
@@ -178,14 +178,14 @@ def check_kernel_constants() -> None:
     sumsq = dict((k, int(v)) for k, v in _DEFINE.findall(_read_source(SUMSQ_SOURCE)))
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
     for name in dir(C):
-        if name.startswith("S_") or name.startswith("VARIANT_"):
+        if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int):
             expected["TS_" + name] = getattr(C, name)
     for key, want in sorted(expected.items()):
         got = adamw.get(key)
         if got != want:
             problems.append(f"{ADAMW_SOURCE}: {key} is {got}, the contract says {want}")
     for key in sorted(adamw):
-        if (key.startswith("TS_S_") or key.startswith("TS_VARIANT_")) and key not in expected:
+        if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected:
             problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream._contract")
     if sumsq.get("TS_SUMSQ_THREADS") != SUMSQ_THREADS:
         problems.append(
