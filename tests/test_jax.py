@@ -1,0 +1,436 @@
+"""trainstream.jax.offload_adamw against optax.adamw jitted on XLA:CPU (bit for bit)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jnp = jax.numpy
+
+import trainstream.jax as tsj  # noqa: E402
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
+    pytest.skip("these tests run JAX on the CPU backend", allow_module_level=True)
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# -- models (pure JAX) ------------------------------------------------------------------------
+
+
+def mlp_init(rng, sizes=(12, 48, 32, 5)):
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        params[f"dense{i}"] = {
+            "kernel": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
+            "bias": (0.1 * rng.standard_normal(b)).astype(np.float32),
+        }
+    params["scale"] = np.ones((1,), np.float32)  # a one-element leaf
+    return jax.tree.map(jnp.asarray, params)
+
+
+def mlp_loss(params, batch):
+    x, y = batch
+    h = x.astype(params["dense0"]["kernel"].dtype)
+    n = len([k for k in params if k.startswith("dense")])
+    for i in range(n):
+        h = h @ params[f"dense{i}"]["kernel"] + params[f"dense{i}"]["bias"]
+        if i < n - 1:
+            h = jax.nn.gelu(h)
+    h = h * params["scale"][0]
+    return jnp.mean((h.astype(F32) - y) ** 2)
+
+
+def mlp_batch(rng):
+    return (jnp.asarray(rng.standard_normal((16, 12)).astype(np.float32)),
+            jnp.asarray(rng.standard_normal((16, 5)).astype(np.float32)))
+
+
+VOCAB, D, HEADS, SEQ = 37, 32, 2, 8
+
+
+def transformer_init(rng):
+    def w(*shape, scale=None):
+        scale = scale or 1 / np.sqrt(shape[0])
+        return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    return {
+        "embed": w(VOCAB, D, scale=0.1),
+        "pos": w(SEQ, D, scale=0.1),
+        "block": {
+            "ln1": {"g": jnp.ones(D), "b": jnp.zeros(D)},
+            "qkv": w(D, 3 * D),
+            "proj": w(D, D),
+            "ln2": {"g": jnp.ones(D), "b": jnp.zeros(D)},
+            "mlp_in": w(D, 4 * D),
+            "mlp_in_b": jnp.zeros(4 * D),
+            "mlp_out": w(4 * D, D),
+            "mlp_out_b": jnp.zeros(D),
+        },
+        "ln_f": {"g": jnp.ones(D), "b": jnp.zeros(D)},
+    }
+
+
+def _ln(x, p):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / jnp.sqrt(var + 1e-5) * p["g"] + p["b"]
+
+
+def transformer_loss(params, tokens):
+    x = params["embed"][tokens[:, :-1]] + params["pos"][: SEQ - 1]
+    b = params["block"]
+    h = _ln(x, b["ln1"])
+    q, k, v = jnp.split(h @ b["qkv"], 3, axis=-1)
+    split = lambda t: t.reshape(t.shape[0], t.shape[1], HEADS, D // HEADS).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = split(q), split(k), split(v)
+    att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D // HEADS)
+    mask = jnp.tril(jnp.ones((SEQ - 1, SEQ - 1), bool))
+    att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+    o = (att @ v).transpose(0, 2, 1, 3).reshape(x.shape)
+    x = x + o @ b["proj"]
+    h = _ln(x, b["ln2"])
+    x = x + jax.nn.gelu(h @ b["mlp_in"] + b["mlp_in_b"]) @ b["mlp_out"] + b["mlp_out_b"]
+    logits = _ln(x, params["ln_f"]) @ params["embed"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def transformer_batch(rng):
+    return jnp.asarray(rng.integers(0, VOCAB, (4, SEQ)), jnp.int32)
+
+
+MODELS = {
+    "mlp": (mlp_init, mlp_loss, mlp_batch),
+    "transformer": (transformer_init, transformer_loss, transformer_batch),
+}
+
+
+def decay_mask(params):
+    """No weight decay on vectors (biases, norms, the scale)."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=5, decay_steps=50, end_value=1e-4)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def assert_tree_bits(got, want, what):
+    gl, gd = jax.tree.flatten(got)
+    wl, wd = jax.tree.flatten(want)
+    assert gd == wd, what
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
+    for a, b, path in zip(gl, wl, paths):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, path)
+        ua = a.view(np.uint32 if a.itemsize == 4 else np.uint16)
+        ub = b.view(ua.dtype)
+        if not np.array_equal(ua, ub):
+            bad = np.flatnonzero(ua.ravel() != ub.ravel())
+            raise AssertionError(f"{what} {path}: {bad.size} of {a.size} elements differ, "
+                                 f"first [{bad[0]}] {a.ravel()[bad[0]]!r} != {b.ravel()[bad[0]]!r}")
+
+
+def reference_step(opt, loss):
+    @jax.jit
+    def step(params, state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def offload_step(tx, loss, traces=None):
+    def step(params, state, batch):
+        if traces is not None:
+            traces.append(1)
+        grads = jax.grad(loss)(params, batch)
+        return tx.step(grads, state, params)
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+# -- against optax.adamw under jax.jit -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_jit_matches_optax_adamw_schedule_mask(model):
+    """50 steps, warmup-cosine schedule, weight decay masked off the vectors; compiles once."""
+    init, loss, batch = MODELS[model]
+    rng = np.random.default_rng(1)
+    params = init(rng)
+    kw = dict(b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.05, mask=decay_mask)
+    ref = optax.adamw(SCHEDULE, **kw)
+    tx = tsj.offload_adamw(SCHEDULE, **kw)
+    p_ref, s_ref = _copy(params), ref.init(params)
+    p, s = _copy(params), tx.init(params)
+    traces = []
+    step, rstep = offload_step(tx, loss, traces), reference_step(ref, loss)
+    for t in range(50):
+        b = batch(rng)
+        p, s = step(p, s, b)
+        p_ref, s_ref = rstep(p_ref, s_ref, b)
+        assert_tree_bits(p, p_ref, f"{model} params step {t + 1}")
+    assert int(s.count) == 50
+    assert len(traces) == 1 and step._cache_size() == 1, "the train step must compile once"
+    sd = tsj.state_dict(s)
+    assert_tree_bits(sd["exp_avg"], optax.tree_utils.tree_get(s_ref, "mu"), "exp_avg")
+    assert_tree_bits(sd["exp_avg_sq"], optax.tree_utils.tree_get(s_ref, "nu"), "exp_avg_sq")
+    st = tsj.stats(s)
+    assert st["steps"] == 50 and st["params"] == len(jax.tree.leaves(params))
+    tsj.close(s)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_jit_matches_optax_clip_by_global_norm(model):
+    """max_grad_norm == chain(clip_by_global_norm, adamw); the norm is chosen so that
+    some steps clip and some do not."""
+    init, loss, batch = MODELS[model]
+    rng = np.random.default_rng(2)
+    params = init(rng)
+    norms = [float(optax.tree.norm(jax.grad(loss)(params, batch(np.random.default_rng(i)))))
+             for i in range(8)]
+    max_norm = float(np.median(norms))
+    kw = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+    ref = optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-3, **kw))
+    tx = tsj.offload_adamw(1e-3, max_grad_norm=max_norm, **kw)
+    p_ref, s_ref = _copy(params), ref.init(params)
+    p, s = _copy(params), tx.init(params)
+    step, rstep = offload_step(tx, loss), reference_step(ref, loss)
+    clipped = 0
+    for t in range(50):
+        b = batch(rng)
+        clipped += float(optax.tree.norm(jax.grad(loss)(p_ref, b))) >= max_norm
+        p, s = step(p, s, b)
+        p_ref, s_ref = rstep(p_ref, s_ref, b)
+        assert_tree_bits(p, p_ref, f"{model} params step {t + 1}")
+    assert 0 < clipped < 50
+    tsj.close(s)
+
+
+def test_bf16_params_match_fp32_master_reference():
+    """bf16 weights: the engine's fp32 master equals optax on fp32 weights fed the upcast
+    bf16 gradients, and the returned weights are its rounding to bf16."""
+    rng = np.random.default_rng(3)
+    master0 = mlp_init(rng)
+    params = jax.tree.map(lambda x: x.astype(BF16), master0)
+    master = jax.tree.map(lambda x: x.astype(F32), params)  # the master starts as the bf16 weights
+    kw = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, mask=decay_mask)
+    ref = optax.adamw(SCHEDULE, **kw)
+    tx = tsj.offload_adamw(SCHEDULE, **kw)
+    s_ref, s = ref.init(master), tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        grads = jax.grad(mlp_loss)(params, batch)
+        new, state = tx.step(grads, state, params)
+        return new, state, grads
+
+    @jax.jit
+    def rstep(master, state, grads):
+        grads = jax.tree.map(lambda g: g.astype(F32), grads)
+        updates, state = ref.update(grads, state, master)
+        return optax.apply_updates(master, updates), state
+
+    for t in range(50):
+        b = mlp_batch(rng)
+        params, s, grads = step(params, s, b)
+        assert all(g.dtype == BF16 for g in jax.tree.leaves(grads))
+        master, s_ref = rstep(master, s_ref, grads)
+        assert_tree_bits(params, jax.tree.map(lambda x: x.astype(BF16), master), f"bf16 weights step {t + 1}")
+    assert_tree_bits(tsj.state_dict(s)["master"], master, "fp32 master")
+    tsj.close(s)
+
+
+def test_single_leaf_pytree():
+    """A bare array as the whole pytree (XLA:CPU compiles optax differently for it)."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal(300).astype(np.float32))
+    loss = lambda w, x: jnp.sum(jnp.sin(w * x))  # noqa: E731
+    ref, tx = optax.adamw(1e-2, weight_decay=0.1), tsj.offload_adamw(1e-2, weight_decay=0.1)
+    p_ref, s_ref, p, s = w, ref.init(w), w, tx.init(w)
+    step, rstep = offload_step(tx, loss), reference_step(ref, loss)
+    for t in range(20):
+        x = jnp.asarray(rng.standard_normal(300).astype(np.float32))
+        p, s = step(p, s, x)
+        p_ref, s_ref = rstep(p_ref, s_ref, x)
+        assert_tree_bits(p, p_ref, f"step {t + 1}")
+    tsj.close(s)
+
+
+# -- the torch convention ------------------------------------------------------------------------
+
+
+def test_torch_convention_matches_torch_adamw_cpu():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    params = mlp_init(rng)
+    lr, wd = 2e-3, 0.05
+    tx = tsj.offload_adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd, mask=decay_mask,
+                           convention="torch")
+    leaves, treedef = jax.tree.flatten(params)
+    decays = jax.tree.leaves(decay_mask(params))
+    tparams = [torch.nn.Parameter(torch.from_numpy(np.array(x))) for x in leaves]
+    groups = [{"params": [tp for tp, d in zip(tparams, decays) if d], "weight_decay": wd},
+              {"params": [tp for tp, d in zip(tparams, decays) if not d], "weight_decay": 0.0}]
+    topt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    s = tx.init(params)
+    grad_fn = jax.jit(jax.grad(mlp_loss))
+    step = jax.jit(tx.step)
+    for t in range(30):
+        grads = grad_fn(params, mlp_batch(rng))
+        params, s = step(grads, s, params)
+        for tp, g in zip(tparams, jax.tree.leaves(grads)):
+            tp.grad = torch.from_numpy(np.array(g))
+        topt.step()
+        want = jax.tree.unflatten(treedef, [jnp.asarray(tp.detach().numpy()) for tp in tparams])
+        assert_tree_bits(params, want, f"torch convention step {t + 1}")
+    tsj.close(s)
+
+
+# -- eager path, optax API, checkpoints -----------------------------------------------------------
+
+
+def test_eager_equals_jit():
+    rng = np.random.default_rng(6)
+    params = transformer_init(rng)
+    kw = dict(weight_decay=0.02, mask=decay_mask, max_grad_norm=0.5)
+    tx_j, tx_e = tsj.offload_adamw(SCHEDULE, **kw), tsj.offload_adamw(SCHEDULE, **kw)
+    p_j, s_j = _copy(params), tx_j.init(params)
+    p_e, s_e = _copy(params), tx_e.init(params)
+    step = jax.jit(tx_j.step)
+    grad_fn = jax.jit(jax.grad(transformer_loss))
+    for t in range(10):
+        b = transformer_batch(rng)
+        p_j, s_j = step(grad_fn(p_j, b), s_j, p_j)
+        p_e, s_e = tx_e.step(grad_fn(p_e, b), s_e, p_e)  # eager: NumPy views, no jit
+        assert_tree_bits(p_e, p_j, f"eager vs jit step {t + 1}")
+    assert int(s_e.count) == int(s_j.count) == 10
+    a, b = tsj.state_dict(s_e), tsj.state_dict(s_j)
+    for k in ("master", "exp_avg", "exp_avg_sq"):
+        assert_tree_bits(a[k], b[k], k)
+    tsj.close(s_j)
+    tsj.close(s_e)
+
+
+def test_update_then_apply_updates():
+    """optax's usage (jit and eager): apply_updates(p, new - p) == new where new - p is exact."""
+    rng = np.random.default_rng(7)
+    params = mlp_init(rng)
+    tx = tsj.offload_adamw(1e-3)
+
+    @jax.jit
+    def both(params, state, batch):
+        grads = jax.grad(mlp_loss)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref = optax.adamw(1e-3)
+    s, s_ref, p, p_ref = tx.init(params), ref.init(params), params, params
+    rstep = reference_step(ref, mlp_loss)
+    for t in range(6):
+        b = mlp_batch(rng)
+        p_prev = p
+        if t % 2:
+            p, s = both(p, s, b)
+        else:  # eagerly
+            u, s = tx.update(jax.grad(mlp_loss)(p, b), s, p)
+            p = optax.apply_updates(p, u)
+        p_ref, s_ref = rstep(p_ref, s_ref, b)
+        for a, w, q in zip(jax.tree.leaves(p), jax.tree.leaves(p_ref), jax.tree.leaves(p_prev)):
+            a, w, q = (np.asarray(x) for x in (a, w, q))
+            sterbenz = (np.abs(w) >= np.abs(q) / 2) & (np.abs(w) <= 2 * np.abs(q)) & (np.sign(w) == np.sign(q))
+            np.testing.assert_array_equal(a[sterbenz], w[sterbenz])
+        p = p_ref  # continue from the exact weights (the engine's master is exact)
+    tsj.close(s)
+
+
+def test_checkpoint_round_trip_resumes_bit_identically():
+    rng = np.random.default_rng(8)
+    params = mlp_init(rng)
+    batches = [mlp_batch(rng) for _ in range(20)]
+    kw = dict(weight_decay=0.01, mask=decay_mask, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(SCHEDULE, **kw)
+    step = offload_step(tx, mlp_loss)
+    p, s = _copy(params), tx.init(params)
+    for b in batches[:10]:
+        p, s = step(p, s, b)
+    ckpt = jax.tree.map(np.array, tsj.state_dict(s))  # NumPy only, as a checkpointer stores it
+    p_ckpt = jax.tree.map(np.array, p)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(ckpt))
+    for b in batches[10:]:
+        p, s = step(p, s, b)
+    tsj.close(s)
+    # a fresh optimizer (as in a new process): init, then load the checkpoint
+    tx2 = tsj.offload_adamw(SCHEDULE, **kw)
+    p2 = jax.tree.map(jnp.asarray, p_ckpt)
+    s2 = tx2.load_state_dict(tx2.init(p2), ckpt)
+    assert int(s2.count) == 10
+    step2 = offload_step(tx2, mlp_loss)
+    for b in batches[10:]:
+        p2, s2 = step2(p2, s2, b)
+    assert_tree_bits(p2, p, "resumed params")
+    tsj.close(s2)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_bad_input_errors():
+    rng = np.random.default_rng(9)
+    params = mlp_init(rng)
+    tx = tsj.offload_adamw(1e-3)
+    with pytest.raises(TypeError, match=r"float32, float16 and bfloat16.*int32"):
+        tx.init({"w": jnp.ones(3), "n": jnp.ones(3, jnp.int32)})
+    with pytest.raises(RuntimeError, match="mode='gpu'.*needs a CUDA GPU"):
+        tsj.offload_adamw(1e-3, mode="gpu").init(params)
+    with pytest.raises(ValueError, match="mode must be"):
+        tsj.offload_adamw(1e-3, mode="tpu")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        tsj.offload_adamw(1e-3, max_grad_norm=-1.0)
+    s = tx.init(params)
+    grads = jax.grad(mlp_loss)(params, mlp_batch(rng))
+    # changed structure between init and update, eagerly and under jit
+    other = dict(params, extra=jnp.ones(2))
+    other_g = dict(grads, extra=jnp.ones(2))
+    with pytest.raises(ValueError, match="differs from the one passed to init"):
+        tx.step(other_g, s, other)
+    with pytest.raises(ValueError, match="differs from the one passed to init"):
+        jax.jit(tx.step)(other_g, s, other)
+    with pytest.raises(ValueError, match="different pytree structures"):
+        tx.step({"a": grads["scale"]}, s, params)
+    with pytest.raises(ValueError, match="must have the parameter's dtype"):
+        tx.step(jax.tree.map(lambda g: g.astype(BF16), grads), s, params)
+    # a stale state: only the latest state is valid (the moments live in the engine)
+    step = jax.jit(tx.step)
+    p1, s1 = step(grads, s, params)
+    with pytest.raises(Exception, match="only the state returned by the previous update"):
+        jax.block_until_ready(step(grads, s, params))
+    # mismatched checkpoint
+    sd = tsj.state_dict(s1)
+    bad = dict(sd, exp_avg={k: v for k, v in sd["exp_avg"].items() if k != "scale"})
+    with pytest.raises(ValueError, match="checkpoint 'exp_avg' has pytree structure"):
+        tsj.load_state_dict(s1, bad)
+    bad = dict(sd, master=jax.tree.map(lambda x: np.zeros(x.size + 1, np.float32), sd["master"]))
+    with pytest.raises(ValueError, match="has shape"):
+        tsj.load_state_dict(s1, bad)
+    with pytest.raises(ValueError, match="lacks"):
+        tsj.load_state_dict(s1, {"count": 1})
+    # a closed engine: the error comes back through XLA with its message
+    tsj.close(s1)
+    with pytest.raises(Exception, match="no engine with handle"):
+        jax.block_until_ready(step(grads, s1, p1))
+
+
+def test_torch_convention_needs_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(RuntimeError, match="torch must be importable"):
+        tsj.offload_adamw(1e-3, convention="torch")

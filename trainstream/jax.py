@@ -1,0 +1,24 @@
+"""JAX API: ``trainstream.jax.offload_adamw`` (an optax ``GradientTransformation``).
+
+See :func:`trainstream.backends._jax.offload_adamw`. Needs jax and optax.
+"""
+
+from .backends._jax import (
+    OffloadAdamW,
+    OffloadAdamWState,
+    close,
+    load_state_dict,
+    offload_adamw,
+    state_dict,
+    stats,
+)
+
+__all__ = [
+    "OffloadAdamW",
+    "OffloadAdamWState",
+    "close",
+    "load_state_dict",
+    "offload_adamw",
+    "state_dict",
+    "stats",
+]
