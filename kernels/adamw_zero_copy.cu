@@ -45,8 +45,9 @@
 
 // ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream._contract.OX_* ----
 #define TS_OX_FORM_R 1
-#define TS_OX_CLIP 2
+#define TS_OX_NU_SWAP 2
 #define TS_OX_MU_SWAP 4
+#define TS_OX_CLIP 8
 
 // ---- kernel variants: trainstream._contract.VARIANT_* ----
 #define TS_VARIANT_TORCH_CPU 0
@@ -279,7 +280,7 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     }
     // gg = RN(g*g)
     const float gg = ts_z_mul(g, g);
-    if (code & TS_OX_CLIP) {
+    if (code & TS_OX_NU_SWAP) {
       // v = fma(B2, v, RN(C2*gg))
       v = ts_z_fma(B2, v0, ts_z_mul(C2, gg));
     } else {

@@ -587,7 +587,7 @@ def test_kernels_vectorise():
         ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
         ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
         ("sumsq", (K.KIND_F16,)),
-        ("adamw", (C.VARIANT_OPTAX_CPU, K.KIND_F32, K.KIND_F32, C.OX_CLIP)),
+        ("adamw", (C.VARIANT_OPTAX_CPU, K.KIND_F32, K.KIND_F32, C.OX_CLIP | C.OX_NU_SWAP)),
     ])
     for r in rows:
         assert r["vector"], r

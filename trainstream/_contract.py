@@ -95,21 +95,37 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
       m  = fma(B1, m, RN(C1*g))                             # OX_MU_SWAP
       gg = RN(g*g)
       v  = fma(C2, gg, RN(B2*v))                            # default pairing
-      v  = fma(B2, v, RN(C2*gg))                            # OX_CLIP (clip in the chain)
+      v  = fma(B2, v, RN(C2*gg))                            # OX_NU_SWAP
       q  = RN(m / RN(d1 * RN(sqrt(RN(v/d2)) + f(eps))))     # form D (default)
       q  = RN(RN(m*r1) / RN(sqrt(RN(v*r2)) + f(eps)))       # OX_FORM_R, r = RN(1/d)
       u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
   Which pairing and form XLA picks depends on the program, not on the values; the
-  :data:`OX_FORM_R`, :data:`OX_CLIP` and :data:`OX_MU_SWAP` bits of the *code* name them
-  and :func:`optax_cpu_code` gives the code of a leaf: form R only for a pytree of a single
-  leaf with more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires
-  only when ``1 - b**t`` has one use); with ``clip_by_global_norm`` in the chain LLVM
-  swaps the ``v`` pairing for every leaf, and the ``m`` pairing too for one-element
-  leaves (except in a multi-leaf tree with ``M == 1``). ``RN(g / n)`` is a true division,
-  not a multiply by ``1/n`` (60% of elements differ), and the ``* M`` is a second
-  rounding (removed by XLA when ``M == 1``, which is exact anyway).
+  :data:`OX_FORM_R`, :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP` and :data:`OX_CLIP` bits of
+  the *code* name them and :func:`optax_cpu_code` gives the code of a leaf: form R only
+  for a pytree of a single leaf with more than one element (XLA's ``A / broadcast(B) ->
+  A * (1/B)`` rewrite fires only when ``1 - b**t`` has one use); with
+  ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing for every leaf, and
+  the ``m`` pairing too for one-element leaves (except in a multi-leaf tree with
+  ``M == 1``). ``RN(g / n)`` is a true division, not a multiply by ``1/n`` (60% of
+  elements differ), and the ``* M`` is a second rounding (removed by XLA when ``M == 1``,
+  which is exact anyway).
+
+  *Fused gradients* (a limit of what any optimizer outside XLA can reproduce): the
+  pairings above are those of a gradient that enters optax's moment-update fusion as a
+  materialised array: always the case when ``update`` is jitted apart from the gradient,
+  and, in a train step jitted as a whole, for gradients made by matmuls and by
+  multi-element reductions (every leaf of the MLP and transformer in the tests). XLA:CPU
+  may instead fuse the computation of a gradient into the moment updates (seen for a
+  ``(1,)``-shaped leaf whose gradient is a full reduction, and for small leaves whose
+  gradient is element-wise in the parameter); LLVM then contracts the *other* products,
+  ``OX_NU_SWAP | OX_MU_SWAP`` (without clipping; with clipping nothing changed in the
+  cases probed). TrainStream receives gradients as materialised buffers, so it cannot
+  see which case the user's program is in; the JAX adapter takes the affected leaves
+  as an argument (``xla_fused_grads``). In rarer cases (a gradient XLA simplifies
+  algebraically together with the moment update, e.g. of a loss quadratic in a scalar)
+  no pairing reproduces the fused program.
   ``apply_updates`` jitted *separately* from ``update`` materialises
   ``RN(-lr*u)`` and then ``p + that``: a different result, not a convention here.
 
@@ -212,9 +228,10 @@ S_OX_CODE = 11  # optax/cpu: the code (OX_* bits) as a float32
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
-OX_CLIP = 2  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV, v pairing swapped
-OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with OX_CLIP)
-OX_CODES: tuple[int, ...] = tuple(range(8))
+OX_NU_SWAP = 2  # v = fma(b2, v, RN((1-b2)*gg)) (clip in the chain, or a fused gradient)
+OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with clip; fused gradients)
+OX_CLIP = 8  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV first
+OX_CODES: tuple[int, ...] = tuple(range(16))
 
 #: Largest distance per step between the optax/cuda kernel (XLA:GPU's approximate
 #: ``sqrt.approx``/``div.full``) and its IEEE host emulation, in float32 ULPs of
@@ -315,18 +332,22 @@ def optax_bias_corrections(b1: float, b2: float, count, xp=np):
     return bc1, bc2
 
 
-def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None) -> int:
+def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw.
 
     ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
-    ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None.
+    ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None;
+    ``fused_grad``: XLA fuses the computation of this leaf's gradient into the moment
+    update (see "Fused gradients" in the module docstring; no effect with clipping).
     Determined empirically for jax/jaxlib 0.10.2 on x86-64 (see the module docstring).
     """
     code = OX_FORM_R if (n_leaves == 1 and numel > 1) else 0
     if max_norm is not None:
-        code |= OX_CLIP
+        code |= OX_CLIP | OX_NU_SWAP
         if numel == 1 and not (n_leaves > 1 and np.float32(max_norm) == np.float32(1.0)):
             code |= OX_MU_SWAP
+    elif fused_grad:
+        code |= OX_NU_SWAP | OX_MU_SWAP
     return code
 
 
@@ -362,7 +383,7 @@ def optax_step_scalars(
     out of weight decay (``S_WD`` = 0).
     """
     if code not in OX_CODES:
-        raise ValueError(f"optax code must be one of {OX_CODES}, got {code!r}")
+        raise ValueError(f"optax code must be one of 0..{OX_CODES[-1]}, got {code!r}")
     s = np.zeros(N_SCALARS, np.float32)
     lr, b1, b2, eps, wd = hp
     s[S_CLIP] = np.float32(clip)
@@ -546,7 +567,7 @@ def _reference_optax_cpu(p, m, v, g, s):
         else:
             m = z(fma_f32(C1, g, z(B1 * m)))
         gg = z(g * g)
-        if code & OX_CLIP:
+        if code & OX_NU_SWAP:
             v = z(fma_f32(B2, v, z(C2 * gg)))
         else:
             v = z(fma_f32(C2, gg, z(B2 * v)))

@@ -83,6 +83,7 @@ from ._contract import (
     OX_CODES,
     OX_FORM_R,
     OX_MU_SWAP,
+    OX_NU_SWAP,
     VARIANT_OPTAX_CPU,
     VARIANT_OPTAX_CUDA,
     VARIANT_TORCH_CPU,
@@ -308,6 +309,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     ox_form_r = (ox & OX_FORM_R) != 0
     ox_clip = (ox & OX_CLIP) != 0
     ox_mu_swap = (ox & OX_MU_SWAP) != 0
+    ox_nu_swap = (ox & OX_NU_SWAP) != 0
     write16 = okind != KIND_F32
 
     @njit(**opts)
@@ -382,7 +384,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     else:
                         mi = _ftz(fma32(z_omb1, gi, _ftz(z_b1 * mo)))
                     gg = _ftz(gi * gi)
-                    if ox_clip:
+                    if ox_nu_swap:
                         vi = _ftz(fma32(z_b2, vo, _ftz(z_omb2 * gg)))
                     else:
                         vi = _ftz(fma32(z_omb2, gg, _ftz(z_b2 * vo)))
