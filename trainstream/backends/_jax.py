@@ -152,6 +152,7 @@ class _Config(NamedTuple):
     weight_decay: float
     max_grad_norm: float | None
     mask: Any
+    xla_fused_grads: Any
     mode: str
     convention: str
     threads: int | None
@@ -185,7 +186,7 @@ def _fingerprint(spec: tuple) -> str:
 class _Instance:
     """One ``init``: an engine, the structure it was built for, and per-leaf constants."""
 
-    def __init__(self, handle: int, cfg: _Config, leaves, treedef, decay: list[bool]):
+    def __init__(self, handle: int, cfg: _Config, leaves, treedef, decay: list[bool], fused: list[bool]):
         self.handle = handle
         self.cfg = cfg
         self.treedef = treedef
@@ -218,7 +219,8 @@ class _Instance:
             hp = C.AdamWHyperParams(base_lr, cfg.b1, cfg.b2, cfg.eps, wd)
             self.hps.append(hp)
             if cfg.convention == "optax":
-                code = C.optax_cpu_code(n, int(np.prod(self.shapes[i], dtype=np.int64)), cfg.max_grad_norm)
+                numel = int(np.prod(self.shapes[i], dtype=np.int64))
+                code = C.optax_cpu_code(n, numel, cfg.max_grad_norm, fused_grad=fused[i])
                 templ[i] = C.optax_step_scalars(hp, 1.0, 1.0, code=code, decay=decay[i] and wd != 0.0)
         self.templ = templ
         self.clip_rows = (templ[:, C.S_OX_CODE].astype(np.int64) & C.OX_CLIP) != 0
@@ -451,10 +453,11 @@ class _Impl:
         if cfg.mode == "gpu":
             _refuse_gpu_mode()
         _check_devices(leaves, paths, "parameter")
-        decay = _resolve_mask(cfg.mask, params, treedef)
+        decay = _resolve_mask(cfg.mask, params, treedef, "mask", True)
+        fused = _resolve_mask(cfg.xla_fused_grads, params, treedef, "xla_fused_grads", False)
         with _instances_lock:
             handle = next(_handles)
-            inst = _Instance(handle, cfg, leaves, treedef, decay)
+            inst = _Instance(handle, cfg, leaves, treedef, decay, fused)
             _instances[handle] = inst
         self.specs.add(inst.spec)
         return OffloadAdamWState(handle=jnp.asarray(handle, jnp.int32), count=jnp.zeros([], jnp.int32))
@@ -564,22 +567,22 @@ def _refuse_gpu_mode():
     )
 
 
-def _resolve_mask(mask, params, treedef) -> list[bool]:
+def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
     """optax's ``mask=``: a pytree (prefix) of bools or a callable params -> such a tree.
 
     Resolved once, at init (the mask of optax.masked is structural in practice).
     """
     n = treedef.num_leaves
     if mask is None:
-        return [True] * n
+        return [default] * n
     m = mask(params) if callable(mask) else mask
     try:
         full = jax.tree.map(lambda mk, sub: jax.tree.map(lambda _: bool(mk), sub), m, params)
         flags = treedef.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
         raise ValueError(
-            f"TrainStream offload_adamw: mask must be a pytree prefix of the parameters with bool "
-            f"leaves (or a callable returning one): {exc}"
+            f"TrainStream offload_adamw: {name} must be a pytree prefix of the parameters with "
+            f"bool leaves (or a callable returning one): {exc}"
         ) from None
     return [bool(f) for f in flags]
 
@@ -627,6 +630,7 @@ def offload_adamw(
     *,
     max_grad_norm: float | None = None,
     mask: Any = None,
+    xla_fused_grads: Any = None,
     mode: str = "cpu",
     convention: str = "optax",
     threads: int | None = None,
@@ -644,6 +648,12 @@ def offload_adamw(
         float64 norm (as ``trainstream.torch``).
       mask: as ``optax.adamw``'s ``mask`` (leaves with False get no weight decay);
         resolved once, at ``init``.
+      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses
+        into optax's moment update in the reference program (see "Fused gradients" in
+        :mod:`trainstream._contract`: LLVM then pairs the FMAs differently). Default
+        none: gradients materialised before the update, which holds for gradients made by
+        matmuls and multi-element reductions and whenever ``update`` is jitted apart from
+        the gradient. Ignored with ``max_grad_norm`` and with ``convention="torch"``.
       mode: ``"cpu"`` (host update). ``"gpu"`` is not built for JAX in this release.
       convention: ``"optax"`` (XLA:CPU's optax.adamw, bit for bit) or ``"torch"``
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable).
@@ -682,7 +692,7 @@ def offload_adamw(
     cfg = _Config(
         learning_rate if callable(learning_rate) else float(learning_rate),
         float(b1), float(b2), float(eps), float(weight_decay),
-        max_grad_norm, mask, mode, convention, threads, chunk_elems,
+        max_grad_norm, mask, xla_fused_grads, mode, convention, threads, chunk_elems,
     )
     impl = _Impl(cfg)
     return OffloadAdamW(impl.init, impl.update)
