@@ -3,6 +3,7 @@
 Public entry points:
 
 * ``trainstream.torch.OffloadAdamW`` (PyTorch optimizer)
+* ``trainstream.jax.offload_adamw`` (optax ``GradientTransformation``; JAX on the CPU)
 * ``trainstream.benchmark_host_adamw`` / ``trainstream.benchmark_zero_copy_adamw``
 * the arithmetic contract: ``trainstream.contract`` (``trainstream._contract``)
 

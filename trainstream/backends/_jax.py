@@ -17,7 +17,10 @@ Data path (``mode="cpu"``, JAX on the CPU backend: everything is host memory)::
                   its fp32 master and moments (Numba kernels, worker threads), the new
                   weights (master, or its fp16/bf16 rounding) are written into the outputs.
 
-The handler's buffers are zero-copy NumPy views of XLA's. The state threads the calls:
+The handler reads XLA's buffers through zero-copy NumPy views: the kernels read the
+gradients in place, and the one copy per element is that of the new weights from the
+engine's fp32 master (or its fp16/bf16 rounding) into XLA's output buffer (the master
+must outlive the call; XLA's buffers do not). The state threads the calls:
 the new ``count`` is an *output* of the FFI call (aliased to its input), so the next
 update consumes it and XLA can neither reorder nor drop a step whose state is used; the
 call is marked side-effecting in HLO (no CSE, no DCE by XLA) without leaving jit's fast
@@ -109,7 +112,20 @@ class JaxCpuBackend:
 
     All memory is host memory: copies are synchronous NumPy copies, there are no events
     (every method that returns one returns None) and nothing is pinned.
+
+    Gradients are not copied: ``copy_to_host`` points the staging buffer at the caller's
+    (XLA's) gradient array for the duration of one update, and :meth:`release_grads`
+    points it back once the engine has synchronised (the caller's buffers are only valid
+    during the FFI call or the eager update).
     """
+
+    def __init__(self) -> None:
+        self._lent: list = []  # (staging buffer, its own array) while lent a gradient
+
+    def release_grads(self) -> None:
+        for buf, own in self._lent:
+            buf.array = own
+        self._lent.clear()
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _HostBuffer:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
@@ -126,7 +142,11 @@ class JaxCpuBackend:
         return None
 
     def copy_to_host(self, dst: _HostBuffer, src: np.ndarray, after: Any) -> None:
-        np.copyto(dst.array, src)
+        if src.dtype == dst.array.dtype and src.shape == dst.array.shape and src.flags.c_contiguous:
+            self._lent.append((dst, dst.array))
+            dst.array = src  # read in place until release_grads
+        else:
+            np.copyto(dst.array, src)
         return None
 
     def copy_to_device(self, dst: _Leaf, src: _HostBuffer, after: Any) -> None:
@@ -197,8 +217,9 @@ class _Instance:
         self.lock = threading.Lock()
         n = len(leaves)
         sqrt_mode = _torch_sqrt_mode() if cfg.convention == "torch" else 0
+        self.backend = JaxCpuBackend()
         self.engine = Engine(
-            JaxCpuBackend(),
+            self.backend,
             mode="cpu",
             threads=cfg.threads,
             chunk_elems=cfg.chunk_elems,
@@ -266,6 +287,7 @@ class _Instance:
                     "valid (an old state cannot be reused; restore a checkpoint with "
                     "load_state_dict instead)"
                 )
+            ok = False
             try:
                 for i, leaf in enumerate(self.leaves):
                     leaf.out = _flat_bits(outs[i])
@@ -286,9 +308,16 @@ class _Instance:
                         hps = [hp._replace(lr=lr) for hp in hps]
                     eng.step(list(enumerate(hps)), max_grad_norm=self.cfg.max_grad_norm)
                 eng.synchronize()
+                ok = True
             finally:
+                if not ok:  # forget gradients offloaded before the failure (they are lent)
+                    try:
+                        eng.discard_grads()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
                 for leaf in self.leaves:
                     leaf.out = None
+                self.backend.release_grads()
 
 
 def _flat_bits(a: np.ndarray) -> np.ndarray:
@@ -356,7 +385,7 @@ def _ffi_handler(ctx: xf.CallContext, args: list, rets: list) -> None:
         )
     count_inc = int(xf.as_numpy(args[1], readonly=True))
     dyn = xf.as_numpy(args[2], readonly=True)
-    grads = [xf.as_numpy(b, readonly=True) for b in args[3 : 3 + n]]
+    grads = [xf.as_numpy(b) for b in args[3 : 3 + n]]  # never written (writable: one Numba signature)
     outs = [xf.as_numpy(b) for b in rets[1:]]
     xf.alias_or_copy(ctx, args[1], rets[0])  # the new count: aliased, normally no copy
     inst.run(count_inc, dyn, grads, outs)
