@@ -701,8 +701,10 @@ def offload_adamw(
     rounding where a weight halves, doubles or changes sign in one step.
 
     The state: :class:`OffloadAdamWState` ``(handle, count)``. Only the state returned
-    by the latest update is valid (the moments live in the engine); checkpoint with
-    :func:`state_dict` / :func:`load_state_dict`.
+    by the latest update is valid (the moments live in the engine; an older state is
+    refused); checkpoint with :func:`state_dict` / :func:`load_state_dict`. Each ``init``
+    starts an engine (host buffers and worker threads) that lives until
+    ``tx.close(state)`` or the end of the process.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
