@@ -26,7 +26,8 @@ without ``fma`` is two roundings and must not be contracted (no fast-math, and C
 code uses ``__fmul_rn``/``__fadd_rn`` where the reference does not fuse).
 
 Per-step scalars are computed once on the host, in float64 (Python floats) exactly as
-the reference computes them, then rounded to float32 where the reference rounds them.
+the reference computes them, then rounded to float32 where the reference rounds them
+(``optax``: except the inputs that only XLA reproduces, named there).
 They travel to a kernel as a small float32 vector laid out by the ``S_*`` indices below.
 
 Conventions
@@ -118,8 +119,9 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
   and, in a train step jitted as a whole, for gradients made by matmuls and by
   multi-element reductions (every leaf of the MLP and transformer in the tests). XLA:CPU
   may instead fuse the computation of a gradient into the moment updates (seen for a
-  ``(1,)``-shaped leaf whose gradient is a full reduction, and for small leaves whose
-  gradient is element-wise in the parameter); LLVM then contracts the *other* products,
+  ``(1,)``-shaped leaf whose gradient is a full reduction, for small leaves whose
+  gradient is element-wise in the parameter, and for bf16 gradients cast to float32 in
+  the update's program); LLVM then contracts the *other* products,
   ``OX_NU_SWAP | OX_MU_SWAP`` (without clipping; with clipping nothing changed in the
   cases probed). TrainStream receives gradients as materialised buffers, so it cannot
   see which case the user's program is in; the JAX adapter takes the affected leaves
