@@ -349,3 +349,152 @@ def test_close_joins_workers_and_gc_closes():
     gc.collect()
     after = {t.name for t in threading.enumerate() if t.name.startswith("trainstream-worker")}
     assert after <= {n for n in before if n.startswith("trainstream-worker")}
+
+
+# -- torch.optim semantics kept (from review) ------------------------------------------------
+
+
+def _ref_and_ts(**kw):
+    m1, m2 = make_model(), make_model()
+    return m1, m2, torch.optim.AdamW(m1.parameters(), **kw), OffloadAdamW(m2.parameters(), threads=2, **kw)
+
+
+def test_unfrozen_and_hand_set_gradients_are_applied():
+    m1, m2, ref, ts = _ref_and_ts(lr=1e-2)
+    for m in (m1, m2):
+        m.emb.weight.requires_grad_(False)
+    x = batches(1)[0]
+    for m, o in ((m1, ref), (m2, ts)):
+        loss_of(m, x).backward()
+        o.step()
+        o.zero_grad()
+        m.emb.weight.requires_grad_(True)  # unfrozen after the optimizer was built
+        loss_of(m, x).backward()
+        o.step()
+        o.zero_grad()
+        m.head.bias.grad = torch.full_like(m.head.bias, 0.5)  # set by hand
+        o.step()
+    ts.synchronize()
+    assert_same(m1, m2)
+    ts.close()
+
+
+def test_stale_master_from_a_torch_round_trip_is_not_restored():
+    model = make_model(dtype=torch.bfloat16)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
+    data = batches(8)
+    for x in data[:3]:
+        loss_of(model, x).backward()
+        ts.step()
+    ts.synchronize()
+    sd = ts.state_dict()
+    ts.close()  # its hooks would take the reference's gradients
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref.load_state_dict(sd)  # torch keeps 'master_param' but never updates it
+    for x in data[3:8]:
+        ref.zero_grad()
+        loss_of(model, x).backward()
+        ref.step()
+    ts2 = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
+    with pytest.warns(RuntimeWarning, match="does not round to the current weights"):
+        ts2.load_state_dict(ref.state_dict())
+    for sid, p in enumerate(model.parameters()):
+        master = ts2.state_dict()["state"][sid]["master_param"]
+        assert torch.equal(master.to(p.dtype), p.detach())
+    ts2.close()
+
+
+def test_load_state_dict_resets_parameters_without_saved_state_and_checks_flags():
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=1)
+    fresh = ts.state_dict()
+    for x in batches(2):
+        loss_of(model, x).backward()
+        ts.step()
+    ts.load_state_dict(fresh)
+    assert ts.state_dict()["state"] == {}
+    bad = copy.deepcopy(fresh)
+    bad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        ts.load_state_dict(bad)
+    ts.close()
+
+
+def test_replaced_parameter_storage_is_refused():
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=1)
+    model.head.weight.data = model.head.weight.data.clone()
+    loss_of(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="storage of parameter"):
+        ts.step()
+    ts.close()
+
+
+def test_failed_add_param_group_leaves_optimizer_usable():
+    m1, m2, ref, ts = _ref_and_ts(lr=1e-2)
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        ts.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "amsgrad": True})
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        ts.add_param_group({"params": [nn.Parameter(torch.zeros(3)), torch.zeros(2, dtype=torch.float64)]})
+    assert len(ts.param_groups) == 1
+    for x in batches(3):
+        for m, o in ((m1, ref), (m2, ts)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+    ts.synchronize()
+    assert_same(m1, m2)
+    ts.close()
+
+
+def test_add_param_group_after_construction():
+    m1, m2 = make_model(), make_model()
+    ref = torch.optim.AdamW(m1.head.parameters(), lr=1e-2)
+    ts = OffloadAdamW(m2.head.parameters(), lr=1e-2, threads=2)
+    data = batches(6)
+    for i, x in enumerate(data):
+        if i == 2:
+            ref.add_param_group({"params": list(m1.layer.parameters()), "lr": 3e-3})
+            ts.add_param_group({"params": list(m2.layer.parameters()), "lr": 3e-3})
+        for m, o in ((m1, ref), (m2, ts)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+    ts.synchronize()
+    assert_same(m1, m2)
+    ts.close()
+
+
+def test_worker_failure_is_sticky_until_reload(monkeypatch):
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=2)
+    good = ts.state_dict()
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(K, "adamw_chunk", boom)
+    loss_of(model, batches(1)[0]).backward()
+    ts.step()
+    with pytest.raises(WorkerError):
+        ts.synchronize()
+    monkeypatch.undo()
+    with pytest.raises(WorkerError):
+        ts.step()
+    ts.load_state_dict(good)
+    ts.zero_grad()
+    loss_of(model, batches(1)[0]).backward()
+    ts.step()
+    ts.synchronize()
+    ts.close()
+
+
+def test_two_backwards_in_last_micro_batch_are_refused():
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=1)
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="second backward"):
+        with ts.last_micro_batch():
+            loss_of(model, x).backward()
+            loss_of(model, x).backward()
+    ts.close()

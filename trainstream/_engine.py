@@ -105,9 +105,10 @@ _WORKER_NICE = int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
 class _WorkerPool:
     """``threads`` workers, each with its own FIFO queue."""
 
-    def __init__(self, threads: int, on_error: Callable[[BaseException], None]):
+    def __init__(self, threads: int):
+        # Holds nothing of the engine: running threads keep the pool alive, and the
+        # engine must stay collectable so that its finalizer can stop them.
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads)]
-        self._on_error = on_error
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"trainstream-worker-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -134,6 +135,9 @@ class _WorkerPool:
 
     def submit(self, worker: int, job: Callable[[], None]) -> None:
         self._queues[worker % len(self._queues)].put(job)
+
+    def owns_current_thread(self) -> bool:
+        return threading.current_thread() in self._threads
 
     def shutdown(self) -> None:
         for q in self._queues:
@@ -248,7 +252,7 @@ class Engine:
         self._pageable_bytes = 0
         self._last_norm: float | None = None
         self._closed = False
-        self._pool = _WorkerPool(threads, self._record_error)
+        self._pool = _WorkerPool(threads)
         self._load = [0] * threads  # elements assigned to each worker
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
 
@@ -273,15 +277,24 @@ class Engine:
                 self._error = text
 
     def check_error(self) -> None:
-        """Raise :class:`WorkerError` if a worker failed since the last check."""
+        """Raise :class:`WorkerError` if a worker has failed.
+
+        The error is sticky: every later call raises it too, until :meth:`load_state` has
+        reloaded every slot (after a failure the state of that step is partly updated).
+        """
         with self._error_lock:
-            msg, self._error = self._error, None
+            msg = self._error
         if msg is not None:
             raise WorkerError(
                 f"TrainStream optimizer worker failed: {msg}. The optimizer state of the "
                 "parameters updated in that step may be partly updated; reload a checkpoint "
-                "to continue from a consistent state."
+                "(load_state_dict) to continue from a consistent state."
             )
+
+    def clear_error(self) -> None:
+        """Forget a worker failure (after the whole state has been reloaded)."""
+        with self._error_lock:
+            self._error = None
 
     def _slot(self, sid: int) -> _Slot:
         if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._slots):
@@ -339,6 +352,14 @@ class Engine:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def truncate(self, n: int) -> None:
+        """Drop the slots registered after the first ``n`` (a failed registration)."""
+        for s in self._slots[n:]:
+            self._wait_idle(s)
+            for c, w in enumerate(s.workers):
+                self._load[w] -= min(self.chunk, s.numel - c * self.chunk)
+        del self._slots[n:]
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
@@ -604,12 +625,16 @@ class Engine:
         self._stats.add("ready_stall_s", time.perf_counter() - t0)
         self.check_error()
 
-    def synchronize(self) -> None:
-        """Block until every queued batch and upload has completed; raise worker errors."""
+    def drain(self) -> None:
+        """Block until every queued batch and upload has completed (raises nothing)."""
         for s in self._slots:
             self._wait_idle(s)
             if s.ready is not None:
                 s.ready.synchronize()
+
+    def synchronize(self) -> None:
+        """Block until every queued batch and upload has completed; raise worker errors."""
+        self.drain()
         self.check_error()
 
     def last_grad_norm(self) -> float | None:
@@ -657,7 +682,7 @@ class Engine:
             self.backend.param_to_host_f32(s.param, s.master.array)
         s.step = int(step)
         s.grad_state = _NO_GRAD
-        self.check_error()
+        s.grad_keep = None
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
@@ -687,6 +712,12 @@ class Engine:
     def close(self) -> None:
         """Drain the queued work, join the workers and release the host buffers."""
         if self._closed:
+            return
+        if self._pool.owns_current_thread():
+            # Called from a worker (e.g. a finalizer run by the garbage collector inside a
+            # job): waiting would wait for this very thread. Let the workers drain and stop.
+            self._closed = True
+            self._finalizer()
             return
         try:
             for s in self._slots:

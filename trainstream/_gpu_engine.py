@@ -60,8 +60,7 @@ class GpuEngine:
     ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
     ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
     ``record_update() -> event``, ``device_scratch(nbytes) -> (handle, ptr)``,
-    ``data_ptr(tensor) -> int``, ``device_index: int``, ``copy_from_param(param, dst_ptr)``
-    is not needed (the master is initialised through ``param_to_host_f32``).
+    ``data_ptr(tensor) -> int``, ``device_index: int`` and ``copy_scalar_to_host``.
     """
 
     def __init__(self, backend: Any, *, convention: str = "torch"):
@@ -130,6 +129,15 @@ class GpuEngine:
         if not 0 <= sid < len(self._slots):
             raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
         return self._slots[sid]
+
+    def truncate(self, n: int) -> None:
+        """Drop (and free) the slots registered after the first ``n``."""
+        for s in self._slots[n:]:
+            for buf in (s.exp_avg, s.exp_avg_sq, s.master):
+                if buf is not None:
+                    buf.host = None
+                    buf.free()
+        del self._slots[n:]
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
@@ -205,6 +213,15 @@ class GpuEngine:
             # reused by it from here on.
             s.grad_keep = None
         self._ready_stall_s += time.perf_counter() - t0
+
+    def check_error(self) -> None:
+        """Kernel faults surface from CUDA itself; there are no worker threads here."""
+
+    def clear_error(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        self.synchronize()
 
     def synchronize(self) -> None:
         for s in self._slots:

@@ -681,8 +681,13 @@ def host_adamw_update(
     end: int | None = None,
     grad_kind: str | None = None,
     out_kind: str | None = None,
+    sqrt_mode: int = SQRT_IEEE,
 ) -> None:
     """One AdamW update of ``p``, ``m``, ``v`` in place over ``[begin, end)``, validated.
+
+    ``sqrt_mode``: for torch/cpu, the :mod:`trainstream._cpu_sqrt` mode of torch's CPU
+    sqrt on this machine (``trainstream.backends._torch.torch_cpu_sqrt_mode()``); the
+    default, IEEE, is bit-identical to torch only where torch's sqrt is IEEE.
 
     ``p``, ``m``, ``v``: float32 1-D C-contiguous writeable arrays of one length (master
     weight and moments). ``g``: the gradient, same length: float32, float16, bfloat16
@@ -734,7 +739,9 @@ def host_adamw_update(
                 raise ValueError(f"{names[i]} and {names[j]} share memory; buffers must be distinct")
     if begin == end:
         return
-    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars)
+    if sqrt_mode not in SQRT_MODES:
+        raise ValueError(f"sqrt_mode must be one of {sorted(SQRT_MODES)}, got {sqrt_mode!r}")
+    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars, sqrt_mode)
 
 
 # -- machine-code check ------------------------------------------------------------------------

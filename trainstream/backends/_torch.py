@@ -72,7 +72,10 @@ class TorchBackend:
         return ev
 
     def device_scratch(self, nbytes: int):
-        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # Allocated on the update stream, which alone uses it: when a larger buffer
+        # replaces it, the caching allocator orders its reuse after that stream's kernels.
+        with torch.cuda.stream(self.upd):
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return t, t.data_ptr()
 
     @staticmethod
@@ -182,6 +185,16 @@ _GROUP_FLAGS = dict(
 )
 
 
+def _check_group(group: dict[str, Any]) -> None:
+    """Refuse what OffloadAdamW does not implement, before any state changes."""
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+        if group.get(flag):
+            raise NotImplementedError(f"OffloadAdamW does not implement {flag}=True")
+    if not group.get("decoupled_weight_decay", True):
+        raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
+    C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
 class OffloadAdamW(Optimizer):
     r"""AdamW with its state in host memory, bit-identical to ``torch.optim.AdamW``.
 
@@ -195,7 +208,10 @@ class OffloadAdamW(Optimizer):
     released. Gradient accumulation needs nothing special: several ``backward()`` then
     ``step()`` accumulate on the host in fp32. ``step()`` queues the host update; the
     new weights are uploaded asynchronously and the next forward waits, per module, only
-    for the weights it is about to use.
+    for the weights it is about to use. Because ``param.grad`` is ``None`` after backward,
+    clip with ``max_grad_norm`` rather than ``clip_grad_norm_``. Micro-batch gradients of
+    fp16/bf16 parameters are summed in fp32 on the host (torch sums ``param.grad`` in the
+    parameter's dtype). In ``gpu`` mode gradients stay in ``param.grad`` as usual.
 
     To start the update during backward (the *eager* path), say which backward is the
     last micro-batch of the step::
@@ -260,7 +276,10 @@ class OffloadAdamW(Optimizer):
         self._slot_of: dict[torch.Tensor, int] = {}
         self._params_of_slot: list[torch.Tensor] = []
         self._group_of: list[int] = []  # slot -> index of its param group
+        self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
         self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # slots whose parameter has the offload hook
+        self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
         self._eager = False
@@ -291,17 +310,30 @@ class OffloadAdamW(Optimizer):
     # -- parameters -------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        n_groups, n_slots, n_hooks = len(self.param_groups), len(self._params_of_slot), len(self._hooks)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
-            if group.get(flag):
-                raise NotImplementedError(f"OffloadAdamW does not implement {flag}=True")
-        if not group.get("decoupled_weight_decay", True):
-            raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
-        C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        for p in group["params"]:
-            self._register(p)
-            self._group_of.append(len(self.param_groups) - 1)
+        try:
+            group = self.param_groups[-1]
+            _check_group(group)
+            for p in group["params"]:
+                self._register(p)
+                self._group_of.append(len(self.param_groups) - 1)
+        except BaseException:
+            # Leave the optimizer exactly as it was.
+            del self.param_groups[n_groups:]
+            for p in self._params_of_slot[n_slots:]:
+                self._slot_of.pop(p, None)
+            del self._params_of_slot[n_slots:]
+            del self._group_of[n_slots:]
+            del self._engine_param_ptr[n_slots:]
+            for h in self._hooks[n_hooks:]:
+                h.remove()
+            del self._hooks[n_hooks:]
+            self._hooked = {sid for sid in self._hooked if sid < n_slots}
+            if self._engine is not None:
+                self._engine.truncate(n_slots)
+            raise
+        self._wait_sets.clear()  # cached per-module wait lists predate these parameters
 
     def _register(self, p: torch.Tensor) -> None:
         index = len(self._params_of_slot)
@@ -346,10 +378,16 @@ class OffloadAdamW(Optimizer):
         platform = "cuda" if p.device.type == "cuda" else "cpu"
         sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
         assert sid == index
+        self._engine_param_ptr.append(p.data_ptr())
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
-        if p.requires_grad and self.mode == "cpu":
+        self._hook_if_trainable(sid)
+
+    def _hook_if_trainable(self, sid: int) -> None:
+        p = self._params_of_slot[sid]
+        if self.mode == "cpu" and p.requires_grad and sid not in self._hooked:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(sid)))
+            self._hooked.add(sid)
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[sid]]
@@ -365,26 +403,36 @@ class OffloadAdamW(Optimizer):
             opt = ref()
             if opt is None or opt._closed or p.grad is None:
                 return
-            grad = p.grad
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"OffloadAdamW does not support sparse gradients (parameter {sid})"
-                )
-            if grad.dtype != p.dtype:
-                raise TypeError(
-                    f"OffloadAdamW: gradient of parameter {sid} has dtype {grad.dtype}, "
-                    f"parameter has {p.dtype}"
-                )
             update = None
             if opt._eager and opt.max_grad_norm is None:
+                if sid in opt._eager_done:
+                    raise RuntimeError(
+                        "OffloadAdamW: a second backward inside last_micro_batch() before "
+                        f"step() (parameter {sid}); only the last micro-batch's backward "
+                        "belongs in that block"
+                    )
+                opt._eager_done.add(sid)
                 update = opt._hp(opt._group_of_slot(sid))
-            opt._engine.offload_grad(sid, grad.detach(), _DTYPE_NAME[grad.dtype], update)
-            if update is not None:
-                with opt._pending_lock:
-                    opt._pending.add(sid)
-            p.grad = None  # released: the engine keeps it alive until its copy landed
+            opt._offload_grad(sid, p, update)
 
         return hook
+
+    def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
+        if grad.dtype != p.dtype or grad.shape != p.shape:
+            raise TypeError(
+                f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, "
+                f"the parameter is {p.dtype}{tuple(p.shape)}"
+            )
+        if grad.device != p.device:
+            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
+        self._engine.offload_grad(sid, grad.detach(), _DTYPE_NAME[grad.dtype], update)
+        if update is not None:
+            with self._pending_lock:
+                self._pending.add(sid)
+        p.grad = None  # released: the engine keeps it alive until its copy landed
 
     # -- the user API -----------------------------------------------------------------------
 
@@ -417,6 +465,19 @@ class OffloadAdamW(Optimizer):
                 loss = closure()
         if self._engine is None:
             return loss
+        self._engine.check_error()
+        for sid, p in enumerate(self._params_of_slot):
+            if p.data_ptr() != self._engine_param_ptr[sid]:
+                raise RuntimeError(
+                    f"OffloadAdamW: the storage of parameter {sid} was replaced after the "
+                    "optimizer was built (p.data = ..., module.to(), re-initialisation); "
+                    "build the optimizer after moving/replacing parameters"
+                )
+            if self.mode == "cpu":
+                self._hook_if_trainable(sid)  # unfrozen after construction
+                if p.grad is not None:  # a gradient the hook did not see (set by hand)
+                    self._offload_grad(sid, p)
+        self._eager_done.clear()
         updates = []
         for group in self.param_groups:
             hp = self._hp(group)
@@ -447,6 +508,11 @@ class OffloadAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients offloaded since the last step (and any ``param.grad``)."""
         self._check_open()
+        if self.mode == "gpu" and self._pending:
+            # The update kernels still read p.grad: order its zeroing/reuse after them.
+            with self._pending_lock:
+                sids, self._pending = sorted(self._pending), set()
+            self._engine.wait_ready(sids)
         super().zero_grad(set_to_none=set_to_none)
         if self._engine is not None and self.mode == "cpu":
             self._engine.discard_grads()
@@ -562,11 +628,36 @@ class OffloadAdamW(Optimizer):
             def f32(t):
                 return t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy()
 
-            master = f32(entry["master_param"]) if "master_param" in entry else None
+            master = None
+            if "master_param" in entry and p.dtype != torch.float32:
+                saved = entry["master_param"].detach().to("cpu", torch.float32)
+                # Keep the fp32 master only if it still rounds to the live weights: a
+                # checkpoint that went through torch.optim.AdamW carries a stale one.
+                if torch.equal(saved.to(p.dtype), p.detach().to("cpu")):
+                    master = f32(saved)
+                else:
+                    warnings.warn(
+                        f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter "
+                        f"{saved_id} does not round to the current weights (the checkpoint was "
+                        "trained further without it); the master is re-read from the weights",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             loads.append((self._slot_of[p], f32(entry["exp_avg"]), f32(entry["exp_avg_sq"]), int(step), master))
-        self.synchronize()
+        for sg in saved_groups:
+            _check_group({**self.defaults, **sg})
+        self._engine.drain()
+        loaded = {sid for sid, *_ in loads}
         for sid, m, v, step, master in loads:
             self._engine.load_state(sid, m, v, step, master)
+        for sid, p in enumerate(self._params_of_slot):
+            if sid not in loaded:  # no saved state: a fresh parameter, as in torch
+                zeros = np.zeros(p.numel(), np.float32)
+                self._engine.load_state(sid, zeros, zeros, 0, None)
+        self._engine.clear_error()  # every slot is consistent again
+        with self._pending_lock:
+            self._pending.clear()
+        self._eager_done.clear()
         for g, sg in zip(self.param_groups, saved_groups):
             for k, v in sg.items():
                 if k != "params":
@@ -583,10 +674,7 @@ class OffloadAdamW(Optimizer):
             h.remove()
         self._forward_hook.remove()
         if self._engine is not None:
-            try:
-                self._engine.synchronize()
-            finally:
-                self._engine.close()
+            self._engine.close()  # drains queued work; a worker failure was raised already
 
     def __del__(self):
         try:
