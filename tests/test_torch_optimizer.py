@@ -498,3 +498,23 @@ def test_two_backwards_in_last_micro_batch_are_refused():
             loss_of(model, x).backward()
             loss_of(model, x).backward()
     ts.close()
+
+
+def test_engine_is_collected_and_its_workers_stop():
+    from trainstream._engine import Engine
+    from trainstream.backends._torch import TorchBackend
+
+    def workers():
+        return sum(t.name.startswith("trainstream-worker") for t in threading.enumerate())
+
+    before = workers()
+    old = set(threading.enumerate())
+    engine = Engine(TorchBackend(torch.device("cpu")), threads=3)
+    engine.add_param(torch.zeros(10), 10, "float32", "cpu")
+    ours = [t for t in threading.enumerate() if t not in old]
+    assert len(ours) == 3
+    del engine
+    gc.collect()
+    for t in ours:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in ours)
