@@ -1,6 +1,9 @@
 """Micro-benchmarks of the host kernels (no torch or jax import: a core module).
 
-:func:`benchmark_host_adamw` times the fp32 ``torch``/``cpu`` AdamW update over ``numel``
+:func:`benchmark_host_adamw` times the fp32 ``torch``/``cpu`` AdamW update with the IEEE
+sqrt (the vectorised specialisation; the same operation count as the ``torch``/``cuda``
+variant that the engine runs for CUDA parameters; the MKL-sqrt specialisations that
+reproduce torch for CPU parameters are scalar and slower) over ``numel``
 elements split into ``threads`` contiguous ranges, each run by a thread of a persistent
 pool (the kernels release the GIL). :func:`benchmark_rmw_bandwidth` times the in-place
 read-modify-write stream ``a[i] += s*b[i]`` the same way: the memory bandwidth an
