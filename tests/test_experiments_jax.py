@@ -1,0 +1,110 @@
+"""experiments/equivalence_jax.py runs end to end in CI size, and its table shows
+bit-identity where the contract promises it (offload_adamw vs jitted optax.adamw)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+pytest.importorskip("matplotlib")
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
+    pytest.skip("the quick run compares on JAX's CPU backend", allow_module_level=True)
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+STEPS = 3
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_experiment_{name}", EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def jax_equivalence(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence_jax")
+    script = load_script("equivalence_jax")
+    result = script.main(["--quick", "--steps", str(STEPS), "--devices", "cpu", "--threads", "2",
+                          "--out", str(out), "--no-progress"])
+    return out, result
+
+
+def test_equivalence_jax_first_line_is_its_command():
+    first = (EXPERIMENTS / "equivalence_jax.py").read_text().splitlines()[0]
+    assert first.startswith("# Run: python experiments/equivalence_jax.py")
+
+
+def test_equivalence_jax_writes_json_markdown_and_plots(jax_equivalence):
+    out, result = jax_equivalence
+    saved = json.loads((out / "equivalence_jax.json").read_text())
+    assert saved["comparisons"] == json.loads(json.dumps(result["comparisons"]))
+    assert saved["meta"]["steps"] == STEPS
+    assert saved["meta"]["dtypes"] == ["fp32", "bf16"]
+    table = (out / "equivalence_jax.md").read_text()
+    assert table.count("\n| ") == len(result["comparisons"]) + 1  # header + one row each
+    for dt in ("fp32", "bf16"):
+        png = out / f"divergence_{dt}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no GPU in CI: the CUDA rows are skipped with a printed reason
+    if not saved["meta"]["gpu"]:
+        assert any("CUDA rows" in s and "NotImplementedError" in s for s in saved["meta"]["skipped"])
+
+
+def test_equivalence_jax_promised_rows_bit_identical(jax_equivalence):
+    out, result = jax_equivalence
+    comps = result["comparisons"]
+    promised = [c for c in comps if c["promised"]]
+    # offload_adamw (tx.step jitted with the gradient, and called eagerly) vs optax.adamw
+    # jitted on the same backend: fp32, and bf16 against an fp32-master reference, with and
+    # without clipping (optax.chain(clip_by_global_norm, adamw)); schedule and mask on.
+    covered = {(c["a"], c["b"], c["dtype"], c["clip"] is not None) for c in promised}
+    for dt in ("fp32", "bf16"):
+        for clip in (False, True):
+            for ts in ("offload_adamw step [jit]", "offload_adamw step [eager]"):
+                assert (ts, "optax.adamw [jit]", dt, clip) in covered, (ts, dt, clip)
+    for c in promised:
+        assert c["device"] == "cpu"
+        ps, what = c["per_step"], f"{c['a']} vs {c['b']} {c['dtype']} clip={c['clip']} ({c['note']})"
+        assert len(ps["bitid"]) == STEPS
+        assert ps["bitid"] == [1.0] * STEPS, what
+        assert ps["bitid_model"] == [1.0] * STEPS, what
+        assert ps["max_ulp"] == [0] * STEPS and ps["max_rel"] == [0.0] * STEPS, what
+        assert ps["loss_a"] == ps["loss_b"], what
+        assert c["summary"]["final_bitid"] == 1.0 and c["summary"]["min_bitid"] == 1.0
+    table = (out / "equivalence_jax.md").read_text()
+    assert f"| offload_adamw step [jit] vs optax.adamw [jit] | cpu | fp32 | off | yes | {STEPS} | 100% | 100% | 0 | 0 |" in table
+    # the clip setting clips on at least one step of the reference
+    clipped = [c["summary"]["clip_active_steps"] for c in comps
+               if c["clip"] is not None and c["b"] == "optax.adamw [jit]" and c["summary"]["clip_active_steps"] is not None]
+    assert clipped and max(clipped) >= 1
+
+
+def test_equivalence_jax_has_reference_rows(jax_equivalence):
+    _, result = jax_equivalence
+    comps = result["comparisons"]
+    refs = [c for c in comps if c["kind"] == "reference-vs-reference"]
+    assert refs and not any(c["promised"] for c in refs)
+    eager = [c for c in refs if c["a"] == "optax.adamw [eager]" and c["b"] == "optax.adamw [jit]"]
+    assert {(c["dtype"], c["clip"] is not None) for c in eager} == {
+        (dt, clip) for dt in ("fp32", "bf16") for clip in (False, True)}
+    for c in refs:
+        assert len(c["per_step"]["max_ulp"]) == STEPS
+    # optax's API (update + apply_updates) beside the exact tx.step, without promise
+    upd = [c for c in comps if c["a"] == "offload_adamw update+apply_updates [jit]"]
+    assert upd and not any(c["promised"] for c in upd)
+    if importlib.util.find_spec("torch") is not None:
+        conv = [c for c in refs if c["a"] == "offload_adamw convention=torch [jit]" and c["b"] == "optax.adamw [jit]"]
+        assert len(conv) == 4
+        # the torch convention reproduces torch.optim.AdamW (without clipping: same norm-free
+        # arithmetic; with clipping torch's clip_grad_norm_ sums its norm differently)
+        torch_rows = [c for c in comps if c["b"] == "torch.optim.AdamW" and c["promised"]]
+        assert {(c["dtype"], c["clip"]) for c in torch_rows} == {("fp32", None), ("bf16", None)}
+        for c in torch_rows:
+            assert c["per_step"]["bitid"] == [1.0] * STEPS and c["per_step"]["bitid_model"] == [1.0] * STEPS
