@@ -700,6 +700,14 @@ def offload_adamw(
     and the difference is not subnormal (XLA:CPU flushes it to zero). It can differ by
     rounding where a weight halves, doubles or changes sign in one step.
 
+    With ``max_grad_norm`` the global norm is computed by XLA (optax's own
+    ``optax.tree.norm``) inside the program that calls the update: under ``jax.jit``
+    that is the user's train step, eagerly a small program of its own. XLA's float32 sum
+    can differ in the last bit from one program to another, so the weights equal optax's
+    when optax's norm comes from the same kind of program (e.g. the jitted optax train
+    step for the jitted path); a norm computed elsewhere can flip the clip coefficient's
+    last bit (see ``experiments/equivalence_jax.py``).
+
     The state: :class:`OffloadAdamWState` ``(handle, count)``. Only the state returned
     by the latest update is valid (the moments live in the engine; an older state is
     refused); checkpoint with :func:`state_dict` / :func:`load_state_dict`. Each ``init``
