@@ -15,52 +15,19 @@ from test_torch_optimizer import (  # noqa: E402
     batches,
     loss_of,
     make_model,
+    train_pair,
     two_groups,
 )
 
-from trainstream import _contract as C  # noqa: E402
 from trainstream.torch import OffloadAdamW  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 
 
-def train_pair_cuda(steps=50, micro=1, max_norm=None, sched=False, eager=False, mode="cpu",
-                    dtype=torch.float32):
-    ref_model, ts_model = make_model().to(DEV), make_model().to(DEV)
-    ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
-    ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
-                      chunk_size=4096, mode=mode)
-    scheds = []
-    if sched:
-        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
-                  for o in (ref, ts)]
-    data = [x.to(DEV) for x in batches(steps * micro)]
-    for step in range(steps):
-        xs = data[step * micro:(step + 1) * micro]
-        ts.zero_grad()
-        for i, x in enumerate(xs):
-            loss = loss_of(ts_model, x) / micro
-            if eager and i == micro - 1:
-                with ts.last_micro_batch():
-                    loss.backward()
-            else:
-                loss.backward()
-        ts.step()
-        ref.zero_grad()
-        for x in xs:
-            (loss_of(ref_model, x) / micro).backward()
-        if max_norm is not None:
-            torch_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), float("inf"))
-            ours = ts.last_grad_norm()
-            assert abs(ours - torch_norm.item()) <= 1e-6 * torch_norm.item()
-            coef = torch.tensor(C.clip_coefficient(ours, max_norm), device=DEV)
-            for p in ref_model.parameters():
-                p.grad.mul_(coef)
-        ref.step()
-        for s in scheds:
-            s.step()
-    ts.synchronize()
+def train_pair_cuda(steps=50, mode="cpu", **kw):
+    """``train_pair`` of the CPU tests, on CUDA (engine threads: the default)."""
+    ref_model, ts_model, ref, ts, _ = train_pair(steps, device=DEV, mode=mode, threads=None, **kw)
     return ref_model, ts_model, ref, ts
 
 

@@ -61,16 +61,18 @@ def assert_same(m1, m2):
         assert torch.equal(a, b), f"{n} differs (max abs {(a.float() - b.float()).abs().max()})"
 
 
-def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4096, eager=False):
-    ref_model, ts_model = make_model(), make_model()
+def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4096, eager=False,
+               device="cpu", mode="cpu"):
+    """The same model trained by torch.optim.AdamW and by OffloadAdamW on ``device``."""
+    ref_model, ts_model = make_model().to(device), make_model().to(device)
     ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
     ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
-                      threads=threads, chunk_size=chunk)
+                      threads=threads, chunk_size=chunk, mode=mode)
     scheds = []
     if sched:
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
                   for o in (ref, ts)]
-    data = batches(steps * micro)
+    data = [x.to(device) for x in batches(steps * micro)]
     norms = []
     for step in range(steps):
         xs = data[step * micro:(step + 1) * micro]
@@ -92,7 +94,7 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
             ours = ts.last_grad_norm()
             assert abs(ours - torch_norm.item()) <= 1e-6 * torch_norm.item()
             norms.append(ours)
-            coef = torch.tensor(C.clip_coefficient(ours, max_norm))
+            coef = torch.tensor(C.clip_coefficient(ours, max_norm), device=device)
             for p in ref_model.parameters():
                 p.grad.mul_(coef)
         ref.step()
