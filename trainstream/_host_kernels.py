@@ -618,53 +618,36 @@ def _check_array(name, a, *, writeable):
         raise ValueError(f"{name} is read-only; it is updated in place and must be writeable")
 
 
-def _grad_kind(g, grad_kind):
-    """The kind code of gradient ``g`` (and ``g`` as the buffer the kernel reads)."""
+def _buffer_kind(name: str, buf, kind_arg, allow_f32: bool):
+    """The kind code of buffer ``buf`` (argument ``name``) and the array the kernel reads.
+
+    float32 (if ``allow_f32``), float16 and ml_dtypes bfloat16 are recognised by dtype;
+    uint16 bit patterns need ``kind_arg`` ("float16"/"bfloat16") to say what they hold.
+    """
+    kind_name = f"{'grad' if name == 'g' else name}_kind"
     bf16 = _bf16_dtype()
-    if g.dtype == np.float32:
+    if allow_f32 and buf.dtype == np.float32:
         kind = KIND_F32
-    elif g.dtype == np.float16:
-        kind, g = KIND_F16, g.view(np.uint16)
-    elif bf16 is not None and g.dtype == bf16:
-        kind, g = KIND_BF16, g.view(np.uint16)
-    elif g.dtype == np.uint16:
-        if grad_kind not in ("float16", "bfloat16"):
+    elif buf.dtype == np.float16:
+        kind, buf = KIND_F16, buf.view(np.uint16)
+    elif bf16 is not None and buf.dtype == bf16:
+        kind, buf = KIND_BF16, buf.view(np.uint16)
+    elif buf.dtype == np.uint16:
+        if kind_arg not in ("float16", "bfloat16"):
             raise TypeError(
-                "g is a uint16 array: pass grad_kind='float16' or 'bfloat16' to say "
-                f"what its bit patterns are (got grad_kind={grad_kind!r})"
+                f"{name} is a uint16 array: pass {kind_name}='float16' or 'bfloat16' to say "
+                f"what its bit patterns are (got {kind_name}={kind_arg!r})"
             )
-        return (KIND_F16 if grad_kind == "float16" else KIND_BF16), g
+        return (KIND_F16 if kind_arg == "float16" else KIND_BF16), buf
     else:
+        allowed = "float32, float16, bfloat16" if allow_f32 else "float16, bfloat16"
         raise TypeError(
-            f"g must be float32, float16, bfloat16 (ml_dtypes) or uint16 bit patterns "
-            f"with grad_kind, got dtype {g.dtype}"
+            f"{name} must be {allowed} (ml_dtypes) or uint16 bit patterns with {kind_name}, "
+            f"got dtype {buf.dtype}"
         )
-    if grad_kind is not None and grad_kind != ("float32", "float16", "bfloat16")[kind]:
-        raise TypeError(f"grad_kind={grad_kind!r} contradicts g's dtype {g.dtype}")
-    return kind, g
-
-
-def _out_kind(out, out_kind):
-    bf16 = _bf16_dtype()
-    if out.dtype == np.float16:
-        kind, out = KIND_F16, out.view(np.uint16)
-    elif bf16 is not None and out.dtype == bf16:
-        kind, out = KIND_BF16, out.view(np.uint16)
-    elif out.dtype == np.uint16:
-        if out_kind not in ("float16", "bfloat16"):
-            raise TypeError(
-                "out is a uint16 array: pass out_kind='float16' or 'bfloat16' to say "
-                f"what its bit patterns are (got out_kind={out_kind!r})"
-            )
-        return (KIND_F16 if out_kind == "float16" else KIND_BF16), out
-    else:
-        raise TypeError(
-            f"out must be float16, bfloat16 (ml_dtypes) or uint16 bit patterns with "
-            f"out_kind, got dtype {out.dtype}"
-        )
-    if out_kind is not None and out_kind != ("float32", "float16", "bfloat16")[kind]:
-        raise TypeError(f"out_kind={out_kind!r} contradicts out's dtype {out.dtype}")
-    return kind, out
+    if kind_arg is not None and kind_arg != ("float32", "float16", "bfloat16")[kind]:
+        raise TypeError(f"{kind_name}={kind_arg!r} contradicts {name}'s dtype {buf.dtype}")
+    return kind, buf
 
 
 def host_adamw_update(
@@ -710,7 +693,7 @@ def host_adamw_update(
         raise TypeError(f"scalars must be float32, got dtype {scalars.dtype}")
     if scalars.shape[0] < N_SCALARS:
         raise ValueError(f"scalars must have {N_SCALARS} entries (step_scalars), got {scalars.shape[0]}")
-    gkind, gbuf = _grad_kind(g, grad_kind)
+    gkind, gbuf = _buffer_kind("g", g, grad_kind, allow_f32=True)
     n = p.shape[0]
     for name, a in (("m", m), ("v", v), ("g", g)):
         if a.shape[0] != n:
@@ -718,7 +701,7 @@ def host_adamw_update(
     okind, obuf = KIND_F32, None
     if out is not None:
         _check_array("out", out, writeable=True)
-        okind, obuf = _out_kind(out, out_kind)
+        okind, obuf = _buffer_kind("out", out, out_kind, allow_f32=False)
         if out.shape[0] != n:
             raise ValueError(f"out has {out.shape[0]} elements but p has {n}")
     elif out_kind is not None:
