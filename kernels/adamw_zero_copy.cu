@@ -214,6 +214,7 @@ __device__ __forceinline__ float ts_z_fma(float a, float b, float c) {
 // The gradient as the update reads it. optax/cpu (operands already flushed):
 //   g = RN(RN(g / s[S_CLIP_DIV]) * c)    with OX_CLIP
 //   g = RN(g * c)                        without
+// optax/cuda with OX_CLIP: g = RN(xla_div(g, s[S_CLIP_DIV]) * c)
 // every other variant: g = g * c. c is s[S_CLIP], or the device clip coefficient.
 template <int VARIANT>
 __device__ __forceinline__ float ts_grad_in(const float graw, const float c, const TsScalars& s) {
@@ -222,6 +223,10 @@ __device__ __forceinline__ float ts_grad_in(const float graw, const float c, con
     const float g = ts_ftz(graw);
     if (code & TS_OX_CLIP) return ts_z_mul(ts_z_div(g, ts_ftz(s.s[TS_S_CLIP_DIV])), ts_ftz(c));
     return ts_z_mul(g, ts_ftz(c));
+  }
+  if (VARIANT == TS_VARIANT_OPTAX_CUDA && (((int)s.s[TS_S_OX_CODE]) & TS_OX_CLIP)) {
+    // optax/cuda, optax.clip_by_global_norm: g = RN(xla_div(g, norm) * max_norm)
+    return __fmul_rn(xla_gpu_div(graw, s.s[TS_S_CLIP_DIV]), c);
   }
   return __fmul_rn(graw, c);
 }

@@ -1,25 +1,57 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device image: torch, jax, cupy, numba already there):
-#   bash scripts/gpu_run.sh OUTDIR
-# Runs the GPU tests and the GPU benchmarks, logs everything under OUTDIR.
+#   STAGES="tests jax zc host train" TRAIN_CONFIGS=1.3b:24 bash scripts/gpu_run.sh OUTDIR
+# Runs the chosen stages (default: all), logs everything under OUTDIR.
+#   tests  the GPU tests (torch, kernels, JAX on CUDA)       -> gpu_tests.log
+#   jax    experiments/bench_jax_offload.py (issue #5)        -> bench_jax.{log,json}
+#   zc     experiments/bench_zero_copy.py (issue #4)          -> bench_zero_copy.{log,json}
+#   host   experiments/bench_host_adamw.py (issue #2)         -> bench_host.{log,json}
+#   train  experiments/bench_train.py on $TRAIN_CONFIGS (#6)  -> bench_train.{log,json}
+#   equiv  experiments/equivalence_{torch,jax}.py on CUDA     -> equivalence_*/
+# Wheels in .whl/ (torchao, deepspeed and its pure-Python dependencies) are installed
+# first, without touching what the image already has.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/ts_out}}
 mkdir -p "$OUT"
+STAGES=${STAGES:-"tests jax zc host train"}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  python3 -m pip install -q --no-index --find-links .whl --user --break-system-packages torchao deepspeed \
+    > "$OUT/pip.log" 2>&1 || python3 -m pip install -q --no-index --find-links .whl --user torchao deepspeed >> "$OUT/pip.log" 2>&1
+  tail -n 3 "$OUT/pip.log"
 fi
 {
   date -u; git log -1 --format=%H 2>/dev/null; nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)"
   python3 -c "import torch, numba, numpy, jax, cupy; print('torch', torch.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__, 'jax', jax.__version__, 'cupy', cupy.__version__)"
+  echo "g++: $(command -v g++ || echo none)  nvcc: $(command -v nvcc || echo none)"
 } 2>&1 | tee "$OUT/env.txt"
-T=${TS_TEST_TIMEOUT:-200}
-TRAINSTREAM_GPU_TEST_STEPS=${TRAINSTREAM_GPU_TEST_STEPS:-10} timeout "$T" python3 -m pytest -q -ra -p no:cacheprovider \
-  tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
-  "tests/test_torch_optimizer.py::test_two_groups_bit_identical" > "$OUT/gpu_tests.log" 2>&1
-tail -n 25 "$OUT/gpu_tests.log"
-timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"
-timeout 80 python3 experiments/bench_host_adamw.py --numel 134217728 --threads 16 --json "$OUT/bench_host.json" 2>&1 | tail -n 15 | tee "$OUT/bench_host.log"
-timeout 150 python3 experiments/bench_torch_offload.py --model 350m --batch 8 --seq 1024 --json "$OUT/bench_torch.json" 2>&1 | tail -n 20 | tee "$OUT/bench_torch.log"
-timeout 45 python3 experiments/train_demo.py --steps 30 2>&1 | tail -n 25 | tee "$OUT/train_demo.log"
+if has tests; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false TRAINSTREAM_GPU_TEST_STEPS=${TRAINSTREAM_GPU_TEST_STEPS:-10} \
+    timeout "${TS_TEST_TIMEOUT:-300}" python3 -m pytest -q -ra -s -p no:cacheprovider \
+    tests/test_jax_gpu.py tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
+    "tests/test_torch_optimizer.py::test_two_groups_bit_identical" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "max ULP|mode=.*args" "$OUT/gpu_tests.log" | head -n 20
+  tail -n 25 "$OUT/gpu_tests.log"
+fi
+if has jax; then
+  timeout 150 python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12 | tee "$OUT/bench_jax.log"
+fi
+if has zc; then
+  timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"
+fi
+if has host; then
+  timeout 80 python3 experiments/bench_host_adamw.py --numel 134217728 --threads 16 --json "$OUT/bench_host.json" 2>&1 | tail -n 15 | tee "$OUT/bench_host.log"
+fi
+if has train; then
+  timeout "${TRAIN_TIMEOUT:-240}" python3 experiments/bench_train.py --configs "${TRAIN_CONFIGS:-350m:8}" \
+    ${TRAIN_SETUPS:+--setups "$TRAIN_SETUPS"} --json "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1
+  grep -v '^{' "$OUT/bench_train.log" | tail -n 40
+fi
+if has equiv; then
+  timeout "${EQUIV_TIMEOUT:-200}" python3 experiments/equivalence_torch.py ${EQUIV_TORCH_ARGS:-} --out "$OUT/equivalence_torch" > "$OUT/equivalence_torch.log" 2>&1
+  tail -n 30 "$OUT/equivalence_torch.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${EQUIV_TIMEOUT:-200}" python3 experiments/equivalence_jax.py ${EQUIV_JAX_ARGS:-} --out "$OUT/equivalence_jax" > "$OUT/equivalence_jax.log" 2>&1
+  tail -n 30 "$OUT/equivalence_jax.log"
+fi

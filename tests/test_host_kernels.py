@@ -616,3 +616,26 @@ def test_benchmarks_smoke():
     assert B.split_ranges(100, 3) == [(0, 32), (32, 64), (64, 100)]
     with pytest.raises(ValueError, match="threads must be >= 1"):
         B.benchmark_host_adamw(100, threads=0)
+
+
+def test_optax_cuda_clip_by_global_norm_matches_reference():
+    """optax/cuda with OX_CLIP: g = (g / n) * M, host kernel bit-identical to the contract."""
+    rng = np.random.default_rng(5)
+    n = 10007
+    hp = HP_A
+    p = rng.standard_normal(n).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    ref = [p.copy(), m.copy(), v.copy()]
+    variant = C.variant_id("optax", "cuda")
+    for t in range(1, 6):
+        g, g32 = make_grad(rng, n, K.KIND_F32, t)
+        bc1, bc2 = C.optax_bias_corrections(hp.beta1, hp.beta2, t)
+        s = C.optax_step_scalars(hp, bc1, bc2, clip=np.float32(0.7), clip_div=np.float32(3.3), code=C.OX_CLIP)
+        K.adamw_chunk(variant, p, m, v, g, K.KIND_F32, None, 0, 0, n, s, 0)
+        ref = list(C.reference_update(*ref, g32, s, "optax", "cuda"))
+        for got, want, what in zip((p, m, v), ref, ("p", "m", "v")):
+            assert_bits_equal(got, want, f"step {t} {what}")
+        # and it is not the g * c form
+        alt = C.reference_update(*ref, g32, C.optax_step_scalars(hp, bc1, bc2, clip=np.float32(0.7 / 3.3)), "optax", "cuda")
+        assert not np.array_equal(alt[1], C.reference_update(*ref, g32, s, "optax", "cuda")[1])

@@ -134,6 +134,7 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
       g  = g * c                                   # c: the clip coefficient, S_CLIP
+      g  = (g / n) * M                             # instead, with OX_CLIP (clip_by_global_norm)
       m  = f(1-b1) * g + f(b1) * m                 # two roundings each, no FMA
       v  = f(1-b2) * (g * g) + f(b2) * v
       u  = m / (d1 * (sqrt(v / d2) + f(eps)))      # XLA folds (m/d1)/(...) into one divide
@@ -152,9 +153,10 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
 
 Scalar vector of ``optax``: slots 1-9 below; slot ``S_CLIP`` multiplies the gradient
 (``M`` of ``clip_by_global_norm`` when it triggers, else 1.0; on ``cuda`` the clip
-coefficient), ``S_CLIP_DIV`` divides it first (``cpu`` with ``OX_CLIP`` only: ``n`` when
-clipping triggers, else 1.0) and ``S_OX_CODE`` holds the code as a float (``cpu`` only;
-the host kernels compile one specialisation per code). The engine's own
+coefficient), ``S_CLIP_DIV`` divides it first (with ``OX_CLIP`` only: ``n`` when
+clipping triggers, else 1.0) and ``S_OX_CODE`` holds the code as a float (on ``cpu`` every
+bit, and the host kernels compile one specialisation per code; on ``cuda`` only
+``OX_CLIP`` is read). The engine's own
 ``max_grad_norm`` (torch's ``clip_grad_norm_`` formula, ``g * c``) still works through
 ``S_CLIP`` in both conventions, but only the adapter's ``clip_by_global_norm`` inputs
 reproduce optax's clipping.
@@ -514,6 +516,7 @@ def reference_update(
     if variant == VARIANT_OPTAX_CPU:
         return _reference_optax_cpu(p, m, v, np.asarray(g, np.float32), s)
     with np.errstate(all="ignore"):
+        g0 = g
         g = np.asarray(g, np.float32) * s[S_CLIP]
         if convention == "torch":
             p1 = p * s[S_DECAY]
@@ -530,6 +533,8 @@ def reference_update(
                 d = np.sqrt(v) / s[S_BC2] + s[S_EPS]
                 p = fma_f32(s[S_NEG_STEP], m / d, p1)
         else:
+            if int(s[S_OX_CODE]) & OX_CLIP:  # optax.clip_by_global_norm: (g / norm) * max_norm
+                g = (np.asarray(g0, np.float32) / s[S_CLIP_DIV]) * s[S_CLIP]
             m = s[S_OMB1] * g + s[S_BETA1] * m
             v = s[S_OMB2] * (g * g) + s[S_BETA2] * v
             u = m / (s[S_BC1] * (np.sqrt(v / s[S_BC2_OPTAX]) + s[S_EPS]))

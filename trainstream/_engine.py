@@ -625,6 +625,16 @@ class Engine:
         self._stats.add("ready_stall_s", time.perf_counter() - t0)
         self.check_error()
 
+    def wait_host(self) -> None:
+        """Block until every queued batch has run on the host; raise worker errors.
+
+        Unlike :meth:`synchronize` it does not wait for the uploads the batches started
+        (for a caller whose stream orders them, e.g. XLA's in the JAX adapter).
+        """
+        for s in self._slots:
+            self._wait_idle(s)
+        self.check_error()
+
     def drain(self) -> None:
         """Block until every queued batch and upload has completed (raises nothing)."""
         for s in self._slots:

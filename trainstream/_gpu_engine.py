@@ -203,6 +203,34 @@ class GpuEngine:
             self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
         self._launch_s += time.perf_counter() - t0
 
+    def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
+        """Queue updates whose weights, gradients and scalars another runtime owns (XLA).
+
+        ``items``: ``(slot, weights pointer, gradient pointer, gradient dtype, scalars
+        pointer)``, every pointer in device memory: the weights are updated in place, the
+        scalars are the slot's :func:`trainstream._contract.step_scalars` vector (e.g.
+        computed inside the caller's XLA program). Kernels go on ``stream``, the caller's:
+        nothing is awaited and no event is recorded, the caller's stream orders the
+        update with what comes before and after (the JAX adapter's FFI handler).
+        """
+        self._check_open()
+        dk = self._dk
+        t0 = time.perf_counter()
+        variant = C.variant_id(self.convention, "cuda")
+        for sid, param_ptr, grad_ptr, gdtype, scalars_ptr in items:
+            s = self._slot(sid)
+            if gdtype not in _ITEMSIZE:
+                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
+            dk.launch_adamw(
+                variant, param_ptr, s.dtype, grad_ptr, gdtype,
+                s.master.dev_ptr if s.master is not None else 0,
+                s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, None,
+                stream=stream, scalars_ptr=scalars_ptr, device=self.device,
+            )
+            s.step += 1
+        self._steps += 1
+        self._launch_s += time.perf_counter() - t0
+
     def wait_ready(self, sids: Sequence[int]) -> None:
         t0 = time.perf_counter()
         for sid in sids:

@@ -343,6 +343,9 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         z_r1 = _ftz(np.float32(1.0) / z_d1)  # form R: XLA's divide(1, 1 - b**t)
         z_r2 = _ftz(np.float32(1.0) / z_d2)
         decays = z_wd != np.float32(0.0)
+        # optax/cuda with optax.clip_by_global_norm: g = (g / norm) * max_norm
+        cuda_clip = (np.int64(s[S_OX_CODE]) & OX_CLIP) != 0
+        div = s[S_CLIP_DIV]
 
         stop = np.uint64(end)
         lo = np.uint64(begin)
@@ -397,7 +400,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     u = _select(decays, _ftz(fma32(z_wd, pi, q)), q)
                     pi = _ftz(fma32(z_neg_lr, u, pi))
                 else:  # optax/cuda (host emulation with IEEE sqrt and division)
-                    gi = _load(g[i], gkind) * c
+                    graw = _load(g[i], gkind)
+                    gi = _select(cuda_clip, (graw / div) * c, graw * c)
                     pi = p[i]
                     mi = omb1 * gi + b1 * m[i]
                     vi = omb2 * (gi * gi) + b2 * v[i]

@@ -11,8 +11,8 @@ Data path (``mode="cpu"``, JAX on the CPU backend: everything is host memory)::
 
     jitted step:  count' = safe_increment(count)
                   scalars = [-lr, 1 - b1**count', 1 - b2**count', clip divisor, clip factor]
-                  count', new_params = ffi("trainstream_adamw_update")(
-                      handle, count', scalars, *grads, *params)   # params aliased -> outputs
+                  count', new_params = ffi("trainstream_adamw_update", handle=..)(
+                      count', scalars, *grads, *params)   # params aliased -> outputs
     handler:      gradients copied into the engine's staging buffers, the engine updates
                   its fp32 master and moments (Numba kernels, worker threads), the new
                   weights (master, or its fp16/bf16 rounding) are written into the outputs.
@@ -25,17 +25,25 @@ the new ``count`` is an *output* of the FFI call (aliased to its input), so the 
 update consumes it and XLA can neither reorder nor drop a step whose state is used; the
 call is marked side-effecting in HLO (no CSE, no DCE by XLA) without leaving jit's fast
 dispatch path (:func:`~trainstream.backends._xla_ffi.stateful_ffi_call`). Per-step values
-travel as a float32[5] operand, so the program compiles once.
+travel as a float32[5] operand, so the program compiles once. The engine's handle is a
+static part of the state (:class:`EngineHandle`), an attribute of the call.
 
-Eagerly (outside ``jax.jit``) the same scalars come from one small jitted function and the
-engine reads the gradients through zero-copy NumPy views of the JAX buffers; the new
-weights are written into fresh 64-byte-aligned host buffers that ``jax.device_put``
-adopts without a copy.
+On a CUDA GPU (XLA:GPU; :mod:`trainstream.backends._jax_cuda`) the same call runs a
+second handler, which works on XLA's stream (``XLA_FFI_Stream_Get``):
 
-Not built (refused with ``NotImplementedError``): ``mode="gpu"`` and any parameter on a
-CUDA device. The XLA:GPU FFI path (the zero-copy kernel of ``kernels/`` launched on
-XLA's stream, or the cpu-mode pipeline ordered on that stream) was not built, because it
-could not be validated on a GPU in this release.
+* ``mode="gpu"``: the scalars are a float32[leaves, 12] matrix computed in the program;
+  the handler launches one zero-copy kernel per leaf on XLA's stream (state in mapped
+  host memory, weights updated in place in the aliased output). Nothing waits.
+* ``mode="cpu"``: the handler reads the 5 scalars and the count back (a wait for the
+  program up to this call: the gradients are then ready), copies each gradient into
+  pinned staging on XLA's stream, the workers update each leaf as its copy lands and
+  queue its upload on XLA's stream; the handler returns when the host work is done.
+
+Eagerly (outside ``jax.jit``) on the CPU the same scalars come from one small jitted
+function and the engine reads the gradients through zero-copy NumPy views of the JAX
+buffers; the new weights are written into fresh 64-byte-aligned host buffers that
+``jax.device_put`` adopts without a copy. Eagerly on a GPU the FFI program itself is
+dispatched through a cached ``jax.jit`` (device arrays go in as they are).
 """
 
 from __future__ import annotations
@@ -99,12 +107,13 @@ class _HostBuffer:
 class _Leaf:
     """The engine's ``param`` of one leaf: where its new weights go this step."""
 
-    __slots__ = ("index", "init", "out")
+    __slots__ = ("index", "init", "out", "out_ptr")
 
     def __init__(self, index: int, init: np.ndarray):
         self.index = index
         self.init = init  # float32, flat: the weights at registration
         self.out: np.ndarray | None = None  # flat view of this step's output (bits for 16-bit)
+        self.out_ptr: int | None = None  # CUDA: device address of this step's output
 
 
 class JaxCpuBackend:
@@ -179,13 +188,28 @@ class _Config(NamedTuple):
     chunk_elems: int
 
 
+@jax.tree_util.register_static
+class EngineHandle(int):
+    """The key of an engine in this process's registry: a *static* pytree node.
+
+    Static (part of the tree structure, not an array), so that a jitted step knows its
+    engine at trace time: the FFI call carries it as an attribute, and on a GPU the
+    handler never has to read it back from device memory.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"EngineHandle({int(self)})"
+
+
 class OffloadAdamWState(NamedTuple):
     """The optax state of :func:`offload_adamw`.
 
-    ``handle``: int32 scalar, the key of the engine (host state) in this process's
-    registry. ``count``: int32 scalar, the number of updates so far (optax's ``count``).
-    The moments and master weights live in the engine: export them with
-    :func:`state_dict`.
+    ``handle``: :class:`EngineHandle`, the key of the engine (host state) in this
+    process's registry (static: no array). ``count``: int32 scalar, the number of updates
+    so far (optax's ``count``). The moments and master weights live in the engine:
+    export them with :func:`state_dict`.
     """
 
     handle: Any
@@ -204,45 +228,77 @@ def _fingerprint(spec: tuple) -> str:
 
 
 class _Instance:
-    """One ``init``: an engine, the structure it was built for, and per-leaf constants."""
+    """One ``init``: an engine, the structure it was built for, and per-leaf constants.
 
-    def __init__(self, handle: int, cfg: _Config, leaves, treedef, decay: list[bool], fused: list[bool]):
+    ``platform``: where the parameters live, ``"cpu"`` (XLA:CPU, host buffers) or
+    ``"cuda"`` (XLA:GPU, device ``device``). The engine is the host engine
+    (:class:`~trainstream._engine.Engine`) in ``mode="cpu"``, the zero-copy engine
+    (:class:`~trainstream._gpu_engine.GpuEngine`) in ``mode="gpu"``.
+    """
+
+    def __init__(self, handle: int, cfg: _Config, leaves, treedef, decay: list[bool], fused: list[bool],
+                 platform: str = "cpu", device: int = 0):
         self.handle = handle
         self.cfg = cfg
         self.treedef = treedef
+        self.platform = platform
+        self.device = device
         self.shapes = [tuple(np.shape(x)) for x in leaves]
         self.dtypes = [_DTYPES[np.dtype(x.dtype)] for x in leaves]
         self.spec = _spec_of(leaves, treedef)
         self.fingerprint = _fingerprint(self.spec)
         self.lock = threading.Lock()
         n = len(leaves)
-        sqrt_mode = _torch_sqrt_mode() if cfg.convention == "torch" else 0
-        self.backend = JaxCpuBackend()
-        self.engine = Engine(
-            self.backend,
-            mode="cpu",
-            threads=cfg.threads,
-            chunk_elems=cfg.chunk_elems,
-            convention=cfg.convention,
-            cpu_sqrt_mode=sqrt_mode,
-        )
+        self.gpu_mode = cfg.mode == "gpu"
+        if self.gpu_mode:
+            from .._gpu_engine import GpuEngine  # noqa: PLC0415 (CuPy, on first use)
+            from ._jax_cuda import JaxGpuBackend  # noqa: PLC0415
+
+            self.backend = JaxGpuBackend(device)
+            self.engine = GpuEngine(self.backend, convention=cfg.convention)
+        else:
+            if platform == "cuda":
+                from ._jax_cuda import JaxCudaHostBackend  # noqa: PLC0415
+
+                self.backend = JaxCudaHostBackend(device)
+            else:
+                self.backend = JaxCpuBackend()
+            sqrt_mode = _torch_sqrt_mode() if cfg.convention == "torch" and platform == "cpu" else 0
+            self.engine = Engine(
+                self.backend,
+                mode="cpu",
+                threads=cfg.threads,
+                chunk_elems=cfg.chunk_elems,
+                convention=cfg.convention,
+                cpu_sqrt_mode=sqrt_mode,
+            )
         self.leaves: list[_Leaf] = []
         base_lr = 0.0 if callable(cfg.learning_rate) else float(cfg.learning_rate)
         self.hps = []
         templ = np.zeros((n, C.N_SCALARS), np.float32)
-        for i, x in enumerate(leaves):
-            leaf = _Leaf(i, np.asarray(x).astype(np.float32).reshape(-1))
-            sid = self.engine.add_param(leaf, leaf.init.size, self.dtypes[i], "cpu")
-            assert sid == i
-            leaf.init = None  # the engine's master holds it now
-            self.leaves.append(leaf)
-            wd = cfg.weight_decay if decay[i] else 0.0
-            hp = C.AdamWHyperParams(base_lr, cfg.b1, cfg.b2, cfg.eps, wd)
-            self.hps.append(hp)
-            if cfg.convention == "optax":
-                numel = int(np.prod(self.shapes[i], dtype=np.int64))
-                code = C.optax_cpu_code(n, numel, cfg.max_grad_norm, fused_grad=fused[i])
-                templ[i] = C.optax_step_scalars(hp, 1.0, 1.0, code=code, decay=decay[i] and wd != 0.0)
+        try:
+            for i, x in enumerate(leaves):
+                leaf = _Leaf(i, np.asarray(x).astype(np.float32).reshape(-1))
+                numel = leaf.init.size
+                if self.gpu_mode:
+                    sid = self.engine.add_param(leaf, numel, self.dtypes[i], "cuda")
+                else:
+                    sid = self.engine.add_param(leaf, numel, self.dtypes[i], platform)
+                assert sid == i
+                leaf.init = None  # the engine's master holds it now (gpu mode, fp32: the params)
+                self.leaves.append(leaf)
+                wd = cfg.weight_decay if decay[i] else 0.0
+                hp = C.AdamWHyperParams(base_lr, cfg.b1, cfg.b2, cfg.eps, wd)
+                self.hps.append(hp)
+                if cfg.convention == "optax":
+                    if platform == "cpu":
+                        code = C.optax_cpu_code(n, numel, cfg.max_grad_norm, fused_grad=fused[i])
+                    else:  # optax/cuda reads only the clip bit
+                        code = C.OX_CLIP if cfg.max_grad_norm is not None else 0
+                    templ[i] = C.optax_step_scalars(hp, 1.0, 1.0, code=code, decay=decay[i] and wd != 0.0)
+        except BaseException:
+            self.engine.close()
+            raise
         self.templ = templ
         self.clip_rows = (templ[:, C.S_OX_CODE].astype(np.int64) & C.OX_CLIP) != 0
 
@@ -267,8 +323,37 @@ class _Instance:
                         f"{self.dtypes[i]} (pytree changed since init?)"
                     )
 
+    def _check_count(self, count_inc: int) -> None:
+        done = self.engine.get_step(0) if self.n else 0
+        if count_inc != done + 1 and not (count_inc == _I32_MAX and done >= _I32_MAX - 1):
+            raise RuntimeError(
+                f"TrainStream offload_adamw: the optimizer state passed in has count "
+                f"{count_inc - 1} but engine {self.handle} has made {done} updates. The moments "
+                "live in host memory, so only the state returned by the previous update is "
+                "valid (an old state cannot be reused; restore a checkpoint with "
+                "load_state_dict instead)"
+            )
+
+    def _host_step(self, dyn: np.ndarray) -> None:
+        """Queue the update of every leaf whose gradient was offloaded (host engine)."""
+        eng = self.engine
+        if self.cfg.convention == "optax":
+            s = self.templ.copy()
+            s[:, C.S_NEG_LR] = dyn[0]
+            s[:, C.S_BC1] = dyn[1]
+            s[:, C.S_BC2_OPTAX] = dyn[2]
+            s[self.clip_rows, C.S_CLIP_DIV] = dyn[3]
+            s[self.clip_rows, C.S_CLIP] = dyn[4]
+            eng.step(list(enumerate(self.hps)), scalars_fn=lambda sid, step: s[sid])
+        else:
+            hps = self.hps
+            if callable(self.cfg.learning_rate):
+                lr = -float(np.float32(dyn[0]))
+                hps = [hp._replace(lr=lr) for hp in hps]
+            eng.step(list(enumerate(hps)), max_grad_norm=self.cfg.max_grad_norm)
+
     def run(self, count_inc: int, dyn: np.ndarray, grads: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        """Update every leaf with ``grads``; write the new weights into ``outs``.
+        """Update every leaf with ``grads``; write the new weights into ``outs`` (host buffers).
 
         ``count_inc``: the step number after increment; ``dyn``: the float32[5] in-graph
         scalars. ``grads``/``outs``: NumPy arrays of the leaves' shapes and dtypes.
@@ -278,35 +363,14 @@ class _Instance:
             if eng.closed:
                 raise RuntimeError(f"TrainStream offload_adamw: engine {self.handle} is closed")
             self.check_buffers(grads, outs)
-            done = eng.get_step(0) if self.n else 0
-            if count_inc != done + 1 and not (count_inc == _I32_MAX and done >= _I32_MAX - 1):
-                raise RuntimeError(
-                    f"TrainStream offload_adamw: the optimizer state passed in has count "
-                    f"{count_inc - 1} but engine {self.handle} has made {done} updates. The moments "
-                    "live in host memory, so only the state returned by the previous update is "
-                    "valid (an old state cannot be reused; restore a checkpoint with "
-                    "load_state_dict instead)"
-                )
+            self._check_count(count_inc)
             ok = False
             try:
                 for i, leaf in enumerate(self.leaves):
                     leaf.out = _flat_bits(outs[i])
                 for i in range(self.n):
                     eng.offload_grad(i, _flat_bits(grads[i]), self.dtypes[i])
-                if self.cfg.convention == "optax":
-                    s = self.templ.copy()
-                    s[:, C.S_NEG_LR] = dyn[0]
-                    s[:, C.S_BC1] = dyn[1]
-                    s[:, C.S_BC2_OPTAX] = dyn[2]
-                    s[self.clip_rows, C.S_CLIP_DIV] = dyn[3]
-                    s[self.clip_rows, C.S_CLIP] = dyn[4]
-                    eng.step(list(enumerate(self.hps)), scalars_fn=lambda sid, step: s[sid])
-                else:
-                    hps = self.hps
-                    if callable(self.cfg.learning_rate):
-                        lr = -float(np.float32(dyn[0]))
-                        hps = [hp._replace(lr=lr) for hp in hps]
-                    eng.step(list(enumerate(hps)), max_grad_norm=self.cfg.max_grad_norm)
+                self._host_step(dyn)
                 eng.synchronize()
                 ok = True
             finally:
@@ -318,6 +382,63 @@ class _Instance:
                 for leaf in self.leaves:
                     leaf.out = None
                 self.backend.release_grads()
+
+    def run_cuda(self, stream: int, count: xf.Buffer, dyn: xf.Buffer, grads: list, outs: list) -> None:
+        """The XLA:GPU handler's update: buffers are device buffers of this call.
+
+        ``mode="gpu"``: one zero-copy kernel per leaf on ``stream``; ``dyn`` is the
+        float32[n, N_SCALARS] scalar matrix computed in the program. ``mode="cpu"``:
+        ``dyn`` (float32[5]) and ``count`` are read back (which waits for the program up
+        to this call), each gradient is copied to pinned staging on ``stream``, the host
+        engine updates as the copies land and uploads each leaf on ``stream``; returns
+        once the host work is done (the uploads are queued before XLA's next work).
+        """
+        eng = self.engine
+        with self.lock:
+            if eng.closed:
+                raise RuntimeError(f"TrainStream offload_adamw: engine {self.handle} is closed")
+            self.check_buffers(grads, outs)
+            if self.gpu_mode:
+                if tuple(dyn.shape) != (self.n, C.N_SCALARS):
+                    raise ValueError(f"scalar matrix of shape {dyn.shape}, expected {(self.n, C.N_SCALARS)}")
+                row = 4 * C.N_SCALARS
+                eng.step_external(
+                    stream,
+                    [(i, outs[i].data, grads[i].data, self.dtypes[i], dyn.data + row * i) for i in range(self.n)],
+                )
+                return
+            from ._jax_cuda import DeviceRef  # noqa: PLC0415
+
+            be = self.backend
+            be.stream = stream
+            raw = be.read_small(dyn.data, 4 * _N_DYN)
+            dyn_h = raw.view(np.float32)
+            count_inc = int(be.read_small(count.data, 4).view(np.int32)[0])
+            self._check_count(count_inc)
+            ok = False
+            try:
+                for i, leaf in enumerate(self.leaves):
+                    leaf.out_ptr = outs[i].data
+                for i in range(self.n):
+                    eng.offload_grad(i, DeviceRef(grads[i].data, grads[i].nbytes), self.dtypes[i])
+                self._host_step(dyn_h)
+                eng.wait_host()
+                ok = True
+            finally:
+                if not ok:
+                    try:
+                        eng.discard_grads()
+                    except Exception:  # noqa: BLE001
+                        pass
+                for leaf in self.leaves:
+                    leaf.out_ptr = None
+
+    def synchronize_device(self) -> None:
+        """Before the host reads or writes the state: the device's queued work is done."""
+        if self.platform == "cuda":
+            from ._jax_cuda import device_synchronize  # noqa: PLC0415
+
+            device_synchronize(self.device)
 
 
 def _flat_bits(a: np.ndarray) -> np.ndarray:
@@ -373,22 +494,57 @@ _registered = False
 _register_lock = threading.Lock()
 
 
-def _ffi_handler(ctx: xf.CallContext, args: list, rets: list) -> None:
-    inst = _instance(xf.as_numpy(args[0], readonly=True))
+def _handler_instance(ctx: xf.CallContext, args: list, rets: list) -> tuple[_Instance, int]:
+    inst = _instance(ctx.attrs.get("handle"))
     fp = ctx.attrs.get("structure")
-    n = (len(args) - 3) // 2
+    n = (len(args) - 2) // 2
     if fp != inst.fingerprint or n != inst.n or len(rets) != n + 1:
         raise ValueError(
             f"TrainStream offload_adamw: this program was traced for a pytree with {n} leaves "
             f"(structure {fp}) but engine {inst.handle} holds {inst.n} leaves (structure "
             f"{inst.fingerprint}): the pytree changed since init"
         )
-    count_inc = int(xf.as_numpy(args[1], readonly=True))
-    dyn = xf.as_numpy(args[2], readonly=True)
-    grads = [xf.as_numpy(b) for b in args[3 : 3 + n]]  # never written (writable: one Numba signature)
+    platform = "cpu" if ctx.is_cpu else "cuda"
+    if platform != inst.platform:
+        raise ValueError(
+            f"TrainStream offload_adamw: engine {inst.handle} was initialised for parameters on "
+            f"{inst.platform} but this program runs on {ctx.platform}: keep the parameters "
+            "on the device they were on at init"
+        )
+    return inst, n
+
+
+def _ffi_handler(ctx: xf.CallContext, args: list, rets: list) -> None:
+    """XLA:CPU: ``(count', dyn, *grads, *params) -> (count', *new params)``."""
+    inst, n = _handler_instance(ctx, args, rets)
+    count_inc = int(xf.as_numpy(args[0], readonly=True))
+    dyn = xf.as_numpy(args[1], readonly=True)
+    grads = [xf.as_numpy(b) for b in args[2 : 2 + n]]  # never written (writable: one Numba signature)
     outs = [xf.as_numpy(b) for b in rets[1:]]
-    xf.alias_or_copy(ctx, args[1], rets[0])  # the new count: aliased, normally no copy
+    xf.alias_or_copy(ctx, args[0], rets[0])  # the new count: aliased, normally no copy
     inst.run(count_inc, dyn, grads, outs)
+
+
+def _ffi_handler_cuda(ctx: xf.CallContext, args: list, rets: list) -> None:
+    """XLA:GPU: the same signature, device buffers, everything on ``ctx.stream()``."""
+    inst, n = _handler_instance(ctx, args, rets)
+    stream = ctx.stream()
+    if ctx.device_ordinal() != inst.device:
+        raise ValueError(
+            f"TrainStream offload_adamw: engine {inst.handle} holds the state of parameters on "
+            f"cuda:{inst.device}, this program runs on cuda:{ctx.device_ordinal()}"
+        )
+    xf.alias_or_copy(ctx, args[0], rets[0])
+    for p, o in zip(args[2 + n :], rets[1:]):
+        xf.alias_or_copy(ctx, p, o)  # aliased (XLA copies a non-donated input first)
+    inst.run_cuda(stream, args[0], args[1], list(args[2 : 2 + n]), list(rets[1:]))
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def _ensure_registered() -> None:
@@ -398,6 +554,8 @@ def _ensure_registered() -> None:
     with _register_lock:
         if not _registered:
             xf.register_python_handler(_TARGET, _ffi_handler, "cpu")
+            if _has_gpu():
+                xf.register_python_handler(_TARGET, _ffi_handler_cuda, "gpu")
             _registered = True
 
 
@@ -418,19 +576,47 @@ def _leaf_dtype_name(x, path: str) -> str:
     return _DTYPES[dt]
 
 
-def _check_devices(leaves, paths, what: str) -> None:
+def _placement(leaves, paths, what: str) -> tuple[str, int]:
+    """``("cpu" | "cuda", device ordinal)`` of the leaves, which must share one device."""
+    where = None
     for x, p in zip(leaves, paths):
         devs = getattr(x, "devices", None)
-        if devs is None:
+        devs = list(devs()) if devs is not None else []
+        if len(devs) > 1:
+            raise NotImplementedError(
+                f"TrainStream offload_adamw: {what} {p} is sharded over {len(devs)} devices; "
+                "this release offloads single-device arrays only (one process per GPU)"
+            )
+        if not devs:
             continue
-        for d in devs():
-            if d.platform != "cpu":
-                raise NotImplementedError(
-                    f"TrainStream offload_adamw: {what} {p} is on {d} ({d.platform}). Only JAX "
-                    "arrays on the CPU backend are supported in this release: the XLA:GPU FFI "
-                    "path (zero-copy kernel on XLA's stream, or the cpu-mode pipeline ordered on "
-                    "it) was not built because it could not be validated on a GPU"
-                )
+        d = devs[0]
+        if d.platform == "cpu":
+            here = ("cpu", 0)
+        elif d.platform in ("gpu", "cuda"):
+            ordinal = getattr(d, "local_hardware_id", None)
+            here = ("cuda", int(d.id if ordinal is None else ordinal))
+        else:
+            raise NotImplementedError(
+                f"TrainStream offload_adamw: {what} {p} is on {d} ({d.platform}); supported are "
+                "the CPU and CUDA GPUs"
+            )
+        if where is None:
+            where = here
+        elif here != where:
+            raise ValueError(
+                f"TrainStream offload_adamw: {what} {p} is on {d}, other leaves on "
+                f"{where[0]}:{where[1]}: every leaf must be on the same device"
+            )
+    return where or ("cpu", 0)
+
+
+def _check_devices(leaves, paths, what: str, inst: _Instance) -> None:
+    platform, device = _placement(leaves, paths, what)
+    if (platform, device) != (inst.platform, inst.device if platform == "cuda" else 0):
+        raise ValueError(
+            f"TrainStream offload_adamw: the {what}s are on {platform}:{device}, the optimizer "
+            f"state was initialised for parameters on {inst.platform}:{inst.device}"
+        )
 
 
 def _paths(tree) -> list[str]:
@@ -441,6 +627,7 @@ class _Impl:
     def __init__(self, cfg: _Config):
         self.cfg = cfg
         self.specs: set = set()  # structures this transformation was initialised for
+        self._eager_fns: dict = {}  # CUDA: (handle, structure) -> jitted FFI step
         self._scalars_jit = jax.jit(self._scalars)
 
     # -- in-graph scalars ----------------------------------------------------------------
@@ -479,17 +666,20 @@ class _Impl:
         paths = _paths(params)
         for x, p in zip(leaves, paths):
             _leaf_dtype_name(x, p)
+        platform, device = _placement(leaves, paths, "parameter")
         if cfg.mode == "gpu":
-            _refuse_gpu_mode()
-        _check_devices(leaves, paths, "parameter")
+            _check_gpu_mode(platform, cfg)
         decay = _resolve_mask(cfg.mask, params, treedef, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, treedef, "xla_fused_grads", False)
         with _instances_lock:
             handle = next(_handles)
-            inst = _Instance(handle, cfg, leaves, treedef, decay, fused)
+            inst = _Instance(handle, cfg, leaves, treedef, decay, fused, platform, device)
             _instances[handle] = inst
         self.specs.add(inst.spec)
-        return OffloadAdamWState(handle=jnp.asarray(handle, jnp.int32), count=jnp.zeros([], jnp.int32))
+        zero = jnp.zeros([], jnp.int32)
+        if platform == "cuda":
+            zero = jax.device_put(zero, leaves[0].devices().pop() if leaves else None)
+        return OffloadAdamWState(handle=EngineHandle(handle), count=zero)
 
     def _check_trees(self, grads, state, params):
         if params is None:
@@ -539,25 +729,25 @@ class _Impl:
     # -- the two paths -----------------------------------------------------------------------
 
     def _step_traced(self, g_leaves, state, p_leaves, spec):
-        if self.cfg.mode == "gpu":
-            _refuse_gpu_mode()
+        inst = _instance(state.handle)
         _ensure_registered()
         grads_tree = g_leaves  # optax.tree.norm over the leaves in tree order
         count_inc, dyn = self._scalars(state.count, grads_tree)
         n = len(p_leaves)
+        if inst.gpu_mode:  # the whole scalar matrix, in the program (read by the kernels)
+            cols = [C.S_NEG_LR, C.S_BC1, C.S_BC2_OPTAX, C.S_CLIP_DIV, C.S_CLIP]
+            k = 5 if self.cfg.max_grad_norm is not None else 3
+            dyn = jnp.asarray(inst.templ).at[:, jnp.asarray(cols[:k])].set(jnp.broadcast_to(dyn[:k], (n, k)))
         result = [jax.ShapeDtypeStruct((), jnp.int32)] + [
             jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in p_leaves
         ]
-        aliases = {1: 0}
-        aliases.update({3 + n + i: 1 + i for i in range(n)})
+        aliases = {0: 0}
+        aliases.update({2 + n + i: 1 + i for i in range(n)})
         call = xf.stateful_ffi_call(_TARGET, result, input_output_aliases=aliases)
-        handle = jnp.asarray(state.handle, jnp.int32)
-        outs = call(handle, count_inc, dyn, *g_leaves, *p_leaves, structure=_fingerprint(spec))
+        outs = call(count_inc, dyn, *g_leaves, *p_leaves, handle=int(inst.handle), structure=_fingerprint(spec))
         return list(outs[1:]), outs[0]
 
     def _step_eager(self, grads, g_leaves, state, p_leaves, spec):
-        if self.cfg.mode == "gpu":
-            _refuse_gpu_mode()
         inst = _instance(state.handle)
         if inst.spec != spec:
             raise ValueError(
@@ -565,13 +755,29 @@ class _Impl:
                 f"was initialised with:\n  now:  {_describe(spec)}\n  init: {_describe(inst.spec)}"
             )
         paths = _paths(grads)
-        _check_devices(g_leaves, paths, "gradient")
-        _check_devices(p_leaves, paths, "parameter")
+        _check_devices(g_leaves, paths, "gradient", inst)
+        _check_devices(p_leaves, paths, "parameter", inst)
+        if inst.platform == "cuda":
+            # The same FFI program, dispatched through a cached jit: the device arrays go
+            # in as they are (no copy to the host, no DLPack round trip needed).
+            return self._eager_cuda(inst, spec)(g_leaves, state.count, p_leaves)
         count_inc, dyn = self._scalars_jit(state.count, g_leaves)
         g_np = [np.asarray(g) for g in g_leaves]  # zero-copy views of the CPU buffers
         outs = [_aligned_empty(np.shape(p), np.dtype(p.dtype)) for p in p_leaves]
         inst.run(int(count_inc), np.asarray(dyn), g_np, outs)
         return [jax.device_put(o) for o in outs], count_inc  # adopts the aligned buffers
+
+    def _eager_cuda(self, inst: _Instance, spec):
+        key = (inst.handle, spec)
+        fn = self._eager_fns.get(key)
+        if fn is None:
+            handle = EngineHandle(inst.handle)
+
+            def eager_step(g_leaves, count, p_leaves):
+                return self._step_traced(g_leaves, OffloadAdamWState(handle, count), p_leaves, spec)
+
+            fn = self._eager_fns[key] = jax.jit(eager_step)
+        return fn
 
 
 def _describe(spec: tuple) -> str:
@@ -579,21 +785,25 @@ def _describe(spec: tuple) -> str:
     return f"{treedef} with leaves {[f'{s}:{d}' for s, d in leaves]}"
 
 
-def _refuse_gpu_mode():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus:
+def _check_gpu_mode(platform: str, cfg: _Config) -> None:
+    """``mode="gpu"``: a CUDA GPU, parameters on it, the optax convention."""
+    if not _has_gpu():
         raise RuntimeError(
             "TrainStream offload_adamw: mode='gpu' (the zero-copy GPU kernel) needs a CUDA GPU "
             f"visible to JAX; this process has none (jax.devices() = {jax.devices()})"
         )
-    raise NotImplementedError(
-        "TrainStream offload_adamw: mode='gpu' for JAX is not built in this release: its XLA:GPU "
-        "FFI handler (the zero-copy kernel launched on XLA's stream) could not be validated on a "
-        "GPU. Use trainstream.torch.OffloadAdamW for gpu mode, or JAX on the CPU with mode='cpu'"
-    )
+    if platform != "cuda":
+        raise ValueError(
+            "TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the "
+            "parameters are on the CPU: put them on the GPU first (jax.device_put(params, "
+            "jax.devices('gpu')[0])), or use mode='cpu'"
+        )
+    if cfg.convention != "optax":
+        raise NotImplementedError(
+            "TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its scalars "
+            "are computed inside the XLA program; the torch convention's are host float64 "
+            "values per step, not wired into the FFI call). Use mode='cpu' for convention='torch'"
+        )
 
 
 def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
@@ -634,8 +844,8 @@ class OffloadAdamW(optax.GradientTransformation):
         return self.update.__self__.step(grads, state, params)
 
     @staticmethod
-    def state_dict(state) -> dict:
-        return state_dict(state)
+    def state_dict(state, params=None) -> dict:
+        return state_dict(state, params)
 
     @staticmethod
     def load_state_dict(state, sd: dict) -> OffloadAdamWState:
@@ -683,14 +893,18 @@ def offload_adamw(
         none: gradients materialised before the update, which holds for gradients made by
         matmuls and multi-element reductions and whenever ``update`` is jitted apart from
         the gradient. Ignored with ``max_grad_norm`` and with ``convention="torch"``.
-      mode: ``"cpu"`` (host update). ``"gpu"`` is not built for JAX in this release.
+      mode: ``"cpu"``: the host updates the state (Numba kernels on worker threads); on a
+        GPU the handler copies the gradients to pinned memory and uploads the new weights,
+        both on XLA's stream. ``"gpu"``: the zero-copy kernel updates the weights on the
+        GPU, reading and writing the state in mapped host memory over PCIe, launched on
+        XLA's stream (parameters on a CUDA device, ``convention="optax"``).
       convention: ``"optax"`` (XLA:CPU's optax.adamw, bit for bit) or ``"torch"``
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable).
       threads, chunk_elems: engine worker threads and chunk size.
 
-    Exactness. Under ``jax.jit`` (and eagerly) the new weights equal those of the
-    jitted optax train step ``u, s = opt.update(g, s, p); p = optax.apply_updates(p, u)``
-    on XLA:CPU, for fp32 leaves; fp16/bf16 leaves keep an fp32 master that equals what
+    Exactness. On the CPU backend, under ``jax.jit`` (and eagerly) the new weights equal
+    those of the jitted optax train step ``u, s = opt.update(g, s, p); p =
+    optax.apply_updates(p, u)`` on XLA:CPU, for fp32 leaves; fp16/bf16 leaves keep an fp32 master that equals what
     optax computes on fp32 parameters fed the upcast gradients, and return its rounding.
     Use ``tx.step(grads, state, params) -> (new_params, new_state)`` for those exact
     weights. ``update`` returns ``new - params`` as optax expects, and
@@ -699,6 +913,11 @@ def offload_adamw(
     ``params/2 <= new <= 2*params`` (same sign; the usual small step), or either is 0,
     and the difference is not subnormal (XLA:CPU flushes it to zero). It can differ by
     rounding where a weight halves, doubles or changes sign in one step.
+
+    On a CUDA GPU, XLA:GPU's optax uses the approximate ``sqrt.approx``/``div.full``
+    instructions: ``mode="gpu"`` runs the same instructions (the ``optax``/``cuda``
+    convention of :mod:`trainstream._contract`), ``mode="cpu"`` the IEEE ones on the
+    host; both stay within ``OPTAX_CUDA_MAX_ULP`` of optax per step (see the contract).
 
     With ``max_grad_norm`` the global norm is computed by XLA (optax's own
     ``optax.tree.norm``) inside the program that calls the update: under ``jax.jit``
@@ -740,19 +959,49 @@ def offload_adamw(
 # -- state export / import, stats, close ---------------------------------------------------------
 
 
-def state_dict(state: OffloadAdamWState) -> dict:
+def _wait_for(state: OffloadAdamWState) -> None:
+    """Wait until the update that produced ``state`` has run (JAX dispatches
+    asynchronously: the engine may not have seen it yet)."""
+    try:
+        jax.block_until_ready(state.count)
+    except Exception:  # noqa: BLE001 - a failed step raised (or raises) at its own call
+        pass
+
+
+def state_dict(state: OffloadAdamWState, params=None) -> dict:
     """The host state as NumPy arrays, for checkpoints (e.g. orbax).
 
     ``{"count": int32 scalar, "master": tree, "exp_avg": tree, "exp_avg_sq": tree}``,
     the trees shaped like the parameters (float32). Resuming from it with
-    :func:`load_state_dict` continues bit for bit.
+    :func:`load_state_dict` continues bit for bit, in either mode.
+
+    ``params``: needed in ``mode="gpu"`` when there are float32 leaves (their weights
+    are their own master and live on the GPU, not in the engine); ignored otherwise.
     """
     inst = _instance(state.handle)
+    _wait_for(state)
+    inst.synchronize_device()
+    p_leaves = None
+    if inst.gpu_mode and "float32" in inst.dtypes:
+        if params is None:
+            raise ValueError(
+                "TrainStream state_dict: in mode='gpu' the float32 weights are their own master "
+                "and live on the GPU: call state_dict(state, params)"
+            )
+        p_leaves, p_def = jax.tree.flatten(params)
+        if p_def != inst.treedef:
+            raise ValueError(f"TrainStream state_dict: params have structure {p_def}, expected {inst.treedef}")
     with inst.lock:
         cols: dict[str, list] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
         step = 0
         for i in range(inst.n):
-            p, m, v, step = inst.engine.state(i)
+            leaf = inst.leaves[i]
+            if p_leaves is not None and inst.dtypes[i] == "float32":
+                leaf.init = np.asarray(p_leaves[i], np.float32).reshape(-1)
+            try:
+                p, m, v, step = inst.engine.state(i)
+            finally:
+                leaf.init = None
             for k, a in zip(cols, (p, m, v)):
                 cols[k].append(a.reshape(inst.shapes[i]))
     count = np.asarray(state.count, np.int32)
@@ -799,17 +1048,25 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
                     f"{np.asarray(a).dtype}, expected float32"
                 )
         arrays[k] = leaves
+    _wait_for(state)
+    inst.synchronize_device()
     with inst.lock:
         for i in range(inst.n):
             inst.engine.load_state(
                 i, arrays["exp_avg"][i], arrays["exp_avg_sq"][i], count, master=arrays["master"][i]
             )
-    return OffloadAdamWState(handle=state.handle, count=jnp.asarray(count, jnp.int32))
+    new_count = jnp.asarray(count, jnp.int32)
+    devs = getattr(state.count, "devices", None)
+    if devs is not None:
+        new_count = jax.device_put(new_count, next(iter(devs())))
+    return OffloadAdamWState(handle=state.handle, count=new_count)
 
 
 def stats(state: OffloadAdamWState) -> dict:
     """The engine's counters (bytes moved, state bytes, milliseconds), as ``trainstream.torch``."""
-    return _instance(state.handle).engine.stats()
+    inst = _instance(state.handle)
+    _wait_for(state)
+    return inst.engine.stats()
 
 
 def close(state: OffloadAdamWState) -> None:
@@ -818,7 +1075,9 @@ def close(state: OffloadAdamWState) -> None:
         inst = _instance(state.handle)
     except KeyError:
         return
+    _wait_for(state)
     with _instances_lock:
         _instances.pop(inst.handle, None)
+    inst.synchronize_device()
     with inst.lock:
         inst.engine.close()

@@ -1,0 +1,280 @@
+# Run (GPU machine): python experiments/bench_train.py --configs 125m:8,350m:8,1.3b:8,1.3b:24 --json $OUT/bench_train.json
+"""End-to-end training benchmark: GPT-style models (125M, 350M, 1.3B; bf16 matmuls) on
+batches of B x 1024 tokens, every optimizer placement in one process, per step time,
+tokens/s and peak GPU memory.
+
+Setups:
+  amp_fused        fp32 weights + bf16 autocast + torch.optim.AdamW(fused=True) in GPU memory
+  bf16_fused       bf16 weights + torch.optim.AdamW(fused=True) in GPU memory
+  ts_cpu           bf16 weights, OffloadAdamW mode="cpu" (fp32 master + moments on the host)
+  ts_cpu_eager     the same, update started during backward (last_micro_batch)
+  ts_gpu           bf16 weights, OffloadAdamW mode="gpu" (zero-copy kernel)
+  torchao_fp32     fp32 weights + autocast + torchao CPUOffloadOptimizer (fp32 host state:
+                   our numerics)
+  torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
+  ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
+A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements).
+
+Per row: "exposed" = step ms - bf16_fused step ms of the same config (the optimizer
+time that did not hide behind compute); for TrainStream also the host update's wall time
+per step (engine stats: from step() to the last upload) and the summed worker CPU time.
+The last table extrapolates the largest model each setup fits in GPU memory from the
+peak memory of the measured sizes (a linear fit in the parameter count, per batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SIZES = {  # (layers, d_model, heads)
+    "tiny": (2, 256, 4),
+    "125m": (12, 768, 12),
+    "350m": (24, 1024, 16),
+    "1.3b": (24, 2048, 16),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, d, heads, vocab=50304, ctx=1024):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return F.linear(self.ln(x), self.wte.weight)  # tied head, as GPT-2
+
+
+def _deepspeed_engine(model, batch, lr):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    import deepspeed  # noqa: PLC0415
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": lr["lr"], "betas": list(lr["betas"]),
+                                                  "weight_decay": lr["weight_decay"]}},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def build(setup, size, device, batch=8):
+    """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements."""
+    setup, _, opts = setup.partition("@")
+    threads, _, chunk = opts.partition(":")
+    threads = int(threads) if threads else None
+    chunk = int(chunk) if chunk else 1 << 20
+    layers, d, heads = SIZES[size]
+    torch.manual_seed(0)
+    dtype = torch.float32 if setup in ("amp_fused", "torchao_fp32", "ds_zero_offload") else torch.bfloat16
+    model = GPT(layers, d, heads).to(device=device, dtype=dtype)
+    params = list(model.parameters())
+    lr = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    autocast = setup in ("amp_fused", "torchao_fp32")
+    eager = False
+    if setup in ("amp_fused", "bf16_fused"):
+        opt = torch.optim.AdamW(params, fused=True, **lr)
+    elif setup.startswith("ts_"):
+        from trainstream.torch import OffloadAdamW
+
+        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", threads=threads, chunk_size=chunk, **lr)
+        eager = setup == "ts_cpu_eager"
+    elif setup == "ds_zero_offload":
+        model = _deepspeed_engine(model, batch, lr)
+        opt = None
+    elif setup in ("torchao_fp32", "torchao_bf16"):
+        from torchao.optim import CPUOffloadOptimizer
+
+        opt = CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True, **lr)
+    else:
+        raise ValueError(f"unknown setup {setup!r}")
+    return model, opt, autocast, eager
+
+
+def run(setup, size, batch, seq, steps, warmup, device):
+    model, opt, autocast, eager = build(setup, size, device, batch)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randint(0, 50304, (batch, seq), device=device, generator=g)
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    stats0 = None
+    for i in range(warmup + steps):
+        if i == warmup and hasattr(opt, "stats"):
+            stats0 = opt.stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        if opt is None:  # DeepSpeed engine
+            model.backward(loss)
+            model.step()
+        else:
+            if eager:
+                with opt.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        # The next step's forward waits per layer; time to the point where the next
+        # iteration could start (CPU offload steps finish asynchronously).
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append(t1 - t0)
+    # Let asynchronous work drain (not timed) and take the peak.
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    extra = {}
+    if hasattr(opt, "stats"):
+        st = opt.stats()
+        extra["threads"] = st.get("threads", 0.0)
+        extra["host_update_wall_ms_last"] = st.get("last_step_wall_ms", 0.0)
+        if stats0 is not None:
+            extra["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / steps
+            extra["ready_stall_ms_per_step"] = (st["ready_stall_ms_total"] - stats0["ready_stall_ms_total"]) / steps
+    if hasattr(opt, "close"):
+        opt.close()
+    del model, opt, logits, loss
+    gc.collect()
+    torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {
+        "setup": setup,
+        "size": size,
+        "params_M": n_params / 1e6,
+        "batch": batch,
+        "seq": seq,
+        "step_ms_median": 1e3 * med,
+        "step_ms_min": 1e3 * min(times),
+        "tokens_per_s": batch * seq / med,
+        "peak_gib": peak,
+        **extra,
+    }
+
+
+def largest_models(rows, capacity_gib):
+    """Per (setup, batch): the parameter count at which the linear fit of peak memory in
+    the parameter count reaches ``capacity_gib`` (needs two measured sizes)."""
+    out = {}
+    groups: dict = {}
+    for r in rows:
+        if "error" not in r:
+            groups.setdefault((r["setup"], r["batch"]), []).append((r["params_M"], r["peak_gib"]))
+    for key, pts in groups.items():
+        pts = sorted(set(pts))
+        if len(pts) < 2:
+            continue
+        (x0, y0), (x1, y1) = pts[0], pts[-1]
+        slope = (y1 - y0) / (x1 - x0)
+        if slope > 0:
+            out[f"{key[0]} @ batch {key[1]}"] = {"params_B": (x0 + (capacity_gib - y0) / slope) / 1e3,
+                                                 "gib_per_B_params": slope * 1e3}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="350m:8", help="comma-separated model:batch, e.g. 125m:8,1.3b:24")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--setups", default="bf16_fused,amp_fused,ts_cpu,ts_cpu_eager,ts_gpu,torchao_fp32,torchao_bf16,ds_zero_offload")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_train.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
+    rows = []
+    for cfg in args.configs.split(","):
+        size, _, batch = cfg.partition(":")
+        batch = int(batch or 8)
+        for setup in args.setups.split(","):
+            try:
+                row = run(setup, size, batch, args.seq, args.steps, args.warmup, device)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other setups
+                row = {"setup": setup, "size": size, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'config':10s} {'setup':16s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s} {'exposed':>8s} "
+          f"{'vs bf16':>7s} {'vs ao32':>7s} {'host wall':>9s}")
+    for r in rows:
+        cfg = f"{r['size']}x{r['batch']}"
+        if "error" in r:
+            print(f"{cfg:10s} {r['setup']:16s} ERROR {r['error']}")
+            continue
+        same = {q["setup"]: q for q in rows if "error" not in q and q["size"] == r["size"] and q["batch"] == r["batch"]}
+        b = same.get("bf16_fused", {}).get("step_ms_median", math.nan)
+        t = same.get("torchao_fp32", {}).get("step_ms_median", math.nan)
+        ms = r["step_ms_median"]
+        r["exposed_ms"] = ms - b
+        print(f"{cfg:10s} {r['setup']:16s} {ms:8.1f} {r['tokens_per_s']:8.0f} {r['peak_gib']:8.2f} {ms - b:8.1f} "
+              f"{ms / b:7.2f} {ms / t:7.2f} {r.get('host_update_wall_ms_last', math.nan):9.1f}")
+    big = largest_models(rows, capacity)
+    if big:
+        print(f"\nlargest model in {capacity:.0f} GiB (linear extrapolation of peak memory):")
+        for k, v in sorted(big.items()):
+            print(f"  {k:30s} {v['params_B']:6.1f} B params ({v['gib_per_B_params']:.1f} GiB per B params)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows, "largest_models": big}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
