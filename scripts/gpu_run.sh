@@ -36,7 +36,7 @@ if has tests; then
   tail -n 25 "$OUT/gpu_tests.log"
 fi
 if has jax; then
-  timeout 150 python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12 | tee "$OUT/bench_jax.log"
+  timeout "${JAX_TIMEOUT:-150}" python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12 | tee "$OUT/bench_jax.log"
 fi
 if has zc; then
   timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"
