@@ -13,7 +13,8 @@ Setups:
                    our numerics)
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
   ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
-A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements).
+A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements) and in
+~fifo (TrainStream workers in submission order instead of forward order).
 
 Per row: "exposed" = step ms - bf16_fused step ms of the same config (the optimizer
 time that did not hide behind compute); for TrainStream also the host update's wall time
@@ -107,7 +108,10 @@ def _deepspeed_engine(model, batch, lr):
 
 
 def build(setup, size, device, batch=8):
-    """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements."""
+    """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements; and
+    in ``~fifo``: the engine's workers take jobs in submission order, not forward order."""
+    setup, _, order = setup.partition("~")
+    os.environ["TRAINSTREAM_WORKER_ORDER"] = order or "forward"
     setup, _, opts = setup.partition("@")
     threads, _, chunk = opts.partition(":")
     threads = int(threads) if threads else None

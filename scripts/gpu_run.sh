@@ -18,25 +18,27 @@ STAGES=${STAGES:-"tests jax zc host train"}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --find-links .whl --user --break-system-packages torchao deepspeed \
-    > "$OUT/pip.log" 2>&1 || python3 -m pip install -q --no-index --find-links .whl --user torchao deepspeed >> "$OUT/pip.log" 2>&1
-  tail -n 3 "$OUT/pip.log"
+  python3 -m pip install -q --no-index --find-links .whl torchao deepspeed > /tmp/pip.log 2>&1
+  tail -n 3 /tmp/pip.log
 fi
 {
+  echo "commit (from the caller): ${COMMIT:-unknown}"
   date -u; git log -1 --format=%H 2>/dev/null; nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)"
   python3 -c "import torch, numba, numpy, jax, cupy; print('torch', torch.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__, 'jax', jax.__version__, 'cupy', cupy.__version__)"
   echo "g++: $(command -v g++ || echo none)  nvcc: $(command -v nvcc || echo none)"
+  python3 -c "import jax, os, shutil; shutil.copy(os.path.join(jax.ffi.include_dir(), 'xla/ffi/api/c_api.h'), '$OUT/c_api.h')"
+  tail -n 3 /tmp/pip.log 2>/dev/null
 } 2>&1 | tee "$OUT/env.txt"
 if has tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false TRAINSTREAM_GPU_TEST_STEPS=${TRAINSTREAM_GPU_TEST_STEPS:-10} \
     timeout "${TS_TEST_TIMEOUT:-300}" python3 -m pytest -q -ra -s -p no:cacheprovider \
-    tests/test_jax_gpu.py tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
-    "tests/test_torch_optimizer.py::test_two_groups_bit_identical" > "$OUT/gpu_tests.log" 2>&1
+    ${GPU_TESTS:-tests/test_jax_gpu.py tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
+    tests/test_engine_queue.py tests/test_torch_optimizer.py::test_two_groups_bit_identical} > "$OUT/gpu_tests.log" 2>&1
   grep -E "max ULP|mode=.*args" "$OUT/gpu_tests.log" | head -n 20
   tail -n 25 "$OUT/gpu_tests.log"
 fi
 if has jax; then
-  timeout "${JAX_TIMEOUT:-150}" python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12 | tee "$OUT/bench_jax.log"
+  timeout "${JAX_TIMEOUT:-150}" python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12
 fi
 if has zc; then
   timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"

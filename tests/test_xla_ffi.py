@@ -248,11 +248,16 @@ def test_header_matches_struct_layout():
     if info["path"] is None:
         pytest.skip("jaxlib ships no FFI headers")
     assert info["major"] == 0
-    n = min(len(info["api_functions"]), len(xf._API_FUNCTIONS))
-    assert info["api_functions"][:n] == xf._API_FUNCTIONS[:n]
+    funcs = tuple(xf._KNOWN_RENAMES.get(f, f) for f in info["api_functions"])
+    n = min(len(funcs), len(xf._API_FUNCTIONS))
+    assert funcs[:n] == xf._API_FUNCTIONS[:n]
     assert xf.handler_api_version() <= (info["major"], info["minor"])
-    assert set(info["structs"]) == set(xf._HEADER_STRUCTS)  # all found in the header
+    getter = {"XLA_FFI_Error_GetMessage_Args"}
+    assert set(xf._HEADER_STRUCTS) - getter <= set(info["structs"])  # all found in the header
+    assert xf._error_message_readable()
     for cname, fields in info["structs"].items():
+        if cname not in xf._HEADER_STRUCTS:
+            continue
         ours = tuple(f[0] for f in xf._HEADER_STRUCTS[cname]._fields_)
         assert fields[:len(ours)] == ours[:len(fields)], cname
     xf._check_header_compat()

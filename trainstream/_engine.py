@@ -28,9 +28,10 @@ their bookkeeping, so a failure never leaves a waiter hanging.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
-import queue
 import threading
 import time
 import traceback
@@ -102,13 +103,82 @@ class Backend(Protocol):
 _WORKER_NICE = int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
 
 
+class _WorkQueue:
+    """One worker's queue: jobs in *forward order* (slot id, then submission order).
+
+    Slots are registered in the parameters' order, which is the order the next forward
+    needs them in. In the eager path updates arrive in backward order (last layer
+    first); taking the lowest slot first lets the next forward start as soon as its
+    first layers are updated instead of after the whole queue (a FIFO would update the
+    first layer last). Two rules keep it safe and busy:
+
+    * within a slot, jobs run in submission order (accumulate -> norm -> update on one
+      chunk are never reordered): only the oldest queued job of a slot is eligible;
+    * a job whose gradient copy has not landed yet (``ready()`` False) is passed over
+      for the next eligible one that can run now; if none can, the first one runs (and
+      waits for its copy in its body).
+
+    ``TRAINSTREAM_WORKER_ORDER=fifo`` restores plain submission order (for comparison).
+    """
+
+    _SCAN = 64  # eligible jobs examined per pick
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list = []  # heap of (priority, seq, job, ready)
+        self._seq = itertools.count()
+        self._fifo = os.environ.get("TRAINSTREAM_WORKER_ORDER", "forward").lower() == "fifo"
+
+    def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
+        if self._fifo and job is not None:
+            priority = 0.0
+        with self._cond:
+            heapq.heappush(self._items, (priority, next(self._seq), job, ready))
+            self._cond.notify()
+
+    def get(self) -> Callable[[], None] | None:
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            items = self._items
+            pick = 0
+            top = items[0]
+            if top[3] is not None and not _is_ready(top[3]) and len(items) > 1:
+                seen = set()
+                for entry in heapq.nsmallest(self._SCAN, items):
+                    key = entry[0]
+                    if entry[2] is None:
+                        break  # the shutdown marker runs last, never ahead of a job
+                    if key in seen:
+                        continue  # not the oldest job of its slot
+                    seen.add(key)
+                    if entry[3] is None or _is_ready(entry[3]):
+                        pick = items.index(entry)
+                        break
+            entry = items[pick]
+            if pick == 0:
+                heapq.heappop(items)
+            else:
+                items[pick] = items[-1]
+                items.pop()
+                heapq.heapify(items)
+            return entry[2]
+
+
+def _is_ready(ready: Callable[[], bool]) -> bool:
+    try:
+        return bool(ready())
+    except Exception:  # noqa: BLE001 - a failed query: let the body wait (and raise)
+        return True
+
+
 class _WorkerPool:
-    """``threads`` workers, each with its own FIFO queue."""
+    """``threads`` workers, each with its own queue (:class:`_WorkQueue`)."""
 
     def __init__(self, threads: int):
         # Holds nothing of the engine: running threads keep the pool alive, and the
         # engine must stay collectable so that its finalizer can stop them.
-        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads)]
+        self._queues: list[_WorkQueue] = [_WorkQueue() for _ in range(threads)]
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"trainstream-worker-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -119,7 +189,7 @@ class _WorkerPool:
     def __len__(self) -> int:
         return len(self._queues)
 
-    def _run(self, q: queue.SimpleQueue) -> None:
+    def _run(self, q: _WorkQueue) -> None:
         # Workers yield the CPU to the threads that drive the GPU (the training loop and
         # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
         # values per thread; elsewhere this is a no-op.
@@ -133,15 +203,16 @@ class _WorkerPool:
                 return
             job()
 
-    def submit(self, worker: int, job: Callable[[], None]) -> None:
-        self._queues[worker % len(self._queues)].put(job)
+    def submit(self, worker: int, job: Callable[[], None], priority: float = 0.0,
+               ready: Callable[[], bool] | None = None) -> None:
+        self._queues[worker % len(self._queues)].put(job, priority, ready)
 
     def owns_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
 
     def shutdown(self) -> None:
         for q in self._queues:
-            q.put(None)
+            q.put(None, math.inf)  # after every queued job: the queue drains first
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -388,12 +459,18 @@ class Engine:
         s: _Slot,
         body: Callable[[int, int, int], None],
         finalize: Callable[[], None] | None = None,
+        landed: Any = None,
     ) -> None:
-        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``."""
+        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``.
+
+        ``landed``: the event the body waits for first (a gradient copy), if any; its
+        ``query()`` lets a worker run another slot's job while the copy is in flight.
+        """
         with s.cond:
             s.inflight += 1
         remaining = [s.nchunks]
         lock = threading.Lock()
+        ready = getattr(landed, "query", None)
 
         def job(c: int, b: int, e: int) -> None:
             try:
@@ -417,7 +494,7 @@ class Engine:
         for c in range(s.nchunks):
             b = c * self.chunk
             e = min(s.numel, b + self.chunk)
-            self._pool.submit(s.workers[c], lambda c=c, b=b, e=e: job(c, b, e))
+            self._pool.submit(s.workers[c], lambda c=c, b=b, e=e: job(c, b, e), s.id, ready)
 
     def _wait_idle(self, s: _Slot) -> None:
         with s.cond:
@@ -480,7 +557,7 @@ class Engine:
             s.grad_keep = None
 
         s.grad_state = _ACCUMULATED
-        self._run_batch(s, body, release)
+        self._run_batch(s, body, release, landed)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
@@ -541,7 +618,7 @@ class Engine:
             self._stats.last_finalize = time.perf_counter()
 
         s.grad_state = _NO_GRAD
-        self._run_batch(s, body, finalize)
+        self._run_batch(s, body, finalize, landed)
 
     def grad_sumsq(self, sids: Sequence[int]) -> float:
         """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
@@ -564,7 +641,7 @@ class Engine:
                     landed.synchronize()
                 K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
 
-            self._run_batch(s, body)
+            self._run_batch(s, body, landed=landed)
         for sid in sids:
             self._wait_idle(self._slot(sid))
         self.check_error()

@@ -539,7 +539,7 @@ def header_info() -> dict:
     if body:
         info["api_functions"] = tuple(re.findall(r"_XLA_FFI_API_STRUCT_FIELD\((\w+)\)", body.group(1)))
     structs = {}
-    for cname in _HEADER_STRUCTS:
+    for cname in (*_HEADER_STRUCTS, "XLA_FFI_Error_GetDetails_Args"):
         m = re.search(r"struct\s+" + cname + r"\s*\{(.*?)\}", text, re.S)
         if m:
             decls = [d.strip() for d in m.group(1).split(";") if d.strip()]
@@ -561,7 +561,20 @@ def handler_api_version() -> tuple[int, int]:
     return min((info["major"], info["minor"]), _WRITTEN_AGAINST)
 
 
+# Renames between header versions that keep the ABI (XLA's rule: a rename is a *minor*
+# change; reordering or retyping is a major one). Seen in jaxlib 0.11: the error-message
+# getter became ``XLA_FFI_Error_GetDetails`` and the execution context the "invoke context".
+_KNOWN_RENAMES = {
+    "XLA_FFI_Error_GetDetails": "XLA_FFI_Error_GetMessage",
+    "XLA_FFI_InvokeContext_Get": "XLA_FFI_ExecutionContext_Get",
+}
+
+
 def _check_header_compat() -> None:
+    """Refuse an ABI-incompatible header (another major version); warn on renames we do
+    not know (a minor change by XLA's rules, so the layout still holds)."""
+    import warnings  # noqa: PLC0415
+
     info = header_info()
     if info["path"] is None:
         return
@@ -572,20 +585,31 @@ def _check_header_compat() -> None:
             "(ABI-incompatible). Update the struct definitions."
         )
     for cname, fields in info["structs"].items():
+        if cname not in _HEADER_STRUCTS:
+            continue
         ours = tuple(f[0] for f in _HEADER_STRUCTS[cname]._fields_)
         n = min(len(fields), len(ours))
         if fields[:n] != ours[:n]:
-            raise RuntimeError(
-                f"{cname} in {info['path']} has fields {fields}; {__name__} assumes {ours}"
-            )
-    funcs = info["api_functions"]
+            warnings.warn(f"{cname} in {info['path']} has fields {fields}; {__name__} assumes {ours} "
+                          "(same major version: treated as renames)", RuntimeWarning, stacklevel=3)
+    funcs = tuple(_KNOWN_RENAMES.get(f, f) for f in info["api_functions"])
     if funcs:
         n = min(len(funcs), len(_API_FUNCTIONS))
-        if tuple(funcs[:n]) != _API_FUNCTIONS[:n]:
-            raise RuntimeError(
-                f"XLA_FFI_Api function table in {info['path']} differs from the layout "
-                f"in {__name__}: {funcs} vs {_API_FUNCTIONS}"
-            )
+        if funcs[:n] != _API_FUNCTIONS[:n]:
+            warnings.warn(f"XLA_FFI_Api function table in {info['path']} differs from the layout in "
+                          f"{__name__}: {info['api_functions']} vs {_API_FUNCTIONS} (same major "
+                          "version: treated as renames)", RuntimeWarning, stacklevel=3)
+
+
+def _error_message_readable() -> bool:
+    """Whether the installed header's error-message getter takes the args we pass
+    ``(struct_size, extension_start, error, message)``; if a newer one does not, error
+    messages from api calls are not read (the error is still destroyed)."""
+    structs = header_info()["structs"]
+    for cname in ("XLA_FFI_Error_GetMessage_Args", "XLA_FFI_Error_GetDetails_Args"):
+        if cname in structs:
+            return structs[cname][:4] == ("struct_size", "extension_start", "error", "message")
+    return True  # no header to read: the layout of this file
 
 
 # ---------------------------------------------------------------------------
@@ -632,9 +656,12 @@ class _Api:
     def take_error(self, err: int) -> str:
         """Read the message of an error returned *to us* and destroy it."""
         try:
-            ga = _ErrorGetMessageArgs(_ERROR_GET_MESSAGE_SIZE, None, err, None)
-            self.fn("XLA_FFI_Error_GetMessage")(ctypes.addressof(ga))
-            msg = ctypes.string_at(ga.message).decode("utf-8", "replace") if ga.message else ""
+            if _error_message_readable():
+                ga = _ErrorGetMessageArgs(_ERROR_GET_MESSAGE_SIZE, None, err, None)
+                self.fn("XLA_FFI_Error_GetMessage")(ctypes.addressof(ga))
+                msg = ctypes.string_at(ga.message).decode("utf-8", "replace") if ga.message else ""
+            else:
+                msg = "(this jaxlib's error-details getter has another layout; message not read)"
         finally:
             da = _ErrorDestroyArgs(_ERROR_DESTROY_SIZE, None, err)
             self.fn("XLA_FFI_Error_Destroy")(ctypes.addressof(da))
