@@ -13,7 +13,11 @@ sets the total (e.g. 268M = 16 layers of 4096 x 4096). Prints step ms (median), 
 memory (XLA's memory analysis of the step: arguments, outputs, temporaries; and the live
 bytes after warm-up) and the ratio (b)/(c), the target of issue #5 (>= 1.6).
 A reference check comes first: each setup's weights after 2 steps are compared with
-(a)'s (ULPs of the update, see trainstream._contract.OPTAX_CUDA_MAX_ULP).
+(a)'s, in units of the learning rate (Adam moves every weight by about lr per step): the
+fraction of weights farther than 1% of lr from (a)'s and the largest distance. Each setup
+computes its gradients in its own program, so where a gradient is rounding noise (deep
+tanh layers) its sign, and Adam's +-lr step, may differ: a few such weights are expected;
+a wrong update would move most of them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import numpy as np
 import optax
 
 import trainstream.jax as tsj
-from trainstream._device_kernels import _update_ulps
+
+LR = 1e-4
 
 
 def parse_count(s: str) -> int:
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
     n = sum(a.size for a in jax.tree.leaves(params0))
     x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (args.batch, args.width), jnp.float32), dev)
     print(f"model: {len(params0)} x [{args.width} x {args.width}] fp32 = {n / 1e6:.1f}M params, batch {args.batch}")
-    builders = setups(1e-4, dev)
+    builders = setups(LR, dev)
     results, ref_after = {}, None
     for name in args.setups.split(","):
         try:
@@ -135,10 +140,10 @@ def main(argv=None) -> int:
             got = {k: np.asarray(v) for k, v in p.items()}
             if ref_after is None and name == "optax_hbm":
                 ref_after = got
-            ulps = None
+            check = None
             if ref_after is not None:
-                prev = {k: np.asarray(v) for k, v in params0.items()}
-                ulps = max(float(_update_ulps(got[k].ravel(), ref_after[k].ravel(), prev[k].ravel()).max()) for k in got)
+                dist = np.concatenate([np.abs(got[k] - ref_after[k]).ravel() / LR for k in got])
+                check = {"frac_off_by_1pct_lr": float((dist > 0.01).mean()), "max_in_lr": float(dist.max())}
             for _ in range(args.warmup):
                 p, state = step(p, state, x)
             jax.block_until_ready(p)
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
                 "device_out_gib": ma.output_size_in_bytes / 2**30,
                 "device_temp_gib": ma.temp_size_in_bytes / 2**30,
                 "live_gib": live / 2**30,
-                "max_ulp_vs_optax_hbm": ulps,
+                "check_vs_optax_hbm": check,
             }
             if name.startswith("ts_"):
                 tsj.close(state)
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
         print(f"{name:11s} " + (f"error: {r['error']}" if "error" in r else
               f"{r['ms']:8.2f} ms (min {r['ms_min']:.2f})  args {r['device_args_gib']:.2f} GiB  "
               f"temp {r['device_temp_gib']:.2f} GiB  live {r['live_gib']:.2f} GiB  "
-              f"max ULP vs (a) {r['max_ulp_vs_optax_hbm']}"), flush=True)
+              f"vs (a): {r['check_vs_optax_hbm']}"), flush=True)
     if "ms" in results.get("jax_pinned", {}) and "ms" in results.get("ts_gpu", {}):
         ratio = results["jax_pinned"]["ms"] / results["ts_gpu"]["ms"]
         results["ratio_pinned_over_ts_gpu"] = ratio

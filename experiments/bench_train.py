@@ -143,7 +143,42 @@ def build(setup, size, device, batch=8):
     return model, opt, autocast, eager
 
 
-def run(setup, size, batch, seq, steps, warmup, device):
+def gpu_timeline(prof, steps: int) -> dict:
+    """Where the GPU idled during a profiled run: the union of kernel intervals (all
+    streams; copies excluded) against the span from the first to the last kernel, and
+    the largest idle gaps with the kernel that ended each (ms from the span's start)."""
+    kernels = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name
+        if name.startswith(("Memcpy", "Memset", "cudaMemcpy")) or "memcpy" in name.lower():
+            continue
+        kernels.append((e.time_range.start, e.time_range.end, name))
+    if not kernels:
+        return {}
+    kernels.sort()
+    t0, busy, gaps = kernels[0][0], 0.0, []
+    cur_s, cur_e, cur_name = kernels[0]
+    for s0, e0, name in kernels[1:]:
+        if s0 > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s0 - cur_e, (cur_e - t0) / 1e3, cur_name[:60], name[:60]))
+            cur_s, cur_e, cur_name = s0, e0, name
+        elif e0 > cur_e:
+            cur_e, cur_name = e0, name
+    busy += cur_e - cur_s
+    span = cur_e - t0
+    gaps.sort(reverse=True)
+    return {
+        "span_ms_per_step": span / 1e3 / steps,
+        "kernel_busy_ms_per_step": busy / 1e3 / steps,
+        "idle_ms_per_step": (span - busy) / 1e3 / steps,
+        "largest_gaps": [{"ms": g / 1e3, "at_ms": at, "after": a, "before": b} for g, at, a, b in gaps[:8]],
+    }
+
+
+def run(setup, size, batch, seq, steps, warmup, device, profile=False):
     model, opt, autocast, eager = build(setup, size, device, batch)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator(device=device).manual_seed(1)
@@ -151,11 +186,8 @@ def run(setup, size, batch, seq, steps, warmup, device):
     times = []
     torch.cuda.reset_peak_memory_stats()
     stats0 = None
-    for i in range(warmup + steps):
-        if i == warmup and hasattr(opt, "stats"):
-            stats0 = opt.stats()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def one_step():
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
@@ -170,12 +202,28 @@ def run(setup, size, batch, seq, steps, warmup, device):
                 loss.backward()
             opt.step()
             opt.zero_grad()
+
+    for i in range(warmup + steps):
+        if i == warmup and hasattr(opt, "stats"):
+            stats0 = opt.stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        one_step()
         # The next step's forward waits per layer; time to the point where the next
         # iteration could start (CPU offload steps finish asynchronously).
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         if i >= warmup:
             times.append(t1 - t0)
+    timeline = None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile  # noqa: PLC0415
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                one_step()
+            torch.cuda.synchronize()
+        timeline = gpu_timeline(prof, 3)
     # Let asynchronous work drain (not timed) and take the peak.
     if hasattr(opt, "synchronize"):
         opt.synchronize()
@@ -191,7 +239,7 @@ def run(setup, size, batch, seq, steps, warmup, device):
             extra["ready_stall_ms_per_step"] = (st["ready_stall_ms_total"] - stats0["ready_stall_ms_total"]) / steps
     if hasattr(opt, "close"):
         opt.close()
-    del model, opt, logits, loss
+    del model, opt
     gc.collect()
     torch.cuda.empty_cache()
     med = statistics.median(times)
@@ -206,6 +254,7 @@ def run(setup, size, batch, seq, steps, warmup, device):
         "tokens_per_s": batch * seq / med,
         "peak_gib": peak,
         **extra,
+        **({"gpu_timeline": timeline} if timeline else {}),
     }
 
 
@@ -236,10 +285,12 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--setups", default="bf16_fused,amp_fused,ts_cpu,ts_cpu_eager,ts_gpu,torchao_fp32,torchao_bf16,ds_zero_offload")
+    ap.add_argument("--profile", default="", help="comma list of setups to profile (3 more steps): GPU idle gaps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU")
+    profiled = set(filter(None, args.profile.split(",")))
     device = torch.device("cuda")
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
     rows = []
@@ -248,7 +299,7 @@ def main():
         batch = int(batch or 8)
         for setup in args.setups.split(","):
             try:
-                row = run(setup, size, batch, args.seq, args.steps, args.warmup, device)
+                row = run(setup, size, batch, args.seq, args.steps, args.warmup, device, setup in profiled)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other setups
                 row = {"setup": setup, "size": size, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 gc.collect()
@@ -269,6 +320,13 @@ def main():
         r["exposed_ms"] = ms - b
         print(f"{cfg:10s} {r['setup']:16s} {ms:8.1f} {r['tokens_per_s']:8.0f} {r['peak_gib']:8.2f} {ms - b:8.1f} "
               f"{ms / b:7.2f} {ms / t:7.2f} {r.get('host_update_wall_ms_last', math.nan):9.1f}")
+    for r in rows:
+        tl = r.get("gpu_timeline")
+        if tl:
+            print(f"\nGPU timeline {r['size']}x{r['batch']} {r['setup']}: span {tl['span_ms_per_step']:.1f} ms/step, "
+                  f"kernels busy {tl['kernel_busy_ms_per_step']:.1f}, idle {tl['idle_ms_per_step']:.1f}; largest gaps:")
+            for gp in tl["largest_gaps"]:
+                print(f"   {gp['ms']:7.2f} ms at {gp['at_ms']:8.1f} ms  after {gp['after']}  before {gp['before']}")
     big = largest_models(rows, capacity)
     if big:
         print(f"\nlargest model in {capacity:.0f} GiB (linear extrapolation of peak memory):")

@@ -132,8 +132,9 @@ def test_jit_matches_optax_on_gpu_per_step(mode, dtype, clip):
                     np.asarray(p[k]).view(np.uint16),
                     np.asarray(jnp.asarray(sd2["master"][k]).astype(p[k].dtype)).view(np.uint16))
     print(f"mode={mode} {dtype} clip={clip}: max ULP vs optax on the GPU, weights {worst}, moments {worst_mv}")
-    assert worst <= C.OPTAX_CUDA_MAX_ULP
-    assert worst_mv <= C.OPTAX_CUDA_MAX_ULP
+    bound = C.OPTAX_CUDA_MAX_ULP if mode == "gpu" else C.OPTAX_CUDA_HOST_MAX_ULP
+    assert worst <= bound
+    assert worst_mv <= bound
     assert len(traces) == 1, "the train step recompiled"
     tsj.close(state)
 
@@ -177,11 +178,59 @@ def test_no_optimizer_state_in_gpu_memory(mode):
     # the optax step carries mu and nu (2 x params) as arguments; ours only params, batch, count
     assert ma_ref.argument_size_in_bytes >= 3 * pbytes
     assert ma.argument_size_in_bytes <= pbytes + x.nbytes + 4096
-    assert ma.temp_size_in_bytes <= ma_ref.temp_size_in_bytes + 4096
+    # temporaries: the gradients and activations; mu and nu alone would be 2 x params
+    assert ma.temp_size_in_bytes < 2 * pbytes
     assert after - before < pbytes // 4  # a few scalars, no moments
     p, state = jax.jit(ours, donate_argnums=(0,))(params, state, x)
     jax.block_until_ready(p)
     tsj.close(state)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_train_step_with_gradients_in_the_same_program(mode, clip):
+    """Gradients computed in the same jitted program as the update (the usual train step):
+    the update must see them (stream order on XLA's stream), so the trajectory follows
+    optax's within rounding. A well-conditioned least-squares problem keeps every
+    gradient far above rounding noise (Adam's step of a noise-level gradient is +-lr)."""
+    dev = _gpu()
+    rng = np.random.default_rng(11)
+    a = jax.device_put(jnp.asarray(rng.standard_normal((512, 300)).astype(np.float32)), dev)
+    y = jax.device_put(jnp.asarray(rng.standard_normal((512, 7)).astype(np.float32)), dev)
+    w0 = {"w": jax.device_put(jnp.asarray(rng.standard_normal((300, 7)).astype(np.float32) * 0.1), dev),
+          "b": jax.device_put(jnp.asarray(rng.standard_normal((7,)).astype(np.float32)), dev)}
+
+    def loss(p):
+        return jnp.mean((a @ p["w"] + p["b"] - y) ** 2)
+
+    ref_tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-2)) if clip else optax.adamw(1e-2)
+
+    @jax.jit
+    def ref_step(p, s):
+        l, g = jax.value_and_grad(loss)(p)
+        u, s = ref_tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    tx = tsj.offload_adamw(1e-2, max_grad_norm=clip, mode=mode)
+
+    @jax.jit
+    def our_step(p, s):
+        l, g = jax.value_and_grad(loss)(p)
+        p, s = tx.step(g, s, p)
+        return p, s, l
+
+    pr, sr = w0, ref_tx.init(w0)
+    po, so = jax.tree.map(jnp.copy, w0), tx.init(w0)
+    for _ in range(20):
+        pr, sr, lr_ = ref_step(pr, sr)
+        po, so, lo = our_step(po, so)
+    for k in pr:
+        r, o = np.asarray(pr[k]), np.asarray(po[k])
+        rel = np.abs(r - o).max() / np.abs(r).max()
+        print(f"mode={mode} clip={clip} {k}: max |ours - optax| / max |optax| = {rel:.2e}")
+        assert rel < 1e-4, k
+    assert abs(float(lo) - float(lr_)) <= 1e-4 * abs(float(lr_))
+    tsj.close(so)
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])

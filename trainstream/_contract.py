@@ -244,6 +244,14 @@ OX_CODES: tuple[int, ...] = tuple(range(16))
 #: dtypes x 10 steps; the bound leaves margin.
 OPTAX_CUDA_MAX_ULP = 8
 
+#: The same distance between ``optax.adamw`` jitted on XLA:GPU and TrainStream's host
+#: update of the optax/cuda formula (JAX ``mode="cpu"`` on a GPU: IEEE square root and
+#: division on the host, the clipped gradient ``(g / n) * M`` with an IEEE division where
+#: XLA:GPU uses ``div.full``), per step from the same state, weights and moments.
+#: Measured on the H200 (2026-11-30, tests/test_jax_gpu.py, 30 steps x fp32/bf16 x
+#: clip/no clip): at most 11 (bf16 weights with clipping), 6 for the moments.
+OPTAX_CUDA_HOST_MAX_ULP = 16
+
 
 class AdamWHyperParams(NamedTuple):
     """AdamW hyper-parameters of one parameter group (Python floats, float64)."""

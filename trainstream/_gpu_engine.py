@@ -88,6 +88,10 @@ class GpuEngine:
 
     # -- parameters -------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("TrainStream engine is closed")

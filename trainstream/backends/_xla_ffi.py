@@ -217,6 +217,7 @@ class ExecutionStage(enum.IntEnum):
     PREPARE = 1
     INITIALIZE = 2
     EXECUTE = 3
+    RECORD = 4  # FFI 0.4 (jaxlib 0.11): command-buffer recording; never registered here
 
 
 class DataType(enum.IntEnum):
@@ -301,6 +302,9 @@ class _ErrorGetMessageArgs(Structure):  # XLA_FFI_Error_GetMessage_Args
         ("extension_start", c_void_p),
         ("error", c_void_p),
         ("message", c_void_p),  # out: const char*
+        # XLA_FFI_Error_GetDetails_Args (jaxlib 0.11, FFI 0.4) appends the code (out); the
+        # field is here so that a newer runtime writing it stays inside this struct.
+        ("errc", c_int),
     ]
 
 
@@ -467,6 +471,7 @@ def _struct_size(cls: type, last_field: str) -> int:
 _API_VERSION_SIZE = _struct_size(_ApiVersion, "minor_version")
 _ERROR_CREATE_SIZE = _struct_size(_ErrorCreateArgs, "errc")
 _ERROR_GET_MESSAGE_SIZE = _struct_size(_ErrorGetMessageArgs, "message")
+_ERROR_GET_DETAILS_SIZE = _struct_size(_ErrorGetMessageArgs, "errc")
 _ERROR_DESTROY_SIZE = _struct_size(_ErrorDestroyArgs, "error")
 _BUFFER_SIZE = _struct_size(_Buffer, "dims")
 _ARGS_SIZE = _struct_size(_Args, "args")
@@ -601,6 +606,10 @@ def _check_header_compat() -> None:
                           "version: treated as renames)", RuntimeWarning, stacklevel=3)
 
 
+def _has_get_details() -> bool:
+    return "XLA_FFI_Error_GetDetails_Args" in header_info()["structs"]
+
+
 def _error_message_readable() -> bool:
     """Whether the installed header's error-message getter takes the args we pass
     ``(struct_size, extension_start, error, message)``; if a newer one does not, error
@@ -657,7 +666,8 @@ class _Api:
         """Read the message of an error returned *to us* and destroy it."""
         try:
             if _error_message_readable():
-                ga = _ErrorGetMessageArgs(_ERROR_GET_MESSAGE_SIZE, None, err, None)
+                size = _ERROR_GET_DETAILS_SIZE if _has_get_details() else _ERROR_GET_MESSAGE_SIZE
+                ga = _ErrorGetMessageArgs(size, None, err, None, 0)
                 self.fn("XLA_FFI_Error_GetMessage")(ctypes.addressof(ga))
                 msg = ctypes.string_at(ga.message).decode("utf-8", "replace") if ga.message else ""
             else:
