@@ -4,6 +4,7 @@ See :func:`trainstream.backends._jax.offload_adamw`. Needs jax and optax.
 """
 
 from .backends._jax import (
+    EngineHandle,
     OffloadAdamW,
     OffloadAdamWState,
     close,
@@ -14,6 +15,7 @@ from .backends._jax import (
 )
 
 __all__ = [
+    "EngineHandle",
     "OffloadAdamW",
     "OffloadAdamWState",
     "close",

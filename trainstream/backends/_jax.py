@@ -66,6 +66,7 @@ from .._engine import Engine
 from . import _xla_ffi as xf
 
 __all__ = [
+    "EngineHandle",
     "JaxCpuBackend",
     "OffloadAdamW",
     "OffloadAdamWState",
