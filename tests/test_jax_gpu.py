@@ -334,6 +334,31 @@ def test_torch_convention_cpu_mode_on_gpu_matches_torch_cuda():
     tsj.close(s)
 
 
+def test_gpu_mode_reports_an_old_state():
+    """In gpu mode the count is checked asynchronously: reusing an old state is reported
+    at a later call or at state_dict, and stays reported until a checkpoint is loaded."""
+    dev = _gpu()
+    p0 = _params(jnp.float32, dev, seed=9)
+    rng = np.random.default_rng(10)
+    g = _grads(rng, p0, dev)
+    tx = tsj.offload_adamw(1e-3, mode="gpu")
+    s0 = tx.init(p0)
+    step = jax.jit(tx.step)
+    p1, s1 = step(g, s0, p0)
+    ckpt = jax.tree.map(np.array, tsj.state_dict(s1, p1))
+    p2, s2 = step(g, s1, p1)
+    p3, s3 = step(g, s0, p2)  # the state of step 0 again: its moments are gone
+    with pytest.raises(Exception, match="only the state returned by the previous update"):
+        jax.block_until_ready(p3)
+        tsj.state_dict(s3, p3)
+    with pytest.raises(Exception, match="previous update"):
+        tsj.state_dict(s3, p3)  # sticky
+    s4 = tx.load_state_dict(s3, ckpt)
+    p4, s4 = step(g, s4, p1)
+    assert int(tsj.state_dict(s4, p4)["count"]) == 2
+    tsj.close(s4)
+
+
 def test_bad_input_on_gpu():
     dev = _gpu()
     params = _params(jnp.float32, dev)

@@ -251,12 +251,14 @@ class _Instance:
         self.lock = threading.Lock()
         n = len(leaves)
         self.gpu_mode = cfg.mode == "gpu"
+        self.stale: str | None = None  # gpu mode: an old state was used (sticky)
         if self.gpu_mode:
             from .._gpu_engine import GpuEngine  # noqa: PLC0415 (CuPy, on first use)
             from ._jax_cuda import JaxGpuBackend  # noqa: PLC0415
 
             self.backend = JaxGpuBackend(device)
             self.engine = GpuEngine(self.backend, convention=cfg.convention)
+            self.count_check = self.backend.count_checker()
         else:
             if platform == "cuda":
                 from ._jax_cuda import JaxCudaHostBackend  # noqa: PLC0415
@@ -324,8 +326,9 @@ class _Instance:
                         f"{self.dtypes[i]} (pytree changed since init?)"
                     )
 
-    def _check_count(self, count_inc: int) -> None:
-        done = self.engine.get_step(0) if self.n else 0
+    def _check_count(self, count_inc: int, done: int | None = None) -> None:
+        if done is None:
+            done = self.engine.get_step(0) if self.n else 0
         if count_inc != done + 1 and not (count_inc == _I32_MAX and done >= _I32_MAX - 1):
             raise RuntimeError(
                 f"TrainStream offload_adamw: the optimizer state passed in has count "
@@ -402,6 +405,12 @@ class _Instance:
             if self.gpu_mode:
                 if tuple(dyn.shape) != (self.n, C.N_SCALARS):
                     raise ValueError(f"scalar matrix of shape {dyn.shape}, expected {(self.n, C.N_SCALARS)}")
+                # The count is on the device: reading it now would stall XLA's stream. It is
+                # copied back asynchronously and checked at a later call (or state_dict /
+                # close): an old state is reported one or more steps late, never ignored.
+                self.check_counts(block=False)
+                done = self.engine.get_step(0) if self.n else 0
+                self.count_check.enqueue(count.data, done, stream)
                 row = 4 * C.N_SCALARS
                 eng.step_external(
                     stream,
@@ -434,12 +443,31 @@ class _Instance:
                 for leaf in self.leaves:
                     leaf.out_ptr = None
 
-    def synchronize_device(self) -> None:
+    def check_counts(self, block: bool) -> None:
+        """``mode="gpu"``: check the counts copied back by earlier calls (see run_cuda).
+
+        A mismatch is sticky: every later call raises it until ``load_state_dict``
+        restores a consistent state (the update of the old state has already run).
+        """
+        if not self.gpu_mode:
+            return
+        if self.stale is not None:
+            raise RuntimeError(self.stale)
+        for count_inc, done in self.count_check.completed(block):
+            try:
+                self._check_count(count_inc, done)
+            except RuntimeError as exc:
+                self.stale = str(exc) + " (detected after that update ran: restore a checkpoint)"
+                raise RuntimeError(self.stale) from None
+
+    def synchronize_device(self, check: bool = True) -> None:
         """Before the host reads or writes the state: the device's queued work is done."""
         if self.platform == "cuda":
             from ._jax_cuda import device_synchronize  # noqa: PLC0415
 
             device_synchronize(self.device)
+            if check:
+                self.check_counts(block=True)
 
 
 def _flat_bits(a: np.ndarray) -> np.ndarray:
@@ -1050,7 +1078,10 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
                 )
         arrays[k] = leaves
     _wait_for(state)
-    inst.synchronize_device()
+    inst.synchronize_device(check=False)
+    if inst.gpu_mode:
+        inst.count_check.completed(block=True)  # drop the read-backs of earlier steps
+    inst.stale = None  # the checkpoint replaces whatever an old state did
     with inst.lock:
         for i in range(inst.n):
             inst.engine.load_state(
@@ -1079,6 +1110,6 @@ def close(state: OffloadAdamWState) -> None:
     _wait_for(state)
     with _instances_lock:
         _instances.pop(inst.handle, None)
-    inst.synchronize_device()
+    inst.synchronize_device(check=False)
     with inst.lock:
         inst.engine.close()

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _device_kernels as dk
 
-__all__ = ["DeviceRef", "JaxCudaHostBackend", "JaxGpuBackend", "device_synchronize"]
+__all__ = ["CountCheck", "DeviceRef", "JaxCudaHostBackend", "JaxGpuBackend", "device_synchronize"]
 
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 _EVENT_BLOCKING_SYNC, _EVENT_DISABLE_TIMING = 1, 2
@@ -189,6 +189,48 @@ class JaxCudaHostBackend:
         return buf.array[:nbytes].copy()
 
 
+class CountCheck:
+    """Asynchronous read-back of the optimizer count for ``mode="gpu"``.
+
+    Each update copies the count its program passed (a device int32) into a slot of a
+    pinned ring on XLA's stream and records an event; :meth:`completed` returns
+    ``(count, updates done before that call)`` for the copies that have landed (all of
+    them with ``block=True``). A full ring waits for its oldest copy.
+    """
+
+    SLOTS = 64
+
+    def __init__(self, device: int):
+        self.device = device
+        self._ring = _PinnedBuffer(self.SLOTS, np.int32, device, "optimizer count read-back")
+        self._pending: list = []  # (event, slot, updates done before that call)
+        self._next = 0
+
+    def enqueue(self, count_ptr: int, done: int, stream: int) -> None:
+        if len(self._pending) >= self.SLOTS:
+            self._pending[0][0].synchronize()
+        slot = self._next % self.SLOTS
+        self._next += 1
+        _memcpy_async(self._ring.ptr + 4 * slot, count_ptr, 4, _D2H, stream, self.device)
+        cp = dk._cupy()
+        with cp.cuda.Device(self.device):
+            ev = cp.cuda.Event(block=True, disable_timing=True)
+            ev.record(cp.cuda.ExternalStream(int(stream)))
+        self._pending.append((ev, slot, done))
+
+    def completed(self, block: bool) -> list[tuple[int, int]]:
+        out = []
+        while self._pending:
+            ev, slot, done = self._pending[0]
+            if block:
+                ev.synchronize()
+            elif not ev.done:
+                break
+            self._pending.pop(0)
+            out.append((int(self._ring.array[slot]), done))
+        return out
+
+
 class JaxGpuBackend:
     """The :class:`~trainstream._gpu_engine.GpuEngine` backend for JAX (``gpu`` mode).
 
@@ -208,6 +250,9 @@ class JaxGpuBackend:
                 "themselves (they are their own master); pass params to state_dict"
             )
         out[:] = param.init
+
+    def count_checker(self) -> CountCheck:
+        return CountCheck(self.device_index)
 
     def device_scratch(self, nbytes: int) -> tuple[Any, int]:
         cp = dk._cupy()
