@@ -21,6 +21,7 @@ CuPy is imported lazily (``trainstream._device_kernels``). No arithmetic lives h
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -213,7 +214,10 @@ class CountCheck:
         self._next += 1
         _memcpy_async(self._ring.ptr + 4 * slot, count_ptr, 4, _D2H, stream, self.device)
         cp = dk._cupy()
-        with cp.cuda.Device(self.device):
+        with cp.cuda.Device(self.device), warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream (for Stream.from_external, which wants an
+            # object with __cuda_stream__); it still works and older CuPy has only it.
+            warnings.simplefilter("ignore", DeprecationWarning)
             ev = cp.cuda.Event(block=True, disable_timing=True)
             ev.record(cp.cuda.ExternalStream(int(stream)))
         self._pending.append((ev, slot, done))
