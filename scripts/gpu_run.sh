@@ -39,6 +39,10 @@ if has tests; then
 fi
 if has jax; then
   timeout "${JAX_TIMEOUT:-150}" python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" 2>&1 | tail -n 12
+  if [ -n "${JAX_GPT:-}" ]; then  # e.g. JAX_GPT=350m: issue #6's JAX counterpart
+    timeout "${JAX_TIMEOUT:-150}" python3 experiments/bench_jax_offload.py --model "gpt:$JAX_GPT" --batch 8 --seq 1024 \
+      --json "$OUT/bench_jax_gpt.json" 2>&1 | tail -n 8
+  fi
 fi
 if has zc; then
   timeout 80 python3 experiments/bench_zero_copy.py --numel 268435456 --out "$OUT/bench_zero_copy.json" 2>&1 | tail -n 20 | tee "$OUT/bench_zero_copy.log"

@@ -108,3 +108,23 @@ def test_equivalence_jax_has_reference_rows(jax_equivalence):
         assert {(c["dtype"], c["clip"]) for c in torch_rows} == {("fp32", None), ("bf16", None)}
         for c in torch_rows:
             assert c["per_step"]["bitid"] == [1.0] * STEPS and c["per_step"]["bitid_model"] == [1.0] * STEPS
+
+
+def test_bench_jax_offload_runs_on_cpu(tmp_path):
+    """The (a)-(d) benchmark script in CI size: the setups that exist on the CPU run and
+    agree with optax in HBM; gpu mode is reported as needing a GPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "experiments" / "bench_jax_offload.py"
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(script), "--params", "1M", "--width", "256", "--steps", "2",
+                        "--warmup", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    for name in ("optax_hbm", "jax_pinned", "ts_cpu"):
+        assert res[name]["ms"] > 0
+        assert res[name]["check_vs_optax_hbm"]["frac_off_by_1pct_lr"] == 0.0, name
+    assert "needs a CUDA GPU" in res["ts_gpu"]["error"]
