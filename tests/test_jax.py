@@ -446,3 +446,36 @@ def test_torch_convention_needs_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(RuntimeError, match="torch must be importable"):
         tsj.offload_adamw(1e-3, convention="torch")
+
+
+def test_load_state_dict_recovers_from_a_worker_failure(monkeypatch):
+    """A worker failure is sticky until a checkpoint is loaded; then training resumes."""
+    from trainstream import _host_kernels as K
+    from trainstream import _engine as E
+
+    rng = np.random.default_rng(12)
+    params = mlp_init(rng)
+    batches = [mlp_batch(rng) for _ in range(4)]
+    tx = tsj.offload_adamw(1e-3)
+    step = offload_step(tx, mlp_loss)
+    p, s = _copy(params), tx.init(params)
+    p, s = step(p, s, batches[0])
+    ckpt = jax.tree.map(np.array, tsj.state_dict(s))
+    p_ckpt = jax.tree.map(np.array, p)
+    real = K.adamw_chunk
+
+    def boom(*a, **k):
+        raise MemoryError("simulated worker failure")
+
+    monkeypatch.setattr(E.K, "adamw_chunk", boom)
+    with pytest.raises(Exception, match="simulated worker failure"):
+        p, s = step(p, s, batches[1])
+        jax.block_until_ready(p)
+    monkeypatch.setattr(E.K, "adamw_chunk", real)
+    with pytest.raises(Exception, match="simulated worker failure"):  # sticky
+        tsj.state_dict(s)
+    s = tx.load_state_dict(s, ckpt)
+    p = jax.tree.map(jnp.asarray, p_ckpt)
+    p, s = step(p, s, batches[1])
+    assert int(tsj.state_dict(s)["count"]) == 2
+    tsj.close(s)

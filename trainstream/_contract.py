@@ -227,8 +227,8 @@ S_BC1 = 6  # bc1 (float32, as XLA computes it)
 S_BC2_OPTAX = 9  # bc2 (float32, as XLA computes it)
 S_WD = 1  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
 S_NEG_LR = 8  # f(-lr)
-S_CLIP_DIV = 10  # optax/cpu with OX_CLIP: the gradient divisor (global norm, or 1.0)
-S_OX_CODE = 11  # optax/cpu: the code (OX_* bits) as a float32
+S_CLIP_DIV = 10  # optax with OX_CLIP (cpu and cuda): the gradient divisor (global norm, or 1.0)
+S_OX_CODE = 11  # optax: the code (OX_* bits) as a float32 (cuda reads only OX_CLIP)
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1

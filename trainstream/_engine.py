@@ -20,8 +20,9 @@ Pipeline (``cpu`` mode), per parameter ("slot"):
    event, which the next forward waits on for that parameter only.
 
 A chunk of a slot always goes to the same worker (fixed at registration, balanced by
-element count), so accumulate -> norm -> update on one chunk stay in FIFO order without
-locks. A failure in a worker is kept
+element count), and a worker runs the jobs of one slot in submission order (its queue
+orders slots for the next forward, see :class:`_WorkQueue`), so accumulate -> norm ->
+update on one chunk stay in order without locks. A failure in a worker is kept
 and raised, with its message, at the next call into the engine; batches always finish
 their bookkeeping, so a failure never leaves a waiter hanging.
 """
@@ -443,8 +444,8 @@ class Engine:
     def _assign_workers(self, numel: int, nchunks: int) -> list[int]:
         """A fixed worker per chunk: the least loaded one (in elements) at registration.
 
-        A chunk always runs on the same worker, so accumulate -> norm -> update on it stay
-        in FIFO order without locks; balancing by elements keeps a step's slowest worker
+        A chunk always runs on the same worker, which runs a slot's jobs in submission
+        order, so accumulate -> norm -> update on it stay in order without locks; balancing by elements keeps a step's slowest worker
         close to the average (a hash mapping left some workers a third busier).
         """
         out = []
@@ -537,7 +538,7 @@ class Engine:
         else:
             s.grad_state = _STAGED
         if update is not None:
-            # Eager: the update follows the copy (or the accumulation) in each chunk's FIFO.
+            # Eager: the update follows the copy (or the accumulation) in each chunk's order.
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import threading
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -478,7 +479,9 @@ def _flat_bits(a: np.ndarray) -> np.ndarray:
 
 _instances: dict[int, _Instance] = {}
 _instances_lock = threading.Lock()
-_handles = itertools.count(1)
+# Handles start at a random base per process: a state unpickled in another process then
+# names no engine there (refused with a clear error) instead of someone else's engine.
+_handles = itertools.count(1 + (int.from_bytes(os.urandom(4), "little") << 20))
 
 
 def _instance(handle) -> _Instance:
@@ -945,8 +948,12 @@ def offload_adamw(
 
     On a CUDA GPU, XLA:GPU's optax uses the approximate ``sqrt.approx``/``div.full``
     instructions: ``mode="gpu"`` runs the same instructions (the ``optax``/``cuda``
-    convention of :mod:`trainstream._contract`), ``mode="cpu"`` the IEEE ones on the
-    host; both stay within ``OPTAX_CUDA_MAX_ULP`` of optax per step (see the contract).
+    convention of :mod:`trainstream._contract`; measured bit-identical per step, bound
+    ``OPTAX_CUDA_MAX_ULP``), ``mode="cpu"`` the IEEE ones on the host: its moments stay
+    within ``OPTAX_CUDA_HOST_MAX_ULP`` of optax's per step, its weights within a small
+    fraction of the step (their ULPs grow where Adam's ``m`` nearly cancels; see the
+    contract). With clipping, optax's norm is XLA's float32 sum, whose last bits depend on
+    the program that computes it.
 
     With ``max_grad_norm`` the global norm is computed by XLA (optax's own
     ``optax.tree.norm``) inside the program that calls the update: under ``jax.jit``
@@ -1087,6 +1094,7 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
             inst.engine.load_state(
                 i, arrays["exp_avg"][i], arrays["exp_avg_sq"][i], count, master=arrays["master"][i]
             )
+        inst.engine.clear_error()  # every slot is consistent again (a worker failure is over)
     new_count = jnp.asarray(count, jnp.int32)
     devs = getattr(state.count, "devices", None)
     if devs is not None:

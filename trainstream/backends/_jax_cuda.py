@@ -205,11 +205,14 @@ class CountCheck:
         self.device = device
         self._ring = _PinnedBuffer(self.SLOTS, np.int32, device, "optimizer count read-back")
         self._pending: list = []  # (event, slot, updates done before that call)
+        self._landed: list = []  # (count, done) read from slots reused before a check
         self._next = 0
 
     def enqueue(self, count_ptr: int, done: int, stream: int) -> None:
-        if len(self._pending) >= self.SLOTS:
-            self._pending[0][0].synchronize()
+        if len(self._pending) >= self.SLOTS:  # full: the oldest copy holds the slot we reuse
+            ev, old_slot, old_done = self._pending.pop(0)
+            ev.synchronize()
+            self._landed.append((int(self._ring.array[old_slot]), old_done))
         slot = self._next % self.SLOTS
         self._next += 1
         _memcpy_async(self._ring.ptr + 4 * slot, count_ptr, 4, _D2H, stream, self.device)
@@ -223,7 +226,7 @@ class CountCheck:
         self._pending.append((ev, slot, done))
 
     def completed(self, block: bool) -> list[tuple[int, int]]:
-        out = []
+        out, self._landed = self._landed, []
         while self._pending:
             ev, slot, done = self._pending[0]
             if block:

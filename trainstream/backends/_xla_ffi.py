@@ -576,10 +576,9 @@ _KNOWN_RENAMES = {
 
 
 def _check_header_compat() -> None:
-    """Refuse an ABI-incompatible header (another major version); warn on renames we do
-    not know (a minor change by XLA's rules, so the layout still holds)."""
-    import warnings  # noqa: PLC0415
-
+    """Refuse a header whose layout differs from the one mirrored here (another major
+    version, other struct fields, another function table), except for the renames listed
+    in ``_KNOWN_RENAMES`` (a minor change by XLA's rules: same ABI)."""
     info = header_info()
     if info["path"] is None:
         return
@@ -595,15 +594,19 @@ def _check_header_compat() -> None:
         ours = tuple(f[0] for f in _HEADER_STRUCTS[cname]._fields_)
         n = min(len(fields), len(ours))
         if fields[:n] != ours[:n]:
-            warnings.warn(f"{cname} in {info['path']} has fields {fields}; {__name__} assumes {ours} "
-                          "(same major version: treated as renames)", RuntimeWarning, stacklevel=3)
+            raise RuntimeError(
+                f"{cname} in {info['path']} has fields {fields}; {__name__} assumes {ours}"
+            )
     funcs = tuple(_KNOWN_RENAMES.get(f, f) for f in info["api_functions"])
     if funcs:
         n = min(len(funcs), len(_API_FUNCTIONS))
         if funcs[:n] != _API_FUNCTIONS[:n]:
-            warnings.warn(f"XLA_FFI_Api function table in {info['path']} differs from the layout in "
-                          f"{__name__}: {info['api_functions']} vs {_API_FUNCTIONS} (same major "
-                          "version: treated as renames)", RuntimeWarning, stacklevel=3)
+            raise RuntimeError(
+                f"XLA_FFI_Api function table in {info['path']} differs from the layout in "
+                f"{__name__} beyond the known renames {_KNOWN_RENAMES}: {info['api_functions']} "
+                f"vs {_API_FUNCTIONS}"
+            )
+
 
 
 def _has_get_details() -> bool:
