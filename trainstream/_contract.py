@@ -144,12 +144,15 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
   On XLA:GPU ``sqrt`` is the approximate ``sqrt.approx.f32`` instruction (and division
   ``div.full.f32``), which a host cannot reproduce bit for bit; the host kernels use the
   IEEE operations there and the tests bound the difference in ULPs (see
-  ``OPTAX_CUDA_MAX_ULP``). Known differences from XLA:CPU, *not* re-verified against
-  XLA:GPU for clipping, masks, schedules or multi-leaf trees: XLA:GPU keeps denormals
-  (no FTZ unless ``xla_gpu_ftz``), computes ``b**t`` with libdevice ``__nv_powf`` and
-  ``cos`` in schedules with ``__nv_cosf``, never applies the CPU-only reciprocal rewrite
-  (form D everywhere), may contract FMAs with another pairing, and reduces the global
-  norm in another order.
+  ``OPTAX_CUDA_MAX_ULP``). The device kernel runs XLA:GPU's instructions and matched
+  ``optax.adamw`` jitted on the H200 bit for bit, per step, with a warmup-cosine
+  schedule, a decay mask, five leaves, fp32 and bf16 (fp32 master), with and without
+  ``clip_by_global_norm`` (tests/test_jax_gpu.py, 2026-11-30). The scalars ``d1``, ``d2``
+  and ``-lr`` come from the user's XLA program (XLA:GPU's ``__nv_powf``/``__nv_cosf``),
+  the global norm too: XLA sums it in a program-dependent order, so with clipping the
+  weights equal optax's when both programs compute the same norm. Known differences from
+  XLA:CPU: XLA:GPU keeps denormals (no FTZ unless ``xla_gpu_ftz``), never applies the
+  CPU-only reciprocal rewrite (form D everywhere) and contracted no FMA here.
 
 Scalar vector of ``optax``: slots 1-9 below; slot ``S_CLIP`` multiplies the gradient
 (``M`` of ``clip_by_global_norm`` when it triggers, else 1.0; on ``cuda`` the clip
