@@ -4,8 +4,12 @@
 In one process, with the same element count and thread count for all:
 
 * ``trainstream``: :func:`trainstream._bench.benchmark_host_adamw` (fp32, torch/cpu
-  convention, one contiguous range per thread of a persistent pool; checked against the
-  contract's reference before timing);
+  convention with the IEEE square root, as torch's fused CPU AdamW and every CUDA
+  convention use; one contiguous range per thread of a persistent pool; checked against
+  the contract's reference before timing);
+* ``ts torch-sqrt``: the same with the square root torch's *default* CPU AdamW takes on
+  this machine (MKL's ``vsSqrt``, emulated; taken 16 lanes at a time), i.e. what
+  ``OffloadAdamW`` runs for CPU parameters;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` on CPU tensors
   (``torch.set_num_threads(threads)``);
 * ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
@@ -127,12 +131,19 @@ def main(argv=None) -> int:
             results[name] = r
 
     n, t = args.numel, args.threads
+    mkl_mode = 0
+    if torch is not None:
+        from trainstream.backends._torch import torch_cpu_sqrt_mode
+
+        mkl_mode = torch_cpu_sqrt_mode()
     for _ in range(args.rounds):
         gbps = benchmark_rmw_bandwidth(n, t, repeats=args.repeats, prefetch=True)
         keep("rmw stream", {"ms": n * 12 / gbps / 1e6, "gbps": gbps, "threads": t, "numel": n})
         gbps = benchmark_rmw_bandwidth(n, t, repeats=args.repeats, prefetch=False)
         keep("rmw plain", {"ms": n * 12 / gbps / 1e6, "gbps": gbps, "threads": t, "numel": n})
         keep("trainstream", benchmark_host_adamw(n, t, repeats=args.repeats))
+        if torch is not None and mkl_mode:  # the root torch's default CPU AdamW takes here
+            keep("ts torch-sqrt", benchmark_host_adamw(n, t, repeats=args.repeats, sqrt_mode=mkl_mode))
         if torch is not None:
             keep("torch fused", bench_torch_adamw(n, t, "fused", args.repeats))
             keep("torch foreach", bench_torch_adamw(n, t, "foreach", args.repeats))
@@ -143,7 +154,7 @@ def main(argv=None) -> int:
     header = f"{'contender':<14} {'ms':>9} {'Gelem/s':>8} {'GB/s':>7} {'x fused':>8} {'of RMW':>7}"
     print(header)
     print("-" * len(header))
-    for name in ("trainstream", "torch fused", "torch foreach", "rmw stream", "rmw plain"):
+    for name in ("trainstream", "ts torch-sqrt", "torch fused", "torch foreach", "rmw stream", "rmw plain"):
         r = results.get(name)
         if r is None:
             continue

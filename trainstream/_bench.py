@@ -98,12 +98,18 @@ def _time_best(team, fn, ranges, args, repeats):
     return best
 
 
-def _adamw_range(p, m, v, g, s, begin, end):
-    adamw_chunk(C.VARIANT_TORCH_CPU, p, m, v, g, 0, None, 0, begin, end, s)
+def _adamw_range(p, m, v, g, s, mode, begin, end):
+    adamw_chunk(C.VARIANT_TORCH_CPU, p, m, v, g, 0, None, 0, begin, end, s, mode)
 
 
-def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: int = 0) -> dict:
+def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: int = 0,
+                         sqrt_mode: int = 0) -> dict:
     """Time the fp32 host AdamW update (``torch``/``cpu`` convention) of ``numel`` elements.
+
+    ``sqrt_mode``: the square root of that convention (:mod:`trainstream._cpu_sqrt`):
+    0, IEEE (the root of torch's fused CPU AdamW and of every CUDA convention), or the MKL
+    path that torch's default CPU AdamW takes on this machine
+    (``trainstream.backends._torch.torch_cpu_sqrt_mode()``).
 
     The array is split into ``threads`` contiguous ranges, one per thread. Before timing,
     one full threaded update is checked against :func:`~trainstream._contract.reference_update`
@@ -124,8 +130,11 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
         edges = np.array([x for b, e in ranges for x in (b, e - 1)], np.int64)
         idx = np.unique(np.concatenate([edges, rng.integers(0, numel, min(numel, 65536))]))
         s = C.step_scalars(hp, 10, "torch", "cpu", clip=0.75)
-        want = C.reference_update(p[idx], m[idx], v[idx], g[idx], s, "torch", "cpu")
-        team.run(_adamw_range, ranges, p, m, v, g, s)
+        from ._cpu_sqrt import sqrt_array  # noqa: PLC0415
+
+        want = C.reference_update(p[idx], m[idx], v[idx], g[idx], s, "torch", "cpu",
+                                  sqrt=lambda x: sqrt_array(x, sqrt_mode))
+        team.run(_adamw_range, ranges, p, m, v, g, s, sqrt_mode)
         for name, got, w in zip("pmv", (p[idx], m[idx], v[idx]), want):
             if not np.array_equal(got.view(np.uint32), w.view(np.uint32)):
                 bad = int(np.count_nonzero(got.view(np.uint32) != w.view(np.uint32)))
@@ -134,7 +143,7 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
                     f"{idx.size} sampled elements of {name}; not timing a wrong kernel"
                 )
         s = C.step_scalars(hp, 11, "torch", "cpu", clip=0.75)
-        dt = _time_best(team, _adamw_range, ranges, (p, m, v, g, s), repeats)
+        dt = _time_best(team, _adamw_range, ranges, (p, m, v, g, s, sqrt_mode), repeats)
     return {
         "ms": dt * 1e3,
         "gelems_per_s": numel / dt / 1e9,

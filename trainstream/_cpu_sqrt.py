@@ -194,3 +194,143 @@ def detect_mode(reference_sqrt) -> int | None:
         if np.array_equal(sqrt_array(x, mode).view(np.uint32), want):
             return mode
     return None
+
+
+# -- the same, 16 lanes at a time (the AdamW kernel's strips) -----------------------------------
+# ``torch_cpu_sqrt`` calls the estimate instruction on one lane per element, which keeps the
+# loop around it from vectorising (the MKL modes ran 3-5x slower than IEEE). The block form
+# below applies the same operations to whole vectors: the same instructions per lane (the
+# 4-lane ``rsqrtps``, the 16-lane ``vrsqrt14ps``), the same roundings, no FMA contraction
+# (LLVM contracts only with fast-math flags, which are never set here).
+
+_RARE_BIAS = 0x7F800000
+
+
+def _vec_const(ty, width, value):
+    return ir.Constant(ir.VectorType(ty, width), [ir.Constant(ty, value)] * width)
+
+
+def _mkl_vector(builder, x, width: int, mode: int):
+    """IR for ``torch_cpu_sqrt(x, mode)`` on a ``<width x float>`` (width 16)."""
+    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    vf, vi = ir.VectorType(f32, width), ir.VectorType(i32, width)
+    module = builder.module
+    half = _vec_const(f32, width, 0.5)
+    vname = f"v{width}f32"
+    ieee = builder.call(module.declare_intrinsic(f"llvm.sqrt.{vname}", fnty=ir.FunctionType(vf, [vf])), [x])
+    # the estimate: 4-lane rsqrtps on each quarter, or one 16-lane vrsqrt14ps
+    if mode == MKL_FMA14:
+        fn = module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
+        r0 = builder.call(fn, [x, x, ir.Constant(i16, 0xFFFF)])
+    else:
+        v4 = ir.VectorType(f32, 4)
+        fn = module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
+        r0 = ir.Constant(vf, None)
+        for q in range(width // 4):
+            part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [4 * q + k for k in range(4)]))
+            est = builder.call(fn, [part])
+            for k in range(4):
+                r0 = builder.insert_element(r0, builder.extract_element(est, ir.Constant(i32, k)),
+                                            ir.Constant(i32, 4 * q + k))
+    if mode == MKL_SSE:
+        h = builder.fmul(x, r0)
+        r = builder.fmul(r0, half)
+        e = builder.fsub(half, builder.fmul(h, r))
+        h1 = builder.fadd(builder.fmul(h, e), h)
+        r1 = builder.fadd(builder.fmul(r, e), r)
+        d = builder.fsub(x, builder.fmul(h1, h1))
+        y = builder.fadd(builder.fmul(d, r1), h1)
+    else:
+        fma = module.declare_intrinsic(f"llvm.fma.{vname}", fnty=ir.FunctionType(vf, [vf, vf, vf]))
+        s = builder.fmul(r0, x)
+        hr = builder.fmul(r0, half)
+        inner = builder.call(fma, [builder.fneg(s), s, x])
+        y = builder.call(fma, [inner, hr, s])
+        if mode == MKL_FMA14:  # below 2^-80: the correctly rounded root
+            tiny = builder.fcmp_ordered("<", x, _vec_const(f32, width, 8.271806125530277e-25))
+            y = builder.select(tiny, ieee, y)
+    # MKL's rare path, as torch_cpu_sqrt
+    b = builder.bitcast(x, vi)
+    u = builder.add(b, _vec_const(i32, width, _RARE_BIAS))
+    rare = builder.or_(builder.icmp_unsigned("<", u, _vec_const(i32, width, 0x80000000)),
+                       builder.icmp_unsigned(">", u, _vec_const(i32, width, 0xFEFFF000)))
+    nan = builder.bitcast(_vec_const(i32, width, 0x7FC00000), vf)
+    allexp = builder.icmp_unsigned("==", builder.and_(b, _vec_const(i32, width, 0x7F800000)),
+                                   _vec_const(i32, width, 0x7F800000))
+    neginf = builder.icmp_unsigned("==", builder.and_(b, _vec_const(i32, width, 0x807FFFFF)),
+                                   _vec_const(i32, width, 0x80000000))
+    iszero = builder.fcmp_ordered("==", x, _vec_const(f32, width, 0.0))
+    isneg = builder.icmp_unsigned("!=", builder.lshr(b, _vec_const(i32, width, 31)), _vec_const(i32, width, 0))
+    finite_rare = builder.select(iszero, x, builder.select(isneg, nan, ieee))
+    rare_val = builder.select(allexp, builder.select(neginf, nan, builder.fadd(x, x)), finite_rare)
+    return builder.select(rare, rare_val, y)
+
+
+def _make_block16(mode: int):
+    @intrinsic
+    def block16(typingctx, src, si, dst, di):
+        """``dst[di:di+16] = torch_cpu_sqrt(src[si:si+16], mode)`` (float32 C arrays)."""
+        if not (isinstance(src, types.Array) and isinstance(dst, types.Array)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            vf = ir.VectorType(f32, 16)
+            i64 = ir.IntType(64)
+            s_arr = context.make_array(signature.args[0])(context, builder, args[0])
+            d_arr = context.make_array(signature.args[2])(context, builder, args[2])
+            si_v = context.cast(builder, args[1], signature.args[1], types.int64)
+            di_v = context.cast(builder, args[3], signature.args[3], types.int64)
+            sp = builder.bitcast(builder.gep(s_arr.data, [si_v]), vf.as_pointer())
+            dp = builder.bitcast(builder.gep(d_arr.data, [di_v]), vf.as_pointer())
+            x = builder.load(sp, align=4)
+            builder.store(_mkl_vector(builder, x, 16, mode), dp, align=4)
+            del i64
+            return context.get_dummy_value()
+
+        return types.void(src, si, dst, di), codegen
+
+    return block16
+
+
+_block16_sse = _make_block16(MKL_SSE)
+_block16_fma14 = _make_block16(MKL_FMA14)
+_block16_fma12 = _make_block16(MKL_FMA12)
+
+
+@njit(inline="always", **_OPTS)
+def torch_cpu_sqrt_block(src, lo, n, dst, mode):
+    """``dst[k] = torch_cpu_sqrt(src[lo + k], mode)`` for ``k < n``, 16 lanes at a time
+    (``mode`` a compile-time constant; IEEE goes element by element, it vectorises)."""
+    k = 0
+    if mode != IEEE:
+        while k + 16 <= n:
+            if mode == MKL_SSE:
+                _block16_sse(src, lo + k, dst, k)
+            elif mode == MKL_FMA14:
+                _block16_fma14(src, lo + k, dst, k)
+            else:
+                _block16_fma12(src, lo + k, dst, k)
+            k += 16
+    while k < n:
+        dst[k] = torch_cpu_sqrt(src[lo + k], mode)
+        k += 1
+
+
+@njit(**_OPTS)
+def _sqrt_array_block(x, mode):
+    out = np.empty_like(x)
+    n = x.size
+    lo = 0
+    tmp = np.empty(64, np.float32)
+    while lo < n:
+        m = min(64, n - lo)
+        torch_cpu_sqrt_block(x, lo, m, tmp, mode)
+        out[lo : lo + m] = tmp[:m]
+        lo += m
+    return out
+
+
+def sqrt_array_block(x: np.ndarray, mode: int) -> np.ndarray:
+    """:func:`torch_cpu_sqrt_block` over a float32 array (the kernels' form, for tests)."""
+    return _sqrt_array_block(np.ascontiguousarray(x, np.float32), mode)

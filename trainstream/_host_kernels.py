@@ -291,6 +291,7 @@ def _round16(x, kind):
 from ._cpu_sqrt import IEEE as SQRT_IEEE  # noqa: E402
 from ._cpu_sqrt import MODE_NAMES as SQRT_MODES  # noqa: E402
 from ._cpu_sqrt import torch_cpu_sqrt  # noqa: E402  (msqrt of the contract; mode constant)
+from ._cpu_sqrt import torch_cpu_sqrt_block  # noqa: E402
 
 
 # -- specialisation factories -----------------------------------------------------------------
@@ -311,6 +312,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     ox_mu_swap = (ox & OX_MU_SWAP) != 0
     ox_nu_swap = (ox & OX_NU_SWAP) != 0
     write16 = okind != KIND_F32
+    blocked = cpu and sqrt_mode != SQRT_IEEE  # MKL's root, taken 16 lanes at a time
+    strip = int(_STRIP)
 
     @njit(**opts)
     def adamw_kernel(p, m, v, g, out16, begin, end, s):
@@ -347,6 +350,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         cuda_clip = (np.int64(s[S_OX_CODE]) & OX_CLIP) != 0
         div = s[S_CLIP_DIV]
 
+        root = np.empty(strip, np.float32)  # the strip's square roots (blocked only)
         stop = np.uint64(end)
         lo = np.uint64(begin)
         while lo < stop:  # strips of _STRIP elements, prefetching _AHEAD elements ahead
@@ -359,6 +363,23 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 _prefetch_r(g, j)
                 if write16:
                     _prefetch_w(out16, j)
+            if blocked:
+                # torch/cpu with MKL's square root: the same lines in three passes over the
+                # strip, so that the root is taken 16 lanes at a time (torch_cpu_sqrt_block)
+                for i in range(lo, hi):
+                    gi = _load(g[i], gkind) * c  # g = g * c
+                    mi = m[i]
+                    m[i] = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
+                    v[i] = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root, sqrt_mode)
+                for i in range(lo, hi):
+                    d = root[i - lo] / bc2 + eps
+                    pi = p[i] * decay + (neg_step * m[i]) / d  # p1 + addcdiv on the CPU
+                    p[i] = pi
+                    if write16:
+                        out16[i] = _round16(pi, okind)
+                lo = hi
+                continue
             for i in range(lo, hi):
                 if torch_conv:
                     gi = _load(g[i], gkind) * c  # g = g * c
