@@ -87,11 +87,7 @@ class Backend(Protocol):
         """An event marking the current point of the compute stream of ``param``."""
 
     def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
-
-        A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
-        memory is not reused before the copy completed, so the engine drops it at once.
-        """
+        """Start ``dst <- src`` (device tensor) after ``after``; return its completion."""
 
     def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
         """Start ``dst (param) <- src`` after ``after``; return its completion event."""
@@ -535,10 +531,7 @@ class Engine:
             self.check_error()
         after = self.backend.record_compute(s.param)
         s.landed = self.backend.copy_to_host(s.grad_stage, grad, after)
-        # Keep the device gradient alive until its copy ran, unless the backend already
-        # guarantees that (torch on CUDA: record_stream, the memory returns to the pool only
-        # once the copy has completed, so it is reusable during the rest of backward).
-        s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
+        s.grad_keep = grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
         if s.grad_state == _ACCUMULATED:
             self._accumulate_from_stage(s, fresh=False)

@@ -52,9 +52,6 @@ class TorchBackend:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
-        # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
-        self.copy_keeps_source_alive = True
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -123,9 +120,6 @@ class TorchBackend:
             if after is not None:
                 self.d2h.wait_event(after)
             dst.handle.copy_(src.reshape(-1), non_blocking=True)
-            # The caching allocator reuses src's memory only after the work queued on d2h
-            # when src is freed (this copy): the gradient can be dropped right away.
-            src.record_stream(self.d2h)
             # Worker threads wait on this event: a blocking-sync event lets them sleep
             # instead of spinning (spinning workers starve the threads that launch kernels).
             ev = torch.cuda.Event(blocking=True)
