@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,14 +52,11 @@ import torch.nn.functional as F
 from trainstream import _contract as C
 from trainstream.torch import OffloadAdamW
 
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover - tqdm is in the test extra
-    def tqdm(x=None, **_):
-        return x
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, cpu_name, generated_text, git_commit, tqdm  # noqa: E402
+from _common import fmt_frac as _fmt_frac  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "experiments" / "out" / "equivalence_torch"
 
 # Trainer kinds
@@ -111,25 +107,6 @@ class TinyGPT(nn.Module):
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
-
-
-def generated_text(n_sentences: int, seed: int) -> bytes:
-    """ASCII text from a small grammar with arithmetic facts: learnable, generated here."""
-    rng = np.random.default_rng(seed)
-    adj = "small large quick slow bright dark exact pinned mapped idle busy".split()
-    noun = "host device stream kernel weight moment gradient buffer worker chunk step".split()
-    verb = "copies updates waits for reads writes overlaps releases accumulates".split(" ")
-    out = []
-    for _ in range(n_sentences):
-        r = rng.random()
-        if r < 0.6:
-            out.append(f"the {rng.choice(adj)} {rng.choice(noun)} {rng.choice(verb)} the {rng.choice(noun)}.")
-        elif r < 0.85:
-            a, b = rng.integers(0, 50, 2)
-            out.append(f"{a}+{b}={a + b}.")
-        else:
-            out.append(f"step {rng.integers(1, 1000)} of {rng.choice(noun)}s is {rng.choice(adj)}.")
-    return " ".join(out).encode("ascii")
 
 
 def make_batches(n: int, batch: int, ctx: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -362,26 +339,6 @@ def plan_setting(devices: list[torch.device], dtype: torch.dtype, clip: float | 
     return order, pairs
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - no git, no repo
-        return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -548,10 +505,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
           f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
     return result
-
-
-def _fmt_frac(x: float) -> str:
-    return "100%" if x == 1.0 else f"{100 * x:.4f}%"
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -72,15 +72,6 @@ class _PinnedBuffer:
                 pass
 
 
-class _PageableBuffer:
-    __slots__ = ("array", "handle", "pinned")
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.handle = array
-        self.pinned = False
-
-
 class _Event:
     """A CUDA event recorded on a stream (blocking sync: waiters sleep, not spin)."""
 
@@ -141,10 +132,10 @@ class JaxCudaHostBackend:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
         if pinned:
             return _PinnedBuffer(numel, np_dtype, self.device, what)
-        from ._jax import _aligned_empty  # noqa: PLC0415 (circular at import time)
+        from ._jax import _aligned_empty, _HostBuffer  # noqa: PLC0415 (circular at import time)
 
         try:
-            return _PageableBuffer(_aligned_empty((numel,), np_dtype))
+            return _HostBuffer(_aligned_empty((numel,), np_dtype))
         except MemoryError as exc:
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc

@@ -1,0 +1,68 @@
+"""Helpers shared by the experiment scripts (not part of the library).
+
+The scripts run as ``python experiments/<name>.py`` (this folder is then on ``sys.path``)
+or are loaded by the tests from their files; each puts this folder on ``sys.path`` first.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm is in the test extra
+    def tqdm(x=None, **_):
+        return x
+
+__all__ = ["REPO", "cpu_name", "fmt_frac", "generated_text", "git_commit", "tqdm"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def generated_text(n_sentences: int, seed: int) -> bytes:
+    """ASCII text from a small grammar with arithmetic facts: learnable, generated here."""
+    rng = np.random.default_rng(seed)
+    adj = "small large quick slow bright dark exact pinned mapped idle busy".split()
+    noun = "host device stream kernel weight moment gradient buffer worker chunk step".split()
+    verb = "copies updates waits for reads writes overlaps releases accumulates".split(" ")
+    out = []
+    for _ in range(n_sentences):
+        r = rng.random()
+        if r < 0.6:
+            out.append(f"the {rng.choice(adj)} {rng.choice(noun)} {rng.choice(verb)} the {rng.choice(noun)}.")
+        elif r < 0.85:
+            a, b = rng.integers(0, 50, 2)
+            out.append(f"{a}+{b}={a + b}.")
+        else:
+            out.append(f"step {rng.integers(1, 1000)} of {rng.choice(noun)}s is {rng.choice(adj)}.")
+    return " ".join(out).encode("ascii")
+
+
+def git_commit() -> str | None:
+    """HEAD of this repository (``+dirty`` with uncommitted changes), or None."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - no git, no repo
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fmt_frac(x: float) -> str:
+    """A fraction as a percentage for the Markdown tables (exactly 1 as ``100%``)."""
+    return "100%" if x == 1.0 else f"{100 * x:.4f}%"
