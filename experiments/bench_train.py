@@ -14,7 +14,12 @@ Setups:
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
   ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
 A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements) and in
-~fifo (TrainStream workers in submission order instead of forward order).
+~options: ~fifo (TrainStream workers in submission order instead of forward order),
+~niceN (workers at nice N, default 5), ~swiU (sys.setswitchinterval of U microseconds
+while this setup runs; Python's default is 5000).
+``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
+(trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
+phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
 
 Per row: "exposed" = step ms - bf16_fused step ms of the same config (the optimizer
 time that did not hide behind compute); for TrainStream also the host update's wall time
@@ -31,13 +36,14 @@ import json
 import math
 import statistics
 import sys
-import time
-
 import os
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from trainstream import _trace
 
 SIZES = {  # (layers, d_model, heads)
     "tiny": (2, 256, 4),
@@ -110,8 +116,10 @@ def _deepspeed_engine(model, batch, lr):
 def build(setup, size, device, batch=8):
     """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements; and
     in ``~fifo``: the engine's workers take jobs in submission order, not forward order."""
-    setup, _, order = setup.partition("~")
-    os.environ["TRAINSTREAM_WORKER_ORDER"] = order or "forward"
+    setup, *opts_ = setup.split("~")
+    os.environ["TRAINSTREAM_WORKER_ORDER"] = "fifo" if "fifo" in opts_ else "forward"
+    os.environ["TRAINSTREAM_WORKER_NICE"] = next((o[4:] for o in opts_ if o.startswith("nice")), "5")
+    sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     setup, _, opts = setup.partition("@")
     threads, _, chunk = opts.partition(":")
     threads = int(threads) if threads else None
@@ -148,13 +156,29 @@ def gpu_timeline(prof, steps: int) -> dict:
     streams; copies excluded) against the span from the first to the last kernel, and
     the largest idle gaps with the kernel that ended each (ms from the span's start)."""
     kernels = []
+    copies = {"HtoD": [], "DtoH": []}
     for e in prof.events():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         name = e.name
         if name.startswith(("Memcpy", "Memset", "cudaMemcpy")) or "memcpy" in name.lower():
+            for way in copies:
+                if way in name:
+                    copies[way].append((e.time_range.start, e.time_range.end))
             continue
         kernels.append((e.time_range.start, e.time_range.end, name))
+    copy_busy = {}
+    for way, iv in copies.items():  # union of the copy intervals of one direction
+        iv.sort()
+        busy, cur = 0.0, None
+        for a, b in iv:
+            if cur is None or a > cur[1]:
+                busy += (cur[1] - cur[0]) if cur else 0.0
+                cur = [a, b]
+            else:
+                cur[1] = max(cur[1], b)
+        busy += (cur[1] - cur[0]) if cur else 0.0
+        copy_busy[f"memcpy_{way}_busy_ms_per_step"] = busy / 1e3 / steps
     if not kernels:
         return {}
     kernels.sort()
@@ -175,10 +199,11 @@ def gpu_timeline(prof, steps: int) -> dict:
         "kernel_busy_ms_per_step": busy / 1e3 / steps,
         "idle_ms_per_step": (span - busy) / 1e3 / steps,
         "largest_gaps": [{"ms": g / 1e3, "at_ms": at, "after": a, "before": b} for g, at, a, b in gaps[:8]],
+        **copy_busy,
     }
 
 
-def run(setup, size, batch, seq, steps, warmup, device, profile=False):
+def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir=None):
     model, opt, autocast, eager = build(setup, size, device, batch)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator(device=device).manual_seed(1)
@@ -188,20 +213,23 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False):
     stats0 = None
 
     def one_step():
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        with _trace.span("forward"):
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
         if opt is None:  # DeepSpeed engine
             model.backward(loss)
             model.step()
         else:
-            if eager:
-                with opt.last_micro_batch():
+            with _trace.span("backward"):
+                if eager:
+                    with opt.last_micro_batch():
+                        loss.backward()
+                else:
                     loss.backward()
-            else:
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
+            with _trace.span("step"):
+                opt.step()
+                opt.zero_grad()
 
     for i in range(warmup + steps):
         if i == warmup and hasattr(opt, "stats"):
@@ -215,6 +243,22 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False):
         t1 = time.perf_counter()
         if i >= warmup:
             times.append(t1 - t0)
+    trace = None
+    if trace_dir is not None:
+        _trace.start()
+        for _ in range(2):
+            with _trace.span("sync"):
+                torch.cuda.synchronize()
+            one_step()
+        with _trace.span("sync"):
+            torch.cuda.synchronize()
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+        spans = _trace.stop()
+        os.makedirs(trace_dir, exist_ok=True)
+        with open(os.path.join(trace_dir, f"trace_{size}x{batch}_{setup}.json"), "w") as f:
+            json.dump(_trace.chrome_trace(spans), f)
+        trace = _trace.summary(spans, phases=("forward", "backward", "step", "sync"))
     timeline = None
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile  # noqa: PLC0415
@@ -255,6 +299,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False):
         "peak_gib": peak,
         **extra,
         **({"gpu_timeline": timeline} if timeline else {}),
+        **({"host_trace": trace} if trace else {}),
     }
 
 
@@ -286,11 +331,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--setups", default="bf16_fused,amp_fused,ts_cpu,ts_cpu_eager,ts_gpu,torchao_fp32,torchao_bf16,ds_zero_offload")
     ap.add_argument("--profile", default="", help="comma list of setups to profile (3 more steps): GPU idle gaps")
+    ap.add_argument("--trace", default="", help="comma list of setups to trace (2 more steps): host timeline")
+    ap.add_argument("--trace-dir", default=".", help="where the Chrome trace files of --trace go")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU")
     profiled = set(filter(None, args.profile.split(",")))
+    traced = set(filter(None, args.trace.split(",")))
     device = torch.device("cuda")
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
     rows = []
@@ -299,7 +347,8 @@ def main():
         batch = int(batch or 8)
         for setup in args.setups.split(","):
             try:
-                row = run(setup, size, batch, args.seq, args.steps, args.warmup, device, setup in profiled)
+                row = run(setup, size, batch, args.seq, args.steps, args.warmup, device, setup in profiled,
+                          args.trace_dir if setup in traced else None)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other setups
                 row = {"setup": setup, "size": size, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 gc.collect()
@@ -324,9 +373,23 @@ def main():
         tl = r.get("gpu_timeline")
         if tl:
             print(f"\nGPU timeline {r['size']}x{r['batch']} {r['setup']}: span {tl['span_ms_per_step']:.1f} ms/step, "
-                  f"kernels busy {tl['kernel_busy_ms_per_step']:.1f}, idle {tl['idle_ms_per_step']:.1f}; largest gaps:")
+                  f"kernels busy {tl['kernel_busy_ms_per_step']:.1f}, idle {tl['idle_ms_per_step']:.1f}; copies busy "
+                  f"H2D {tl.get('memcpy_HtoD_busy_ms_per_step', 0):.1f}, D2H {tl.get('memcpy_DtoH_busy_ms_per_step', 0):.1f}"
+                  f" ms/step; largest gaps:")
             for gp in tl["largest_gaps"]:
                 print(f"   {gp['ms']:7.2f} ms at {gp['at_ms']:8.1f} ms  after {gp['after']}  before {gp['before']}")
+    for r in rows:
+        tr = r.get("host_trace")
+        if tr:
+            print(f"\nhost timeline {r['size']}x{r['batch']} {r['setup']} ({tr['workers']} workers), ms:")
+            print(f"  {'phase':9s} {'at':>7s} {'len':>7s} {'kernel':>7s} {'util':>5s} {'jobwait':>7s} "
+                  f"{'upload':>6s} {'ready n/total/max':>20s} {'hook n/total/max':>20s} {'tail':>6s}")
+            for p in tr["phases"]:
+                w, h = p["wait_ready"], p["offload_grad"]
+                print(f"  {p['phase']:9s} {p['t0_ms']:7.1f} {p['ms']:7.1f} {p['worker_kernel_ms']:7.1f} "
+                      f"{p['worker_util']:5.2f} {p['worker_wait_ms']:7.1f} {p['worker_upload_ms']:6.1f} "
+                      f"{w['n']:5d}/{w['total_ms']:7.1f}/{w['max_ms']:6.1f} "
+                      f"{h['n']:5d}/{h['total_ms']:7.1f}/{h['max_ms']:6.1f} {p.get('host_tail_ms', 0.0):6.1f}")
     big = largest_models(rows, capacity)
     if big:
         print(f"\nlargest model in {capacity:.0f} GiB (linear extrapolation of peak memory):")

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _contract as C
 from . import _host_kernels as K
+from . import _trace
 
 __all__ = ["Backend", "Engine", "HostBuffer", "WorkerError", "NORM_BLOCK"]
 
@@ -101,7 +102,9 @@ class Backend(Protocol):
 
 # -- worker pool ----------------------------------------------------------------------------
 
-_WORKER_NICE = int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
+def _worker_nice() -> int:
+    """The workers' nice value: ``TRAINSTREAM_WORKER_NICE`` (default 5), read per pool."""
+    return int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
 
 
 class _WorkQueue:
@@ -180,6 +183,7 @@ class _WorkerPool:
         # Holds nothing of the engine: running threads keep the pool alive, and the
         # engine must stay collectable so that its finalizer can stop them.
         self._queues: list[_WorkQueue] = [_WorkQueue() for _ in range(threads)]
+        self._nice = _worker_nice()
         self._threads = [
             threading.Thread(target=self._run, args=(q,), name=f"trainstream-worker-{i}", daemon=True)
             for i, q in enumerate(self._queues)
@@ -195,7 +199,7 @@ class _WorkerPool:
         # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
         # values per thread; elsewhere this is a no-op.
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WORKER_NICE)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (AttributeError, OSError):
             pass
         while True:
@@ -514,6 +518,7 @@ class Engine:
         """
         self._check_open()
         self.check_error()
+        t_call = time.perf_counter()
         s = self._slot(sid)
         if grad_dtype != s.dtype:
             raise TypeError(
@@ -541,6 +546,7 @@ class Engine:
             # Eager: the update follows the copy (or the accumulation) in each chunk's order.
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
+        _trace.add("offload_grad", t_call, time.perf_counter(), sid)
 
     def _accumulate_from_stage(self, s: _Slot, fresh: bool) -> None:
         if s.grad_acc is None:
@@ -548,11 +554,14 @@ class Engine:
         acc, stage, kind, landed = s.grad_acc.array, s.grad_stage.array, _KIND[s.dtype], s.landed
 
         def body(c: int, b: int, e: int) -> None:
+            t = time.perf_counter()
             if landed is not None:
                 landed.synchronize()
-            t = time.perf_counter()
+                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.accumulate_chunk(acc, stage, kind, b, e, fresh)
-            self._stats.add("accumulate_s", time.perf_counter() - t)
+            t1 = time.perf_counter()
+            self._stats.add("accumulate_s", t1 - t)
+            _trace.add("accumulate", t, t1, s.id)
 
         def release() -> None:
             s.grad_keep = None
@@ -604,19 +613,25 @@ class Engine:
         sqrt_mode = self.cpu_sqrt_mode
 
         def body(c: int, b: int, e: int) -> None:
+            t = time.perf_counter()
             if prev_ready is not None:  # the previous upload may still read master/stage
                 prev_ready.synchronize()
+                _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
-            t = time.perf_counter()
+                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, sqrt_mode)
-            self._stats.add("update_s", time.perf_counter() - t)
+            t1 = time.perf_counter()
+            self._stats.add("update_s", t1 - t)
+            _trace.add("update", t, t1, s.id)
 
         def finalize() -> None:
+            t = time.perf_counter()
             s.grad_keep = None
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
-            self._stats.last_finalize = time.perf_counter()
+            self._stats.last_finalize = t1 = time.perf_counter()
+            _trace.add("upload", t, t1, s.id)
 
         s.grad_state = _NO_GRAD
         self._run_batch(s, body, finalize, landed)
@@ -637,10 +652,13 @@ class Engine:
             g, kind = self._grad_source(s)
             landed = s.landed if s.grad_state == _STAGED else None
 
-            def body(c, b, e, g=g, kind=kind, out=out, landed=landed):
+            def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
+                t = time.perf_counter()
                 if landed is not None:
                     landed.synchronize()
+                    _trace.add("wait.landed", t, t := time.perf_counter(), sid)
                 K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
+                _trace.add("sumsq", t, time.perf_counter(), sid)
 
             self._run_batch(s, body, landed=landed)
         for sid in sids:
@@ -700,7 +718,9 @@ class Engine:
             self._wait_idle(s)
             if s.ready is not None:
                 self.backend.wait_on_compute(s.ready, s.param)
-        self._stats.add("ready_stall_s", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self._stats.add("ready_stall_s", t1 - t0)
+        _trace.add("wait_ready", t0, t1, sids[0] if len(sids) else -1)
         self.check_error()
 
     def wait_host(self) -> None:

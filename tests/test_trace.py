@@ -1,0 +1,78 @@
+"""The engine's host timeline (trainstream._trace): what it records and how it sums."""
+
+import json
+
+import torch
+
+from trainstream import _trace
+from trainstream.torch import OffloadAdamW
+
+
+def _run_traced(eager: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
+    x = torch.randn(4, 64)
+    _trace.start()
+    try:
+        for _ in range(2):
+            with _trace.span("forward"):
+                loss = model(x).square().mean()
+            with _trace.span("backward"):
+                if eager:
+                    with opt.last_micro_batch():
+                        loss.backward()
+                else:
+                    loss.backward()
+            with _trace.span("step"):
+                opt.step()
+                opt.zero_grad()
+        opt.synchronize()
+    finally:
+        spans = _trace.stop()
+        opt.close()
+    return spans
+
+
+def test_off_by_default_records_nothing():
+    assert not _trace.active()
+    _trace.add("update", 0.0, 1.0)  # no-op while off
+    with _trace.span("forward"):
+        pass
+    _trace.start()
+    assert _trace.stop() == []
+
+
+def test_eager_spans_and_summary():
+    spans = _run_traced(eager=True)
+    names = {s.name for s in spans}
+    assert {"forward", "backward", "step", "offload_grad", "update", "upload", "wait_ready"} <= names
+    updates = [s for s in spans if s.name == "update"]
+    assert all(s.thread.startswith("trainstream-worker") for s in updates)
+    assert all(s.t1 >= s.t0 for s in spans)
+    assert {s.sid for s in updates} == set(range(6))  # 3 weights + 3 biases, both steps
+    summ = _trace.summary(spans)
+    assert summ["workers"] == 2
+    phases = [p["phase"] for p in summ["phases"]]
+    assert phases == ["forward", "backward", "step"] * 2
+    # The eager path offloads every gradient inside backward, one hook call per parameter.
+    for p in summ["phases"]:
+        if p["phase"] == "backward":
+            assert p["offload_grad"]["n"] == 6
+        else:
+            assert p["offload_grad"]["n"] == 0
+    # The second forward waits for the first step's updates (CPU params: on the host).
+    assert summ["phases"][3]["wait_ready"]["n"] >= 1
+    kernel_total = sum(s.t1 - s.t0 for s in updates) * 1e3
+    in_phases = sum(p["worker_kernel_ms"] for p in summ["phases"])
+    assert in_phases <= kernel_total + 1e-6
+
+
+def test_chrome_trace_document():
+    spans = _run_traced(eager=False)
+    doc = json.loads(json.dumps(_trace.chrome_trace(spans)))
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(spans)
+    assert min(e["ts"] for e in events) == 0.0
+    threads = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert "MainThread" in threads and any(t.startswith("trainstream-worker") for t in threads)

@@ -1,0 +1,130 @@
+"""A host-side timeline of the engine, for finding where an offloaded step loses time.
+
+Off by default (one ``is None`` test per recording site). While on, the engine records
+spans (name, thread, start, end, slot) of its worker jobs and of the calls that the
+training thread makes into it; a benchmark adds its own phases (``forward``,
+``backward``) with :func:`span`. :func:`stop` returns the spans; :func:`chrome_trace`
+turns them into a ``chrome://tracing`` / Perfetto file and :func:`summary` into figures
+per phase (worker utilisation, waits, hook latency).
+
+Imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Iterator, NamedTuple
+
+__all__ = ["Span", "start", "stop", "active", "add", "span", "chrome_trace", "summary"]
+
+
+class Span(NamedTuple):
+    name: str  # e.g. "update", "wait.landed", "offload_grad", "forward"
+    thread: str  # the recording thread's name
+    t0: float  # time.perf_counter() seconds
+    t1: float
+    sid: int  # parameter slot, or -1
+
+
+_spans: list[Span] | None = None
+
+
+def start() -> None:
+    """Start recording (drops anything recorded before)."""
+    global _spans
+    _spans = []
+
+
+def stop() -> list[Span]:
+    """Stop recording and return the spans, ordered by start time."""
+    global _spans
+    out, _spans = (_spans or []), None
+    return sorted(out, key=lambda s: s.t0)
+
+
+def active() -> bool:
+    return _spans is not None
+
+
+def add(name: str, t0: float, t1: float, sid: int = -1) -> None:
+    """Record one span of the calling thread (no-op while off)."""
+    spans = _spans
+    if spans is not None:
+        spans.append(Span(name, threading.current_thread().name, t0, t1, sid))
+
+
+@contextlib.contextmanager
+def span(name: str, sid: int = -1) -> Iterator[None]:
+    """``with span("forward"): ...`` records the block as one span."""
+    if _spans is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(name, t0, time.perf_counter(), sid)
+
+
+def chrome_trace(spans: list[Span]) -> dict[str, Any]:
+    """The spans as a Chrome trace-event document (``json.dump`` it to a file)."""
+    if not spans:
+        return {"traceEvents": []}
+    origin = min(s.t0 for s in spans)
+    tids = {name: i for i, name in enumerate(sorted({s.thread for s in spans}))}
+    events: list[dict[str, Any]] = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
+        for name, i in tids.items()
+    ]
+    for s in spans:
+        events.append({
+            "name": s.name, "ph": "X", "pid": 0, "tid": tids[s.thread],
+            "ts": (s.t0 - origin) * 1e6, "dur": max(0.0, (s.t1 - s.t0) * 1e6),
+            "args": {"slot": s.sid},
+        })
+    return {"traceEvents": events}
+
+
+def _overlap(s: Span, a: float, b: float) -> float:
+    return max(0.0, min(s.t1, b) - max(s.t0, a))
+
+
+def summary(spans: list[Span], phases: tuple[str, ...] = ("forward", "backward", "step"),
+            workers_prefix: str = "trainstream-worker") -> dict[str, Any]:
+    """Figures per phase span (each occurrence of a name in ``phases``), in ms.
+
+    For each phase: its length; the worker threads' time inside it spent in kernels
+    (``update``/``accumulate``/``sumsq``), waiting in a job (``wait.*``) and launching
+    uploads (``upload``), and the workers' utilisation (kernel time / (length x workers));
+    the training threads' time in ``wait_ready`` and ``offload_grad`` (count, total,
+    largest). Also the end of the last worker span after each ``step`` phase ended
+    (how long the host update ran on after ``step()`` returned).
+    """
+    workers = sorted({s.thread for s in spans if s.thread.startswith(workers_prefix)})
+    out: dict[str, Any] = {"workers": len(workers), "phases": []}
+    work = [s for s in spans if s.thread.startswith(workers_prefix)]
+    calls = [s for s in spans if not s.thread.startswith(workers_prefix) and s.name not in phases]
+    kernels = ("update", "accumulate", "sumsq")
+    for ph in (s for s in spans if s.name in phases):
+        a, b = ph.t0, ph.t1
+        row: dict[str, Any] = {"phase": ph.name, "t0_ms": 0.0, "ms": (b - a) * 1e3}
+        k = sum(_overlap(s, a, b) for s in work if s.name in kernels)
+        row["worker_kernel_ms"] = k * 1e3
+        row["worker_wait_ms"] = sum(_overlap(s, a, b) for s in work if s.name.startswith("wait.")) * 1e3
+        row["worker_upload_ms"] = sum(_overlap(s, a, b) for s in work if s.name == "upload") * 1e3
+        row["worker_util"] = k / ((b - a) * len(workers)) if workers and b > a else 0.0
+        for name in ("wait_ready", "offload_grad"):
+            inside = [s for s in calls if s.name == name and a <= s.t0 < b]
+            row[name] = {"n": len(inside), "total_ms": sum(s.t1 - s.t0 for s in inside) * 1e3,
+                         "max_ms": max((s.t1 - s.t0 for s in inside), default=0.0) * 1e3}
+        if ph.name == "step":
+            later = [s.t1 for s in work if s.t0 >= a]
+            row["host_tail_ms"] = (max(later) - b) * 1e3 if later else 0.0
+        out["phases"].append(row)
+    if out["phases"]:
+        origin = min(s.t0 for s in spans if s.name in phases)
+        for row, ph in zip(out["phases"], (s for s in spans if s.name in phases)):
+            row["t0_ms"] = (ph.t0 - origin) * 1e3
+    return out
