@@ -6,6 +6,8 @@
 #   jax    experiments/bench_jax_offload.py (issue #5)        -> bench_jax.{log,json}
 #   zc     experiments/bench_zero_copy.py (issue #4)          -> bench_zero_copy.{log,json}
 #   host   experiments/bench_host_adamw.py (issue #2)         -> bench_host.{log,json}
+#   contention  experiments/contention.py (host threads vs DMA) -> contention.{log,json}
+#   probe  experiments/zero_copy_probe.py (SM access over PCIe) -> zero_copy_probe.{log,json}
 #   train  experiments/bench_train.py on $TRAIN_CONFIGS (#6)  -> bench_train.{log,json}
 #   equiv  experiments/equivalence_{torch,jax}.py on CUDA     -> equivalence_*/
 # Wheels in .whl/ (torchao, deepspeed and its pure-Python dependencies) are installed
@@ -50,9 +52,16 @@ fi
 if has host; then
   timeout 80 python3 experiments/bench_host_adamw.py --numel 134217728 --threads 16 --json "$OUT/bench_host.json" 2>&1 | tail -n 15 | tee "$OUT/bench_host.log"
 fi
+if has contention; then
+  timeout 90 python3 experiments/contention.py --json "$OUT/contention.json" 2>&1 | tee "$OUT/contention.log"
+fi
+if has probe; then
+  timeout 120 python3 experiments/zero_copy_probe.py --json "$OUT/zero_copy_probe.json" > "$OUT/zero_copy_probe.log" 2>&1
+  tail -n 40 "$OUT/zero_copy_probe.log"
+fi
 if has train; then
   timeout "${TRAIN_TIMEOUT:-240}" python3 experiments/bench_train.py --configs "${TRAIN_CONFIGS:-350m:8}" \
-    ${TRAIN_SETUPS:+--setups "$TRAIN_SETUPS"} --json "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1
+    ${TRAIN_SETUPS:+--setups "$TRAIN_SETUPS"} ${TRAIN_EXTRA:-} --json "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1
   grep -v '^{' "$OUT/bench_train.log" | tail -n 40
 fi
 if has equiv; then
