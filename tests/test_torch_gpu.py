@@ -175,3 +175,39 @@ def test_no_optimizer_state_or_gradient_on_gpu(mode):
     extra = torch.cuda.memory_allocated() - base - param_bytes
     assert extra < 64 * 1024, f"{extra} bytes beyond the weights stay on the GPU"
     ts.close()
+
+
+@pytest.mark.parametrize("copies", ["driver", "torch"])
+def test_copy_paths_bit_identical(copies, monkeypatch):
+    """cpu mode's copies and events through the CUDA driver (default) or through torch
+    (TRAINSTREAM_TORCH_COPIES=1): the same weights as torch.optim.AdamW, eager path too."""
+    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=20, micro=2, eager=True)
+    assert (ts._engine.backend.drv is None) == (copies == "torch")
+    assert_same(ref_model, ts_model)
+    ts.close()
+
+
+def test_driver_copies_events_and_errors():
+    from trainstream.backends import _cuda_driver as drv
+
+    ctx = drv.Context(torch.cuda.current_device())
+    stream = torch.cuda.Stream()
+    src = torch.arange(1 << 20, dtype=torch.float32, device=DEV)
+    host = torch.empty(1 << 20, dtype=torch.float32, pin_memory=True)
+    back = torch.empty_like(src)
+    after = drv.Event(ctx, torch.cuda.current_stream().cuda_stream)
+    ctx.stream_wait_event(stream.cuda_stream, after)
+    ctx.memcpy_dtoh_async(host.data_ptr(), src.data_ptr(), src.numel() * 4, stream.cuda_stream)
+    landed = drv.Event(ctx, stream.cuda_stream)
+    landed.synchronize()
+    assert landed.query()
+    assert torch.equal(host, src.cpu())
+    host.mul_(2)
+    ctx.memcpy_htod_async(back.data_ptr(), host.data_ptr(), src.numel() * 4, stream.cuda_stream)
+    up = drv.Event(ctx, stream.cuda_stream)
+    ctx.stream_wait_event(torch.cuda.current_stream().cuda_stream, up)
+    assert torch.equal(back, src * 2)  # ordered on the compute stream by the wait
+    with pytest.raises(drv.CudaDriverError, match="cuMemcpyHtoDAsync failed: CUDA_ERROR"):
+        ctx.memcpy_htod_async(8, host.data_ptr(), 4, stream.cuda_stream)
+        torch.cuda.synchronize()

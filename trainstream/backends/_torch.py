@@ -8,6 +8,7 @@ orders streams and speaks ``torch.optim.Optimizer``.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 import weakref
@@ -19,6 +20,7 @@ from torch.optim import Optimizer
 
 from .. import _contract as C
 from .. import _cpu_sqrt
+from . import _cuda_driver
 from .._engine import Engine
 from .._gpu_engine import GpuEngine
 
@@ -57,6 +59,11 @@ class TorchBackend:
             self.d2h = torch.cuda.Stream(device=device)
             self.h2d = torch.cuda.Stream(device=device)
             self.upd = torch.cuda.Stream(device=device)
+            # cpu mode's copies and events go through the CUDA driver (ctypes) unless
+            # TRAINSTREAM_TORCH_COPIES=1 asks for torch's (see _cuda_driver: cost per call).
+            self.drv = None
+            if os.environ.get("TRAINSTREAM_TORCH_COPIES", "0") != "1" and _cuda_driver.available():
+                self.drv = _cuda_driver.Context(self.device_index)
 
     # -- gpu (zero-copy) mode -------------------------------------------------------------
 
@@ -64,7 +71,10 @@ class TorchBackend:
         return self.upd.cuda_stream
 
     def update_wait(self, event) -> None:
-        self.upd.wait_event(event)
+        if isinstance(event, _cuda_driver.Event):
+            self.drv.stream_wait_event(self.upd.cuda_stream, event)
+        else:
+            self.upd.wait_event(event)
 
     def record_update(self):
         ev = torch.cuda.Event()
@@ -108,14 +118,33 @@ class TorchBackend:
     def record_compute(self, param: torch.Tensor | None):
         if not self.cuda:
             return None
+        if self.drv is not None:
+            return _cuda_driver.Event(self.drv, torch.cuda.current_stream(self.device).cuda_stream)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    @staticmethod
+    def _check_copy(host: _TorchHostBuffer, dev: torch.Tensor, what: str) -> int:
+        nbytes = dev.numel() * dev.element_size()
+        if not dev.is_contiguous() or host.handle.numel() * host.handle.element_size() != nbytes:
+            raise ValueError(
+                f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
+                f"{dev.is_contiguous()}) does not match its host buffer of {host.handle.numel()} elements"
+            )
+        return nbytes
 
     def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after):
         if not self.cuda:
             dst.handle.copy_(src.reshape(-1))
             return None
+        if self.drv is not None:
+            nbytes = self._check_copy(dst, src, "gradient copy")
+            stream = self.d2h.cuda_stream
+            if after is not None:
+                self.drv.stream_wait_event(stream, after)
+            self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
+            return _cuda_driver.Event(self.drv, stream)
         with torch.cuda.stream(self.d2h):
             if after is not None:
                 self.d2h.wait_event(after)
@@ -130,6 +159,13 @@ class TorchBackend:
         if not self.cuda:
             dst.copy_(src.handle)
             return None
+        if self.drv is not None:
+            nbytes = self._check_copy(src, dst, "weight upload")
+            stream = self.h2d.cuda_stream
+            if after is not None:
+                self.drv.stream_wait_event(stream, after)
+            self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
+            return _cuda_driver.Event(self.drv, stream)
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             if after is not None:
                 self.h2d.wait_event(after)
@@ -139,7 +175,11 @@ class TorchBackend:
         return ev
 
     def wait_on_compute(self, event, param: torch.Tensor) -> None:
-        if event is not None:
+        if event is None:
+            return
+        if isinstance(event, _cuda_driver.Event):
+            self.drv.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event)
+        else:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def all_reduce_sum(self, value: float) -> float:
@@ -428,7 +468,9 @@ class OffloadAdamW(Optimizer):
             )
         if grad.device != p.device:
             raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
-        self._engine.offload_grad(sid, grad.detach(), _DTYPE_NAME[grad.dtype], update)
+        # A contiguous gradient is copied as it is; another layout is first made
+        # contiguous on the compute stream (the engine's copy is ordered after it).
+        self._engine.offload_grad(sid, grad.detach().contiguous(), _DTYPE_NAME[grad.dtype], update)
         if update is not None:
             with self._pending_lock:
                 self._pending.add(sid)
