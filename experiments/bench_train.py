@@ -38,6 +38,7 @@ import math
 import statistics
 import sys
 import os
+import re
 import time
 
 import torch
@@ -258,7 +259,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
             opt.synchronize()
         spans = _trace.stop()
         os.makedirs(trace_dir, exist_ok=True)
-        with open(os.path.join(trace_dir, f"trace_{size}x{batch}_{setup}.json"), "w") as f:
+        with open(os.path.join(trace_dir, "trace_" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{size}x{batch}_{setup}") + ".json"), "w") as f:
             json.dump(_trace.chrome_trace(spans), f)
         trace = _trace.summary(spans, phases=("forward", "backward", "step", "sync"))
     timeline = None
