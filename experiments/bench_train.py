@@ -16,7 +16,8 @@ Setups:
 A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements) and in
 ~options: ~fifo (TrainStream workers in submission order instead of forward order),
 ~niceN (workers at nice N, default 5), ~torchcopy (cpu mode's copies and events through
-torch instead of the CUDA driver), ~swiU (sys.setswitchinterval of U microseconds
+torch instead of the CUDA driver), ~perworker (a queue per worker, chunks pinned to
+workers, instead of one shared queue), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
@@ -122,6 +123,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WORKER_ORDER"] = "fifo" if "fifo" in opts_ else "forward"
     os.environ["TRAINSTREAM_WORKER_NICE"] = next((o[4:] for o in opts_ if o.startswith("nice")), "5")
     os.environ["TRAINSTREAM_TORCH_COPIES"] = "1" if "torchcopy" in opts_ else "0"
+    os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     setup, _, opts = setup.partition("@")
     threads, _, chunk = opts.partition(":")

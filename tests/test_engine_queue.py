@@ -42,3 +42,65 @@ def test_fifo_order_when_asked():
         q.put(lambda tag=tag: tag, slot, lambda: False)
     q.put(None, float("inf"))
     assert _drain(q) == ["5a", "3a", "1a"]
+
+
+def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
+    q = E._WorkQueue()
+    q._fifo = False
+    q.put(None, float("inf"))  # a stop marker queued early still comes after every job
+    landed = {"x": False}
+    for slot in (9, 7, 5):  # backward order: slot 9's copy was queued first
+        q.put(lambda slot=slot: slot, slot, lambda: landed["x"])
+    assert q.get()() == 9  # nothing landed: the oldest copy lands first
+    landed["x"] = True
+    assert q.get()() == 5  # then forward order again
+    assert q.get()() == 7
+    assert q.get() is None
+
+
+def test_taken_entries_do_not_accumulate():
+    q = E._WorkQueue()
+    for i in range(1000):
+        q.put(lambda: None, i % 7)
+        q.get()()
+    assert len(q._all) == 0 and q._jobs == 0 and not q._order
+
+
+def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool(monkeypatch):
+    """With every worker on one queue, a slot's second batch (e.g. the update after an
+    accumulation) starts only when its first batch has finished on every chunk."""
+    import threading
+    import time
+
+    import numpy as np
+
+    class Backend:
+        def host_empty(self, numel, dtype, *, pinned, what):
+            class B:
+                pass
+            b = B()
+            b.array, b.pinned, b.handle = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16), False, None
+            return b
+
+        def param_to_host_f32(self, param, out):
+            out[:] = 0
+
+    monkeypatch.setenv("TRAINSTREAM_WORKER_QUEUE", "shared")
+    eng = E.Engine(Backend(), threads=4, chunk_elems=4096)
+    assert eng._pool.shared
+    sid = eng.add_param(None, 8 * 4096, "float32", "cpu")
+    s = eng._slots[sid]
+    log, lock = [], threading.Lock()
+
+    def body(tag):
+        def run(c, b, e):
+            time.sleep(0.002 if tag == "first" else 0.0)
+            with lock:
+                log.append(tag)
+        return run
+
+    eng._run_batch(s, body("first"))
+    eng._run_batch(s, body("second"))
+    eng._wait_idle(s)
+    assert log == ["first"] * 8 + ["second"] * 8
+    eng.close()
