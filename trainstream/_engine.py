@@ -91,7 +91,11 @@ class Backend(Protocol):
         """An event marking the current point of the compute stream of ``param``."""
 
     def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion."""
+        """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
+
+        A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
+        memory is not reused before the copy completed, so the engine drops it at once.
+        """
 
     def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
         """Start ``dst (param) <- src`` after ``after``; return its completion event."""
@@ -144,21 +148,29 @@ class _WorkQueue:
         self._fifo = os.environ.get("TRAINSTREAM_WORKER_ORDER", "forward").lower() == "fifo"
 
     def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
-        with self._cond:
-            if job is None:
+        if job is None:
+            with self._cond:
                 self._stops += 1
-            else:
-                if self._fifo:
-                    priority = 0.0
+                self._cond.notify()
+        else:
+            self.put_many([job], priority, ready)
+
+    def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
+                 ready: Callable[[], bool] | None = None) -> None:
+        """Queue ``jobs`` (one batch: same slot and readiness) under one lock."""
+        if self._fifo:
+            priority = 0.0
+        with self._cond:
+            q = self._slots.get(priority)
+            if q is None:
+                q = self._slots[priority] = collections.deque()
+                bisect.insort(self._order, priority)
+            for job in jobs:
                 entry = [priority, next(self._seq), job, ready, False]  # last: taken
-                q = self._slots.get(priority)
-                if q is None:
-                    q = self._slots[priority] = collections.deque()
-                    bisect.insort(self._order, priority)
                 q.append(entry)
                 self._all.append(entry)
-                self._jobs += 1
-            self._cond.notify()
+            self._jobs += len(jobs)
+            self._cond.notify(len(jobs))
 
     def _take(self, entry: list) -> Callable[[], None]:
         entry[4] = True
@@ -257,6 +269,18 @@ class _WorkerPool:
                ready: Callable[[], bool] | None = None) -> None:
         self._queues[worker % len(self._queues)].put(job, priority, ready)
 
+    def submit_many(self, workers: Sequence[int], jobs: Sequence[Callable[[], None]],
+                    priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
+        """``submit`` of each ``(worker, job)``, one lock per queue."""
+        if len(self._queues) == 1:
+            self._queues[0].put_many(jobs, priority, ready)
+            return
+        per: dict[int, list] = {}
+        for w, job in zip(workers, jobs):
+            per.setdefault(w % len(self._queues), []).append(job)
+        for w, js in per.items():
+            self._queues[w].put_many(js, priority, ready)
+
     def owns_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
 
@@ -303,22 +327,30 @@ class _Slot:
 
 
 class _Stats:
+    """Counters, added to without a lock: each thread adds into its own dict (a contended
+    lock would make a worker give up the GIL and wait to take it back) and readers sum
+    them. ``step_start``/``last_finalize`` are plain timestamps."""
+
+    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "accumulate_s",
+              "ready_stall_s", "grad_stall_s")
+
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.steps = 0
-        self.eager_updates = 0
-        self.grad_bytes = 0
-        self.param_bytes = 0
-        self.update_s = 0.0
-        self.accumulate_s = 0.0
-        self.ready_stall_s = 0.0
-        self.grad_stall_s = 0.0
+        self._local = threading.local()
+        self._all: list[dict] = []
         self.step_start = 0.0
         self.last_finalize = 0.0
 
     def add(self, name: str, value: float) -> None:
-        with self.lock:
-            setattr(self, name, getattr(self, name) + value)
+        d = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = dict.fromkeys(self._NAMES, 0)
+            self._all.append(d)  # list.append is atomic
+        d[name] += value
+
+    def __getattr__(self, name: str):
+        if name in _Stats._NAMES:
+            return sum(d[name] for d in list(self._all))
+        raise AttributeError(name)
 
 
 class Engine:
@@ -524,8 +556,7 @@ class Engine:
         self._submit_batch(s, body, finalize, landed)
 
     def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
-        remaining = [s.nchunks]
-        lock = threading.Lock()
+        finished = itertools.count(1)  # next() is atomic: no lock between the workers
         query = getattr(landed, "query", None)
         ready = _Landed(query) if query is not None else None
 
@@ -534,10 +565,7 @@ class Engine:
                 body(c, b, e)
             except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
                 self._record_error(exc)
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
+            if next(finished) == s.nchunks:  # the batch's last chunk to finish
                 try:
                     if finalize is not None:
                         finalize()
@@ -551,10 +579,11 @@ class Engine:
                     if nxt is not None:
                         self._submit_batch(s, *nxt)
 
-        for c in range(s.nchunks):
-            b = c * self.chunk
-            e = min(s.numel, b + self.chunk)
-            self._pool.submit(s.workers[c], lambda c=c, b=b, e=e: job(c, b, e), s.id, ready)
+        jobs = [
+            (lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
+            for c in range(s.nchunks)
+        ]
+        self._pool.submit_many(s.workers, jobs, s.id, ready)
 
     def _wait_idle(self, s: _Slot) -> None:
         with s.cond:
@@ -591,7 +620,10 @@ class Engine:
             self.check_error()
         after = self.backend.record_compute(s.param)
         s.landed = self.backend.copy_to_host(s.grad_stage, grad, after)
-        s.grad_keep = grad
+        # Keep the device gradient alive until its copy ran, unless the backend already
+        # guarantees that (torch: record_stream, so the memory goes back to the pool once
+        # the copy has completed and backward can reuse it).
+        s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
         if s.grad_state == _ACCUMULATED:
             self._accumulate_from_stage(s, fresh=False)

@@ -9,6 +9,12 @@ workers) a gradient hook took 0.5 ms and an upload launch 0.5-1.6 ms under that
 contention. A ctypes call into ``libcuda`` is a few microseconds and releases the GIL
 while it runs.
 
+The calls that return at once (record an event, queue a copy from pinned memory, make a
+stream wait, query) go through ``ctypes.PyDLL``, which keeps the GIL: releasing it for a
+call of a few microseconds costs more, since taking it back may wait for another thread
+(under 15 busy workers a gradient hook with a dozen such calls took 0.2-0.6 ms). Only
+``cuEventSynchronize``, which blocks, goes through ``ctypes.CDLL`` and releases it.
+
 Only what the pipeline needs: events (blocking sync, no timing), asynchronous copies
 between pinned host memory and device memory on a given stream, a stream waiting on an
 event. Streams are torch's (``torch.cuda.Stream.cuda_stream``): the runtime and the
@@ -30,7 +36,8 @@ _CU_EVENT_BLOCKING_SYNC = 0x1  # waiters sleep instead of spinning (workers yiel
 _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
 _CUDA_ERROR_NOT_READY = 600
 
-_lib = None
+_lib = None  # CDLL: releases the GIL during the call (blocking calls)
+_fast = None  # PyDLL: keeps the GIL (calls that return at once)
 _lib_lock = threading.Lock()
 _tls = threading.local()
 
@@ -40,38 +47,44 @@ class CudaDriverError(RuntimeError):
 
 
 def _load():
-    global _lib
+    global _lib, _fast
     with _lib_lock:
         if _lib is None:
             name = ctypes.util.find_library("cuda") or "libcuda.so.1"
             try:
                 lib = ctypes.CDLL(name)
+                fast = ctypes.PyDLL(name)
             except OSError as exc:
                 raise CudaDriverError(f"cannot load the CUDA driver library ({name}): {exc}") from exc
-            vp, u64, sz, ui = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint
-            for fn, args in (
-                ("cuInit", [ui]),
-                ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
-                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
-                ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
-                ("cuCtxSetCurrent", [vp]),
-                ("cuEventCreate", [ctypes.POINTER(vp), ui]),
-                ("cuEventDestroy_v2", [vp]),
-                ("cuEventRecord", [vp, vp]),
-                ("cuEventSynchronize", [vp]),
-                ("cuEventQuery", [vp]),
-                ("cuStreamWaitEvent", [vp, vp, ui]),
-                ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
-                ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
-                ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-                ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-            ):
-                f = getattr(lib, fn)
-                f.argtypes = args
-                f.restype = ctypes.c_int
+            _declare(lib)
+            _declare(fast)
             _check(lib.cuInit(0), "cuInit", lib)
-            _lib = lib
+            _lib, _fast = lib, fast
     return _lib
+
+
+def _declare(lib) -> None:
+    vp, u64, sz, ui = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint
+    for fn, args in (
+        ("cuInit", [ui]),
+        ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+        ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
+        ("cuCtxSetCurrent", [vp]),
+        ("cuEventCreate", [ctypes.POINTER(vp), ui]),
+        ("cuEventDestroy_v2", [vp]),
+        ("cuEventRecord", [vp, vp]),
+        ("cuEventSynchronize", [vp]),
+        ("cuEventQuery", [vp]),
+        ("cuStreamWaitEvent", [vp, vp, ui]),
+        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
+        ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
+        ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+    ):
+        f = getattr(lib, fn)
+        f.argtypes = args
+        f.restype = ctypes.c_int
 
 
 def _check(res: int, what: str, lib=None) -> None:
@@ -112,11 +125,12 @@ class Context:
         self.handle = ctx.value
 
     def make_current(self):
-        """Bind this context to the calling thread (once per thread); returns the library."""
+        """Bind this context to the calling thread (once per thread); returns the
+        GIL-keeping library handle (for calls that return at once)."""
         if getattr(_tls, "ctx", None) != self.handle:
-            _check(_lib.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
+            _check(_fast.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
             _tls.ctx = self.handle
-        return _lib
+        return _fast
 
     def memcpy_dtoh_async(self, dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
         """Queue ``nbytes`` from device memory to pinned host memory on ``stream``."""
@@ -124,7 +138,8 @@ class Context:
         _check(lib.cuMemcpyDtoHAsync_v2(dst_host, src_device, nbytes, stream), "cuMemcpyDtoHAsync")
 
     def memcpy_htod_async(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
-        """Queue ``nbytes`` from pinned host memory to device memory on ``stream``."""
+        """Queue ``nbytes`` from pinned host memory to device memory on ``stream``
+        (pinned only: from pageable memory the driver would block with the GIL held)."""
         lib = self.make_current()
         _check(lib.cuMemcpyHtoDAsync_v2(dst_device, src_host, nbytes, stream), "cuMemcpyHtoDAsync")
 
@@ -157,8 +172,8 @@ class Event:
 
     def synchronize(self) -> None:
         """Block the calling thread (GIL released) until the event's work is done."""
-        lib = self._ctx.make_current()
-        _check(lib.cuEventSynchronize(self.handle), "cuEventSynchronize")
+        self._ctx.make_current()
+        _check(_lib.cuEventSynchronize(self.handle), "cuEventSynchronize")
 
     def query(self) -> bool:
         """Whether the event's work is done (never blocks)."""
@@ -172,9 +187,8 @@ class Event:
     def __del__(self):
         # Safe while the event is still pending: the driver frees it once it completes.
         h, self.handle = getattr(self, "handle", None), None
-        if h is not None and _lib is not None:
+        if h is not None and _fast is not None:
             try:
-                self._ctx.make_current()
-                _lib.cuEventDestroy_v2(h)
+                self._ctx.make_current().cuEventDestroy_v2(h)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass

@@ -54,6 +54,9 @@ class TorchBackend:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
+        # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
+        self.copy_keeps_source_alive = True
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -127,6 +130,8 @@ class TorchBackend:
     @staticmethod
     def _check_copy(host: _TorchHostBuffer, dev: torch.Tensor, what: str) -> int:
         nbytes = dev.numel() * dev.element_size()
+        if not host.pinned:  # the driver would copy synchronously, holding the GIL
+            raise ValueError(f"TrainStream {what}: the host buffer is not pinned")
         if not dev.is_contiguous() or host.handle.numel() * host.handle.element_size() != nbytes:
             raise ValueError(
                 f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
@@ -144,11 +149,15 @@ class TorchBackend:
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
             self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
+            # The caching allocator reuses src's memory only after the work queued on d2h
+            # when src is freed (this copy): the engine drops the gradient right away.
+            src.record_stream(self.d2h)
             return _cuda_driver.Event(self.drv, stream)
         with torch.cuda.stream(self.d2h):
             if after is not None:
                 self.d2h.wait_event(after)
             dst.handle.copy_(src.reshape(-1), non_blocking=True)
+            src.record_stream(self.d2h)  # see the driver path above
             # Worker threads wait on this event: a blocking-sync event lets them sleep
             # instead of spinning (spinning workers starve the threads that launch kernels).
             ev = torch.cuda.Event(blocking=True)
@@ -470,7 +479,13 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
         # A contiguous gradient is copied as it is; another layout is first made
         # contiguous on the compute stream (the engine's copy is ordered after it).
-        self._engine.offload_grad(sid, grad.detach().contiguous(), _DTYPE_NAME[grad.dtype], update)
+        # (Each torch call releases and retakes the GIL, which under busy workers costs
+        # far more than the call: only the ones needed.)
+        if grad.requires_grad:
+            grad = grad.detach()
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        self._engine.offload_grad(sid, grad, _DTYPE_NAME[grad.dtype], update)
         if update is not None:
             with self._pending_lock:
                 self._pending.add(sid)
