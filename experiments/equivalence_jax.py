@@ -673,6 +673,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"ctx={args.ctx}), batch {args.batch}; {args.steps} steps; devices {','.join(devices)}; "
               f"{len(settings)} settings; max_grad_norm {args.max_grad_norm}")
 
+        def write(complete: bool) -> dict[str, Any]:
+            """The JSON and Markdown of the comparisons so far (after every setting: a run
+            cut short keeps what it did)."""
+            runtime = time.perf_counter() - t_start
+            torch_version = None
+            if torch_ok:
+                import torch
+
+                torch_version = torch.__version__
+            meta = dict(
+                script="experiments/equivalence_jax.py",
+                command="python " + " ".join(["experiments/equivalence_jax.py", *(argv if argv is not None else sys.argv[1:])]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=git_commit(), jax=jax.__version__, jaxlib=_jaxlib_version(),
+                optax=optax.__version__, torch=torch_version, numpy=np.__version__, python=platform.python_version(),
+                cpu=cpu_name(), cores=os.cpu_count(), gpu=str(gpu_devices[0].device_kind) if gpu_devices else None,
+                devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
+                model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
+                batch=args.batch, max_grad_norm=args.max_grad_norm, lr=args.lr, schedule="warmup_cosine_decay",
+                b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, threads=args.threads,
+                runtime_s=runtime, skipped=skipped, complete=complete,
+            )
+            result = dict(meta=meta, comparisons=comparisons)
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "equivalence_jax.json").write_text(json.dumps(result, indent=1))
+            (out / "equivalence_jax.md").write_text(markdown_table(result))
+            return result
+
         for dt_name, clip in settings:
             progs = Programs(args, DTYPES[dt_name], clip)
             trainers, pairs = plan_setting(progs, init, args, torch_ok, gpu_devices)
@@ -721,32 +750,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     clip_active_steps=sum(n >= clip for n in norms) if clip is not None and norms else None,
                 )
                 comparisons.append(rec)
+            write(False)
+            print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far "
+                  f"(partial results in {args.out})", flush=True)
 
-    runtime = time.perf_counter() - t_start
-    torch_version = None
-    if torch_ok:
-        import torch
-
-        torch_version = torch.__version__
-    meta = dict(
-        script="experiments/equivalence_jax.py",
-        command="python " + " ".join(["experiments/equivalence_jax.py", *(argv if argv is not None else sys.argv[1:])]),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=git_commit(), jax=jax.__version__, jaxlib=_jaxlib_version(),
-        optax=optax.__version__, torch=torch_version, numpy=np.__version__, python=platform.python_version(),
-        cpu=cpu_name(), cores=os.cpu_count(), gpu=str(gpu_devices[0].device_kind) if gpu_devices else None,
-        devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
-        model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
-        batch=args.batch, max_grad_norm=args.max_grad_norm, lr=args.lr, schedule="warmup_cosine_decay",
-        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, threads=args.threads,
-        runtime_s=runtime, skipped=skipped,
-    )
-    result = dict(meta=meta, comparisons=comparisons)
+    result = write(True)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "equivalence_jax.json").write_text(json.dumps(result, indent=1))
     table = markdown_table(result)
-    (out / "equivalence_jax.md").write_text(table)
     plots = [] if args.no_plots else make_plots(result, out)
     result["files"] = [str(out / "equivalence_jax.json"), str(out / "equivalence_jax.md"), *map(str, plots)]
     print()
@@ -765,7 +775,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"`{m['command']}`  ",
         f"{m['date']}, commit `{m['commit']}`, jax {m['jax']}, optax {m['optax']}"
         + (f", torch {m['torch']}" if m["torch"] else "") + f", CPU {m['cpu']} ({m['cores']} cores)"
-        + (f", GPU {m['gpu']}" if m["gpu"] else "") + f"; training and comparisons took {m['runtime_s']:.1f} s  ",
+        + (f", GPU {m['gpu']}" if m["gpu"] else "") + f"; training and comparisons took {m['runtime_s']:.1f} s"
+        + ("" if m.get("complete", True) else " (**partial**: the run had not finished every setting)") + "  ",
         f"GPT in pure JAX, {m['params']:,} parameters ({m['model']}), batch {m['batch']}, {m['steps']} steps, "
         f"lr {m['lr']} (optax warmup + cosine), b1 {m['b1']}, b2 {m['b2']}, weight decay {m['weight_decay']} "
         f"masked to matrices; clip = `max_grad_norm` (the optax references: "

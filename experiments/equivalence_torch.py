@@ -476,7 +476,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 clip_active_steps=sum(n > clip for n in norms) if clip is not None else None,
             )
             comparisons.append(rec)
+        # Written after every setting, so that a run cut short (a time limit) keeps what it did.
+        write_outputs(args, argv, devices, dtypes, n_params, comparisons, skipped, t_start, complete=False)
+        print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far "
+              f"(partial results in {args.out})", flush=True)
+    result = write_outputs(args, argv, devices, dtypes, n_params, comparisons, skipped, t_start, complete=True)
+    out = Path(args.out)
+    plots = [] if args.no_plots else make_plots(result, out)
+    result["files"] = [str(out / "equivalence_torch.json"), str(out / "equivalence_torch.md"), *map(str, plots)]
+    print()
+    print(markdown_table(result))
+    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
+    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
+          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
+    return result
 
+
+def write_outputs(args, argv, devices, dtypes, n_params, comparisons, skipped, t_start, complete: bool) -> dict[str, Any]:
+    """The JSON and the Markdown table of the comparisons so far (``complete``: all settings ran)."""
     runtime = time.perf_counter() - t_start
     meta = dict(
         script="experiments/equivalence_torch.py",
@@ -489,21 +506,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=128),
         batch=args.batch, accum=args.accum, max_grad_norm=args.max_grad_norm, lr=args.lr,
         betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, torch_threads=torch.get_num_threads(),
-        runtime_s=runtime, skipped=skipped,
+        runtime_s=runtime, skipped=skipped, complete=complete,
     )
     result = dict(meta=meta, comparisons=comparisons)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "equivalence_torch.json").write_text(json.dumps(result, indent=1))
-    table = markdown_table(result)
-    (out / "equivalence_torch.md").write_text(table)
-    plots = [] if args.no_plots else make_plots(result, out)
-    result["files"] = [str(out / "equivalence_torch.json"), str(out / "equivalence_torch.md"), *map(str, plots)]
-    print()
-    print(table)
-    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
-    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
-          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
+    (out / "equivalence_torch.md").write_text(markdown_table(result))
     return result
 
 
@@ -514,7 +523,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         "",
         f"`{m['command']}`  ",
         f"{m['date']}, commit `{m['commit']}`, torch {m['torch']}, CPU {m['cpu']} ({m['cores']} cores)"
-        + (f", GPU {m['cuda']}" if m["cuda"] else "") + f"; training and comparisons took {m['runtime_s']:.1f} s  ",
+        + (f", GPU {m['cuda']}" if m["cuda"] else "") + f"; training and comparisons took {m['runtime_s']:.1f} s"
+        + ("" if m.get("complete", True) else " (**partial**: the run had not finished every setting)") + "  ",
         f"TinyGPT {m['params']:,} parameters ({m['model']}), batch {m['batch']}, {m['steps']} steps, "
         f"lr {m['lr']} (warmup + cosine), betas {tuple(m['betas'])}, weight decay {m['weight_decay']} on matrices; "
         f"clip = max_grad_norm; accum = micro-batches per step.",
