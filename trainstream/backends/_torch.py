@@ -284,6 +284,12 @@ class OffloadAdamW(Optimizer):
       mode: ``"cpu"`` (update on host threads) or ``"gpu"`` (zero-copy GPU kernel).
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
+      hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
+        arrived one after another are offloaded together by one hook, in groups of at
+        least this many elements (a Python hook costs the autograd thread the GIL, which
+        busy workers hold; measured: 0.2-0.5 ms per hook). If a later backward produces
+        them in another order, every parameter goes back to a hook of its own. 0: one
+        hook per parameter from the start.
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream._contract``.
     """
@@ -300,6 +306,7 @@ class OffloadAdamW(Optimizer):
         mode: str = "cpu",
         threads: int | None = None,
         chunk_size: int = 1 << 20,
+        hook_group_elems: int = 1 << 22,
         pin_moments: bool = False,
         convention: str = "torch",
         amsgrad: bool = False,
@@ -316,6 +323,8 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if mode not in ("cpu", "gpu"):
             raise ValueError(f"OffloadAdamW mode must be 'cpu' or 'gpu', got {mode!r}")
+        if not isinstance(hook_group_elems, int) or isinstance(hook_group_elems, bool) or hook_group_elems < 0:
+            raise ValueError(f"Invalid hook_group_elems: {hook_group_elems!r} (must be an int >= 0)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
         self._engine: Engine | None = None
@@ -326,8 +335,13 @@ class OffloadAdamW(Optimizer):
         self._params_of_slot: list[torch.Tensor] = []
         self._group_of: list[int] = []  # slot -> index of its param group
         self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
-        self._hooks: list[Any] = []
-        self._hooked: set[int] = set()  # slots whose parameter has the offload hook
+        self._hooks: dict[int, Any] = {}  # slot whose parameter carries a hook -> its handle
+        self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
+        self._hook_group_elems = hook_group_elems
+        # Order in which the first backward's hooks fired (grouping, see hook_group_elems).
+        self._fire_order: list[int] | None = [] if hook_group_elems and mode == "cpu" else None
+        self._fire_seen: set[int] = set()
+        self._ungroup = False  # a group's order broke: one hook per parameter at step()
         self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
@@ -359,7 +373,7 @@ class OffloadAdamW(Optimizer):
     # -- parameters -------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        n_groups, n_slots, n_hooks = len(self.param_groups), len(self._params_of_slot), len(self._hooks)
+        n_groups, n_slots = len(self.param_groups), len(self._params_of_slot)
         super().add_param_group(param_group)
         try:
             group = self.param_groups[-1]
@@ -375,9 +389,8 @@ class OffloadAdamW(Optimizer):
             del self._params_of_slot[n_slots:]
             del self._group_of[n_slots:]
             del self._engine_param_ptr[n_slots:]
-            for h in self._hooks[n_hooks:]:
-                h.remove()
-            del self._hooks[n_hooks:]
+            for sid in [k for k in self._hooks if k >= n_slots]:
+                self._hooks.pop(sid).remove()
             self._hooked = {sid for sid in self._hooked if sid < n_slots}
             if self._engine is not None:
                 self._engine.truncate(n_slots)
@@ -435,8 +448,42 @@ class OffloadAdamW(Optimizer):
     def _hook_if_trainable(self, sid: int) -> None:
         p = self._params_of_slot[sid]
         if self.mode == "cpu" and p.requires_grad and sid not in self._hooked:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(sid)))
+            self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook([sid]))
             self._hooked.add(sid)
+
+    def _group_hooks(self, ungroup: bool) -> None:
+        """Re-hook after a step: the parameters of the recorded firing order in groups of
+        ``hook_group_elems`` elements, one hook on each group's last (``ungroup``: one
+        hook per parameter, for good)."""
+        order, self._fire_order = self._fire_order or [], None
+        for h in self._hooks.values():
+            h.remove()
+        self._hooks.clear()
+        self._hooked.clear()
+        if not ungroup:
+            group: list[int] = []
+            n = 0
+            for sid in order:
+                if not self._params_of_slot[sid].requires_grad:
+                    continue
+                group.append(sid)
+                n += self._params_of_slot[sid].numel()
+                if n >= self._hook_group_elems or sid == order[-1]:
+                    last = self._params_of_slot[group[-1]]
+                    self._hooks[group[-1]] = last.register_post_accumulate_grad_hook(self._make_hook(group))
+                    self._hooked.update(group)
+                    group, n = [], 0
+        for sid in range(len(self._params_of_slot)):
+            self._hook_if_trainable(sid)  # the others (and all, after ungroup): one each
+
+    def _group_broke(self, members: list[int]) -> None:
+        """A group's last gradient came before another member's: give the members still
+        without one a hook of their own now, and ungroup at the next step()."""
+        self._ungroup = True
+        for sid in members:
+            p = self._params_of_slot[sid]
+            if p.grad is None and sid not in self._hooks and p.requires_grad:
+                self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook([sid]))
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[sid]]
@@ -445,24 +492,35 @@ class OffloadAdamW(Optimizer):
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
         return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-    def _make_hook(self, sid: int):
+    def _make_hook(self, members: list[int]):
+        """The hook of ``members[-1]``'s parameter: offloads the gradients of ``members``
+        (a group whose gradients came in this order; usually one parameter)."""
         ref = weakref.ref(self)
+        members = list(members)
 
         def hook(p: torch.Tensor) -> None:
             opt = ref()
             if opt is None or opt._closed or p.grad is None:
                 return
-            update = None
-            if opt._eager and opt.max_grad_norm is None:
-                if sid in opt._eager_done:
-                    raise RuntimeError(
-                        "OffloadAdamW: a second backward inside last_micro_batch() before "
-                        f"step() (parameter {sid}); only the last micro-batch's backward "
-                        "belongs in that block"
-                    )
-                opt._eager_done.add(sid)
-                update = opt._hp(opt._group_of_slot(sid))
-            opt._offload_grad(sid, p, update)
+            if opt._fire_order is not None and len(members) == 1 and members[0] not in opt._fire_seen:
+                opt._fire_seen.add(members[0])
+                opt._fire_order.append(members[0])
+            for sid in members:
+                q = opt._params_of_slot[sid]
+                if q.grad is None:
+                    opt._group_broke(members)
+                    continue
+                update = None
+                if opt._eager and opt.max_grad_norm is None:
+                    if sid in opt._eager_done:
+                        raise RuntimeError(
+                            "OffloadAdamW: a second backward inside last_micro_batch() before "
+                            f"step() (parameter {sid}); only the last micro-batch's backward "
+                            "belongs in that block"
+                        )
+                    opt._eager_done.add(sid)
+                    update = opt._hp(opt._group_of_slot(sid))
+                opt._offload_grad(sid, q, update)
 
         return hook
 
@@ -549,6 +607,9 @@ class OffloadAdamW(Optimizer):
         self._engine.step(updates, self.max_grad_norm)
         with self._pending_lock:
             self._pending.update(sids)
+        if self._ungroup or self._fire_order:  # the first step, or a group's order broke
+            self._group_hooks(ungroup=self._ungroup)
+            self._ungroup = False
         return loss
 
     def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
@@ -727,7 +788,7 @@ class OffloadAdamW(Optimizer):
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
         self._forward_hook.remove()
         if self._engine is not None:
