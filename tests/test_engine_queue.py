@@ -104,3 +104,40 @@ def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool(monkeypatch)
     eng._wait_idle(s)
     assert log == ["first"] * 8 + ["second"] * 8
     eng.close()
+
+
+def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
+    """A chained batch that cannot be queued (here: its submission raises) is dropped with
+    the error kept for the caller; waiting for the slot returns."""
+    import numpy as np
+    import pytest
+
+    class Backend:
+        def host_empty(self, numel, dtype, *, pinned, what):
+            class B:
+                pass
+            b = B()
+            b.array, b.pinned, b.handle = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16), False, None
+            return b
+
+        def param_to_host_f32(self, param, out):
+            out[:] = 0
+
+    eng = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    sid = eng.add_param(None, 2 * 4096, "float32", "cpu")
+    s = eng._slots[sid]
+    import threading
+    gate = threading.Event()
+    eng._run_batch(s, lambda c, b, e: gate.wait(5))
+    eng._run_batch(s, lambda c, b, e: None)  # chained behind the first
+    eng._run_batch(s, lambda c, b, e: None)  # and another
+    real = eng._submit_batch
+    monkeypatch.setattr(eng, "_submit_batch", lambda *a: (_ for _ in ()).throw(MemoryError("no room")))
+    gate.set()
+    eng._wait_idle(s)  # returns: the chain was dropped, not left counted
+    assert s.inflight == 0 and not s.chain
+    with pytest.raises(E.WorkerError, match="no room"):
+        eng.check_error()
+    monkeypatch.setattr(eng, "_submit_batch", real)
+    eng.clear_error()
+    eng.close()

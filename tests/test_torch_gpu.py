@@ -211,3 +211,32 @@ def test_driver_copies_events_and_errors():
     with pytest.raises(drv.CudaDriverError, match="cuMemcpyHtoDAsync failed: CUDA_ERROR"):
         ctx.memcpy_htod_async(8, host.data_ptr(), 4, stream.cuda_stream)
         torch.cuda.synchronize()
+
+
+def test_driver_calls_leave_the_threads_context_alone():
+    """A driver call from a thread whose current context is another one (here: none)
+    runs in the device's primary context and leaves the thread as it was."""
+    import ctypes
+    import threading
+
+    from trainstream.backends import _cuda_driver as drv
+
+    ctx = drv.Context(torch.cuda.current_device())
+    stream = torch.cuda.Stream()
+    seen = {}
+
+    def worker():
+        cur = ctypes.c_void_p()
+        drv._fast.cuCtxGetCurrent(ctypes.byref(cur))
+        seen["before"] = cur.value
+        ev = drv.Event(ctx, stream.cuda_stream)
+        ev.synchronize()
+        seen["done"] = ev.query()
+        drv._fast.cuCtxGetCurrent(ctypes.byref(cur))
+        seen["after"] = cur.value
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["done"]
+    assert seen["after"] == seen["before"]

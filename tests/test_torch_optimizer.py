@@ -586,3 +586,54 @@ def test_hook_groups_fall_back_when_the_order_changes(eager):
     assert_same(ref_m, ts_m)
     assert len(ts._hooks) == 4  # back to one hook per parameter
     ts.close()
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n).bfloat16())
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _skip_and_freeze_run(group_elems, freeze):
+    """bf16 params, 2-4 micro-batches; the group's hook-carrying parameter gets no gradient
+    in some micro-batches (skipped) or any more (frozen). The other member's micro-batch
+    gradients must still be summed in fp32 on the host, as with one hook per parameter."""
+    torch.manual_seed(0)
+    mods = torch.nn.ModuleList([_Scale(4096), _Scale(4096)])
+    opt = OffloadAdamW(mods.parameters(), lr=1e-2, threads=2, hook_group_elems=group_elems)
+    g = torch.Generator().manual_seed(1)
+
+    def loss(skip=None):
+        total = 0
+        for i, m in enumerate(mods):
+            x = torch.randn(4096, generator=g).bfloat16() * (1.0 if i == 0 else 1e-3)
+            if i != skip:
+                total = total + m(x)
+        return total
+
+    loss().backward()
+    opt.step()
+    opt.zero_grad()
+    carrier = 0  # backward reaches module 1 first, so module 0's parameter carries the group hook
+    if freeze:
+        mods[carrier].w.requires_grad_(False)
+    for _ in range(3):
+        for mb in range(4 if freeze else 2):
+            loss(skip=carrier if (mb == 0 and not freeze) else None).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    out = [m.w.detach().clone() for m in mods], dict(opt._hooks)
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["skipped", "frozen"])
+def test_group_hook_carrier_without_gradient(freeze):
+    (ref, _), (got, hooks) = _skip_and_freeze_run(0, freeze), _skip_and_freeze_run(1 << 22, freeze)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert 1 in hooks  # the other member went back to a hook of its own

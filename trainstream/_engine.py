@@ -577,13 +577,26 @@ class Engine:
                         nxt = s.chain.popleft() if s.chain else None
                         s.cond.notify_all()
                     if nxt is not None:
-                        self._submit_batch(s, *nxt)
+                        self._submit_chained(s, nxt)
 
         jobs = [
             (lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
             for c in range(s.nchunks)
         ]
         self._pool.submit_many(s.workers, jobs, s.id, ready)
+
+    def _submit_chained(self, s: _Slot, batch: tuple) -> None:
+        """Submit a slot's next chained batch (from the worker that finished the one
+        before). If that fails, the error is kept and the batch and those chained after it
+        are dropped from ``inflight``: waiters must not hang on work that will never run."""
+        try:
+            self._submit_batch(s, *batch)
+        except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
+            self._record_error(exc)
+            with s.cond:
+                s.inflight -= 1 + len(s.chain)
+                s.chain.clear()
+                s.cond.notify_all()
 
     def _wait_idle(self, s: _Slot) -> None:
         with s.cond:

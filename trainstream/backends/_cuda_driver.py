@@ -39,7 +39,6 @@ _CUDA_ERROR_NOT_READY = 600
 _lib = None  # CDLL: releases the GIL during the call (blocking calls)
 _fast = None  # PyDLL: keeps the GIL (calls that return at once)
 _lib_lock = threading.Lock()
-_tls = threading.local()
 
 
 class CudaDriverError(RuntimeError):
@@ -70,7 +69,9 @@ def _declare(lib) -> None:
         ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
         ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
         ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
-        ("cuCtxSetCurrent", [vp]),
+        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+        ("cuCtxPushCurrent_v2", [vp]),
+        ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
         ("cuEventCreate", [ctypes.POINTER(vp), ui]),
         ("cuEventDestroy_v2", [vp]),
         ("cuEventRecord", [vp, vp]),
@@ -111,8 +112,9 @@ def available() -> bool:
 
 
 class Context:
-    """The primary context of one device (the one torch's runtime uses), made current
-    on each calling thread before a driver call."""
+    """The primary context of one device (the one torch's runtime uses). Each driver call
+    runs in it: pushed for the call when the thread's current context is another one
+    (another device), so that torch's current device on that thread is left alone."""
 
     def __init__(self, device: int):
         lib = _load()
@@ -124,29 +126,43 @@ class Context:
         self._dev = dev.value
         self.handle = ctx.value
 
-    def make_current(self):
-        """Bind this context to the calling thread (once per thread); returns the
-        GIL-keeping library handle (for calls that return at once)."""
-        if getattr(_tls, "ctx", None) != self.handle:
-            _check(_fast.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
-            _tls.ctx = self.handle
-        return _fast
+    def _enter(self) -> bool:
+        """Make this context current on the calling thread if it is not; True if it had
+        to be pushed (:meth:`_leave` pops it, so the thread's own current context, and
+        with it torch's current device, is left as it was)."""
+        cur = ctypes.c_void_p()
+        _check(_fast.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value == self.handle:
+            return False
+        _check(_fast.cuCtxPushCurrent_v2(self.handle), "cuCtxPushCurrent")
+        return True
+
+    @staticmethod
+    def _leave(pushed: bool) -> None:
+        if pushed:
+            _fast.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def call(self, name: str, *args, release_gil: bool = False) -> int:
+        """Run driver function ``name`` in this context; returns its result code.
+        ``release_gil``: through the GIL-releasing library (for calls that block)."""
+        pushed = self._enter()
+        try:
+            return getattr(_lib if release_gil else _fast, name)(*args)
+        finally:
+            self._leave(pushed)
 
     def memcpy_dtoh_async(self, dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
         """Queue ``nbytes`` from device memory to pinned host memory on ``stream``."""
-        lib = self.make_current()
-        _check(lib.cuMemcpyDtoHAsync_v2(dst_host, src_device, nbytes, stream), "cuMemcpyDtoHAsync")
+        _check(self.call("cuMemcpyDtoHAsync_v2", dst_host, src_device, nbytes, stream), "cuMemcpyDtoHAsync")
 
     def memcpy_htod_async(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
         """Queue ``nbytes`` from pinned host memory to device memory on ``stream``
         (pinned only: from pageable memory the driver would block with the GIL held)."""
-        lib = self.make_current()
-        _check(lib.cuMemcpyHtoDAsync_v2(dst_device, src_host, nbytes, stream), "cuMemcpyHtoDAsync")
+        _check(self.call("cuMemcpyHtoDAsync_v2", dst_device, src_host, nbytes, stream), "cuMemcpyHtoDAsync")
 
     def stream_wait_event(self, stream: int, event: "Event") -> None:
         """Make ``stream``'s later work wait for ``event`` (on the device; the host goes on)."""
-        lib = self.make_current()
-        _check(lib.cuStreamWaitEvent(stream, event.handle, 0), "cuStreamWaitEvent")
+        _check(self.call("cuStreamWaitEvent", stream, event.handle, 0), "cuStreamWaitEvent")
 
     def __del__(self):
         lib, dev = _lib, getattr(self, "_dev", None)
@@ -163,22 +179,25 @@ class Event:
     __slots__ = ("handle", "_ctx")
 
     def __init__(self, ctx: Context, stream: int):
-        lib = ctx.make_current()
-        ev = ctypes.c_void_p()
-        _check(lib.cuEventCreate(ctypes.byref(ev), _CU_EVENT_BLOCKING_SYNC | _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        self.handle = ev.value
         self._ctx = ctx
-        _check(lib.cuEventRecord(self.handle, stream), "cuEventRecord")
+        self.handle = None
+        pushed = ctx._enter()
+        try:
+            ev = ctypes.c_void_p()
+            flags = _CU_EVENT_BLOCKING_SYNC | _CU_EVENT_DISABLE_TIMING
+            _check(_fast.cuEventCreate(ctypes.byref(ev), flags), "cuEventCreate")
+            self.handle = ev.value
+            _check(_fast.cuEventRecord(self.handle, stream), "cuEventRecord")
+        finally:
+            ctx._leave(pushed)
 
     def synchronize(self) -> None:
         """Block the calling thread (GIL released) until the event's work is done."""
-        self._ctx.make_current()
-        _check(_lib.cuEventSynchronize(self.handle), "cuEventSynchronize")
+        _check(self._ctx.call("cuEventSynchronize", self.handle, release_gil=True), "cuEventSynchronize")
 
     def query(self) -> bool:
         """Whether the event's work is done (never blocks)."""
-        lib = self._ctx.make_current()
-        res = lib.cuEventQuery(self.handle)
+        res = self._ctx.call("cuEventQuery", self.handle)
         if res == _CUDA_ERROR_NOT_READY:
             return False
         _check(res, "cuEventQuery")
@@ -189,6 +208,6 @@ class Event:
         h, self.handle = getattr(self, "handle", None), None
         if h is not None and _fast is not None:
             try:
-                self._ctx.make_current().cuEventDestroy_v2(h)
+                self._ctx.call("cuEventDestroy_v2", h)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass

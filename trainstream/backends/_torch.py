@@ -288,8 +288,12 @@ class OffloadAdamW(Optimizer):
         arrived one after another are offloaded together by one hook, in groups of at
         least this many elements (a Python hook costs the autograd thread the GIL, which
         busy workers hold; measured: 0.2-0.5 ms per hook). If a later backward produces
-        them in another order, every parameter goes back to a hook of its own. 0: one
-        hook per parameter from the start.
+        them in another order, or a group's hook-carrying parameter gets no gradient
+        while the others do (their gradients are then taken when the next forward starts,
+        or at ``step()``), every parameter goes back to a hook of its own. 0: one hook per
+        parameter from the start. (Where no module forward runs between two backward()
+        calls of a step, such gradients are taken at ``step()`` only: for that one step
+        torch sums those micro-batches on the device in the parameter's dtype.)
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream._contract``.
     """
@@ -342,6 +346,10 @@ class OffloadAdamW(Optimizer):
         self._fire_order: list[int] | None = [] if hook_group_elems and mode == "cpu" else None
         self._fire_seen: set[int] = set()
         self._ungroup = False  # a group's order broke: one hook per parameter at step()
+        self._groups: list[list[int]] = []  # groups of several slots sharing a hook
+        self._grouped: set[int] = set()  # their members other than the hook's own slot
+        self._leftover_check = False  # a backward ran: look for members a group missed
+        self._first_module: weakref.ref | None = None  # the module each forward starts with
         self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
@@ -365,6 +373,15 @@ class OffloadAdamW(Optimizer):
             if module not in opt._called:
                 opt._called.add(module)
                 opt._wait_sets.clear()
+            if opt._groups:
+                # The module that starts each forward (the first one seen after grouping):
+                # a new micro-batch begins, a backward may have left gradients to a group.
+                first = opt._first_module() if opt._first_module is not None else None
+                if first is None:
+                    opt._first_module = weakref.ref(module)
+                    first = module
+                if opt._leftover_check or module is first:
+                    opt._offload_leftovers()
             if opt._pending:
                 opt._wait_module(module)
 
@@ -460,6 +477,8 @@ class OffloadAdamW(Optimizer):
             h.remove()
         self._hooks.clear()
         self._hooked.clear()
+        self._groups, self._grouped = [], set()
+        self._first_module = None
         if not ungroup:
             group: list[int] = []
             n = 0
@@ -472,9 +491,25 @@ class OffloadAdamW(Optimizer):
                     last = self._params_of_slot[group[-1]]
                     self._hooks[group[-1]] = last.register_post_accumulate_grad_hook(self._make_hook(group))
                     self._hooked.update(group)
+                    if len(group) > 1:
+                        self._groups.append(group)
+                        self._grouped.update(group[:-1])
                     group, n = [], 0
         for sid in range(len(self._params_of_slot)):
             self._hook_if_trainable(sid)  # the others (and all, after ungroup): one each
+
+    def _offload_leftovers(self) -> None:
+        """Before the next forward: offload the gradients that group members received in a
+        backward where their group's hook did not run (its own parameter got no gradient:
+        an unused branch, a frozen parameter), so that the next backward does not add to
+        them on the device; then ungroup at the next step()."""
+        self._leftover_check = False
+        for members in self._groups:
+            left = [sid for sid in members[:-1] if self._params_of_slot[sid].grad is not None]
+            if left:
+                for sid in left:
+                    self._offload_grad(sid, self._params_of_slot[sid])
+                self._group_broke(members)
 
     def _group_broke(self, members: list[int]) -> None:
         """A group's last gradient came before another member's: give the members still
@@ -505,6 +540,8 @@ class OffloadAdamW(Optimizer):
             if opt._fire_order is not None and len(members) == 1 and members[0] not in opt._fire_seen:
                 opt._fire_seen.add(members[0])
                 opt._fire_order.append(members[0])
+            if opt._groups:
+                opt._leftover_check = True
             for sid in members:
                 q = opt._params_of_slot[sid]
                 if q.grad is None:
@@ -590,7 +627,9 @@ class OffloadAdamW(Optimizer):
                 )
             if self.mode == "cpu":
                 self._hook_if_trainable(sid)  # unfrozen after construction
-                if p.grad is not None:  # a gradient the hook did not see (set by hand)
+                if p.grad is not None:  # a gradient no hook took (set by hand; a group missed it)
+                    if sid in self._grouped:
+                        self._ungroup = True
                     self._offload_grad(sid, p)
         self._eager_done.clear()
         updates = []
