@@ -240,3 +240,40 @@ def test_driver_calls_leave_the_threads_context_alone():
     t.join()
     assert seen["done"]
     assert seen["after"] == seen["before"]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(sched=True), dict(micro=4), dict(micro=2, eager=True)],
+                         ids=["groups", "scheduler", "accumulate4", "eager"])
+def test_hybrid_mode_bit_identical(kw):
+    """mode='hybrid': the first half of the elements by the zero-copy kernel, the rest by
+    the host threads: the same bits as torch.optim.AdamW on CUDA."""
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=30, mode="hybrid", **kw)
+    assert_same(ref_model, ts_model)
+    st = ts.stats()
+    assert 0 < st["gpu_params"] < st["params"]
+    ts.close()
+
+
+def test_hybrid_checkpoint_moves_to_cpu_mode_and_back():
+    data = [x.to(DEV) for x in batches(20)]
+
+    def run(m, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            loss_of(m, x).backward()
+            opt.step()
+        opt.synchronize()
+
+    model = make_model().to(DEV)
+    ts = OffloadAdamW(two_groups(model), mode="hybrid")
+    run(model, ts, data[:10])
+    ck = {"model": copy.deepcopy(model.state_dict()), "opt": ts.state_dict()}
+    run(model, ts, data[10:])
+    m2 = make_model().to(DEV)
+    m2.load_state_dict(ck["model"])
+    ts2 = OffloadAdamW(two_groups(m2), mode="cpu")
+    ts2.load_state_dict(ck["opt"])
+    run(m2, ts2, data[10:])
+    assert_same(model, m2)
+    for o in (ts, ts2):
+        o.close()

@@ -23,6 +23,7 @@ from .. import _cpu_sqrt
 from . import _cuda_driver
 from .._engine import Engine
 from .._gpu_engine import GpuEngine
+from .._split_engine import SplitEngine
 
 __all__ = ["OffloadAdamW", "TorchBackend"]
 
@@ -281,7 +282,13 @@ class OffloadAdamW(Optimizer):
       lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
       max_grad_norm: if set, gradients are clipped by their global L2 norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
-      mode: ``"cpu"`` (update on host threads) or ``"gpu"`` (zero-copy GPU kernel).
+      mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
+        ``"hybrid"`` (both at once: the first ``gpu_share`` of the elements, in parameter
+        order, by the zero-copy kernel at ``step()``, the rest by the host threads; the
+        state of all of them in host memory; the same bits as either mode; CUDA
+        parameters; no ``max_grad_norm`` yet).
+      gpu_share: ``hybrid`` mode: the fraction of the elements (of the parameters given
+        here; parameters added later go to the host) updated by the zero-copy kernel.
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
       hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
@@ -311,6 +318,7 @@ class OffloadAdamW(Optimizer):
         threads: int | None = None,
         chunk_size: int = 1 << 20,
         hook_group_elems: int = 1 << 22,
+        gpu_share: float = 0.5,
         pin_moments: bool = False,
         convention: str = "torch",
         amsgrad: bool = False,
@@ -325,8 +333,28 @@ class OffloadAdamW(Optimizer):
             raise NotImplementedError("OffloadAdamW does not implement maximize")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
-        if mode not in ("cpu", "gpu"):
-            raise ValueError(f"OffloadAdamW mode must be 'cpu' or 'gpu', got {mode!r}")
+        if mode not in ("cpu", "gpu", "hybrid"):
+            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+        if not (isinstance(gpu_share, (int, float)) and 0.0 <= gpu_share <= 1.0):
+            raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+        if mode == "hybrid" and max_grad_norm is not None:
+            raise NotImplementedError(
+                "OffloadAdamW mode='hybrid' does not implement max_grad_norm yet (the global norm "
+                "would have to be summed over both engines in the contract's order); use mode='cpu' or 'gpu'"
+            )
+        self._gpu_share = float(gpu_share)
+        self._total_elems = 0
+        if mode == "hybrid":  # the split needs the total: count it before registration
+            fixed = []
+            for item in list(params):
+                if isinstance(item, dict):
+                    ps = item["params"]
+                    item = {**item, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
+                    self._total_elems += sum(t.numel() for t in item["params"])
+                else:
+                    self._total_elems += item.numel()
+                fixed.append(item)
+            params = fixed
         if not isinstance(hook_group_elems, int) or isinstance(hook_group_elems, bool) or hook_group_elems < 0:
             raise ValueError(f"Invalid hook_group_elems: {hook_group_elems!r} (must be an int >= 0)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -343,7 +371,7 @@ class OffloadAdamW(Optimizer):
         self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
         self._hook_group_elems = hook_group_elems
         # Order in which the first backward's hooks fired (grouping, see hook_group_elems).
-        self._fire_order: list[int] | None = [] if hook_group_elems and mode == "cpu" else None
+        self._fire_order: list[int] | None = [] if hook_group_elems and mode != "gpu" else None
         self._fire_seen: set[int] = set()
         self._ungroup = False  # a group's order broke: one hook per parameter at step()
         self._groups: list[list[int]] = []  # groups of several slots sharing a hook
@@ -431,7 +459,22 @@ class OffloadAdamW(Optimizer):
         if p.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {p.device}")
         if self._device is None:
-            if self.mode == "gpu":
+            if self.mode == "hybrid":
+                if p.device.type != "cuda":
+                    raise ValueError(
+                        f"OffloadAdamW mode='hybrid' needs CUDA parameters; parameter {index} is on {p.device}"
+                    )
+                backend = TorchBackend(p.device)
+                try:
+                    gpu = GpuEngine(backend, convention=self._engine_args["convention"])
+                except ImportError as exc:
+                    raise ImportError(
+                        "OffloadAdamW mode='hybrid' needs CuPy: pip install 'trainstream[cuda12]' or "
+                        f"'trainstream[cuda13]' ({exc})"
+                    ) from exc
+                self._engine = SplitEngine(Engine(backend, **self._engine_args), gpu,
+                                           round(self._gpu_share * self._total_elems))
+            elif self.mode == "gpu":
                 if p.device.type != "cuda":
                     raise ValueError(
                         f"OffloadAdamW mode='gpu' needs CUDA parameters; parameter {index} is on {p.device}"
@@ -464,9 +507,15 @@ class OffloadAdamW(Optimizer):
 
     def _hook_if_trainable(self, sid: int) -> None:
         p = self._params_of_slot[sid]
-        if self.mode == "cpu" and p.requires_grad and sid not in self._hooked:
+        if self._host_slot(sid) and p.requires_grad and sid not in self._hooked:
             self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook([sid]))
             self._hooked.add(sid)
+
+    def _host_slot(self, sid: int) -> bool:
+        """Whether slot ``sid``'s gradient goes to the host engine (through a hook)."""
+        if self.mode == "cpu":
+            return True
+        return self.mode == "hybrid" and not self._engine.on_gpu(sid)
 
     def _group_hooks(self, ungroup: bool) -> None:
         """Re-hook after a step: the parameters of the recorded firing order in groups of
@@ -625,7 +674,7 @@ class OffloadAdamW(Optimizer):
                     "optimizer was built (p.data = ..., module.to(), re-initialisation); "
                     "build the optimizer after moving/replacing parameters"
                 )
-            if self.mode == "cpu":
+            if self._host_slot(sid):
                 self._hook_if_trainable(sid)  # unfrozen after construction
                 if p.grad is not None:  # a gradient no hook took (set by hand; a group missed it)
                     if sid in self._grouped:
@@ -641,9 +690,17 @@ class OffloadAdamW(Optimizer):
             updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
                        if self._params_of_slot[sid].grad is not None]
             sids = [u[0] for u in updates]
+            self._engine.step(updates, self.max_grad_norm)
+        elif self.mode == "hybrid":
+            on_gpu = self._engine.on_gpu
+            gpu_updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
+                           if on_gpu(sid) and self._params_of_slot[sid].grad is not None]
+            cpu_updates = [(sid, hp) for sid, hp in updates if not on_gpu(sid)]
+            sids = [u[0] for u in gpu_updates] + [sid for sid, _ in cpu_updates if self._engine.has_grad(sid)]
+            self._engine.step(cpu_updates, gpu_updates)
         else:
             sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
-        self._engine.step(updates, self.max_grad_norm)
+            self._engine.step(updates, self.max_grad_norm)
         with self._pending_lock:
             self._pending.update(sids)
         if self._ungroup or self._fire_order:  # the first step, or a group's order broke
@@ -665,13 +722,15 @@ class OffloadAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients offloaded since the last step (and any ``param.grad``)."""
         self._check_open()
-        if self.mode == "gpu" and self._pending:
-            # The update kernels still read p.grad: order its zeroing/reuse after them.
+        if self.mode in ("gpu", "hybrid") and self._pending:
+            # The update kernels still read p.grad: order its zeroing/reuse after them
+            # (in hybrid mode only theirs: the host share's may still be running).
             with self._pending_lock:
-                sids, self._pending = sorted(self._pending), set()
+                sids = sorted(s for s in self._pending if self.mode == "gpu" or self._engine.on_gpu(s))
+                self._pending.difference_update(sids)
             self._engine.wait_ready(sids)
         super().zero_grad(set_to_none=set_to_none)
-        if self._engine is not None and self.mode == "cpu":
+        if self._engine is not None and self.mode in ("cpu", "hybrid"):
             self._engine.discard_grads()
 
     def _module_slots(self, module: torch.nn.Module) -> list[int]:

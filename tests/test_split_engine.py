@@ -1,0 +1,105 @@
+"""hybrid mode's dispatcher (trainstream._split_engine.SplitEngine) on CPU: two host
+engines stand in for the host and zero-copy engines (the GPU one adapted to the zero-copy
+engine's step signature); slots are split by elements in registration order, work and
+state go to the right engine, and the result equals one engine doing everything."""
+
+import numpy as np
+import pytest
+
+from trainstream import _contract as C
+from trainstream import _engine as E
+from trainstream._split_engine import SplitEngine
+
+
+class _Buf:
+    def __init__(self, numel, dtype):
+        self.array = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16)
+        self.pinned = False
+        self.handle = None
+
+
+class Backend:
+    """Host-only backend: parameters are NumPy float32 arrays."""
+
+    def host_empty(self, numel, dtype, *, pinned, what):
+        return _Buf(numel, dtype)
+
+    def param_to_host_f32(self, param, out):
+        out[:] = param
+
+    def record_compute(self, param):
+        return None
+
+    def copy_to_host(self, dst, src, after):
+        dst.array[:] = src
+        return None
+
+    def copy_to_device(self, dst, src, after):
+        dst[:] = src.array
+        return None
+
+    def wait_on_compute(self, event, param):
+        pass
+
+    def all_reduce_sum(self, value):
+        return value
+
+
+class FakeGpuEngine:
+    """The zero-copy engine's interface over a host engine (step takes the gradients)."""
+
+    def __init__(self):
+        self.e = E.Engine(Backend(), threads=1, chunk_elems=4096)
+
+    def __getattr__(self, name):
+        return getattr(self.e, name)
+
+    def step(self, updates, max_grad_norm=None, compute_norm=False):
+        for sid, hp, grad, gdtype in updates:
+            self.e.offload_grad(sid, grad, gdtype)
+        self.e.step([(sid, hp) for sid, hp, _, _ in updates])
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for n in (5000, 3000, 7000, 100)]
+
+
+def test_split_equals_one_engine_and_dispatches_by_registration_order():
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    whole_p, split_p = _params(), _params()
+    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    split = SplitEngine(E.Engine(Backend(), threads=2, chunk_elems=4096), FakeGpuEngine(), gpu_elems=6000)
+    for p in whole_p:
+        whole.add_param(p, p.size, "float32", "cpu")
+    for p in split_p:
+        split.add_param(p, p.size, "float32", "cpu")
+    assert [split.on_gpu(s) for s in range(4)] == [True, True, False, False]  # 5000 < 6000, then spent
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
+        for sid, g in enumerate(grads):
+            whole.offload_grad(sid, g, "float32")
+        whole.step([(sid, hp) for sid in range(4)])
+        cpu_updates = []
+        for sid, g in enumerate(grads):
+            if not split.on_gpu(sid):
+                split.offload_grad(sid, g, "float32")
+                cpu_updates.append((sid, hp))
+        split.step(cpu_updates, [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)])
+        whole.synchronize()
+        split.synchronize()
+    for a, b in zip(whole_p, split_p):
+        assert np.array_equal(a, b)
+    for sid in range(4):
+        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+        assert split.get_step(sid) == 5
+    st = split.stats()
+    assert st["params"] == 4 and st["gpu_params"] == 2 and st["numel"] == 15100
+    with pytest.raises(RuntimeError, match="updated by the GPU kernel"):
+        split.offload_grad(0, np.zeros(5000, np.float32), "float32")
+    split.truncate(3)
+    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu") == 3
+    assert not split.on_gpu(3)
+    whole.close()
+    split.close()

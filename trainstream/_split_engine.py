@@ -1,0 +1,152 @@
+"""``hybrid`` mode: the host engine and the zero-copy engine side by side, one slot each.
+
+Every parameter's optimizer state lives in host memory either way; what differs is who
+updates it. The first parameters in registration order (the ones the next forward needs
+first), up to ``gpu_elems`` elements, go to the :class:`~trainstream._gpu_engine.GpuEngine`
+(their update kernel reads and writes the state over PCIe at ``step()``); the rest go to
+the :class:`~trainstream._engine.Engine` (host threads, overlapping backward and the next
+forward). Both paths run at once, so a step's update takes about the larger of the two
+shares instead of the sum; and the two modes are bit-identical on CUDA (the contract's
+``torch``/``cuda`` convention in both), so the split changes no bits.
+
+Not implemented: ``max_grad_norm`` (the global norm would have to be summed over both
+engines in the contract's slot order).
+
+Imports neither torch nor jax; no arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from . import _contract as C
+
+__all__ = ["SplitEngine"]
+
+
+class SplitEngine:
+    """Dispatches slot ``sid`` to its engine; slot ids are global (registration order)."""
+
+    def __init__(self, cpu: Any, gpu: Any, gpu_elems: int):
+        self.cpu = cpu
+        self.gpu = gpu
+        self._gpu_budget = int(gpu_elems)
+        self._gpu_used = 0
+        self._where: list[tuple[bool, int]] = []  # slot -> (on the gpu engine, its local id)
+        self._numel: list[int] = []
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
+        on_gpu = self._gpu_used < self._gpu_budget
+        engine = self.gpu if on_gpu else self.cpu
+        local = engine.add_param(param, numel, dtype, platform)
+        if on_gpu:
+            self._gpu_used += int(numel)
+        self._where.append((on_gpu, local))
+        self._numel.append(int(numel))
+        return len(self._where) - 1
+
+    def on_gpu(self, sid: int) -> bool:
+        return self._where[sid][0]
+
+    def _local(self, sid: int) -> tuple[Any, int]:
+        on_gpu, local = self._where[sid]
+        return (self.gpu if on_gpu else self.cpu), local
+
+    def truncate(self, n: int) -> None:
+        keep = self._where[:n]
+        for engine, on in ((self.cpu, False), (self.gpu, True)):
+            engine.truncate(sum(1 for g, _ in keep if g == on))
+        self._gpu_used -= sum(k for (g, _), k in zip(self._where[n:], self._numel[n:]) if g)
+        del self._where[n:]
+        del self._numel[n:]
+
+    def get_step(self, sid: int) -> int:
+        engine, local = self._local(sid)
+        return engine.get_step(local)
+
+    # -- the host path ----------------------------------------------------------------------
+
+    def _cpu_only(self, sid: int) -> int:
+        on_gpu, local = self._where[sid]
+        if on_gpu:
+            raise RuntimeError(f"TrainStream hybrid mode: slot {sid} is updated by the GPU kernel, not the host")
+        return local
+
+    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
+        self.cpu.offload_grad(self._cpu_only(sid), grad, grad_dtype, update)
+
+    def has_grad(self, sid: int) -> bool:
+        return self.cpu.has_grad(self._cpu_only(sid))
+
+    def discard_grads(self) -> None:
+        self.cpu.discard_grads()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def step(self, cpu_updates: Sequence[tuple[int, C.AdamWHyperParams]],
+             gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
+        """Launch the GPU share's kernels (first: the next forward needs them first), then
+        queue the host share's updates."""
+        if gpu_updates:
+            self.gpu.step([(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates])
+        self.cpu.step([(self._cpu_only(sid), hp) for sid, hp in cpu_updates])
+
+    def wait_ready(self, sids: Sequence[int]) -> None:
+        gpu = [self._where[s][1] for s in sids if self._where[s][0]]
+        cpu = [self._where[s][1] for s in sids if not self._where[s][0]]
+        if gpu:
+            self.gpu.wait_ready(gpu)
+        if cpu:
+            self.cpu.wait_ready(cpu)
+
+    def check_error(self) -> None:
+        self.cpu.check_error()
+
+    def clear_error(self) -> None:
+        self.cpu.clear_error()
+        self.gpu.clear_error()
+
+    def drain(self) -> None:
+        self.gpu.drain()
+        self.cpu.drain()
+
+    def synchronize(self) -> None:
+        self.gpu.synchronize()
+        self.cpu.synchronize()
+
+    def last_grad_norm(self) -> float | None:
+        return None  # no clipping in hybrid mode: no norm is computed
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self, sid: int):
+        engine, local = self._local(sid)
+        return engine.state(local)
+
+    def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
+        engine, local = self._local(sid)
+        engine.load_state(local, exp_avg, exp_avg_sq, step, master)
+
+    def stats(self) -> dict[str, float]:
+        """The host engine's counters, plus the GPU share's: ``gpu_params``,
+        ``gpu_numel``, ``gpu_update_launch_ms_total``; state bytes summed."""
+        st = dict(self.cpu.stats())
+        g = self.gpu.stats()
+        st["params"] += g["params"]
+        st["numel"] += g["numel"]
+        st["gpu_mode"] = 0.5
+        for k in ("host_state_bytes", "pinned_state_bytes"):
+            st[k] += g[k]
+        st["steps"] = max(st["steps"], g["steps"])
+        st["gpu_params"] = g["params"]
+        st["gpu_numel"] = g["numel"]
+        st["gpu_update_launch_ms_total"] = g["update_ms_total"]
+        return st
+
+    def close(self) -> None:
+        try:
+            self.gpu.close()
+        finally:
+            self.cpu.close()
