@@ -9,6 +9,9 @@ Setups:
   ts_cpu           bf16 weights, OffloadAdamW mode="cpu" (fp32 master + moments on the host)
   ts_cpu_eager     the same, update started during backward (last_micro_batch)
   ts_gpu           bf16 weights, OffloadAdamW mode="gpu" (zero-copy kernel)
+  ts_hybrid        bf16 weights, OffloadAdamW mode="hybrid" (gpu_share of the elements by
+                   the zero-copy kernel, the rest on the host; ~shareF sets it, default 0.5)
+  ts_hybrid_eager  the same, the host share started during backward
   torchao_fp32     fp32 weights + autocast + torchao CPUOffloadOptimizer (fp32 host state:
                    our numerics)
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
@@ -142,8 +145,12 @@ def build(setup, size, device, batch=8):
     elif setup.startswith("ts_"):
         from trainstream.torch import OffloadAdamW
 
-        opt = OffloadAdamW(params, mode="gpu" if setup == "ts_gpu" else "cpu", threads=threads, chunk_size=chunk, **lr)
-        eager = setup == "ts_cpu_eager"
+        mode = "gpu" if setup == "ts_gpu" else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
+        extra = {}
+        if mode == "hybrid":
+            extra["gpu_share"] = next((float(o[5:]) for o in opts_ if o.startswith("share")), 0.5)
+        opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, **extra, **lr)
+        eager = setup.endswith("_eager")
     elif setup == "ds_zero_offload":
         model = _deepspeed_engine(model, batch, lr)
         opt = None
