@@ -74,7 +74,7 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
         whole.add_param(p, p.size, "float32", "cpu")
     for p in split_p:
         split.add_param(p, p.size, "float32", "cpu")
-    assert [split.on_gpu(s) for s in range(4)] == [True, True, False, False]  # 5000 < 6000, then spent
+    assert [split.on_gpu(s) for s in range(4)] == [True, False, False, True]  # what fits in 6000
     rng = np.random.default_rng(1)
     for _ in range(5):
         grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
@@ -96,10 +96,29 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
         assert split.get_step(sid) == 5
     st = split.stats()
     assert st["params"] == 4 and st["gpu_params"] == 2 and st["numel"] == 15100
+    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", host=True) == 4
+    assert not split.on_gpu(4)
     with pytest.raises(RuntimeError, match="updated by the GPU kernel"):
         split.offload_grad(0, np.zeros(5000, np.float32), "float32")
-    split.truncate(3)
+    split.truncate(3)  # drops slot 3 (GPU share, 100 elements) and 4: the share is free again
     assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu") == 3
-    assert not split.on_gpu(3)
+    assert split.on_gpu(3)
     whole.close()
     split.close()
+
+
+def test_hybrid_mode_argument_checks():
+    torch = pytest.importorskip("torch")
+    from trainstream.torch import OffloadAdamW
+
+    model = torch.nn.Linear(4, 4)
+    for params in (model.parameters(), model.named_parameters(), [{"params": model.parameters()}]):
+        with pytest.raises(ValueError, match="mode='hybrid' needs CUDA parameters"):
+            OffloadAdamW(params, mode="hybrid")
+    with pytest.raises(NotImplementedError, match="max_grad_norm"):
+        OffloadAdamW(model.parameters(), mode="hybrid", max_grad_norm=1.0)
+    for bad in (True, 1.5, -0.1, "half"):
+        with pytest.raises(ValueError, match="gpu_share"):
+            OffloadAdamW(model.parameters(), mode="hybrid", gpu_share=bad)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        OffloadAdamW(model.parameters(), mode="hybrid", gpu_share=np.float32(0.3))

@@ -44,7 +44,7 @@ def test_cuda_params_bit_identical(kw, mode):
     ts.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ["hybrid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_params_against_fp32_master(mode, dtype):
     model = make_model(dtype=dtype).to(DEV)

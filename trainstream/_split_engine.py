@@ -6,8 +6,9 @@ first), up to ``gpu_elems`` elements, go to the :class:`~trainstream._gpu_engine
 (their update kernel reads and writes the state over PCIe at ``step()``); the rest go to
 the :class:`~trainstream._engine.Engine` (host threads, overlapping backward and the next
 forward). Both paths run at once, so a step's update takes about the larger of the two
-shares instead of the sum; and the two modes are bit-identical on CUDA (the contract's
-``torch``/``cuda`` convention in both), so the split changes no bits.
+shares instead of the sum. The two modes run the same contract (``torch``/``cuda``) on
+CUDA, so each parameter gets its mode's bits; the one difference between modes stays:
+micro-batch gradients of a GPU-share fp16/bf16 parameter are summed by torch in its dtype.
 
 Not implemented: ``max_grad_norm`` (the global norm would have to be summed over both
 engines in the contract's slot order).
@@ -37,8 +38,10 @@ class SplitEngine:
 
     # -- slots ----------------------------------------------------------------------------
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
-        on_gpu = self._gpu_used < self._gpu_budget
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, host: bool = False) -> int:
+        """Register a parameter: on the GPU engine if it fits in the share left (and not
+        ``host``, e.g. a frozen one), else on the host engine."""
+        on_gpu = not host and self._gpu_used + int(numel) <= self._gpu_budget
         engine = self.gpu if on_gpu else self.cpu
         local = engine.add_param(param, numel, dtype, platform)
         if on_gpu:
@@ -89,6 +92,7 @@ class SplitEngine:
              gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
         """Launch the GPU share's kernels (first: the next forward needs them first), then
         queue the host share's updates."""
+        self.cpu.check_error()  # raise before any kernel is queued, not between the two
         if gpu_updates:
             self.gpu.step([(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates])
         self.cpu.step([(self._cpu_only(sid), hp) for sid, hp in cpu_updates])
@@ -140,6 +144,7 @@ class SplitEngine:
         for k in ("host_state_bytes", "pinned_state_bytes"):
             st[k] += g[k]
         st["steps"] = max(st["steps"], g["steps"])
+        st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
         st["gpu_params"] = g["params"]
         st["gpu_numel"] = g["numel"]
         st["gpu_update_launch_ms_total"] = g["update_ms_total"]

@@ -8,6 +8,7 @@ orders streams and speaks ``torch.optim.Optimizer``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import warnings
@@ -283,12 +284,15 @@ class OffloadAdamW(Optimizer):
       max_grad_norm: if set, gradients are clipped by their global L2 norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
-        ``"hybrid"`` (both at once: the first ``gpu_share`` of the elements, in parameter
-        order, by the zero-copy kernel at ``step()``, the rest by the host threads; the
-        state of all of them in host memory; the same bits as either mode; CUDA
-        parameters; no ``max_grad_norm`` yet).
-      gpu_share: ``hybrid`` mode: the fraction of the elements (of the parameters given
-        here; parameters added later go to the host) updated by the zero-copy kernel.
+        ``"hybrid"`` (both at once: the first trainable parameters in order, up to
+        ``gpu_share`` of the trainable elements, by the zero-copy kernel at ``step()``,
+        the rest by the host threads; the state of all of them in host memory; CUDA
+        parameters; no ``max_grad_norm`` yet). Each parameter gets the bits of the mode
+        that updates it: the same as both modes, except that micro-batch gradients of a
+        GPU-share fp16/bf16 parameter are summed by torch in its dtype, as in ``gpu`` mode.
+      gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
+        parameters given here; parameters added later go to the host) updated by the
+        zero-copy kernel; a parameter goes to it only if it fits in what is left.
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
       hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
@@ -335,7 +339,7 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if mode not in ("cpu", "gpu", "hybrid"):
             raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
-        if not (isinstance(gpu_share, (int, float)) and 0.0 <= gpu_share <= 1.0):
+        if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
         if mode == "hybrid" and max_grad_norm is not None:
             raise NotImplementedError(
@@ -343,18 +347,10 @@ class OffloadAdamW(Optimizer):
                 "would have to be summed over both engines in the contract's order); use mode='cpu' or 'gpu'"
             )
         self._gpu_share = float(gpu_share)
-        self._total_elems = 0
-        if mode == "hybrid":  # the split needs the total: count it before registration
-            fixed = []
-            for item in list(params):
-                if isinstance(item, dict):
-                    ps = item["params"]
-                    item = {**item, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
-                    self._total_elems += sum(t.numel() for t in item["params"])
-                else:
-                    self._total_elems += item.numel()
-                fixed.append(item)
-            params = fixed
+        self._gpu_budget = 0
+        # hybrid: the split needs the total of the elements, known once torch has read every
+        # group: registration waits until then (add_param_group only checks the groups).
+        self._deferred = mode == "hybrid"
         if not isinstance(hook_group_elems, int) or isinstance(hook_group_elems, bool) or hook_group_elems < 0:
             raise ValueError(f"Invalid hook_group_elems: {hook_group_elems!r} (must be an int >= 0)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -391,6 +387,19 @@ class OffloadAdamW(Optimizer):
         self._closed = False
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
         super().__init__(params, defaults)
+        if self._deferred:
+            self._deferred = False
+            self._gpu_budget = round(self._gpu_share * sum(
+                p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad))
+            try:
+                for gi, g in enumerate(self.param_groups):
+                    for p in g["params"]:
+                        self._register(p)
+                        self._group_of.append(gi)
+            except BaseException:
+                if self._engine is not None:
+                    self._engine.close()
+                raise
         # One global forward pre-hook: before a module runs, wait for its own weights.
         ref = weakref.ref(self)
 
@@ -420,6 +429,13 @@ class OffloadAdamW(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         n_groups, n_slots = len(self.param_groups), len(self._params_of_slot)
         super().add_param_group(param_group)
+        if self._deferred:  # hybrid, inside __init__: registered once every group is known
+            try:
+                _check_group(self.param_groups[-1])
+            except BaseException:
+                del self.param_groups[n_groups:]
+                raise
+            return
         try:
             group = self.param_groups[-1]
             _check_group(group)
@@ -472,8 +488,7 @@ class OffloadAdamW(Optimizer):
                         "OffloadAdamW mode='hybrid' needs CuPy: pip install 'trainstream[cuda12]' or "
                         f"'trainstream[cuda13]' ({exc})"
                     ) from exc
-                self._engine = SplitEngine(Engine(backend, **self._engine_args), gpu,
-                                           round(self._gpu_share * self._total_elems))
+                self._engine = SplitEngine(Engine(backend, **self._engine_args), gpu, self._gpu_budget)
             elif self.mode == "gpu":
                 if p.device.type != "cuda":
                     raise ValueError(
@@ -498,7 +513,11 @@ class OffloadAdamW(Optimizer):
                 f"{p.device}, earlier ones on {self._device}"
             )
         platform = "cuda" if p.device.type == "cuda" else "cpu"
-        sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
+        if self.mode == "hybrid":  # a frozen parameter takes none of the GPU share
+            sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
+                                         host=not p.requires_grad)
+        else:
+            sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
         assert sid == index
         self._engine_param_ptr.append(p.data_ptr())
         self._slot_of[p] = sid
@@ -722,9 +741,10 @@ class OffloadAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients offloaded since the last step (and any ``param.grad``)."""
         self._check_open()
-        if self.mode in ("gpu", "hybrid") and self._pending:
-            # The update kernels still read p.grad: order its zeroing/reuse after them
-            # (in hybrid mode only theirs: the host share's may still be running).
+        if self.mode in ("gpu", "hybrid") and self._pending and not set_to_none:
+            # The update kernels still read p.grad: order its zeroing after them (in hybrid
+            # mode only theirs: the host share's may still be running). Set to None, the
+            # gradients stay alive in the engine until the next forward waits for them.
             with self._pending_lock:
                 sids = sorted(s for s in self._pending if self.mode == "gpu" or self._engine.on_gpu(s))
                 self._pending.difference_update(sids)
