@@ -66,3 +66,46 @@ def cpu_name() -> str:
 def fmt_frac(x: float) -> str:
     """A fraction as a percentage for the Markdown tables (exactly 1 as ``100%``)."""
     return "100%" if x == 1.0 else f"{100 * x:.4f}%"
+
+
+# -- the equivalence scripts' per-step records ------------------------------------------------
+
+PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
+
+
+def empty_per_step() -> dict:
+    """The per-step series of one comparison (a vs b), empty."""
+    return {k: [] for k in PER_STEP_KEYS}
+
+
+def record_step(records: list, pairs: list, weights: dict, losses: dict, compare) -> int:
+    """Append one step to each comparison of ``pairs`` (``(kind, a, b, promised, note)``,
+    matching ``records``): losses, norms and ``compare(weights[a], weights[b])``. Returns
+    the largest max-ULP distance of the step."""
+    worst = 0
+    for rec, (_, a, b, _, _) in zip(records, pairs):
+        m = compare(weights[a], weights[b])
+        ps = rec["per_step"]
+        ps["loss_a"].append(losses[a])
+        ps["loss_b"].append(losses[b])
+        ps["norm_a"].append(a.last_norm)
+        ps["norm_b"].append(b.last_norm)
+        for k, v in m.items():
+            ps[k].append(v)
+        worst = max(worst, m["max_ulp"])
+    return worst
+
+
+def summarize(ps: dict, clip_active_steps: int | None) -> dict:
+    """The summary of one comparison's per-step series."""
+    return dict(
+        steps=len(ps["bitid"]),
+        final_bitid=ps["bitid"][-1],
+        final_bitid_model=ps["bitid_model"][-1],
+        min_bitid=min(ps["bitid"]),
+        max_ulp=max(ps["max_ulp"]),
+        max_rel=max(ps["max_rel"]),
+        final_loss_a=ps["loss_a"][-1],
+        final_loss_b=ps["loss_b"][-1],
+        clip_active_steps=clip_active_steps,
+    )

@@ -73,7 +73,7 @@ import trainstream.jax as tsj
 from trainstream import _contract as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, cpu_name, generated_text, git_commit, tqdm  # noqa: E402
+from _common import REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm  # noqa: E402
 from _common import fmt_frac as _fmt_frac  # noqa: E402
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -707,9 +707,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             trainers, pairs = plan_setting(progs, init, args, torch_ok, gpu_devices)
             records = [dict(kind=k, a=a.label, b=b.label,
                             device=a.device_type if a.device_type == b.device_type else f"{a.device_type} vs {b.device_type}",
-                            dtype=dt_name, clip=clip, promised=prom, note=note,
-                            per_step={k2: [] for k2 in ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp",
-                                                         "max_rel", "norm_a", "norm_b")})
+                            dtype=dt_name, clip=clip, promised=prom, note=note, per_step=empty_per_step())
                        for k, a, b, prom, note in pairs]
             desc = f"{dt_name} clip={'off' if clip is None else clip}"
             bar = tqdm(range(args.steps), desc=desc, disable=args.no_progress, leave=False, file=sys.stderr)
@@ -718,17 +716,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     batch = batches[step]
                     losses = {t: t.step(batch) for t in trainers}
                     weights = {t: t.weights() for t in trainers}
-                    worst = 0
-                    for rec, (_, a, b, _, _) in zip(records, pairs):
-                        m = compare(weights[a], weights[b])
-                        ps = rec["per_step"]
-                        ps["loss_a"].append(losses[a])
-                        ps["loss_b"].append(losses[b])
-                        ps["norm_a"].append(a.last_norm)
-                        ps["norm_b"].append(b.last_norm)
-                        for k2, v in m.items():
-                            ps[k2].append(v)
-                        worst = max(worst, m["max_ulp"])
+                    worst = record_step(records, pairs, weights, losses, compare)
                     if hasattr(bar, "set_postfix"):
                         bar.set_postfix(loss=f"{losses[trainers[0]]:.3f}", max_ulp=worst)
             finally:
@@ -738,17 +726,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ps = rec["per_step"]
                 # optax clips where not (norm < M); the optax reference's norm is norm_b
                 norms = [n for n in ps["norm_b"] if n is not None] or [n for n in ps["norm_a"] if n is not None]
-                rec["summary"] = dict(
-                    steps=len(ps["bitid"]),
-                    final_bitid=ps["bitid"][-1],
-                    final_bitid_model=ps["bitid_model"][-1],
-                    min_bitid=min(ps["bitid"]),
-                    max_ulp=max(ps["max_ulp"]),
-                    max_rel=max(ps["max_rel"]),
-                    final_loss_a=ps["loss_a"][-1],
-                    final_loss_b=ps["loss_b"][-1],
-                    clip_active_steps=sum(n >= clip for n in norms) if clip is not None and norms else None,
-                )
+                rec["summary"] = summarize(ps, sum(n >= clip for n in norms) if clip is not None and norms else None)
                 comparisons.append(rec)
             write(False)
             print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far "

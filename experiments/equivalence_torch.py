@@ -53,7 +53,7 @@ from trainstream import _contract as C
 from trainstream.torch import OffloadAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, cpu_name, generated_text, git_commit, tqdm  # noqa: E402
+from _common import REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm  # noqa: E402
 from _common import fmt_frac as _fmt_frac  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -433,8 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainers, pairs = plan_setting(devs, dtype, clip, acc, init, args, gpu_ok)
         records = [dict(kind=k, a=a.label, b=b.label, device=a.device.type if a.device == b.device else
                         f"{a.device.type} vs {b.device.type}", dtype=dt_name, clip=clip, accum=acc,
-                        promised=prom, note=note, per_step={k2: [] for k2 in (
-                            "loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")})
+                        promised=prom, note=note, per_step=empty_per_step())
                    for k, a, b, prom, note in pairs]
         desc = f"{dt_name} clip={'off' if clip is None else clip} accum={acc}"
         bar = tqdm(range(args.steps), desc=desc, disable=args.no_progress, leave=False, file=sys.stderr)
@@ -445,17 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for t in trainers:
                     t.synchronize()
                 weights = {t: t.weights() for t in trainers}
-                worst = 0
-                for rec, (_, a, b, _, _) in zip(records, pairs):
-                    m = compare(weights[a], weights[b])
-                    ps = rec["per_step"]
-                    ps["loss_a"].append(losses[a])
-                    ps["loss_b"].append(losses[b])
-                    ps["norm_a"].append(a.last_norm)
-                    ps["norm_b"].append(b.last_norm)
-                    for k2, v in m.items():
-                        ps[k2].append(v)
-                    worst = max(worst, m["max_ulp"])
+                worst = record_step(records, pairs, weights, losses, compare)
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{losses[trainers[0]]:.3f}", max_ulp=worst)
         finally:
@@ -464,17 +453,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for rec in records:
             ps = rec["per_step"]
             norms = [n for n in ps["norm_a"] if n is not None]
-            rec["summary"] = dict(
-                steps=len(ps["bitid"]),
-                final_bitid=ps["bitid"][-1],
-                final_bitid_model=ps["bitid_model"][-1],
-                min_bitid=min(ps["bitid"]),
-                max_ulp=max(ps["max_ulp"]),
-                max_rel=max(ps["max_rel"]),
-                final_loss_a=ps["loss_a"][-1],
-                final_loss_b=ps["loss_b"][-1],
-                clip_active_steps=sum(n > clip for n in norms) if clip is not None else None,
-            )
+            rec["summary"] = summarize(ps, sum(n > clip for n in norms) if clip is not None else None)
             comparisons.append(rec)
         # Written after every setting, so that a run cut short (a time limit) keeps what it did.
         write_outputs(args, argv, devices, dtypes, n_params, comparisons, skipped, t_start, complete=False)

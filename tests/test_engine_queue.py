@@ -1,7 +1,22 @@
 """The workers' queue order (trainstream._engine._WorkQueue): forward order across slots,
 submission order within a slot, jobs whose copy has not landed passed over."""
 
+import types
+
+import numpy as np
+
 from trainstream import _engine as E
+
+
+class _HostBackend:
+    """Just enough of a backend for engine bookkeeping tests: host buffers, no copies."""
+
+    def host_empty(self, numel, dtype, *, pinned, what):
+        array = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16)
+        return types.SimpleNamespace(array=array, pinned=False, handle=None)
+
+    def param_to_host_f32(self, param, out):
+        out[:] = 0
 
 
 def _drain(q):
@@ -72,21 +87,8 @@ def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool(monkeypatch)
     import threading
     import time
 
-    import numpy as np
-
-    class Backend:
-        def host_empty(self, numel, dtype, *, pinned, what):
-            class B:
-                pass
-            b = B()
-            b.array, b.pinned, b.handle = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16), False, None
-            return b
-
-        def param_to_host_f32(self, param, out):
-            out[:] = 0
-
     monkeypatch.setenv("TRAINSTREAM_WORKER_QUEUE", "shared")
-    eng = E.Engine(Backend(), threads=4, chunk_elems=4096)
+    eng = E.Engine(_HostBackend(), threads=4, chunk_elems=4096)
     assert eng._pool.shared
     sid = eng.add_param(None, 8 * 4096, "float32", "cpu")
     s = eng._slots[sid]
@@ -109,21 +111,9 @@ def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool(monkeypatch)
 def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     """A chained batch that cannot be queued (here: its submission raises) is dropped with
     the error kept for the caller; waiting for the slot returns."""
-    import numpy as np
     import pytest
 
-    class Backend:
-        def host_empty(self, numel, dtype, *, pinned, what):
-            class B:
-                pass
-            b = B()
-            b.array, b.pinned, b.handle = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16), False, None
-            return b
-
-        def param_to_host_f32(self, param, out):
-            out[:] = 0
-
-    eng = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    eng = E.Engine(_HostBackend(), threads=2, chunk_elems=4096)
     sid = eng.add_param(None, 2 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     import threading

@@ -3,23 +3,14 @@ where the contract promises it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_experiment_{name}", EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _experiments import EXPERIMENTS, load_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")

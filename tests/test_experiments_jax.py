@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +15,8 @@ pytest.importorskip("matplotlib")
 if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
     pytest.skip("the quick run compares on JAX's CPU backend", allow_module_level=True)
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+from _experiments import EXPERIMENTS, load_script  # noqa: E402
 STEPS = 3
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_experiment_{name}", EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +105,10 @@ def test_equivalence_jax_has_reference_rows(jax_equivalence):
 def test_bench_jax_offload_runs_on_cpu(tmp_path):
     """The (a)-(d) benchmark script in CI size: the setups that exist on the CPU run and
     agree with optax in HBM; gpu mode is reported as needing a GPU."""
-    import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "experiments" / "bench_jax_offload.py"
+    script = EXPERIMENTS / "bench_jax_offload.py"
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(script), "--params", "1M", "--width", "256", "--steps", "2",
                         "--warmup", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)

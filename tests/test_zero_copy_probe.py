@@ -3,23 +3,20 @@ arithmetic and table helpers are right. The kernels themselves run on the GPU ma
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "zero_copy_probe.py"
+from _experiments import EXPERIMENTS, load_script  # noqa: E402
+
+SCRIPT = EXPERIMENTS / "zero_copy_probe.py"
 MEMCPY = {"h2d_gbps": 50.0, "d2h_gbps": 40.0, "both_gbps": 100.0}
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("_experiment_zero_copy_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("zero_copy_probe")
 
 
 def test_first_line_is_its_command():

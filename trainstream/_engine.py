@@ -175,7 +175,7 @@ class _WorkQueue:
     def _take(self, entry: list) -> Callable[[], None]:
         entry[4] = True
         q = self._slots[entry[0]]
-        q.remove(entry) if q[0] is not entry else q.popleft()
+        q.popleft()  # always its slot's oldest: picked as a head, or as the oldest job of all
         if not q:
             del self._slots[entry[0]]
             self._order.pop(bisect.bisect_left(self._order, entry[0]))
