@@ -20,7 +20,8 @@ A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements
 ~options: ~fifo (TrainStream workers in submission order instead of forward order),
 ~niceN (workers at nice N, default 5), ~torchcopy (cpu mode's copies and events through
 torch instead of the CUDA driver), ~perworker (a queue per worker, chunks pinned to
-workers, instead of one shared queue), ~swiU (sys.setswitchinterval of U microseconds
+workers, instead of one shared queue), ~hgN (OffloadAdamW(hook_group_elems=N); 0: one
+gradient hook per parameter), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
@@ -146,7 +147,8 @@ def build(setup, size, device, batch=8):
         from trainstream.torch import OffloadAdamW
 
         mode = "gpu" if setup == "ts_gpu" else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
-        extra = {}
+        group = next((int(o[2:]) for o in opts_ if o.startswith("hg")), None)
+        extra = {} if group is None else {"hook_group_elems": group}
         if mode == "hybrid":
             extra["gpu_share"] = next((float(o[5:]) for o in opts_ if o.startswith("share")), 0.5)
         opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, **extra, **lr)

@@ -30,3 +30,44 @@ def test_error_text_names_the_call_and_the_driver_error():
 def test_context_without_driver_raises_clearly():
     with pytest.raises(drv.CudaDriverError, match="CUDA driver"):
         drv.Context(0)
+
+
+class _FakeContext:
+    """Answers cuEventQuery with NOT_READY ``pending`` times, then success; counts calls."""
+
+    def __init__(self, pending: int):
+        self.pending, self.calls = pending, []
+
+    def call(self, name, *args, release_gil=False):
+        self.calls.append((name, release_gil))
+        if name == "cuEventQuery" and self.pending > 0:
+            self.pending -= 1
+            return drv._CUDA_ERROR_NOT_READY
+        return 0
+
+
+def _fake_event(ctx):
+    ev = object.__new__(drv.Event)
+    ev._ctx, ev.handle, ev._done = ctx, 1234, False
+    return ev
+
+
+def test_event_waits_with_the_gil_released_only_while_pending():
+    ctx = _FakeContext(pending=2)
+    ev = _fake_event(ctx)
+    assert ev.query() is False
+    ev.synchronize()  # still pending at its query: blocks through the GIL-releasing call
+    assert ctx.calls == [("cuEventQuery", False), ("cuEventQuery", False), ("cuEventSynchronize", True)]
+    ev.synchronize()  # seen complete: no driver call any more
+    assert ev.query() is True
+    assert len(ctx.calls) == 3
+    ev.handle = None  # nothing to destroy in __del__
+
+
+def test_event_already_complete_never_releases_the_gil():
+    ctx = _FakeContext(pending=0)
+    ev = _fake_event(ctx)
+    ev.synchronize()
+    ev.synchronize()
+    assert ctx.calls == [("cuEventQuery", False)]
+    ev.handle = None

@@ -174,13 +174,20 @@ class Context:
 
 
 class Event:
-    """A CUDA event recorded once on a stream; waiters sleep (blocking sync)."""
+    """A CUDA event recorded once on a stream; waiters sleep (blocking sync).
 
-    __slots__ = ("handle", "_ctx")
+    Once seen complete, the event remembers it: every chunk job of a batch waits on the
+    same gradient-copy and upload events, and after the first of them a wait is an
+    attribute check instead of a driver call that releases the GIL (each release costs a
+    re-acquisition against up to ``threads`` busy workers).
+    """
+
+    __slots__ = ("handle", "_ctx", "_done")
 
     def __init__(self, ctx: Context, stream: int):
         self._ctx = ctx
         self.handle = None
+        self._done = False
         pushed = ctx._enter()
         try:
             ev = ctypes.c_void_p()
@@ -192,15 +199,22 @@ class Event:
             ctx._leave(pushed)
 
     def synchronize(self) -> None:
-        """Block the calling thread (GIL released) until the event's work is done."""
+        """Block the calling thread until the event's work is done. A query (GIL kept)
+        comes first; only an event still pending is waited for with the GIL released."""
+        if self._done or self.query():
+            return
         _check(self._ctx.call("cuEventSynchronize", self.handle, release_gil=True), "cuEventSynchronize")
+        self._done = True
 
     def query(self) -> bool:
         """Whether the event's work is done (never blocks)."""
+        if self._done:
+            return True
         res = self._ctx.call("cuEventQuery", self.handle)
         if res == _CUDA_ERROR_NOT_READY:
             return False
         _check(res, "cuEventQuery")
+        self._done = True
         return True
 
     def __del__(self):
