@@ -69,15 +69,20 @@ if has train; then
   grep -v '^{' "$OUT/bench_train.log" | tail -n 40
 fi
 if has equiv; then
-  # The full runs take minutes on the device (session 3: 100 CUDA-only steps of the torch
-  # script did not finish in 115 s); both scripts write their tables after every setting,
-  # so a run cut short by the timeout still leaves its finished rows. One tarball comes back.
+  # One process per dtype and script, all at once (the device has 16 cores; each process
+  # drives a tiny model, so they hardly compete): session 3's single process did not get
+  # through 100 CUDA steps in 115 s. Each script writes its tables after every setting, so
+  # a run cut short by the timeout still leaves its finished rows. One tarball comes back.
   mkdir -p /tmp/ts_equiv
-  timeout "${EQUIV_TIMEOUT:-240}" python3 experiments/equivalence_torch.py --no-progress ${EQUIV_TORCH_ARGS:---devices cuda} \
-    --out /tmp/ts_equiv/equivalence_torch > "$OUT/equivalence_torch.log" 2>&1
-  tail -n 30 "$OUT/equivalence_torch.log"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${EQUIV_TIMEOUT:-240}" python3 experiments/equivalence_jax.py --no-progress \
-    ${EQUIV_JAX_ARGS:---devices cpu,gpu} --out /tmp/ts_equiv/equivalence_jax > "$OUT/equivalence_jax.log" 2>&1
-  tail -n 30 "$OUT/equivalence_jax.log"
+  for dt in ${EQUIV_DTYPES:-fp32 bf16 fp16}; do
+    timeout "${EQUIV_TIMEOUT:-240}" python3 experiments/equivalence_torch.py --no-progress --dtypes "$dt" \
+      ${EQUIV_TORCH_ARGS:---devices cpu,cuda --steps 100 --threads 2} \
+      --out "/tmp/ts_equiv/equivalence_torch_$dt" > "/tmp/ts_equiv/equivalence_torch_$dt.log" 2>&1 &
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${EQUIV_TIMEOUT:-240}" python3 experiments/equivalence_jax.py \
+      --no-progress --dtypes "$dt" ${EQUIV_JAX_ARGS:---devices cpu,gpu --steps 100 --threads 2} \
+      --out "/tmp/ts_equiv/equivalence_jax_$dt" > "/tmp/ts_equiv/equivalence_jax_$dt.log" 2>&1 &
+  done
+  wait
+  for f in /tmp/ts_equiv/*.log; do echo "== $f"; tail -n 4 "$f"; done
   tar czf "$OUT/equivalence.tgz" -C /tmp/ts_equiv .
 fi
