@@ -21,7 +21,8 @@ A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements
 ~niceN (workers at nice N, default 5), ~torchcopy (cpu mode's copies and events through
 torch instead of the CUDA driver), ~perworker (a queue per worker, chunks pinned to
 workers, instead of one shared queue), ~hgN (OffloadAdamW(hook_group_elems=N); 0: one
-gradient hook per parameter), ~swiU (sys.setswitchinterval of U microseconds
+gradient hook per parameter), ~clipX (clip gradients to global norm X: TrainStream
+max_grad_norm=X, in-GPU setups clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
@@ -129,6 +130,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_TORCH_COPIES"] = "1" if "torchcopy" in opts_ else "0"
     os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
+    clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     setup, _, opts = setup.partition("@")
     threads, _, chunk = opts.partition(":")
     threads = int(threads) if threads else None
@@ -151,8 +153,10 @@ def build(setup, size, device, batch=8):
         extra = {} if group is None else {"hook_group_elems": group}
         if mode == "hybrid":
             extra["gpu_share"] = next((float(o[5:]) for o in opts_ if o.startswith("share")), 0.5)
-        opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, **extra, **lr)
+        opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, max_grad_norm=clip, **extra, **lr)
         eager = setup.endswith("_eager")
+    elif clip is not None:
+        raise ValueError(f"~clip is not implemented for {setup}")
     elif setup == "ds_zero_offload":
         model = _deepspeed_engine(model, batch, lr)
         opt = None
@@ -162,7 +166,9 @@ def build(setup, size, device, batch=8):
         opt = CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True, **lr)
     else:
         raise ValueError(f"unknown setup {setup!r}")
-    return model, opt, autocast, eager
+    # In-GPU baselines clip with clip_grad_norm_ before the step; TrainStream clips inside.
+    clip_fn = (lambda: torch.nn.utils.clip_grad_norm_(params, clip)) if clip is not None and not setup.startswith("ts_") else None
+    return model, opt, autocast, eager, clip_fn
 
 
 def gpu_timeline(prof, steps: int) -> dict:
@@ -223,7 +229,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    model, opt, autocast, eager = build(setup, size, device, batch)
+    model, opt, autocast, eager, clip_fn = build(setup, size, device, batch)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randint(0, 50304, (batch, seq), device=device, generator=g)
@@ -247,6 +253,8 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
                 else:
                     loss.backward()
             with _trace.span("step"):
+                if clip_fn is not None:
+                    clip_fn()
                 opt.step()
                 opt.zero_grad()
 
@@ -262,6 +270,21 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         t1 = time.perf_counter()
         if i >= warmup:
             times.append(t1 - t0)
+    fwd_ms = None
+    if not setup.split("~")[0].split("@")[0].startswith(("ts_", "torchao", "ds_")):
+        # The forward alone (with autograd's graph, then dropped), for the clipping target
+        # of issue #6: in-GPU step + max(0, host update - next forward) + 5%.
+        fwd = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+            torch.cuda.synchronize()
+            fwd.append(time.perf_counter() - t0)
+            del logits
+        fwd_ms = 1e3 * statistics.median(fwd)
     trace = None
     if trace_dir is not None:
         _trace.start()
@@ -317,6 +340,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         "tokens_per_s": batch * seq / med,
         "peak_gib": peak,
         "left_by_earlier_setups_gib": base / 2**30,
+        **({"forward_ms": fwd_ms} if fwd_ms is not None else {}),
         **extra,
         **({"gpu_timeline": timeline} if timeline else {}),
         **({"host_trace": trace} if trace else {}),
@@ -389,6 +413,22 @@ def main():
         r["exposed_ms"] = ms - b
         print(f"{cfg:10s} {r['setup']:16s} {ms:8.1f} {r['tokens_per_s']:8.0f} {r['peak_gib']:8.2f} {ms - b:8.1f} "
               f"{ms / b:7.2f} {ms / t:7.2f} {r.get('host_update_wall_ms_last', math.nan):9.1f}")
+    for r in rows:
+        # Issue #6's clipping target: TrainStream with ~clipX vs bf16_fused~clipX of the same config.
+        name = r.get("setup", "")
+        if "error" in r or not name.startswith("ts_") or "~clip" not in name:
+            continue
+        clip_opt = next(o for o in name.split("~")[1:] if o.startswith("clip"))
+        base = next((q for q in rows if "error" not in q and q["size"] == r["size"] and q["batch"] == r["batch"]
+                     and q["setup"] == f"bf16_fused~{clip_opt}"), None)
+        if base is None:
+            continue
+        host = r.get("host_update_wall_ms_last", math.nan)
+        target = (base["step_ms_median"] + max(0.0, host - base["forward_ms"])) * 1.05
+        r["clip_target_ms"] = target
+        print(f"\nclipping target {r['size']}x{r['batch']} {name}: (bf16 {base['step_ms_median']:.1f} + max(0, host update "
+              f"{host:.1f} - forward {base['forward_ms']:.1f})) x 1.05 = {target:.1f} ms; measured "
+              f"{r['step_ms_median']:.1f} ms ({r['step_ms_median'] / target:.2f}x the target)")
     for r in rows:
         tl = r.get("gpu_timeline")
         if tl:

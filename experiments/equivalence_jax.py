@@ -395,6 +395,7 @@ class OffloadTrainer(Trainer):
     def __init__(self, kind: str, progs: Programs, init, *, device=None, mode: str = "cpu"):
         super().__init__(kind, progs)
         self.device, self.mode = device, mode
+        self.device_type = "cpu" if device is None else device.platform
         self.tx = progs.offload("torch" if kind == TS_TORCH else "optax", mode=mode)
         self.params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float32)).astype(progs.dtype), init)
         if device is not None:
