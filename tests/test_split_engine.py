@@ -54,10 +54,18 @@ class FakeGpuEngine:
     def __getattr__(self, name):
         return getattr(self.e, name)
 
-    def step(self, updates, max_grad_norm=None, compute_norm=False):
+    def _offload(self, updates):
         for sid, hp, grad, gdtype in updates:
-            self.e.offload_grad(sid, grad, gdtype)
-        self.e.step([(sid, hp) for sid, hp, _, _ in updates])
+            if not self.e.has_grad(sid):
+                self.e.offload_grad(sid, grad, gdtype)
+
+    def grad_sumsq(self, updates):
+        self._offload(updates)
+        return self.e.grad_sumsq([sid for sid, _, _, _ in updates])
+
+    def step(self, updates, max_grad_norm=None, compute_norm=False, clip_coef=None):
+        self._offload(updates)
+        self.e.step([(sid, hp) for sid, hp, _, _ in updates], max_grad_norm, compute_norm, clip_coef=clip_coef)
 
 
 def _params(seed=0):
@@ -107,6 +115,49 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
     split.close()
 
 
+def test_split_clipping_uses_one_norm_over_both_engines():
+    """With max_grad_norm the split sums the GPU share's and the host share's squares
+    into one norm, clips both shares by its coefficient, and gives the bits of one engine
+    clipping by that coefficient; the norm equals the one-engine norm to rounding."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    whole_p, split_p = _params(), _params()
+    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    split = SplitEngine(E.Engine(Backend(), threads=3, chunk_elems=2048), FakeGpuEngine(), gpu_elems=6000)
+    for p in whole_p:
+        whole.add_param(p, p.size, "float32", "cpu")
+    for p in split_p:
+        split.add_param(p, p.size, "float32", "cpu")
+    assert split.last_grad_norm() is None
+    rng = np.random.default_rng(2)
+    clipped = 0
+    for _ in range(6):
+        grads = [rng.standard_normal(p.size).astype(np.float32) * 0.02 for p in whole_p]
+        cpu_updates = []
+        for sid, g in enumerate(grads):
+            if not split.on_gpu(sid):
+                split.offload_grad(sid, g, "float32")
+                cpu_updates.append((sid, hp))
+        norm = split.step(cpu_updates, [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)],
+                          max_grad_norm=1.0)
+        assert norm == split.last_grad_norm()
+        exact = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)))
+        assert abs(norm - exact) <= 1e-12 * exact
+        coef = C.clip_coefficient(norm, 1.0)
+        clipped += coef < 1
+        for sid, g in enumerate(grads):
+            whole.offload_grad(sid, g, "float32")
+        whole.step([(sid, hp) for sid in range(4)], clip_coef=coef)
+        whole.synchronize()
+        split.synchronize()
+    assert clipped >= 3  # the test exercises clipping, not only coefficients of 1
+    for a, b in zip(whole_p, split_p):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="clip_coef excludes"):
+        whole.step([], max_grad_norm=1.0, clip_coef=np.float32(0.5))
+    whole.close()
+    split.close()
+
+
 def test_hybrid_mode_argument_checks():
     torch = pytest.importorskip("torch")
     from trainstream.torch import OffloadAdamW
@@ -115,7 +166,7 @@ def test_hybrid_mode_argument_checks():
     for params in (model.parameters(), model.named_parameters(), [{"params": model.parameters()}]):
         with pytest.raises(ValueError, match="mode='hybrid' needs CUDA parameters"):
             OffloadAdamW(params, mode="hybrid")
-    with pytest.raises(NotImplementedError, match="max_grad_norm"):
+    with pytest.raises(ValueError, match="mode='hybrid' needs CUDA parameters"):
         OffloadAdamW(model.parameters(), mode="hybrid", max_grad_norm=1.0)
     for bad in (True, 1.5, -0.1, "half"):
         with pytest.raises(ValueError, match="gpu_share"):

@@ -242,8 +242,9 @@ def test_driver_calls_leave_the_threads_context_alone():
     assert seen["after"] == seen["before"]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(sched=True), dict(micro=4), dict(micro=2, eager=True)],
-                         ids=["groups", "scheduler", "accumulate4", "eager"])
+@pytest.mark.parametrize("kw", [dict(), dict(sched=True), dict(micro=4), dict(micro=2, eager=True),
+                                dict(max_norm=0.5), dict(max_norm=0.5, micro=2)],
+                         ids=["groups", "scheduler", "accumulate4", "eager", "clip", "clip-accumulate2"])
 def test_hybrid_mode_bit_identical(kw):
     """mode='hybrid': the first half of the elements by the zero-copy kernel, the rest by
     the host threads: the same bits as torch.optim.AdamW on CUDA."""

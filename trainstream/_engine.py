@@ -776,6 +776,7 @@ class Engine:
         max_grad_norm: float | None = None,
         compute_norm: bool = False,
         scalars_fn: Callable[[int, int], np.ndarray] | None = None,
+        clip_coef: np.float32 | None = None,
     ) -> float | None:
         """Queue the update of every slot in ``updates`` that holds a gradient.
 
@@ -785,15 +786,19 @@ class Engine:
         updated eagerly are skipped. ``scalars_fn(slot, step)``, if given, supplies each
         update's scalar vector instead of :func:`trainstream._contract.step_scalars`
         (the JAX adapter computes bias corrections and schedules inside XLA).
+        ``clip_coef``: a clip coefficient the caller computed (``hybrid`` mode, from the
+        norm over both engines), instead of ``max_grad_norm``.
         """
         self._check_open()
         self.check_error()
+        if clip_coef is not None and (max_grad_norm is not None or compute_norm):
+            raise ValueError("Engine.step: clip_coef excludes max_grad_norm and compute_norm")
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         active = [(sid, hp) for sid, hp in updates if self._slot(sid).grad_state != _NO_GRAD]
         # Slots that went the eager path were queued by offload_grad (no gradient left).
         pending = active
-        clip = np.float32(1.0)
+        clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
         norm = None
         if max_grad_norm is not None or compute_norm:
             sumsq = self.backend.all_reduce_sum(self.grad_sumsq([sid for sid, _ in pending]))

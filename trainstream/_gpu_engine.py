@@ -154,37 +154,68 @@ class GpuEngine:
             self._scratch = (handle, ptr, max(count, 1024))
         return self._scratch[1]
 
+    def _check_grads(self, updates: Sequence[tuple[int, Any, Any, str]]) -> None:
+        for sid, _, _, gdtype in updates:
+            self._slot(sid)
+            if gdtype not in _ITEMSIZE:
+                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
+
+    def _launch_sumsq(self, updates: Sequence[tuple[int, Any, Any, str]]) -> int:
+        """Queue the deterministic sum of squares of the gradients of ``updates`` on the
+        update stream (which must already wait for backward); returns the device float64's
+        pointer."""
+        dk, be = self._dk, self.backend
+        grads = [(be.data_ptr(g), gd, self._slot(sid).numel) for sid, _, g, gd in updates]
+        count = sum(dk.blocks_for(n) for _, _, n in grads)
+        dk.launch_grad_sumsq(grads, self._partials(count), self._sumsq[1], be.update_stream(), device=self.device)
+        return self._sumsq[1]
+
+    def grad_sumsq(self, updates: Sequence[tuple[int, Any, Any, str]]) -> float:
+        """Float64 sum of squares of the gradients of ``updates`` (``(slot, _, grad tensor,
+        grad dtype)``), in the fixed order of ``kernels/grad_sumsq.cu``; blocks until the
+        backward that produced them and the sum have run (``hybrid`` mode's clipping: the
+        host share needs the global norm)."""
+        self._check_open()
+        self._check_grads(updates)
+        if not updates:
+            return 0.0
+        self.backend.update_wait(self.backend.record_compute(None))  # after the whole backward
+        self._launch_sumsq(updates)
+        event, host = self.backend.copy_scalar_to_host(self._sumsq[0])
+        event.synchronize()
+        return float(host[0])
+
     def step(
         self,
         updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
         max_grad_norm: float | None = None,
         compute_norm: bool = False,
+        clip_coef: np.float32 | None = None,
     ) -> None:
         """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``.
 
         Gradients must be contiguous device tensors with the parameter's element count.
         Asynchronous: returns once the kernels are queued on the update stream.
+        ``clip_coef``: a clip coefficient computed by the caller (``hybrid`` mode, from
+        the norm over both engines), used instead of ``max_grad_norm``.
         """
         self._check_open()
+        if clip_coef is not None and (max_grad_norm is not None or compute_norm):
+            raise ValueError("GpuEngine.step: clip_coef excludes max_grad_norm and compute_norm")
         dk, be = self._dk, self.backend
         t0 = time.perf_counter()
-        for sid, _, grad, gdtype in updates:
-            s = self._slot(sid)
-            if gdtype not in _ITEMSIZE:
-                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
+        self._check_grads(updates)
         self._steps += 1
         be.update_wait(be.record_compute(None))  # the whole backward precedes the update
         stream = be.update_stream()
         sumsq_ptr = 0
         if max_grad_norm is not None or compute_norm:
-            grads = [(be.data_ptr(g), gd, self._slot(sid).numel) for sid, _, g, gd in updates]
-            count = sum(dk.blocks_for(n) for _, _, n in grads)
-            dk.launch_grad_sumsq(grads, self._partials(count), self._sumsq[1], stream, device=self.device)
-            sumsq_ptr = self._sumsq[1]
+            sumsq_ptr = self._launch_sumsq(updates)
+        clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             s.step += 1
-            scalars = C.step_scalars(hp, s.step, self.convention, "cuda")
+            scalars = C.step_scalars(hp, s.step, self.convention, "cuda", clip)
             dk.launch_adamw(
                 C.variant_id(self.convention, "cuda"),
                 be.data_ptr(s.param),

@@ -10,14 +10,19 @@ shares instead of the sum. The two modes run the same contract (``torch``/``cuda
 CUDA, so each parameter gets its mode's bits; the one difference between modes stays:
 micro-batch gradients of a GPU-share fp16/bf16 parameter are summed by torch in its dtype.
 
-Not implemented: ``max_grad_norm`` (the global norm would have to be summed over both
-engines in the contract's slot order).
+Clipping: the global norm is ``sqrt(gpu_sumsq + host_sumsq)``, each engine's float64 sum
+of squares in its own fixed order (``kernels/grad_sumsq.cu`` for the GPU share, slot and
+block order for the host share), then the GPU share's plus the host share's. Like the
+other modes' it does not depend on threads or chunk size; unlike theirs it depends on the
+split (``gpu_share``): the three modes' norms may differ in the last bits, and with them
+the float32 clip coefficient. Given the same coefficient every mode gives the same bits.
 
 Imports neither torch nor jax; no arithmetic lives here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from . import _contract as C
@@ -35,6 +40,7 @@ class SplitEngine:
         self._gpu_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the gpu engine, its local id)
         self._numel: list[int] = []
+        self._last_norm: float | None = None
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -89,13 +95,26 @@ class SplitEngine:
     # -- steps ------------------------------------------------------------------------------
 
     def step(self, cpu_updates: Sequence[tuple[int, C.AdamWHyperParams]],
-             gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
+             gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
+             max_grad_norm: float | None = None) -> float | None:
         """Launch the GPU share's kernels (first: the next forward needs them first), then
-        queue the host share's updates."""
+        queue the host share's updates. With ``max_grad_norm`` both first wait for the
+        global norm (module docstring), which is returned."""
         self.cpu.check_error()  # raise before any kernel is queued, not between the two
-        if gpu_updates:
-            self.gpu.step([(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates])
-        self.cpu.step([(self._cpu_only(sid), hp) for sid, hp in cpu_updates])
+        gpu_local = [(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates]
+        cpu_local = [(self._cpu_only(sid), hp) for sid, hp in cpu_updates]
+        coef = None
+        norm = None
+        if max_grad_norm is not None:
+            sumsq = self.gpu.grad_sumsq(gpu_local)
+            sumsq += self.cpu.grad_sumsq([sid for sid, _ in cpu_local])
+            norm = math.sqrt(self.cpu.backend.all_reduce_sum(sumsq))
+            self._last_norm = norm
+            coef = C.clip_coefficient(norm, max_grad_norm)
+        if gpu_local:
+            self.gpu.step(gpu_local, clip_coef=coef)
+        self.cpu.step(cpu_local, clip_coef=coef)
+        return norm
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         gpu = [self._where[s][1] for s in sids if self._where[s][0]]
@@ -121,7 +140,8 @@ class SplitEngine:
         self.cpu.synchronize()
 
     def last_grad_norm(self) -> float | None:
-        return None  # no clipping in hybrid mode: no norm is computed
+        """The global norm of the last step that clipped (None before one)."""
+        return self._last_norm
 
     # -- state ------------------------------------------------------------------------------
 

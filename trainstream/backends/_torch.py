@@ -287,9 +287,12 @@ class OffloadAdamW(Optimizer):
         ``"hybrid"`` (both at once: the first trainable parameters in order, up to
         ``gpu_share`` of the trainable elements, by the zero-copy kernel at ``step()``,
         the rest by the host threads; the state of all of them in host memory; CUDA
-        parameters; no ``max_grad_norm`` yet). Each parameter gets the bits of the mode
-        that updates it: the same as both modes, except that micro-batch gradients of a
-        GPU-share fp16/bf16 parameter are summed by torch in its dtype, as in ``gpu`` mode.
+        parameters). Each parameter gets the bits of the mode that updates it: the same
+        as both modes, except that micro-batch gradients of a GPU-share fp16/bf16
+        parameter are summed by torch in its dtype, as in ``gpu`` mode. With
+        ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
+        share's (each deterministic), so it can differ from the other modes' norms in the
+        last bits (see :mod:`trainstream._split_engine`).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here; parameters added later go to the host) updated by the
         zero-copy kernel; a parameter goes to it only if it fits in what is left.
@@ -341,11 +344,6 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
         if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
-        if mode == "hybrid" and max_grad_norm is not None:
-            raise NotImplementedError(
-                "OffloadAdamW mode='hybrid' does not implement max_grad_norm yet (the global norm "
-                "would have to be summed over both engines in the contract's order); use mode='cpu' or 'gpu'"
-            )
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
         # hybrid: the split needs the total of the elements, known once torch has read every
@@ -716,7 +714,7 @@ class OffloadAdamW(Optimizer):
                            if on_gpu(sid) and self._params_of_slot[sid].grad is not None]
             cpu_updates = [(sid, hp) for sid, hp in updates if not on_gpu(sid)]
             sids = [u[0] for u in gpu_updates] + [sid for sid, _ in cpu_updates if self._engine.has_grad(sid)]
-            self._engine.step(cpu_updates, gpu_updates)
+            self._engine.step(cpu_updates, gpu_updates, self.max_grad_norm)
         else:
             sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
             self._engine.step(updates, self.max_grad_norm)
