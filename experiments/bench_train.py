@@ -10,7 +10,7 @@ Setups:
   ts_cpu_eager     the same, update started during backward (last_micro_batch)
   ts_gpu           bf16 weights, OffloadAdamW mode="gpu" (zero-copy kernel)
   ts_hybrid        bf16 weights, OffloadAdamW mode="hybrid" (gpu_share of the elements by
-                   the zero-copy kernel, the rest on the host; ~shareF sets it, default 0.5)
+                   the zero-copy kernel, the rest on the host; ~shareF sets it, default: OffloadAdamW's)
   ts_hybrid_eager  the same, the host share started during backward
   torchao_fp32     fp32 weights + autocast + torchao CPUOffloadOptimizer (fp32 host state:
                    our numerics)
@@ -152,7 +152,9 @@ def build(setup, size, device, batch=8):
         group = next((int(o[2:]) for o in opts_ if o.startswith("hg")), None)
         extra = {} if group is None else {"hook_group_elems": group}
         if mode == "hybrid":
-            extra["gpu_share"] = next((float(o[5:]) for o in opts_ if o.startswith("share")), 0.5)
+            share = next((float(o[5:]) for o in opts_ if o.startswith("share")), None)
+            if share is not None:
+                extra["gpu_share"] = share
         opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, max_grad_norm=clip, **extra, **lr)
         eager = setup.endswith("_eager")
     elif clip is not None:

@@ -246,7 +246,7 @@ def test_driver_calls_leave_the_threads_context_alone():
                                 dict(max_norm=0.5), dict(max_norm=0.5, micro=2)],
                          ids=["groups", "scheduler", "accumulate4", "eager", "clip", "clip-accumulate2"])
 def test_hybrid_mode_bit_identical(kw):
-    """mode='hybrid': the first half of the elements by the zero-copy kernel, the rest by
+    """mode='hybrid': the first 30% of the elements by the zero-copy kernel, the rest by
     the host threads: the same bits as torch.optim.AdamW on CUDA."""
     ref_model, ts_model, _, ts = train_pair_cuda(steps=30, mode="hybrid", **kw)
     assert_same(ref_model, ts_model)

@@ -295,7 +295,11 @@ class OffloadAdamW(Optimizer):
         last bits (see :mod:`trainstream._split_engine`).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here; parameters added later go to the host) updated by the
-        zero-copy kernel; a parameter goes to it only if it fits in what is left.
+        zero-copy kernel; a parameter goes to it only if it fits in what is left. The
+        default, 0.3, was the fastest or near it for GPT-style models of 125M-1.3B
+        parameters on an H200 with a 16-core host (0.2 at 1.3B; see
+        ``experiments/RESULTS.md``); the best value depends on the host's memory
+        bandwidth against the PCIe link's.
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
       hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
@@ -325,7 +329,7 @@ class OffloadAdamW(Optimizer):
         threads: int | None = None,
         chunk_size: int = 1 << 20,
         hook_group_elems: int = 1 << 22,
-        gpu_share: float = 0.5,
+        gpu_share: float = 0.3,
         pin_moments: bool = False,
         convention: str = "torch",
         amsgrad: bool = False,
