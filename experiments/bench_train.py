@@ -131,6 +131,8 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
+    if clip is not None and setup.split("@")[0].endswith("_eager"):
+        raise ValueError(f"{setup}: the eager path is off with clipping (use the setup without _eager)")
     setup, _, opts = setup.partition("@")
     threads, _, chunk = opts.partition(":")
     threads = int(threads) if threads else None

@@ -120,11 +120,14 @@ def test_split_clipping_uses_one_norm_over_both_engines():
     into one norm, clips both shares by its coefficient, and gives the bits of one engine
     clipping by that coefficient; the norm equals the one-engine norm to rounding."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
-    whole_p, split_p = _params(), _params()
+    whole_p, split_p, plain_p = _params(), _params(), _params()
     whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    plain = E.Engine(Backend(), threads=1, chunk_elems=4096)  # the same gradients, never clipped
     split = SplitEngine(E.Engine(Backend(), threads=3, chunk_elems=2048), FakeGpuEngine(), gpu_elems=6000)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
+    for p in plain_p:
+        plain.add_param(p, p.size, "float32", "cpu")
     for p in split_p:
         split.add_param(p, p.size, "float32", "cpu")
     assert split.last_grad_norm() is None
@@ -146,15 +149,50 @@ def test_split_clipping_uses_one_norm_over_both_engines():
         clipped += coef < 1
         for sid, g in enumerate(grads):
             whole.offload_grad(sid, g, "float32")
+            plain.offload_grad(sid, g, "float32")
         whole.step([(sid, hp) for sid in range(4)], clip_coef=coef)
+        plain.step([(sid, hp) for sid in range(4)])
         whole.synchronize()
+        plain.synchronize()
         split.synchronize()
     assert clipped >= 3  # the test exercises clipping, not only coefficients of 1
-    for a, b in zip(whole_p, split_p):
+    for a, b, c in zip(whole_p, split_p, plain_p):
         assert np.array_equal(a, b)
+        assert not np.array_equal(a, c)  # the coefficient was applied
     with pytest.raises(ValueError, match="clip_coef excludes"):
         whole.step([], max_grad_norm=1.0, clip_coef=np.float32(0.5))
     whole.close()
+    plain.close()
+    split.close()
+
+
+def test_split_worker_error_after_its_check_steps_both_shares_and_raises_later():
+    """A worker error recorded between the split's own check and the host share's step is
+    not raised there (the GPU share is already queued): both shares step, and the error
+    comes out at the next call."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    params = _params()
+    gpu = FakeGpuEngine()
+    split = SplitEngine(E.Engine(Backend(), threads=1, chunk_elems=4096), gpu, gpu_elems=6000)
+    for p in params:
+        split.add_param(p, p.size, "float32", "cpu")
+    grads = [np.ones(p.size, np.float32) for p in params]
+    for sid in range(4):
+        if not split.on_gpu(sid):
+            split.offload_grad(sid, grads[sid], "float32")
+    real_step = gpu.step
+
+    def step_then_worker_error(*a, **k):  # an error lands while the GPU share is queued
+        real_step(*a, **k)
+        split.cpu._record_error(RuntimeError("worker failed"))
+
+    gpu.step = step_then_worker_error
+    split.step([(sid, hp) for sid in range(4) if not split.on_gpu(sid)],
+               [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)])
+    assert [split.get_step(sid) for sid in range(4)] == [1, 1, 1, 1]
+    with pytest.raises(E.WorkerError, match="worker failed"):
+        split.synchronize()
+    split.clear_error()
     split.close()
 
 

@@ -777,6 +777,7 @@ class Engine:
         compute_norm: bool = False,
         scalars_fn: Callable[[int, int], np.ndarray] | None = None,
         clip_coef: np.float32 | None = None,
+        check_errors: bool = True,
     ) -> float | None:
         """Queue the update of every slot in ``updates`` that holds a gradient.
 
@@ -787,10 +788,13 @@ class Engine:
         update's scalar vector instead of :func:`trainstream._contract.step_scalars`
         (the JAX adapter computes bias corrections and schedules inside XLA).
         ``clip_coef``: a clip coefficient the caller computed (``hybrid`` mode, from the
-        norm over both engines), instead of ``max_grad_norm``.
+        norm over both engines), instead of ``max_grad_norm``. ``check_errors=False``:
+        a worker error recorded since the caller's own check is left for the next call
+        to raise (``hybrid`` mode has already queued the GPU share's update by then).
         """
         self._check_open()
-        self.check_error()
+        if check_errors:
+            self.check_error()
         if clip_coef is not None and (max_grad_norm is not None or compute_norm):
             raise ValueError("Engine.step: clip_coef excludes max_grad_norm and compute_norm")
         self._stats.add("steps", 1)

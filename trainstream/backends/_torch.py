@@ -294,8 +294,9 @@ class OffloadAdamW(Optimizer):
         share's (each deterministic), so it can differ from the other modes' norms in the
         last bits (see :mod:`trainstream._split_engine`).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
-        parameters given here; parameters added later go to the host) updated by the
-        zero-copy kernel; a parameter goes to it only if it fits in what is left. The
+        parameters given here) updated by the zero-copy kernel. Parameters are taken in
+        order; each goes to the kernel if it fits in what is left of the share (also one
+        added later with ``add_param_group``), else to the host. The
         default, 0.3, was the fastest or near it for GPT-style models of 125M-1.3B
         parameters on an H200 with a 16-core host (0.2 at 1.3B; see
         ``experiments/RESULTS.md``); the best value depends on the host's memory
@@ -490,7 +491,12 @@ class OffloadAdamW(Optimizer):
                         "OffloadAdamW mode='hybrid' needs CuPy: pip install 'trainstream[cuda12]' or "
                         f"'trainstream[cuda13]' ({exc})"
                     ) from exc
-                self._engine = SplitEngine(Engine(backend, **self._engine_args), gpu, self._gpu_budget)
+                try:
+                    host = Engine(backend, **self._engine_args)
+                except BaseException:
+                    gpu.close()
+                    raise
+                self._engine = SplitEngine(host, gpu, self._gpu_budget)
             elif self.mode == "gpu":
                 if p.device.type != "cuda":
                     raise ValueError(
