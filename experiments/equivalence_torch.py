@@ -7,7 +7,8 @@ downloaded), for N steps with every TrainStream setting beside the references:
 * references: ``torch.optim.AdamW`` default (single-tensor on CPU, foreach on CUDA) and
   ``fused=True``;
 * TrainStream: ``OffloadAdamW(mode="cpu")``, the same with the eager path
-  (``last_micro_batch()``, without clipping only), and ``mode="gpu"`` on CUDA when CuPy
+  (``last_micro_batch()``, without clipping only), and ``mode="gpu"`` and
+  ``mode="hybrid"`` (the latter in fp32, or in fp16/bf16 without accumulation) on CUDA when CuPy
   is present (skipped with a printed reason otherwise);
 * fp32 weights; bf16 and fp16 weights against an fp32-master reference (the reference
   trains fp32 master copies fed the upcast gradients of its own half model, whose weights
@@ -60,9 +61,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_OUT = REPO / "experiments" / "out" / "equivalence_torch"
 
 # Trainer kinds
-DEFAULT, FUSED, TS_CPU, TS_EAGER, TS_GPU = "torch default", "torch fused", "OffloadAdamW cpu", \
-    "OffloadAdamW cpu eager", "OffloadAdamW gpu"
-TS_KINDS = (TS_CPU, TS_EAGER, TS_GPU)
+DEFAULT, FUSED, TS_CPU, TS_EAGER, TS_GPU, TS_HYBRID = "torch default", "torch fused", "OffloadAdamW cpu", \
+    "OffloadAdamW cpu eager", "OffloadAdamW gpu", "OffloadAdamW hybrid"
+TS_KINDS = (TS_CPU, TS_EAGER, TS_GPU, TS_HYBRID)
+_MODE = {TS_CPU: "cpu", TS_EAGER: "cpu", TS_GPU: "gpu", TS_HYBRID: "hybrid"}
 # Notes on rows whose reference differs from the plain one
 OWN_NORM = "reference clips with its own clip_grad_norm_"
 PARAM_ACCUM = "reference accumulates half gradients in the parameter dtype, as the gpu mode reads them"
@@ -170,8 +172,7 @@ class Trainer:
         hp = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         self.masters = None
         if kind in TS_KINDS:
-            self.opt = OffloadAdamW(groups, **hp, max_grad_norm=clip, mode="gpu" if kind == TS_GPU else "cpu",
-                                    threads=args.threads)
+            self.opt = OffloadAdamW(groups, **hp, max_grad_norm=clip, mode=_MODE[kind], threads=args.threads)
         else:
             if self.half:
                 self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
@@ -313,6 +314,10 @@ def plan_setting(devices: list[torch.device], dtype: torch.dtype, clip: float | 
     own = {}  # the reference trainer of each device that clips by its own norm
     for dev in devices:
         ts_kinds = [TS_CPU] + ([TS_EAGER] if clip is None else []) + ([TS_GPU] if dev.type == "cuda" and gpu_ok else [])
+        # hybrid: its GPU share sums half micro-batch gradients in the parameter dtype, its
+        # host share in fp32; no single reference does both, so it runs where they agree.
+        if dev.type == "cuda" and gpu_ok and (dtype == torch.float32 or accum == 1):
+            ts_kinds.append(TS_HYBRID)
         default = new(DEFAULT, dev)
         own[dev.type] = default
         for kind in ts_kinds:
@@ -402,14 +407,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpu_ok = False
     if "cuda" in devices:
         if importlib.util.find_spec("cupy") is None:
-            skipped.append("OffloadAdamW mode='gpu': CuPy is not installed (pip install 'trainstream[cuda12]' or '[cuda13]')")
+            skipped.append("OffloadAdamW mode='gpu' and 'hybrid': CuPy is not installed (pip install 'trainstream[cuda12]' or '[cuda13]')")
         else:
             try:
                 probe = nn.Parameter(torch.zeros(4, device="cuda"))
                 OffloadAdamW([probe], mode="gpu").close()
+                OffloadAdamW([probe], mode="hybrid").close()
                 gpu_ok = True
             except Exception as exc:  # noqa: BLE001 - report why and go on without it
-                skipped.append(f"OffloadAdamW mode='gpu': {type(exc).__name__}: {exc}")
+                skipped.append(f"OffloadAdamW mode='gpu' and 'hybrid': {type(exc).__name__}: {exc}")
     else:
         skipped.append("CUDA rows (torch foreach/fused on CUDA, OffloadAdamW with CUDA parameters, "
                        "mode='gpu', CPU vs CUDA): no CUDA device" if not torch.cuda.is_available()
