@@ -81,33 +81,40 @@ def test_gpu_mode_equals_cpu_mode_and_norm_is_deterministic():
     assert_same(runs["cpu"][0][0], g1)
 
 
-def test_checkpoint_moves_between_modes():
-    data = [x.to(DEV) for x in batches(30)]
+def _run(m, opt, xs):
+    for x in xs:
+        opt.zero_grad()
+        loss_of(m, x).backward()
+        opt.step()
+    opt.synchronize()
 
-    def run(m, opt, xs):
-        for x in xs:
-            opt.zero_grad()
-            loss_of(m, x).backward()
-            opt.step()
-        opt.synchronize()
 
+def _resume_in_another_mode(first, second, data, split):
+    """Train in ``first`` mode, checkpoint after ``split`` batches, go on; a model and an
+    optimizer in ``second`` mode restored from the checkpoint must land on the same bits."""
     model = make_model().to(DEV)
-    ts = OffloadAdamW(two_groups(model), mode="cpu")
-    run(model, ts, data[:15])
+    ts = OffloadAdamW(two_groups(model), mode=first)
+    _run(model, ts, data[:split])
     ck = {"model": copy.deepcopy(model.state_dict()), "opt": ts.state_dict()}
-    run(model, ts, data[15:])
+    _run(model, ts, data[split:])
     m2 = make_model().to(DEV)
     m2.load_state_dict(ck["model"])
-    ts2 = OffloadAdamW(two_groups(m2), mode="gpu")
+    ts2 = OffloadAdamW(two_groups(m2), mode=second)
     ts2.load_state_dict(ck["opt"])
-    run(m2, ts2, data[15:])
+    _run(m2, ts2, data[split:])
     assert_same(model, m2)
+    return ts, m2, ts2
+
+
+def test_checkpoint_moves_between_modes():
+    data = [x.to(DEV) for x in batches(30)]
+    ts, m2, ts2 = _resume_in_another_mode("cpu", "gpu", data, 15)
     m3 = make_model().to(DEV)
     m3.load_state_dict(m2.state_dict())
     ts3 = OffloadAdamW(two_groups(m3), mode="cpu")
     ts3.load_state_dict(ts2.state_dict())
-    run(m2, ts2, data[:5])
-    run(m3, ts3, data[:5])
+    _run(m2, ts2, data[:5])
+    _run(m3, ts3, data[:5])
     assert_same(m2, m3)
     for o in (ts, ts2, ts3):
         o.close()
@@ -255,26 +262,7 @@ def test_hybrid_mode_bit_identical(kw):
     ts.close()
 
 
-def test_hybrid_checkpoint_moves_to_cpu_mode_and_back():
-    data = [x.to(DEV) for x in batches(20)]
-
-    def run(m, opt, xs):
-        for x in xs:
-            opt.zero_grad()
-            loss_of(m, x).backward()
-            opt.step()
-        opt.synchronize()
-
-    model = make_model().to(DEV)
-    ts = OffloadAdamW(two_groups(model), mode="hybrid")
-    run(model, ts, data[:10])
-    ck = {"model": copy.deepcopy(model.state_dict()), "opt": ts.state_dict()}
-    run(model, ts, data[10:])
-    m2 = make_model().to(DEV)
-    m2.load_state_dict(ck["model"])
-    ts2 = OffloadAdamW(two_groups(m2), mode="cpu")
-    ts2.load_state_dict(ck["opt"])
-    run(m2, ts2, data[10:])
-    assert_same(model, m2)
+def test_hybrid_checkpoint_moves_to_cpu_mode():
+    ts, _, ts2 = _resume_in_another_mode("hybrid", "cpu", [x.to(DEV) for x in batches(20)], 10)
     for o in (ts, ts2):
         o.close()

@@ -201,7 +201,7 @@ class Event:
     def synchronize(self) -> None:
         """Block the calling thread until the event's work is done. A query (GIL kept)
         comes first; only an event still pending is waited for with the GIL released."""
-        if self._done or self.query():
+        if self.query():
             return
         _check(self._ctx.call("cuEventSynchronize", self.handle, release_gil=True), "cuEventSynchronize")
         self._done = True
