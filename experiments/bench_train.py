@@ -9,9 +9,11 @@ Setups:
   ts_cpu           bf16 weights, OffloadAdamW mode="cpu" (fp32 master + moments on the host)
   ts_cpu_eager     the same, update started during backward (last_micro_batch)
   ts_gpu           bf16 weights, OffloadAdamW mode="gpu" (zero-copy kernel)
+  ts_gpu_eager     the same, each kernel launched during backward as its gradient is ready
   ts_hybrid        bf16 weights, OffloadAdamW mode="hybrid" (gpu_share of the elements by
                    the zero-copy kernel, the rest on the host; ~shareF sets it, default: OffloadAdamW's)
-  ts_hybrid_eager  the same, the host share started during backward
+  ts_hybrid_eager  the same, both shares started during backward (~last: the GPU share is
+                   the last parameters, gpu_params="last")
   torchao_fp32     fp32 weights + autocast + torchao CPUOffloadOptimizer (fp32 host state:
                    our numerics)
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
@@ -23,7 +25,8 @@ torch instead of the CUDA driver), ~perworker (a queue per worker, chunks pinned
 workers, instead of one shared queue), ~hgN (OffloadAdamW(hook_group_elems=N); 0: one
 gradient hook per parameter), ~clipX (clip gradients to global norm X: TrainStream
 max_grad_norm=X, in-GPU setups clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
-while this setup runs; Python's default is 5000).
+while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"), ~ebN
+(eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -129,6 +132,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WORKER_NICE"] = next((o[4:] for o in opts_ if o.startswith("nice")), "5")
     os.environ["TRAINSTREAM_TORCH_COPIES"] = "1" if "torchcopy" in opts_ else "0"
     os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
+    os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "0")
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):
@@ -150,13 +154,15 @@ def build(setup, size, device, batch=8):
     elif setup.startswith("ts_"):
         from trainstream.torch import OffloadAdamW
 
-        mode = "gpu" if setup == "ts_gpu" else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
+        mode = "gpu" if setup.startswith("ts_gpu") else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
         group = next((int(o[2:]) for o in opts_ if o.startswith("hg")), None)
         extra = {} if group is None else {"hook_group_elems": group}
         if mode == "hybrid":
             share = next((float(o[5:]) for o in opts_ if o.startswith("share")), None)
             if share is not None:
                 extra["gpu_share"] = share
+            if "last" in opts_:
+                extra["gpu_params"] = "last"
         opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, max_grad_norm=clip, **extra, **lr)
         eager = setup.endswith("_eager")
     elif clip is not None:
@@ -360,7 +366,10 @@ def largest_models(rows, capacity_gib):
         if "error" not in r:
             groups.setdefault((r["setup"], r["batch"]), []).append((r["params_M"], r["peak_gib"]))
     for key, pts in groups.items():
-        pts = sorted(set(pts))
+        by_size: dict = {}  # a setup run twice at one size: the larger peak
+        for x, y in pts:
+            by_size[x] = max(y, by_size.get(x, y))
+        pts = sorted(by_size.items())
         if len(pts) < 2:
             continue
         (x0, y0), (x1, y1) = pts[0], pts[-1]

@@ -50,6 +50,7 @@ class FakeGpuEngine:
 
     def __init__(self):
         self.e = E.Engine(Backend(), threads=1, chunk_elems=4096)
+        self.eager_calls = 0
 
     def __getattr__(self, name):
         return getattr(self.e, name)
@@ -63,7 +64,9 @@ class FakeGpuEngine:
         self._offload(updates)
         return self.e.grad_sumsq([sid for sid, _, _, _ in updates])
 
-    def step(self, updates, max_grad_norm=None, compute_norm=False, clip_coef=None):
+    def step(self, updates, max_grad_norm=None, compute_norm=False, clip_coef=None, *, eager=False,
+             max_blocks=None):
+        self.eager_calls += eager
         self._offload(updates)
         self.e.step([(sid, hp) for sid, hp, _, _ in updates], max_grad_norm, compute_norm, clip_coef=clip_coef)
 
@@ -111,6 +114,44 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
     split.truncate(3)  # drops slot 3 (GPU share, 100 elements) and 4: the share is free again
     assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu") == 3
     assert split.on_gpu(3)
+    whole.close()
+    split.close()
+
+
+def test_explicit_placement_and_eager_gpu_share():
+    """``gpu_params="last"``'s placement (the adapter says which slots go to the GPU) and
+    its eager path: the GPU share launched slot by slot during backward, the host share at
+    ``step()`` without them; the bits of one engine doing everything."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    whole_p, split_p = _params(), _params()
+    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
+    gpu = FakeGpuEngine()
+    split = SplitEngine(E.Engine(Backend(), threads=2, chunk_elems=4096), gpu, gpu_elems=7100)
+    for p in whole_p:
+        whole.add_param(p, p.size, "float32", "cpu")
+    for sid, p in enumerate(split_p):
+        split.add_param(p, p.size, "float32", "cpu", gpu=sid >= 2)
+    assert [split.on_gpu(s) for s in range(4)] == [False, False, True, True]
+    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", host=True, gpu=True) == 4
+    assert not split.on_gpu(4)  # a frozen parameter stays on the host whatever gpu says
+    split.truncate(4)
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
+        for sid, g in enumerate(grads):
+            whole.offload_grad(sid, g, "float32")
+        whole.step([(sid, hp) for sid in range(4)])
+        for sid in (3, 2):  # backward's order: the last parameters' gradients first
+            split.step_gpu_eager([(sid, hp, grads[sid], "float32")])
+        for sid in (1, 0):
+            split.offload_grad(sid, grads[sid], "float32")
+        split.step([(0, hp), (1, hp)], [])
+        whole.synchronize()
+        split.synchronize()
+    assert gpu.eager_calls == 8
+    for a, b in zip(whole_p, split_p):
+        assert np.array_equal(a, b)
+    assert [split.get_step(s) for s in range(4)] == [4] * 4
     whole.close()
     split.close()
 
@@ -211,3 +252,11 @@ def test_hybrid_mode_argument_checks():
             OffloadAdamW(model.parameters(), mode="hybrid", gpu_share=bad)
     with pytest.raises(ValueError, match="needs CUDA"):
         OffloadAdamW(model.parameters(), mode="hybrid", gpu_share=np.float32(0.3))
+    for bad in ("middle", None, 1):
+        with pytest.raises(ValueError, match="Invalid gpu_params"):
+            OffloadAdamW(model.parameters(), mode="hybrid", gpu_params=bad)
+    for mode in ("cpu", "gpu"):
+        with pytest.raises(ValueError, match="applies to mode='hybrid' only"):
+            OffloadAdamW(model.parameters(), mode=mode, gpu_params="last")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        OffloadAdamW(model.parameters(), mode="hybrid", gpu_params="last")

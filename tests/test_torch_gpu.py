@@ -138,14 +138,16 @@ class Thin(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("mode,eager", [("cpu", False), ("cpu", True), ("gpu", False)])
+@pytest.mark.parametrize("mode,eager", [("cpu", False), ("cpu", True), ("gpu", False), ("gpu", True),
+                                        ("hybrid-last", True)])
 def test_no_stale_weights_in_next_forward(mode, eager):
     torch.manual_seed(0)
     ref_model = Thin().to(DEV)
     ts_model = Thin().to(DEV)
     ts_model.load_state_dict(ref_model.state_dict())
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    ts = OffloadAdamW(ts_model.parameters(), lr=1e-2, threads=2, mode=mode)
+    kw = dict(mode="hybrid", gpu_params="last", gpu_share=0.5) if mode == "hybrid-last" else dict(mode=mode)
+    ts = OffloadAdamW(ts_model.parameters(), lr=1e-2, threads=2, **kw)
     x = torch.randn(8, 16, device=DEV)
     for step in range(100):
         out_ref = ref_model(x)
@@ -252,13 +254,44 @@ def test_driver_calls_leave_the_threads_context_alone():
 @pytest.mark.parametrize("kw", [dict(), dict(sched=True), dict(micro=4), dict(micro=2, eager=True),
                                 dict(max_norm=0.5), dict(max_norm=0.5, micro=2)],
                          ids=["groups", "scheduler", "accumulate4", "eager", "clip", "clip-accumulate2"])
-def test_hybrid_mode_bit_identical(kw):
-    """mode='hybrid': the first 30% of the elements by the zero-copy kernel, the rest by
-    the host threads: the same bits as torch.optim.AdamW on CUDA."""
-    ref_model, ts_model, _, ts = train_pair_cuda(steps=30, mode="hybrid", **kw)
+@pytest.mark.parametrize("gpu_params", ["first", "last"])
+def test_hybrid_mode_bit_identical(kw, gpu_params):
+    """mode='hybrid': 30% of the elements (the first or the last parameters) by the
+    zero-copy kernel, the rest by the host threads: the same bits as torch.optim.AdamW on
+    CUDA."""
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=30, mode="hybrid", gpu_params=gpu_params, **kw)
     assert_same(ref_model, ts_model)
     st = ts.stats()
     assert 0 < st["gpu_params"] < st["params"]
+    on_gpu = [ts._engine.on_gpu(sid) for sid in range(int(st["params"]))]
+    assert on_gpu[-1 if gpu_params == "last" else 0] and not on_gpu[0 if gpu_params == "last" else -1]
+    if kw.get("eager"):  # the GPU share's kernels were launched by its gradient hooks
+        assert st["eager_updates"] >= 30 * st["gpu_params"]
+    ts.close()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
+def test_eager_kernels_launch_during_backward(mode, monkeypatch):
+    """Under last_micro_batch() the zero-copy kernels start from the gradient hooks: the
+    update is queued before step() (stats), a second backward in the block raises,
+    zeroing gradients in place afterwards is ordered after the kernels that read them,
+    and a capped grid (fewer blocks than the device holds) changes no bit."""
+    monkeypatch.setenv("TRAINSTREAM_GPU_EAGER_BLOCKS", "3")
+    kw = dict(gpu_params="last", gpu_share=0.5) if mode == "hybrid" else {}
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=20, mode=mode, micro=2, eager=True,
+                                                 zero_to_none=False, **kw)
+    assert_same(ref_model, ts_model)
+    assert ts._eager_blocks == 3
+    n_gpu = int(ts.stats().get("gpu_params", ts.stats()["params"]))
+    before = ts.stats()["eager_updates"]
+    x = batches(1)[0].to(DEV)
+    ts.zero_grad()
+    with ts.last_micro_batch():
+        loss_of(ts_model, x).backward(retain_graph=True)
+    assert ts.stats()["eager_updates"] - before >= n_gpu  # queued before step()
+    with pytest.raises(RuntimeError, match="second backward inside last_micro_batch"):
+        with ts.last_micro_batch():
+            loss_of(ts_model, x).backward()
     ts.close()
 
 

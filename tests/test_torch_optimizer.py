@@ -62,12 +62,13 @@ def assert_same(m1, m2):
 
 
 def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4096, eager=False,
-               device="cpu", mode="cpu"):
-    """The same model trained by torch.optim.AdamW and by OffloadAdamW on ``device``."""
+               device="cpu", mode="cpu", zero_to_none=True, **opt_kw):
+    """The same model trained by torch.optim.AdamW and by OffloadAdamW on ``device``
+    (``opt_kw``: more OffloadAdamW arguments)."""
     ref_model, ts_model = make_model().to(device), make_model().to(device)
     ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
     ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
-                      threads=threads, chunk_size=chunk, mode=mode)
+                      threads=threads, chunk_size=chunk, mode=mode, **opt_kw)
     scheds = []
     if sched:
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
@@ -77,7 +78,7 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
     for step in range(steps):
         xs = data[step * micro:(step + 1) * micro]
         # TrainStream first: its norm fixes the float32 clip coefficient the reference uses.
-        ts.zero_grad()
+        ts.zero_grad(set_to_none=zero_to_none)
         for i, x in enumerate(xs):
             loss = loss_of(ts_model, x) / micro
             if eager and i == micro - 1:

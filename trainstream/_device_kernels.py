@@ -383,6 +383,7 @@ def launch_adamw(
     *,
     scalars_ptr: int = 0,
     device: int | None = None,
+    max_blocks: int | None = None,
 ) -> None:
     """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous).
 
@@ -402,6 +403,9 @@ def launch_adamw(
     the kernel computes ``clip_coefficient(sqrt(sumsq), max_norm)`` on the device and
     uses it instead of ``scalars[S_CLIP]``; with ``sumsq_ptr=0`` the coefficient is
     ``scalars[S_CLIP]`` (1.0 when not clipping).
+
+    ``max_blocks``: a cap on the grid (the kernel is grid-stride, so the bits do not
+    depend on it), e.g. to leave multiprocessors to a backward running at the same time.
     """
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
@@ -434,6 +438,10 @@ def launch_adamw(
     dev = _current_device() if device is None else int(device)
     kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
     grid = _grid_for(n, kernel.max_grid)
+    if max_blocks is not None:
+        if int(max_blocks) < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        grid = min(grid, int(max_blocks))
     args = [
         ctypes.c_void_p(param_ptr),
         ctypes.c_void_p(grad_ptr),

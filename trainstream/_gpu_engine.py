@@ -82,6 +82,7 @@ class GpuEngine:
         self._norm_copy: tuple[Any, Any] | None = None  # (event, pinned host buffer)
         self._last_norm: float | None = None
         self._steps = 0
+        self._eager_updates = 0
         self._launch_s = 0.0
         self._ready_stall_s = 0.0
         self._mapped_bytes = 0
@@ -191,22 +192,36 @@ class GpuEngine:
         max_grad_norm: float | None = None,
         compute_norm: bool = False,
         clip_coef: np.float32 | None = None,
+        *,
+        eager: bool = False,
+        max_blocks: int | None = None,
     ) -> None:
         """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``.
 
         Gradients must be contiguous device tensors with the parameter's element count.
-        Asynchronous: returns once the kernels are queued on the update stream.
+        Asynchronous: returns once the kernels are queued on the update stream, after
+        what the compute stream has queued so far (the whole backward, or with ``eager``
+        the part that produced these gradients).
         ``clip_coef``: a clip coefficient computed by the caller (``hybrid`` mode, from
         the norm over both engines), used instead of ``max_grad_norm``.
+        ``eager``: called from a gradient hook during backward for some parameters of
+        the step (counted as eager updates, not as a step; no clipping).
+        ``max_blocks``: grid cap of the update kernels (see
+        :func:`trainstream._device_kernels.launch_adamw`).
         """
         self._check_open()
         if clip_coef is not None and (max_grad_norm is not None or compute_norm):
             raise ValueError("GpuEngine.step: clip_coef excludes max_grad_norm and compute_norm")
+        if eager and (max_grad_norm is not None or compute_norm or clip_coef is not None):
+            raise ValueError("GpuEngine.step: an eager update cannot clip (the norm needs every gradient)")
         dk, be = self._dk, self.backend
         t0 = time.perf_counter()
         self._check_grads(updates)
-        self._steps += 1
-        be.update_wait(be.record_compute(None))  # the whole backward precedes the update
+        if eager:
+            self._eager_updates += len(updates)
+        else:
+            self._steps += 1
+        be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update
         stream = be.update_stream()
         sumsq_ptr = 0
         if max_grad_norm is not None or compute_norm:
@@ -231,6 +246,7 @@ class GpuEngine:
                 float(max_grad_norm or 0.0),
                 stream,
                 device=self.device,
+                max_blocks=max_blocks,
             )
             s.grad_keep = grad  # alive until the compute stream has waited on `ready`
             s.ready = be.record_update()
@@ -337,7 +353,7 @@ class GpuEngine:
             "threads": 0.0,
             "gpu_mode": 1.0,
             "steps": float(self._steps),
-            "eager_updates": 0.0,
+            "eager_updates": float(self._eager_updates),
             "host_state_bytes": float(self._mapped_bytes),
             "pinned_state_bytes": float(self._mapped_bytes),
             "pageable_state_bytes": 0.0,

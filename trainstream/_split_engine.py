@@ -44,10 +44,15 @@ class SplitEngine:
 
     # -- slots ----------------------------------------------------------------------------
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str, host: bool = False) -> int:
-        """Register a parameter: on the GPU engine if it fits in the share left (and not
-        ``host``, e.g. a frozen one), else on the host engine."""
-        on_gpu = not host and self._gpu_used + int(numel) <= self._gpu_budget
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, host: bool = False,
+                  gpu: bool | None = None) -> int:
+        """Register a parameter: on the GPU engine if ``gpu`` says so or, with ``gpu=None``,
+        if it fits in the share left (and not ``host``, e.g. a frozen one); else on the
+        host engine."""
+        if gpu is None:
+            on_gpu = not host and self._gpu_used + int(numel) <= self._gpu_budget
+        else:
+            on_gpu = bool(gpu) and not host
         engine = self.gpu if on_gpu else self.cpu
         local = engine.add_param(param, numel, dtype, platform)
         if on_gpu:
@@ -93,6 +98,13 @@ class SplitEngine:
         self.cpu.discard_grads()
 
     # -- steps ------------------------------------------------------------------------------
+
+    def step_gpu_eager(self, gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
+                       max_blocks: int | None = None) -> None:
+        """Launch the update of GPU-share slots whose gradients backward has just
+        produced (the eager path: no clipping); :meth:`step` then leaves them out."""
+        self.gpu.step([(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates],
+                      eager=True, max_blocks=max_blocks)
 
     def step(self, cpu_updates: Sequence[tuple[int, C.AdamWHyperParams]],
              gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
@@ -167,6 +179,7 @@ class SplitEngine:
             st[k] += g[k]
         st["steps"] = max(st["steps"], g["steps"])
         st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
+        st["eager_updates"] += g["eager_updates"]
         st["gpu_params"] = g["params"]
         st["gpu_numel"] = g["numel"]
         st["gpu_update_launch_ms_total"] = g["update_ms_total"]

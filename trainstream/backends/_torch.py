@@ -284,10 +284,9 @@ class OffloadAdamW(Optimizer):
       max_grad_norm: if set, gradients are clipped by their global L2 norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
-        ``"hybrid"`` (both at once: the first trainable parameters in order, up to
-        ``gpu_share`` of the trainable elements, by the zero-copy kernel at ``step()``,
-        the rest by the host threads; the state of all of them in host memory; CUDA
-        parameters). Each parameter gets the bits of the mode that updates it: the same
+        ``"hybrid"`` (both at once: up to ``gpu_share`` of the trainable elements by
+        the zero-copy kernel, the rest by the host threads; the state of all of them in
+        host memory; CUDA parameters). Each parameter gets the bits of the mode that updates it: the same
         as both modes, except that micro-batch gradients of a GPU-share fp16/bf16
         parameter are summed by torch in its dtype, as in ``gpu`` mode. With
         ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
@@ -295,12 +294,18 @@ class OffloadAdamW(Optimizer):
         last bits (see :mod:`trainstream._split_engine`).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here) updated by the zero-copy kernel. Parameters are taken in
-        order; each goes to the kernel if it fits in what is left of the share (also one
-        added later with ``add_param_group``), else to the host. The
+        the order ``gpu_params`` says; each goes to the kernel if it fits in what is left
+        of the share (also one added later with ``add_param_group``), else to the host. The
         default, 0.3, was the fastest or near it for GPT-style models of 125M-1.3B
         parameters on an H200 with a 16-core host (0.2 at 1.3B; see
         ``experiments/RESULTS.md``); the best value depends on the host's memory
         bandwidth against the PCIe link's.
+      gpu_params: ``hybrid`` mode: which parameters make up the GPU share. ``"first"``
+        (default): from the first in order on, the ones the next forward usually needs
+        first, updated at ``step()`` while the host threads take the rest. ``"last"``:
+        from the last one backwards, whose gradients backward usually produces first;
+        with :meth:`last_micro_batch` their kernels then run during the rest of backward
+        and the host share's update starts when its gradients arrive.
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
       hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
@@ -331,6 +336,7 @@ class OffloadAdamW(Optimizer):
         chunk_size: int = 1 << 20,
         hook_group_elems: int = 1 << 22,
         gpu_share: float = 0.3,
+        gpu_params: str = "first",
         pin_moments: bool = False,
         convention: str = "torch",
         amsgrad: bool = False,
@@ -351,6 +357,12 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
+        if gpu_params not in ("first", "last"):
+            raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
+        if gpu_params != "first" and mode != "hybrid":
+            raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
+        self._gpu_params = gpu_params
+        self._gpu_last: set[int] | None = None  # gpu_params="last": flat indices on the GPU
         # hybrid: the split needs the total of the elements, known once torch has read every
         # group: registration waits until then (add_param_group only checks the groups).
         self._deferred = mode == "hybrid"
@@ -367,6 +379,10 @@ class OffloadAdamW(Optimizer):
         self._group_of: list[int] = []  # slot -> index of its param group
         self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
         self._hooks: dict[int, Any] = {}  # slot whose parameter carries a hook -> its handle
+        # GPU-engine slots (gpu mode, hybrid's GPU share): one hook each, registered by the
+        # first last_micro_batch(), launching the slot's kernel as its gradient is ready.
+        self._gpu_hooks: dict[int, Any] | None = None
+        self._eager_blocks: int | None = None
         self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
         self._hook_group_elems = hook_group_elems
         # Order in which the first backward's hooks fired (grouping, see hook_group_elems).
@@ -392,13 +408,20 @@ class OffloadAdamW(Optimizer):
         super().__init__(params, defaults)
         if self._deferred:
             self._deferred = False
-            self._gpu_budget = round(self._gpu_share * sum(
-                p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad))
+            flat = [p for g in self.param_groups for p in g["params"]]
+            self._gpu_budget = round(self._gpu_share * sum(p.numel() for p in flat if p.requires_grad))
+            if self._gpu_params == "last":  # by fit, from the last parameter backwards
+                self._gpu_last, left = set(), self._gpu_budget
+                for i in range(len(flat) - 1, -1, -1):
+                    if flat[i].requires_grad and flat[i].numel() <= left:
+                        self._gpu_last.add(i)
+                        left -= flat[i].numel()
             try:
                 for gi, g in enumerate(self.param_groups):
                     for p in g["params"]:
                         self._register(p)
                         self._group_of.append(gi)
+                self._gpu_last = None  # parameters added later go by fit
             except BaseException:
                 if self._engine is not None:
                     self._engine.close()
@@ -522,8 +545,9 @@ class OffloadAdamW(Optimizer):
             )
         platform = "cuda" if p.device.type == "cuda" else "cpu"
         if self.mode == "hybrid":  # a frozen parameter takes none of the GPU share
+            gpu = None if self._gpu_last is None else index in self._gpu_last
             sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
-                                         host=not p.requires_grad)
+                                         host=not p.requires_grad, gpu=gpu)
         else:
             sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
         assert sid == index
@@ -637,6 +661,54 @@ class OffloadAdamW(Optimizer):
 
         return hook
 
+    def _gpu_slots(self) -> list[int]:
+        """The slots the GPU engine updates (every slot in ``gpu`` mode)."""
+        if self.mode == "gpu":
+            return list(range(len(self._params_of_slot)))
+        if self.mode == "hybrid":
+            return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_gpu(sid)]
+        return []
+
+    def _hook_gpu_slots(self) -> None:
+        """Give each trainable GPU-engine slot without one its eager hook (one per
+        parameter, never grouped: a hook firing proves that its own parameter's gradient
+        is complete, and these gradients stay in ``param.grad`` across micro-batches)."""
+        if self._gpu_hooks is None:
+            self._gpu_hooks = {}
+            # Experiments only: a grid cap for these kernels (they share the GPU with
+            # backward); unset, the device's resident-block count.
+            self._eager_blocks = int(os.environ.get("TRAINSTREAM_GPU_EAGER_BLOCKS", "0")) or None
+        for sid in self._gpu_slots():
+            p = self._params_of_slot[sid]
+            if p.requires_grad and sid not in self._gpu_hooks:
+                self._gpu_hooks[sid] = p.register_post_accumulate_grad_hook(self._make_gpu_hook(sid))
+
+    def _make_gpu_hook(self, sid: int):
+        """Under ``last_micro_batch()`` (no clipping): launch slot ``sid``'s update kernel
+        now, behind the backward work that produced its gradient."""
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is None or opt._closed or p.grad is None or not opt._eager or opt.max_grad_norm is not None:
+                return
+            if sid in opt._eager_done:
+                raise RuntimeError(
+                    "OffloadAdamW: a second backward inside last_micro_batch() before "
+                    f"step() (parameter {sid}); only the last micro-batch's backward "
+                    "belongs in that block"
+                )
+            update = [(sid, opt._hp(opt._group_of_slot(sid)), *opt._device_grad(sid))]
+            if opt.mode == "gpu":
+                opt._engine.step(update, eager=True, max_blocks=opt._eager_blocks)
+            else:
+                opt._engine.step_gpu_eager(update, max_blocks=opt._eager_blocks)
+            opt._eager_done.add(sid)
+            with opt._pending_lock:
+                opt._pending.add(sid)
+
+        return hook
+
     def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
         grad = p.grad
         if grad.is_sparse:
@@ -672,11 +744,15 @@ class OffloadAdamW(Optimizer):
     def last_micro_batch(self):
         """Mark the backward inside this block as the last micro-batch of the step.
 
-        Each gradient's update then starts as soon as the gradient is on the host,
-        overlapping the rest of backward (not with ``max_grad_norm``; in ``gpu`` mode the
-        block has no effect: the kernels run at ``step()``).
+        Each gradient's update then starts as soon as the gradient is ready, overlapping
+        the rest of backward: on the host threads once it is on the host (``cpu`` mode,
+        ``hybrid``'s host share), or by its zero-copy kernel on the update stream
+        (``gpu`` mode, ``hybrid``'s GPU share). Not with ``max_grad_norm``: clipping
+        needs every gradient first, and the block then has no effect.
         """
         self._check_open()
+        if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
+            self._hook_gpu_slots()  # parameters added since the last time included
         self._eager = True
         try:
             yield self
@@ -707,7 +783,7 @@ class OffloadAdamW(Optimizer):
                     if sid in self._grouped:
                         self._ungroup = True
                     self._offload_grad(sid, p)
-        self._eager_done.clear()
+        eager_done, self._eager_done = self._eager_done, set()
         updates = []
         for group in self.param_groups:
             hp = self._hp(group)
@@ -715,13 +791,14 @@ class OffloadAdamW(Optimizer):
                 updates.append((self._slot_of[p], hp))
         if self.mode == "gpu":
             updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
-                       if self._params_of_slot[sid].grad is not None]
+                       if self._params_of_slot[sid].grad is not None and sid not in eager_done]
             sids = [u[0] for u in updates]
             self._engine.step(updates, self.max_grad_norm)
         elif self.mode == "hybrid":
             on_gpu = self._engine.on_gpu
             gpu_updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
-                           if on_gpu(sid) and self._params_of_slot[sid].grad is not None]
+                           if on_gpu(sid) and self._params_of_slot[sid].grad is not None
+                           and sid not in eager_done]
             cpu_updates = [(sid, hp) for sid, hp in updates if not on_gpu(sid)]
             sids = [u[0] for u in gpu_updates] + [sid for sid, _ in cpu_updates if self._engine.has_grad(sid)]
             self._engine.step(cpu_updates, gpu_updates, self.max_grad_norm)
@@ -914,7 +991,7 @@ class OffloadAdamW(Optimizer):
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks.values():
+        for h in [*self._hooks.values(), *(self._gpu_hooks or {}).values()]:
             h.remove()
         self._forward_hook.remove()
         if self._engine is not None:
