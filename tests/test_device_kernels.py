@@ -200,6 +200,8 @@ def test_import_is_lazy_and_names_the_extras():
     (dict(scalars=None), "scalars_ptr"),
     (dict(n=-1), "n must be"),
     (dict(sumsq_ptr=260), "8-byte aligned"),
+    (dict(max_blocks=0), "max_blocks"),
+    (dict(max_blocks=2.5), "max_blocks"),
 ])
 def test_launch_adamw_rejects_bad_arguments_before_touching_cuda(kwargs, match):
     args = dict(variant=C.VARIANT_TORCH_CUDA, param_ptr=256, param_dtype="float32", grad_ptr=512,
@@ -367,7 +369,9 @@ def test_adamw_scalars_from_a_device_pointer(cp, mapped, variant):
 
 
 @gpu
-def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped):
+@pytest.mark.parametrize("max_blocks", [None, 1, 7])
+def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped, max_blocks):
+    """Also: a capped grid (``max_blocks``, grid-stride over the rest) gives the same bits."""
     n = 100003
     rng = np.random.default_rng(7)
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -384,7 +388,7 @@ def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped):
     dk.set_sync_launches(True)
     try:
         dk.launch_adamw(C.VARIANT_TORCH_CUDA, param.data.ptr, "float32", grad.data.ptr, "float32", 0,
-                        m_ptr, v_ptr, n, s, stream=stream.ptr)
+                        m_ptr, v_ptr, n, s, stream=stream.ptr, max_blocks=max_blocks)
     finally:
         dk.set_sync_launches(False)
     dk.check_stream(stream.ptr)

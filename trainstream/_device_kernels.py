@@ -425,6 +425,8 @@ def launch_adamw(
         master_ptr = _check_ptr(f"master_ptr (required for {pd} weights)", master_ptr, 4)
     scalars_ptr = _check_ptr("scalars_ptr", scalars_ptr, 4, allow_null=True)
     sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
+    if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
+        raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
     by_value = _Scalars()
     if scalars_ptr == 0:
         if scalars is None:
@@ -439,9 +441,7 @@ def launch_adamw(
     kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
     grid = _grid_for(n, kernel.max_grid)
     if max_blocks is not None:
-        if int(max_blocks) < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
-        grid = min(grid, int(max_blocks))
+        grid = min(grid, max_blocks)
     args = [
         ctypes.c_void_p(param_ptr),
         ctypes.c_void_p(grad_ptr),
