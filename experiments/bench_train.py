@@ -26,7 +26,8 @@ workers, instead of one shared queue), ~hgN (OffloadAdamW(hook_group_elems=N); 0
 gradient hook per parameter), ~clipX (clip gradients to global norm X: TrainStream
 max_grad_norm=X, in-GPU setups clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"), ~ebN
-(eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS).
+(eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS; default: a
+quarter of the multiprocessors' count).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).

@@ -294,6 +294,19 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
     return {k: v.max_grid for k, v in table.items()}
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def multiprocessor_count(device: int | None = None) -> int:
+    """The number of streaming multiprocessors of ``device`` (default: the current one)."""
+    dev = _current_device() if device is None else int(device)
+    n = _sm_counts.get(dev)
+    if n is None:
+        cp = _cupy()
+        n = _sm_counts[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return n
+
+
 def _kernel(device: int, name: str) -> _Kernel:
     table = _kernels.get(device)
     if table is None:

@@ -9,7 +9,8 @@ the GPU in a fixed order (float64 partials, no atomics) into a device scalar tha
 update kernels read: no host round trip. The norm is read back lazily.
 
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
-backward), each parameter gets a *ready* event that the next forward waits on, and each
+backward; with ``eager``, from a gradient hook, the part of backward that produced that
+gradient), each parameter gets a *ready* event that the next forward waits on, and each
 gradient is kept alive until that wait (its memory cannot be reused before the kernel
 that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
 neither torch nor jax: the backend supplies streams, events and device scratch memory.
@@ -30,6 +31,9 @@ from . import _contract as C
 __all__ = ["GpuEngine"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor.
+EAGER_SM_FRACTION = 0.25
 
 
 @dataclass(eq=False)
@@ -207,7 +211,10 @@ class GpuEngine:
         ``eager``: called from a gradient hook during backward for some parameters of
         the step (counted as eager updates, not as a step; no clipping).
         ``max_blocks``: grid cap of the update kernels (see
-        :func:`trainstream._device_kernels.launch_adamw`).
+        :func:`trainstream._device_kernels.launch_adamw`); an eager launch without one
+        takes :data:`EAGER_SM_FRACTION` of the multiprocessors' count in blocks, so
+        that backward keeps most of the GPU (measured on the H200, GPT 350M: 131 ms
+        per step with 16-33 blocks against 156 ms with the full grid).
         """
         self._check_open()
         if clip_coef is not None and (max_grad_norm is not None or compute_norm):
@@ -219,6 +226,8 @@ class GpuEngine:
         self._check_grads(updates)
         if eager:
             self._eager_updates += len(updates)
+            if max_blocks is None:
+                max_blocks = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         else:
             self._steps += 1
         be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update

@@ -1,11 +1,13 @@
 """``hybrid`` mode: the host engine and the zero-copy engine side by side, one slot each.
 
 Every parameter's optimizer state lives in host memory either way; what differs is who
-updates it. The first parameters in registration order (the ones the next forward needs
-first), up to ``gpu_elems`` elements, go to the :class:`~trainstream._gpu_engine.GpuEngine`
-(their update kernel reads and writes the state over PCIe at ``step()``); the rest go to
+updates it. By default the first parameters in registration order (the ones the next
+forward needs first), up to ``gpu_elems`` elements, go to the
+:class:`~trainstream._gpu_engine.GpuEngine` (their update kernel reads and writes the state
+over PCIe at ``step()``, or from their gradient hooks on the eager path); the rest go to
 the :class:`~trainstream._engine.Engine` (host threads, overlapping backward and the next
-forward). Both paths run at once, so a step's update takes about the larger of the two
+forward). The caller may instead say per parameter which engine takes it (``gpu=``: the
+torch adapter's ``gpu_params="last"``). Both paths run at once, so a step's update takes about the larger of the two
 shares instead of the sum. The two modes run the same contract (``torch``/``cuda``) on
 CUDA, so each parameter gets its mode's bits; the one difference between modes stays:
 micro-batch gradients of a GPU-share fp16/bf16 parameter are summed by torch in its dtype.

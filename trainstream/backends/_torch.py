@@ -676,7 +676,7 @@ class OffloadAdamW(Optimizer):
         if self._gpu_hooks is None:
             self._gpu_hooks = {}
             # Experiments only: a grid cap for these kernels (they share the GPU with
-            # backward); unset, the device's resident-block count.
+            # backward); unset, the engine's (trainstream._gpu_engine.EAGER_SM_FRACTION).
             self._eager_blocks = int(os.environ.get("TRAINSTREAM_GPU_EAGER_BLOCKS", "0")) or None
         for sid in self._gpu_slots():
             p = self._params_of_slot[sid]
