@@ -133,7 +133,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WORKER_NICE"] = next((o[4:] for o in opts_ if o.startswith("nice")), "5")
     os.environ["TRAINSTREAM_TORCH_COPIES"] = "1" if "torchcopy" in opts_ else "0"
     os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
-    os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "0")
+    os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "")
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):

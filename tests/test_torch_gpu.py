@@ -266,7 +266,7 @@ def test_hybrid_mode_bit_identical(kw, gpu_params):
     on_gpu = [ts._engine.on_gpu(sid) for sid in range(int(st["params"]))]
     assert on_gpu[-1 if gpu_params == "last" else 0] and not on_gpu[0 if gpu_params == "last" else -1]
     if kw.get("eager"):  # the GPU share's kernels were launched by its gradient hooks
-        assert st["eager_updates"] >= 30 * st["gpu_params"]
+        assert ts._engine.gpu.stats()["eager_updates"] == 30 * st["gpu_params"]
     ts.close()
 
 
@@ -282,13 +282,22 @@ def test_eager_kernels_launch_during_backward(mode, monkeypatch):
                                                  zero_to_none=False, **kw)
     assert_same(ref_model, ts_model)
     assert ts._eager_blocks == 3
-    n_gpu = int(ts.stats().get("gpu_params", ts.stats()["params"]))
-    before = ts.stats()["eager_updates"]
+    gpu = ts._engine if mode == "gpu" else ts._engine.gpu
+    gpu_sids = ts._gpu_slots()
+    assert len(gpu_sids) == gpu.stats()["params"] > 0
+    before = gpu.stats()["eager_updates"]
     x = batches(1)[0].to(DEV)
     ts.zero_grad()
     with ts.last_micro_batch():
         loss_of(ts_model, x).backward(retain_graph=True)
-    assert ts.stats()["eager_updates"] - before >= n_gpu  # queued before step()
+    # Queued before step(), each gradient taken from param.grad, each update awaited by the
+    # next forward (and by an in-place zero_grad).
+    assert gpu.stats()["eager_updates"] - before == len(gpu_sids)
+    params = list(ts_model.parameters())
+    assert all(params[sid].grad is None for sid in gpu_sids)
+    assert set(gpu_sids) <= ts._pending
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        ts.state_dict()
     with pytest.raises(RuntimeError, match="second backward inside last_micro_batch"):
         with ts.last_micro_batch():
             loss_of(ts_model, x).backward()

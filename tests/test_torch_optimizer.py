@@ -503,6 +503,36 @@ def test_two_backwards_in_last_micro_batch_are_refused():
     ts.close()
 
 
+def test_checkpoint_refused_between_an_eager_backward_and_step():
+    """After a last_micro_batch() backward some parameters have taken this step's update:
+    state_dict()/load_state_dict() refuse until step(); then both work and the run
+    continues as torch.optim.AdamW's."""
+    ref_model, ts_model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters())
+    ts = OffloadAdamW(ts_model.parameters(), threads=2)
+    saved = ts.state_dict()
+    x = batches(1)[0]
+    with ts.last_micro_batch():
+        loss_of(ts_model, x).backward()
+    for call in (ts.state_dict, lambda: ts.load_state_dict(saved)):
+        with pytest.raises(RuntimeError, match=r"between a last_micro_batch\(\) backward and step\(\)"):
+            call()
+    ts.step()
+    loss_of(ref_model, x).backward()
+    ref.step()
+    ts.synchronize()
+    assert_same(ref_model, ts_model)
+    assert ts.state_dict()["state"][0]["step"].item() == 1.0
+    ts.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_bad_eager_blocks_variable_is_refused(value, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_GPU_EAGER_BLOCKS", value)
+    with pytest.raises(ValueError, match="TRAINSTREAM_GPU_EAGER_BLOCKS must be a positive integer"):
+        OffloadAdamW(make_model().parameters())
+
+
 def test_engine_is_collected_and_its_workers_stop():
     from trainstream._engine import Engine
     from trainstream.backends._torch import TorchBackend

@@ -238,8 +238,8 @@ class GpuEngine:
         clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
-            s.step += 1
-            scalars = C.step_scalars(hp, s.step, self.convention, "cuda", clip)
+            step = s.step + 1  # counted once the launch is queued: a failed one changes nothing
+            scalars = C.step_scalars(hp, step, self.convention, "cuda", clip)
             dk.launch_adamw(
                 C.variant_id(self.convention, "cuda"),
                 be.data_ptr(s.param),
@@ -257,6 +257,7 @@ class GpuEngine:
                 device=self.device,
                 max_blocks=max_blocks,
             )
+            s.step = step
             s.grad_keep = grad  # alive until the compute stream has waited on `ready`
             s.ready = be.record_update()
         if sumsq_ptr:

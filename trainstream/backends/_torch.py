@@ -197,6 +197,21 @@ class TorchBackend:
         return value
 
 
+def _eager_blocks_from_env() -> int | None:
+    """``TRAINSTREAM_GPU_EAGER_BLOCKS`` (experiments): the grid cap of the eager zero-copy
+    kernels; unset or empty: the engine's default (``_gpu_engine.EAGER_SM_FRACTION``)."""
+    raw = os.environ.get("TRAINSTREAM_GPU_EAGER_BLOCKS", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"TRAINSTREAM_GPU_EAGER_BLOCKS must be a positive integer, got {raw!r}")
+    return value
+
+
 _SQRT_MODE: int | None = None
 
 
@@ -262,7 +277,9 @@ class OffloadAdamW(Optimizer):
     for the weights it is about to use. Because ``param.grad`` is ``None`` after backward,
     clip with ``max_grad_norm`` rather than ``clip_grad_norm_``. Micro-batch gradients of
     fp16/bf16 parameters are summed in fp32 on the host (torch sums ``param.grad`` in the
-    parameter's dtype). In ``gpu`` mode gradients stay in ``param.grad`` as usual.
+    parameter's dtype). In ``gpu`` mode gradients stay in ``param.grad`` as usual, except
+    under :meth:`last_micro_batch`, where each kernel takes its gradient as on the host
+    path (``param.grad`` is then ``None``).
 
     To start the update during backward (the *eager* path), say which backward is the
     last micro-batch of the step::
@@ -382,7 +399,7 @@ class OffloadAdamW(Optimizer):
         # GPU-engine slots (gpu mode, hybrid's GPU share): one hook each, registered by the
         # first last_micro_batch(), launching the slot's kernel as its gradient is ready.
         self._gpu_hooks: dict[int, Any] | None = None
-        self._eager_blocks: int | None = None
+        self._eager_blocks = _eager_blocks_from_env()
         self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
         self._hook_group_elems = hook_group_elems
         # Order in which the first backward's hooks fired (grouping, see hook_group_elems).
@@ -675,9 +692,6 @@ class OffloadAdamW(Optimizer):
         is complete, and these gradients stay in ``param.grad`` across micro-batches)."""
         if self._gpu_hooks is None:
             self._gpu_hooks = {}
-            # Experiments only: a grid cap for these kernels (they share the GPU with
-            # backward); unset, the engine's (trainstream._gpu_engine.EAGER_SM_FRACTION).
-            self._eager_blocks = int(os.environ.get("TRAINSTREAM_GPU_EAGER_BLOCKS", "0")) or None
         for sid in self._gpu_slots():
             p = self._params_of_slot[sid]
             if p.requires_grad and sid not in self._gpu_hooks:
@@ -706,6 +720,10 @@ class OffloadAdamW(Optimizer):
             opt._eager_done.add(sid)
             with opt._pending_lock:
                 opt._pending.add(sid)
+            # Taken, as on the host path: an in-place change of it from here on (clipping
+            # by hand, a second backward) would race the kernel that reads it. The engine
+            # keeps its memory alive until the next forward has waited for the kernel.
+            p.grad = None
 
         return hook
 
@@ -747,8 +765,11 @@ class OffloadAdamW(Optimizer):
         Each gradient's update then starts as soon as the gradient is ready, overlapping
         the rest of backward: on the host threads once it is on the host (``cpu`` mode,
         ``hybrid``'s host share), or by its zero-copy kernel on the update stream
-        (``gpu`` mode, ``hybrid``'s GPU share). Not with ``max_grad_norm``: clipping
-        needs every gradient first, and the block then has no effect.
+        (``gpu`` mode, ``hybrid``'s GPU share). Either way ``param.grad`` is ``None``
+        after that backward, and each update uses its group's ``lr`` as it is during
+        backward (set a schedule's ``lr`` before it). Not with ``max_grad_norm``:
+        clipping needs every gradient first, and the block then has no effect. Between
+        this backward and ``step()``, ``state_dict()`` and ``load_state_dict()`` raise.
         """
         self._check_open()
         if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
@@ -877,6 +898,17 @@ class OffloadAdamW(Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------
 
+    def _check_no_eager_in_flight(self, what: str) -> None:
+        """Between a ``last_micro_batch()`` backward and ``step()`` some parameters have
+        already taken this step's update and others not: no consistent state to save or
+        to replace."""
+        if self._eager_done:
+            raise RuntimeError(
+                f"OffloadAdamW.{what}() between a last_micro_batch() backward and step(): "
+                f"{len(self._eager_done)} parameters are already updated for this step; call "
+                "step() first"
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """A ``torch.optim.AdamW``-compatible state dict (CPU tensors).
 
@@ -885,6 +917,7 @@ class OffloadAdamW(Optimizer):
         (the fp32 master, so that resuming is bit-exact).
         """
         self._check_open()
+        self._check_no_eager_in_flight("state_dict")
         state: dict[int, dict[str, torch.Tensor]] = {}
         for sid, p in enumerate(self._params_of_slot):
             master, m, v, step = self._engine.state(sid)
@@ -908,6 +941,7 @@ class OffloadAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW``."""
         self._check_open()
+        self._check_no_eager_in_flight("load_state_dict")
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
