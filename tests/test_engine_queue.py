@@ -131,3 +131,42 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     monkeypatch.setattr(eng, "_submit_batch", real)
     eng.clear_error()
     eng.close()
+
+
+def test_job_limit_caps_concurrency_and_lifting_it_frees_the_workers():
+    """A pool capped at one job at a time runs its jobs one by one on any worker; lifting
+    the cap lets them run together again; the stop markers still come once no job is left."""
+    import threading
+    import time
+
+    pool = E._WorkerPool(4, shared=True)
+    lock = threading.Lock()
+    running, peak = [0], [0]
+
+    def job():
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+
+    done = threading.Event()
+    pool.set_limit(1)
+    pool.submit_many([0] * 8, [job] * 7 + [done.set], priority=0)
+    assert done.wait(10)
+    assert peak[0] == 1
+    pool.set_limit(None)
+    gate = threading.Barrier(4, timeout=10)  # only passes if four jobs run at once
+    passed = []
+    pool.submit_many([0] * 4, [lambda: passed.append(gate.wait())] * 4, priority=1)
+    pool.shutdown()
+    assert sorted(passed) == [0, 1, 2, 3]
+
+
+def test_job_limit_rejects_zero():
+    import pytest
+
+    q = E._WorkQueue()
+    with pytest.raises(ValueError, match="job limit"):
+        q.set_limit(0)
