@@ -668,27 +668,3 @@ def test_group_hook_carrier_without_gradient(freeze):
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert 1 in hooks  # the other member went back to a hook of its own
-
-
-@pytest.mark.parametrize("eager", [False, True])
-def test_backward_workers_cap_keeps_the_bits(eager, monkeypatch):
-    """TRAINSTREAM_BACKWARD_WORKERS=1: during backward one worker at a time (the eager
-    updates and accumulations queue behind it), all of them again from step(): the same
-    bits as torch.optim.AdamW, and the cap is lifted after each step."""
-    monkeypatch.setenv("TRAINSTREAM_BACKWARD_WORKERS", "1")
-    ref_model, ts_model, _, ts, _ = train_pair(steps=12, micro=2, eager=eager, threads=3)
-    assert_same(ref_model, ts_model)
-    queue = ts._engine._pool._queues[0]
-    assert ts._engine._backward_workers == 1 and queue._limit is None
-    loss_of(ts_model, batches(1)[0]).backward()
-    assert queue._limit == 1  # capped from the first gradient on
-    ts.step()
-    assert queue._limit is None  # lifted by step()
-    ts.close()
-
-
-@pytest.mark.parametrize("value", ["0", "x"])
-def test_bad_backward_workers_variable_is_refused(value, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_BACKWARD_WORKERS", value)
-    with pytest.raises(ValueError, match="TRAINSTREAM_BACKWARD_WORKERS must be a positive integer"):
-        OffloadAdamW(make_model().parameters())

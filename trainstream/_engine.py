@@ -24,9 +24,7 @@ slot is queued or running is chained behind it (accumulate -> norm -> update nev
 overlap on a chunk), and the chunks of one batch are independent. They go to a queue
 shared by all workers (any idle worker takes the next job; the queue orders slots for
 the next forward and passes over copies that have not landed, see :class:`_WorkQueue`),
-or with ``TRAINSTREAM_WORKER_QUEUE=per-worker`` to a fixed worker per chunk. With
-``TRAINSTREAM_BACKWARD_WORKERS=K`` (an experiment) at most K jobs of the shared queue run
-at once from the first gradient of a step to ``step()``. A failure in a worker is kept
+or with ``TRAINSTREAM_WORKER_QUEUE=per-worker`` to a fixed worker per chunk. A failure in a worker is kept
 and raised, with its message, at the next call into the engine; batches always finish
 their bookkeeping, so a failure never leaves a waiter hanging.
 """
@@ -111,20 +109,6 @@ class Backend(Protocol):
 
 # -- worker pool ----------------------------------------------------------------------------
 
-def _backward_workers_from_env() -> int | None:
-    """``TRAINSTREAM_BACKWARD_WORKERS``: unset or empty, None; else a positive integer."""
-    raw = os.environ.get("TRAINSTREAM_BACKWARD_WORKERS", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"TRAINSTREAM_BACKWARD_WORKERS must be a positive integer, got {raw!r}")
-    return value
-
-
 def _worker_nice() -> int:
     """The workers' nice value: ``TRAINSTREAM_WORKER_NICE`` (default 5), read per pool."""
     return int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
@@ -149,10 +133,6 @@ class _WorkQueue:
     Each get costs O(_SCAN) readiness checks at most (cached per batch by
     :class:`_Landed`); the stop marker (``job=None``) is handed out only once no job is
     left. ``TRAINSTREAM_WORKER_ORDER=fifo`` restores plain submission order.
-
-    :meth:`set_limit` caps how many jobs run at once (the workers report the end of each
-    job with :meth:`done`); ``None`` lifts the cap. A cap of at least one never stops
-    progress: jobs wait only for GPU copies, never for other jobs.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -166,22 +146,6 @@ class _WorkQueue:
         self._stops = 0
         self._seq = itertools.count()
         self._fifo = os.environ.get("TRAINSTREAM_WORKER_ORDER", "forward").lower() == "fifo"
-        self._limit: int | None = None  # jobs allowed to run at once (None: no cap)
-        self._active = 0  # jobs handed out and not yet done
-
-    def set_limit(self, limit: int | None) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError(f"a job limit must be >= 1 or None, got {limit!r}")
-        with self._cond:
-            self._limit = limit
-            self._cond.notify_all()
-
-    def done(self) -> None:
-        """A job handed out by :meth:`get` has finished."""
-        with self._cond:
-            self._active -= 1
-            if self._limit is not None:
-                self._cond.notify()
 
     def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
         if job is None:
@@ -221,16 +185,12 @@ class _WorkQueue:
         return entry[2]
 
     def get(self) -> Callable[[], None] | None:
-        """The next job (the caller reports its end with :meth:`done`), or ``None``: stop."""
         with self._cond:
-            while True:
-                if self._jobs and (self._limit is None or self._active < self._limit):
-                    break
-                if self._stops and not self._jobs:
-                    self._stops -= 1
-                    return None
+            while not self._jobs and not self._stops:
                 self._cond.wait()
-            self._active += 1
+            if not self._jobs:
+                self._stops -= 1
+                return None
             for priority in self._order[: self._SCAN]:
                 head = self._slots[priority][0]
                 if head[3] is None or _is_ready(head[3]):
@@ -303,10 +263,7 @@ class _WorkerPool:
             job = q.get()
             if job is None:
                 return
-            try:
-                job()
-            finally:
-                q.done()
+            job()
 
     def submit(self, worker: int, job: Callable[[], None], priority: float = 0.0,
                ready: Callable[[], bool] | None = None) -> None:
@@ -326,12 +283,6 @@ class _WorkerPool:
 
     def owns_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
-
-    def set_limit(self, limit: int | None) -> None:
-        """Cap the jobs running at once across the pool (shared queue; per-worker queues
-        are left alone); ``None`` lifts it."""
-        if len(self._queues) == 1:
-            self._queues[0].set_limit(limit)
 
     def shutdown(self) -> None:
         for t in self._threads:  # one stop marker per worker, after every queued job
@@ -456,11 +407,6 @@ class Engine:
         self._last_norm: float | None = None
         self._closed = False
         self._pool = _WorkerPool(threads)
-        # Experiments: from the first gradient offloaded after a step to the next step(),
-        # at most this many workers run at once (None: all), leaving backward's own
-        # threads the GIL and host memory bandwidth (TRAINSTREAM_BACKWARD_WORKERS).
-        self._backward_workers = _backward_workers_from_env()
-        self._capped = False
         self._load = [0] * threads  # elements assigned to each worker
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
 
@@ -671,9 +617,6 @@ class Engine:
         self.check_error()
         t_call = time.perf_counter()
         s = self._slot(sid)
-        if self._backward_workers is not None and not self._capped:
-            self._capped = True
-            self._pool.set_limit(self._backward_workers)
         if grad_dtype != s.dtype:
             raise TypeError(
                 f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}"
@@ -850,7 +793,6 @@ class Engine:
         to raise (``hybrid`` mode has already queued the GPU share's update by then).
         """
         self._check_open()
-        self._uncap()
         if check_errors:
             self.check_error()
         if clip_coef is not None and (max_grad_norm is not None or compute_norm):
@@ -874,12 +816,6 @@ class Engine:
             self._enqueue_update(s, hp, clip, after, scalars_fn)
         return norm
 
-    def _uncap(self) -> None:
-        """Every worker again (``TRAINSTREAM_BACKWARD_WORKERS``): backward is over."""
-        if self._capped:
-            self._capped = False
-            self._pool.set_limit(None)
-
     # -- readiness ----------------------------------------------------------------------------
 
     def wait_ready(self, sids: Sequence[int]) -> None:
@@ -902,14 +838,12 @@ class Engine:
         Unlike :meth:`synchronize` it does not wait for the uploads the batches started
         (for a caller whose stream orders them, e.g. XLA's in the JAX adapter).
         """
-        self._uncap()
         for s in self._slots:
             self._wait_idle(s)
         self.check_error()
 
     def drain(self) -> None:
         """Block until every queued batch and upload has completed (raises nothing)."""
-        self._uncap()
         for s in self._slots:
             self._wait_idle(s)
             if s.ready is not None:
@@ -996,7 +930,6 @@ class Engine:
         """Drain the queued work, join the workers and release the host buffers."""
         if self._closed:
             return
-        self._uncap()  # a worker joining the others must not hold the only allowed job
         if self._pool.owns_current_thread():
             # Called from a worker (e.g. a finalizer run by the garbage collector inside a
             # job): waiting would wait for this very thread. Let the workers drain and stop.
