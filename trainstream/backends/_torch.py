@@ -679,10 +679,13 @@ class OffloadAdamW(Optimizer):
         return hook
 
     def _gpu_slots(self) -> list[int]:
-        """The slots the GPU engine updates (every slot in ``gpu`` mode)."""
+        """The slots whose zero-copy kernels start from gradient hooks under
+        :meth:`last_micro_batch`: every slot in ``gpu`` mode, hybrid's GPU share with
+        ``gpu_params="last"``. With ``"first"`` that share's gradients come at the end of
+        backward, and it runs at ``step()`` with the full grid (measured faster there)."""
         if self.mode == "gpu":
             return list(range(len(self._params_of_slot)))
-        if self.mode == "hybrid":
+        if self.mode == "hybrid" and self._gpu_params == "last":
             return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_gpu(sid)]
         return []
 
@@ -765,8 +768,9 @@ class OffloadAdamW(Optimizer):
         Each gradient's update then starts as soon as the gradient is ready, overlapping
         the rest of backward: on the host threads once it is on the host (``cpu`` mode,
         ``hybrid``'s host share), or by its zero-copy kernel on the update stream
-        (``gpu`` mode, ``hybrid``'s GPU share). Either way ``param.grad`` is ``None``
-        after that backward, and each update uses its group's ``lr`` as it is during
+        (``gpu`` mode; ``hybrid``'s GPU share with ``gpu_params="last"``; with the
+        default ``"first"`` that share still runs at ``step()``). Either way
+        ``param.grad`` is ``None`` after that backward for the parameters it updated, and each update uses its group's ``lr`` as it is during
         backward (set a schedule's ``lr`` before it). Not with ``max_grad_norm``:
         clipping needs every gradient first, and the block then has no effect. Between
         this backward and ``step()``, ``state_dict()`` and ``load_state_dict()`` raise.
