@@ -303,8 +303,9 @@ class OffloadAdamW(Optimizer):
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
         ``"hybrid"`` (both at once: up to ``gpu_share`` of the trainable elements by
         the zero-copy kernel, the rest by the host threads; the state of all of them in
-        host memory; CUDA parameters). Each parameter gets the bits of the mode that updates it: the same
-        as both modes, except that micro-batch gradients of a GPU-share fp16/bf16
+        host memory; CUDA parameters). Each parameter gets the bits of the mode that
+        updates it: the same as both modes, except that micro-batch gradients of a
+        GPU-share fp16/bf16
         parameter are summed by torch in its dtype, as in ``gpu`` mode. With
         ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
         share's (each deterministic), so it can differ from the other modes' norms in the
@@ -396,8 +397,9 @@ class OffloadAdamW(Optimizer):
         self._group_of: list[int] = []  # slot -> index of its param group
         self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
         self._hooks: dict[int, Any] = {}  # slot whose parameter carries a hook -> its handle
-        # GPU-engine slots (gpu mode, hybrid's GPU share): one hook each, registered by the
-        # first last_micro_batch(), launching the slot's kernel as its gradient is ready.
+        # GPU-engine slots (gpu mode; hybrid's GPU share with gpu_params="last"): one hook
+        # each, registered by the first last_micro_batch(), launching the slot's kernel as
+        # its gradient is ready.
         self._gpu_hooks: dict[int, Any] | None = None
         self._eager_blocks = _eager_blocks_from_env()
         self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
