@@ -305,8 +305,8 @@ class OffloadAdamW(Optimizer):
         the zero-copy kernel, the rest by the host threads; the state of all of them in
         host memory; CUDA parameters). Each parameter gets the bits of the mode that
         updates it: the same as both modes, except that micro-batch gradients of a
-        GPU-share fp16/bf16
-        parameter are summed by torch in its dtype, as in ``gpu`` mode. With
+        GPU-share fp16/bf16 parameter are summed by torch in its dtype, as in ``gpu``
+        mode. With
         ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
         share's (each deterministic), so it can differ from the other modes' norms in the
         last bits (see :mod:`trainstream._split_engine`).
