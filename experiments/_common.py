@@ -6,6 +6,7 @@ or are loaded by the tests from their files; each puts this folder on ``sys.path
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -18,7 +19,7 @@ except ImportError:  # pragma: no cover - tqdm is in the test extra
     def tqdm(x=None, **_):
         return x
 
-__all__ = ["REPO", "cpu_name", "fmt_frac", "generated_text", "git_commit", "tqdm"]
+__all__ = ["REPO", "cpu_name", "fmt_frac", "generated_text", "git_commit", "tqdm", "save_result"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +52,14 @@ def git_commit() -> str | None:
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
     except Exception:  # noqa: BLE001 - no git, no repo
         return None
+
+
+def save_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
+    """``<out>/<name>.json`` (the whole result) and ``<out>/<name>.md`` (its table)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(markdown)
 
 
 def cpu_name() -> str:

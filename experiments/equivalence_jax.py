@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -73,7 +72,9 @@ import trainstream.jax as tsj
 from trainstream import _contract as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm  # noqa: E402
+from _common import (  # noqa: E402
+    REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm, save_result,
+)
 from _common import fmt_frac as _fmt_frac  # noqa: E402
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -697,10 +698,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runtime_s=runtime, skipped=skipped, complete=complete,
             )
             result = dict(meta=meta, comparisons=comparisons)
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "equivalence_jax.json").write_text(json.dumps(result, indent=1))
-            (out / "equivalence_jax.md").write_text(markdown_table(result))
+            save_result(args.out, "equivalence_jax", result, markdown_table(result))
             return result
 
         for dt_name, clip in settings:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -54,7 +53,9 @@ from trainstream import _contract as C
 from trainstream.torch import OffloadAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm  # noqa: E402
+from _common import (  # noqa: E402
+    REPO, cpu_name, empty_per_step, generated_text, git_commit, record_step, summarize, tqdm, save_result,
+)
 from _common import fmt_frac as _fmt_frac  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -494,10 +495,7 @@ def write_outputs(args, argv, devices, dtypes, n_params, comparisons, skipped, t
         runtime_s=runtime, skipped=skipped, complete=complete,
     )
     result = dict(meta=meta, comparisons=comparisons)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "equivalence_torch.json").write_text(json.dumps(result, indent=1))
-    (out / "equivalence_torch.md").write_text(markdown_table(result))
+    save_result(args.out, "equivalence_torch", result, markdown_table(result))
     return result
 
 
