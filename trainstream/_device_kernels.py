@@ -258,6 +258,12 @@ def _current_device() -> int:
     return int(_cupy().cuda.runtime.getDevice())
 
 
+def multiprocessor_count(device: int | None = None) -> int:
+    """The number of streaming multiprocessors of ``device`` (default: the current one)."""
+    dev = _current_device() if device is None else int(device)
+    return int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+
+
 def compile_kernels(device: int | None = None) -> dict[str, int]:
     """Compile and load every kernel on ``device`` (default: the current one).
 
@@ -279,7 +285,7 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
                 _modules["sumsq"] = cp.RawModule(code=_read_source(SUMSQ_SOURCE), options=opts)
             table = {}
             with cp.cuda.Device(dev):
-                sm_count = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+                sm_count = multiprocessor_count(dev)
                 for module, names, threads in (
                     ("adamw", _all_adamw_names(), ADAMW_THREADS),
                     ("sumsq", _SUMSQ_NAMES, SUMSQ_THREADS),
@@ -292,19 +298,6 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
                         table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
             _kernels[dev] = table
     return {k: v.max_grid for k, v in table.items()}
-
-
-_sm_counts: dict[int, int] = {}
-
-
-def multiprocessor_count(device: int | None = None) -> int:
-    """The number of streaming multiprocessors of ``device`` (default: the current one)."""
-    dev = _current_device() if device is None else int(device)
-    n = _sm_counts.get(dev)
-    if n is None:
-        cp = _cupy()
-        n = _sm_counts[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
 
 
 def _kernel(device: int, name: str) -> _Kernel:

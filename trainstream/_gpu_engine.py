@@ -77,6 +77,8 @@ class GpuEngine:
         self.convention = convention
         self.device = backend.device_index
         dk.compile_kernels(self.device)
+        # The grid of an eager launch without its own cap (EAGER_SM_FRACTION).
+        self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
         self._closed = False
         self._lock = threading.Lock()
@@ -227,7 +229,7 @@ class GpuEngine:
         if eager:
             self._eager_updates += len(updates)
             if max_blocks is None:
-                max_blocks = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
+                max_blocks = self._eager_grid
         else:
             self._steps += 1
         be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update

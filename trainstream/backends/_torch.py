@@ -380,7 +380,6 @@ class OffloadAdamW(Optimizer):
         if gpu_params != "first" and mode != "hybrid":
             raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
         self._gpu_params = gpu_params
-        self._gpu_last: set[int] | None = None  # gpu_params="last": flat indices on the GPU
         # hybrid: the split needs the total of the elements, known once torch has read every
         # group: registration waits until then (add_param_group only checks the groups).
         self._deferred = mode == "hybrid"
@@ -429,18 +428,17 @@ class OffloadAdamW(Optimizer):
             self._deferred = False
             flat = [p for g in self.param_groups for p in g["params"]]
             self._gpu_budget = round(self._gpu_share * sum(p.numel() for p in flat if p.requires_grad))
+            on_gpu: list[bool | None] = [None] * len(flat)  # None: by fit, in order
             if self._gpu_params == "last":  # by fit, from the last parameter backwards
-                self._gpu_last, left = set(), self._gpu_budget
+                left = self._gpu_budget
                 for i in range(len(flat) - 1, -1, -1):
-                    if flat[i].requires_grad and flat[i].numel() <= left:
-                        self._gpu_last.add(i)
-                        left -= flat[i].numel()
+                    on_gpu[i] = flat[i].requires_grad and flat[i].numel() <= left
+                    left -= flat[i].numel() if on_gpu[i] else 0
             try:
-                for gi, g in enumerate(self.param_groups):
-                    for p in g["params"]:
-                        self._register(p)
-                        self._group_of.append(gi)
-                self._gpu_last = None  # parameters added later go by fit
+                groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+                for p, gi, gpu in zip(flat, groups, on_gpu):
+                    self._register(p, gpu)
+                    self._group_of.append(gi)
             except BaseException:
                 if self._engine is not None:
                     self._engine.close()
@@ -503,7 +501,8 @@ class OffloadAdamW(Optimizer):
             raise
         self._wait_sets.clear()  # cached per-module wait lists predate these parameters
 
-    def _register(self, p: torch.Tensor) -> None:
+    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
+        """Give ``p`` a slot (hybrid: on the GPU engine if ``gpu``; ``None``: by fit)."""
         index = len(self._params_of_slot)
         if p.dtype not in _DTYPE_NAME:
             raise TypeError(
@@ -564,7 +563,6 @@ class OffloadAdamW(Optimizer):
             )
         platform = "cuda" if p.device.type == "cuda" else "cpu"
         if self.mode == "hybrid":  # a frozen parameter takes none of the GPU share
-            gpu = None if self._gpu_last is None else index in self._gpu_last
             sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
                                          host=not p.requires_grad, gpu=gpu)
         else:
