@@ -399,7 +399,7 @@ class OffloadAdamW(Optimizer):
         # GPU-engine slots (gpu mode; hybrid's GPU share with gpu_params="last"): one hook
         # each, registered by the first last_micro_batch(), launching the slot's kernel as
         # its gradient is ready.
-        self._gpu_hooks: dict[int, Any] | None = None
+        self._gpu_hooks: dict[int, Any] = {}
         self._eager_blocks = _eager_blocks_from_env()
         self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
         self._hook_group_elems = hook_group_elems
@@ -693,8 +693,6 @@ class OffloadAdamW(Optimizer):
         """Give each trainable GPU-engine slot without one its eager hook (one per
         parameter, never grouped: a hook firing proves that its own parameter's gradient
         is complete, and these gradients stay in ``param.grad`` across micro-batches)."""
-        if self._gpu_hooks is None:
-            self._gpu_hooks = {}
         for sid in self._gpu_slots():
             p = self._params_of_slot[sid]
             if p.requires_grad and sid not in self._gpu_hooks:
@@ -1029,7 +1027,7 @@ class OffloadAdamW(Optimizer):
         if self._closed:
             return
         self._closed = True
-        for h in [*self._hooks.values(), *(self._gpu_hooks or {}).values()]:
+        for h in [*self._hooks.values(), *self._gpu_hooks.values()]:
             h.remove()
         self._forward_hook.remove()
         if self._engine is not None:
