@@ -12,6 +12,7 @@ import pytest
 
 from trainstream import _contract as C
 from trainstream import _host_kernels as K
+from trainstream._cpu_sqrt import MODE_NAMES as SQRT_MODE_NAMES
 
 try:
     import torch
@@ -164,6 +165,38 @@ def test_adamw_nonfinite_gradients_propagate(conv, plat):
     for name, got, want in zip("pmv", (p, m, v), ref):
         assert_bits_equal(got, want, name)
     assert np.isnan(p[[1, 5, 9]]).all()
+
+
+@pytest.mark.parametrize("kind", [K.KIND_F16, K.KIND_BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("conv,plat,mode", [(c, p, md) for c, p in VARIANTS for md in (
+    sorted(SQRT_MODE_NAMES) if (c, p) == ("torch", "cpu") else C.OX_CODES[:2] if (c, p) == ("optax", "cpu") else (0,))],
+    ids=str)
+def test_adamw_weights_into_gradient_buffer(conv, plat, mode, kind):
+    """``out16 is g``: the update is the same bits as with a separate output buffer, and
+    the gradient buffer ends up holding the rounded weights (the engine's upload source)."""
+    variant = C.variant_id(conv, plat)
+    rng = np.random.default_rng(7)
+    n = 10007
+    p0 = half_to_f32(round_bits_torch(rng.standard_normal(n).astype(np.float32), kind), kind)
+    sep = [p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    inp = [a.copy() for a in sep]
+    out = np.full(n, 0xFFFF, np.uint16)
+    chunks = uneven_chunks(rng, n)
+    for t in range(1, 4):
+        gbuf, _ = make_grad(rng, n, kind, t)
+        s = C.step_scalars(HP_B, t, conv, plat, clip=np.float32(0.75))
+        if conv == "optax" and plat == "cpu":
+            s[C.S_OX_CODE] = mode
+        K.adamw_chunk(variant, *sep, gbuf, kind, out, kind, 0, n, s, mode if plat == "cpu" else 0)
+        g_in = gbuf.copy()
+        for b, e in chunks:
+            K.adamw_chunk(variant, *inp, g_in, kind, g_in, kind, b, e, s, mode if plat == "cpu" else 0)
+        for name, got, want in zip("pmv", inp, sep):
+            assert_bits_equal(got, want, f"{name} {conv}/{plat} mode {mode} step {t}")
+        np.testing.assert_array_equal(g_in, out, err_msg=f"weights in g, step {t}")
+    with pytest.raises(ValueError, match="keep its kind"):
+        other = K.KIND_BF16 if kind == K.KIND_F16 else K.KIND_F16
+        K.adamw_chunk(variant, *inp, g_in, kind, g_in, other, 0, n, s)
 
 
 def test_adamw_empty_range_and_none_output_write_nothing():

@@ -197,6 +197,32 @@ def test_copy_paths_bit_identical(copies, monkeypatch):
     ts.close()
 
 
+@pytest.mark.parametrize("copies", ["driver", "torch"])
+def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch):
+    """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
+    copy into it, queued at once (no forward in between to order it), must not overwrite
+    the weights the upload is still reading."""
+    from trainstream import _contract as C
+    from trainstream._engine import Engine
+    from trainstream.backends._torch import TorchBackend
+
+    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    n = 1 << 26  # 128 MB of bf16 each way: the copies take milliseconds and overlap
+    p = torch.randn(n, device=DEV).to(torch.bfloat16)
+    eng = Engine(TorchBackend(DEV), threads=4, chunk_elems=1 << 22)
+    sid = eng.add_param(p, n, "bfloat16", "cuda")
+    assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
+    for _ in range(3):
+        eng.offload_grad(sid, torch.randn(n, device=DEV).to(torch.bfloat16), "bfloat16", update=hp)
+        eng.offload_grad(sid, torch.full((n,), 7.0, device=DEV, dtype=torch.bfloat16), "bfloat16")
+        eng.synchronize()
+        master = torch.from_numpy(eng.state(sid)[0])
+        assert torch.equal(p.cpu(), master.to(torch.bfloat16))
+        eng.discard_grads()
+    eng.close()
+
+
 def test_driver_copies_events_and_errors():
     from trainstream.backends import _cuda_driver as drv
 

@@ -95,6 +95,7 @@ __all__ = [
     "KIND_F32",
     "KIND_F16",
     "KIND_BF16",
+    "OUT_IN_GRAD",
     "adamw_chunk",
     "accumulate_chunk",
     "sumsq_blocks",
@@ -110,6 +111,11 @@ KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
 _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
+#: ``okind`` code of an AdamW specialisation that writes the rounded weights back into the
+#: gradient buffer (fp16/bf16 gradients only), chosen by :func:`adamw_chunk` when it is
+#: given ``out16 is g``. A kernel of its own: with two array arguments that overlap, LLVM's
+#: run-time alias check fails and it runs the scalar loop (~6x slower, measured).
+OUT_IN_GRAD = 3
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
@@ -311,7 +317,9 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     ox_clip = (ox & OX_CLIP) != 0
     ox_mu_swap = (ox & OX_MU_SWAP) != 0
     ox_nu_swap = (ox & OX_NU_SWAP) != 0
-    write16 = okind != KIND_F32
+    in_grad = okind == OUT_IN_GRAD  # the rounded weights overwrite g[i] (read just before)
+    write16 = okind != KIND_F32 and not in_grad
+    rkind = gkind if in_grad else okind  # the format the weights are rounded to
     blocked = cpu and sqrt_mode != SQRT_IEEE  # MKL's root, taken 16 lanes at a time
     strip = int(_STRIP)
 
@@ -360,7 +368,10 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 _prefetch_w(p, j)
                 _prefetch_w(m, j)
                 _prefetch_w(v, j)
-                _prefetch_r(g, j)
+                if in_grad:
+                    _prefetch_w(g, j)
+                else:
+                    _prefetch_r(g, j)
                 if write16:
                     _prefetch_w(out16, j)
             if blocked:
@@ -378,6 +389,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     p[i] = pi
                     if write16:
                         out16[i] = _round16(pi, okind)
+                    elif in_grad:
+                        g[i] = _round16(pi, rkind)
                 lo = hi
                 continue
             for i in range(lo, hi):
@@ -434,6 +447,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 p[i] = pi
                 if write16:
                     out16[i] = _round16(pi, okind)
+                elif in_grad:
+                    g[i] = _round16(pi, rkind)
             lo = hi
 
     return adamw_kernel
@@ -515,7 +530,8 @@ _BUILDERS = {
     "round": _build_round,
 }
 _VALID_KEYS = {
-    "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS for ok in _KINDS
+    "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
+              for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
               for md in (SQRT_MODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
     "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
@@ -554,17 +570,23 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, sqrt_mo
     ``p`` fp32 master (updated in place), ``m``/``v`` fp32 moments (in place), ``g`` the
     gradient (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16), ``out16``
     (uint16, or None: nothing written, whatever ``okind``) receives the new weights
-    rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written), ``s`` the float32 scalars of
+    rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written). ``out16`` may be ``g``
+    itself (``okind == gkind``, fp16/bf16): each element's gradient is read before its
+    weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). ``s`` the float32 scalars of
     :func:`~trainstream._contract.step_scalars`. ``sqrt_mode`` (torch/cpu only) is the
     :mod:`trainstream._cpu_sqrt` mode of ``msqrt``; the MKL modes use the CPU's scalar
     reciprocal-sqrt estimate, so that specialisation is not vectorised. optax/cpu reads
     its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
     compiled for that code.
-    Unchecked: buffers must be C-contiguous, long enough, and disjoint
-    (see :func:`host_adamw_update` for a validating entry point).
+    Unchecked: buffers must be C-contiguous, long enough, and disjoint but for
+    ``out16 is g`` (see :func:`host_adamw_update` for a validating entry point).
     """
     if out16 is None:
         okind, out16 = KIND_F32, _NO_OUT
+    elif out16 is g and okind != KIND_F32:
+        if okind != gkind:
+            raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), got {okind}")
+        okind, out16 = OUT_IN_GRAD, _NO_OUT
     if variant == VARIANT_OPTAX_CPU:
         mode = int(s[S_OX_CODE])  # the code travels in the scalars; one specialisation each
     elif variant == VARIANT_TORCH_CPU:

@@ -59,6 +59,9 @@ class TorchBackend:
         # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
         # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
         self.copy_keeps_source_alive = True
+        # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
+        # from there; copy_to_host orders the next gradient copy after that upload.
+        self.weights_in_grad_stage = True
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -141,7 +144,7 @@ class TorchBackend:
             )
         return nbytes
 
-    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after):
+    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
         if not self.cuda:
             dst.handle.copy_(src.reshape(-1))
             return None
@@ -150,6 +153,8 @@ class TorchBackend:
             stream = self.d2h.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
+            if free is not None:  # the last upload from dst (see weights_in_grad_stage)
+                self.drv.stream_wait_event(stream, free)
             self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
             # The caching allocator reuses src's memory only after the work queued on d2h
             # when src is freed (this copy): the engine drops the gradient right away.
@@ -158,6 +163,8 @@ class TorchBackend:
         with torch.cuda.stream(self.d2h):
             if after is not None:
                 self.d2h.wait_event(after)
+            if free is not None:
+                self.d2h.wait_event(free)
             dst.handle.copy_(src.reshape(-1), non_blocking=True)
             src.record_stream(self.d2h)  # see the driver path above
             # Worker threads wait on this event: a blocking-sync event lets them sleep
