@@ -151,19 +151,30 @@ def test_threads_and_chunks_identical(threads, chunk):
     ts1.close()
 
 
+@pytest.mark.parametrize("staging,micro", [("grad", 1), ("grad", 2), ("separate", 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_params_against_fp32_master(dtype):
+def test_half_params_against_fp32_master(dtype, staging, micro, monkeypatch):
+    """fp16/bf16 weights against torch.optim.AdamW on an fp32 master; the rounded weights
+    staged in the gradient's buffer (default, also after accumulating into fp32) or in one
+    of their own (TRAINSTREAM_WEIGHT_STAGING=separate)."""
+    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", staging)
     model = make_model(dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=4096)
+    slot = ts._engine._slot(0)
+    assert (slot.param_stage is slot.grad_stage) == (staging == "grad")
     for x in batches(20):
-        loss = loss_of(model, x)
-        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-        for m, g in zip(master, grads):
-            m.grad = g.float()
-        loss.backward()
+        for m in master:
+            m.grad = None
+        for part in x.chunk(micro):
+            loss = loss_of(model, part)
+            grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            for m, g in zip(master, grads):
+                m.grad = g.float() if m.grad is None else m.grad + g.float()
+            loss.backward()
         ts.step()
+        ts.zero_grad()
         ref.step()
         ts.synchronize()
         for sid, (p, m) in enumerate(zip(model.parameters(), master)):
@@ -176,6 +187,12 @@ def test_half_params_against_fp32_master(dtype):
         assert torch.equal(sd["state"][sid]["master_param"], m.detach())
         assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"])
     ts.close()
+
+
+def test_weight_staging_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", "shared")
+    with pytest.raises(ValueError, match="TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate'"):
+        OffloadAdamW(make_model().parameters())
 
 
 def test_checkpoint_resume_and_interop(tmp_path):

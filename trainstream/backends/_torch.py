@@ -61,7 +61,11 @@ class TorchBackend:
         self.copy_keeps_source_alive = True
         # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
         # from there; copy_to_host orders the next gradient copy after that upload.
-        self.weights_in_grad_stage = True
+        # TRAINSTREAM_WEIGHT_STAGING=separate (experiments): a buffer of their own.
+        staging = os.environ.get("TRAINSTREAM_WEIGHT_STAGING", "grad").strip() or "grad"
+        if staging not in ("grad", "separate"):
+            raise ValueError(f"TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate', got {staging!r}")
+        self.weights_in_grad_stage = staging == "grad"
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
