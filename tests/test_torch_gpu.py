@@ -277,6 +277,25 @@ def test_driver_calls_leave_the_threads_context_alone():
     assert seen["after"] == seen["before"]
 
 
+@pytest.mark.parametrize("share", [0.05, 0.3])
+@pytest.mark.parametrize("gpu_params", ["first", "last"])
+def test_hybrid_placement_by_fit(gpu_params, share):
+    """The GPU share takes the parameters that fit in what is left of it, from the first
+    or from the last one; with 5% even the first parameter (1024 of 10624 elements)
+    does not fit and stays on the host."""
+    model = make_model().to(DEV)
+    params = [p for g in two_groups(model) for p in g["params"]]
+    ts = OffloadAdamW(two_groups(model), mode="hybrid", gpu_share=share, gpu_params=gpu_params)
+    left = round(share * sum(p.numel() for p in params))
+    want = [False] * len(params)
+    for i in (range(len(params)) if gpu_params == "first" else range(len(params) - 1, -1, -1)):
+        if params[i].numel() <= left:
+            want[i], left = True, left - params[i].numel()
+    assert [ts._engine.on_gpu(sid) for sid in range(len(params))] == want
+    assert any(want) and not all(want)
+    ts.close()
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(sched=True), dict(micro=4), dict(micro=2, eager=True),
                                 dict(max_norm=0.5), dict(max_norm=0.5, micro=2)],
                          ids=["groups", "scheduler", "accumulate4", "eager", "clip", "clip-accumulate2"])

@@ -537,7 +537,7 @@ class OffloadAdamW(Optimizer):
                     )
                 backend = TorchBackend(p.device)
                 try:
-                    gpu = GpuEngine(backend, convention=self._engine_args["convention"])
+                    gpu_engine = GpuEngine(backend, convention=self._engine_args["convention"])
                 except ImportError as exc:
                     raise ImportError(
                         "OffloadAdamW mode='hybrid' needs CuPy: pip install 'trainstream[cuda12]' or "
@@ -546,9 +546,9 @@ class OffloadAdamW(Optimizer):
                 try:
                     host = Engine(backend, **self._engine_args)
                 except BaseException:
-                    gpu.close()
+                    gpu_engine.close()
                     raise
-                self._engine = SplitEngine(host, gpu, self._gpu_budget)
+                self._engine = SplitEngine(host, gpu_engine, self._gpu_budget)
             elif self.mode == "gpu":
                 if p.device.type != "cuda":
                     raise ValueError(
