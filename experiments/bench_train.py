@@ -33,7 +33,12 @@ buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradien
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
 
-Per row: "exposed" = step ms - bf16_fused step ms of the same config (the optimizer
+Per row: "step ms" is the median of steps each ended by a device-wide synchronize;
+"stream" is the mean of --stream-steps steps run back to back, as a training loop runs,
+with one drain (optimizer synchronize + device synchronize) at the end, counted. The
+synchronize also waits for work on the optimizer's own streams that a loop without it
+would overlap with the next forward (hybrid's GPU share kernels, queued at step()).
+"exposed" = step ms - bf16_fused step ms of the same config (the optimizer
 time that did not hide behind compute); for TrainStream also the host update's wall time
 per step (engine stats: from step() to the last upload) and the summed worker CPU time.
 The last table extrapolates the largest model each setup fits in GPU memory from the
@@ -236,7 +241,7 @@ def gpu_timeline(prof, steps: int) -> dict:
     }
 
 
-def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir=None):
+def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir=None, stream_steps=0):
     # What an earlier setup left allocated (torchao's optimizer, measured on the H200
     # machine, keeps its fp32 model alive after it is deleted): subtracted from the peak.
     gc.collect()
@@ -283,6 +288,19 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         t1 = time.perf_counter()
         if i >= warmup:
             times.append(t1 - t0)
+    stream_ms = None
+    if stream_steps:
+        # Back to back, as a training loop runs: no device-wide synchronize between steps
+        # (which also waits for work of the optimizer's own streams that the next forward
+        # would overlap, e.g. hybrid's GPU share). One drain at the end, counted.
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(stream_steps):
+            one_step()
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+        torch.cuda.synchronize()
+        stream_ms = 1e3 * (time.perf_counter() - t0) / stream_steps
     fwd_ms = None
     if not setup.split("~")[0].split("@")[0].startswith(("ts_", "torchao", "ds_")):
         # The forward alone (with autograd's graph, then dropped), for the clipping target
@@ -350,6 +368,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         "seq": seq,
         "step_ms_median": 1e3 * med,
         "step_ms_min": 1e3 * min(times),
+        **({"step_ms_stream": stream_ms} if stream_ms is not None else {}),
         "tokens_per_s": batch * seq / med,
         "peak_gib": peak,
         "left_by_earlier_setups_gib": base / 2**30,
@@ -393,6 +412,8 @@ def main():
     ap.add_argument("--profile", default="", help="comma list of setups to profile (3 more steps): GPU idle gaps")
     ap.add_argument("--trace", default="", help="comma list of setups to trace (2 more steps): host timeline")
     ap.add_argument("--trace-dir", default=".", help="where the Chrome trace files of --trace go")
+    ap.add_argument("--stream-steps", type=int, default=6,
+                    help="then time this many steps back to back, one drain at the end (0: off)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -408,7 +429,7 @@ def main():
         for setup in args.setups.split(","):
             try:
                 row = run(setup, size, batch, args.seq, args.steps, args.warmup, device, setup in profiled,
-                          args.trace_dir if setup in traced else None)
+                          args.trace_dir if setup in traced else None, args.stream_steps)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other setups
                 row = {"setup": setup, "size": size, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 gc.collect()
@@ -416,7 +437,7 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'config':10s} {'setup':16s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>8s} {'exposed':>8s} "
-          f"{'vs bf16':>7s} {'vs ao32':>7s} {'host wall':>9s}")
+          f"{'vs bf16':>7s} {'vs ao32':>7s} {'host wall':>9s} {'stream':>7s} {'vs ao32':>7s}")
     for r in rows:
         cfg = f"{r['size']}x{r['batch']}"
         if "error" in r:
@@ -425,10 +446,12 @@ def main():
         same = {q["setup"]: q for q in rows if "error" not in q and q["size"] == r["size"] and q["batch"] == r["batch"]}
         b = same.get("bf16_fused", {}).get("step_ms_median", math.nan)
         t = same.get("torchao_fp32", {}).get("step_ms_median", math.nan)
+        ts = same.get("torchao_fp32", {}).get("step_ms_stream", math.nan)
         ms = r["step_ms_median"]
+        st = r.get("step_ms_stream", math.nan)
         r["exposed_ms"] = ms - b
         print(f"{cfg:10s} {r['setup']:16s} {ms:8.1f} {r['tokens_per_s']:8.0f} {r['peak_gib']:8.2f} {ms - b:8.1f} "
-              f"{ms / b:7.2f} {ms / t:7.2f} {r.get('host_update_wall_ms_last', math.nan):9.1f}")
+              f"{ms / b:7.2f} {ms / t:7.2f} {r.get('host_update_wall_ms_last', math.nan):9.1f} {st:7.1f} {st / ts:7.2f}")
     for r in rows:
         # Issue #6's clipping target: TrainStream with ~clipX vs bf16_fused~clipX of the same config.
         name = r.get("setup", "")
