@@ -288,6 +288,40 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         t1 = time.perf_counter()
         if i >= warmup:
             times.append(t1 - t0)
+    # One more step, the memory of each phase: allocated at its end and the peak within it
+    # (net of what earlier setups left): what the peak is made of (issue #6's B/param).
+    phases = {}
+    torch.cuda.synchronize()
+    peak_timed = torch.cuda.max_memory_allocated()  # the phase probe resets the counter
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+    del logits
+    torch.cuda.synchronize()
+    phases["forward"] = (torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base)
+    torch.cuda.reset_peak_memory_stats()
+    if opt is None:
+        model.backward(loss)
+    elif eager:
+        with opt.last_micro_batch():
+            loss.backward()
+    else:
+        loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    phases["backward"] = (torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base)
+    torch.cuda.reset_peak_memory_stats()
+    if opt is None:
+        model.step()
+    else:
+        if clip_fn is not None:
+            clip_fn()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    phases["step"] = (torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base)
+    mem_phases = {k: {"end_gib": a / 2**30, "peak_gib": b / 2**30} for k, (a, b) in phases.items()}
     stream_ms = None
     if stream_steps:
         # Back to back, as a training loop runs: no device-wide synchronize between steps
@@ -345,7 +379,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
     if hasattr(opt, "synchronize"):
         opt.synchronize()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = (max(peak_timed, torch.cuda.max_memory_allocated()) - base) / 2**30
     extra = {}
     if hasattr(opt, "stats"):
         st = opt.stats()
@@ -369,6 +403,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         "step_ms_median": 1e3 * med,
         "step_ms_min": 1e3 * min(times),
         **({"step_ms_stream": stream_ms} if stream_ms is not None else {}),
+        "mem_phases": mem_phases,
         "tokens_per_s": batch * seq / med,
         "peak_gib": peak,
         "left_by_earlier_setups_gib": base / 2**30,
@@ -468,6 +503,13 @@ def main():
         print(f"\nclipping target {r['size']}x{r['batch']} {name}: (bf16 {base['step_ms_median']:.1f} + max(0, host update "
               f"{host:.1f} - forward {base['forward_ms']:.1f})) x 1.05 = {target:.1f} ms; measured "
               f"{r['step_ms_median']:.1f} ms ({r['step_ms_median'] / target:.2f}x the target)")
+    if any("mem_phases" in r for r in rows):
+        print("\nGPU memory by phase of one step, GiB (allocated at the end / peak within):")
+        for r in rows:
+            mp = r.get("mem_phases")
+            if mp:
+                print(f"  {r['size']}x{r['batch']} {r['setup']:24s} " + "  ".join(
+                    f"{k} {v['end_gib']:6.2f}/{v['peak_gib']:6.2f}" for k, v in mp.items()))
     for r in rows:
         tl = r.get("gpu_timeline")
         if tl:
