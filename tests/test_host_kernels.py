@@ -270,9 +270,18 @@ def test_torch_cpu_kernel_matches_torch_adamw():
         assert_bits_equal(p, tp.detach().numpy(), f"param step {t}")
 
 
-def test_optax_cpu_kernel_matches_jitted_optax():
-    """A single-leaf pytree (form R); the clip coefficient applied to the gradient first."""
+@pytest.fixture
+def jax_on_cpu():
+    """JAX with the CPU as its default device: these references are optax jitted on XLA:CPU
+    (on the GPU machine JAX's default device is the GPU, whose arithmetic differs)."""
     jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield jax
+
+
+def test_optax_cpu_kernel_matches_jitted_optax(jax_on_cpu):
+    """A single-leaf pytree (form R); the clip coefficient applied to the gradient first."""
+    jax = jax_on_cpu
     optax = pytest.importorskip("optax")
     jnp = jax.numpy
     n, steps = 4097, 50
@@ -330,9 +339,9 @@ def test_optax_cpu_codes_match_reference_flush_to_zero(code):
         p, m, v = got
 
 
-def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax():
+def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax(jax_on_cpu):
     """Kernel + contract scalars vs chain(clip_by_global_norm, adamw(mask=)) jitted on CPU."""
-    jax = pytest.importorskip("jax")
+    jax = jax_on_cpu
     optax = pytest.importorskip("optax")
     jnp = jax.numpy
     rng = np.random.default_rng(13)
