@@ -779,10 +779,17 @@ class OffloadAdamW(Optimizer):
         ``hybrid``'s host share), or by its zero-copy kernel on the update stream
         (``gpu`` mode; ``hybrid``'s GPU share with ``gpu_params="last"``; with the
         default ``"first"`` that share still runs at ``step()``). Either way
-        ``param.grad`` is ``None`` after that backward for the parameters it updated, and each update uses its group's ``lr`` as it is during
-        backward (set a schedule's ``lr`` before it). Not with ``max_grad_norm``:
-        clipping needs every gradient first, and the block then has no effect. Between
-        this backward and ``step()``, ``state_dict()`` and ``load_state_dict()`` raise.
+        ``param.grad`` is ``None`` after that backward for the parameters it updated,
+        and each update uses its group's ``lr`` as it is during backward (set a
+        schedule's ``lr`` before it). Not with ``max_grad_norm``: clipping needs every
+        gradient first, and the block then has no effect. Between this backward and
+        ``step()``, ``state_dict()`` and ``load_state_dict()`` raise.
+
+        The host threads then run during backward, beside the thread that launches its
+        kernels: with ``mode="hybrid"`` on a 350M GPT, workers at the default nice 5
+        made the step slower than without this block, at nice 19
+        (``TRAINSTREAM_WORKER_NICE=19``, set before building the optimizer) faster
+        (experiments/RESULTS.md, session 6).
         """
         self._check_open()
         if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
