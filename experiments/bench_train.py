@@ -37,7 +37,8 @@ Per row: "step ms" is the median of steps each ended by a device-wide synchroniz
 "stream" is the mean of --stream-steps steps run back to back, as a training loop runs,
 with one drain (optimizer synchronize + device synchronize) at the end, counted. The
 synchronize also waits for work on the optimizer's own streams that a loop without it
-would overlap with the next forward (hybrid's GPU share kernels, queued at step()).
+would overlap with the next forward (hybrid's GPU share kernels, queued at step()); the
+final drain divided by the step count biases "stream" upwards (an upper bound).
 "exposed" = step ms - bf16_fused step ms of the same config (the optimizer
 time that did not hide behind compute); for TrainStream also the host update's wall time
 per step (engine stats: from step() to the last upload) and the summed worker CPU time.
