@@ -207,13 +207,19 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch
     from trainstream.backends._torch import TorchBackend
 
     monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
-    n = 1 << 26  # 128 MB of bf16 each way: the copies take milliseconds and overlap
+    n = 1 << 24
     p = torch.randn(n, device=DEV).to(torch.bfloat16)
-    eng = Engine(TorchBackend(DEV), threads=4, chunk_elems=1 << 22)
+    backend = TorchBackend(DEV)
+    eng = Engine(backend, threads=4, chunk_elems=1 << 22)
     sid = eng.add_param(p, n, "bfloat16", "cuda")
     assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     for _ in range(3):
+        # Hold the upload stream (~0.5 s of GPU sleep): the upload queued by the update
+        # starts late, so a gradient copy that did not wait for it would land first and
+        # the upload would send its 7s as weights.
+        with torch.cuda.stream(backend.h2d):
+            torch.cuda._sleep(1 << 30)
         eng.offload_grad(sid, torch.randn(n, device=DEV).to(torch.bfloat16), "bfloat16", update=hp)
         eng.offload_grad(sid, torch.full((n,), 7.0, device=DEV, dtype=torch.bfloat16), "bfloat16")
         eng.synchronize()

@@ -360,6 +360,30 @@ def test_worker_failure_reaches_caller(monkeypatch):
     ts2.close()
 
 
+@pytest.mark.parametrize("staging", ["grad", "separate"])
+def test_failed_update_uploads_nothing(monkeypatch, staging):
+    """A chunk that raised leaves its range of the staging buffer unwritten (with
+    weights staged in the gradient buffer it holds gradient bits): the batch uploads
+    nothing and the parameter keeps its weights until the error is dealt with."""
+    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", staging)
+    model = make_model(dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    ts = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected kernel failure")
+
+    monkeypatch.setattr(K, "adamw_chunk", boom)
+    loss_of(model, batches(1)[0]).backward()
+    ts.step()
+    with pytest.raises(WorkerError, match="injected kernel failure"):
+        ts.synchronize()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    monkeypatch.undo()
+    ts.close()
+
+
 def test_close_joins_workers_and_gc_closes():
     before = {t.name for t in threading.enumerate()}
     model = make_model()

@@ -331,6 +331,7 @@ class _Slot:
     grad_keep: Any = None  # the device gradient, alive until its copy completed
     ready: Any = None  # completion event of the last weight upload
     inflight: int = 0  # batches queued, running or chained
+    chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -572,11 +573,13 @@ class Engine:
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
         query = getattr(landed, "query", None)
         ready = _Landed(query) if query is not None else None
+        s.chunk_failed = False  # the slot's batches run one after another
 
         def job(c: int, b: int, e: int) -> None:
             try:
                 body(c, b, e)
             except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
+                s.chunk_failed = True
                 self._record_error(exc)
             if next(finished) == s.nchunks:  # the batch's last chunk to finish
                 try:
@@ -745,6 +748,11 @@ class Engine:
         def finalize() -> None:
             t = time.perf_counter()
             s.grad_keep = None
+            if s.chunk_failed:
+                # The error is raised at the next call; a failed chunk left its range of
+                # the staging buffer unwritten (with weights in grad staging: gradient
+                # bits), so nothing is uploaded and the device keeps its old weights.
+                return
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = t1 = time.perf_counter()
