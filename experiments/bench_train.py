@@ -28,7 +28,8 @@ max_grad_norm=X, in-GPU setups clip_grad_norm_; not for torchao/DeepSpeed), ~swi
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"), ~ebN
 (eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS; default: a
 quarter of the multiprocessors' count), ~sepstage (fp16/bf16 weights rounded into a staging
-buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradient's).
+buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradient's), ~pcN
+(gradients copied and weights uploaded in pieces of N chunks, TRAINSTREAM_COPY_PIECE_CHUNKS).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -142,6 +143,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
     os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "")
     os.environ["TRAINSTREAM_WEIGHT_STAGING"] = "separate" if "sepstage" in opts_ else "grad"
+    os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = next((o[2:] for o in opts_ if o.startswith("pc")), "0")
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):

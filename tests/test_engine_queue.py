@@ -131,3 +131,27 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     monkeypatch.setattr(eng, "_submit_batch", real)
     eng.clear_error()
     eng.close()
+
+
+def test_per_job_readiness_of_a_batch():
+    """A gradient copied in pieces: each job of the batch is ready when its own piece has
+    landed (put_many with one predicate per job)."""
+    q = E._WorkQueue()
+    q._fifo = False
+    landed = [True, False]
+    q.put_many([lambda: "1-piece0", lambda: "1-piece1"], 1, [lambda: landed[0], lambda: landed[1]])
+    q.put(lambda: "2", 2, None)
+    assert q.get()() == "1-piece0"  # its piece has landed
+    assert q.get()() == "2"  # slot 1's next job waits for its piece; slot 2's can run
+    assert q.get()() == "1-piece1"
+
+
+def test_submit_many_per_worker_keeps_each_jobs_readiness():
+    pool = E._WorkerPool.__new__(E._WorkerPool)  # the queues only, no threads
+    pool._queues = [E._WorkQueue(), E._WorkQueue()]
+    for q in pool._queues:
+        q._fifo = False
+    never = lambda: False  # noqa: E731
+    pool.submit_many([0, 1, 0], [lambda: "a", lambda: "b", lambda: "c"], 1, [None, never, never])
+    q0, q1 = pool._queues
+    assert [e[3] for e in q0._all] == [None, never] and [e[3] for e in q1._all] == [never]

@@ -77,6 +77,7 @@ class AsyncBackend:
     def __init__(self, in_grad: bool = True, honour_free: bool = True, sync: bool = False,
                  upload_delay: float = 0.01) -> None:
         self.weights_in_grad_stage = in_grad
+        self.copy_spans = True
         self.honour_free = honour_free
         self.sync = sync
         self.upload_delay = upload_delay
@@ -91,22 +92,24 @@ class AsyncBackend:
     def record_compute(self, param):
         return None
 
-    def copy_to_host(self, dst, src, after, *, free=None):
+    def copy_to_host(self, dst, src, after, *, free=None, span=None):
+        b, e = span if span is not None else (0, len(src))
         if self.sync:
-            dst.array[:] = src
+            dst.array[b:e] = src[b:e]
             return None
-        src = src.copy()
+        src = src[b:e].copy()
         waits = [after, free if self.honour_free else None]
-        return self.d2h.put(waits, lambda: _sliced_copy(dst.array, src, 0.0001))
+        return self.d2h.put(waits, lambda: _sliced_copy(dst.array[b:e], src, 0.0001))
 
-    def copy_to_device(self, dst, src, after):
+    def copy_to_device(self, dst, src, after, *, span=None):
+        b, e = span if span is not None else (0, len(dst))
         if self.sync:
-            dst[:] = src.array
+            dst[b:e] = src.array[b:e]
             return None
 
         def upload():
             time.sleep(self.upload_delay)
-            _sliced_copy(dst, src.array, 0.0005)
+            _sliced_copy(dst[b:e], src.array[b:e], 0.0005)
 
         return self.h2d.put([after], upload)
 
@@ -122,12 +125,13 @@ SCENARIOS = ["plain", "eager", "micro3", "micro2_eager", "clip", "clip_micro2", 
              "eager_then_grad", "no_grads", "eager_then_discard", "eager", "plain"]
 
 
-def _train(backend, steps=len(SCENARIOS), seed=0):
+def _train(backend, steps=len(SCENARIOS), seed=0, pieces=False):
     rng = np.random.default_rng(seed)
     sizes = [20000, 9000, 777]
     params = [C.f32_to_bf16_bits(rng.standard_normal(n).astype(np.float32)) for n in sizes]
     eng = E.Engine(backend, threads=3, chunk_elems=4096)
     sids = [eng.add_param(p, len(p), "bfloat16", "cuda") for p in params]
+    assert [eng._slot(s).pieces for s in sids] == [pieces, pieces, False]
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1)
     everyone = [(s, hp) for s in sids]
 
@@ -194,9 +198,14 @@ def reference():
     return _train(AsyncBackend(in_grad=False, sync=True))
 
 
+@pytest.mark.parametrize("pieces", [0, 2], ids=["whole", "pieces-of-2-chunks"])
 @pytest.mark.parametrize("in_grad", [True, False], ids=["weights-in-grad-staging", "separate"])
-def test_async_copies_give_the_synchronous_bits(reference, in_grad):
-    assert _same(_train(AsyncBackend(in_grad=in_grad)), reference)
+def test_async_copies_give_the_synchronous_bits(reference, in_grad, pieces, monkeypatch):
+    """Also with gradients copied and weights uploaded in pieces
+    (``TRAINSTREAM_COPY_PIECE_CHUNKS``: the 20000- and 9000-element slots go in 3 and 2
+    pieces, the 777-element one whole)."""
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", str(pieces))
+    assert _same(_train(AsyncBackend(in_grad=in_grad), pieces=bool(pieces)), reference)
 
 
 def test_gradient_copy_that_ignores_the_upload_corrupts_the_weights(reference):

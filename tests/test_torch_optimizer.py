@@ -33,9 +33,9 @@ class TinyTransformer(nn.Module):
         return self.head(self.layer(self.emb(x)))
 
 
-def make_model(seed=0, dtype=torch.float32):
+def make_model(seed=0, dtype=torch.float32, d=32):
     torch.manual_seed(seed)
-    return TinyTransformer().to(dtype)
+    return TinyTransformer(d).to(dtype)
 
 
 def batches(n, seed=1, batch=4):
@@ -62,10 +62,10 @@ def assert_same(m1, m2):
 
 
 def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4096, eager=False,
-               device="cpu", mode="cpu", zero_to_none=True, **opt_kw):
-    """The same model trained by torch.optim.AdamW and by OffloadAdamW on ``device``
-    (``opt_kw``: more OffloadAdamW arguments)."""
-    ref_model, ts_model = make_model().to(device), make_model().to(device)
+               device="cpu", mode="cpu", zero_to_none=True, d=32, **opt_kw):
+    """The same model (width ``d``) trained by torch.optim.AdamW and by OffloadAdamW on
+    ``device`` (``opt_kw``: more OffloadAdamW arguments)."""
+    ref_model, ts_model = make_model(d=d).to(device), make_model(d=d).to(device)
     ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
     ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
                       threads=threads, chunk_size=chunk, mode=mode, **opt_kw)
@@ -187,6 +187,25 @@ def test_half_params_against_fp32_master(dtype, staging, micro, monkeypatch):
         assert torch.equal(sd["state"][sid]["master_param"], m.detach())
         assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"])
     ts.close()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(micro=2, eager=True), dict(micro=3), dict(max_norm=0.5)],
+                         ids=["plain", "eager", "accumulate3", "clip"])
+def test_copies_in_pieces_bit_identical(kw, monkeypatch):
+    """TRAINSTREAM_COPY_PIECE_CHUNKS=1: every slot of more than one chunk (4096 elements:
+    the width-96 model's matrices, up to 7 chunks) copies its gradient and uploads its
+    weights chunk by chunk."""
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
+    ref_model, ts_model, _, ts, _ = train_pair(steps=12, d=96, **kw)
+    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot)))
+    assert_same(ref_model, ts_model)
+    ts.close()
+
+
+def test_piece_switch_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "-2")
+    with pytest.raises(ValueError, match="TRAINSTREAM_COPY_PIECE_CHUNKS must be a non-negative integer"):
+        OffloadAdamW(make_model().parameters())
 
 
 def test_weight_staging_switch_rejects_unknown_values(monkeypatch):

@@ -96,18 +96,24 @@ class Backend(Protocol):
         """An event marking the current point of the compute stream of ``param``."""
 
     def copy_to_host(
-        self, dst: HostBuffer, src: Any, after: Event | None, *, free: Event | None = None
+        self, dst: HostBuffer, src: Any, after: Event | None, *, free: Event | None = None,
+        span: tuple[int, int] | None = None,
     ) -> Event | None:
         """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
 
         ``free``: an upload that reads ``dst`` (given only to a backend whose
         ``weights_in_grad_stage`` is True); the copy must not start before it completed.
+        ``span=(begin, end)``: only those elements (given only to a backend whose
+        ``copy_spans`` is True); the copies of one gradient go in order on one stream.
         A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
         memory is not reused before the copy completed, so the engine drops it at once.
         """
 
-    def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
-        """Start ``dst (param) <- src`` after ``after``; return its completion event."""
+    def copy_to_device(
+        self, dst: Any, src: HostBuffer, after: Event | None, *, span: tuple[int, int] | None = None
+    ) -> Event | None:
+        """Start ``dst (param) <- src`` after ``after``; return its completion event
+        (``span``: as in :meth:`copy_to_host`; the uploads go in order on one stream)."""
 
     def wait_on_compute(self, event: Event | None, param: Any) -> None:
         """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
@@ -117,6 +123,17 @@ class Backend(Protocol):
 
 
 # -- worker pool ----------------------------------------------------------------------------
+
+def _piece_chunks_from_env() -> int:
+    raw = os.environ.get("TRAINSTREAM_COPY_PIECE_CHUNKS", "").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"TRAINSTREAM_COPY_PIECE_CHUNKS must be a non-negative integer, got {raw!r}")
+    return value
+
 
 def _worker_nice() -> int:
     """The workers' nice value: ``TRAINSTREAM_WORKER_NICE`` (default 5), read per pool."""
@@ -165,8 +182,10 @@ class _WorkQueue:
             self.put_many([job], priority, ready)
 
     def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                 ready: Callable[[], bool] | None = None) -> None:
-        """Queue ``jobs`` (one batch: same slot and readiness) under one lock."""
+                 ready: Callable[[], bool] | Sequence[Callable[[], bool] | None] | None = None) -> None:
+        """Queue ``jobs`` (one batch: same slot) under one lock; ``ready``: one predicate
+        for all of them, or a list with one per job."""
+        readies = ready if isinstance(ready, (list, tuple)) else [ready] * len(jobs)
         if self._fifo:
             priority = 0.0
         with self._cond:
@@ -174,8 +193,8 @@ class _WorkQueue:
             if q is None:
                 q = self._slots[priority] = collections.deque()
                 bisect.insort(self._order, priority)
-            for job in jobs:
-                entry = [priority, next(self._seq), job, ready, False]  # last: taken
+            for job, rdy in zip(jobs, readies):
+                entry = [priority, next(self._seq), job, rdy, False]  # last: taken
                 q.append(entry)
                 self._all.append(entry)
             self._jobs += len(jobs)
@@ -230,6 +249,34 @@ class _Landed:
         return self._done
 
 
+class _PieceEvents:
+    """The completion of a gradient copied in pieces of ``elems`` elements, one event per
+    piece, queued in order on one stream (so the last one covers them all): an Event for
+    code that needs the whole gradient, and :meth:`at` for a chunk that needs its own."""
+
+    __slots__ = ("events", "elems")
+
+    def __init__(self, events: list, elems: int):
+        self.events = events
+        self.elems = elems
+
+    def at(self, begin: int) -> Any:
+        return self.events[begin // self.elems]
+
+    def synchronize(self) -> None:
+        self.events[-1].synchronize()
+
+    def query(self) -> bool:
+        return bool(self.events[-1].query())
+
+
+def _wait_landed(landed: Any, begin: int) -> None:
+    """Wait for the copy of element ``begin``'s chunk (its piece's, if in pieces)."""
+    ev = landed.at(begin) if isinstance(landed, _PieceEvents) else landed
+    if ev is not None:
+        ev.synchronize()
+
+
 class _WorkerPool:
     """``threads`` workers pulling from one shared queue (:class:`_WorkQueue`), or each
     from its own (``shared=False``: a chunk then always runs on the worker it was
@@ -279,16 +326,21 @@ class _WorkerPool:
         self._queues[worker % len(self._queues)].put(job, priority, ready)
 
     def submit_many(self, workers: Sequence[int], jobs: Sequence[Callable[[], None]],
-                    priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
-        """``submit`` of each ``(worker, job)``, one lock per queue."""
+                    priority: float = 0.0,
+                    ready: Callable[[], bool] | Sequence[Callable[[], bool] | None] | None = None) -> None:
+        """``submit`` of each ``(worker, job)``, one lock per queue (``ready``: as in
+        :meth:`_WorkQueue.put_many`)."""
         if len(self._queues) == 1:
             self._queues[0].put_many(jobs, priority, ready)
             return
-        per: dict[int, list] = {}
-        for w, job in zip(workers, jobs):
-            per.setdefault(w % len(self._queues), []).append(job)
-        for w, js in per.items():
-            self._queues[w].put_many(js, priority, ready)
+        readies = ready if isinstance(ready, (list, tuple)) else [ready] * len(jobs)
+        per: dict[int, tuple[list, list]] = {}
+        for w, job, rdy in zip(workers, jobs, readies):
+            js, rs = per.setdefault(w % len(self._queues), ([], []))
+            js.append(job)
+            rs.append(rdy)
+        for w, (js, rs) in per.items():
+            self._queues[w].put_many(js, priority, rs)
 
     def owns_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
@@ -332,6 +384,8 @@ class _Slot:
     ready: Any = None  # completion event of the last weight upload
     inflight: int = 0  # batches queued, running or chained
     chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
+    pieces: bool = False  # copies and uploads go in pieces of Engine._piece_elems elements
+    upload_lock: threading.Lock = field(default_factory=threading.Lock)
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -416,6 +470,12 @@ class Engine:
         self._pageable_bytes = 0
         self._last_norm: float | None = None
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
+        # TRAINSTREAM_COPY_PIECE_CHUNKS=N (experiments; a backend with copy_spans): the
+        # gradient copy and the weight upload of a slot of more than N chunks go in pieces
+        # of N chunks, so that its update starts when its first piece has landed and its
+        # first weights go up before its last chunk is done. 0 (default): whole copies.
+        pieces = _piece_chunks_from_env()
+        self._piece_elems = pieces * self.chunk if pieces and getattr(backend, "copy_spans", False) else 0
         self._closed = False
         self._pool = _WorkerPool(threads)
         self._load = [0] * threads  # elements assigned to each worker
@@ -509,6 +569,7 @@ class Engine:
             exp_avg=m,
             exp_avg_sq=v,
         )
+        slot.pieces = bool(self._piece_elems) and numel > self._piece_elems
         slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
         if dtype != "float32":
             if self._weights_in_grad_stage:
@@ -555,32 +616,58 @@ class Engine:
         body: Callable[[int, int, int], None],
         finalize: Callable[[], None] | None = None,
         landed: Any = None,
+        piece_done: Callable[[int, int], None] | None = None,
     ) -> None:
         """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
         (after the slot's batch in flight, if any: see the module docstring).
 
         ``landed``: the event the body waits for first (a gradient copy), if any; its
-        ``query()`` lets a worker run another slot's job while the copy is in flight.
+        ``query()`` lets a worker run another slot's job while the copy is in flight (a
+        :class:`_PieceEvents`: each chunk's job waits for its own piece).
+        ``piece_done(begin, end)``: called once every chunk of a piece of
+        ``_piece_elems`` elements has run without error, before ``finalize``.
         """
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed))
+                s.chain.append((body, finalize, landed, piece_done))
                 return
-        self._submit_batch(s, body, finalize, landed)
+        self._submit_batch(s, body, finalize, landed, piece_done)
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed, piece_done=None) -> None:
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
-        query = getattr(landed, "query", None)
-        ready = _Landed(query) if query is not None else None
+        if isinstance(landed, _PieceEvents):
+            per_piece = [_Landed(ev.query) if hasattr(ev, "query") else None for ev in landed.events]
+            ready = [per_piece[(c * self.chunk) // landed.elems] for c in range(s.nchunks)]
+        else:
+            query = getattr(landed, "query", None)
+            ready = _Landed(query) if query is not None else None
         s.chunk_failed = False  # the slot's batches run one after another
+        if piece_done is not None:
+            step = self._piece_elems // self.chunk  # chunks per piece
+            npieces = -(-s.nchunks // step)
+            left = [itertools.count(1) for _ in range(npieces)]
+            size = [min(step, s.nchunks - j * step) for j in range(npieces)]
+            failed = [False] * npieces
 
         def job(c: int, b: int, e: int) -> None:
             try:
                 body(c, b, e)
             except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
                 s.chunk_failed = True
+                if piece_done is not None:
+                    failed[c // step] = True
                 self._record_error(exc)
+            if piece_done is not None:
+                j = c // step
+                if next(left[j]) == size[j] and not failed[j]:  # the piece's last chunk
+                    try:
+                        piece_done(j * self._piece_elems, min(s.numel, (j + 1) * self._piece_elems))
+                    except BaseException as exc:  # noqa: BLE001
+                        s.chunk_failed = True
+                        self._record_error(exc)
+            # Counted after piece_done: the worker that finishes the batch knows that
+            # every piece_done call has returned.
             if next(finished) == s.nchunks:  # the batch's last chunk to finish
                 try:
                     if finalize is not None:
@@ -648,11 +735,18 @@ class Engine:
             self._wait_idle(s)
             self.check_error()
         after = self.backend.record_compute(s.param)
-        if s.param_stage is s.grad_stage and s.ready is not None:
-            # The last upload reads the staging buffer (weights in grad staging).
-            s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, free=s.ready)
+        # The last upload may still read the staging buffer (weights in grad staging).
+        free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
+        if s.pieces:  # one copy per piece, queued in order on one stream
+            events = []
+            for b in range(0, s.numel, self._piece_elems):
+                span = (b, min(s.numel, b + self._piece_elems))
+                events.append(self.backend.copy_to_host(s.grad_stage, grad, after, span=span, **free))
+                after, free = None, {}  # the stream already waits for them
+            # (a synchronous backend returns no events: nothing to wait for)
+            s.landed = _PieceEvents(events, self._piece_elems) if any(ev is not None for ev in events) else None
         else:
-            s.landed = self.backend.copy_to_host(s.grad_stage, grad, after)
+            s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
         # Keep the device gradient alive until its copy ran, unless the backend already
         # guarantees that (torch: record_stream, so the memory goes back to the pool once
         # the copy has completed and backward can reuse it).
@@ -676,7 +770,7 @@ class Engine:
         def body(c: int, b: int, e: int) -> None:
             t = time.perf_counter()
             if landed is not None:
-                landed.synchronize()
+                _wait_landed(landed, b)
                 _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.accumulate_chunk(acc, stage, kind, b, e, fresh)
             t1 = time.perf_counter()
@@ -738,7 +832,7 @@ class Engine:
                 prev_ready.synchronize()
                 _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
             if landed is not None:  # the gradient copy must have landed in staging
-                landed.synchronize()
+                _wait_landed(landed, b)
                 _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, sqrt_mode)
             t1 = time.perf_counter()
@@ -748,18 +842,27 @@ class Engine:
         def finalize() -> None:
             t = time.perf_counter()
             s.grad_keep = None
-            if s.chunk_failed:
+            if s.chunk_failed or s.pieces:
                 # The error is raised at the next call; a failed chunk left its range of
                 # the staging buffer unwritten (with weights in grad staging: gradient
                 # bits), so nothing is uploaded and the device keeps its old weights.
+                # (In pieces: each piece whose chunks all ran went up in upload_piece.)
                 return
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = t1 = time.perf_counter()
             _trace.add("upload", t, t1, s.id)
 
+        def upload_piece(b: int, e: int) -> None:
+            t = time.perf_counter()
+            with s.upload_lock:  # s.ready: the last upload queued (one stream: covers all)
+                s.ready = self.backend.copy_to_device(s.param, upload_src, after, span=(b, e))
+            self._stats.add("param_bytes", (e - b) * _ITEMSIZE[s.dtype])
+            self._stats.last_finalize = t1 = time.perf_counter()
+            _trace.add("upload", t, t1, s.id)
+
         s.grad_state = _NO_GRAD
-        self._run_batch(s, body, finalize, landed)
+        self._run_batch(s, body, finalize, landed, upload_piece if s.pieces else None)
 
     def grad_sumsq(self, sids: Sequence[int]) -> float:
         """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
@@ -780,7 +883,7 @@ class Engine:
             def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
                 t = time.perf_counter()
                 if landed is not None:
-                    landed.synchronize()
+                    _wait_landed(landed, b)
                     _trace.add("wait.landed", t, t := time.perf_counter(), sid)
                 K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
                 _trace.add("sumsq", t, time.perf_counter(), sid)

@@ -66,6 +66,7 @@ class TorchBackend:
         if staging not in ("grad", "separate"):
             raise ValueError(f"TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate', got {staging!r}")
         self.weights_in_grad_stage = staging == "grad"
+        self.copy_spans = True  # copy_to_host/copy_to_device take span=(begin, end)
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -148,18 +149,25 @@ class TorchBackend:
             )
         return nbytes
 
-    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
+    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None, span=None):
+        """``span=(begin, end)``: only those elements (of the flat tensors)."""
         if not self.cuda:
-            dst.handle.copy_(src.reshape(-1))
+            if span is None:
+                dst.handle.copy_(src.reshape(-1))
+            else:
+                dst.handle[span[0]:span[1]].copy_(src.reshape(-1)[span[0]:span[1]])
             return None
         if self.drv is not None:
             nbytes = self._check_copy(dst, src, "gradient copy")
+            offset = 0
+            if span is not None:
+                offset, nbytes = span[0] * src.element_size(), (span[1] - span[0]) * src.element_size()
             stream = self.d2h.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
             if free is not None:  # the last upload from dst (see weights_in_grad_stage)
                 self.drv.stream_wait_event(stream, free)
-            self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
+            self.drv.memcpy_dtoh_async(dst.handle.data_ptr() + offset, src.data_ptr() + offset, nbytes, stream)
             # The caching allocator reuses src's memory only after the work queued on d2h
             # when src is freed (this copy): the engine drops the gradient right away.
             src.record_stream(self.d2h)
@@ -169,7 +177,10 @@ class TorchBackend:
                 self.d2h.wait_event(after)
             if free is not None:
                 self.d2h.wait_event(free)
-            dst.handle.copy_(src.reshape(-1), non_blocking=True)
+            if span is None:
+                dst.handle.copy_(src.reshape(-1), non_blocking=True)
+            else:
+                dst.handle[span[0]:span[1]].copy_(src.reshape(-1)[span[0]:span[1]], non_blocking=True)
             src.record_stream(self.d2h)  # see the driver path above
             # Worker threads wait on this event: a blocking-sync event lets them sleep
             # instead of spinning (spinning workers starve the threads that launch kernels).
@@ -177,21 +188,31 @@ class TorchBackend:
             ev.record(self.d2h)
         return ev
 
-    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
+    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after, *, span=None):
+        """``span=(begin, end)``: only those elements (of the flat tensors)."""
         if not self.cuda:
-            dst.copy_(src.handle)
+            if span is None:
+                dst.copy_(src.handle)
+            else:
+                dst[span[0]:span[1]].copy_(src.handle[span[0]:span[1]])
             return None
         if self.drv is not None:
             nbytes = self._check_copy(src, dst, "weight upload")
+            offset = 0
+            if span is not None:
+                offset, nbytes = span[0] * dst.element_size(), (span[1] - span[0]) * dst.element_size()
             stream = self.h2d.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
-            self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
+            self.drv.memcpy_htod_async(dst.data_ptr() + offset, src.handle.data_ptr() + offset, nbytes, stream)
             return _cuda_driver.Event(self.drv, stream)
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             if after is not None:
                 self.h2d.wait_event(after)
-            dst.copy_(src.handle, non_blocking=True)
+            if span is None:
+                dst.copy_(src.handle, non_blocking=True)
+            else:
+                dst[span[0]:span[1]].copy_(src.handle[span[0]:span[1]], non_blocking=True)
             ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
             ev.record(self.h2d)
         return ev
