@@ -198,6 +198,20 @@ def test_copy_paths_bit_identical(copies, monkeypatch):
 
 
 @pytest.mark.parametrize("copies", ["driver", "torch"])
+@pytest.mark.parametrize("kw", [dict(micro=2, eager=True), dict(micro=3), dict(max_norm=0.5)],
+                         ids=["eager", "accumulate3", "clip"])
+def test_copies_in_pieces_bit_identical(kw, copies, monkeypatch):
+    """TRAINSTREAM_COPY_PIECE_CHUNKS=1 on CUDA: gradients copied and weights uploaded
+    chunk by chunk (the width-96 model's matrices: up to 7 pieces), both copy paths."""
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
+    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=20, d=96, **kw)
+    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot)))
+    assert_same(ref_model, ts_model)
+    ts.close()
+
+
+@pytest.mark.parametrize("copies", ["driver", "torch"])
 def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch):
     """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
     copy into it, queued at once (no forward in between to order it), must not overwrite
