@@ -202,31 +202,63 @@ def test_copy_paths_bit_identical(copies, monkeypatch):
                          ids=["eager", "accumulate3", "clip"])
 def test_copies_in_pieces_bit_identical(kw, copies, monkeypatch):
     """TRAINSTREAM_COPY_PIECE_CHUNKS=1 on CUDA: gradients copied and weights uploaded
-    chunk by chunk (the width-96 model's matrices: up to 7 pieces), both copy paths."""
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
+    chunk by chunk (the width-96 model's matrices: up to 7 pieces), both copy paths;
+    fp32 against torch.optim.AdamW, bf16 (weights staged in the gradient buffer) against
+    cpu mode without pieces."""
     monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
     ref_model, ts_model, _, ts = train_pair_cuda(steps=20, d=96, **kw)
     assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot)))
     assert_same(ref_model, ts_model)
     ts.close()
+    runs = [_train_half(pieces, kw, monkeypatch) for pieces in ("1", "0")]
+    assert_same(*runs)
 
 
+def _train_half(pieces, kw, monkeypatch, device=DEV, steps=10):
+    """A bf16 width-96 model trained by OffloadAdamW (cpu mode) with
+    TRAINSTREAM_COPY_PIECE_CHUNKS=pieces, micro-batches / eager / clipping as in ``kw``."""
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", pieces)
+    model = make_model(dtype=torch.bfloat16, d=96).to(device)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, chunk_size=4096, max_grad_norm=kw.get("max_norm"))
+    micro = kw.get("micro", 1)
+    data = batches(steps * micro, batch=2)
+    for step in range(steps):
+        for i in range(micro):
+            loss = loss_of(model, data[step * micro + i].to(device)) / micro
+            if kw.get("eager") and i == micro - 1:
+                with ts.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
+        ts.step()
+        ts.zero_grad()
+    ts.synchronize()
+    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot))) == (pieces != "0")
+    ts.close()
+    return model
+
+
+@pytest.mark.parametrize("pieces", [0, 1], ids=["whole", "in-pieces"])
 @pytest.mark.parametrize("copies", ["driver", "torch"])
-def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch):
+def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, pieces, monkeypatch):
     """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
     copy into it, queued at once (no forward in between to order it), must not overwrite
-    the weights the upload is still reading."""
+    the weights the upload is still reading (also with copies and uploads in 4 pieces:
+    every piece of the next copy is behind the last piece's upload)."""
     from trainstream import _contract as C
     from trainstream._engine import Engine
     from trainstream.backends._torch import TorchBackend
 
     monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", str(pieces))
     n = 1 << 24
     p = torch.randn(n, device=DEV).to(torch.bfloat16)
     backend = TorchBackend(DEV)
     eng = Engine(backend, threads=4, chunk_elems=1 << 22)
     sid = eng.add_param(p, n, "bfloat16", "cuda")
     assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
+    assert eng._slot(sid).pieces == bool(pieces)
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     for _ in range(3):
         # Hold the upload stream (~0.5 s of GPU sleep): the upload queued by the update
