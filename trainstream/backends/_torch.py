@@ -46,6 +46,19 @@ class _TorchHostBuffer:
             self.array = tensor.view(torch.int16).numpy().view(np.uint16)
 
 
+def _part(t: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """The flat tensor ``t``, or its elements ``span=(begin, end)``."""
+    flat = t.reshape(-1)
+    return flat if span is None else flat[span[0]:span[1]]
+
+
+def _span_bytes(span: tuple[int, int] | None, t: torch.Tensor, nbytes: int) -> tuple[int, int]:
+    """(byte offset, byte count) of ``span`` in ``t`` (the whole ``nbytes`` without one)."""
+    if span is None:
+        return 0, nbytes
+    return span[0] * t.element_size(), (span[1] - span[0]) * t.element_size()
+
+
 class TorchBackend:
     """Pinned buffers, side streams and events for one device (CUDA or CPU).
 
@@ -152,16 +165,10 @@ class TorchBackend:
     def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None, span=None):
         """``span=(begin, end)``: only those elements (of the flat tensors)."""
         if not self.cuda:
-            if span is None:
-                dst.handle.copy_(src.reshape(-1))
-            else:
-                dst.handle[span[0]:span[1]].copy_(src.reshape(-1)[span[0]:span[1]])
+            _part(dst.handle, span).copy_(_part(src, span))
             return None
         if self.drv is not None:
-            nbytes = self._check_copy(dst, src, "gradient copy")
-            offset = 0
-            if span is not None:
-                offset, nbytes = span[0] * src.element_size(), (span[1] - span[0]) * src.element_size()
+            offset, nbytes = _span_bytes(span, src, self._check_copy(dst, src, "gradient copy"))
             stream = self.d2h.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
@@ -177,10 +184,7 @@ class TorchBackend:
                 self.d2h.wait_event(after)
             if free is not None:
                 self.d2h.wait_event(free)
-            if span is None:
-                dst.handle.copy_(src.reshape(-1), non_blocking=True)
-            else:
-                dst.handle[span[0]:span[1]].copy_(src.reshape(-1)[span[0]:span[1]], non_blocking=True)
+            _part(dst.handle, span).copy_(_part(src, span), non_blocking=True)
             src.record_stream(self.d2h)  # see the driver path above
             # Worker threads wait on this event: a blocking-sync event lets them sleep
             # instead of spinning (spinning workers starve the threads that launch kernels).
@@ -191,16 +195,10 @@ class TorchBackend:
     def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after, *, span=None):
         """``span=(begin, end)``: only those elements (of the flat tensors)."""
         if not self.cuda:
-            if span is None:
-                dst.copy_(src.handle)
-            else:
-                dst[span[0]:span[1]].copy_(src.handle[span[0]:span[1]])
+            _part(dst, span).copy_(_part(src.handle, span))
             return None
         if self.drv is not None:
-            nbytes = self._check_copy(src, dst, "weight upload")
-            offset = 0
-            if span is not None:
-                offset, nbytes = span[0] * dst.element_size(), (span[1] - span[0]) * dst.element_size()
+            offset, nbytes = _span_bytes(span, dst, self._check_copy(src, dst, "weight upload"))
             stream = self.h2d.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
@@ -209,10 +207,7 @@ class TorchBackend:
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             if after is not None:
                 self.h2d.wait_event(after)
-            if span is None:
-                dst.copy_(src.handle, non_blocking=True)
-            else:
-                dst[span[0]:span[1]].copy_(src.handle[span[0]:span[1]], non_blocking=True)
+            _part(dst, span).copy_(_part(src.handle, span), non_blocking=True)
             ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
             ev.record(self.h2d)
         return ev
