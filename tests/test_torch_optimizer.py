@@ -359,9 +359,9 @@ def test_closed_optimizer_refuses_work():
     ts.close()  # idempotent
 
 
-def test_worker_failure_reaches_caller(monkeypatch):
-    model = make_model()
-    ts = OffloadAdamW(model.parameters(), threads=2)
+def _step_with_failing_kernel(ts, model, monkeypatch):
+    """One backward and step() whose every host AdamW kernel raises; the WorkerError
+    reaches synchronize()."""
 
     def boom(*args, **kwargs):
         raise FloatingPointError("injected kernel failure")
@@ -371,6 +371,12 @@ def test_worker_failure_reaches_caller(monkeypatch):
     ts.step()
     with pytest.raises(WorkerError, match="injected kernel failure"):
         ts.synchronize()
+
+
+def test_worker_failure_reaches_caller(monkeypatch):
+    model = make_model()
+    ts = OffloadAdamW(model.parameters(), threads=2)
+    _step_with_failing_kernel(ts, model, monkeypatch)
     monkeypatch.undo()
     ts.close()
     # the process is healthy: a new optimizer trains normally
@@ -388,15 +394,7 @@ def test_failed_update_uploads_nothing(monkeypatch, staging):
     model = make_model(dtype=torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
     ts = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
-
-    def boom(*args, **kwargs):
-        raise FloatingPointError("injected kernel failure")
-
-    monkeypatch.setattr(K, "adamw_chunk", boom)
-    loss_of(model, batches(1)[0]).backward()
-    ts.step()
-    with pytest.raises(WorkerError, match="injected kernel failure"):
-        ts.synchronize()
+    _step_with_failing_kernel(ts, model, monkeypatch)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
     monkeypatch.undo()
