@@ -29,7 +29,9 @@ while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="las
 (eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS; default: a
 quarter of the multiprocessors' count), ~sepstage (fp16/bf16 weights rounded into a staging
 buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradient's), ~pcN
-(gradients copied and weights uploaded in pieces of N chunks, TRAINSTREAM_COPY_PIECE_CHUNKS).
+(gradients copied and weights uploaded in pieces of N chunks, TRAINSTREAM_COPY_PIECE_CHUNKS),
+~smallpages (pageable host state on the allocator's own pages, TRAINSTREAM_HOST_PAGES=default,
+instead of 2 MiB pages).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -144,6 +146,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "")
     os.environ["TRAINSTREAM_WEIGHT_STAGING"] = "separate" if "sepstage" in opts_ else "grad"
     os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = next((o[2:] for o in opts_ if o.startswith("pc")), "0")
+    os.environ["TRAINSTREAM_HOST_PAGES"] = "default" if "smallpages" in opts_ else "huge"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):
@@ -389,8 +392,12 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         extra["threads"] = st.get("threads", 0.0)
         extra["host_update_wall_ms_last"] = st.get("last_step_wall_ms", 0.0)
         if stats0 is not None:
-            extra["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / steps
-            extra["ready_stall_ms_per_step"] = (st["ready_stall_ms_total"] - stats0["ready_stall_ms_total"]) / steps
+            # Per optimizer step since stats0: the timed steps and the memory, stream,
+            # trace and profile steps after them (dividing by --steps alone overstated
+            # both figures by the count of those extra steps).
+            n = max(st["steps"] - stats0["steps"], 1.0)
+            extra["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / n
+            extra["ready_stall_ms_per_step"] = (st["ready_stall_ms_total"] - stats0["ready_stall_ms_total"]) / n
     if hasattr(opt, "close"):
         opt.close()
     del model, opt

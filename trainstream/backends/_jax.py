@@ -62,7 +62,7 @@ import numpy as np
 import optax
 
 from .. import _contract as C
-from .. import _cpu_sqrt
+from .. import _cpu_sqrt, _hostmem
 from .._engine import Engine
 from . import _xla_ffi as xf
 
@@ -92,6 +92,8 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     such buffers in ``device_put`` without a copy)."""
     dt = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
+    if n * dt.itemsize >= _hostmem.HUGE_PAGE and _hostmem.host_pages_setting() == "huge":
+        return _hostmem.empty(n, dt).reshape(shape)  # 2 MiB-aligned, on huge pages
     raw = np.empty(n * dt.itemsize + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off : off + n * dt.itemsize].view(dt).reshape(shape)
@@ -142,7 +144,7 @@ class JaxCpuBackend:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
         try:
             return _HostBuffer(_aligned_empty((numel,), np_dtype))
-        except MemoryError as exc:
+        except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc
 

@@ -136,7 +136,7 @@ class JaxCudaHostBackend:
 
         try:
             return _HostBuffer(_aligned_empty((numel,), np_dtype))
-        except MemoryError as exc:
+        except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc
 

@@ -20,7 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _contract as C
-from .. import _cpu_sqrt
+from .. import _cpu_sqrt, _hostmem
 from . import _cuda_driver
 from .._engine import Engine
 from .._gpu_engine import GpuEngine
@@ -80,6 +80,9 @@ class TorchBackend:
             raise ValueError(f"TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate', got {staging!r}")
         self.weights_in_grad_stage = staging == "grad"
         self.copy_spans = True  # copy_to_host/copy_to_device take span=(begin, end)
+        # Pageable host state (the master of fp16/bf16 weights, the moments, accumulators)
+        # on 2 MiB pages unless TRAINSTREAM_HOST_PAGES=default (trainstream._hostmem).
+        self.huge_pages = _hostmem.host_pages_setting() == "huge"
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -129,8 +132,14 @@ class TorchBackend:
         tdtype = _TORCH_DTYPE[dtype]
         pin = pinned and self.cuda
         try:
-            t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
-        except RuntimeError as exc:  # cudaHostAlloc failure surfaces as RuntimeError
+            if not pin and self.huge_pages:  # see trainstream._hostmem
+                arr = _hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16)
+                t = torch.from_numpy(arr)
+                if tdtype != torch.float32:
+                    t = t.view(tdtype)
+            else:
+                t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
+        except (RuntimeError, OSError, MemoryError) as exc:  # cudaHostAlloc: RuntimeError; mmap: OSError
             nbytes = numel * t_itemsize(tdtype)
             raise MemoryError(
                 f"TrainStream could not allocate {nbytes} bytes of "
