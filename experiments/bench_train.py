@@ -31,7 +31,9 @@ quarter of the multiprocessors' count), ~sepstage (fp16/bf16 weights rounded int
 buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradient's), ~pcN
 (gradients copied and weights uploaded in pieces of N chunks, TRAINSTREAM_COPY_PIECE_CHUNKS),
 ~smallpages (pageable host state on the allocator's own pages, TRAINSTREAM_HOST_PAGES=default,
-instead of 2 MiB pages).
+instead of 2 MiB pages), ~gpufirst (hybrid: step() launches the GPU share before queueing the
+host share whatever they hold, TRAINSTREAM_SPLIT_ORDER=gpu-first; default: the share holding
+the first parameter first).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -147,6 +149,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_WEIGHT_STAGING"] = "separate" if "sepstage" in opts_ else "grad"
     os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = next((o[2:] for o in opts_ if o.startswith("pc")), "0")
     os.environ["TRAINSTREAM_HOST_PAGES"] = "default" if "smallpages" in opts_ else "huge"
+    os.environ["TRAINSTREAM_SPLIT_ORDER"] = "gpu-first" if "gpufirst" in opts_ else "forward"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):

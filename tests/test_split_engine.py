@@ -55,6 +55,11 @@ class FakeGpuEngine:
     def __getattr__(self, name):
         return getattr(self.e, name)
 
+    def check_grads(self, updates):
+        for sid, _, _, gdtype in updates:
+            if gdtype not in ("float32", "float16", "bfloat16"):
+                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
+
     def _offload(self, updates):
         for sid, hp, grad, gdtype in updates:
             if not self.e.has_grad(sid):
@@ -260,3 +265,68 @@ def test_hybrid_mode_argument_checks():
             OffloadAdamW(model.parameters(), mode=mode, gpu_params="last")
     with pytest.raises(ValueError, match="needs CUDA"):
         OffloadAdamW(model.parameters(), mode="hybrid", gpu_params="last")
+
+
+def _order_split(gpu_elems, **kw):
+    """Four slots (5000, 3000, 7000, 100 elements); the order in which step() queues the
+    two shares, recorded around the real calls."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    params = _params()
+    split = SplitEngine(E.Engine(Backend(), threads=1, chunk_elems=4096), FakeGpuEngine(), gpu_elems=gpu_elems)
+    for p in params:
+        split.add_param(p, p.size, "float32", "cpu", **kw)
+    order = []
+    for name, engine in (("host", split.cpu), ("gpu", split.gpu)):
+        real = engine.step
+
+        def recorded(*a, _real=real, _name=name, **k):
+            order.append(_name)
+            return _real(*a, **k)
+
+        engine.step = recorded
+    grads = [np.ones(p.size, np.float32) for p in params]
+    for sid in range(4):
+        if not split.on_gpu(sid):
+            split.offload_grad(sid, grads[sid], "float32")
+    cpu_updates = [(sid, hp) for sid in range(4) if not split.on_gpu(sid)]
+    gpu_updates = [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)]
+    return split, order, cpu_updates, gpu_updates
+
+
+@pytest.mark.parametrize("gpu_elems,first", [(6000, "gpu"), (3500, "host")])
+def test_the_share_holding_the_first_slot_is_queued_first(gpu_elems, first, monkeypatch):
+    """6000: slots 0 and 3 on the GPU share, which goes first; 3500: slot 0 (5000) does
+    not fit, so the host share holds it and goes first (the 125M case: the tied
+    embedding on the host). TRAINSTREAM_SPLIT_ORDER=gpu-first restores the old order."""
+    split, order, cpu_updates, gpu_updates = _order_split(gpu_elems)
+    split.step(cpu_updates, gpu_updates)
+    split.synchronize()
+    assert order == ([first, "host" if first == "gpu" else "gpu"])
+    assert [split.get_step(sid) for sid in range(4)] == [1, 1, 1, 1]
+    split.close()
+    monkeypatch.setenv("TRAINSTREAM_SPLIT_ORDER", "gpu-first")
+    split, order, cpu_updates, gpu_updates = _order_split(gpu_elems)
+    split.step(cpu_updates, gpu_updates)
+    split.synchronize()
+    assert order == ["gpu", "host"]
+    split.close()
+
+
+def test_a_bad_gpu_share_gradient_queues_neither_share():
+    """With the host share first, a GPU-share gradient the kernels cannot take still
+    raises before anything is queued: no slot's step advances."""
+    split, order, cpu_updates, gpu_updates = _order_split(3500)
+    bad = [(sid, hp, g, "float64") for sid, hp, g, _ in gpu_updates]
+    with pytest.raises(TypeError, match="unsupported dtype float64"):
+        split.step(cpu_updates, bad)
+    assert order == [] and [split.get_step(sid) for sid in range(4)] == [0, 0, 0, 0]
+    split.close()
+
+
+def test_split_order_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SPLIT_ORDER", "host-first")
+    cpu, gpu = E.Engine(Backend(), threads=1), FakeGpuEngine()
+    with pytest.raises(ValueError, match="TRAINSTREAM_SPLIT_ORDER must be 'forward' or 'gpu-first'"):
+        SplitEngine(cpu, gpu, gpu_elems=10)
+    cpu.close()
+    gpu.close()

@@ -161,7 +161,8 @@ class GpuEngine:
             self._scratch = (handle, ptr, max(count, 1024))
         return self._scratch[1]
 
-    def _check_grads(self, updates: Sequence[tuple[int, Any, Any, str]]) -> None:
+    def check_grads(self, updates: Sequence[tuple[int, Any, Any, str]]) -> None:
+        """Raise for an unknown slot or a gradient dtype the kernels do not take."""
         for sid, _, _, gdtype in updates:
             self._slot(sid)
             if gdtype not in _ITEMSIZE:
@@ -183,7 +184,7 @@ class GpuEngine:
         backward that produced them and the sum have run (``hybrid`` mode's clipping: the
         host share needs the global norm)."""
         self._check_open()
-        self._check_grads(updates)
+        self.check_grads(updates)
         if not updates:
             return 0.0
         self.backend.update_wait(self.backend.record_compute(None))  # after the whole backward
@@ -225,7 +226,7 @@ class GpuEngine:
             raise ValueError("GpuEngine.step: an eager update cannot clip (the norm needs every gradient)")
         dk, be = self._dk, self.backend
         t0 = time.perf_counter()
-        self._check_grads(updates)
+        self.check_grads(updates)
         if eager:
             self._eager_updates += len(updates)
             if max_blocks is None:

@@ -25,9 +25,12 @@ Imports neither torch nor jax; no arithmetic lives here.
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any, Sequence
 
 from . import _contract as C
+from . import _trace
 
 __all__ = ["SplitEngine"]
 
@@ -43,6 +46,12 @@ class SplitEngine:
         self._where: list[tuple[bool, int]] = []  # slot -> (on the gpu engine, its local id)
         self._numel: list[int] = []
         self._last_norm: float | None = None
+        # Which share step() queues first (see there). TRAINSTREAM_SPLIT_ORDER=gpu-first:
+        # the GPU share always first (before session 7), for A/B runs.
+        order = os.environ.get("TRAINSTREAM_SPLIT_ORDER", "forward").strip().lower() or "forward"
+        if order not in ("forward", "gpu-first"):
+            raise ValueError(f"TRAINSTREAM_SPLIT_ORDER must be 'forward' or 'gpu-first', got {order!r}")
+        self._gpu_always_first = order == "gpu-first"
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -111,12 +120,17 @@ class SplitEngine:
     def step(self, cpu_updates: Sequence[tuple[int, C.AdamWHyperParams]],
              gpu_updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
              max_grad_norm: float | None = None) -> float | None:
-        """Launch the GPU share's kernels (first: the next forward needs them first), then
-        queue the host share's updates. With ``max_grad_norm`` both first wait for the
-        global norm (module docstring), which is returned."""
+        """Launch the GPU share's kernels and queue the host share's updates, the share
+        that holds the lowest slot (the parameter the next forward needs first) first.
+        Launching is not free: ~60 kernel launches took ~8 ms of the calling thread at
+        125M (session 7's timeline), and with the GPU share always first the host
+        workers, holding the tied embedding that the forward needs first, sat idle for
+        that long. With ``max_grad_norm`` both first wait for the global norm (module
+        docstring), which is returned."""
         self.cpu.check_error()  # raise before any kernel is queued, not between the two
         gpu_local = [(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates]
         cpu_local = [(self._cpu_only(sid), hp) for sid, hp in cpu_updates]
+        self.gpu.check_grads(gpu_local)  # a bad gradient raises before either share is queued
         coef = None
         norm = None
         if max_grad_norm is not None:
@@ -125,12 +139,24 @@ class SplitEngine:
             norm = math.sqrt(self.cpu.backend.all_reduce_sum(sumsq))
             self._last_norm = norm
             coef = C.clip_coefficient(norm, max_grad_norm)
+        host_first = bool(cpu_updates) and not self._gpu_always_first and (
+            not gpu_updates or min(sid for sid, _ in cpu_updates) < min(u[0] for u in gpu_updates))
+        if host_first:
+            self._step_host(cpu_local, coef)
         if gpu_local:
+            t0 = time.perf_counter()
             self.gpu.step(gpu_local, clip_coef=coef)
-        # Not a second error check: a worker error that came after the first one raises at
-        # the next call, instead of leaving the GPU share stepped and the host share not.
-        self.cpu.step(cpu_local, clip_coef=coef, check_errors=False)
+            _trace.add("step.gpu_share", t0, time.perf_counter(), -1)
+        if not host_first:
+            self._step_host(cpu_local, coef)
         return norm
+
+    def _step_host(self, cpu_local, coef) -> None:
+        # Not a second error check: a worker error that came after the first one raises at
+        # the next call, instead of leaving one share stepped and the other not.
+        t0 = time.perf_counter()
+        self.cpu.step(cpu_local, clip_coef=coef, check_errors=False)
+        _trace.add("step.host_share", t0, time.perf_counter(), -1)
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         gpu = [self._where[s][1] for s in sids if self._where[s][0]]
