@@ -18,7 +18,8 @@ import statistics
 def _rows(path: str, size: str, batch: int) -> list[dict]:
     with open(path) as f:
         data = json.load(f)
-    return [r for r in data["rows"] if "error" not in r and r["size"] == size and r["batch"] == batch]
+    # rows of bench_train.py only (other JSON in the same folder, e.g. host_pages.py, has none)
+    return [r for r in data.get("rows", []) if "error" not in r and r.get("size") == size and r.get("batch") == batch]
 
 
 def main() -> None:

@@ -122,10 +122,10 @@ class SplitEngine:
              max_grad_norm: float | None = None) -> float | None:
         """Launch the GPU share's kernels and queue the host share's updates, the share
         that holds the lowest slot (the parameter the next forward needs first) first.
-        Launching is not free: ~60 kernel launches took ~8 ms of the calling thread at
-        125M (session 7's timeline), and with the GPU share always first the host
-        workers, holding the tied embedding that the forward needs first, sat idle for
-        that long. With ``max_grad_norm`` both first wait for the global norm (module
+        Launching is not free: the 120 kernel launches of GPT-125M's default share took
+        5-6 ms of the calling thread (experiments/RESULTS.md, session 7), and with the GPU
+        share always first the host workers, holding the tied embedding that the forward
+        needs first, sat idle for that long. With ``max_grad_norm`` both first wait for the global norm (module
         docstring), which is returned."""
         self.cpu.check_error()  # raise before any kernel is queued, not between the two
         gpu_local = [(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates]
