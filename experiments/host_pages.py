@@ -47,7 +47,11 @@ def _thp_setting() -> str:
 def alloc(mode: str, numel: int, keep: list):
     """An fp32 array of ``numel`` elements allocated as ``mode`` says (first touch: zeros)."""
     import torch
-    from numpy._core import multiarray as ma
+
+    try:
+        from numpy._core import multiarray as ma  # NumPy 2
+    except ImportError:
+        from numpy.core import multiarray as ma
 
     if mode == "numpy":  # NumPy's default: madvise(MADV_HUGEPAGE) for large arrays
         ma._set_madvise_hugepage(True)
@@ -64,7 +68,8 @@ def alloc(mode: str, numel: int, keep: list):
         t = torch.empty(numel, dtype=torch.float32, pin_memory=torch.cuda.is_available())
         keep.append(t)
         a = t.numpy()
-    elif mode == "mmap_huge":  # 2 MiB-aligned anonymous mapping advised MADV_HUGEPAGE
+    elif mode == "mmap_huge":  # 2 MiB-aligned anonymous mapping, all of it advised MADV_HUGEPAGE
+        # (as session 7 ran it; trainstream._hostmem now advises only the whole pages)
         nbytes = numel * 4
         mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         addr = np.frombuffer(mm, np.uint8).ctypes.data

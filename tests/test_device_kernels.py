@@ -212,6 +212,17 @@ def test_launch_adamw_rejects_bad_arguments_before_touching_cuda(kwargs, match):
         dk.launch_adamw(**args)
 
 
+def test_launch_adamw_of_nothing_takes_null_pointers():
+    """An empty parameter: its tensors' data pointers may be null; nothing is launched
+    (so nothing touches CUDA either); a non-empty one still refuses them."""
+    args = dict(variant=C.VARIANT_TORCH_CUDA, param_ptr=0, param_dtype="bfloat16", grad_ptr=0,
+                grad_dtype="bfloat16", master_ptr=0, m_ptr=0, v_ptr=0, n=0,
+                scalars=np.zeros(C.N_SCALARS, np.float32))
+    assert dk.launch_adamw(**args) is None
+    with pytest.raises(ValueError, match="null pointer"):
+        dk.launch_adamw(**{**args, "n": 1})
+
+
 def test_dtype_names_and_blocks_for():
     assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
     assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"

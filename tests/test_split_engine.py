@@ -267,7 +267,7 @@ def test_hybrid_mode_argument_checks():
         OffloadAdamW(model.parameters(), mode="hybrid", gpu_params="last")
 
 
-def _order_split(gpu_elems, **kw):
+def _order_split(gpu_elems, skip_grads=(), **kw):
     """Four slots (5000, 3000, 7000, 100 elements); the order in which step() queues the
     two shares, recorded around the real calls."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
@@ -286,11 +286,42 @@ def _order_split(gpu_elems, **kw):
         engine.step = recorded
     grads = [np.ones(p.size, np.float32) for p in params]
     for sid in range(4):
-        if not split.on_gpu(sid):
+        if not split.on_gpu(sid) and sid not in skip_grads:
             split.offload_grad(sid, grads[sid], "float32")
     cpu_updates = [(sid, hp) for sid in range(4) if not split.on_gpu(sid)]
     gpu_updates = [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)]
     return split, order, cpu_updates, gpu_updates
+
+
+def test_a_host_slot_without_gradient_does_not_put_the_host_share_first():
+    """3500: slot 0 is on the host but takes no gradient this step (frozen, unused):
+    the first slot updated is the GPU share's slot 1, so the GPU share goes first."""
+    split, order, cpu_updates, gpu_updates = _order_split(3500, skip_grads=(0,))
+    split.step(cpu_updates, gpu_updates)
+    split.synchronize()
+    assert order == ["gpu", "host"]
+    assert [split.get_step(sid) for sid in range(4)] == [0, 1, 1, 1]
+    split.close()
+
+
+def test_gpu_share_failing_after_the_host_share_is_sticky():
+    """Host share first, then the GPU share's launch fails: the call raises it, and every
+    later call raises a sticky error until the state is reloaded (the host share has
+    taken the step, the GPU share has not)."""
+    split, order, cpu_updates, gpu_updates = _order_split(3500)
+
+    def launch_fails(*a, **k):
+        order.append("gpu")
+        raise RuntimeError("launch failed")
+
+    split.gpu.step = launch_fails
+    with pytest.raises(RuntimeError, match="launch failed"):
+        split.step(cpu_updates, gpu_updates)
+    assert order == ["host", "gpu"]
+    with pytest.raises(E.WorkerError, match="GPU share's update failed after the host share's was queued"):
+        split.synchronize()
+    split.clear_error()
+    split.close()
 
 
 @pytest.mark.parametrize("gpu_elems,first", [(6000, "gpu"), (3500, "host")])

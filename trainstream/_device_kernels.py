@@ -419,16 +419,17 @@ def launch_adamw(
     n = int(n)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    param_ptr = _check_ptr("param_ptr", param_ptr, _ITEMSIZE[pd])
-    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd])
-    m_ptr = _check_ptr("m_ptr", m_ptr, 4)
-    v_ptr = _check_ptr("v_ptr", v_ptr, 4)
+    empty = n == 0  # nothing is launched; an empty tensor's data pointer may be null
+    param_ptr = _check_ptr("param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
+    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
+    m_ptr = _check_ptr("m_ptr", m_ptr, 4, allow_null=empty)
+    v_ptr = _check_ptr("v_ptr", v_ptr, 4, allow_null=empty)
     if pd == "float32":
         if master_ptr:
             raise ValueError("fp32 weights are their own master: pass master_ptr=0")
         master_ptr = 0
     else:
-        master_ptr = _check_ptr(f"master_ptr (required for {pd} weights)", master_ptr, 4)
+        master_ptr = _check_ptr(f"master_ptr (required for {pd} weights)", master_ptr, 4, allow_null=empty)
     scalars_ptr = _check_ptr("scalars_ptr", scalars_ptr, 4, allow_null=True)
     sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
     if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):

@@ -21,31 +21,46 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20
 _MADV = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 def host_pages_setting() -> str:
     """``TRAINSTREAM_HOST_PAGES``: ``huge`` (default) or ``default`` (the allocator's own)."""
-    v = os.environ.get("TRAINSTREAM_HOST_PAGES", "huge").strip() or "huge"
+    v = os.environ.get("TRAINSTREAM_HOST_PAGES", "huge").strip().lower() or "huge"
     if v not in ("huge", "default"):
         raise ValueError(f"TRAINSTREAM_HOST_PAGES must be 'huge' or 'default', got {v!r}")
     return v
 
 
-def empty(numel: int, dtype) -> np.ndarray:
-    """An uninitialised 1-D array of ``numel`` elements, 2 MiB-aligned and advised
-    ``MADV_HUGEPAGE`` when it spans at least one huge page and the OS supports the advice;
-    a plain :func:`numpy.empty` otherwise. The array owns its mapping (freed with it)."""
+def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
+    """An uninitialised 1-D array of ``numel`` elements.
+
+    At least one huge page long, and where the OS takes the advice: 2 MiB-aligned, its
+    whole 2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (the
+    alignment slack before it, the partial page after it) ``MADV_NOHUGEPAGE``, so that
+    no huge page is faulted in for the slack (up to 2 MiB of resident memory per array
+    otherwise). Else a NumPy array whose data is ``align``-byte aligned. The array owns
+    its memory (freed with its last view).
+    """
     dt = np.dtype(dtype)
     nbytes = int(numel) * dt.itemsize
     if _MADV is None or nbytes < HUGE_PAGE:
-        return np.empty(int(numel), dt)
+        raw = np.empty(nbytes + align, np.uint8)
+        off = (-raw.ctypes.data) % align
+        return raw[off:off + nbytes].view(dt)
     # Over-map by one huge page to place the data on a 2 MiB boundary: the kernel backs
     # only whole, aligned 2 MiB ranges with huge pages.
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(mm, np.uint8)  # keeps ``mm`` alive as long as any view of it
-    off = (-raw.ctypes.data) % HUGE_PAGE
+    off = (-raw.ctypes.data) % HUGE_PAGE  # a multiple of the base page size
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
     try:
-        mm.madvise(_MADV, 0, len(mm))
+        mm.madvise(_MADV, off, whole)
+        if _NOMADV is not None:  # also under THP "always": no huge page for the slack
+            if off:
+                mm.madvise(_NOMADV, 0, off)
+            if len(mm) > off + whole:
+                mm.madvise(_NOMADV, off + whole, len(mm) - off - whole)
     except OSError:  # kernels without THP: the mapping still works, with small pages
         pass
     return raw[off:off + nbytes].view(dt)

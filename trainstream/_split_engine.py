@@ -139,17 +139,32 @@ class SplitEngine:
             norm = math.sqrt(self.cpu.backend.all_reduce_sum(sumsq))
             self._last_norm = norm
             coef = C.clip_coefficient(norm, max_grad_norm)
-        host_first = bool(cpu_updates) and not self._gpu_always_first and (
-            not gpu_updates or min(sid for sid, _ in cpu_updates) < min(u[0] for u in gpu_updates))
-        if host_first:
+        # The host share's first slot that this step updates (frozen parameters, unused
+        # ones and those already updated eagerly hold no gradient and do not count).
+        host_sids = [sid for sid, _ in cpu_updates if self.cpu.has_grad(self._where[sid][1])]
+        host_first = bool(host_sids) and not self._gpu_always_first and (
+            not gpu_updates or min(host_sids) < min(u[0] for u in gpu_updates))
+        if not host_first:
+            self._step_gpu(gpu_local, coef)
             self._step_host(cpu_local, coef)
+            return norm
+        self._step_host(cpu_local, coef)
+        try:
+            self._step_gpu(gpu_local, coef)
+        except BaseException as exc:
+            # The host share has taken this step and the GPU share has not: make that
+            # sticky, as a worker failure is (reload a checkpoint to go on).
+            self.cpu._record_error(RuntimeError(
+                "hybrid step: the GPU share's update failed after the host share's was "
+                f"queued ({type(exc).__name__}: {exc})"))
+            raise
+        return norm
+
+    def _step_gpu(self, gpu_local, coef) -> None:
         if gpu_local:
             t0 = time.perf_counter()
             self.gpu.step(gpu_local, clip_coef=coef)
             _trace.add("step.gpu_share", t0, time.perf_counter(), -1)
-        if not host_first:
-            self._step_host(cpu_local, coef)
-        return norm
 
     def _step_host(self, cpu_local, coef) -> None:
         # Not a second error check: a worker error that came after the first one raises at

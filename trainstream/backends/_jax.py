@@ -87,13 +87,14 @@ _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.
 # -- the engine's backend: host memory only (JAX on the CPU) ------------------------------------
 
 
-def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+def _aligned_empty(shape, dtype, align: int = 64, *, huge: bool = False) -> np.ndarray:
     """An uninitialised host array whose data is ``align``-byte aligned (XLA:CPU adopts
-    such buffers in ``device_put`` without a copy)."""
+    such buffers in ``device_put`` without a copy); with ``huge``, from
+    :func:`trainstream._hostmem.empty` (2 MiB pages where it spans one)."""
     dt = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
-    if n * dt.itemsize >= _hostmem.HUGE_PAGE and _hostmem.host_pages_setting() == "huge":
-        return _hostmem.empty(n, dt).reshape(shape)  # 2 MiB-aligned, on huge pages
+    if huge:
+        return _hostmem.empty(n, dt, align=align).reshape(shape)
     raw = np.empty(n * dt.itemsize + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off : off + n * dt.itemsize].view(dt).reshape(shape)
@@ -134,6 +135,8 @@ class JaxCpuBackend:
 
     def __init__(self) -> None:
         self._lent: list = []  # (staging buffer, its own array) while lent a gradient
+        # The optimizer state on 2 MiB pages unless TRAINSTREAM_HOST_PAGES=default.
+        self.huge_pages = _hostmem.host_pages_setting() == "huge"
 
     def release_grads(self) -> None:
         for buf, own in self._lent:
@@ -143,7 +146,7 @@ class JaxCpuBackend:
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _HostBuffer:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
         try:
-            return _HostBuffer(_aligned_empty((numel,), np_dtype))
+            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=self.huge_pages))
         except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc
