@@ -125,8 +125,10 @@ class SplitEngine:
         Launching is not free: the 120 kernel launches of GPT-125M's default share took
         5-6 ms of the calling thread (experiments/RESULTS.md, session 7), and with the GPU
         share always first the host workers, holding the tied embedding that the forward
-        needs first, sat idle for that long. With ``max_grad_norm`` both first wait for the global norm (module
-        docstring), which is returned."""
+        needs first, sat idle for that long. With ``max_grad_norm`` both first wait for
+        the global norm (module docstring), which is returned. If the second share fails
+        to queue after the first did, the error is raised and also left sticky (as a
+        worker failure is) when the host share went first."""
         self.cpu.check_error()  # raise before any kernel is queued, not between the two
         gpu_local = [(self._where[sid][1], hp, g, gd) for sid, hp, g, gd in gpu_updates]
         cpu_local = [(self._cpu_only(sid), hp) for sid, hp in cpu_updates]
