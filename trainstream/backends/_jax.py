@@ -91,13 +91,10 @@ def _aligned_empty(shape, dtype, align: int = 64, *, huge: bool = False) -> np.n
     """An uninitialised host array whose data is ``align``-byte aligned (XLA:CPU adopts
     such buffers in ``device_put`` without a copy); with ``huge``, from
     :func:`trainstream._hostmem.empty` (2 MiB pages where it spans one)."""
-    dt = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
     if huge:
-        return _hostmem.empty(n, dt, align=align).reshape(shape)
-    raw = np.empty(n * dt.itemsize + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off : off + n * dt.itemsize].view(dt).reshape(shape)
+        return _hostmem.empty(n, dtype, align=align).reshape(shape)
+    return _hostmem.aligned_empty(n, dtype, align).reshape(shape)
 
 
 class _HostBuffer:
