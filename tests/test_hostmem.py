@@ -5,6 +5,7 @@ import gc
 import numpy as np
 import pytest
 import torch
+from test_torch_optimizer import step_beside_master
 
 from trainstream import _hostmem
 from trainstream.torch import OffloadAdamW
@@ -93,14 +94,7 @@ def test_bits_on_either_page_size(pages, dtype, monkeypatch):
         assert calls == []
     for step in range(5):
         x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(step)).to(dtype)
-        loss = model(x).float().square().mean()
-        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-        for m, g in zip(master, grads):
-            m.grad = g.float()
-        loss.backward()
-        ts.step()
-        ts.zero_grad()
-        ref.step()
+        step_beside_master(model, master, ref, ts, model(x).float().square().mean())
         ts.synchronize()
         for p, m in zip(model.parameters(), master):
             assert torch.equal(p.detach(), m.detach().to(dtype))

@@ -15,6 +15,7 @@ from test_torch_optimizer import (  # noqa: E402
     batches,
     loss_of,
     make_model,
+    step_beside_master,
     train_pair,
     two_groups,
 )
@@ -53,14 +54,7 @@ def test_cuda_half_params_against_fp32_master(mode, dtype):
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode)
     for x in batches(30):
         x = x.to(DEV)
-        loss = loss_of(model, x)
-        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-        for m, g in zip(master, grads):
-            m.grad = g.float()
-        loss.backward()
-        ts.step()
-        ts.zero_grad()
-        ref.step()
+        step_beside_master(model, master, ref, ts, loss_of(model, x))
     ts.synchronize()
     sd = ts.state_dict()
     for sid, (p, m) in enumerate(zip(model.parameters(), master)):

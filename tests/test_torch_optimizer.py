@@ -47,6 +47,18 @@ def loss_of(model, x):
     return F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
 
 
+def step_beside_master(model, master, ref, ts, loss):
+    """One step of ``ts`` on ``model`` and of ``ref`` on ``master`` (fp32 copies of the
+    model's parameters), both from the gradients of ``loss``."""
+    grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    for m, g in zip(master, grads):
+        m.grad = g.float()
+    loss.backward()
+    ts.step()
+    ts.zero_grad()
+    ref.step()
+
+
 def two_groups(model, lr=(3e-3, 1e-2), wd=(0.1, 0.0)):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
