@@ -8,7 +8,6 @@ orders streams and speaks ``torch.optim.Optimizer``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
 import os
 import threading
@@ -860,7 +859,7 @@ class OffloadAdamW(Optimizer):
             updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
                        if self._params_of_slot[sid].grad is not None and sid not in eager_done]
             sids = [u[0] for u in updates]
-            run = functools.partial(self._engine.step, updates, self.max_grad_norm)
+            args = (updates, self.max_grad_norm)
         elif self.mode == "hybrid":
             on_gpu = self._engine.on_gpu
             gpu_updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
@@ -868,18 +867,16 @@ class OffloadAdamW(Optimizer):
                            and sid not in eager_done]
             cpu_updates = [(sid, hp) for sid, hp in updates if not on_gpu(sid)]
             sids = [u[0] for u in gpu_updates] + [sid for sid, _ in cpu_updates if self._engine.has_grad(sid)]
-            run = functools.partial(self._engine.step, cpu_updates, gpu_updates, self.max_grad_norm)
+            args = (cpu_updates, gpu_updates, self.max_grad_norm)
         else:
             sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
-            run = functools.partial(self._engine.step, updates, self.max_grad_norm)
-        try:
-            run()
-        finally:
-            # Also when the engine raised part-way (e.g. hybrid's GPU share failed after
-            # its host share was queued): the next forward must wait for whatever was
-            # queued. Waiting on a slot that queued nothing is harmless.
-            with self._pending_lock:
-                self._pending.update(sids)
+            args = (updates, self.max_grad_norm)
+        # Marked before the engine runs, so that also when it raises part-way (e.g.
+        # hybrid's GPU share failed after its host share was queued) the next forward
+        # waits for whatever was queued. Waiting on a slot that queued nothing is harmless.
+        with self._pending_lock:
+            self._pending.update(sids)
+        self._engine.step(*args)
         if self._ungroup or self._fire_order:  # the first step, or a group's order broke
             self._group_hooks(ungroup=self._ungroup)
             self._ungroup = False
