@@ -33,7 +33,8 @@ buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradien
 ~smallpages (pageable host state on the allocator's own pages, TRAINSTREAM_HOST_PAGES=default,
 instead of 2 MiB pages), ~gpufirst (hybrid: step() launches the GPU share before queueing the
 host share whatever they hold, TRAINSTREAM_SPLIT_ORDER=gpu-first; default: the share holding
-the first parameter first).
+the first parameter first), ~single (gpu/hybrid: step() launches one zero-copy kernel per
+parameter, TRAINSTREAM_GPU_LAUNCH=single; default: several tensors per launch).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -150,6 +151,7 @@ def build(setup, size, device, batch=8):
     os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = next((o[2:] for o in opts_ if o.startswith("pc")), "0")
     os.environ["TRAINSTREAM_HOST_PAGES"] = "default" if "smallpages" in opts_ else "huge"
     os.environ["TRAINSTREAM_SPLIT_ORDER"] = "gpu-first" if "gpufirst" in opts_ else "forward"
+    os.environ["TRAINSTREAM_GPU_LAUNCH"] = "single" if "single" in opts_ else "multi"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):

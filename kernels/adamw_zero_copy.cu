@@ -17,6 +17,8 @@
 // Kernels: adamw_zero_copy_<variant>_<param>_<grad>, e.g. adamw_zero_copy_torch_cuda_bf16_f32,
 // with <variant> in {torch_cpu, torch_cuda, optax_cpu, optax_cuda} and <param>, <grad> in
 // {f32, f16, bf16}. Launch with blockDim.x == TS_ADAMW_THREADS and any grid (grid-stride).
+// adamw_zero_copy_multi_<variant>_<param>_<grad>: the same update for up to TS_MULTI_MAX
+// tensors in one launch (see TsMultiBatch at the end).
 //
 // No #include: compiled by NVRTC through CuPy (trainstream/_device_kernels.py).
 
@@ -336,7 +338,8 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
                                                    const TsScalars& scalars,
                                                    const float* __restrict__ scalars_dev,
                                                    const double* __restrict__ sumsq,
-                                                   const float max_norm) {
+                                                   const float max_norm, const long long block,
+                                                   const long long nblocks) {
   constexpr bool kOwnMaster = sizeof(P) == sizeof(float);  // fp32 weights are the master
   // the per-step scalars: by value, or from device memory when a pointer is given (JAX)
   TsScalars s = scalars;
@@ -360,8 +363,10 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
   const long long nvec = (n - head) >> 2;  // groups of 4 in the body
   const long long tail = head + (nvec << 2);  // first element of the scalar tail
 
-  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  // grid-stride over this tensor's `nblocks` blocks (the whole grid, or a multi-tensor
+  // launch's share of it); the bits do not depend on the grid
+  const long long tid = block * blockDim.x + threadIdx.x;
+  const long long nthreads = nblocks * blockDim.x;
 
   // scalar head (and the whole tensor when the arrays are not mutually aligned)
   for (long long i = tid; i < head; i += nthreads) {
@@ -429,13 +434,68 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
           const float* __restrict__ scalars_dev, const double* __restrict__ sumsq,            \
           float max_norm) {                                                                   \
     ts_adamw_zero_copy<VARIANT, P, G>(param, grad, master, m, v, n, scalars, scalars_dev,     \
-                                      sumsq, max_norm);                                       \
+                                      sumsq, max_norm, blockIdx.x, gridDim.x);                \
+  }
+
+// ------------------------------------------------------------------------------------------
+// Multi-tensor launch: up to TS_MULTI_MAX tensors of one (weight, gradient) type pair in one
+// launch, their descriptors passed by value (under the 4 KiB kernel-parameter limit).
+// Tensor k owns blocks [block_start, block_start + nblocks) of the grid and runs the same
+// body as a launch of its own with that many blocks: the same bits.
+// ------------------------------------------------------------------------------------------
+
+#define TS_MULTI_MAX 32
+
+struct TsMultiItem {      // 112 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
+  void* param;            // weights, GPU memory (P*)
+  const void* grad;       // gradient, GPU memory (G*)
+  float* master;          // fp32 master (mapped host memory); nullptr for fp32 weights
+  float* m;               // exp_avg (mapped host memory)
+  float* v;               // exp_avg_sq (mapped host memory)
+  long long n;            // elements
+  long long block_start;  // first block of the grid that is this tensor's
+  long long nblocks;      // blocks that are this tensor's (> 0)
+  TsScalars scalars;      // this tensor's step scalars (its own step count and lr)
+};
+
+struct TsMultiBatch {
+  long long count;  // tensors in items[0:count], by increasing block_start
+  TsMultiItem items[TS_MULTI_MAX];
+};
+
+template <int VARIANT, typename P, typename G>
+__device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
+                                               const double* __restrict__ sumsq,
+                                               const float max_norm) {
+  // the tensor that owns this block: the last one whose block_start <= blockIdx.x
+  int lo = 0, hi = (int)batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (batch.items[mid].block_start <= (long long)blockIdx.x) lo = mid;
+    else hi = mid - 1;
+  }
+  const TsMultiItem& t = batch.items[lo];
+  const long long block = (long long)blockIdx.x - t.block_start;
+  if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
+  ts_adamw_zero_copy<VARIANT, P, G>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
+                                    t.master, t.m, t.v, t.n, t.scalars, nullptr, sumsq,
+                                    max_norm, block, t.nblocks);
+}
+
+#define TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
+  extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
+      adamw_zero_copy_multi_##VNAME##_##PNAME##_##GNAME(                                      \
+          const TsMultiBatch batch, const double* __restrict__ sumsq, float max_norm) {       \
+    ts_adamw_multi<VARIANT, P, G>(batch, sumsq, max_norm);                                    \
   }
 
 #define TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, PNAME, P)         \
   TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f32, float)         \
   TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f16, ts_f16)        \
-  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)      \
+  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, f32, float)   \
+  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, f16, ts_f16)  \
+  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)
 
 #define TS_DEFINE_ADAMW_VARIANT(VNAME, VARIANT)              \
   TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, f32, float)          \

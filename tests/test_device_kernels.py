@@ -223,6 +223,53 @@ def test_launch_adamw_of_nothing_takes_null_pointers():
         dk.launch_adamw(**{**args, "n": 1})
 
 
+def _multi_item(**kw):
+    item = dict(param_ptr=256, grad_ptr=512, master_ptr=0, m_ptr=1024, v_ptr=2048, n=10,
+                scalars=np.zeros(C.N_SCALARS, np.float32))
+    item.update(kw)
+    return tuple(item.values())
+
+
+@pytest.mark.parametrize("items, kwargs, match", [
+    ([_multi_item()] * (dk.MULTI_MAX + 1), {}, "at most 32 tensors"),
+    ([_multi_item(), _multi_item(m_ptr=258)], {}, r"items\[1\]\.m_ptr = 0x102 is not 4-byte aligned"),
+    ([_multi_item(grad_ptr=0)], {}, r"items\[0\]\.grad_ptr is a null pointer"),
+    ([_multi_item(master_ptr=256)], {}, "own master"),
+    ([_multi_item()], dict(param_dtype="bfloat16"), r"items\[0\]\.master_ptr \(required for bfloat16"),
+    ([_multi_item(n=-1)], {}, "n must be >= 0"),
+    ([_multi_item(scalars=np.zeros(3, np.float32))], {}, "scalars must have shape"),
+    ([_multi_item()[:6]], {}, "expected \\(param_ptr"),
+    ([_multi_item()], dict(variant=9), "Unknown kernel variant"),
+    ([_multi_item()], dict(sumsq_ptr=12), "8-byte aligned"),
+])
+def test_launch_adamw_multi_rejects_bad_arguments_before_touching_cuda(items, kwargs, match):
+    """Every tensor is checked before anything is launched (no CuPy here: a launch would
+    raise ImportError, not the ValueError naming the bad item)."""
+    args = dict(variant=C.VARIANT_TORCH_CUDA, param_dtype="float32", grad_dtype="float32", items=items)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        dk.launch_adamw_multi(**args)
+
+
+def test_launch_adamw_multi_of_empty_tensors_launches_nothing():
+    assert dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "bfloat16", []) == 0
+    empty = _multi_item(param_ptr=0, grad_ptr=0, m_ptr=0, v_ptr=0, n=0)
+    assert dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "bfloat16", [empty] * 3) == 0
+
+
+def test_multi_batch_layout_matches_the_kernel_source():
+    """ctypes mirror of TsMultiItem / TsMultiBatch: same field order, sizes, TS_MULTI_MAX."""
+    import ctypes
+    src = (dk.KERNEL_DIR / dk.ADAMW_SOURCE).read_text()
+    assert f"#define TS_MULTI_MAX {dk.MULTI_MAX}" in src
+    body = src[src.index("struct TsMultiItem {"):]
+    body = body[:body.index("};")]
+    fields = [line.split(";")[0].split()[-1].lstrip("*") for line in body.splitlines()[1:] if ";" in line]
+    assert fields == [name for name, _ in dk._MultiItem._fields_]
+    assert ctypes.sizeof(dk._MultiItem) == 112
+    assert ctypes.sizeof(dk._MultiBatch) == 8 + dk.MULTI_MAX * 112 <= 4096
+
+
 def test_dtype_names_and_blocks_for():
     assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
     assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"
@@ -407,6 +454,113 @@ def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped, max_blocks):
     np.testing.assert_array_equal(param.get(), rp)
     np.testing.assert_array_equal(m, rm)
     np.testing.assert_array_equal(v, rv)
+
+
+@gpu
+@pytest.mark.parametrize("pd, gd", [("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")])
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=[VNAME[v].replace("/", "_") for v in VARIANTS])
+@pytest.mark.parametrize("clip", ["none", "coef", "device"])
+def test_adamw_multi_is_bit_identical_to_one_launch_per_tensor(cp, mapped, variant, pd, gd, clip):
+    """One multi-tensor launch of tensors of many sizes and alignments (including empty
+    ones, and a grid of several waves) against one launch_adamw per tensor on copies of
+    the same state: every weight, master and moment bit equal, for three steps with
+    per-tensor step counts and hyper-parameters. ``clip``: none, a coefficient in the
+    scalars, or the device sum of squares."""
+    conv, plat = VARIANTS[variant]
+    rng = np.random.default_rng([variant, len(pd), len(gd)])
+    sizes = [1, 3, 4, 5, 4095, 4097, 0, 100003, 1 << 20, 7, 2_500_001]
+    offsets = [0, 1, 0, 3, 1, 0, 0, 2, 0, 1, 0]
+    max_norm = 0.5
+    sides = []
+    for side in range(2):
+        tensors = []
+        for k, (n, off) in enumerate(zip(sizes, offsets)):
+            r = np.random.default_rng([variant, k])
+            p0 = r.standard_normal(n).astype(np.float32)
+            t = {"n": n, "param": _device_array(cp, _to_storage(p0, pd), off),
+                 "grad": _device_array(cp, np.zeros(n, _storage_np(gd)), off)}
+            for name in ("m", "v") + (("master",) if pd != "float32" else ()):
+                host, ptr = mapped(max(n, 1), off)
+                host[:] = p0 if name == "master" else (np.abs(p0) * 1e-3 if name == "v" else p0 * 1e-2)
+                t[name], t[name + "_ptr"] = host, ptr
+            tensors.append(t)
+        sides.append(tensors)
+    partials = cp.zeros(dk.SUMSQ_MAX_BLOCKS * len(sizes), cp.float64)
+    sumsq = cp.zeros(1, cp.float64)
+    for step in range(1, 4):
+        grads = [_to_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32), gd)
+                 for n in sizes]
+        for tensors in sides:
+            for t, g in zip(tensors, grads):
+                t["grad"].set(g)
+        coef = np.float32(0.37) if clip == "coef" else np.float32(1.0)
+        items_per_side = []
+        for tensors in sides:
+            items = []
+            for k, t in enumerate(tensors):
+                s = C.step_scalars(HPS[k % len(HPS)], step + k % 2, conv, plat, clip=coef)
+                items.append((t["param"].data.ptr if t["n"] else 0, t["grad"].data.ptr if t["n"] else 0,
+                              t.get("master_ptr", 0) if t["n"] else 0,
+                              t["m_ptr"] if t["n"] else 0, t["v_ptr"] if t["n"] else 0, t["n"], s))
+            items_per_side.append(items)
+        sumsq_ptr = 0
+        if clip == "device":
+            dk.launch_grad_sumsq([(t["grad"].data.ptr, gd, t["n"]) for t in sides[0] if t["n"]],
+                                 partials.data.ptr, sumsq.data.ptr, _stream(cp))
+            sumsq_ptr = sumsq.data.ptr
+        for item in items_per_side[0]:
+            dk.launch_adamw(variant, item[0], pd, item[1], gd, item[2], item[3], item[4], item[5], item[6],
+                            sumsq_ptr, max_norm if sumsq_ptr else 0.0, _stream(cp))
+        launched = dk.launch_adamw_multi(variant, pd, gd, items_per_side[1], sumsq_ptr,
+                                         max_norm if sumsq_ptr else 0.0, _stream(cp))
+        assert launched == sum(1 for n in sizes if n)
+        cp.cuda.Device().synchronize()
+        for k, (a, b) in enumerate(zip(*sides)):
+            where = f"{VNAME[variant]} {pd}/{gd} clip={clip} step {step} tensor {k} (n={a['n']})"
+            if not a["n"]:
+                continue
+            np.testing.assert_array_equal(a["param"].get(), b["param"].get(), err_msg=where + ": weights")
+            for name in ("m", "v", "master"):
+                if name in a:
+                    np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32),
+                                                  err_msg=f"{where}: {name}")
+
+
+@gpu
+def test_adamw_multi_matches_the_contract(cp, mapped):
+    """Not only equal to the single launches: the multi kernel against reference_update."""
+    n_list = [5, 4097, 0, 33]
+    hp = HPS[0]
+    rng = np.random.default_rng(3)
+    tensors = []
+    for n in n_list:
+        p0 = rng.standard_normal(n).astype(np.float32)
+        m, m_ptr = mapped(max(n, 1), 1)
+        v, v_ptr = mapped(max(n, 1), 1)
+        w, w_ptr = mapped(max(n, 1), 1)
+        m[:], v[:], w[:n] = 0, 0, p0
+        tensors.append(dict(n=n, param=_device_array(cp, _to_storage(p0, "bfloat16"), 1),
+                            grad=_device_array(cp, np.zeros(n, np.float32), 1),
+                            m=m, m_ptr=m_ptr, v=v, v_ptr=v_ptr, w=w, w_ptr=w_ptr))
+    for step in (1, 2):
+        items, refs = [], []
+        for t in tensors:
+            n = t["n"]
+            g = rng.standard_normal(n).astype(np.float32)
+            t["grad"].set(g)
+            s = C.step_scalars(hp, step, "torch", "cuda")
+            refs.append(C.reference_update(t["w"][:n].copy(), t["m"][:n].copy(), t["v"][:n].copy(), g, s,
+                                           "torch", "cuda"))
+            items.append((t["param"].data.ptr if n else 0, t["grad"].data.ptr if n else 0,
+                          t["w_ptr"] if n else 0, t["m_ptr"] if n else 0, t["v_ptr"] if n else 0, n, s))
+        dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "float32", items, stream=_stream(cp))
+        cp.cuda.Device().synchronize()
+        for t, (rp, rm, rv) in zip(tensors, refs):
+            n = t["n"]
+            np.testing.assert_array_equal(t["w"][:n], rp)
+            np.testing.assert_array_equal(t["m"][:n], rm)
+            np.testing.assert_array_equal(t["v"][:n], rv)
+            np.testing.assert_array_equal(t["param"].get(), _to_storage(rp, "bfloat16"))
 
 
 # -- against torch.optim.AdamW on CUDA ----------------------------------------------------------

@@ -396,6 +396,100 @@ def test_eager_kernels_launch_during_backward(mode, monkeypatch):
     ts.close()
 
 
+def _record_launches(monkeypatch):
+    """Wrap the two launchers: [(param dtype, grad dtype, [n per tensor])] per multi-tensor
+    launch, and the element count of each single launch."""
+    import trainstream._device_kernels as dk
+
+    multi, single = [], []
+    real_multi, real_single = dk.launch_adamw_multi, dk.launch_adamw
+
+    def launch_multi(variant, pd, gd, items, *a, **k):
+        items = list(items)
+        multi.append((pd, gd, [it[5] for it in items]))
+        return real_multi(variant, pd, gd, items, *a, **k)
+
+    def launch_single(*a, **k):
+        single.append(a[8])
+        return real_single(*a, **k)
+
+    monkeypatch.setattr(dk, "launch_adamw_multi", launch_multi)
+    monkeypatch.setattr(dk, "launch_adamw", launch_single)
+    return multi, single
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(max_norm=0.5)], ids=["plain", "clip"])
+@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
+def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
+    """step() queues the zero-copy updates as multi-tensor launches: consecutive tensors,
+    a launch closed once it holds MULTI_LAUNCH_ELEMS elements (3000 here, so that the tiny
+    model takes several), and no launch per tensor; the weights stay bit-identical to
+    torch.optim.AdamW (clipping: the device norm read by every tensor of the launch)."""
+    import trainstream._gpu_engine as ge
+
+    monkeypatch.setattr(ge, "MULTI_LAUNCH_ELEMS", 3000)
+    multi, single = _record_launches(monkeypatch)
+    extra = dict(gpu_share=0.6) if mode == "hybrid" else {}
+    ref_model, ts_model, _, ts = train_pair_cuda(steps=8, mode=mode, **kw, **extra)
+    assert_same(ref_model, ts_model)
+    gpu = ts._engine if mode == "gpu" else ts._engine.gpu
+    n_gpu = int(gpu.stats()["params"])
+    assert single == []
+    sizes = [n for _, _, ns in multi for n in ns]
+    assert len(sizes) == 8 * n_gpu  # every GPU-share tensor once per step
+    assert len(multi) > 8 and all(len(ns) >= 1 for _, _, ns in multi)
+    for _, _, ns in multi:
+        assert sum(ns[:-1]) < 3000  # closed at the cap
+    ts.close()
+
+
+def test_multi_launch_bits_equal_one_launch_per_tensor(monkeypatch):
+    """Fifty tensors of two dtypes in runs of 10 fp32, 2 bf16, 34 fp32, 4 bf16: launches
+    of at most MULTI_MAX tensors of one dtype pair each (10, 2, 32, 2, 4 per step);
+    weights and state bit-equal to one launch per tensor (TRAINSTREAM_GPU_LAUNCH=single)."""
+    import trainstream._device_kernels as dk
+
+    def build():
+        torch.manual_seed(0)
+        params = nn.ParameterList()
+        for k in range(50):
+            dtype = torch.bfloat16 if k in (10, 11) or k >= 46 else torch.float32
+            params.append(nn.Parameter(torch.randn(7 + 13 * k, device=DEV).to(dtype)))
+        return params
+
+    def train(launch):
+        monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", launch)
+        params = build()
+        opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, mode="gpu")
+        for t in range(4):
+            loss = sum(((p.float() - 0.1 * t) ** 2).sum() * (1 + k % 5) for k, p in enumerate(params))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        opt.synchronize()
+        sd = opt.state_dict()
+        opt.close()
+        return [p.detach().clone() for p in params], sd
+
+    multi, single = _record_launches(monkeypatch)
+    want, want_sd = train("single")
+    assert len(single) == 4 * 50 and multi == []
+    single.clear()
+    got, got_sd = train("multi")
+    assert single == []
+    assert sum(len(ns) for _, _, ns in multi) == 4 * 50
+    assert all(pd == gd for pd, gd, _ in multi)
+    assert [len(ns) for _, _, ns in multi] == [10, 2, 32, 2, 4] * 4
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    for sid, st in want_sd["state"].items():
+        for key, value in st.items():
+            assert torch.equal(value, got_sd["state"][sid][key]), (sid, key)
+    monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", "sometimes")
+    with pytest.raises(ValueError, match="TRAINSTREAM_GPU_LAUNCH must be 'multi' or 'single'"):
+        OffloadAdamW(build(), mode="gpu")
+
+
 def test_hybrid_checkpoint_moves_to_cpu_mode():
     ts, _, ts2 = _resume_in_another_mode("hybrid", "cpu", [x.to(DEV) for x in batches(20)], 10)
     for o in (ts, ts2):

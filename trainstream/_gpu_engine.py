@@ -1,17 +1,18 @@
 """The ``gpu`` (zero-copy) mode of the engine.
 
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
-pinned host memory. One CUDA kernel per parameter (``kernels/adamw_zero_copy.cu``, via
-:mod:`trainstream._device_kernels`) reads the gradient from GPU memory and the state
-over PCIe, and writes the weights in place; the arithmetic is the contract's
+pinned host memory. CUDA kernels (``kernels/adamw_zero_copy.cu``, via
+:mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
+gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
+the weights in place; the arithmetic is the contract's
 (:mod:`trainstream._contract`). With clipping, the global sum of squares is reduced on
 the GPU in a fixed order (float64 partials, no atomics) into a device scalar that the
 update kernels read: no host round trip. The norm is read back lazily.
 
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
 backward; with ``eager``, from a gradient hook, the part of backward that produced that
-gradient), each parameter gets a *ready* event that the next forward waits on, and each
-gradient is kept alive until that wait (its memory cannot be reused before the kernel
+gradient), each launch records a *ready* event that the next forward waits on (shared
+by the parameters of a multi-tensor launch), and each gradient is kept alive until that wait (its memory cannot be reused before the kernel
 that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
 neither torch nor jax: the backend supplies streams, events and device scratch memory.
 """
@@ -19,6 +20,7 @@ neither torch nor jax: the backend supplies streams, events and device scratch m
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +36,12 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 #: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor.
 EAGER_SM_FRACTION = 0.25
+
+#: ``step()`` puts consecutive tensors into one multi-tensor launch until it holds about
+#: this many elements (2**22: ~1 ms of PCIe traffic for bf16 weights, ~20x a launch's
+#: host cost), so that launches stop costing the host one call per tensor while the next
+#: forward can still start after the first few tensors.
+MULTI_LAUNCH_ELEMS = 1 << 22
 
 
 @dataclass(eq=False)
@@ -72,6 +80,14 @@ class GpuEngine:
 
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        # step()'s launches: several tensors per launch, up to about this many elements
+        # (0: one launch per tensor). TRAINSTREAM_GPU_LAUNCH=single: one per tensor (A/B).
+        self._multi_elems = MULTI_LAUNCH_ELEMS
+        launch = os.environ.get("TRAINSTREAM_GPU_LAUNCH", "multi").strip().lower() or "multi"
+        if launch not in ("multi", "single"):
+            raise ValueError(f"TRAINSTREAM_GPU_LAUNCH must be 'multi' or 'single', got {launch!r}")
+        if launch == "single":
+            self._multi_elems = 0
         self._dk = dk
         self.backend = backend
         self.convention = convention
@@ -239,6 +255,12 @@ class GpuEngine:
         if max_grad_norm is not None or compute_norm:
             sumsq_ptr = self._launch_sumsq(updates)
         clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
+        if not eager and self._multi_elems:
+            self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream)
+            if sumsq_ptr:
+                self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
+            self._launch_s += time.perf_counter() - t0
+            return
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             step = s.step + 1  # counted once the launch is queued: a failed one changes nothing
@@ -266,6 +288,46 @@ class GpuEngine:
         if sumsq_ptr:
             self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
         self._launch_s += time.perf_counter() - t0
+
+    def _launch_grouped(self, updates, sumsq_ptr: int, max_grad_norm: float | None,
+                        clip: np.float32, stream: int) -> None:
+        """``step``'s launches as multi-tensor launches: consecutive updates of one dtype
+        pair, up to ``MULTI_MAX`` tensors and about ``_multi_elems`` elements per launch
+        (so that the next forward still waits for the first tensors only, not the whole
+        share), one ready event per launch."""
+        dk, be = self._dk, self.backend
+        variant = C.variant_id(self.convention, "cuda")
+        group: list[tuple[_GpuSlot, Any, Any, str]] = []
+        elems = 0
+
+        def flush() -> None:
+            nonlocal group, elems
+            if not group:
+                return
+            items = []
+            for s, hp, grad, _ in group:
+                scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda", clip)
+                items.append((be.data_ptr(s.param), be.data_ptr(grad),
+                              s.master.dev_ptr if s.master is not None else 0,
+                              s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
+            dk.launch_adamw_multi(variant, group[0][0].dtype, group[0][3], items,
+                                  sumsq_ptr if max_grad_norm is not None else 0,
+                                  float(max_grad_norm or 0.0), stream, device=self.device)
+            ready = be.record_update()
+            for s, _, grad, _ in group:  # counted once the launch is queued
+                s.step += 1
+                s.grad_keep = grad  # alive until the compute stream has waited on `ready`
+                s.ready = ready
+            group, elems = [], 0
+
+        for sid, hp, grad, gdtype in updates:
+            s = self._slot(sid)
+            if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3])
+                          or len(group) == dk.MULTI_MAX or elems >= self._multi_elems):
+                flush()
+            group.append((s, hp, grad, gdtype))
+            elems += s.numel
+        flush()
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
         """Queue updates whose weights, gradients and scalars another runtime owns (XLA).
