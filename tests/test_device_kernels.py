@@ -481,7 +481,7 @@ def test_adamw_multi_is_bit_identical_to_one_launch_per_tensor(cp, mapped, varia
                  "grad": _device_array(cp, np.zeros(n, _storage_np(gd)), off)}
             for name in ("m", "v") + (("master",) if pd != "float32" else ()):
                 host, ptr = mapped(max(n, 1), off)
-                host[:] = p0 if name == "master" else (np.abs(p0) * 1e-3 if name == "v" else p0 * 1e-2)
+                host[:n] = p0 if name == "master" else (np.abs(p0) * 1e-3 if name == "v" else p0 * 1e-2)
                 t[name], t[name + "_ptr"] = host, ptr
             tensors.append(t)
         sides.append(tensors)
