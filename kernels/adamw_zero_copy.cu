@@ -1,4 +1,5 @@
-// TrainStream zero-copy AdamW: the `gpu` mode update, one launch per parameter tensor.
+// TrainStream zero-copy AdamW: the `gpu` mode update, one launch per parameter tensor or,
+// adamw_zero_copy_multi_*, one launch for up to TS_MULTI_MAX tensors.
 //
 //   weights   GPU memory, updated in place: fp32, fp16 or bf16
 //   gradient  GPU memory, read once: fp32, fp16 or bf16
@@ -18,7 +19,8 @@
 // with <variant> in {torch_cpu, torch_cuda, optax_cpu, optax_cuda} and <param>, <grad> in
 // {f32, f16, bf16}. Launch with blockDim.x == TS_ADAMW_THREADS and any grid (grid-stride).
 // adamw_zero_copy_multi_<variant>_<param>_<grad>: the same update for up to TS_MULTI_MAX
-// tensors in one launch (see TsMultiBatch at the end).
+// tensors in one launch (see TsMultiBatch at the end); its grid must be the sum of the
+// tensors' nblocks (a larger one is harmless, a smaller one leaves the last tensors out).
 //
 // No #include: compiled by NVRTC through CuPy (trainstream/_device_kernels.py).
 

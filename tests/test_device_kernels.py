@@ -252,9 +252,17 @@ def test_launch_adamw_multi_rejects_bad_arguments_before_touching_cuda(items, kw
 
 
 def test_launch_adamw_multi_of_empty_tensors_launches_nothing():
+    """Empty tensors (null pointers allowed) are checked like the others, then skipped: no
+    launch, so nothing touches CUDA."""
     assert dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "bfloat16", []) == 0
     empty = _multi_item(param_ptr=0, grad_ptr=0, m_ptr=0, v_ptr=0, n=0)
     assert dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "bfloat16", [empty] * 3) == 0
+    with pytest.raises(ValueError, match=r"items\[1\]: scalars must have shape"):
+        dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "bfloat16", "bfloat16",
+                              [empty, _multi_item(param_ptr=0, grad_ptr=0, m_ptr=0, v_ptr=0, n=0,
+                                                  scalars=np.zeros(2, np.float32))])
+    with pytest.raises(ValueError, match=r"items\[0\]\.m_ptr = 0x102 is not 4-byte aligned"):
+        dk.launch_adamw_multi(C.VARIANT_TORCH_CUDA, "float32", "float32", [_multi_item(n=0, m_ptr=258)])
 
 
 def test_multi_batch_layout_matches_the_kernel_source():

@@ -514,10 +514,11 @@ def launch_adamw_multi(
 
     ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
     each as the same arguments of :func:`launch_adamw` (scalars by value), at most
-    :data:`MULTI_MAX` of them. Each tensor gets the grid a launch of its own would get
-    (:func:`launch_adamw` without ``max_blocks``) and the same bits; the launch costs the
-    host one driver call instead of one per tensor (about 50 us each, measured on the
-    H200, 200 us while the host workers hold the GIL). Tensors of 0 elements are skipped.
+    :data:`MULTI_MAX` of them (empty ones included). Each tensor gets as many blocks as
+    a launch of its own (:func:`launch_adamw` without ``max_blocks``, from the multi
+    kernel's occupancy) and the same bits; the launch costs the host one driver call
+    instead of one per tensor (about 50 us each, measured on the H200, 200 us while the
+    host workers hold the GIL). Tensors of 0 elements are checked, then skipped.
     ``sumsq_ptr``, ``max_norm``: device clipping, as for :func:`launch_adamw`, shared by
     every tensor. Every argument is checked before anything is launched. Returns the
     number of tensors launched.
@@ -538,22 +539,23 @@ def launch_adamw_multi(
         n = int(n)
         if n < 0:
             raise ValueError(f"items[{k}]: n must be >= 0, got {n}")
-        if n == 0:
-            continue
-        param_ptr = _check_ptr(f"items[{k}].param_ptr", param_ptr, _ITEMSIZE[pd])
-        grad_ptr = _check_ptr(f"items[{k}].grad_ptr", grad_ptr, _ITEMSIZE[gd])
-        m_ptr = _check_ptr(f"items[{k}].m_ptr", m_ptr, 4)
-        v_ptr = _check_ptr(f"items[{k}].v_ptr", v_ptr, 4)
+        empty = n == 0  # checked like the others, then skipped; its pointers may be null
+        param_ptr = _check_ptr(f"items[{k}].param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
+        grad_ptr = _check_ptr(f"items[{k}].grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
+        m_ptr = _check_ptr(f"items[{k}].m_ptr", m_ptr, 4, allow_null=empty)
+        v_ptr = _check_ptr(f"items[{k}].v_ptr", v_ptr, 4, allow_null=empty)
         if pd == "float32":
             if master_ptr:
                 raise ValueError(f"items[{k}]: fp32 weights are their own master: pass master_ptr=0")
             master_ptr = 0
         else:
-            master_ptr = _check_ptr(f"items[{k}].master_ptr (required for {pd} weights)", master_ptr, 4)
+            master_ptr = _check_ptr(f"items[{k}].master_ptr (required for {pd} weights)", master_ptr, 4,
+                                    allow_null=empty)
         sc = np.ascontiguousarray(scalars, dtype=np.float32)
         if sc.shape != (C.N_SCALARS,):
             raise ValueError(f"items[{k}]: scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
-        checked.append((param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc))
+        if not empty:
+            checked.append((param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc))
     if not checked:
         return 0
     dev = _current_device() if device is None else int(device)

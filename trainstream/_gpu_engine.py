@@ -12,8 +12,8 @@ update kernels read: no host round trip. The norm is read back lazily.
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
 backward; with ``eager``, from a gradient hook, the part of backward that produced that
 gradient), each launch records a *ready* event that the next forward waits on (shared
-by the parameters of a multi-tensor launch), and each gradient is kept alive until that wait (its memory cannot be reused before the kernel
-that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
+by the parameters of a multi-tensor launch), and each gradient is kept alive until that
+wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
 neither torch nor jax: the backend supplies streams, events and device scratch memory.
 """
 
@@ -37,10 +37,10 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor.
 EAGER_SM_FRACTION = 0.25
 
-#: ``step()`` puts consecutive tensors into one multi-tensor launch until it holds about
-#: this many elements (2**22: ~1 ms of PCIe traffic for bf16 weights, ~20x a launch's
-#: host cost), so that launches stop costing the host one call per tensor while the next
-#: forward can still start after the first few tensors.
+#: ``step()`` puts consecutive tensors into one multi-tensor launch of at most this many
+#: elements (a larger tensor goes alone; 2**22: ~1 ms of PCIe traffic for bf16 weights,
+#: ~20x a launch's host cost), so that launches stop costing the host one call per tensor
+#: while the next forward can still start after the first few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
 
 
@@ -230,7 +230,9 @@ class GpuEngine:
         ``eager``: called from a gradient hook during backward for some parameters of
         the step (counted as eager updates, not as a step; no clipping).
         ``max_blocks``: grid cap of the update kernels (see
-        :func:`trainstream._device_kernels.launch_adamw`); an eager launch without one
+        :func:`trainstream._device_kernels.launch_adamw`; with a cap every tensor gets a
+        launch of its own, else ``step`` puts several tensors into one launch, see
+        :data:`MULTI_LAUNCH_ELEMS`); an eager launch without one
         takes :data:`EAGER_SM_FRACTION` of the multiprocessors' count in blocks, so
         that backward keeps most of the GPU (measured on the H200, GPT 350M: 131 ms
         per step with 16-33 blocks against 156 ms with the full grid).
@@ -255,7 +257,7 @@ class GpuEngine:
         if max_grad_norm is not None or compute_norm:
             sumsq_ptr = self._launch_sumsq(updates)
         clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        if not eager and self._multi_elems:
+        if not eager and self._multi_elems and max_blocks is None:
             self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream)
             if sumsq_ptr:
                 self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
@@ -292,12 +294,14 @@ class GpuEngine:
     def _launch_grouped(self, updates, sumsq_ptr: int, max_grad_norm: float | None,
                         clip: np.float32, stream: int) -> None:
         """``step``'s launches as multi-tensor launches: consecutive updates of one dtype
-        pair, up to ``MULTI_MAX`` tensors and about ``_multi_elems`` elements per launch
-        (so that the next forward still waits for the first tensors only, not the whole
-        share), one ready event per launch."""
+        pair, up to ``MULTI_MAX`` tensors and ``_multi_elems`` elements per launch (a
+        larger tensor alone), so that the next forward still waits for the first tensors
+        only, not the whole share; one ready event per launch. A slot listed twice goes
+        into the next launch (the stream orders the two updates, as one launch each)."""
         dk, be = self._dk, self.backend
         variant = C.variant_id(self.convention, "cuda")
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
+        in_group: set[int] = set()
         elems = 0
 
         def flush() -> None:
@@ -319,13 +323,16 @@ class GpuEngine:
                 s.grad_keep = grad  # alive until the compute stream has waited on `ready`
                 s.ready = ready
             group, elems = [], 0
+            in_group.clear()
 
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3])
-                          or len(group) == dk.MULTI_MAX or elems >= self._multi_elems):
+                          or len(group) == dk.MULTI_MAX or elems + s.numel > self._multi_elems
+                          or s.id in in_group):
                 flush()
             group.append((s, hp, grad, gdtype))
+            in_group.add(s.id)
             elems += s.numel
         flush()
 
@@ -359,10 +366,12 @@ class GpuEngine:
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         t0 = time.perf_counter()
+        waited = None  # the slots of one multi-tensor launch share its event: one wait
         for sid in sids:
             s = self._slot(sid)
-            if s.ready is not None:
+            if s.ready is not None and s.ready is not waited:
                 self.backend.wait_on_compute(s.ready, s.param)
+                waited = s.ready
             # The compute stream now runs after the kernel: the gradient's memory may be
             # reused by it from here on.
             s.grad_keep = None

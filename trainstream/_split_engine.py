@@ -125,7 +125,8 @@ class SplitEngine:
         Launching is not free: the 120 kernel launches of GPT-125M's default share took
         5-6 ms of the calling thread (experiments/RESULTS.md, session 7), and with the GPU
         share always first the host workers, holding the tied embedding that the forward
-        needs first, sat idle for that long. With ``max_grad_norm`` both first wait for
+        needs first, sat idle for that long. (Since session 8 the GPU engine puts several
+        tensors into each launch: ``step()`` returned after 14 ms instead of 34 there.) With ``max_grad_norm`` both first wait for
         the global norm (module docstring), which is returned. If the second share fails
         to queue after the first did, the error is raised and also left sticky (as a
         worker failure is) when the host share went first."""
