@@ -12,6 +12,7 @@ import torch.nn as nn  # noqa: E402
 
 from test_torch_optimizer import (  # noqa: E402
     assert_same,
+    backward,
     batches,
     loss_of,
     make_model,
@@ -219,12 +220,8 @@ def _train_half(pieces, kw, monkeypatch, device=DEV, steps=10):
     data = batches(steps * micro, batch=2)
     for step in range(steps):
         for i in range(micro):
-            loss = loss_of(model, data[step * micro + i].to(device)) / micro
-            if kw.get("eager") and i == micro - 1:
-                with ts.last_micro_batch():
-                    loss.backward()
-            else:
-                loss.backward()
+            backward(ts, loss_of(model, data[step * micro + i].to(device)) / micro,
+                     last=kw.get("eager") and i == micro - 1)
         ts.step()
         ts.zero_grad()
     ts.synchronize()

@@ -47,6 +47,15 @@ def loss_of(model, x):
     return F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
 
 
+def backward(ts, loss, last=False):
+    """``loss.backward()``, inside ``ts.last_micro_batch()`` when ``last`` (the eager path)."""
+    if last:
+        with ts.last_micro_batch():
+            loss.backward()
+    else:
+        loss.backward()
+
+
 def step_beside_master(model, master, ref, ts, loss):
     """One step of ``ts`` on ``model`` and of ``ref`` on ``master`` (fp32 copies of the
     model's parameters), both from the gradients of ``loss``."""
@@ -92,12 +101,7 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
         # TrainStream first: its norm fixes the float32 clip coefficient the reference uses.
         ts.zero_grad(set_to_none=zero_to_none)
         for i, x in enumerate(xs):
-            loss = loss_of(ts_model, x) / micro
-            if eager and i == micro - 1:
-                with ts.last_micro_batch():
-                    loss.backward()
-            else:
-                loss.backward()
+            backward(ts, loss_of(ts_model, x) / micro, last=eager and i == micro - 1)
         ts.step()
         ref.zero_grad()
         for x in xs:

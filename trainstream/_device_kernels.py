@@ -401,6 +401,25 @@ def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
 # -- AdamW ---------------------------------------------------------------------------------
 
 
+def _check_tensor_ptrs(prefix: str, pd: str, gd: str, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr,
+                       *, empty: bool) -> tuple[int, int, int, int, int]:
+    """One tensor's pointers checked for an AdamW launch (``prefix`` names the tensor in
+    the messages, e.g. ``"items[3]."``); null pointers only where it is ``empty``."""
+    param_ptr = _check_ptr(f"{prefix}param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
+    grad_ptr = _check_ptr(f"{prefix}grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
+    m_ptr = _check_ptr(f"{prefix}m_ptr", m_ptr, 4, allow_null=empty)
+    v_ptr = _check_ptr(f"{prefix}v_ptr", v_ptr, 4, allow_null=empty)
+    if pd == "float32":
+        if master_ptr:
+            raise ValueError(f"{prefix.rstrip('.') + ': ' if prefix else ''}fp32 weights are their own "
+                             "master: pass master_ptr=0")
+        master_ptr = 0
+    else:
+        master_ptr = _check_ptr(f"{prefix}master_ptr (required for {pd} weights)", master_ptr, 4,
+                                allow_null=empty)
+    return param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr
+
+
 def _grid_for(n: int, max_grid: int) -> int:
     """Grid of an AdamW launch: one 4-element group per thread, capped at the blocks
     resident on the device (grid-stride beyond that), so no block waits for a second wave."""
@@ -454,17 +473,9 @@ def launch_adamw(
     n = int(n)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    empty = n == 0  # nothing is launched; an empty tensor's data pointer may be null
-    param_ptr = _check_ptr("param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
-    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
-    m_ptr = _check_ptr("m_ptr", m_ptr, 4, allow_null=empty)
-    v_ptr = _check_ptr("v_ptr", v_ptr, 4, allow_null=empty)
-    if pd == "float32":
-        if master_ptr:
-            raise ValueError("fp32 weights are their own master: pass master_ptr=0")
-        master_ptr = 0
-    else:
-        master_ptr = _check_ptr(f"master_ptr (required for {pd} weights)", master_ptr, 4, allow_null=empty)
+    # nothing is launched for n == 0; an empty tensor's data pointers may be null
+    param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr = _check_tensor_ptrs(
+        "", pd, gd, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, empty=n == 0)
     scalars_ptr = _check_ptr("scalars_ptr", scalars_ptr, 4, allow_null=True)
     sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
     if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
@@ -540,17 +551,8 @@ def launch_adamw_multi(
         if n < 0:
             raise ValueError(f"items[{k}]: n must be >= 0, got {n}")
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
-        param_ptr = _check_ptr(f"items[{k}].param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
-        grad_ptr = _check_ptr(f"items[{k}].grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
-        m_ptr = _check_ptr(f"items[{k}].m_ptr", m_ptr, 4, allow_null=empty)
-        v_ptr = _check_ptr(f"items[{k}].v_ptr", v_ptr, 4, allow_null=empty)
-        if pd == "float32":
-            if master_ptr:
-                raise ValueError(f"items[{k}]: fp32 weights are their own master: pass master_ptr=0")
-            master_ptr = 0
-        else:
-            master_ptr = _check_ptr(f"items[{k}].master_ptr (required for {pd} weights)", master_ptr, 4,
-                                    allow_null=empty)
+        param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr = _check_tensor_ptrs(
+            f"items[{k}].", pd, gd, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, empty=empty)
         sc = np.ascontiguousarray(scalars, dtype=np.float32)
         if sc.shape != (C.N_SCALARS,):
             raise ValueError(f"items[{k}]: scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
