@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from . import _contract as C
+from ._jit import OPTS as _JIT_OPTS
 from ._host_kernels import _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
 
 __all__ = ["benchmark_host_adamw", "benchmark_rmw_bandwidth", "split_ranges"]
@@ -153,14 +154,14 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     }
 
 
-@njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+@njit(**dict(_JIT_OPTS, boundscheck=False))
 def rmw_chunk(a, b, s, begin, end):
     """``a[i] += s*b[i]`` over ``[begin, end)`` (float32, two roundings, no FMA)."""
     for i in range(np.uint64(begin), np.uint64(end)):
         a[i] = a[i] + s * b[i]
 
 
-@njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+@njit(**dict(_JIT_OPTS, boundscheck=False))
 def rmw_chunk_prefetch(a, b, s, begin, end):
     """:func:`rmw_chunk` with the AdamW kernel's strips and software prefetch."""
     stop = np.uint64(end)

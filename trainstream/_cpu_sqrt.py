@@ -26,10 +26,16 @@ here (the correctly rounded root is used: such ``exp_avg_sq`` values are below 1
 The estimates are this machine's own instructions (``rsqrtps`` is not specified exactly
 and differs between vendors, ``vrsqrt14ps`` is), so a mode reproduces MKL on the machine
 that runs it. Which mode torch uses here is found by probing (:func:`detect_mode`).
+
+Each mode is its own compiled specialisation (:func:`scalar_sqrt`, :func:`block_sqrt`),
+built only where Numba's target has the mode's instructions (:func:`available_modes`):
+``vrsqrt14ps`` needs AVX-512F, ``rsqrtps`` x86; elsewhere (aarch64, where torch has no
+MKL and its ``sqrt`` is the correctly rounded one) only ``IEEE`` exists.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -37,13 +43,35 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ._jit import OPTS as _OPTS
+from ._jit import target_features
+
 IEEE = 0
 MKL_SSE = 1
 MKL_FMA14 = 2
 MKL_FMA12 = 3
 MODE_NAMES = {IEEE: "ieee", MKL_SSE: "mkl_sse", MKL_FMA14: "mkl_fma14", MKL_FMA12: "mkl_fma12"}
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy")
+#: The ISA feature each mode's instructions need (``rsqrtps`` is SSE, baseline on x86-64;
+#: ``vrsqrt14ps`` is AVX-512F). A mode is compiled only where Numba's target has it:
+#: code with a missing instruction aborts the process inside LLVM, it raises nothing.
+_NEEDS = {IEEE: None, MKL_SSE: "x86", MKL_FMA12: "x86", MKL_FMA14: "avx512f"}
+
+
+def available_modes() -> tuple[int, ...]:
+    """The modes whose instructions Numba's compile target has (IEEE everywhere)."""
+    have = target_features()
+    return tuple(m for m, need in _NEEDS.items() if need is None or need in have)
+
+
+def _require(mode: int) -> None:
+    if mode not in _NEEDS:
+        raise ValueError(f"unknown sqrt mode {mode!r}; expected one of {sorted(MODE_NAMES)}")
+    if mode not in available_modes():
+        raise ValueError(
+            f"sqrt mode {MODE_NAMES[mode]!r} needs the {_NEEDS[mode]!r} instructions, which "
+            f"Numba's target lacks here (it has {sorted(target_features())})"
+        )
 
 
 def _lane0(builder, fn, x, width, extra=()):
@@ -118,51 +146,82 @@ def _from_bits(typingctx, u):
 
 
 @njit(inline="always", **_OPTS)
-def torch_cpu_sqrt(x, mode):
-    """``sqrt(x)`` as torch computes it on this CPU in ``mode`` (a compile-time constant)."""
-    if mode == IEEE:
-        return np.float32(math.sqrt(x))
-    b = _bits(x)
-    u = np.uint32((np.uint64(b) + np.uint64(0x7F800000)) & np.uint64(0xFFFFFFFF))
-    if u < np.uint32(0x80000000) or u > np.uint32(0xFEFFF000):  # MKL's rare path
-        if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
-            if (b & np.uint32(0x807FFFFF)) == np.uint32(0x80000000):  # -Inf
-                return _from_bits(np.uint32(0x7FC00000))
-            return x + x  # +Inf, NaN
-        if x == np.float32(0.0):
-            return x
-        if (b >> np.uint32(31)) == np.uint32(1):  # negative
+def _rare(x, b):
+    """MKL's rare path (x <= 0, subnormal, Inf, NaN, huge): see the module docstring."""
+    if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
+        if (b & np.uint32(0x807FFFFF)) == np.uint32(0x80000000):  # -Inf
             return _from_bits(np.uint32(0x7FC00000))
-        return np.float32(math.sqrt(np.float64(x)))  # subnormal or huge: correctly rounded
-    half = np.float32(0.5)
-    if mode == MKL_SSE:
-        r0 = rsqrtps(x)
-        h = x * r0
+        return x + x  # +Inf, NaN
+    if x == np.float32(0.0):
+        return x
+    if (b >> np.uint32(31)) == np.uint32(1):  # negative
+        return _from_bits(np.uint32(0x7FC00000))
+    return np.float32(math.sqrt(np.float64(x)))  # subnormal or huge: correctly rounded
+
+
+@njit(inline="always", **_OPTS)
+def _is_rare(b):
+    u = np.uint32((np.uint64(b) + np.uint64(0x7F800000)) & np.uint64(0xFFFFFFFF))
+    return u < np.uint32(0x80000000) or u > np.uint32(0xFEFFF000)
+
+
+@njit(inline="always", **_OPTS)
+def _ieee_sqrt(x):
+    return np.float32(math.sqrt(x))
+
+
+@functools.cache
+def scalar_sqrt(mode: int):
+    """``x -> sqrt(x)`` as torch computes it on this CPU in ``mode``: a Numba function
+    (inlined where it is called) holding only that mode's instructions."""
+    _require(mode)
+    if mode == IEEE:
+        return _ieee_sqrt
+    estimate = rsqrt14ps if mode == MKL_FMA14 else rsqrtps
+    fused = mode != MKL_SSE
+    tiny_ieee = mode == MKL_FMA14  # below 2^-80: MKL rescales; the correctly rounded root
+
+    @njit(inline="always", **_OPTS)
+    def torch_cpu_sqrt(x):
+        b = _bits(x)
+        if _is_rare(b):
+            return _rare(x, b)
+        half = np.float32(0.5)
+        if tiny_ieee and x < np.float32(8.271806125530277e-25):
+            return np.float32(math.sqrt(x))
+        r0 = estimate(x)
+        if fused:  # MKL_FMA12, MKL_FMA14
+            s = r0 * x
+            hr = r0 * half
+            return _fma(_fma(-s, s, x), hr, s)
+        h = x * r0  # MKL_SSE
         r = r0 * half
         e = half - h * r
         h1 = h * e + h
         r1 = r * e + r
         d = x - h1 * h1
         return d * r1 + h1
-    if mode == MKL_FMA14 and x < np.float32(8.271806125530277e-25):  # below 2^-80
-        return np.float32(math.sqrt(x))
-    r0 = rsqrt14ps(x) if mode == MKL_FMA14 else rsqrtps(x)
-    s = r0 * x
-    hr = r0 * half
-    return _fma(_fma(-s, s, x), hr, s)
+
+    return torch_cpu_sqrt
 
 
-@njit(**_OPTS)
-def _sqrt_array(x, mode):
-    out = np.empty_like(x)
-    for i in range(x.size):
-        out[i] = torch_cpu_sqrt(x[i], mode)
-    return out
+@functools.cache
+def _sqrt_array_fn(mode: int):
+    sqrt1 = scalar_sqrt(mode)
+
+    @njit(**_OPTS)
+    def sqrt_array_kernel(x):
+        out = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = sqrt1(x[i])
+        return out
+
+    return sqrt_array_kernel
 
 
 def sqrt_array(x: np.ndarray, mode: int) -> np.ndarray:
-    """:func:`torch_cpu_sqrt` over a float32 array."""
-    return _sqrt_array(np.ascontiguousarray(x, np.float32), mode)
+    """:func:`scalar_sqrt` of ``mode`` over a float32 array."""
+    return _sqrt_array_fn(mode)(np.ascontiguousarray(x, np.float32))
 
 
 def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
@@ -174,23 +233,15 @@ def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
     return np.concatenate([dense, wide, special])
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
-
-
 def detect_mode(reference_sqrt) -> int | None:
     """The mode whose bits equal ``reference_sqrt`` (a float32 array -> array function).
 
-    Returns None when no mode reproduces it on this machine.
+    Only the modes Numba's target can compile are tried (:func:`available_modes`).
+    Returns None when none of them reproduces it on this machine.
     """
     x = probe_values()
     want = np.asarray(reference_sqrt(x), np.float32).view(np.uint32)
-    modes = [IEEE, MKL_SSE, MKL_FMA12] + ([MKL_FMA14] if _has_avx512() else [])
-    for mode in modes:
+    for mode in available_modes():
         if np.array_equal(sqrt_array(x, mode).view(np.uint32), want):
             return mode
     return None
@@ -293,44 +344,56 @@ def _make_block16(mode: int):
     return block16
 
 
-_block16_sse = _make_block16(MKL_SSE)
-_block16_fma14 = _make_block16(MKL_FMA14)
-_block16_fma12 = _make_block16(MKL_FMA12)
+@functools.cache
+def block_sqrt(mode: int):
+    """``(src, lo, n, dst) -> dst[k] = sqrt(src[lo + k])`` for ``k < n`` in ``mode``, 16
+    lanes at a time (IEEE goes element by element: that loop vectorises by itself)."""
+    sqrt1 = scalar_sqrt(mode)
+    vector = mode != IEEE
 
+    if not vector:
+        @njit(inline="always", **_OPTS)
+        def torch_cpu_sqrt_block(src, lo, n, dst):
+            for k in range(n):
+                dst[k] = sqrt1(src[lo + k])
 
-@njit(inline="always", **_OPTS)
-def torch_cpu_sqrt_block(src, lo, n, dst, mode):
-    """``dst[k] = torch_cpu_sqrt(src[lo + k], mode)`` for ``k < n``, 16 lanes at a time
-    (``mode`` a compile-time constant; IEEE goes element by element, it vectorises)."""
-    k = 0
-    if mode != IEEE:
+        return torch_cpu_sqrt_block
+
+    block16 = _make_block16(mode)
+
+    @njit(inline="always", **_OPTS)
+    def torch_cpu_sqrt_block(src, lo, n, dst):
+        k = 0
         while k + 16 <= n:
-            if mode == MKL_SSE:
-                _block16_sse(src, lo + k, dst, k)
-            elif mode == MKL_FMA14:
-                _block16_fma14(src, lo + k, dst, k)
-            else:
-                _block16_fma12(src, lo + k, dst, k)
+            block16(src, lo + k, dst, k)
             k += 16
-    while k < n:
-        dst[k] = torch_cpu_sqrt(src[lo + k], mode)
-        k += 1
+        while k < n:
+            dst[k] = sqrt1(src[lo + k])
+            k += 1
+
+    return torch_cpu_sqrt_block
 
 
-@njit(**_OPTS)
-def _sqrt_array_block(x, mode):
-    out = np.empty_like(x)
-    n = x.size
-    lo = 0
-    tmp = np.empty(64, np.float32)
-    while lo < n:
-        m = min(64, n - lo)
-        torch_cpu_sqrt_block(x, lo, m, tmp, mode)
-        out[lo : lo + m] = tmp[:m]
-        lo += m
-    return out
+@functools.cache
+def _sqrt_array_block_fn(mode: int):
+    sqrt_block = block_sqrt(mode)
+
+    @njit(**_OPTS)
+    def sqrt_array_block_kernel(x):
+        out = np.empty_like(x)
+        n = x.size
+        lo = 0
+        tmp = np.empty(64, np.float32)
+        while lo < n:
+            m = min(64, n - lo)
+            sqrt_block(x, lo, m, tmp)
+            out[lo : lo + m] = tmp[:m]
+            lo += m
+        return out
+
+    return sqrt_array_block_kernel
 
 
 def sqrt_array_block(x: np.ndarray, mode: int) -> np.ndarray:
-    """:func:`torch_cpu_sqrt_block` over a float32 array (the kernels' form, for tests)."""
-    return _sqrt_array_block(np.ascontiguousarray(x, np.float32), mode)
+    """:func:`block_sqrt` over a float32 array (the kernels' form, for tests)."""
+    return _sqrt_array_block_fn(mode)(np.ascontiguousarray(x, np.float32))

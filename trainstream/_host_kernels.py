@@ -102,7 +102,6 @@ __all__ = [
     "convert_to_f32",
     "round_from_f32",
     "host_adamw_update",
-    "torch_cpu_sqrt",
     "fma32",
     "vectorisation_report",
 ]
@@ -118,7 +117,9 @@ _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
 OUT_IN_GRAD = 3
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+from ._jit import OPTS as _JIT_OPTS  # noqa: E402
+
+_OPTS = dict(_JIT_OPTS, boundscheck=False)
 
 #: Lanes of the fixed summation order of :func:`sumsq_blocks`.
 SUMSQ_LANES = 64
@@ -296,8 +297,7 @@ def _round16(x, kind):
 
 from ._cpu_sqrt import IEEE as SQRT_IEEE  # noqa: E402
 from ._cpu_sqrt import MODE_NAMES as SQRT_MODES  # noqa: E402
-from ._cpu_sqrt import torch_cpu_sqrt  # noqa: E402  (msqrt of the contract; mode constant)
-from ._cpu_sqrt import torch_cpu_sqrt_block  # noqa: E402
+from ._cpu_sqrt import block_sqrt, scalar_sqrt  # noqa: E402  (msqrt of the contract, per mode)
 
 
 # -- specialisation factories -----------------------------------------------------------------
@@ -307,7 +307,7 @@ from ._cpu_sqrt import torch_cpu_sqrt_block  # noqa: E402
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
     """``mode``: the sqrt mode of torch/cpu, the ``OX_*`` code of optax/cpu, else 0."""
-    opts = dict(_OPTS, cache=cache)
+    opts = dict(_OPTS, cache=cache and _OPTS["cache"])
     torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
     cpu = variant == VARIANT_TORCH_CPU
     optax_cpu = variant == VARIANT_OPTAX_CPU
@@ -321,6 +321,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     write16 = okind != KIND_F32 and not in_grad
     rkind = gkind if in_grad else okind  # the format the weights are rounded to
     blocked = cpu and sqrt_mode != SQRT_IEEE  # MKL's root, taken 16 lanes at a time
+    torch_cpu_sqrt = scalar_sqrt(sqrt_mode)  # only this mode's instructions reach LLVM
+    torch_cpu_sqrt_block = block_sqrt(sqrt_mode)
     strip = int(_STRIP)
 
     @njit(**opts)
@@ -382,7 +384,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mi = m[i]
                     m[i] = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
                     v[i] = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root, sqrt_mode)
+                torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root)
                 for i in range(lo, hi):
                     d = root[i - lo] / bc2 + eps
                     pi = p[i] * decay + (neg_step * m[i]) / d  # p1 + addcdiv on the CPU
@@ -401,7 +403,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mi = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
                     if cpu:
                         vi = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                        d = torch_cpu_sqrt(vi, sqrt_mode) / bc2 + eps
+                        d = torch_cpu_sqrt(vi) / bc2 + eps
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
                     else:
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
@@ -455,7 +457,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
 
 
 def _build_accumulate(gkind: int, fresh: bool, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache))
+    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
     def accumulate_kernel(acc, g, begin, end):
         if fresh:
             for i in range(np.uint64(begin), np.uint64(end)):
@@ -468,7 +470,7 @@ def _build_accumulate(gkind: int, fresh: bool, cache: bool = True):
 
 
 def _build_sumsq(gkind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache))
+    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
     def sumsq_kernel(g, begin, end, block, out):
         # Summation order: see sumsq_blocks. The lanes live in a small array so that the
         # j loop is a plain element-wise loop, which LLVM vectorises (a float reduction
@@ -505,7 +507,7 @@ def _build_sumsq(gkind: int, cache: bool = True):
 
 
 def _build_convert(kind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache))
+    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
     def convert_kernel(dst, src, begin, end):
         for i in range(np.uint64(begin), np.uint64(end)):
             dst[i] = _load(src[i], kind)
@@ -514,7 +516,7 @@ def _build_convert(kind: int, cache: bool = True):
 
 
 def _build_round(kind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache))
+    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
     def round_kernel(dst, src, begin, end):
         for i in range(np.uint64(begin), np.uint64(end)):
             dst[i] = _round16(src[i], kind)
