@@ -2,7 +2,7 @@
 # One call on the GPU machine (device image: torch, jax, cupy, numba already there):
 #   STAGES="tests jax zc host train" TRAIN_CONFIGS=1.3b:24 bash scripts/gpu_run.sh OUTDIR
 # Runs the chosen stages (default: all), logs everything under OUTDIR.
-#   tests  the GPU tests (torch, kernels, JAX on CUDA)       -> gpu_tests.log
+#   tests  the GPU tests (torch, kernels, JAX on CUDA, the installed wheel) -> gpu_tests.log
 #   jax    experiments/bench_jax_offload.py (issue #5)        -> bench_jax.{log,json}
 #   zc     experiments/bench_zero_copy.py (issue #4)          -> bench_zero_copy.{log,json}
 #   host   experiments/bench_host_adamw.py (issue #2)         -> bench_host.{log,json}
@@ -36,7 +36,7 @@ if has tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false TRAINSTREAM_GPU_TEST_STEPS=${TRAINSTREAM_GPU_TEST_STEPS:-10} \
     timeout "${TS_TEST_TIMEOUT:-300}" python3 -m pytest -q -ra -s -p no:cacheprovider \
     ${GPU_TESTS:-tests/test_jax_gpu.py tests/test_torch_gpu.py tests/test_device_kernels.py tests/test_contract.py \
-    tests/test_engine_queue.py tests/test_torch_optimizer.py::test_two_groups_bit_identical} > "$OUT/gpu_tests.log" 2>&1
+    tests/test_engine_queue.py tests/test_torch_optimizer.py::test_two_groups_bit_identical tests/test_wheel_install.py} > "$OUT/gpu_tests.log" 2>&1
   grep -E "max ULP|mode=.*args" "$OUT/gpu_tests.log" | head -n 20
   tail -n 25 "$OUT/gpu_tests.log"
 fi

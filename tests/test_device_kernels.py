@@ -1,4 +1,5 @@
-"""The zero-copy (`gpu` mode) kernels, kernels/*.cu, through trainstream._device_kernels.
+"""The zero-copy (`gpu` mode) kernels, trainstream/kernels/*.cu, through
+trainstream._device_kernels.
 
 GPU tests carry the ``gpu`` marker and skip where CuPy or a CUDA device is missing; the
 few tests without the marker need neither (source/contract consistency, lazy import,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # JAX (the XLA comparison) shares the GPU with CuPy and torch in this process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -158,7 +160,7 @@ def test_kernel_sources_match_contract_constants():
 
 
 def test_every_kernel_name_is_defined_in_the_source():
-    src = (dk.KERNEL_DIR / dk.ADAMW_SOURCE).read_text()
+    src = dk.kernel_source(dk.ADAMW_SOURCE)
     for v in VARIANTS:
         for pd in dk.DTYPES:
             for gd in dk.DTYPES:
@@ -167,10 +169,21 @@ def test_every_kernel_name_is_defined_in_the_source():
                 assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
                 assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
                 assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
-    sumsq = (dk.KERNEL_DIR / dk.SUMSQ_SOURCE).read_text()
+    sumsq = dk.kernel_source(dk.SUMSQ_SOURCE)
     for name in ("ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16",
                  "ts_sumsq_finalize"):
         assert name + "(" in sumsq
+
+
+def test_kernel_sources_are_package_data():
+    """The .cu files are read from the package (importlib.resources), not from a folder
+    beside it; a missing one raises FileNotFoundError naming it."""
+    pkg = Path(dk.__file__).resolve().parent
+    for name in (dk.ADAMW_SOURCE, dk.SUMSQ_SOURCE):
+        assert dk.kernel_source(name) == (pkg / "kernels" / name).read_text()
+    with pytest.raises(FileNotFoundError, match=r"trainstream/kernels/no_such\.cu"):
+        dk.kernel_source("no_such.cu")
+    assert not hasattr(dk, "KERNEL_DIR")
 
 
 def test_import_is_lazy_and_names_the_extras():
@@ -184,7 +197,7 @@ def test_import_is_lazy_and_names_the_extras():
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=str(dk.KERNEL_DIR.parent), check=False)
+                         cwd=str(Path(dk.__file__).resolve().parents[1]), check=False)
     assert out.returncode == 0, out.stderr
     assert "trainstream[cuda12]" in out.stdout and "trainstream[cuda13]" in out.stdout, out.stdout
 
@@ -268,7 +281,7 @@ def test_launch_adamw_multi_of_empty_tensors_launches_nothing():
 def test_multi_batch_layout_matches_the_kernel_source():
     """ctypes mirror of TsMultiItem / TsMultiBatch: same field order, sizes, TS_MULTI_MAX."""
     import ctypes
-    src = (dk.KERNEL_DIR / dk.ADAMW_SOURCE).read_text()
+    src = dk.kernel_source(dk.ADAMW_SOURCE)
     assert f"#define TS_MULTI_MAX {dk.MULTI_MAX}" in src
     body = src[src.index("struct TsMultiItem {"):]
     body = body[:body.index("};")]

@@ -1,9 +1,10 @@
 """The AdamW arithmetic contract: defined once, here.
 
-Every kernel in TrainStream (the Numba host kernels, the CUDA kernels in ``kernels/``)
-implements exactly the per-element arithmetic written in this module and points here
-instead of restating it. The NumPy functions at the bottom are the executable form of
-this text; the tests hold every kernel to them and hold them to the real references.
+Every kernel in TrainStream (the Numba host kernels, the CUDA kernels in
+``trainstream/kernels/``) implements exactly the per-element arithmetic written in this
+module and points here instead of restating it. The NumPy functions at the bottom are the
+executable form of this text; the tests hold every kernel to them and hold them to the
+real references.
 
 Symbols
 -------

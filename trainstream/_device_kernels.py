@@ -1,16 +1,21 @@
-"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels in ``kernels/*.cu``.
+"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels in
+``trainstream/kernels/*.cu``.
 
 The arithmetic of the update is :mod:`trainstream._contract` (one kernel variant per
 ``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
-it. What lives here: compiling ``kernels/adamw_zero_copy.cu`` and ``kernels/grad_sumsq.cu``
-once per device, launching them on raw pointers and a raw stream handle (plain ``int``\\ s,
-so torch, JAX and CuPy callers all fit), mapped pinned host allocations for the state, and
-a micro-benchmark.
+it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` and
+``trainstream/kernels/grad_sumsq.cu`` once per device, launching them on raw pointers and
+a raw stream handle (plain ``int``\\ s, so torch, JAX and CuPy callers all fit), mapped
+pinned host allocations for the state, and a micro-benchmark.
 
 No torch or jax import, and CuPy is imported on first use only: ``import
 trainstream._device_kernels`` works on a machine without CuPy or a GPU; a call that needs
 CuPy raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
 ``trainstream[cuda13]``.
+
+Sources. The ``.cu`` files are package data of ``trainstream`` (a wheel carries them), read
+with :mod:`importlib.resources` (:func:`kernel_source`): from an installed wheel, a
+checkout or a zip alike.
 
 Compilation. NVRTC through ``cupy.RawModule`` with ``-std=c++17 --fmad=false --ftz=false
 --prec-div=true --prec-sqrt=true``. The kernels do not rely on any of these: every float
@@ -42,7 +47,7 @@ import os
 import re
 import statistics
 import threading
-from pathlib import Path
+from importlib import resources
 from typing import Callable, Iterable
 
 import numpy as np
@@ -50,7 +55,9 @@ import numpy as np
 from . import _contract as C
 
 __all__ = [
-    "KERNEL_DIR",
+    "ADAMW_SOURCE",
+    "SUMSQ_SOURCE",
+    "kernel_source",
     "ADAMW_THREADS",
     "SUMSQ_THREADS",
     "DTYPES",
@@ -71,10 +78,7 @@ __all__ = [
     "benchmark_zero_copy_adamw",
 ]
 
-#: Folder of the CUDA sources: ``<repo>/kernels`` (override: ``TRAINSTREAM_KERNEL_DIR``).
-KERNEL_DIR = Path(
-    os.environ.get("TRAINSTREAM_KERNEL_DIR", Path(__file__).resolve().parent.parent / "kernels")
-)
+#: The CUDA sources, files of the package folder ``trainstream/kernels/`` (package data).
 ADAMW_SOURCE = "adamw_zero_copy.cu"
 SUMSQ_SOURCE = "grad_sumsq.cu"
 
@@ -181,14 +185,20 @@ def set_sync_launches(enabled: bool) -> None:
 # -- the sources and their constants -------------------------------------------------------
 
 
-def _read_source(name: str) -> str:
-    path = KERNEL_DIR / name
+def kernel_source(name: str) -> str:
+    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`, :data:`SUMSQ_SOURCE`),
+    read from the package data ``trainstream/kernels/``. Needs no CuPy or GPU.
+
+    Raises ``FileNotFoundError`` naming the file when the installed package lacks it.
+    """
+    path = resources.files("trainstream") / "kernels" / name
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except OSError as e:
         raise FileNotFoundError(
-            f"TrainStream CUDA source {path} not found (kernels/ must sit beside the "
-            f"trainstream package, or set TRAINSTREAM_KERNEL_DIR): {e}"
+            f"TrainStream CUDA source {path} not found: the trainstream package must carry "
+            f"trainstream/kernels/{name} as package data (an install built without its "
+            f"package data is incomplete; reinstall from the wheel or the checkout): {e}"
         ) from e
 
 
@@ -203,8 +213,8 @@ def check_kernel_constants() -> None:
     every difference. Needs no GPU.
     """
     problems = []
-    adamw = dict((k, int(v)) for k, v in _DEFINE.findall(_read_source(ADAMW_SOURCE)))
-    sumsq = dict((k, int(v)) for k, v in _DEFINE.findall(_read_source(SUMSQ_SOURCE)))
+    adamw = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE)))
+    sumsq = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(SUMSQ_SOURCE)))
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
     for name in dir(C):
         if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int):
@@ -316,8 +326,8 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
             check_kernel_constants()
             if not _modules:
                 opts = _options()
-                _modules["adamw"] = cp.RawModule(code=_read_source(ADAMW_SOURCE), options=opts)
-                _modules["sumsq"] = cp.RawModule(code=_read_source(SUMSQ_SOURCE), options=opts)
+                _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=opts)
+                _modules["sumsq"] = cp.RawModule(code=kernel_source(SUMSQ_SOURCE), options=opts)
             table = {}
             with cp.cuda.Device(dev):
                 sm_count = multiprocessor_count(dev)

@@ -1,7 +1,7 @@
 """The ``gpu`` (zero-copy) mode of the engine.
 
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
-pinned host memory. CUDA kernels (``kernels/adamw_zero_copy.cu``, via
+pinned host memory. CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, via
 :mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
 gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
 the weights in place; the arithmetic is the contract's
@@ -196,9 +196,9 @@ class GpuEngine:
 
     def grad_sumsq(self, updates: Sequence[tuple[int, Any, Any, str]]) -> float:
         """Float64 sum of squares of the gradients of ``updates`` (``(slot, _, grad tensor,
-        grad dtype)``), in the fixed order of ``kernels/grad_sumsq.cu``; blocks until the
-        backward that produced them and the sum have run (``hybrid`` mode's clipping: the
-        host share needs the global norm)."""
+        grad dtype)``), in the fixed order of ``trainstream/kernels/grad_sumsq.cu``; blocks
+        until the backward that produced them and the sum have run (``hybrid`` mode's
+        clipping: the host share needs the global norm)."""
         self._check_open()
         self.check_grads(updates)
         if not updates:

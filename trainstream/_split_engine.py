@@ -13,11 +13,12 @@ CUDA, so each parameter gets its mode's bits; the one difference between modes s
 micro-batch gradients of a GPU-share fp16/bf16 parameter are summed by torch in its dtype.
 
 Clipping: the global norm is ``sqrt(gpu_sumsq + host_sumsq)``, each engine's float64 sum
-of squares in its own fixed order (``kernels/grad_sumsq.cu`` for the GPU share, slot and
-block order for the host share), then the GPU share's plus the host share's. Like the
-other modes' it does not depend on threads or chunk size; unlike theirs it depends on the
-split (``gpu_share``): the three modes' norms may differ in the last bits, and with them
-the float32 clip coefficient. Given the same coefficient every mode gives the same bits.
+of squares in its own fixed order (``trainstream/kernels/grad_sumsq.cu`` for the GPU
+share, slot and block order for the host share), then the GPU share's plus the host
+share's. Like the other modes' it does not depend on threads or chunk size; unlike theirs
+it depends on the split (``gpu_share``): the three modes' norms may differ in the last
+bits, and with them the float32 clip coefficient. Given the same coefficient every mode
+gives the same bits.
 
 Imports neither torch nor jax; no arithmetic lives here.
 """
