@@ -12,6 +12,20 @@ def torch_sqrt(x):
     return torch.from_numpy(np.ascontiguousarray(x, np.float32)).sqrt().numpy()
 
 
+def torch_lerp_fused() -> bool:
+    """Whether ATen fuses lerp/addcmul here (its AVX2/AVX-512 kernels; not DEFAULT)."""
+    from trainstream import _cpu_sqrt as S
+
+    fused = S.detect_lerp_fma(lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
+    assert fused is not None, "torch's lerp is neither fused nor two roundings"
+    return fused
+
+
+def test_lerp_fusing_follows_aten_capability():
+    """ATen's DEFAULT kernels are the unfused ones (TC_NO_FMA), its vector kernels fused."""
+    assert torch_lerp_fused() == (torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
 def test_cpu_sqrt_mode_reproduces_torch_exhaustively_on_1_4():
     from trainstream import _cpu_sqrt as S
 
@@ -53,10 +67,11 @@ def test_torch_cpu_reference_bitwise(n, hp):
              for _ in range(50)]
     clip = [np.float32(rng.uniform(0.1, 1.0)) for _ in range(50)]
     ref = _torch_adamw_run(p0, grads, hp, clip)
+    fused = torch_lerp_fused()
     p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
     for t, g in enumerate(grads, 1):
         s = C.step_scalars(hp, t, "torch", "cpu", clip=clip[t - 1])
-        p, m, v = C.reference_update(p, m, v, g, s, "torch", "cpu", sqrt=torch_sqrt)
+        p, m, v = C.reference_update(p, m, v, g, s, "torch", "cpu", sqrt=torch_sqrt, fma=fused)
         rp, rm, rv = ref[t - 1]
         np.testing.assert_array_equal(m, rm, err_msg=f"exp_avg step {t}")
         np.testing.assert_array_equal(v, rv, err_msg=f"exp_avg_sq step {t}")

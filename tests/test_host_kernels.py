@@ -247,9 +247,9 @@ def test_adamw_unknown_codes_rejected():
 def test_torch_cpu_kernel_matches_torch_adamw():
     if torch is None:
         pytest.skip("torch not installed")
-    from trainstream.backends._torch import torch_cpu_sqrt_mode
+    from trainstream.backends._torch import torch_cpu_code
 
-    sqrt_mode = torch_cpu_sqrt_mode()
+    sqrt_mode = torch_cpu_code()
     n, steps = 4097, 50
     rng = np.random.default_rng(11)
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -268,6 +268,35 @@ def test_torch_cpu_kernel_matches_torch_adamw():
         assert_bits_equal(m, st["exp_avg"].numpy(), f"exp_avg step {t}")
         assert_bits_equal(v, st["exp_avg_sq"].numpy(), f"exp_avg_sq step {t}")
         assert_bits_equal(p, tp.detach().numpy(), f"param step {t}")
+
+
+def _xla_cpu_fma():
+    from trainstream.backends._jax import _xla_cpu_fma as probe
+
+    return probe()
+
+
+@pytest.mark.parametrize("code", [c for c in C.TC_CODES if (c & ~C.TC_NO_FMA) in sqrt_modes_here()])
+def test_torch_cpu_codes_match_reference(code):
+    """Every torch/cpu code this target compiles (sqrt mode x fused/unfused lerp and
+    addcmul) against the contract, with that mode's root, on both lerp branches."""
+    from trainstream import _cpu_sqrt as S
+
+    mode = code & ~C.TC_NO_FMA
+    rng = np.random.default_rng(200 + code)
+    n = 4099
+    p = rng.standard_normal(n).astype(np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t, hp in ((1, HP_A), (2, HP_B), (3, HP_A)):
+        g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32)
+        s = C.step_scalars(hp, t, "torch", "cpu", clip=np.float32(0.6))
+        want = C.reference_update(p, m, v, g, s, "torch", "cpu", sqrt=lambda x: S.sqrt_array(x, mode),
+                                  fma=not code & C.TC_NO_FMA)
+        got = [p.copy(), m.copy(), v.copy()]
+        K.adamw_chunk(C.VARIANT_TORCH_CPU, *got, g, K.KIND_F32, None, 0, 0, n, s, code)
+        for name, a, b in zip("pmv", got, want):
+            assert_bits_equal(a, b, f"{name} code {code} step {t}")
+        p, m, v = got
 
 
 @pytest.fixture
@@ -303,7 +332,7 @@ def test_optax_cpu_kernel_matches_jitted_optax(jax_on_cpu):
         jp, state = step(jp, state, jnp.asarray(g * clip))
         bc1, bc2 = C.optax_bias_corrections(HP_A.beta1, HP_A.beta2, t, xp=jnp)
         s = C.optax_step_scalars(HP_A, np.float32(bc1), np.float32(bc2), clip=clip,
-                                 code=C.optax_cpu_code(1, n))
+                                 code=C.optax_cpu_code(1, n, fma=_xla_cpu_fma()))
         K.adamw_chunk(C.VARIANT_OPTAX_CPU, p, m, v, g, 0, None, 0, 0, n, s)
         assert_bits_equal(m, np.asarray(state[0].mu), f"mu step {t}")
         assert_bits_equal(v, np.asarray(state[0].nu), f"nu step {t}")
@@ -320,7 +349,7 @@ def _wide_range(rng, n):
     return x.astype(np.float32)
 
 
-@pytest.mark.parametrize("code", C.OX_CODES)
+@pytest.mark.parametrize("code", [c for c in C.OX_CODES if c < C.OX_NO_FMA or c in (16, 17, 27, 31)])
 def test_optax_cpu_codes_match_reference_flush_to_zero(code):
     """Every optax/cpu code, decay on/off, on data full of denormals (FTZ/DAZ emulation)."""
     rng = np.random.default_rng(100 + code)
@@ -374,7 +403,8 @@ def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax(jax_on_cpu):
             for k in shapes:
                 n = params[k].size
                 s = C.optax_step_scalars(hp, np.float32(d1), np.float32(d2), clip=mul, clip_div=div,
-                                         code=C.optax_cpu_code(len(shapes), n, max_norm), decay=mask[k])
+                                         code=C.optax_cpu_code(len(shapes), n, max_norm, fma=_xla_cpu_fma()),
+                                         decay=mask[k])
                 K.adamw_chunk(C.VARIANT_OPTAX_CPU, *mine[k], grads[k].ravel(), 0, None, 0, 0, n, s)
                 assert_bits_equal(mine[k][0], np.asarray(jp[k]).ravel(), f"{k} params M={max_norm} step {t}")
             mu = optax.tree_utils.tree_get(state, "mu")

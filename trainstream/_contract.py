@@ -50,8 +50,24 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
   MKL's ``vsSqrt``, whose result depends on the CPU (vendor and vector width). The three
   MKL code paths are reproduced exactly in :mod:`trainstream._cpu_sqrt`; which one torch
   runs on a machine is found by probing ``torch.sqrt`` (the torch adapter does it once).
-  ATen's scalar ``DEFAULT`` build (no AVX2) does not fuse the lerp/addcmul; that build is
-  not targeted (every x86-64 server since 2013 has AVX2+FMA).
+
+  ATen's ``DEFAULT`` kernels (a CPU without AVX2, or ``ATEN_CPU_CAPABILITY=default``) do
+  not fuse: with the :data:`TC_NO_FMA` bit of the torch/cpu *code* the two FMAs above are
+  two roundings each (verified bit for bit on torch 2.13 for ``1-b1`` below, at and above
+  0.5; ``mul_``, ``div``, ``add_`` and ``addcdiv_`` are the same at every level)::
+
+      m  = m + f(1-b1) * (g - m)                  # weight < 0.5
+         = g + (f(1-b1) - 1) * (g - m)            #   ... weight >= 0.5 (= g - (g-m)*(1-w))
+      v  = v * f(b2) + (f(1-b2) * g) * g
+
+  The torch/cpu code is ``msqrt``'s mode (bits 0-1, :mod:`trainstream._cpu_sqrt`) ``|
+  TC_NO_FMA``; the adapters find it by probing ``torch.sqrt`` and ``Tensor.lerp_``
+  (:func:`trainstream._cpu_sqrt.detect_torch_cpu_code`). MKL chooses its ``vsSqrt`` path
+  by itself (``MKL_ENABLE_INSTRUCTIONS``; on AMD EPYC it kept the SSE path at every
+  setting); ATen's capability does not change it. Where no mode that Numba's target can
+  compile reproduces torch's root (e.g. MKL's AVX-512 path with Numba forced below
+  AVX-512), the correctly rounded root is used with a warning: MKL's high-accuracy root
+  is within :data:`TORCH_CPU_SQRT_MAX_ULP` of it, and so is ``msqrt`` there.
 
 * platform ``cuda`` (torch's default on CUDA is the *foreach* path, whose kernels
   nvcc compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
@@ -131,6 +147,14 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
   no pairing reproduces the fused program.
   ``apply_updates`` jitted *separately* from ``update`` materialises
   ``RN(-lr*u)`` and then ``p + that``: a different result, not a convention here.
+
+  *Without FMA* (XLA:CPU targeting an ISA without FMA3: ``--xla_cpu_max_isa=SSE4_2`` or
+  ``AVX``, or such a host; the :data:`OX_NO_FMA` bit of the code): LLVM cannot contract,
+  every ``fma(a, b, c)`` above is ``RN(RN(a*b) + c)`` (each result flushed) and the
+  pairing bits change nothing. Verified bit for bit at ``SSE4_2`` and ``AVX`` against
+  jitted optax (3-leaf and 7-leaf MLPs, a single leaf, with and without clipping); at
+  ``AVX2`` and ``AVX512`` the fused lines hold. The adapter finds which by probing XLA:CPU
+  with one jitted ``a*b + c`` (``powf`` and the bias corrections did not change).
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
@@ -239,7 +263,19 @@ OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, nu
 OX_NU_SWAP = 2  # v = fma(b2, v, RN((1-b2)*gg)) (clip in the chain, or a fused gradient)
 OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with clip; fused gradients)
 OX_CLIP = 8  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV first
-OX_CODES: tuple[int, ...] = tuple(range(16))
+OX_NO_FMA = 16  # XLA:CPU without FMA3: every fma of the lines is RN(RN(a*b) + c)
+OX_CODES: tuple[int, ...] = tuple(range(32))
+
+# -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA -----------
+TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
+TC_CODES: tuple[int, ...] = tuple(range(8))
+
+#: ``Tensor.sqrt()`` on the CPU (MKL's ``vsSqrt``, high accuracy) against the correctly
+#: rounded root, in float32 ULPs: at most 1 on every path reproduced (measured over
+#: :func:`trainstream._cpu_sqrt.probe_values` and [1, 4) exhaustively; tests/test_contract.py).
+#: Where torch's path is not reproducible the weights may differ from torch.optim.AdamW's by
+#: that much in ``d`` per step.
+TORCH_CPU_SQRT_MAX_ULP = 1
 
 #: Largest distance per step between the optax/cuda kernel (XLA:GPU's approximate
 #: ``sqrt.approx``/``div.full``) and its IEEE host emulation, in float32 ULPs of
@@ -351,16 +387,20 @@ def optax_bias_corrections(b1: float, b2: float, count, xp=np):
     return bc1, bc2
 
 
-def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False) -> int:
+def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
+                   fma: bool = True) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw.
 
     ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
     ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None;
     ``fused_grad``: XLA fuses the computation of this leaf's gradient into the moment
-    update (see "Fused gradients" in the module docstring; no effect with clipping).
+    update (see "Fused gradients" in the module docstring; no effect with clipping);
+    ``fma``: whether XLA:CPU's target has FMA3 (else :data:`OX_NO_FMA`).
     Determined empirically for jax/jaxlib 0.10.2 on x86-64 (see the module docstring).
     """
     code = OX_FORM_R if (n_leaves == 1 and numel > 1) else 0
+    if not fma:
+        code |= OX_NO_FMA
     if max_norm is not None:
         code |= OX_CLIP | OX_NU_SWAP
         if numel == 1 and not (n_leaves > 1 and np.float32(max_norm) == np.float32(1.0)):
@@ -517,13 +557,16 @@ def reference_update(
     convention: str,
     platform: str,
     sqrt=np.sqrt,
+    fma: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One AdamW update in NumPy float32: the executable statement of the contract.
 
     ``p``, ``m``, ``v`` are float32 master weight and moments, ``g`` the fp32 (upcast)
     gradient, ``scalars`` the vector of :func:`step_scalars`. Returns new arrays.
     ``sqrt`` is ``msqrt`` of the torch/cpu convention (default: IEEE; pass the sqrt the
-    reference really uses, e.g. torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode).
+    reference really uses, e.g. torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode);
+    ``fma=False`` is torch/cpu with :data:`TC_NO_FMA` (ATen's DEFAULT kernels). optax/cpu
+    reads its code, :data:`OX_NO_FMA` included, from the scalars.
     """
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
@@ -535,12 +578,14 @@ def reference_update(
         g = np.asarray(g, np.float32) * s[S_CLIP]
         if convention == "torch":
             p1 = p * s[S_DECAY]
+            fused = fma or variant != VARIANT_TORCH_CPU
+            mad = fma_f32 if fused else (lambda a, b, c: a * b + c)
             if s[S_LERP_SMALL]:
-                m = fma_f32(s[S_LERP_W], g - m, m)
+                m = mad(s[S_LERP_W], g - m, m)
             else:
-                m = fma_f32(s[S_LERP_W] - np.float32(1), g - m, g)
+                m = mad(s[S_LERP_W] - np.float32(1), g - m, g)
             if variant == VARIANT_TORCH_CPU:
-                v = fma_f32(s[S_OMB2] * g, g, v * s[S_BETA2])
+                v = mad(s[S_OMB2] * g, g, v * s[S_BETA2])
                 d = np.asarray(sqrt(v), np.float32) / s[S_BC2] + s[S_EPS]
                 p = p1 + (s[S_NEG_STEP] * m) / d
             else:
@@ -578,6 +623,7 @@ def _reference_optax_cpu(p, m, v, g, s):
     B1, C1, B2, C2 = z(s[S_BETA1]), z(s[S_OMB1]), z(s[S_BETA2]), z(s[S_OMB2])
     d1, d2, eps, wd, neg_lr = z(s[S_BC1]), z(s[S_BC2_OPTAX]), z(s[S_EPS]), z(s[S_WD]), z(s[S_NEG_LR])
     mul, div = z(s[S_CLIP]), z(s[S_CLIP_DIV])
+    fma = (lambda a, b, c: z(a * b) + c) if code & OX_NO_FMA else fma_f32
     with np.errstate(all="ignore"):
         p, m, v, g = z(p), z(m), z(v), z(g)
         if code & OX_CLIP:
@@ -585,19 +631,19 @@ def _reference_optax_cpu(p, m, v, g, s):
         else:
             g = z(g * mul)
         if code & OX_MU_SWAP:
-            m = z(fma_f32(B1, m, z(C1 * g)))
+            m = z(fma(B1, m, z(C1 * g)))
         else:
-            m = z(fma_f32(C1, g, z(B1 * m)))
+            m = z(fma(C1, g, z(B1 * m)))
         gg = z(g * g)
         if code & OX_NU_SWAP:
-            v = z(fma_f32(B2, v, z(C2 * gg)))
+            v = z(fma(B2, v, z(C2 * gg)))
         else:
-            v = z(fma_f32(C2, gg, z(B2 * v)))
+            v = z(fma(C2, gg, z(B2 * v)))
         if code & OX_FORM_R:
             r1, r2 = z(np.float32(1.0) / d1), z(np.float32(1.0) / d2)
             q = z(z(m * r1) / z(np.sqrt(z(v * r2)) + eps))
         else:
             q = z(m / z(d1 * z(np.sqrt(z(v / d2)) + eps)))
-        u = z(fma_f32(wd, p, q)) if wd != 0 else q
-        p = z(fma_f32(neg_lr, u, p))
+        u = z(fma(wd, p, q)) if wd != 0 else q
+        p = z(fma(neg_lr, u, p))
     return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)

@@ -247,6 +247,24 @@ def detect_mode(reference_sqrt) -> int | None:
     return None
 
 
+def detect_lerp_fma(reference_lerp) -> bool | None:
+    """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
+    is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
+    False, the contract's ``TC_NO_FMA``); None when it is neither."""
+    from ._contract import fma_f32  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(1 << 14).astype(np.float32)
+    b = rng.standard_normal(1 << 14).astype(np.float32)
+    w = np.float32(0.1)
+    got = np.asarray(reference_lerp(a, b, 0.1), np.float32).view(np.uint32)
+    if np.array_equal(got, fma_f32(w, b - a, a).view(np.uint32)):
+        return True
+    if np.array_equal(got, (a + w * (b - a)).view(np.uint32)):
+        return False
+    return None
+
+
 # -- the same, 16 lanes at a time (the AdamW kernel's strips) -----------------------------------
 # ``torch_cpu_sqrt`` calls the estimate instruction on one lane per element, which keeps the
 # loop around it from vectorising (the MKL modes ran 3-5x slower than IEEE). The block form

@@ -81,6 +81,9 @@ from ._contract import (
     S_WD,
     OX_CLIP,
     OX_CODES,
+    OX_NO_FMA,
+    TC_CODES,
+    TC_NO_FMA,
     OX_FORM_R,
     OX_MU_SWAP,
     OX_NU_SWAP,
@@ -181,10 +184,23 @@ _SIGN_MASK = np.uint32(0x80000000)
 
 
 @njit(inline="always", **_OPTS)
+def _mul_add(a, b, c):
+    """``a*b + c`` with two roundings (never contracted: no fast-math flags)."""
+    return a * b + c
+
+
+@njit(inline="always", **_OPTS)
 def _ftz(x):
     """Denormal -> signed zero, branch-free (XLA:CPU's FTZ/DAZ, emulated per operation)."""
     u = _bits_f32(x)
     return _select((u & _EXP_MASK) == np.uint32(0), _f32_bits(u & _SIGN_MASK), x)
+
+
+@njit(inline="always", **_OPTS)
+def _mul_add_ftz(a, b, c):
+    """``RN(RN(a*b) + c)`` with the product flushed (XLA:CPU without FMA3; the caller
+    flushes the sum)."""
+    return _ftz(a * b) + c
 
 
 def _make_prefetch(write: int):
@@ -296,7 +312,6 @@ def _round16(x, kind):
 
 
 from ._cpu_sqrt import IEEE as SQRT_IEEE  # noqa: E402
-from ._cpu_sqrt import MODE_NAMES as SQRT_MODES  # noqa: E402
 from ._cpu_sqrt import block_sqrt, scalar_sqrt  # noqa: E402  (msqrt of the contract, per mode)
 
 
@@ -306,13 +321,18 @@ from ._cpu_sqrt import block_sqrt, scalar_sqrt  # noqa: E402  (msqrt of the cont
 
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
-    """``mode``: the sqrt mode of torch/cpu, the ``OX_*`` code of optax/cpu, else 0."""
+    """``mode``: the ``TC_*`` code of torch/cpu (sqrt mode | TC_NO_FMA), the ``OX_*`` code
+    of optax/cpu, else 0."""
     opts = dict(_OPTS, cache=cache and _OPTS["cache"])
     torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
     cpu = variant == VARIANT_TORCH_CPU
     optax_cpu = variant == VARIANT_OPTAX_CPU
-    sqrt_mode = mode if cpu else SQRT_IEEE
+    sqrt_mode = (mode & ~TC_NO_FMA) if cpu else SQRT_IEEE
+    # ATen's DEFAULT kernels: lerp and addcmul as two roundings (torch/cpu with TC_NO_FMA)
+    mad = _mul_add if cpu and (mode & TC_NO_FMA) else fma32
     ox = mode if optax_cpu else 0
+    # XLA:CPU without FMA3: every contracted line as two roundings, each flushed
+    omad = _mul_add_ftz if (ox & OX_NO_FMA) else fma32
     ox_form_r = (ox & OX_FORM_R) != 0
     ox_clip = (ox & OX_CLIP) != 0
     ox_mu_swap = (ox & OX_MU_SWAP) != 0
@@ -382,8 +402,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 for i in range(lo, hi):
                     gi = _load(g[i], gkind) * c  # g = g * c
                     mi = m[i]
-                    m[i] = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
-                    v[i] = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                    m[i] = mad(w, gi - mi, _select(small, mi, gi))  # lerp
+                    v[i] = mad(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
                 torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root)
                 for i in range(lo, hi):
                     d = root[i - lo] / bc2 + eps
@@ -400,9 +420,9 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     gi = _load(g[i], gkind) * c  # g = g * c
                     mi = m[i]
                     pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
-                    mi = fma32(w, gi - mi, _select(small, mi, gi))  # lerp
+                    mi = mad(w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
                     if cpu:
-                        vi = fma32(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                        vi = mad(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
                         d = torch_cpu_sqrt(vi) / bc2 + eps
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
                     else:
@@ -419,22 +439,22 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mo = _ftz(m[i])
                     vo = _ftz(v[i])
                     if ox_mu_swap:
-                        mi = _ftz(fma32(z_b1, mo, _ftz(z_omb1 * gi)))
+                        mi = _ftz(omad(z_b1, mo, _ftz(z_omb1 * gi)))
                     else:
-                        mi = _ftz(fma32(z_omb1, gi, _ftz(z_b1 * mo)))
+                        mi = _ftz(omad(z_omb1, gi, _ftz(z_b1 * mo)))
                     gg = _ftz(gi * gi)
                     if ox_nu_swap:
-                        vi = _ftz(fma32(z_b2, vo, _ftz(z_omb2 * gg)))
+                        vi = _ftz(omad(z_b2, vo, _ftz(z_omb2 * gg)))
                     else:
-                        vi = _ftz(fma32(z_omb2, gg, _ftz(z_b2 * vo)))
+                        vi = _ftz(omad(z_omb2, gg, _ftz(z_b2 * vo)))
                     if ox_form_r:
                         den = _ftz(np.float32(math.sqrt(_ftz(vi * z_r2))) + z_eps)
                         q = _ftz(_ftz(mi * z_r1) / den)
                     else:
                         den = _ftz(np.float32(math.sqrt(_ftz(vi / z_d2))) + z_eps)
                         q = _ftz(mi / _ftz(z_d1 * den))
-                    u = _select(decays, _ftz(fma32(z_wd, pi, q)), q)
-                    pi = _ftz(fma32(z_neg_lr, u, pi))
+                    u = _select(decays, _ftz(omad(z_wd, pi, q)), q)
+                    pi = _ftz(omad(z_neg_lr, u, pi))
                 else:  # optax/cuda (host emulation with IEEE sqrt and division)
                     graw = _load(g[i], gkind)
                     gi = _select(cuda_clip, (graw / div) * c, graw * c)
@@ -534,7 +554,7 @@ _BUILDERS = {
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
-              for md in (SQRT_MODES if vr == VARIANT_TORCH_CPU
+              for md in (TC_CODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
     "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
     "sumsq": {(gk,) for gk in _KINDS},
@@ -566,7 +586,7 @@ _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
 # -- the raw kernels (the engine calls these; no validation beyond the codes) ----------------
 
 
-def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, sqrt_mode=SQRT_IEEE):
+def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE):
     """One AdamW update of elements ``[begin, end)``; see :mod:`trainstream._contract`.
 
     ``p`` fp32 master (updated in place), ``m``/``v`` fp32 moments (in place), ``g`` the
@@ -575,9 +595,9 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, sqrt_mo
     rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written). ``out16`` may be ``g``
     itself (``okind == gkind``, fp16/bf16): each element's gradient is read before its
     weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). ``s`` the float32 scalars of
-    :func:`~trainstream._contract.step_scalars`. ``sqrt_mode`` (torch/cpu only) is the
-    :mod:`trainstream._cpu_sqrt` mode of ``msqrt``; the MKL modes use the CPU's scalar
-    reciprocal-sqrt estimate, so that specialisation is not vectorised. optax/cpu reads
+    :func:`~trainstream._contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
+    torch/cpu code of the contract: the :mod:`trainstream._cpu_sqrt` mode of ``msqrt`` |
+    ``TC_NO_FMA`` (ATen's unfused DEFAULT kernels). optax/cpu reads
     its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
     compiled for that code.
     Unchecked: buffers must be C-contiguous, long enough, and disjoint but for
@@ -592,7 +612,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, sqrt_mo
     if variant == VARIANT_OPTAX_CPU:
         mode = int(s[S_OX_CODE])  # the code travels in the scalars; one specialisation each
     elif variant == VARIANT_TORCH_CPU:
-        mode = sqrt_mode
+        mode = tc_code
     else:
         mode = SQRT_IEEE
     key = (variant, gkind, okind, mode)
@@ -713,13 +733,13 @@ def host_adamw_update(
     end: int | None = None,
     grad_kind: str | None = None,
     out_kind: str | None = None,
-    sqrt_mode: int = SQRT_IEEE,
+    tc_code: int = SQRT_IEEE,
 ) -> None:
     """One AdamW update of ``p``, ``m``, ``v`` in place over ``[begin, end)``, validated.
 
-    ``sqrt_mode``: for torch/cpu, the :mod:`trainstream._cpu_sqrt` mode of torch's CPU
-    sqrt on this machine (``trainstream.backends._torch.torch_cpu_sqrt_mode()``); the
-    default, IEEE, is bit-identical to torch only where torch's sqrt is IEEE.
+    ``tc_code``: for torch/cpu, the contract's torch/cpu code on this machine (sqrt mode
+    | ``TC_NO_FMA``; ``trainstream.backends._torch.torch_cpu_code()``); the default, IEEE
+    and fused, is bit-identical to torch only where torch's sqrt is IEEE.
 
     ``p``, ``m``, ``v``: float32 1-D C-contiguous writeable arrays of one length (master
     weight and moments). ``g``: the gradient, same length: float32, float16, bfloat16
@@ -771,9 +791,9 @@ def host_adamw_update(
                 raise ValueError(f"{names[i]} and {names[j]} share memory; buffers must be distinct")
     if begin == end:
         return
-    if sqrt_mode not in SQRT_MODES:
-        raise ValueError(f"sqrt_mode must be one of {sorted(SQRT_MODES)}, got {sqrt_mode!r}")
-    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars, sqrt_mode)
+    if tc_code not in TC_CODES:
+        raise ValueError(f"tc_code (a torch/cpu code) must be one of {list(TC_CODES)}, got {tc_code!r}")
+    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars, tc_code)
 
 
 # -- machine-code check ------------------------------------------------------------------------

@@ -62,7 +62,7 @@ import numpy as np
 import optax
 
 from .. import _contract as C
-from .. import _cpu_sqrt, _hostmem
+from .. import _hostmem
 from .._engine import Engine
 from . import _xla_ffi as xf
 
@@ -298,7 +298,8 @@ class _Instance:
                 self.hps.append(hp)
                 if cfg.convention == "optax":
                     if platform == "cpu":
-                        code = C.optax_cpu_code(n, numel, cfg.max_grad_norm, fused_grad=fused[i])
+                        code = C.optax_cpu_code(n, numel, cfg.max_grad_norm, fused_grad=fused[i],
+                                                fma=_xla_cpu_fma())
                     else:  # optax/cuda reads only the clip bit
                         code = C.OX_CLIP if cfg.max_grad_norm is not None else 0
                     templ[i] = C.optax_step_scalars(hp, 1.0, 1.0, code=code, decay=decay[i] and wd != 0.0)
@@ -502,24 +503,44 @@ def _instance(handle) -> _Instance:
 
 
 def _torch_sqrt_mode() -> int:
+    """The contract's torch/cpu code (torch's sqrt path and lerp fusing, probed once)."""
     try:
-        import torch
+        from ._torch import torch_cpu_code  # noqa: PLC0415
     except ImportError:
         raise RuntimeError(
             "convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt is MKL's "
             "and differs from CPU to CPU; TrainStream finds which one by probing torch.sqrt, "
             "so torch must be importable (pip install torch), or use convention='optax'"
         ) from None
-    mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(np.ascontiguousarray(x, np.float32)).sqrt().numpy())
-    if mode is None:
-        warnings.warn(
-            "TrainStream: torch.sqrt on this CPU matches none of the known MKL paths; "
-            "convention='torch' may differ from torch.optim.AdamW in the last bit",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        mode = _cpu_sqrt.IEEE
-    return mode
+    return torch_cpu_code()
+
+
+_XLA_CPU_FMA: bool | None = None
+
+
+def _xla_cpu_fma() -> bool:
+    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (its target ISA has FMA3; not with
+    ``--xla_cpu_max_isa=SSE4_2``/``AVX``): probed once with one jitted expression."""
+    global _XLA_CPU_FMA
+    if _XLA_CPU_FMA is None:
+        rng = np.random.default_rng(5)
+        a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+        cpu = jax.devices("cpu")[0]
+        f = jax.jit(lambda a, b, c: a * b + c)
+        got = np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32)
+        if np.array_equal(got, C.fma_f32(a, b, c).view(np.uint32)):
+            _XLA_CPU_FMA = True
+        elif np.array_equal(got, (a * b + c).view(np.uint32)):
+            _XLA_CPU_FMA = False
+        else:
+            warnings.warn(
+                "TrainStream: XLA:CPU's a*b + c is neither fused nor two roundings on this "
+                "host; convention='optax' on the CPU may differ from optax.adamw in the last bit",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            _XLA_CPU_FMA = True
+    return _XLA_CPU_FMA
 
 
 # -- the FFI target --------------------------------------------------------------------------

@@ -248,28 +248,43 @@ def _eager_blocks_from_env() -> int | None:
     return value
 
 
-_SQRT_MODE: int | None = None
+_TC_CODE: int | None = None
 
 
-def torch_cpu_sqrt_mode() -> int:
-    """Which MKL sqrt path ``torch.sqrt`` takes on this CPU (see ``trainstream._cpu_sqrt``).
+def torch_cpu_code() -> int:
+    """The contract's torch/cpu code on this machine: which MKL sqrt path ``torch.sqrt``
+    takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused.
 
-    Probed once per process. Where no known path reproduces it, the correctly rounded
-    sqrt is used and a warning says that CPU results may differ from torch in the last bit.
+    Probed once per process. Where no sqrt mode that Numba's target can compile reproduces
+    torch's, the correctly rounded root is used and one warning gives the bound (the
+    contract's ``TORCH_CPU_SQRT_MAX_ULP``); where the lerp is neither fused nor two
+    roundings, the fused form is used with a warning.
     """
-    global _SQRT_MODE
-    if _SQRT_MODE is None:
+    global _TC_CODE
+    if _TC_CODE is None:
         mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
+        fused = _cpu_sqrt.detect_lerp_fma(
+            lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
+        problems = []
         if mode is None:
+            problems.append(
+                f"torch.sqrt matches none of the MKL paths Numba can compile here (it may "
+                f"use instructions Numba's target lacks); the correctly rounded root is used, "
+                f"within {C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
+            mode = _cpu_sqrt.IEEE
+        if fused is None:
+            problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
+            fused = True
+        if problems:
             warnings.warn(
-                "TrainStream: torch.sqrt on this CPU matches none of the known MKL paths; "
-                "updates of CPU parameters may differ from torch.optim.AdamW in the last bit",
+                "TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in "
+                "the last bit on this host (torch " + torch.__version__ + ", CPU capability "
+                + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
                 RuntimeWarning,
                 stacklevel=3,
             )
-            mode = _cpu_sqrt.IEEE
-        _SQRT_MODE = mode
-    return _SQRT_MODE
+        _TC_CODE = mode | (0 if fused else C.TC_NO_FMA)
+    return _TC_CODE
 
 
 def t_itemsize(dtype: torch.dtype) -> int:
@@ -589,7 +604,7 @@ class OffloadAdamW(Optimizer):
             else:
                 sqrt_mode = 0
                 if p.device.type == "cpu" and self._engine_args["convention"] == "torch":
-                    sqrt_mode = torch_cpu_sqrt_mode()
+                    sqrt_mode = torch_cpu_code()
                 self._engine = Engine(TorchBackend(p.device), cpu_sqrt_mode=sqrt_mode, **self._engine_args)
             self._device = p.device
         elif p.device != self._device:
