@@ -7,6 +7,8 @@ from trainstream import _contract as C
 
 torch = pytest.importorskip("torch")
 
+pytestmark = pytest.mark.isa  # every test here also runs under the forced ISA levels
+
 
 def torch_sqrt(x):
     return torch.from_numpy(np.ascontiguousarray(x, np.float32)).sqrt().numpy()

@@ -244,6 +244,7 @@ def test_adamw_unknown_codes_rejected():
 # -- the real references ---------------------------------------------------------------------
 
 
+@pytest.mark.isa
 def test_torch_cpu_kernel_matches_torch_adamw():
     if torch is None:
         pytest.skip("torch not installed")
@@ -276,6 +277,7 @@ def _xla_cpu_fma():
     return probe()
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("code", [c for c in C.TC_CODES if (c & ~C.TC_NO_FMA) in sqrt_modes_here()])
 def test_torch_cpu_codes_match_reference(code):
     """Every torch/cpu code this target compiles (sqrt mode x fused/unfused lerp and
@@ -308,6 +310,7 @@ def jax_on_cpu():
         yield jax
 
 
+@pytest.mark.isa
 def test_optax_cpu_kernel_matches_jitted_optax(jax_on_cpu):
     """A single-leaf pytree (form R); the clip coefficient applied to the gradient first."""
     jax = jax_on_cpu
@@ -368,6 +371,7 @@ def test_optax_cpu_codes_match_reference_flush_to_zero(code):
         p, m, v = got
 
 
+@pytest.mark.isa
 def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax(jax_on_cpu):
     """Kernel + contract scalars vs chain(clip_by_global_norm, adamw(mask=)) jitted on CPU."""
     jax = jax_on_cpu

@@ -168,6 +168,7 @@ def _copy(tree):
 # -- against optax.adamw under jax.jit -------------------------------------------------------------
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("model", list(MODELS))
 def test_jit_matches_optax_adamw_schedule_mask(model):
     """50 steps, warmup-cosine schedule, weight decay masked off the vectors; compiles once."""
@@ -196,6 +197,7 @@ def test_jit_matches_optax_adamw_schedule_mask(model):
     tsj.close(s)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("model", list(MODELS))
 def test_jit_matches_optax_clip_by_global_norm(model):
     """max_grad_norm == chain(clip_by_global_norm, adamw); the norm is chosen so that
@@ -258,6 +260,7 @@ def test_bf16_params_match_fp32_master_reference():
     tsj.close(s)
 
 
+@pytest.mark.isa
 def test_single_leaf_pytree():
     """A bare array as the whole pytree (XLA:CPU compiles optax differently for it)."""
     rng = np.random.default_rng(4)
@@ -278,6 +281,7 @@ def test_single_leaf_pytree():
 # -- the torch convention ------------------------------------------------------------------------
 
 
+@pytest.mark.isa
 def test_torch_convention_matches_torch_adamw_cpu():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)

@@ -121,6 +121,7 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
     return ref_model, ts_model, ref, ts, norms
 
 
+@pytest.mark.isa
 def test_two_groups_bit_identical():
     ref_model, ts_model, _, ts, _ = train_pair()
     assert_same(ref_model, ts_model)
@@ -136,6 +137,7 @@ def test_scheduler_bit_identical():
     ts.close()
 
 
+@pytest.mark.isa
 def test_accumulation_four_micro_batches():
     ref_model, ts_model, _, ts, _ = train_pair(steps=20, micro=4)
     assert_same(ref_model, ts_model)
@@ -143,6 +145,7 @@ def test_accumulation_four_micro_batches():
     ts.close()
 
 
+@pytest.mark.isa
 def test_eager_last_micro_batch():
     ref_model, ts_model, _, ts, _ = train_pair(steps=20, micro=2, eager=True)
     assert_same(ref_model, ts_model)
@@ -150,6 +153,7 @@ def test_eager_last_micro_batch():
     ts.close()
 
 
+@pytest.mark.isa
 def test_clipping_matches_clip_grad_norm():
     ref_model, ts_model, _, ts, norms = train_pair(steps=25, max_norm=0.5)
     assert_same(ref_model, ts_model)

@@ -69,6 +69,11 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
   AVX-512), the correctly rounded root is used with a warning: MKL's high-accuracy root
   is within :data:`TORCH_CPU_SQRT_MAX_ULP` of it, and so is ``msqrt`` there.
 
+  aarch64 (Grace, Graviton): torch's wheels there have no MKL, and ATen's ``vsqrt`` falls
+  back to ``Vectorized<float>::sqrt`` (NEON ``vsqrtq_f32``, correctly rounded), its lerp
+  to ``vfmaq_f32``: the ``IEEE`` mode, fused, which the same probes select (read from
+  ATen's ``vml.h`` and ``vec128``; not yet run on an aarch64 host).
+
 * platform ``cuda`` (torch's default on CUDA is the *foreach* path, whose kernels
   nvcc compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
 

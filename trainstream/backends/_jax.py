@@ -505,6 +505,8 @@ def _instance(handle) -> _Instance:
 def _torch_sqrt_mode() -> int:
     """The contract's torch/cpu code (torch's sqrt path and lerp fusing, probed once)."""
     try:
+        import torch  # noqa: F401, PLC0415 (even where the adapter was imported before)
+
         from ._torch import torch_cpu_code  # noqa: PLC0415
     except ImportError:
         raise RuntimeError(
