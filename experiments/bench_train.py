@@ -19,22 +19,12 @@ Setups:
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
   ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
 A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements) and in
-~options: ~fifo (TrainStream workers in submission order instead of forward order),
-~niceN (workers at nice N, default 5), ~torchcopy (cpu mode's copies and events through
-torch instead of the CUDA driver), ~perworker (a queue per worker, chunks pinned to
-workers, instead of one shared queue), ~hgN (OffloadAdamW(hook_group_elems=N); 0: one
-gradient hook per parameter), ~clipX (clip gradients to global norm X: TrainStream
-max_grad_norm=X, in-GPU setups clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
-while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"), ~ebN
-(eager zero-copy kernels capped at N blocks, TRAINSTREAM_GPU_EAGER_BLOCKS; default: a
-quarter of the multiprocessors' count), ~sepstage (fp16/bf16 weights rounded into a staging
-buffer of their own, TRAINSTREAM_WEIGHT_STAGING=separate, instead of the gradient's), ~pcN
-(gradients copied and weights uploaded in pieces of N chunks, TRAINSTREAM_COPY_PIECE_CHUNKS),
-~smallpages (pageable host state on the allocator's own pages, TRAINSTREAM_HOST_PAGES=default,
-instead of 2 MiB pages), ~gpufirst (hybrid: step() launches the GPU share before queueing the
-host share whatever they hold, TRAINSTREAM_SPLIT_ORDER=gpu-first; default: the share holding
-the first parameter first), ~single (gpu/hybrid: step() launches one zero-copy kernel per
-parameter, TRAINSTREAM_GPU_LAUNCH=single; default: several tensors per launch).
+~options: ~niceN (TrainStream workers at nice N: OffloadAdamW(worker_nice=N), default 5),
+~clipX (clip gradients to global norm X: TrainStream max_grad_norm=X, in-GPU setups
+clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
+while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
+~shareF (hybrid: gpu_share=F), ~ebN (eager zero-copy kernels capped at N blocks:
+OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -140,18 +130,8 @@ def _deepspeed_engine(model, batch, lr):
 
 def build(setup, size, device, batch=8):
     """``setup`` may end in ``@N`` or ``@N:C``: N host threads, chunks of C elements; and
-    in ``~fifo``: the engine's workers take jobs in submission order, not forward order."""
+    in ``~options`` (module docstring)."""
     setup, *opts_ = setup.split("~")
-    os.environ["TRAINSTREAM_WORKER_ORDER"] = "fifo" if "fifo" in opts_ else "forward"
-    os.environ["TRAINSTREAM_WORKER_NICE"] = next((o[4:] for o in opts_ if o.startswith("nice")), "5")
-    os.environ["TRAINSTREAM_TORCH_COPIES"] = "1" if "torchcopy" in opts_ else "0"
-    os.environ["TRAINSTREAM_WORKER_QUEUE"] = "per-worker" if "perworker" in opts_ else "shared"
-    os.environ["TRAINSTREAM_GPU_EAGER_BLOCKS"] = next((o[2:] for o in opts_ if o.startswith("eb")), "")
-    os.environ["TRAINSTREAM_WEIGHT_STAGING"] = "separate" if "sepstage" in opts_ else "grad"
-    os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = next((o[2:] for o in opts_ if o.startswith("pc")), "0")
-    os.environ["TRAINSTREAM_HOST_PAGES"] = "default" if "smallpages" in opts_ else "huge"
-    os.environ["TRAINSTREAM_SPLIT_ORDER"] = "gpu-first" if "gpufirst" in opts_ else "forward"
-    os.environ["TRAINSTREAM_GPU_LAUNCH"] = "single" if "single" in opts_ else "multi"
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):
@@ -174,8 +154,10 @@ def build(setup, size, device, batch=8):
         from trainstream.torch import OffloadAdamW
 
         mode = "gpu" if setup.startswith("ts_gpu") else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
-        group = next((int(o[2:]) for o in opts_ if o.startswith("hg")), None)
-        extra = {} if group is None else {"hook_group_elems": group}
+        extra = {"worker_nice": next((int(o[4:]) for o in opts_ if o.startswith("nice")), 5)}
+        eager_blocks = next((int(o[2:]) for o in opts_ if o.startswith("eb")), None)
+        if eager_blocks is not None:
+            extra["eager_blocks"] = eager_blocks
         if mode == "hybrid":
             share = next((float(o[5:]) for o in opts_ if o.startswith("share")), None)
             if share is not None:

@@ -8,7 +8,6 @@
 #   host   experiments/bench_host_adamw.py (issue #2)         -> bench_host.{log,json}
 #   contention  experiments/contention.py (host threads vs DMA) -> contention.{log,json}
 #   probe  experiments/zero_copy_probe.py (SM access over PCIe) -> zero_copy_probe.{log,json}
-#   hooks  experiments/bench_hooks.py (grouped gradient hooks)   -> bench_hooks.{log,json}
 #   train  experiments/bench_train.py on $TRAIN_CONFIGS (#6)  -> bench_train.{log,json}
 #   equiv  experiments/equivalence_{torch,jax}.py on CUDA     -> equivalence_*/
 # Wheels in .whl/ (torchao, deepspeed and its pure-Python dependencies) are installed
@@ -59,9 +58,6 @@ fi
 if has probe; then
   timeout 120 python3 experiments/zero_copy_probe.py --json "$OUT/zero_copy_probe.json" > "$OUT/zero_copy_probe.log" 2>&1
   tail -n 40 "$OUT/zero_copy_probe.log"
-fi
-if has hooks; then
-  timeout 120 python3 experiments/bench_hooks.py --json "$OUT/bench_hooks.json" 2>&1 | tee "$OUT/bench_hooks.log"
 fi
 if has train; then
   timeout "${TRAIN_TIMEOUT:-240}" python3 experiments/bench_train.py --configs "${TRAIN_CONFIGS:-350m:8}" \

@@ -802,8 +802,8 @@ def test_optax_cuda_variant_matches_xla_gpu(cp, mapped, hp_i):
             pytest.fail(_mismatch_report(title, "params", got_p, want_p,
                                          {"p": p_prev, "m": want_m, "v": want_v})
                         + f"\nfraction of XLA's params reproduced by each lowering: {rates}"
-                        + f"\n(bc1={_fmt(bc1)}, bc2={_fmt(bc2)}; the kernel uses div.full unless "
-                          "TRAINSTREAM_XLA_DIV=rn, sqrt.approx, m/(bc1*(...)))")
+                        + f"\n(bc1={_fmt(bc1)}, bc2={_fmt(bc2)}; the kernel uses div.full, "
+                          "sqrt.approx, m/(bc1*(...)))")
         # the same inputs next step for both sides
         param.set(want_p)
         m[:] = want_m

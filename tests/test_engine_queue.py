@@ -4,6 +4,7 @@ submission order within a slot, jobs whose copy has not landed passed over."""
 import types
 
 import numpy as np
+import pytest
 
 from trainstream import _engine as E
 
@@ -30,7 +31,6 @@ def _drain(q):
 
 def test_lowest_slot_first_submission_order_within_a_slot():
     q = E._WorkQueue()
-    q._fifo = False
     for slot, tag in [(5, "5a"), (3, "3a"), (5, "5b"), (1, "1a"), (3, "3b")]:
         q.put(lambda tag=tag: tag, slot)
     q.put(None, float("inf"))
@@ -39,7 +39,6 @@ def test_lowest_slot_first_submission_order_within_a_slot():
 
 def test_not_landed_job_passed_over_but_never_within_its_slot():
     q = E._WorkQueue()
-    q._fifo = False
     landed = {"x": False}
     q.put(lambda: "1-first", 1, lambda: landed["x"])
     q.put(lambda: "1-second", 1, None)  # same slot: must wait for 1-first
@@ -50,18 +49,8 @@ def test_not_landed_job_passed_over_but_never_within_its_slot():
     assert q.get()() == "1-second"
 
 
-def test_fifo_order_when_asked():
-    q = E._WorkQueue()
-    q._fifo = True
-    for slot, tag in [(5, "5a"), (3, "3a"), (1, "1a")]:
-        q.put(lambda tag=tag: tag, slot, lambda: False)
-    q.put(None, float("inf"))
-    assert _drain(q) == ["5a", "3a", "1a"]
-
-
 def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
     q = E._WorkQueue()
-    q._fifo = False
     q.put(None, float("inf"))  # a stop marker queued early still comes after every job
     landed = {"x": False}
     for slot in (9, 7, 5):  # backward order: slot 9's copy was queued first
@@ -81,15 +70,13 @@ def test_taken_entries_do_not_accumulate():
     assert len(q._all) == 0 and q._jobs == 0 and not q._order
 
 
-def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool(monkeypatch):
+def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool():
     """With every worker on one queue, a slot's second batch (e.g. the update after an
     accumulation) starts only when its first batch has finished on every chunk."""
     import threading
     import time
 
-    monkeypatch.setenv("TRAINSTREAM_WORKER_QUEUE", "shared")
     eng = E.Engine(_HostBackend(), threads=4, chunk_elems=4096)
-    assert eng._pool.shared
     sid = eng.add_param(None, 8 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     log, lock = [], threading.Lock()
@@ -133,25 +120,33 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     eng.close()
 
 
-def test_per_job_readiness_of_a_batch():
-    """A gradient copied in pieces: each job of the batch is ready when its own piece has
-    landed (put_many with one predicate per job)."""
-    q = E._WorkQueue()
-    q._fifo = False
-    landed = [True, False]
-    q.put_many([lambda: "1-piece0", lambda: "1-piece1"], 1, [lambda: landed[0], lambda: landed[1]])
-    q.put(lambda: "2", 2, None)
-    assert q.get()() == "1-piece0"  # its piece has landed
-    assert q.get()() == "2"  # slot 1's next job waits for its piece; slot 2's can run
-    assert q.get()() == "1-piece1"
+@pytest.mark.parametrize("nice", [None, 7])
+def test_workers_run_at_the_nice_value_asked(nice):
+    """``worker_nice`` (default 5) is the nice value of every worker thread (Linux)."""
+    import os
+    import threading
+
+    if not hasattr(os, "setpriority"):
+        pytest.skip("no per-thread nice values on this OS")
+    want = E.WORKER_NICE if nice is None else nice
+    if os.getpriority(os.PRIO_PROCESS, 0) > want:
+        pytest.skip("this process already runs at a higher nice value")
+    kw = {} if nice is None else {"worker_nice": nice}
+    eng = E.Engine(_HostBackend(), threads=2, chunk_elems=4096, **kw)
+    sid = eng.add_param(None, 4 * 4096, "float32", "cpu")
+    seen, lock = set(), threading.Lock()
+
+    def body(c, b, e):
+        with lock:
+            seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    eng._run_batch(eng._slots[sid], body)
+    eng._wait_idle(eng._slots[sid])
+    eng.close()
+    assert seen == {want}
 
 
-def test_submit_many_per_worker_keeps_each_jobs_readiness():
-    pool = E._WorkerPool.__new__(E._WorkerPool)  # the queues only, no threads
-    pool._queues = [E._WorkQueue(), E._WorkQueue()]
-    for q in pool._queues:
-        q._fifo = False
-    never = lambda: False  # noqa: E731
-    pool.submit_many([0, 1, 0], [lambda: "a", lambda: "b", lambda: "c"], 1, [None, never, never])
-    q0, q1 = pool._queues
-    assert [e[3] for e in q0._all] == [None, never] and [e[3] for e in q1._all] == [never]
+@pytest.mark.parametrize("value", ["5", 5.0, True])
+def test_a_bad_worker_nice_is_refused(value):
+    with pytest.raises(ValueError, match="worker_nice must be an integer"):
+        E.Engine(_HostBackend(), threads=1, worker_nice=value)

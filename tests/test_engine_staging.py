@@ -11,7 +11,6 @@ synchronous backend with a separate weight buffer; with ``free`` ignored it must
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -78,7 +77,6 @@ class AsyncBackend:
     def __init__(self, in_grad: bool = True, honour_free: bool = True, sync: bool = False,
                  upload_delay: float = 0.01) -> None:
         self.weights_in_grad_stage = in_grad
-        self.copy_spans = True
         self.honour_free = honour_free
         self.sync = sync
         self.upload_delay = upload_delay
@@ -93,24 +91,22 @@ class AsyncBackend:
     def record_compute(self, param):
         return None
 
-    def copy_to_host(self, dst, src, after, *, free=None, span=None):
-        b, e = span if span is not None else (0, len(src))
+    def copy_to_host(self, dst, src, after, *, free=None):
         if self.sync:
-            dst.array[b:e] = src[b:e]
+            dst.array[:] = src
             return None
-        src = src[b:e].copy()
+        src = src.copy()
         waits = [after, free if self.honour_free else None]
-        return self.d2h.put(waits, lambda: _sliced_copy(dst.array[b:e], src, 0.0001))
+        return self.d2h.put(waits, lambda: _sliced_copy(dst.array, src, 0.0001))
 
-    def copy_to_device(self, dst, src, after, *, span=None):
-        b, e = span if span is not None else (0, len(dst))
+    def copy_to_device(self, dst, src, after):
         if self.sync:
-            dst[b:e] = src.array[b:e]
+            dst[:] = src.array
             return None
 
         def upload():
             time.sleep(self.upload_delay)
-            _sliced_copy(dst[b:e], src.array[b:e], 0.0005)
+            _sliced_copy(dst, src.array, 0.0005)
 
         return self.h2d.put([after], upload)
 
@@ -126,29 +122,14 @@ SCENARIOS = ["plain", "eager", "micro3", "micro2_eager", "clip", "clip_micro2", 
              "eager_then_grad", "no_grads", "eager_then_discard", "eager", "plain"]
 
 
-def _engine(backend, pieces: int, **kw) -> E.Engine:
-    """An engine built with TRAINSTREAM_COPY_PIECE_CHUNKS=pieces (whatever the caller's
-    environment says)."""
-    old = os.environ.get("TRAINSTREAM_COPY_PIECE_CHUNKS")
-    os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = str(pieces)
-    try:
-        return E.Engine(backend, **kw)
-    finally:
-        if old is None:
-            del os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"]
-        else:
-            os.environ["TRAINSTREAM_COPY_PIECE_CHUNKS"] = old
-
-
-def _train(backend, steps=len(SCENARIOS), seed=0, pieces=0):
+def _train(backend, steps=len(SCENARIOS), seed=0):
     """Weights are taken right after each step's ``wait_ready`` (what the next forward
     would read), with no synchronize: a ``ready`` event that missed an upload shows."""
     rng = np.random.default_rng(seed)
     sizes = [20000, 9000, 777]
     params = [C.f32_to_bf16_bits(rng.standard_normal(n).astype(np.float32)) for n in sizes]
-    eng = _engine(backend, pieces, threads=3, chunk_elems=4096)
+    eng = E.Engine(backend, threads=3, chunk_elems=4096)
     sids = [eng.add_param(p, len(p), "bfloat16", "cuda") for p in params]
-    assert [eng._slot(s).pieces for s in sids] == [bool(pieces), bool(pieces), False]
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1)
     everyone = [(s, hp) for s in sids]
 
@@ -217,86 +198,12 @@ def reference():
     return _train(AsyncBackend(in_grad=False, sync=True))
 
 
-@pytest.mark.parametrize("pieces", [0, 2], ids=["whole", "pieces-of-2-chunks"])
 @pytest.mark.parametrize("in_grad", [True, False], ids=["weights-in-grad-staging", "separate"])
-def test_async_copies_give_the_synchronous_bits(reference, in_grad, pieces):
-    """Also with gradients copied and weights uploaded in pieces
-    (``TRAINSTREAM_COPY_PIECE_CHUNKS``: the 20000- and 9000-element slots go in 3 and 2
-    pieces, the 777-element one whole)."""
-    assert _same(_train(AsyncBackend(in_grad=in_grad), pieces=pieces), reference)
+def test_async_copies_give_the_synchronous_bits(reference, in_grad):
+    assert _same(_train(AsyncBackend(in_grad=in_grad)), reference)
 
 
 def test_gradient_copy_that_ignores_the_upload_corrupts_the_weights(reference):
     """The test's teeth: a backend that drops ``free`` lets the copy behind an eager
     update overwrite the weights its upload (started 50 ms late) has yet to read."""
     assert not _same(_train(AsyncBackend(honour_free=False, upload_delay=0.05)), reference)
-
-
-class _SlowPieces(AsyncBackend):
-    """Each gradient piece takes ~20 ms to land, and says when it landed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.landed_at: list[float] = []
-
-    def copy_to_host(self, dst, src, after, *, free=None, span=None):
-        b, e = span if span is not None else (0, len(src))
-        src = src[b:e].copy()
-
-        def copy():
-            _sliced_copy(dst.array[b:e], src, 0.0025)
-            self.landed_at.append(time.perf_counter())
-
-        return self.d2h.put([after, free], copy)
-
-
-def test_update_starts_before_the_last_piece_lands(monkeypatch):
-    """The point of copies in pieces: the first chunk's update runs as soon as its piece is
-    in, not after the whole gradient."""
-    started: list[float] = []
-    real = E.K.adamw_chunk
-
-    def timed(*args, **kwargs):
-        started.append(time.perf_counter())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(E.K, "adamw_chunk", timed)
-    backend = _SlowPieces()
-    eng = _engine(backend, 1, threads=2, chunk_elems=4096)
-    n = 5 * 4096
-    sid = eng.add_param(np.zeros(n, np.uint16), n, "bfloat16", "cuda")
-    hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1)
-    eng.offload_grad(sid, np.ones(n, np.uint16), "bfloat16", update=hp)
-    eng.synchronize()
-    eng.close()
-    assert len(backend.landed_at) == 5 and len(started) == 5
-    assert min(started) < max(backend.landed_at) - 0.03  # ~80 ms of copies still to land
-
-
-def test_failed_chunk_in_pieces_uploads_the_other_pieces_only():
-    """With copies in pieces a failed chunk's piece stays out and the pieces whose chunks
-    ran go up (the device weights are then partly new: the WorkerError says to reload a
-    checkpoint); without pieces nothing goes up (tests/test_torch_optimizer.py)."""
-    backend = AsyncBackend(upload_delay=0.0)
-    eng = _engine(backend, 1, threads=2, chunk_elems=4096)
-    n = 3 * 4096
-    param = np.zeros(n, np.uint16)
-    sid = eng.add_param(param, n, "bfloat16", "cuda")
-    real = E.K.adamw_chunk
-
-    def fail_middle(variant, p, m, v, g, gkind, out, okind, b, e, *rest):
-        if b == 4096:
-            raise FloatingPointError("injected")
-        return real(variant, p, m, v, g, gkind, out, okind, b, e, *rest)
-
-    E.K.adamw_chunk = fail_middle
-    try:
-        hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1)
-        eng.offload_grad(sid, C.f32_to_bf16_bits(np.ones(n, np.float32)), "bfloat16", update=hp)
-        with pytest.raises(E.WorkerError, match="injected"):
-            eng.synchronize()
-    finally:
-        E.K.adamw_chunk = real
-    eng.drain()
-    assert (param[:4096] != 0).all() and (param[4096:8192] == 0).all() and (param[8192:] != 0).all()
-    eng.close()

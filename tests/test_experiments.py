@@ -77,16 +77,3 @@ def test_equivalence_torch_has_reference_rows(torch_equivalence):
     # rows whose reference clips by itself exist, and carry no promise
     own = [c for c in result["comparisons"] if c["kind"] == "trainstream-vs-reference" and not c["promised"]]
     assert own and all(c["clip"] is not None for c in own)
-
-
-def test_bench_hooks_runs_and_grouping_keeps_the_bits(tmp_path, monkeypatch, capsys):
-    script = load_script("bench_hooks")
-    out = tmp_path / "hooks.json"
-    monkeypatch.setattr("sys.argv", ["bench_hooks.py", "--layers", "6", "--width", "32", "--steps", "6",
-                                     "--threads", "2", "--group", "0,2048", "--json", str(out)])
-    script.main()  # exits non-zero if grouping changed a bit
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["group"] for r in rows] == [0, 2048]
-    assert rows[0]["hooks"] == rows[0]["params"] == 24
-    assert rows[1]["hooks"] < rows[0]["hooks"]
-    assert "hook_group_elems" in capsys.readouterr().out

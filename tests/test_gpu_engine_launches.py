@@ -98,9 +98,7 @@ def launches(monkeypatch):
     return record, fail_at
 
 
-def _engine(dtypes_sizes, monkeypatch=None, launch=None):
-    if launch is not None:
-        monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", launch)
+def _engine(dtypes_sizes):
     eng = ge.GpuEngine(_Backend())
     updates = []
     for k, (dtype, n) in enumerate(dtypes_sizes):
@@ -171,14 +169,9 @@ def test_clipping_reaches_every_tensor_of_a_launch(launches):
     assert [(r[4], r[5]) for r in record] == [([1.0], 0), ([1.0], 0)]
 
 
-def test_single_mode_eager_and_a_grid_cap_launch_one_tensor_each(launches, monkeypatch):
+def test_eager_and_a_grid_cap_launch_one_tensor_each(launches):
     record, _ = launches
-    eng, updates = _engine([("float32", 10), ("float32", 20)], monkeypatch, launch="single")
-    eng.step(updates)
-    assert [r[0] for r in record] == ["single", "single"]
-    monkeypatch.delenv("TRAINSTREAM_GPU_LAUNCH")
     eng, updates = _engine([("float32", 10), ("float32", 20)])
-    record.clear()
     eng.step(updates, eager=True)  # from a gradient hook: capped grid, one each
     assert [(r[0], r[6]) for r in record] == [("single", eng._eager_grid)] * 2
     record.clear()
@@ -187,9 +180,3 @@ def test_single_mode_eager_and_a_grid_cap_launch_one_tensor_each(launches, monke
     record.clear()
     eng.step(updates)
     assert [r[0] for r in record] == ["multi"]
-
-
-def test_an_unknown_launch_mode_is_refused(launches, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", "batched")
-    with pytest.raises(ValueError, match="TRAINSTREAM_GPU_LAUNCH must be 'multi' or 'single', got 'batched'"):
-        ge.GpuEngine(_Backend())

@@ -1,4 +1,4 @@
-"""Host state on 2 MiB pages (trainstream._hostmem, TRAINSTREAM_HOST_PAGES)."""
+"""Host state on 2 MiB pages (trainstream._hostmem)."""
 
 import gc
 
@@ -64,18 +64,10 @@ def test_alignment_slack_stays_out_of_memory():
     assert grown < data * 1.3, f"{grown} KiB resident for {data} KiB of arrays"
 
 
-def test_setting_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_HOST_PAGES", "giant")
-    with pytest.raises(ValueError, match="TRAINSTREAM_HOST_PAGES must be 'huge' or 'default'"):
-        OffloadAdamW(torch.nn.Linear(4, 4).parameters())
-
-
-@pytest.mark.parametrize("pages", ["huge", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bits_on_either_page_size(pages, dtype, monkeypatch):
+def test_bits_on_huge_pages(dtype, monkeypatch):
     """A 1024x1024 layer (4 MiB of fp32 state per array, so the huge-page path is taken)
-    trained against torch.optim.AdamW on an fp32 master, in both settings."""
-    monkeypatch.setenv("TRAINSTREAM_HOST_PAGES", pages)
+    trained against torch.optim.AdamW on an fp32 master."""
     calls = []
     real_empty = _hostmem.empty
     monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a[0]) or real_empty(*a, **k))
@@ -85,13 +77,11 @@ def test_bits_on_either_page_size(pages, dtype, monkeypatch):
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=1 << 16)
     st = ts._engine._slot(0)
-    if pages == "huge":  # moments (and the bf16 weights' master) through _hostmem
-        assert 1024 * 1024 in calls
-        if _hostmem._MADV is not None:
-            assert st.exp_avg.array.ctypes.data % _hostmem.HUGE_PAGE == 0
-            assert st.master.array.ctypes.data % _hostmem.HUGE_PAGE == 0
-    else:
-        assert calls == []
+    # moments (and the bf16 weights' master) through _hostmem
+    assert 1024 * 1024 in calls
+    if _hostmem._MADV is not None:
+        assert st.exp_avg.array.ctypes.data % _hostmem.HUGE_PAGE == 0
+        assert st.master.array.ctypes.data % _hostmem.HUGE_PAGE == 0
     for step in range(5):
         x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(step)).to(dtype)
         step_beside_master(model, master, ref, ts, model(x).float().square().mean())
@@ -104,20 +94,18 @@ def test_bits_on_either_page_size(pages, dtype, monkeypatch):
     ts.close()
 
 
-@pytest.mark.parametrize("pages", ["huge", "default", "Default"])
-def test_jax_host_state_follows_the_setting(pages, monkeypatch):
+def test_jax_host_state_on_huge_pages(monkeypatch):
     pytest.importorskip("jax")
     from trainstream.backends._jax import JaxCpuBackend, _aligned_empty
 
-    monkeypatch.setenv("TRAINSTREAM_HOST_PAGES", pages)
     calls = []
     real_empty = _hostmem.empty
     monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a[0]) or real_empty(*a, **k))
-    be = JaxCpuBackend()  # reads the setting once
+    be = JaxCpuBackend()
     buf = be.host_empty(1 << 20, "float32", pinned=False, what="test")
     assert buf.array.shape == (1 << 20,) and buf.array.ctypes.data % 64 == 0
-    assert calls == ([1 << 20] if pages == "huge" else [])
-    if pages == "huge" and _hostmem._MADV is not None:
+    assert calls == [1 << 20]
+    if _hostmem._MADV is not None:
         assert buf.array.ctypes.data % _hostmem.HUGE_PAGE == 0
     calls.clear()
     out = _aligned_empty((1024, 1024), np.float32)  # XLA's outputs: plain aligned NumPy

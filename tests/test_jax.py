@@ -483,3 +483,16 @@ def test_load_state_dict_recovers_from_a_worker_failure(monkeypatch):
     p, s = step(p, s, batches[1])
     assert int(tsj.state_dict(s)["count"]) == 2
     tsj.close(s)
+
+
+def test_worker_nice_reaches_the_engine():
+    from trainstream.backends import _jax as J
+
+    params = mlp_init(np.random.default_rng(13))
+    for kw, want in ((dict(), 5), (dict(worker_nice=19), 19)):
+        tx = tsj.offload_adamw(1e-3, threads=1, **kw)
+        s = tx.init(params)
+        assert J._instance(s.handle).engine._pool._nice == want
+        tsj.close(s)
+    with pytest.raises(ValueError, match="worker_nice must be an int"):
+        tsj.offload_adamw(1e-3, worker_nice="19")

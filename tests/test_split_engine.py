@@ -325,21 +325,15 @@ def test_gpu_share_failing_after_the_host_share_is_sticky():
 
 
 @pytest.mark.parametrize("gpu_elems,first", [(6000, "gpu"), (3500, "host")])
-def test_the_share_holding_the_first_slot_is_queued_first(gpu_elems, first, monkeypatch):
+def test_the_share_holding_the_first_slot_is_queued_first(gpu_elems, first):
     """6000: slots 0 and 3 on the GPU share, which goes first; 3500: slot 0 (5000) does
     not fit, so the host share holds it and goes first (the 125M case: the tied
-    embedding on the host). TRAINSTREAM_SPLIT_ORDER=gpu-first restores the old order."""
+    embedding on the host)."""
     split, order, cpu_updates, gpu_updates = _order_split(gpu_elems)
     split.step(cpu_updates, gpu_updates)
     split.synchronize()
     assert order == ([first, "host" if first == "gpu" else "gpu"])
     assert [split.get_step(sid) for sid in range(4)] == [1, 1, 1, 1]
-    split.close()
-    monkeypatch.setenv("TRAINSTREAM_SPLIT_ORDER", "gpu-first")
-    split, order, cpu_updates, gpu_updates = _order_split(gpu_elems)
-    split.step(cpu_updates, gpu_updates)
-    split.synchronize()
-    assert order == ["gpu", "host"]
     split.close()
 
 
@@ -352,12 +346,3 @@ def test_a_bad_gpu_share_gradient_queues_neither_share():
         split.step(cpu_updates, bad)
     assert order == [] and [split.get_step(sid) for sid in range(4)] == [0, 0, 0, 0]
     split.close()
-
-
-def test_split_order_switch_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SPLIT_ORDER", "host-first")
-    cpu, gpu = E.Engine(Backend(), threads=1), FakeGpuEngine()
-    with pytest.raises(ValueError, match="TRAINSTREAM_SPLIT_ORDER must be 'forward' or 'gpu-first'"):
-        SplitEngine(cpu, gpu, gpu_elems=10)
-    cpu.close()
-    gpu.close()

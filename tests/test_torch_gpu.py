@@ -181,11 +181,21 @@ def test_no_optimizer_state_or_gradient_on_gpu(mode):
     ts.close()
 
 
+def _copies_through(copies, monkeypatch):
+    """``"torch"``: the torch backend's copies and events through torch, as where the CUDA
+    driver library cannot be loaded (the fallback); ``"driver"``: through ctypes (default)."""
+    if copies == "torch":
+        from trainstream.backends import _cuda_driver
+
+        monkeypatch.setattr(_cuda_driver, "available", lambda: False)
+
+
 @pytest.mark.parametrize("copies", ["driver", "torch"])
 def test_copy_paths_bit_identical(copies, monkeypatch):
     """cpu mode's copies and events through the CUDA driver (default) or through torch
-    (TRAINSTREAM_TORCH_COPIES=1): the same weights as torch.optim.AdamW, eager path too."""
-    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
+    (the fallback without a loadable driver): the same weights as torch.optim.AdamW,
+    eager path too."""
+    _copies_through(copies, monkeypatch)
     ref_model, ts_model, _, ts = train_pair_cuda(steps=20, micro=2, eager=True)
     assert (ts._engine.backend.drv is None) == (copies == "torch")
     assert_same(ref_model, ts_model)
@@ -193,63 +203,22 @@ def test_copy_paths_bit_identical(copies, monkeypatch):
 
 
 @pytest.mark.parametrize("copies", ["driver", "torch"])
-@pytest.mark.parametrize("kw", [dict(micro=2, eager=True), dict(micro=3), dict(max_norm=0.5)],
-                         ids=["eager", "accumulate3", "clip"])
-def test_copies_in_pieces_bit_identical(kw, copies, monkeypatch):
-    """TRAINSTREAM_COPY_PIECE_CHUNKS=1 on CUDA: gradients copied and weights uploaded
-    chunk by chunk (the width-96 model's matrices: up to 7 pieces), both copy paths;
-    fp32 against torch.optim.AdamW, bf16 (weights staged in the gradient buffer) against
-    cpu mode without pieces."""
-    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
-    ref_model, ts_model, _, ts = train_pair_cuda(steps=20, d=96, **kw)
-    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot)))
-    assert_same(ref_model, ts_model)
-    ts.close()
-    runs = [_train_half(pieces, kw, monkeypatch) for pieces in ("1", "0")]
-    assert_same(*runs)
-
-
-def _train_half(pieces, kw, monkeypatch, device=DEV, steps=10):
-    """A bf16 width-96 model trained by OffloadAdamW (cpu mode) with
-    TRAINSTREAM_COPY_PIECE_CHUNKS=pieces, micro-batches / eager / clipping as in ``kw``."""
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", pieces)
-    model = make_model(dtype=torch.bfloat16, d=96).to(device)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, chunk_size=4096, max_grad_norm=kw.get("max_norm"))
-    micro = kw.get("micro", 1)
-    data = batches(steps * micro, batch=2)
-    for step in range(steps):
-        for i in range(micro):
-            backward(ts, loss_of(model, data[step * micro + i].to(device)) / micro,
-                     last=kw.get("eager") and i == micro - 1)
-        ts.step()
-        ts.zero_grad()
-    ts.synchronize()
-    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot))) == (pieces != "0")
-    ts.close()
-    return model
-
-
-@pytest.mark.parametrize("pieces", [0, 1], ids=["whole", "in-pieces"])
-@pytest.mark.parametrize("copies", ["driver", "torch"])
-def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, pieces, monkeypatch):
+def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch):
     """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
     copy into it, queued at once (no forward in between to order it), must not overwrite
-    the weights the upload is still reading (also with copies and uploads in 4 pieces:
-    every piece of the next copy is behind the last piece's upload)."""
+    the weights the upload is still reading."""
     from trainstream import _contract as C
     from trainstream._engine import Engine
     from trainstream.backends._torch import TorchBackend
 
-    monkeypatch.setenv("TRAINSTREAM_TORCH_COPIES", "1" if copies == "torch" else "0")
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", str(pieces))
+    _copies_through(copies, monkeypatch)
     n = 1 << 24
     p = torch.randn(n, device=DEV).to(torch.bfloat16)
     backend = TorchBackend(DEV)
     eng = Engine(backend, threads=4, chunk_elems=1 << 22)
     sid = eng.add_param(p, n, "bfloat16", "cuda")
     assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
-    assert eng._slot(sid).pieces == bool(pieces)
+    assert (backend.drv is None) == (copies == "torch")
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     for _ in range(3):
         # Hold the upload stream (~0.5 s of GPU sleep): the upload queued by the update
@@ -360,15 +329,14 @@ def test_hybrid_mode_bit_identical(kw, gpu_params):
 
 
 @pytest.mark.parametrize("mode", ["gpu", "hybrid"])
-def test_eager_kernels_launch_during_backward(mode, monkeypatch):
+def test_eager_kernels_launch_during_backward(mode):
     """Under last_micro_batch() the zero-copy kernels start from the gradient hooks: the
     update is queued before step() (stats), a second backward in the block raises,
     zeroing gradients in place afterwards is ordered after the kernels that read them,
     and a capped grid (fewer blocks than the device holds) changes no bit."""
-    monkeypatch.setenv("TRAINSTREAM_GPU_EAGER_BLOCKS", "3")
     kw = dict(gpu_params="last", gpu_share=0.5) if mode == "hybrid" else {}
     ref_model, ts_model, _, ts = train_pair_cuda(steps=20, mode=mode, micro=2, eager=True,
-                                                 zero_to_none=False, **kw)
+                                                 zero_to_none=False, eager_blocks=3, **kw)
     assert_same(ref_model, ts_model)
     assert ts._eager_blocks == 3
     gpu = ts._engine if mode == "gpu" else ts._engine.gpu
@@ -450,10 +418,10 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
 
 
 def test_multi_launch_bits_equal_one_launch_per_tensor(monkeypatch):
-    """Fifty tensors of two dtypes in runs of 10 fp32, 2 bf16, 34 fp32, 4 bf16: launches
-    of at most MULTI_MAX tensors of one dtype pair each (10, 2, 32, 2, 4 per step);
-    weights and state bit-equal to one launch per tensor (TRAINSTREAM_GPU_LAUNCH=single)."""
-    import trainstream._device_kernels as dk
+    """Fifty tensors of two dtypes in runs of 10 fp32, 2 bf16, 34 fp32, 4 bf16: step()'s
+    launches of at most MULTI_MAX tensors of one dtype pair each (10, 2, 32, 2, 4 per
+    step); weights and state bit-equal to one launch per tensor (the eager path's: each
+    gradient hook under last_micro_batch() launches its own tensor, on a capped grid)."""
 
     def build():
         torch.manual_seed(0)
@@ -464,13 +432,16 @@ def test_multi_launch_bits_equal_one_launch_per_tensor(monkeypatch):
         return params
 
     def train(launch):
-        monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", launch)
         params = build()
         opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, mode="gpu")
         for t in range(4):
             loss = sum(((p.float() - 0.1 * t) ** 2).sum() * (1 + k % 5) for k, p in enumerate(params))
             opt.zero_grad()
-            loss.backward()
+            if launch == "single":
+                with opt.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
             opt.step()
         opt.synchronize()
         sd = opt.state_dict()
@@ -491,9 +462,6 @@ def test_multi_launch_bits_equal_one_launch_per_tensor(monkeypatch):
     for sid, st in want_sd["state"].items():
         for key, value in st.items():
             assert torch.equal(value, got_sd["state"][sid][key]), (sid, key)
-    monkeypatch.setenv("TRAINSTREAM_GPU_LAUNCH", "sometimes")
-    with pytest.raises(ValueError, match="TRAINSTREAM_GPU_LAUNCH must be 'multi' or 'single'"):
-        OffloadAdamW(build(), mode="gpu")
 
 
 def test_hybrid_checkpoint_moves_to_cpu_mode():

@@ -171,19 +171,17 @@ def test_threads_and_chunks_identical(threads, chunk):
     ts1.close()
 
 
-@pytest.mark.parametrize("staging,micro", [("grad", 1), ("grad", 2), ("separate", 1)])
+@pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_params_against_fp32_master(dtype, staging, micro, monkeypatch):
+def test_half_params_against_fp32_master(dtype, micro):
     """fp16/bf16 weights against torch.optim.AdamW on an fp32 master; the rounded weights
-    staged in the gradient's buffer (default, also after accumulating into fp32) or in one
-    of their own (TRAINSTREAM_WEIGHT_STAGING=separate)."""
-    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", staging)
+    staged in the gradient's buffer (also after accumulating into fp32)."""
     model = make_model(dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=4096)
     slot = ts._engine._slot(0)
-    assert (slot.param_stage is slot.grad_stage) == (staging == "grad")
+    assert slot.param_stage is slot.grad_stage
     for x in batches(20):
         for m in master:
             m.grad = None
@@ -207,31 +205,6 @@ def test_half_params_against_fp32_master(dtype, staging, micro, monkeypatch):
         assert torch.equal(sd["state"][sid]["master_param"], m.detach())
         assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"])
     ts.close()
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(micro=2, eager=True), dict(micro=3), dict(max_norm=0.5)],
-                         ids=["plain", "eager", "accumulate3", "clip"])
-def test_copies_in_pieces_bit_identical(kw, monkeypatch):
-    """TRAINSTREAM_COPY_PIECE_CHUNKS=1: every slot of more than one chunk (4096 elements:
-    the width-96 model's matrices, up to 7 chunks) copies its gradient and uploads its
-    weights chunk by chunk."""
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "1")
-    ref_model, ts_model, _, ts, _ = train_pair(steps=12, d=96, **kw)
-    assert any(ts._engine._slot(sid).pieces for sid in range(len(ts._params_of_slot)))
-    assert_same(ref_model, ts_model)
-    ts.close()
-
-
-def test_piece_switch_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_COPY_PIECE_CHUNKS", "-2")
-    with pytest.raises(ValueError, match="TRAINSTREAM_COPY_PIECE_CHUNKS must be a non-negative integer"):
-        OffloadAdamW(make_model().parameters())
-
-
-def test_weight_staging_switch_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", "shared")
-    with pytest.raises(ValueError, match="TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate'"):
-        OffloadAdamW(make_model().parameters())
 
 
 def test_checkpoint_resume_and_interop(tmp_path):
@@ -405,12 +378,10 @@ def test_worker_failure_reaches_caller(monkeypatch):
     ts2.close()
 
 
-@pytest.mark.parametrize("staging", ["grad", "separate"])
-def test_failed_update_uploads_nothing(monkeypatch, staging):
+def test_failed_update_uploads_nothing(monkeypatch):
     """A chunk that raised leaves its range of the staging buffer unwritten (with
     weights staged in the gradient buffer it holds gradient bits): the batch uploads
     nothing and the parameter keeps its weights until the error is dealt with."""
-    monkeypatch.setenv("TRAINSTREAM_WEIGHT_STAGING", staging)
     model = make_model(dtype=torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
     ts = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
@@ -604,11 +575,25 @@ def test_checkpoint_refused_between_an_eager_backward_and_step():
     ts.close()
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "many"])
-def test_bad_eager_blocks_variable_is_refused(value, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_GPU_EAGER_BLOCKS", value)
-    with pytest.raises(ValueError, match="TRAINSTREAM_GPU_EAGER_BLOCKS must be a positive integer"):
-        OffloadAdamW(make_model().parameters())
+@pytest.mark.parametrize("value", [0, -3, "many", True, 2.0])
+def test_bad_eager_blocks_are_refused(value):
+    with pytest.raises(ValueError, match="Invalid eager_blocks"):
+        OffloadAdamW(make_model().parameters(), eager_blocks=value)
+
+
+def test_worker_nice_reaches_the_engine():
+    ts = OffloadAdamW(make_model().parameters(), threads=1)
+    assert ts._engine._pool._nice == 5
+    ts.close()
+    ts = OffloadAdamW(make_model().parameters(), threads=1, worker_nice=19)
+    assert ts._engine._pool._nice == 19
+    ts.close()
+
+
+@pytest.mark.parametrize("value", ["5", 5.0, None, False])
+def test_bad_worker_nice_is_refused(value):
+    with pytest.raises(ValueError, match="Invalid worker_nice"):
+        OffloadAdamW(make_model().parameters(), worker_nice=value)
 
 
 def test_engine_is_collected_and_its_workers_stop():
@@ -631,44 +616,27 @@ def test_engine_is_collected_and_its_workers_stop():
     assert not any(t.is_alive() for t in ours)
 
 
-def test_hooks_grouped_after_the_first_step():
-    """After step 1 one hook offloads a group of parameters whose gradients came one after
-    another (fewer Python hooks for the autograd thread); the weights stay bit-identical,
-    eager path and accumulation included."""
-    torch.manual_seed(0)
-    n_params = len(list(make_model().parameters()))
-    for micro, eager in ((1, False), (2, True)):
-        ref_model, ts_model, _, ts, _ = train_pair(steps=6, micro=micro, eager=eager)
-        assert_same(ref_model, ts_model)
-        assert ts._fire_order is None  # recorded during the first step, then grouped
-        assert len(ts._hooks) < n_params
-        assert ts._hooked == set(range(n_params))
-        ts.close()
-
-
-def test_hooks_one_per_parameter_when_asked():
+def test_hooks_one_per_parameter():
     model = make_model()
-    ts = OffloadAdamW(model.parameters(), hook_group_elems=0, threads=1)
+    ts = OffloadAdamW(model.parameters(), threads=1)
     for x in batches(2):
         loss_of(model, x).backward()
         ts.step()
         ts.zero_grad()
     assert len(ts._hooks) == len(list(model.parameters()))
     ts.close()
-    with pytest.raises(ValueError, match="hook_group_elems"):
-        OffloadAdamW(model.parameters(), hook_group_elems=-1)
 
 
 def _two_orders_pair(steps, eager):
     """Two equal-width layers applied in an order that flips every other step: the hooks'
-    firing order changes, so a group's last gradient arrives before its other members'."""
+    firing order changes from one backward to the next."""
     def make():
         torch.manual_seed(3)
         return torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
 
     ref_m, ts_m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
-    ts = OffloadAdamW(ts_m.parameters(), lr=1e-2, threads=2, hook_group_elems=1 << 20)
+    ts = OffloadAdamW(ts_m.parameters(), lr=1e-2, threads=2)
     g = torch.Generator().manual_seed(5)
     for step in range(steps):
         x = torch.randn(4, 16, generator=g)
@@ -690,59 +658,8 @@ def _two_orders_pair(steps, eager):
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_hook_groups_fall_back_when_the_order_changes(eager):
+def test_hooks_whose_order_changes_between_steps(eager):
     ref_m, ts_m, ts = _two_orders_pair(6, eager)
     assert_same(ref_m, ts_m)
-    assert len(ts._hooks) == 4  # back to one hook per parameter
+    assert len(ts._hooks) == 4  # one hook per parameter
     ts.close()
-
-
-class _Scale(torch.nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(n).bfloat16())
-
-    def forward(self, x):
-        return (self.w * x).sum()
-
-
-def _skip_and_freeze_run(group_elems, freeze):
-    """bf16 params, 2-4 micro-batches; the group's hook-carrying parameter gets no gradient
-    in some micro-batches (skipped) or any more (frozen). The other member's micro-batch
-    gradients must still be summed in fp32 on the host, as with one hook per parameter."""
-    torch.manual_seed(0)
-    mods = torch.nn.ModuleList([_Scale(4096), _Scale(4096)])
-    opt = OffloadAdamW(mods.parameters(), lr=1e-2, threads=2, hook_group_elems=group_elems)
-    g = torch.Generator().manual_seed(1)
-
-    def loss(skip=None):
-        total = 0
-        for i, m in enumerate(mods):
-            x = torch.randn(4096, generator=g).bfloat16() * (1.0 if i == 0 else 1e-3)
-            if i != skip:
-                total = total + m(x)
-        return total
-
-    loss().backward()
-    opt.step()
-    opt.zero_grad()
-    carrier = 0  # backward reaches module 1 first, so module 0's parameter carries the group hook
-    if freeze:
-        mods[carrier].w.requires_grad_(False)
-    for _ in range(3):
-        for mb in range(4 if freeze else 2):
-            loss(skip=carrier if (mb == 0 and not freeze) else None).backward()
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    out = [m.w.detach().clone() for m in mods], dict(opt._hooks)
-    opt.close()
-    return out
-
-
-@pytest.mark.parametrize("freeze", [False, True], ids=["skipped", "frozen"])
-def test_group_hook_carrier_without_gradient(freeze):
-    (ref, _), (got, hooks) = _skip_and_freeze_run(0, freeze), _skip_and_freeze_run(1 << 22, freeze)
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
-    assert 1 in hooks  # the other member went back to a hook of its own

@@ -22,9 +22,7 @@ Compilation. NVRTC through ``cupy.RawModule`` with ``-std=c++17 --fmad=false --f
 operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which
 ``-fmad`` and ``-prec-*`` do not touch. ``--ftz=false`` does matter (``ftz`` changes the
 ``_rn`` intrinsics too) and is pinned; ``--fmad=false`` is a safety net for any future
-line written without an intrinsic. ``TRAINSTREAM_XLA_DIV=rn`` compiles the optax/cuda
-variant with IEEE division instead of XLA:GPU's ``div.full.f32`` (see the kernel source).
-CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
+line written without an intrinsic. CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
 
 Errors. A launch that the driver refuses raises ``RuntimeError`` naming the kernel. A
 fault inside a kernel (a bad pointer, say) is asynchronous: it surfaces at the next
@@ -292,13 +290,6 @@ _modules: dict[str, object] = {}
 _kernels: dict[int, dict[str, _Kernel]] = {}
 
 
-def _options() -> tuple[str, ...]:
-    opts = COMPILE_OPTIONS
-    if os.environ.get("TRAINSTREAM_XLA_DIV", "full").lower() == "rn":
-        opts = opts + ("-DTS_XLA_DIV_RN",)
-    return opts
-
-
 def _current_device() -> int:
     return int(_cupy().cuda.runtime.getDevice())
 
@@ -325,7 +316,7 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
         if table is None:
             check_kernel_constants()
             if not _modules:
-                opts = _options()
+                opts = COMPILE_OPTIONS
                 _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=opts)
                 _modules["sumsq"] = cp.RawModule(code=kernel_source(SUMSQ_SOURCE), options=opts)
             table = {}

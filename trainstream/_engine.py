@@ -28,10 +28,10 @@ The batches of one slot run one after another: a batch submitted while another o
 slot is queued or running is chained behind it (accumulate -> norm -> update never
 overlap on a chunk), and the chunks of one batch are independent. They go to a queue
 shared by all workers (any idle worker takes the next job; the queue orders slots for
-the next forward and passes over copies that have not landed, see :class:`_WorkQueue`),
-or with ``TRAINSTREAM_WORKER_QUEUE=per-worker`` to a fixed worker per chunk. A failure in a worker is kept
-and raised, with its message, at the next call into the engine; batches always finish
-their bookkeeping, so a failure never leaves a waiter hanging.
+the next forward and passes over copies that have not landed, see :class:`_WorkQueue`).
+A failure in a worker is kept and raised, with its message, at the next call into the
+engine; batches always finish their bookkeeping, so a failure never leaves a waiter
+hanging.
 """
 
 from __future__ import annotations
@@ -97,23 +97,17 @@ class Backend(Protocol):
 
     def copy_to_host(
         self, dst: HostBuffer, src: Any, after: Event | None, *, free: Event | None = None,
-        span: tuple[int, int] | None = None,
     ) -> Event | None:
         """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
 
         ``free``: an upload that reads ``dst`` (given only to a backend whose
         ``weights_in_grad_stage`` is True); the copy must not start before it completed.
-        ``span=(begin, end)``: only those elements (given only to a backend whose
-        ``copy_spans`` is True); the copies of one gradient go in order on one stream.
         A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
         memory is not reused before the copy completed, so the engine drops it at once.
         """
 
-    def copy_to_device(
-        self, dst: Any, src: HostBuffer, after: Event | None, *, span: tuple[int, int] | None = None
-    ) -> Event | None:
-        """Start ``dst (param) <- src`` after ``after``; return its completion event
-        (``span``: as in :meth:`copy_to_host`; the uploads go in order on one stream)."""
+    def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
+        """Start ``dst (param) <- src`` after ``after``; return its completion event."""
 
     def wait_on_compute(self, event: Event | None, param: Any) -> None:
         """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
@@ -124,20 +118,8 @@ class Backend(Protocol):
 
 # -- worker pool ----------------------------------------------------------------------------
 
-def _piece_chunks_from_env() -> int:
-    raw = os.environ.get("TRAINSTREAM_COPY_PIECE_CHUNKS", "").strip() or "0"
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"TRAINSTREAM_COPY_PIECE_CHUNKS must be a non-negative integer, got {raw!r}")
-    return value
-
-
-def _worker_nice() -> int:
-    """The workers' nice value: ``TRAINSTREAM_WORKER_NICE`` (default 5), read per pool."""
-    return int(os.environ.get("TRAINSTREAM_WORKER_NICE", "5"))
+#: The workers' default nice value (see :class:`Engine`'s ``worker_nice``).
+WORKER_NICE = 5
 
 
 class _WorkQueue:
@@ -158,7 +140,7 @@ class _WorkQueue:
 
     Each get costs O(_SCAN) readiness checks at most (cached per batch by
     :class:`_Landed`); the stop marker (``job=None``) is handed out only once no job is
-    left. ``TRAINSTREAM_WORKER_ORDER=fifo`` restores plain submission order.
+    left.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -171,7 +153,6 @@ class _WorkQueue:
         self._jobs = 0
         self._stops = 0
         self._seq = itertools.count()
-        self._fifo = os.environ.get("TRAINSTREAM_WORKER_ORDER", "forward").lower() == "fifo"
 
     def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
         if job is None:
@@ -182,19 +163,16 @@ class _WorkQueue:
             self.put_many([job], priority, ready)
 
     def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                 ready: Callable[[], bool] | Sequence[Callable[[], bool] | None] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None) -> None:
         """Queue ``jobs`` (one batch: same slot) under one lock; ``ready``: one predicate
-        for all of them, or a list with one per job."""
-        readies = ready if isinstance(ready, (list, tuple)) else [ready] * len(jobs)
-        if self._fifo:
-            priority = 0.0
+        for all of them."""
         with self._cond:
             q = self._slots.get(priority)
             if q is None:
                 q = self._slots[priority] = collections.deque()
                 bisect.insort(self._order, priority)
-            for job, rdy in zip(jobs, readies):
-                entry = [priority, next(self._seq), job, rdy, False]  # last: taken
+            for job in jobs:
+                entry = [priority, next(self._seq), job, ready, False]  # last: taken
                 q.append(entry)
                 self._all.append(entry)
             self._jobs += len(jobs)
@@ -249,56 +227,28 @@ class _Landed:
         return self._done
 
 
-class _PieceEvents:
-    """The completion of a gradient copied in pieces of ``elems`` elements, one event per
-    piece, queued in order on one stream (so the last one covers them all): an Event for
-    code that needs the whole gradient, and :meth:`at` for a chunk that needs its own."""
-
-    __slots__ = ("events", "elems")
-
-    def __init__(self, events: list, elems: int):
-        self.events = events
-        self.elems = elems
-
-    def at(self, begin: int) -> Any:
-        return self.events[begin // self.elems]
-
-    def synchronize(self) -> None:
-        self.events[-1].synchronize()
-
-    def query(self) -> bool:
-        return bool(self.events[-1].query())
-
-
-def _wait_landed(landed: Any, begin: int) -> None:
-    """Wait for the copy of element ``begin``'s chunk (its piece's, if in pieces)."""
-    ev = landed.at(begin) if isinstance(landed, _PieceEvents) else landed
-    if ev is not None:
-        ev.synchronize()
+def _wait_landed(landed: Any) -> None:
+    """Wait for a gradient copy (``None``: a synchronous backend, nothing to wait for)."""
+    if landed is not None:
+        landed.synchronize()
 
 
 class _WorkerPool:
-    """``threads`` workers pulling from one shared queue (:class:`_WorkQueue`), or each
-    from its own (``shared=False``: a chunk then always runs on the worker it was
-    assigned to at registration).
+    """``threads`` workers pulling from one shared queue (:class:`_WorkQueue`): a gradient
+    that lands is taken up by every idle worker (measured on the H200 machine, 1.3B GPT:
+    with a queue per worker the workers were busy only 55% of backward while updates piled
+    up for the next forward).
 
-    Shared is the default: a gradient that lands is taken up by every idle worker, not
-    only by the few that own its chunks (measured on the H200 machine, 1.3B GPT: with
-    per-worker queues the workers were busy only 55% of backward while updates piled up
-    for the next forward). ``TRAINSTREAM_WORKER_QUEUE=per-worker`` restores the other.
+    ``nice``: the workers' nice value (see :class:`Engine`).
     """
 
-    def __init__(self, threads: int, shared: bool | None = None):
+    def __init__(self, threads: int, nice: int = WORKER_NICE):
         # Holds nothing of the engine: running threads keep the pool alive, and the
         # engine must stay collectable so that its finalizer can stop them.
-        if shared is None:
-            shared = os.environ.get("TRAINSTREAM_WORKER_QUEUE", "shared").lower() != "per-worker"
-        self.shared = shared
-        self._queues: list[_WorkQueue] = [_WorkQueue() for _ in range(1 if shared else threads)]
-        self._nice = _worker_nice()
+        self._queue = _WorkQueue()
+        self._nice = int(nice)
         self._threads = [
-            threading.Thread(target=self._run, args=(self._queues[i % len(self._queues)],),
-                             name=f"trainstream-worker-{i}", daemon=True)
+            threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
             for i in range(threads)
         ]
         for t in self._threads:
@@ -307,7 +257,7 @@ class _WorkerPool:
     def __len__(self) -> int:
         return len(self._threads)
 
-    def _run(self, q: _WorkQueue) -> None:
+    def _run(self) -> None:
         # Workers yield the CPU to the threads that drive the GPU (the training loop and
         # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
         # values per thread; elsewhere this is a no-op.
@@ -316,38 +266,22 @@ class _WorkerPool:
         except (AttributeError, OSError):
             pass
         while True:
-            job = q.get()
+            job = self._queue.get()
             if job is None:
                 return
             job()
 
-    def submit(self, worker: int, job: Callable[[], None], priority: float = 0.0,
-               ready: Callable[[], bool] | None = None) -> None:
-        self._queues[worker % len(self._queues)].put(job, priority, ready)
-
-    def submit_many(self, workers: Sequence[int], jobs: Sequence[Callable[[], None]],
-                    priority: float = 0.0,
-                    ready: Callable[[], bool] | Sequence[Callable[[], bool] | None] | None = None) -> None:
-        """``submit`` of each ``(worker, job)``, one lock per queue (``ready``: as in
-        :meth:`_WorkQueue.put_many`)."""
-        if len(self._queues) == 1:
-            self._queues[0].put_many(jobs, priority, ready)
-            return
-        readies = ready if isinstance(ready, (list, tuple)) else [ready] * len(jobs)
-        per: dict[int, tuple[list, list]] = {}
-        for w, job, rdy in zip(workers, jobs, readies):
-            js, rs = per.setdefault(w % len(self._queues), ([], []))
-            js.append(job)
-            rs.append(rdy)
-        for w, (js, rs) in per.items():
-            self._queues[w].put_many(js, priority, rs)
+    def submit_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
+                    ready: Callable[[], bool] | None = None) -> None:
+        """Queue ``jobs`` (one batch), as :meth:`_WorkQueue.put_many`."""
+        self._queue.put_many(jobs, priority, ready)
 
     def owns_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
 
     def shutdown(self) -> None:
-        for t in self._threads:  # one stop marker per worker, after every queued job
-            self._queues[self._threads.index(t) % len(self._queues)].put(None, math.inf)
+        for _ in self._threads:  # one stop marker per worker, after every queued job
+            self._queue.put(None, math.inf)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -370,7 +304,6 @@ class _Slot:
     dtype: str
     platform: str
     nchunks: int
-    workers: list  # chunk -> worker, fixed at registration
     master: HostBuffer
     exp_avg: HostBuffer
     exp_avg_sq: HostBuffer
@@ -384,8 +317,6 @@ class _Slot:
     ready: Any = None  # completion event of the last weight upload
     inflight: int = 0  # batches queued, running or chained
     chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
-    pieces: bool = False  # copies and uploads go in pieces of Engine._piece_elems elements
-    upload_lock: threading.Lock = field(default_factory=threading.Lock)
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -432,6 +363,13 @@ class Engine:
         threads, so pageable memory keeps the page-locked footprint small).
       cpu_sqrt_mode: the :mod:`trainstream._cpu_sqrt` mode of the torch/cpu convention's
         ``msqrt`` (the backend detects which one its framework uses on this machine).
+      worker_nice: the workers' nice value (Linux applies it per thread; elsewhere
+        ignored). The default, 5, lets the workers yield the CPU to the threads that
+        drive the GPU (the training loop and autograd launch kernels; a delayed launch
+        idles the GPU). For ``mode="hybrid"`` with ``last_micro_batch()`` 19 is faster
+        (measured on the H200 machine, 350M GPT: 103-120 ms per step back to back, 0.62x
+        torchao, against 161 ms at nice 5); for the other paths 19 measured no different,
+        and it would starve the workers beside a busy data loader at nice 0.
     """
 
     def __init__(
@@ -444,6 +382,7 @@ class Engine:
         convention: str = "torch",
         pin_moments: bool = False,
         cpu_sqrt_mode: int = 0,
+        worker_nice: int = WORKER_NICE,
     ):
         if mode != "cpu":
             raise ValueError(f"Engine mode must be 'cpu' (the host pipeline), got {mode!r}")
@@ -455,6 +394,8 @@ class Engine:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"chunk_elems must be a positive integer, got {chunk_elems!r}")
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
+            raise ValueError(f"worker_nice must be an integer nice value, got {worker_nice!r}")
         self.backend = backend
         self.mode = mode
         self.convention = convention
@@ -470,15 +411,8 @@ class Engine:
         self._pageable_bytes = 0
         self._last_norm: float | None = None
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
-        # TRAINSTREAM_COPY_PIECE_CHUNKS=N (experiments; a backend with copy_spans): the
-        # gradient copy and the weight upload of a slot of more than N chunks go in pieces
-        # of N chunks, so that its update starts when its first piece has landed and its
-        # first weights go up before its last chunk is done. 0 (default): whole copies.
-        pieces = _piece_chunks_from_env()
-        self._piece_elems = pieces * self.chunk if pieces and getattr(backend, "copy_spans", False) else 0
         self._closed = False
-        self._pool = _WorkerPool(threads)
-        self._load = [0] * threads  # elements assigned to each worker
+        self._pool = _WorkerPool(threads, worker_nice)
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -564,12 +498,10 @@ class Engine:
             dtype=dtype,
             platform=platform,
             nchunks=nchunks,
-            workers=self._assign_workers(numel, nchunks),
             master=master,
             exp_avg=m,
             exp_avg_sq=v,
         )
-        slot.pieces = bool(self._piece_elems) and numel > self._piece_elems
         slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
         if dtype != "float32":
             if self._weights_in_grad_stage:
@@ -586,8 +518,6 @@ class Engine:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         for s in self._slots[n:]:
             self._wait_idle(s)
-            for c, w in enumerate(s.workers):
-                self._load[w] -= min(self.chunk, s.numel - c * self.chunk)
         del self._slots[n:]
 
     def get_step(self, sid: int) -> int:
@@ -598,76 +528,38 @@ class Engine:
 
     # -- batches ----------------------------------------------------------------------------
 
-    def _assign_workers(self, numel: int, nchunks: int) -> list[int]:
-        """A fixed worker per chunk (used with per-worker queues): the least loaded one
-        (in elements) at registration; balancing by elements keeps a step's slowest
-        worker close to the average (a hash mapping left some workers a third busier).
-        """
-        out = []
-        for c in range(nchunks):
-            w = min(range(len(self._load)), key=self._load.__getitem__)
-            self._load[w] += min(self.chunk, numel - c * self.chunk)
-            out.append(w)
-        return out
-
     def _run_batch(
         self,
         s: _Slot,
         body: Callable[[int, int, int], None],
         finalize: Callable[[], None] | None = None,
         landed: Any = None,
-        piece_done: Callable[[int, int], None] | None = None,
     ) -> None:
         """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
         (after the slot's batch in flight, if any: see the module docstring).
 
         ``landed``: the event the body waits for first (a gradient copy), if any; its
-        ``query()`` lets a worker run another slot's job while the copy is in flight (a
-        :class:`_PieceEvents`: each chunk's job waits for its own piece).
-        ``piece_done(begin, end)``: called once every chunk of a piece of
-        ``_piece_elems`` elements has run without error, before ``finalize``.
+        ``query()`` lets a worker run another slot's job while the copy is in flight.
         """
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed, piece_done))
+                s.chain.append((body, finalize, landed))
                 return
-        self._submit_batch(s, body, finalize, landed, piece_done)
+        self._submit_batch(s, body, finalize, landed)
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed, piece_done=None) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
-        if isinstance(landed, _PieceEvents):
-            per_piece = [_Landed(ev.query) if hasattr(ev, "query") else None for ev in landed.events]
-            ready = [per_piece[(c * self.chunk) // landed.elems] for c in range(s.nchunks)]
-        else:
-            query = getattr(landed, "query", None)
-            ready = _Landed(query) if query is not None else None
+        query = getattr(landed, "query", None)
+        ready = _Landed(query) if query is not None else None
         s.chunk_failed = False  # the slot's batches run one after another
-        if piece_done is not None:
-            step = self._piece_elems // self.chunk  # chunks per piece
-            npieces = -(-s.nchunks // step)
-            left = [itertools.count(1) for _ in range(npieces)]
-            size = [min(step, s.nchunks - j * step) for j in range(npieces)]
-            failed = [False] * npieces
 
         def job(c: int, b: int, e: int) -> None:
             try:
                 body(c, b, e)
             except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
                 s.chunk_failed = True
-                if piece_done is not None:
-                    failed[c // step] = True
                 self._record_error(exc)
-            if piece_done is not None:
-                j = c // step
-                if next(left[j]) == size[j] and not failed[j]:  # the piece's last chunk
-                    try:
-                        piece_done(j * self._piece_elems, min(s.numel, (j + 1) * self._piece_elems))
-                    except BaseException as exc:  # noqa: BLE001
-                        s.chunk_failed = True
-                        self._record_error(exc)
-            # Counted after piece_done: the worker that finishes the batch knows that
-            # every piece_done call has returned.
             if next(finished) == s.nchunks:  # the batch's last chunk to finish
                 try:
                     if finalize is not None:
@@ -686,7 +578,7 @@ class Engine:
             (lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
             for c in range(s.nchunks)
         ]
-        self._pool.submit_many(s.workers, jobs, s.id, ready)
+        self._pool.submit_many(jobs, s.id, ready)
 
     def _submit_chained(self, s: _Slot, batch: tuple) -> None:
         """Submit a slot's next chained batch (from the worker that finished the one
@@ -737,16 +629,7 @@ class Engine:
         after = self.backend.record_compute(s.param)
         # The last upload may still read the staging buffer (weights in grad staging).
         free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
-        if s.pieces:  # one copy per piece, queued in order on one stream
-            events = []
-            for b in range(0, s.numel, self._piece_elems):
-                span = (b, min(s.numel, b + self._piece_elems))
-                events.append(self.backend.copy_to_host(s.grad_stage, grad, after, span=span, **free))
-                after, free = None, {}  # the stream already waits for them
-            # (a synchronous backend returns no events: nothing to wait for)
-            s.landed = _PieceEvents(events, self._piece_elems) if any(ev is not None for ev in events) else None
-        else:
-            s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
+        s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
         # Keep the device gradient alive until its copy ran, unless the backend already
         # guarantees that (torch: record_stream, so the memory goes back to the pool once
         # the copy has completed and backward can reuse it).
@@ -770,7 +653,7 @@ class Engine:
         def body(c: int, b: int, e: int) -> None:
             t = time.perf_counter()
             if landed is not None:
-                _wait_landed(landed, b)
+                _wait_landed(landed)
                 _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.accumulate_chunk(acc, stage, kind, b, e, fresh)
             t1 = time.perf_counter()
@@ -832,7 +715,7 @@ class Engine:
                 prev_ready.synchronize()
                 _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
             if landed is not None:  # the gradient copy must have landed in staging
-                _wait_landed(landed, b)
+                _wait_landed(landed)
                 _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, sqrt_mode)
             t1 = time.perf_counter()
@@ -842,27 +725,18 @@ class Engine:
         def finalize() -> None:
             t = time.perf_counter()
             s.grad_keep = None
-            if s.chunk_failed or s.pieces:
+            if s.chunk_failed:
                 # The error is raised at the next call; a failed chunk left its range of
                 # the staging buffer unwritten (with weights in grad staging: gradient
                 # bits), so nothing is uploaded and the device keeps its old weights.
-                # (In pieces: each piece whose chunks all ran went up in upload_piece.)
                 return
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = t1 = time.perf_counter()
             _trace.add("upload", t, t1, s.id)
 
-        def upload_piece(b: int, e: int) -> None:
-            t = time.perf_counter()
-            with s.upload_lock:  # s.ready: the last upload queued (one stream: covers all)
-                s.ready = self.backend.copy_to_device(s.param, upload_src, after, span=(b, e))
-            self._stats.add("param_bytes", (e - b) * _ITEMSIZE[s.dtype])
-            self._stats.last_finalize = t1 = time.perf_counter()
-            _trace.add("upload", t, t1, s.id)
-
         s.grad_state = _NO_GRAD
-        self._run_batch(s, body, finalize, landed, upload_piece if s.pieces else None)
+        self._run_batch(s, body, finalize, landed)
 
     def grad_sumsq(self, sids: Sequence[int]) -> float:
         """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
@@ -883,7 +757,7 @@ class Engine:
             def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
                 t = time.perf_counter()
                 if landed is not None:
-                    _wait_landed(landed, b)
+                    _wait_landed(landed)
                     _trace.add("wait.landed", t, t := time.perf_counter(), sid)
                 K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
                 _trace.add("sumsq", t, time.perf_counter(), sid)

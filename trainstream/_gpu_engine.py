@@ -20,7 +20,6 @@ neither torch nor jax: the backend supplies streams, events and device scratch m
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -80,14 +79,8 @@ class GpuEngine:
 
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        # step()'s launches: several tensors per launch, up to about this many elements
-        # (0: one launch per tensor). TRAINSTREAM_GPU_LAUNCH=single: one per tensor (A/B).
+        # step()'s launches: several tensors per launch, up to about this many elements.
         self._multi_elems = MULTI_LAUNCH_ELEMS
-        launch = os.environ.get("TRAINSTREAM_GPU_LAUNCH", "multi").strip().lower() or "multi"
-        if launch not in ("multi", "single"):
-            raise ValueError(f"TRAINSTREAM_GPU_LAUNCH must be 'multi' or 'single', got {launch!r}")
-        if launch == "single":
-            self._multi_elems = 0
         self._dk = dk
         self.backend = backend
         self.convention = convention
@@ -257,7 +250,7 @@ class GpuEngine:
         if max_grad_norm is not None or compute_norm:
             sumsq_ptr = self._launch_sumsq(updates)
         clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        if not eager and self._multi_elems and max_blocks is None:
+        if not eager and max_blocks is None:
             self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream)
             if sumsq_ptr:
                 self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])

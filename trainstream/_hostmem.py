@@ -15,21 +15,12 @@ No torch, no JAX: the engine core may use it and every backend wraps its arrays.
 from __future__ import annotations
 
 import mmap
-import os
 
 import numpy as np
 
 HUGE_PAGE = 2 << 20
 _MADV = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
-
-
-def host_pages_setting() -> str:
-    """``TRAINSTREAM_HOST_PAGES``: ``huge`` (default) or ``default`` (the allocator's own)."""
-    v = os.environ.get("TRAINSTREAM_HOST_PAGES", "huge").strip().lower() or "huge"
-    if v not in ("huge", "default"):
-        raise ValueError(f"TRAINSTREAM_HOST_PAGES must be 'huge' or 'default', got {v!r}")
-    return v
 
 
 def aligned_empty(numel: int, dtype, align: int = 64) -> np.ndarray:

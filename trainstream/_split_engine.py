@@ -26,7 +26,6 @@ Imports neither torch nor jax; no arithmetic lives here.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any, Sequence
 
@@ -47,12 +46,6 @@ class SplitEngine:
         self._where: list[tuple[bool, int]] = []  # slot -> (on the gpu engine, its local id)
         self._numel: list[int] = []
         self._last_norm: float | None = None
-        # Which share step() queues first (see there). TRAINSTREAM_SPLIT_ORDER=gpu-first:
-        # the GPU share always first (before session 7), for A/B runs.
-        order = os.environ.get("TRAINSTREAM_SPLIT_ORDER", "forward").strip().lower() or "forward"
-        if order not in ("forward", "gpu-first"):
-            raise ValueError(f"TRAINSTREAM_SPLIT_ORDER must be 'forward' or 'gpu-first', got {order!r}")
-        self._gpu_always_first = order == "gpu-first"
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -146,7 +139,7 @@ class SplitEngine:
         # The host share's first slot that this step updates (frozen parameters, unused
         # ones and those already updated eagerly hold no gradient and do not count).
         host_sids = [sid for sid, _ in cpu_updates if self.cpu.has_grad(self._where[sid][1])]
-        host_first = bool(host_sids) and not self._gpu_always_first and (
+        host_first = bool(host_sids) and (
             not gpu_updates or min(host_sids) < min(u[0] for u in gpu_updates))
         if not host_first:
             self._step_gpu(gpu_local, coef)

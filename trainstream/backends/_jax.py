@@ -132,8 +132,6 @@ class JaxCpuBackend:
 
     def __init__(self) -> None:
         self._lent: list = []  # (staging buffer, its own array) while lent a gradient
-        # The optimizer state on 2 MiB pages unless TRAINSTREAM_HOST_PAGES=default.
-        self.huge_pages = _hostmem.host_pages_setting() == "huge"
 
     def release_grads(self) -> None:
         for buf, own in self._lent:
@@ -143,7 +141,7 @@ class JaxCpuBackend:
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _HostBuffer:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
         try:
-            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=self.huge_pages))
+            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=True))  # 2 MiB pages
         except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc
@@ -190,6 +188,7 @@ class _Config(NamedTuple):
     convention: str
     threads: int | None
     chunk_elems: int
+    worker_nice: int = 5
 
 
 @jax.tree_util.register_static
@@ -277,6 +276,7 @@ class _Instance:
                 chunk_elems=cfg.chunk_elems,
                 convention=cfg.convention,
                 cpu_sqrt_mode=sqrt_mode,
+                worker_nice=cfg.worker_nice,
             )
         self.leaves: list[_Leaf] = []
         base_lr = 0.0 if callable(cfg.learning_rate) else float(cfg.learning_rate)
@@ -931,6 +931,7 @@ def offload_adamw(
     convention: str = "optax",
     threads: int | None = None,
     chunk_elems: int = 1 << 20,
+    worker_nice: int = 5,
 ) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments and master weights) in host memory.
 
@@ -958,6 +959,9 @@ def offload_adamw(
       convention: ``"optax"`` (XLA:CPU's optax.adamw, bit for bit) or ``"torch"``
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable).
       threads, chunk_elems: engine worker threads and chunk size.
+      worker_nice: ``mode="cpu"``: the worker threads' nice value (Linux applies it per
+        thread). The default, 5, lets them yield the CPU to the threads that drive the
+        device (see ``trainstream.torch.OffloadAdamW``'s ``worker_nice`` for what 19 did).
 
     Exactness. On the CPU backend, under ``jax.jit`` (and eagerly) the new weights equal
     those of the jitted optax train step ``u, s = opt.update(g, s, p); p =
@@ -1006,12 +1010,14 @@ def offload_adamw(
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
         max_grad_norm = float(max_grad_norm)
+    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
+        raise ValueError(f"worker_nice must be an int, got {worker_nice!r}")
     if convention == "torch":
         _torch_sqrt_mode()  # refuse early without torch
     cfg = _Config(
         learning_rate if callable(learning_rate) else float(learning_rate),
         float(b1), float(b2), float(eps), float(weight_decay),
-        max_grad_norm, mask, xla_fused_grads, mode, convention, threads, chunk_elems,
+        max_grad_norm, mask, xla_fused_grads, mode, convention, threads, chunk_elems, worker_nice,
     )
     impl = _Impl(cfg)
     return OffloadAdamW(impl.init, impl.update)

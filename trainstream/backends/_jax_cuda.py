@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from .. import _device_kernels as dk
-from .. import _hostmem
 
 __all__ = ["CountCheck", "DeviceRef", "JaxCudaHostBackend", "JaxGpuBackend", "device_synchronize"]
 
@@ -127,8 +126,6 @@ class JaxCudaHostBackend:
     def __init__(self, device: int):
         self.device = int(device)
         self.stream = 0
-        # Pageable state on 2 MiB pages unless TRAINSTREAM_HOST_PAGES=default.
-        self.huge_pages = _hostmem.host_pages_setting() == "huge"
         dk._cupy()  # fail early, with the install hint, when CuPy is missing
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str):
@@ -138,7 +135,7 @@ class JaxCudaHostBackend:
         from ._jax import _aligned_empty, _HostBuffer  # noqa: PLC0415 (circular at import time)
 
         try:
-            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=self.huge_pages))
+            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=True))  # 2 MiB pages
         except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
             nbytes = numel * np.dtype(np_dtype).itemsize
             raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import os
 import threading
 import warnings
 import weakref
@@ -46,19 +45,6 @@ class _TorchHostBuffer:
             self.array = tensor.view(torch.int16).numpy().view(np.uint16)
 
 
-def _part(t: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
-    """The flat tensor ``t``, or its elements ``span=(begin, end)``."""
-    flat = t.reshape(-1)
-    return flat if span is None else flat[span[0]:span[1]]
-
-
-def _span_bytes(span: tuple[int, int] | None, t: torch.Tensor, nbytes: int) -> tuple[int, int]:
-    """(byte offset, byte count) of ``span`` in ``t`` (the whole ``nbytes`` without one)."""
-    if span is None:
-        return 0, nbytes
-    return span[0] * t.element_size(), (span[1] - span[0]) * t.element_size()
-
-
 class TorchBackend:
     """Pinned buffers, side streams and events for one device (CUDA or CPU).
 
@@ -73,25 +59,18 @@ class TorchBackend:
         # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
         self.copy_keeps_source_alive = True
         # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
-        # from there; copy_to_host orders the next gradient copy after that upload.
-        # TRAINSTREAM_WEIGHT_STAGING=separate (experiments): a buffer of their own.
-        staging = os.environ.get("TRAINSTREAM_WEIGHT_STAGING", "grad").strip() or "grad"
-        if staging not in ("grad", "separate"):
-            raise ValueError(f"TRAINSTREAM_WEIGHT_STAGING must be 'grad' or 'separate', got {staging!r}")
-        self.weights_in_grad_stage = staging == "grad"
-        self.copy_spans = True  # copy_to_host/copy_to_device take span=(begin, end)
-        # Pageable host state (the master of fp16/bf16 weights, the moments, accumulators)
-        # on 2 MiB pages unless TRAINSTREAM_HOST_PAGES=default (trainstream._hostmem).
-        self.huge_pages = _hostmem.host_pages_setting() == "huge"
+        # from there (6% less host memory traffic than a buffer of their own);
+        # copy_to_host orders the next gradient copy after that upload.
+        self.weights_in_grad_stage = True
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
             self.h2d = torch.cuda.Stream(device=device)
             self.upd = torch.cuda.Stream(device=device)
-            # cpu mode's copies and events go through the CUDA driver (ctypes) unless
-            # TRAINSTREAM_TORCH_COPIES=1 asks for torch's (see _cuda_driver: cost per call).
+            # cpu mode's copies and events go through the CUDA driver (ctypes; see
+            # _cuda_driver: cost per call), through torch where the driver cannot be loaded.
             self.drv = None
-            if os.environ.get("TRAINSTREAM_TORCH_COPIES", "0") != "1" and _cuda_driver.available():
+            if _cuda_driver.available():
                 self.drv = _cuda_driver.Context(self.device_index)
 
     # -- gpu (zero-copy) mode -------------------------------------------------------------
@@ -132,7 +111,7 @@ class TorchBackend:
         tdtype = _TORCH_DTYPE[dtype]
         pin = pinned and self.cuda
         try:
-            if not pin and self.huge_pages:  # see trainstream._hostmem
+            if not pin:  # pageable host state on 2 MiB pages (trainstream._hostmem)
                 arr = _hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16)
                 t = torch.from_numpy(arr)
                 if tdtype != torch.float32:
@@ -171,19 +150,18 @@ class TorchBackend:
             )
         return nbytes
 
-    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None, span=None):
-        """``span=(begin, end)``: only those elements (of the flat tensors)."""
+    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
         if not self.cuda:
-            _part(dst.handle, span).copy_(_part(src, span))
+            dst.handle.copy_(src.reshape(-1))
             return None
         if self.drv is not None:
-            offset, nbytes = _span_bytes(span, src, self._check_copy(dst, src, "gradient copy"))
+            nbytes = self._check_copy(dst, src, "gradient copy")
             stream = self.d2h.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
             if free is not None:  # the last upload from dst (see weights_in_grad_stage)
                 self.drv.stream_wait_event(stream, free)
-            self.drv.memcpy_dtoh_async(dst.handle.data_ptr() + offset, src.data_ptr() + offset, nbytes, stream)
+            self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
             # The caching allocator reuses src's memory only after the work queued on d2h
             # when src is freed (this copy): the engine drops the gradient right away.
             src.record_stream(self.d2h)
@@ -193,7 +171,7 @@ class TorchBackend:
                 self.d2h.wait_event(after)
             if free is not None:
                 self.d2h.wait_event(free)
-            _part(dst.handle, span).copy_(_part(src, span), non_blocking=True)
+            dst.handle.copy_(src.reshape(-1), non_blocking=True)
             src.record_stream(self.d2h)  # see the driver path above
             # Worker threads wait on this event: a blocking-sync event lets them sleep
             # instead of spinning (spinning workers starve the threads that launch kernels).
@@ -201,22 +179,21 @@ class TorchBackend:
             ev.record(self.d2h)
         return ev
 
-    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after, *, span=None):
-        """``span=(begin, end)``: only those elements (of the flat tensors)."""
+    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
         if not self.cuda:
-            _part(dst, span).copy_(_part(src.handle, span))
+            dst.reshape(-1).copy_(src.handle)
             return None
         if self.drv is not None:
-            offset, nbytes = _span_bytes(span, dst, self._check_copy(src, dst, "weight upload"))
+            nbytes = self._check_copy(src, dst, "weight upload")
             stream = self.h2d.cuda_stream
             if after is not None:
                 self.drv.stream_wait_event(stream, after)
-            self.drv.memcpy_htod_async(dst.data_ptr() + offset, src.handle.data_ptr() + offset, nbytes, stream)
+            self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
             return _cuda_driver.Event(self.drv, stream)
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             if after is not None:
                 self.h2d.wait_event(after)
-            _part(dst, span).copy_(_part(src.handle, span), non_blocking=True)
+            dst.reshape(-1).copy_(src.handle, non_blocking=True)
             ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
             ev.record(self.h2d)
         return ev
@@ -231,21 +208,6 @@ class TorchBackend:
 
     def all_reduce_sum(self, value: float) -> float:
         return value
-
-
-def _eager_blocks_from_env() -> int | None:
-    """``TRAINSTREAM_GPU_EAGER_BLOCKS`` (experiments): the grid cap of the eager zero-copy
-    kernels; unset or empty: the engine's default (``_gpu_engine.EAGER_SM_FRACTION``)."""
-    raw = os.environ.get("TRAINSTREAM_GPU_EAGER_BLOCKS", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"TRAINSTREAM_GPU_EAGER_BLOCKS must be a positive integer, got {raw!r}")
-    return value
 
 
 _TC_CODE: int | None = None
@@ -377,16 +339,18 @@ class OffloadAdamW(Optimizer):
         and the host share's update starts when its gradients arrive.
       threads: host worker threads (default: all cores but one).
       chunk_size: elements per work item of the worker pool.
-      hook_group_elems: ``cpu`` mode: after the first step, parameters whose gradients
-        arrived one after another are offloaded together by one hook, in groups of at
-        least this many elements (a Python hook costs the autograd thread the GIL, which
-        busy workers hold; measured: 0.2-0.5 ms per hook). If a later backward produces
-        them in another order, or a group's hook-carrying parameter gets no gradient
-        while the others do (their gradients are then taken when the next forward starts,
-        or at ``step()``), every parameter goes back to a hook of its own. 0: one hook per
-        parameter from the start. (Where no module forward runs between two backward()
-        calls of a step, such gradients are taken at ``step()`` only: for that one step
-        torch sums those micro-batches on the device in the parameter's dtype.)
+      worker_nice: the host workers' nice value (``cpu`` and ``hybrid`` modes; Linux
+        applies it per thread). The default, 5, lets them yield the CPU to the threads
+        that drive the GPU. With ``mode="hybrid"`` and :meth:`last_micro_batch`, 19 is
+        faster (measured on the H200 machine, 350M GPT: 103-120 ms per step back to back,
+        0.62x torchao, against 161 ms at nice 5); for the other paths 19 measured no
+        different, and it would starve the workers beside a busy data loader at nice 0.
+      eager_blocks: ``gpu`` mode and ``hybrid``'s GPU share under
+        :meth:`last_micro_batch`: the grid cap, in blocks, of the zero-copy kernels
+        launched from gradient hooks during backward (the bits do not depend on it).
+        ``None`` (default): a quarter of the GPU's multiprocessor count, which leaves
+        backward most of the GPU (measured on the H200, 350M GPT: 131 ms per step with
+        16-33 blocks against 156 ms with the full grid).
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream._contract``.
     """
@@ -403,7 +367,8 @@ class OffloadAdamW(Optimizer):
         mode: str = "cpu",
         threads: int | None = None,
         chunk_size: int = 1 << 20,
-        hook_group_elems: int = 1 << 22,
+        worker_nice: int = 5,
+        eager_blocks: int | None = None,
         gpu_share: float = 0.3,
         gpu_params: str = "first",
         pin_moments: bool = False,
@@ -434,34 +399,28 @@ class OffloadAdamW(Optimizer):
         # hybrid: the split needs the total of the elements, known once torch has read every
         # group: registration waits until then (add_param_group only checks the groups).
         self._deferred = mode == "hybrid"
-        if not isinstance(hook_group_elems, int) or isinstance(hook_group_elems, bool) or hook_group_elems < 0:
-            raise ValueError(f"Invalid hook_group_elems: {hook_group_elems!r} (must be an int >= 0)")
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
+            raise ValueError(f"Invalid worker_nice: {worker_nice!r} (must be an int)")
+        if eager_blocks is not None and (isinstance(eager_blocks, bool) or not isinstance(eager_blocks, int)
+                                         or eager_blocks < 1):
+            raise ValueError(f"Invalid eager_blocks: {eager_blocks!r} (must be an int >= 1 or None)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
         self._engine: Engine | None = None
         self._engine_args = dict(
-            threads=threads, chunk_elems=chunk_size, convention=convention, pin_moments=pin_moments
+            threads=threads, chunk_elems=chunk_size, convention=convention, pin_moments=pin_moments,
+            worker_nice=worker_nice,
         )
         self._slot_of: dict[torch.Tensor, int] = {}
         self._params_of_slot: list[torch.Tensor] = []
         self._group_of: list[int] = []  # slot -> index of its param group
         self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
-        self._hooks: dict[int, Any] = {}  # slot whose parameter carries a hook -> its handle
+        self._hooks: dict[int, Any] = {}  # host-engine slot -> its gradient hook's handle
         # GPU-engine slots (gpu mode; hybrid's GPU share with gpu_params="last"): one hook
         # each, registered by the first last_micro_batch(), launching the slot's kernel as
         # its gradient is ready.
         self._gpu_hooks: dict[int, Any] = {}
-        self._eager_blocks = _eager_blocks_from_env()
-        self._hooked: set[int] = set()  # slots offloaded by a hook (their own or a group's)
-        self._hook_group_elems = hook_group_elems
-        # Order in which the first backward's hooks fired (grouping, see hook_group_elems).
-        self._fire_order: list[int] | None = [] if hook_group_elems and mode != "gpu" else None
-        self._fire_seen: set[int] = set()
-        self._ungroup = False  # a group's order broke: one hook per parameter at step()
-        self._groups: list[list[int]] = []  # groups of several slots sharing a hook
-        self._grouped: set[int] = set()  # their members other than the hook's own slot
-        self._leftover_check = False  # a backward ran: look for members a group missed
-        self._first_module: weakref.ref | None = None  # the module each forward starts with
+        self._eager_blocks = eager_blocks
         self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
@@ -504,15 +463,6 @@ class OffloadAdamW(Optimizer):
             if module not in opt._called:
                 opt._called.add(module)
                 opt._wait_sets.clear()
-            if opt._groups:
-                # The module that starts each forward (the first one seen after grouping):
-                # a new micro-batch begins, a backward may have left gradients to a group.
-                first = opt._first_module() if opt._first_module is not None else None
-                if first is None:
-                    opt._first_module = weakref.ref(module)
-                    first = module
-                if opt._leftover_check or module is first:
-                    opt._offload_leftovers()
             if opt._pending:
                 opt._wait_module(module)
 
@@ -546,7 +496,6 @@ class OffloadAdamW(Optimizer):
             del self._engine_param_ptr[n_slots:]
             for sid in [k for k in self._hooks if k >= n_slots]:
                 self._hooks.pop(sid).remove()
-            self._hooked = {sid for sid in self._hooked if sid < n_slots}
             if self._engine is not None:
                 self._engine.truncate(n_slots)
             raise
@@ -626,67 +575,14 @@ class OffloadAdamW(Optimizer):
 
     def _hook_if_trainable(self, sid: int) -> None:
         p = self._params_of_slot[sid]
-        if self._host_slot(sid) and p.requires_grad and sid not in self._hooked:
-            self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook([sid]))
-            self._hooked.add(sid)
+        if self._host_slot(sid) and p.requires_grad and sid not in self._hooks:
+            self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook(sid))
 
     def _host_slot(self, sid: int) -> bool:
         """Whether slot ``sid``'s gradient goes to the host engine (through a hook)."""
         if self.mode == "cpu":
             return True
         return self.mode == "hybrid" and not self._engine.on_gpu(sid)
-
-    def _group_hooks(self, ungroup: bool) -> None:
-        """Re-hook after a step: the parameters of the recorded firing order in groups of
-        ``hook_group_elems`` elements, one hook on each group's last (``ungroup``: one
-        hook per parameter, for good)."""
-        order, self._fire_order = self._fire_order or [], None
-        for h in self._hooks.values():
-            h.remove()
-        self._hooks.clear()
-        self._hooked.clear()
-        self._groups, self._grouped = [], set()
-        self._first_module = None
-        if not ungroup:
-            group: list[int] = []
-            n = 0
-            for sid in order:
-                if not self._params_of_slot[sid].requires_grad:
-                    continue
-                group.append(sid)
-                n += self._params_of_slot[sid].numel()
-                if n >= self._hook_group_elems or sid == order[-1]:
-                    last = self._params_of_slot[group[-1]]
-                    self._hooks[group[-1]] = last.register_post_accumulate_grad_hook(self._make_hook(group))
-                    self._hooked.update(group)
-                    if len(group) > 1:
-                        self._groups.append(group)
-                        self._grouped.update(group[:-1])
-                    group, n = [], 0
-        for sid in range(len(self._params_of_slot)):
-            self._hook_if_trainable(sid)  # the others (and all, after ungroup): one each
-
-    def _offload_leftovers(self) -> None:
-        """Before the next forward: offload the gradients that group members received in a
-        backward where their group's hook did not run (its own parameter got no gradient:
-        an unused branch, a frozen parameter), so that the next backward does not add to
-        them on the device; then ungroup at the next step()."""
-        self._leftover_check = False
-        for members in self._groups:
-            left = [sid for sid in members[:-1] if self._params_of_slot[sid].grad is not None]
-            if left:
-                for sid in left:
-                    self._offload_grad(sid, self._params_of_slot[sid])
-                self._group_broke(members)
-
-    def _group_broke(self, members: list[int]) -> None:
-        """A group's last gradient came before another member's: give the members still
-        without one a hook of their own now, and ungroup at the next step()."""
-        self._ungroup = True
-        for sid in members:
-            p = self._params_of_slot[sid]
-            if p.grad is None and sid not in self._hooks and p.requires_grad:
-                self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook([sid]))
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[sid]]
@@ -695,37 +591,26 @@ class OffloadAdamW(Optimizer):
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
         return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-    def _make_hook(self, members: list[int]):
-        """The hook of ``members[-1]``'s parameter: offloads the gradients of ``members``
-        (a group whose gradients came in this order; usually one parameter)."""
+    def _make_hook(self, sid: int):
+        """The gradient hook of host-engine slot ``sid``: offloads its gradient (with the
+        update queued behind it on the eager path)."""
         ref = weakref.ref(self)
-        members = list(members)
 
         def hook(p: torch.Tensor) -> None:
             opt = ref()
             if opt is None or opt._closed or p.grad is None:
                 return
-            if opt._fire_order is not None and len(members) == 1 and members[0] not in opt._fire_seen:
-                opt._fire_seen.add(members[0])
-                opt._fire_order.append(members[0])
-            if opt._groups:
-                opt._leftover_check = True
-            for sid in members:
-                q = opt._params_of_slot[sid]
-                if q.grad is None:
-                    opt._group_broke(members)
-                    continue
-                update = None
-                if opt._eager and opt.max_grad_norm is None:
-                    if sid in opt._eager_done:
-                        raise RuntimeError(
-                            "OffloadAdamW: a second backward inside last_micro_batch() before "
-                            f"step() (parameter {sid}); only the last micro-batch's backward "
-                            "belongs in that block"
-                        )
-                    opt._eager_done.add(sid)
-                    update = opt._hp(opt._group_of_slot(sid))
-                opt._offload_grad(sid, q, update)
+            update = None
+            if opt._eager and opt.max_grad_norm is None:
+                if sid in opt._eager_done:
+                    raise RuntimeError(
+                        "OffloadAdamW: a second backward inside last_micro_batch() before "
+                        f"step() (parameter {sid}); only the last micro-batch's backward "
+                        "belongs in that block"
+                    )
+                opt._eager_done.add(sid)
+                update = opt._hp(opt._group_of_slot(sid))
+            opt._offload_grad(sid, p, update)
 
         return hook
 
@@ -742,8 +627,8 @@ class OffloadAdamW(Optimizer):
 
     def _hook_gpu_slots(self) -> None:
         """Give each trainable GPU-engine slot without one its eager hook (one per
-        parameter, never grouped: a hook firing proves that its own parameter's gradient
-        is complete, and these gradients stay in ``param.grad`` across micro-batches)."""
+        parameter: a hook firing proves that its own parameter's gradient is complete,
+        and these gradients stay in ``param.grad`` across micro-batches)."""
         for sid in self._gpu_slots():
             p = self._params_of_slot[sid]
             if p.requires_grad and sid not in self._gpu_hooks:
@@ -827,9 +712,8 @@ class OffloadAdamW(Optimizer):
 
         The host threads then run during backward, beside the thread that launches its
         kernels: with ``mode="hybrid"`` on a 350M GPT, workers at the default nice 5
-        made the step slower than without this block, at nice 19
-        (``TRAINSTREAM_WORKER_NICE=19``, set before building the optimizer) faster
-        (experiments/RESULTS.md, session 6).
+        made the step slower than without this block, at nice 19 (``worker_nice=19``)
+        faster (experiments/RESULTS.md, session 6).
         """
         self._check_open()
         if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
@@ -860,9 +744,7 @@ class OffloadAdamW(Optimizer):
                 )
             if self._host_slot(sid):
                 self._hook_if_trainable(sid)  # unfrozen after construction
-                if p.grad is not None:  # a gradient no hook took (set by hand; a group missed it)
-                    if sid in self._grouped:
-                        self._ungroup = True
+                if p.grad is not None:  # a gradient no hook took (set by hand)
                     self._offload_grad(sid, p)
         eager_done, self._eager_done = self._eager_done, set()
         updates = []
@@ -892,9 +774,6 @@ class OffloadAdamW(Optimizer):
         with self._pending_lock:
             self._pending.update(sids)
         self._engine.step(*args)
-        if self._ungroup or self._fire_order:  # the first step, or a group's order broke
-            self._group_hooks(ungroup=self._ungroup)
-            self._ungroup = False
         return loss
 
     def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:

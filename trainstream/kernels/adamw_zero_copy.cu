@@ -90,16 +90,11 @@ __device__ __forceinline__ float xla_gpu_sqrt(float x) {
 
 // optax/cuda: XLA:GPU runs LLVM's NVPTX backend with -nvptx-prec-divf32=1, which
 // lowers every f32 division to div.full.f32 (full-range approximation, <= 2 ulp), not
-// to the IEEE div.rn.f32. Define TS_XLA_DIV_RN (loader: TRAINSTREAM_XLA_DIV=rn) to use
-// the IEEE division instead.
+// to the IEEE div.rn.f32.
 __device__ __forceinline__ float xla_gpu_div(float a, float b) {
-#ifdef TS_XLA_DIV_RN
-  return __fdiv_rn(a, b);
-#else
   float r;
   asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
-#endif
 }
 
 // ------------------------------------------------------------------------------------------
