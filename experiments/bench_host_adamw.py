@@ -3,7 +3,7 @@
 
 In one process, with the same element count and thread count for all:
 
-* ``trainstream``: :func:`trainstream._bench.benchmark_host_adamw` (fp32, torch/cpu
+* ``trainstream``: :func:`_host_bench.benchmark_host_adamw` (fp32, torch/cpu
   convention with the IEEE square root, as torch's fused CPU AdamW and every CUDA
   convention use; one contiguous range per thread of a persistent pool; checked against
   the contract's reference before timing);
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from trainstream._bench import (
+from _host_bench import (
     ADAMW_BYTES_PER_ELEMENT,
     benchmark_host_adamw,
     benchmark_rmw_bandwidth,
@@ -133,9 +133,9 @@ def main(argv=None) -> int:
     n, t = args.numel, args.threads
     mkl_mode = 0
     if torch is not None:
-        from trainstream.backends._torch import torch_cpu_sqrt_mode
+        from trainstream.backends._torch import torch_cpu_code
 
-        mkl_mode = torch_cpu_sqrt_mode()
+        mkl_mode = torch_cpu_code()
     for _ in range(args.rounds):
         gbps = benchmark_rmw_bandwidth(n, t, repeats=args.repeats, prefetch=True)
         keep("rmw stream", {"ms": n * 12 / gbps / 1e6, "gbps": gbps, "threads": t, "numel": n})

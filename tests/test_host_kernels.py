@@ -679,7 +679,9 @@ def test_kernels_vectorise():
 
 
 def test_benchmarks_smoke():
-    from trainstream import _bench as B
+    from _experiments import load_script
+
+    B = load_script("_host_bench")
 
     r = B.benchmark_host_adamw(10_007, threads=3, repeats=2)
     assert set(r) == {"ms", "gelems_per_s", "gbps", "threads", "numel"}

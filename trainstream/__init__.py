@@ -4,7 +4,6 @@ Public entry points:
 
 * ``trainstream.torch.OffloadAdamW`` (PyTorch optimizer)
 * ``trainstream.jax.offload_adamw`` (optax ``GradientTransformation``; JAX on the CPU)
-* ``trainstream.benchmark_host_adamw`` / ``trainstream.benchmark_zero_copy_adamw``
 * the arithmetic contract: ``trainstream.contract`` (``trainstream._contract``)
 
 ``import trainstream`` needs none of torch, jax or cupy; the names below load lazily.
@@ -24,17 +23,10 @@ __all__ = [
     "AdamWHyperParams",
     "CONVENTIONS",
     "PLATFORMS",
-    "benchmark_host_adamw",
-    "benchmark_rmw_bandwidth",
-    "benchmark_zero_copy_adamw",
     "contract",
 ]
 
-_LAZY = {
-    "benchmark_host_adamw": ("._bench", "benchmark_host_adamw"),
-    "benchmark_rmw_bandwidth": ("._bench", "benchmark_rmw_bandwidth"),
-    "benchmark_zero_copy_adamw": ("._device_kernels", "benchmark_zero_copy_adamw"),
-}
+_LAZY: dict[str, tuple[str, str]] = {}
 
 
 def __getattr__(name: str) -> Any:

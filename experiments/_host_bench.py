@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
-from . import _contract as C
-from ._jit import OPTS as _JIT_OPTS
-from ._host_kernels import _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
+from trainstream import _contract as C
+from trainstream._jit import OPTS as _JIT_OPTS
+from trainstream._host_kernels import _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
 
 __all__ = ["benchmark_host_adamw", "benchmark_rmw_bandwidth", "split_ranges"]
 
@@ -110,7 +110,7 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     ``sqrt_mode``: the square root of that convention (:mod:`trainstream._cpu_sqrt`):
     0, IEEE (the root of torch's fused CPU AdamW and of every CUDA convention), or the MKL
     path that torch's default CPU AdamW takes on this machine
-    (``trainstream.backends._torch.torch_cpu_sqrt_mode()``).
+    (``trainstream.backends._torch.torch_cpu_code()``).
 
     The array is split into ``threads`` contiguous ranges, one per thread. Before timing,
     one full threaded update is checked against :func:`~trainstream._contract.reference_update`
@@ -131,7 +131,7 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
         edges = np.array([x for b, e in ranges for x in (b, e - 1)], np.int64)
         idx = np.unique(np.concatenate([edges, rng.integers(0, numel, min(numel, 65536))]))
         s = C.step_scalars(hp, 10, "torch", "cpu", clip=0.75)
-        from ._cpu_sqrt import sqrt_array  # noqa: PLC0415
+        from trainstream._cpu_sqrt import sqrt_array  # noqa: PLC0415
 
         want = C.reference_update(p[idx], m[idx], v[idx], g[idx], s, "torch", "cpu",
                                   sqrt=lambda x: sqrt_array(x, sqrt_mode))
