@@ -154,14 +154,14 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     }
 
 
-@njit(**dict(_JIT_OPTS, boundscheck=False))
+@njit(**dict(_JIT_OPTS, cache=False, boundscheck=False))  # loaded from its file: no disk cache
 def rmw_chunk(a, b, s, begin, end):
     """``a[i] += s*b[i]`` over ``[begin, end)`` (float32, two roundings, no FMA)."""
     for i in range(np.uint64(begin), np.uint64(end)):
         a[i] = a[i] + s * b[i]
 
 
-@njit(**dict(_JIT_OPTS, boundscheck=False))
+@njit(**dict(_JIT_OPTS, cache=False, boundscheck=False))  # loaded from its file: no disk cache
 def rmw_chunk_prefetch(a, b, s, begin, end):
     """:func:`rmw_chunk` with the AdamW kernel's strips and software prefetch."""
     stop = np.uint64(end)

@@ -1,4 +1,4 @@
-"""The workers' queue order (trainstream._engine._WorkQueue): forward order across slots,
+"""The workers' queue order (trainstream._host._WorkQueue): forward order across slots,
 submission order within a slot, jobs whose copy has not landed passed over."""
 
 import types
@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from trainstream import _engine as E
+from trainstream import _host as E
 
 
 class _HostBackend:
@@ -76,7 +76,7 @@ def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool():
     import threading
     import time
 
-    eng = E.Engine(_HostBackend(), threads=4, chunk_elems=4096)
+    eng = E.HostPlacement(_HostBackend(), threads=4, chunk_elems=4096)
     sid = eng.add_param(None, 8 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     log, lock = [], threading.Lock()
@@ -100,7 +100,7 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     the error kept for the caller; waiting for the slot returns."""
     import pytest
 
-    eng = E.Engine(_HostBackend(), threads=2, chunk_elems=4096)
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096)
     sid = eng.add_param(None, 2 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     import threading
@@ -132,7 +132,7 @@ def test_workers_run_at_the_nice_value_asked(nice):
     if os.getpriority(os.PRIO_PROCESS, 0) > want:
         pytest.skip("this process already runs at a higher nice value")
     kw = {} if nice is None else {"worker_nice": nice}
-    eng = E.Engine(_HostBackend(), threads=2, chunk_elems=4096, **kw)
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096, **kw)
     sid = eng.add_param(None, 4 * 4096, "float32", "cpu")
     seen, lock = set(), threading.Lock()
 
@@ -149,4 +149,4 @@ def test_workers_run_at_the_nice_value_asked(nice):
 @pytest.mark.parametrize("value", ["5", 5.0, True])
 def test_a_bad_worker_nice_is_refused(value):
     with pytest.raises(ValueError, match="worker_nice must be an integer"):
-        E.Engine(_HostBackend(), threads=1, worker_nice=value)
+        E.HostPlacement(_HostBackend(), threads=1, worker_nice=value)

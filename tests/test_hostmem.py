@@ -76,7 +76,7 @@ def test_bits_on_huge_pages(dtype, monkeypatch):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=1 << 16)
-    st = ts._engine._slot(0)
+    st = ts._engine.host._slot(0)
     # moments (and the bf16 weights' master) through _hostmem
     assert 1024 * 1024 in calls
     if _hostmem._MADV is not None:

@@ -455,7 +455,7 @@ def test_torch_convention_needs_torch(monkeypatch):
 def test_load_state_dict_recovers_from_a_worker_failure(monkeypatch):
     """A worker failure is sticky until a checkpoint is loaded; then training resumes."""
     from trainstream import _host_kernels as K
-    from trainstream import _engine as E
+    from trainstream import _host as E
 
     rng = np.random.default_rng(12)
     params = mlp_init(rng)
@@ -492,7 +492,7 @@ def test_worker_nice_reaches_the_engine():
     for kw, want in ((dict(), 5), (dict(worker_nice=19), 19)):
         tx = tsj.offload_adamw(1e-3, threads=1, **kw)
         s = tx.init(params)
-        assert J._instance(s.handle).engine._pool._nice == want
+        assert J._instance(s.handle).engine.host._pool._nice == want
         tsj.close(s)
     with pytest.raises(ValueError, match="worker_nice must be an int"):
         tsj.offload_adamw(1e-3, worker_nice="19")

@@ -47,7 +47,9 @@ def test_forced_isa_level(level):
     if not _host_has(need):
         pytest.skip(f"the host lacks {need!r}: level {level} cannot be forced here")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "isa", "tests"]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    # JAX on XLA:CPU (what --xla_cpu_max_isa narrows), also on a machine with a GPU
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, timeout=900)
     tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
     assert r.returncode == 0, f"level {level} ({env}) failed, rc={r.returncode}:\n{tail}"
     assert " passed" in r.stdout and " failed" not in r.stdout, tail

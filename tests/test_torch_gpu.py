@@ -208,7 +208,7 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch
     copy into it, queued at once (no forward in between to order it), must not overwrite
     the weights the upload is still reading."""
     from trainstream import _contract as C
-    from trainstream._engine import Engine
+    from trainstream._host import HostPlacement as Engine
     from trainstream.backends._torch import TorchBackend
 
     _copies_through(copies, monkeypatch)
@@ -303,7 +303,7 @@ def test_hybrid_placement_by_fit(gpu_params, share):
     for i in (range(len(params)) if gpu_params == "first" else range(len(params) - 1, -1, -1)):
         if params[i].numel() <= left:
             want[i], left = True, left - params[i].numel()
-    assert [ts._engine.on_gpu(sid) for sid in range(len(params))] == want
+    assert [ts._engine.on_device(sid) for sid in range(len(params))] == want
     assert any(want) and not all(want)
     ts.close()
 
@@ -320,11 +320,11 @@ def test_hybrid_mode_bit_identical(kw, gpu_params):
     assert_same(ref_model, ts_model)
     st = ts.stats()
     assert 0 < st["gpu_params"] < st["params"]
-    on_gpu = [ts._engine.on_gpu(sid) for sid in range(int(st["params"]))]
+    on_gpu = [ts._engine.on_device(sid) for sid in range(int(st["params"]))]
     assert on_gpu[-1 if gpu_params == "last" else 0] and not on_gpu[0 if gpu_params == "last" else -1]
     if kw.get("eager"):  # "last": the GPU share's kernels launched by its gradient hooks
         want = 30 * st["gpu_params"] if gpu_params == "last" else 0  # "first": at step()
-        assert ts._engine.gpu.stats()["eager_updates"] == want
+        assert ts._engine.device.stats()["eager_updates"] == want
     ts.close()
 
 
@@ -339,7 +339,7 @@ def test_eager_kernels_launch_during_backward(mode):
                                                  zero_to_none=False, eager_blocks=3, **kw)
     assert_same(ref_model, ts_model)
     assert ts._eager_blocks == 3
-    gpu = ts._engine if mode == "gpu" else ts._engine.gpu
+    gpu = ts._engine.device
     gpu_sids = ts._gpu_slots()
     assert len(gpu_sids) == gpu.stats()["params"] > 0
     before = gpu.stats()["eager_updates"]
@@ -390,14 +390,14 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
     a launch closed once it holds MULTI_LAUNCH_ELEMS elements (3000 here, so that the tiny
     model takes several), and no launch per tensor; the weights stay bit-identical to
     torch.optim.AdamW (clipping: the device norm read by every tensor of the launch)."""
-    import trainstream._gpu_engine as ge
+    import trainstream._device as ge
 
     monkeypatch.setattr(ge, "MULTI_LAUNCH_ELEMS", 3000)
     multi, single = _record_launches(monkeypatch)
     extra = dict(gpu_share=0.6) if mode == "hybrid" else {}
     ref_model, ts_model, _, ts = train_pair_cuda(steps=8, mode=mode, **kw, **extra)
     assert_same(ref_model, ts_model)
-    on_gpu = (lambda sid: True) if mode == "gpu" else ts._engine.on_gpu
+    on_gpu = (lambda sid: True) if mode == "gpu" else ts._engine.on_device
     order = [p.numel() for g in ts.param_groups for p in g["params"] if on_gpu(ts._slot_of[p])]
     assert single == []
     # every GPU-share tensor once per step, in the order step() lists them

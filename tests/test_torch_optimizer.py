@@ -180,7 +180,7 @@ def test_half_params_against_fp32_master(dtype, micro):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=4096)
-    slot = ts._engine._slot(0)
+    slot = ts._engine.host._slot(0)
     assert slot.param_stage is slot.grad_stage
     for x in batches(20):
         for m in master:
@@ -583,10 +583,10 @@ def test_bad_eager_blocks_are_refused(value):
 
 def test_worker_nice_reaches_the_engine():
     ts = OffloadAdamW(make_model().parameters(), threads=1)
-    assert ts._engine._pool._nice == 5
+    assert ts._engine.host._pool._nice == 5
     ts.close()
     ts = OffloadAdamW(make_model().parameters(), threads=1, worker_nice=19)
-    assert ts._engine._pool._nice == 19
+    assert ts._engine.host._pool._nice == 19
     ts.close()
 
 

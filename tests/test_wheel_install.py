@@ -159,7 +159,8 @@ def installed(tmp_path_factory):
         if not p or not Path(p).is_dir():
             continue
         rp = Path(p).resolve()
-        if rp == ROOT or ROOT in rp.parents:
+        # the checkout's own folders, but not a virtual environment kept inside it (.venv)
+        if (rp == ROOT or ROOT in rp.parents) and not any(part.startswith(".venv") for part in rp.parts):
             continue
         paths.append(str(rp))
     (purelib / "_trainstream_test_outer_env.pth").write_text("\n".join(paths) + "\n")

@@ -1,957 +1,362 @@
-"""The offload engine: slots, worker pool, the ``cpu`` mode pipeline, stats.
+"""The engine: the one API of the adapters, over slots that each have a placement.
 
-The engine imports neither torch nor jax. It speaks to a framework through a
-:class:`Backend` (pinned host buffers, asynchronous copies, events, the compute stream);
-``trainstream.backends`` implements one per framework. The arithmetic is the contract's
-(:mod:`trainstream._contract`), run by the Numba kernels of :mod:`trainstream._host_kernels`.
+A *slot* is one flat parameter with its AdamW state in host memory. Its *placement* says
+who updates it:
 
-Pipeline (``cpu`` mode), per parameter ("slot"):
+* ``host`` (:class:`trainstream._host.HostPlacement`): each gradient is copied into pinned
+  staging as backward produces it, and worker threads run the Numba kernels; the new
+  weights are uploaded asynchronously;
+* ``device`` (:class:`trainstream._device.DevicePlacement`): a zero-copy CUDA kernel reads
+  the gradient in GPU memory and the state over PCIe, and writes the weights in place.
 
-1. ``offload_grad``: the gradient is copied (asynchronously, on the backend's D2H
-   stream) into the slot's pinned staging buffer. If the update may start now (one
-   micro-batch, no clipping: the *eager* path) the update is queued right behind the
-   copy. Otherwise the gradient stays in staging; a second micro-batch first folds the
-   staging buffer into an fp32 accumulator (created on first need), then adds itself.
-2. ``step``: with clipping, the sum of squares of every gradient is taken from float64
-   partials over fixed element blocks (so the norm does not depend on the thread count
-   or the chunk size), then each slot's update is queued with the clip coefficient.
-3. An update batch runs over the slot's chunks; its last chunk uploads the new weights
-   (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
-   event, which the next forward waits on for that parameter only. For fp16/bf16
-   parameters the rounded weights go into the gradient's own staging buffer when the
-   backend allows it (``weights_in_grad_stage``: the next gradient copy into it then waits
-   for that upload): each element's gradient is read just before its weight overwrites
-   it, which saves the host memory traffic of a separate buffer (2 B read-for-ownership
-   + 2 B write per element, ~6 % of the update's) and its pinned memory.
+The adapters' modes are placement policies: ``cpu`` places every slot on the host,
+``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
+elements (or those the adapter names) on the device and the rest on the host. One
+mechanism each, whatever the placements: readiness (:meth:`Engine.wait_ready`: the next
+forward waits per slot for its new weights), errors (one :class:`~trainstream._host.StickyError`),
+stats (one dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`).
 
-The batches of one slot run one after another: a batch submitted while another of its
-slot is queued or running is chained behind it (accumulate -> norm -> update never
-overlap on a chunk), and the chunks of one batch are independent. They go to a queue
-shared by all workers (any idle worker takes the next job; the queue orders slots for
-the next forward and passes over copies that have not landed, see :class:`_WorkQueue`).
-A failure in a worker is kept and raised, with its message, at the next call into the
-engine; batches always finish their bookkeeping, so a failure never leaves a waiter
-hanging.
+Clipping with both placements: the global norm is ``sqrt(device_sumsq + host_sumsq)``,
+each placement's float64 sum of squares in its own fixed order (``kernels/grad_sumsq.cu``
+on the device; slot and block order on the host), so it does not depend on threads or
+chunk size, but it can differ in the last bits from a single placement's, and with it the
+float32 clip coefficient. Given the same coefficient every placement gives the same bits.
+
+Imports neither torch nor jax; no arithmetic lives here.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
-import itertools
 import math
-import os
-import threading
 import time
-import traceback
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import _contract as C
-from . import _host_kernels as K
 from . import _trace
+from ._host import NORM_BLOCK, Backend, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "HostBuffer", "WorkerError", "NORM_BLOCK"]
+__all__ = ["Backend", "Engine", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
 
-#: Element block of the gradient-norm partials (chunk sizes are multiples of it).
-NORM_BLOCK = 4096
-
-_KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-class WorkerError(RuntimeError):
-    """A failure inside an engine worker thread, raised at the next call into the engine."""
-
-
-class HostBuffer(Protocol):
-    """A flat host buffer owned by a backend.
-
-    ``array`` is a writable NumPy view (float32, or uint16 bit patterns for fp16/bf16);
-    ``handle`` is the framework object (e.g. a pinned torch tensor) for copies.
-    """
-
-    array: np.ndarray
-    handle: Any
-    pinned: bool
-
-
-class Event(Protocol):
-    def synchronize(self) -> None: ...
-
-
-class Backend(Protocol):
-    """What the engine needs from a framework (see ``trainstream.backends``)."""
-
-    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
-        """A new host buffer; raises ``MemoryError`` naming ``what`` and the bytes."""
-
-    def param_to_host_f32(self, param: Any, out: np.ndarray) -> None:
-        """Copy the (flat) parameter into ``out`` (float32), synchronously."""
-
-    def record_compute(self, param: Any) -> Event | None:
-        """An event marking the current point of the compute stream of ``param``."""
-
-    def copy_to_host(
-        self, dst: HostBuffer, src: Any, after: Event | None, *, free: Event | None = None,
-    ) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
-
-        ``free``: an upload that reads ``dst`` (given only to a backend whose
-        ``weights_in_grad_stage`` is True); the copy must not start before it completed.
-        A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
-        memory is not reused before the copy completed, so the engine drops it at once.
-        """
-
-    def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
-        """Start ``dst (param) <- src`` after ``after``; return its completion event."""
-
-    def wait_on_compute(self, event: Event | None, param: Any) -> None:
-        """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
-
-    def all_reduce_sum(self, value: float) -> float:
-        """Sum a float64 over all processes (identity for one process)."""
-
-
-# -- worker pool ----------------------------------------------------------------------------
-
-#: The workers' default nice value (see :class:`Engine`'s ``worker_nice``).
-WORKER_NICE = 5
-
-
-class _WorkQueue:
-    """A queue of worker jobs in *forward order* (slot id, then submission order).
-
-    Slots are registered in the parameters' order, which is the order the next forward
-    needs them in. In the eager path updates arrive in backward order (last layer
-    first); taking the lowest slot first lets the next forward start as soon as its
-    first layers are updated instead of after the whole queue (a FIFO would update the
-    first layer last). Two rules keep it safe and busy:
-
-    * within a slot, jobs are taken in submission order: only the oldest queued job of a
-      slot is eligible;
-    * a job whose gradient copy has not landed yet (``ready()`` False) is passed over
-      for the lowest slot (among the first :attr:`_SCAN`) whose oldest job can run now;
-      if none can, the oldest job of all is taken (copies land in submission order, so
-      it is the next to land) and its body waits for its copy.
-
-    Each get costs O(_SCAN) readiness checks at most (cached per batch by
-    :class:`_Landed`); the stop marker (``job=None``) is handed out only once no job is
-    left.
-    """
-
-    _SCAN = 16  # slots examined per pick
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._slots: dict[float, collections.deque] = {}  # priority -> its jobs, oldest first
-        self._order: list[float] = []  # priorities with jobs, ascending
-        self._all: collections.deque = collections.deque()  # every job entry, oldest first
-        self._jobs = 0
-        self._stops = 0
-        self._seq = itertools.count()
-
-    def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
-        if job is None:
-            with self._cond:
-                self._stops += 1
-                self._cond.notify()
-        else:
-            self.put_many([job], priority, ready)
-
-    def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                 ready: Callable[[], bool] | None = None) -> None:
-        """Queue ``jobs`` (one batch: same slot) under one lock; ``ready``: one predicate
-        for all of them."""
-        with self._cond:
-            q = self._slots.get(priority)
-            if q is None:
-                q = self._slots[priority] = collections.deque()
-                bisect.insort(self._order, priority)
-            for job in jobs:
-                entry = [priority, next(self._seq), job, ready, False]  # last: taken
-                q.append(entry)
-                self._all.append(entry)
-            self._jobs += len(jobs)
-            self._cond.notify(len(jobs))
-
-    def _take(self, entry: list) -> Callable[[], None]:
-        entry[4] = True
-        q = self._slots[entry[0]]
-        q.popleft()  # always its slot's oldest: picked as a head, or as the oldest job of all
-        if not q:
-            del self._slots[entry[0]]
-            self._order.pop(bisect.bisect_left(self._order, entry[0]))
-        self._jobs -= 1
-        while self._all and self._all[0][4]:  # drop the entries already taken
-            self._all.popleft()
-        return entry[2]
-
-    def get(self) -> Callable[[], None] | None:
-        with self._cond:
-            while not self._jobs and not self._stops:
-                self._cond.wait()
-            if not self._jobs:
-                self._stops -= 1
-                return None
-            for priority in self._order[: self._SCAN]:
-                head = self._slots[priority][0]
-                if head[3] is None or _is_ready(head[3]):
-                    return self._take(head)
-            return self._take(self._all[0])  # the oldest job left (taken ones are dropped)
-
-
-def _is_ready(ready: Callable[[], bool]) -> bool:
-    try:
-        return bool(ready())
-    except Exception:  # noqa: BLE001 - a failed query: let the body wait (and raise)
-        return True
-
-
-class _Landed:
-    """``ready()`` of a batch: queries its event until it has completed, then answers
-    without a call (every chunk of the batch, on every worker, shares it)."""
-
-    __slots__ = ("_query", "_done")
-
-    def __init__(self, query: Callable[[], bool]):
-        self._query = query
-        self._done = False
-
-    def __call__(self) -> bool:
-        if not self._done:
-            self._done = bool(self._query())
-        return self._done
-
-
-def _wait_landed(landed: Any) -> None:
-    """Wait for a gradient copy (``None``: a synchronous backend, nothing to wait for)."""
-    if landed is not None:
-        landed.synchronize()
-
-
-class _WorkerPool:
-    """``threads`` workers pulling from one shared queue (:class:`_WorkQueue`): a gradient
-    that lands is taken up by every idle worker (measured on the H200 machine, 1.3B GPT:
-    with a queue per worker the workers were busy only 55% of backward while updates piled
-    up for the next forward).
-
-    ``nice``: the workers' nice value (see :class:`Engine`).
-    """
-
-    def __init__(self, threads: int, nice: int = WORKER_NICE):
-        # Holds nothing of the engine: running threads keep the pool alive, and the
-        # engine must stay collectable so that its finalizer can stop them.
-        self._queue = _WorkQueue()
-        self._nice = int(nice)
-        self._threads = [
-            threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def __len__(self) -> int:
-        return len(self._threads)
-
-    def _run(self) -> None:
-        # Workers yield the CPU to the threads that drive the GPU (the training loop and
-        # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
-        # values per thread; elsewhere this is a no-op.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job()
-
-    def submit_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                    ready: Callable[[], bool] | None = None) -> None:
-        """Queue ``jobs`` (one batch), as :meth:`_WorkQueue.put_many`."""
-        self._queue.put_many(jobs, priority, ready)
-
-    def owns_current_thread(self) -> bool:
-        return threading.current_thread() in self._threads
-
-    def shutdown(self) -> None:
-        for _ in self._threads:  # one stop marker per worker, after every queued job
-            self._queue.put(None, math.inf)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join()
-
-
-def _shutdown_pool(pool: _WorkerPool) -> None:
-    pool.shutdown()
-
-
-# -- slots ----------------------------------------------------------------------------------
-
-_NO_GRAD, _STAGED, _ACCUMULATED = 0, 1, 2
-
-
-@dataclass(eq=False)
-class _Slot:
-    id: int
-    param: Any
-    numel: int
-    dtype: str
-    platform: str
-    nchunks: int
-    master: HostBuffer
-    exp_avg: HostBuffer
-    exp_avg_sq: HostBuffer
-    grad_stage: HostBuffer | None = None
-    grad_acc: HostBuffer | None = None
-    param_stage: HostBuffer | None = None  # fp16/bf16 weights to upload; may be grad_stage
-    step: int = 0
-    grad_state: int = _NO_GRAD
-    landed: Any = None  # completion event of the last gradient copy
-    grad_keep: Any = None  # the device gradient, alive until its copy completed
-    ready: Any = None  # completion event of the last weight upload
-    inflight: int = 0  # batches queued, running or chained
-    chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
-    chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-
-class _Stats:
-    """Counters, added to without a lock: each thread adds into its own dict (a contended
-    lock would make a worker give up the GIL and wait to take it back) and readers sum
-    them. ``step_start``/``last_finalize`` are plain timestamps."""
-
-    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "accumulate_s",
-              "ready_stall_s", "grad_stall_s")
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._all: list[dict] = []
-        self.step_start = 0.0
-        self.last_finalize = 0.0
-
-    def add(self, name: str, value: float) -> None:
-        d = getattr(self._local, "d", None)
-        if d is None:
-            d = self._local.d = dict.fromkeys(self._NAMES, 0)
-            self._all.append(d)  # list.append is atomic
-        d[name] += value
-
-    def __getattr__(self, name: str):
-        if name in _Stats._NAMES:
-            return sum(d[name] for d in list(self._all))
-        raise AttributeError(name)
+#: The placement policies (the adapters' ``mode``).
+PLACEMENTS = ("cpu", "gpu", "hybrid")
 
 
 class Engine:
-    """Offloaded AdamW state and its worker pool (``cpu`` mode).
+    """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args:
-      backend: the framework adapter (:class:`Backend`).
-      mode: ``"cpu"`` (host update). ``"gpu"`` (zero-copy) is served by the backend's
-        device path; see ``trainstream.torch.OffloadAdamW``.
-      threads: worker threads (default: all cores but one, at least 1).
-      chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
+      backend: the framework adapter (:class:`trainstream._host.Backend`; with device slots
+        also what :class:`trainstream._device.DevicePlacement` names).
+      placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
+      device_elems: ``hybrid``: the budget of elements placed on the device by fit.
+      threads, chunk_elems, pin_moments, worker_nice, tc_code: of the host placement
+        (see :class:`~trainstream._host.HostPlacement`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream._contract`).
-      pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
-        only needs the gradient and weight staging pinned; the moments only feed host
-        threads, so pageable memory keeps the page-locked footprint small).
-      cpu_sqrt_mode: the :mod:`trainstream._cpu_sqrt` mode of the torch/cpu convention's
-        ``msqrt`` (the backend detects which one its framework uses on this machine).
-      worker_nice: the workers' nice value (Linux applies it per thread; elsewhere
-        ignored). The default, 5, lets the workers yield the CPU to the threads that
-        drive the GPU (the training loop and autograd launch kernels; a delayed launch
-        idles the GPU). For ``mode="hybrid"`` with ``last_micro_batch()`` 19 is faster
-        (measured on the H200 machine, 350M GPT: 103-120 ms per step back to back, 0.62x
-        torchao, against 161 ms at nice 5); for the other paths 19 measured no different,
-        and it would starve the workers beside a busy data loader at nice 0.
+      eager_blocks: grid cap of device updates launched from gradient hooks
+        (:meth:`launch_eager`); None: a quarter of the multiprocessors.
     """
 
     def __init__(
         self,
         backend: Backend,
         *,
-        mode: str = "cpu",
+        placement: str = "cpu",
+        device_elems: int = 0,
         threads: int | None = None,
         chunk_elems: int = 1 << 20,
         convention: str = "torch",
         pin_moments: bool = False,
-        cpu_sqrt_mode: int = 0,
-        worker_nice: int = WORKER_NICE,
+        tc_code: int = 0,
+        worker_nice: int = 5,
+        eager_blocks: int | None = None,
+        _device: Callable[[], Any] | None = None,
     ):
-        if mode != "cpu":
-            raise ValueError(f"Engine mode must be 'cpu' (the host pipeline), got {mode!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        if threads is None:  # every core but one, which drives the framework
-            threads = max(1, (os.cpu_count() or 2) - 1)
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        if not isinstance(chunk_elems, int) or chunk_elems < 1:
-            raise ValueError(f"chunk_elems must be a positive integer, got {chunk_elems!r}")
-        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
-            raise ValueError(f"worker_nice must be an integer nice value, got {worker_nice!r}")
         self.backend = backend
-        self.mode = mode
+        self.placement = placement
         self.convention = convention
-        self.chunk = -(-chunk_elems // NORM_BLOCK) * NORM_BLOCK
-        self.pin_moments = pin_moments
-        self.cpu_sqrt_mode = int(cpu_sqrt_mode)
-        self._slots: list[_Slot] = []
-        self._error: str | None = None
-        self._error_lock = threading.Lock()
-        self._stats = _Stats()
-        self._host_bytes = 0
-        self._pinned_bytes = 0
-        self._pageable_bytes = 0
+        self.errors = StickyError()
+        self.eager_blocks = eager_blocks
+        self.device = None
+        self.host = None
+        if placement != "cpu":
+            if _device is None:
+                from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
+
+                self.device = DevicePlacement(backend, convention=convention)
+            else:  # tests: a stand-in
+                self.device = _device()
+        if placement != "gpu":
+            try:
+                self.host = HostPlacement(backend, threads=threads, chunk_elems=chunk_elems,
+                                          convention=convention, pin_moments=pin_moments,
+                                          tc_code=tc_code, worker_nice=worker_nice, errors=self.errors)
+            except BaseException:
+                if self.device is not None:
+                    self.device.close()
+                raise
+        self._budget = int(device_elems)
+        self._device_used = 0
+        self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
+        self._numel: list[int] = []
         self._last_norm: float | None = None
-        self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
-        self._closed = False
-        self._pool = _WorkerPool(threads, worker_nice)
-        self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
 
-    # -- bookkeeping ------------------------------------------------------------------------
-
-    @property
-    def threads(self) -> int:
-        return len(self._pool)
+    # -- slots ------------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return any(p.closed for p in self._placements())
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("TrainStream engine is closed")
+    @property
+    def threads(self) -> int:
+        return self.host.threads if self.host is not None else 0
 
-    def _record_error(self, exc: BaseException) -> None:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        with self._error_lock:
-            if self._error is None:
-                self._error = text
+    def _placements(self) -> list[Any]:
+        return [p for p in (self.device, self.host) if p is not None]
 
-    def check_error(self) -> None:
-        """Raise :class:`WorkerError` if a worker has failed.
-
-        The error is sticky: every later call raises it too, until :meth:`load_state` has
-        reloaded every slot (after a failure the state of that step is partly updated).
-        """
-        with self._error_lock:
-            msg = self._error
-        if msg is not None:
-            raise WorkerError(
-                f"TrainStream optimizer worker failed: {msg}. The optimizer state of the "
-                "parameters updated in that step may be partly updated; reload a checkpoint "
-                "(load_state_dict) to continue from a consistent state."
-            )
-
-    def clear_error(self) -> None:
-        """Forget a worker failure (after the whole state has been reloaded)."""
-        with self._error_lock:
-            self._error = None
-
-    def _slot(self, sid: int) -> _Slot:
-        if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._slots):
-            raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
-        return self._slots[sid]
-
-    def _alloc(self, numel: int, dtype: str, pinned: bool, what: str) -> HostBuffer:
-        buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
-        nbytes = numel * _ITEMSIZE[dtype]
-        self._host_bytes += nbytes
-        if buf.pinned:
-            self._pinned_bytes += nbytes
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
+                  trainable: bool = True, on_device: bool | None = None) -> int:
+        """Register a flat parameter; returns its slot id. Its placement: the policy's
+        (``hybrid``: ``on_device`` if given, else on the device while it fits in the
+        budget; a parameter that is not ``trainable`` takes none of it)."""
+        if self.host is None:
+            dev = True
+        elif self.device is None:
+            dev = False
+        elif on_device is None:
+            dev = trainable and self._device_used + int(numel) <= self._budget
         else:
-            self._pageable_bytes += nbytes
-        return buf
-
-    # -- parameters -------------------------------------------------------------------------
-
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
-        """Register a flat parameter; returns its slot id. Copies its value to the master."""
-        self._check_open()
-        if dtype not in _KIND:
-            raise TypeError(
-                f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}"
-            )
-        if platform not in C.PLATFORMS:
-            raise ValueError(f"Unknown platform {platform!r}; expected one of {C.PLATFORMS}")
-        numel = int(numel)
-        sid = len(self._slots)
-        pin = self.pin_moments
-        master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
-        self.backend.param_to_host_f32(param, master.array)
-        m = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg")
-        v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
-        m.array[:] = 0
-        v.array[:] = 0
-        nchunks = max(1, -(-numel // self.chunk))
-        slot = _Slot(
-            id=sid,
-            param=param,
-            numel=numel,
-            dtype=dtype,
-            platform=platform,
-            nchunks=nchunks,
-            master=master,
-            exp_avg=m,
-            exp_avg_sq=v,
-        )
-        slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
-        if dtype != "float32":
-            if self._weights_in_grad_stage:
-                slot.param_stage = slot.grad_stage
-            else:
-                slot.param_stage = self._alloc(numel, dtype, pinned=True, what="param.staging")
-        self._slots.append(slot)
-        return sid
+            dev = bool(on_device) and trainable
+        local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
+        if dev:
+            self._device_used += int(numel)
+        self._where.append((dev, local))
+        self._numel.append(int(numel))
+        return len(self._where) - 1
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._where)
+
+    def on_device(self, sid: int) -> bool:
+        return self._where[self._check_sid(sid)][0]
+
+    def _check_sid(self, sid: int) -> int:
+        if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._where):
+            raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
+        return int(sid)
+
+    def _local(self, sid: int) -> tuple[Any, int]:
+        dev, local = self._where[self._check_sid(sid)]
+        return (self.device if dev else self.host), local
+
+    def _host_local(self, sid: int) -> int:
+        dev, local = self._where[self._check_sid(sid)]
+        if dev:
+            raise RuntimeError(f"TrainStream engine: slot {sid} is updated on the device, not on the host")
+        return local
+
+    def _device_local(self, sid: int) -> int:
+        dev, local = self._where[self._check_sid(sid)]
+        if not dev:
+            raise RuntimeError(f"TrainStream engine: slot {sid} is updated on the host, not on the device")
+        return local
 
     def truncate(self, n: int) -> None:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
-        for s in self._slots[n:]:
-            self._wait_idle(s)
-        del self._slots[n:]
+        keep = self._where[:n]
+        for placement, dev in ((self.host, False), (self.device, True)):
+            if placement is not None:
+                placement.truncate(sum(1 for d, _ in keep if d == dev))
+        self._device_used -= sum(k for (d, _), k in zip(self._where[n:], self._numel[n:]) if d)
+        del self._where[n:]
+        del self._numel[n:]
 
     def get_step(self, sid: int) -> int:
-        return self._slot(sid).step
+        placement, local = self._local(sid)
+        return placement.get_step(local)
+
+    # -- gradients (host slots) -------------------------------------------------------------
+
+    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
+        """Take the gradient of host slot ``sid``; with ``update`` (the eager path: last
+        micro-batch, no clipping) its AdamW update is queued right behind the copy."""
+        self.host.offload_grad(self._host_local(sid), grad, grad_dtype, update)
 
     def has_grad(self, sid: int) -> bool:
-        return self._slot(sid).grad_state != _NO_GRAD
-
-    # -- batches ----------------------------------------------------------------------------
-
-    def _run_batch(
-        self,
-        s: _Slot,
-        body: Callable[[int, int, int], None],
-        finalize: Callable[[], None] | None = None,
-        landed: Any = None,
-    ) -> None:
-        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
-        (after the slot's batch in flight, if any: see the module docstring).
-
-        ``landed``: the event the body waits for first (a gradient copy), if any; its
-        ``query()`` lets a worker run another slot's job while the copy is in flight.
-        """
-        with s.cond:
-            s.inflight += 1
-            if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed))
-                return
-        self._submit_batch(s, body, finalize, landed)
-
-    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
-        finished = itertools.count(1)  # next() is atomic: no lock between the workers
-        query = getattr(landed, "query", None)
-        ready = _Landed(query) if query is not None else None
-        s.chunk_failed = False  # the slot's batches run one after another
-
-        def job(c: int, b: int, e: int) -> None:
-            try:
-                body(c, b, e)
-            except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
-                s.chunk_failed = True
-                self._record_error(exc)
-            if next(finished) == s.nchunks:  # the batch's last chunk to finish
-                try:
-                    if finalize is not None:
-                        finalize()
-                except BaseException as exc:  # noqa: BLE001
-                    self._record_error(exc)
-                finally:
-                    with s.cond:
-                        s.inflight -= 1
-                        nxt = s.chain.popleft() if s.chain else None
-                        s.cond.notify_all()
-                    if nxt is not None:
-                        self._submit_chained(s, nxt)
-
-        jobs = [
-            (lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
-            for c in range(s.nchunks)
-        ]
-        self._pool.submit_many(jobs, s.id, ready)
-
-    def _submit_chained(self, s: _Slot, batch: tuple) -> None:
-        """Submit a slot's next chained batch (from the worker that finished the one
-        before). If that fails, the error is kept and the batch and those chained after it
-        are dropped from ``inflight``: waiters must not hang on work that will never run."""
-        try:
-            self._submit_batch(s, *batch)
-        except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
-            self._record_error(exc)
-            with s.cond:
-                s.inflight -= 1 + len(s.chain)
-                s.chain.clear()
-                s.cond.notify_all()
-
-    def _wait_idle(self, s: _Slot) -> None:
-        with s.cond:
-            while s.inflight:
-                s.cond.wait()
-
-    # -- gradients ----------------------------------------------------------------------------
-
-    def offload_grad(
-        self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None
-    ) -> None:
-        """Take the gradient of slot ``sid`` (a device tensor of ``grad_dtype``).
-
-        With ``update`` (the eager path: last micro-batch, no clipping) the AdamW update
-        with those hyper-parameters is queued right behind the copy.
-        """
-        self._check_open()
-        self.check_error()
-        t_call = time.perf_counter()
-        s = self._slot(sid)
-        if grad_dtype != s.dtype:
-            raise TypeError(
-                f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}"
-            )
-        # The staging buffer may still be read by the previous batch of this slot.
-        t0 = time.perf_counter()
-        self._wait_idle(s)
-        self._stats.add("grad_stall_s", time.perf_counter() - t0)
-        self.check_error()
-        if s.grad_state == _STAGED:
-            # Second micro-batch: fold the staged gradient into the fp32 accumulator first.
-            self._accumulate_from_stage(s, fresh=True)
-            self._wait_idle(s)
-            self.check_error()
-        after = self.backend.record_compute(s.param)
-        # The last upload may still read the staging buffer (weights in grad staging).
-        free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
-        s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
-        # Keep the device gradient alive until its copy ran, unless the backend already
-        # guarantees that (torch: record_stream, so the memory goes back to the pool once
-        # the copy has completed and backward can reuse it).
-        s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
-        self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
-        if s.grad_state == _ACCUMULATED:
-            self._accumulate_from_stage(s, fresh=False)
-        else:
-            s.grad_state = _STAGED
-        if update is not None:
-            # Eager: the update follows the copy (or the accumulation) in each chunk's order.
-            self._stats.add("eager_updates", 1)
-            self._enqueue_update(s, update, np.float32(1.0), after)
-        _trace.add("offload_grad", t_call, time.perf_counter(), sid)
-
-    def _accumulate_from_stage(self, s: _Slot, fresh: bool) -> None:
-        if s.grad_acc is None:
-            s.grad_acc = self._alloc(s.numel, "float32", pinned=False, what="grad.accumulator")
-        acc, stage, kind, landed = s.grad_acc.array, s.grad_stage.array, _KIND[s.dtype], s.landed
-
-        def body(c: int, b: int, e: int) -> None:
-            t = time.perf_counter()
-            if landed is not None:
-                _wait_landed(landed)
-                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
-            K.accumulate_chunk(acc, stage, kind, b, e, fresh)
-            t1 = time.perf_counter()
-            self._stats.add("accumulate_s", t1 - t)
-            _trace.add("accumulate", t, t1, s.id)
-
-        def release() -> None:
-            s.grad_keep = None
-
-        s.grad_state = _ACCUMULATED
-        self._run_batch(s, body, release, landed)
+        return self.host.has_grad(self._host_local(sid))
 
     def discard_grads(self) -> None:
-        """Forget gradients offloaded since the last step (``zero_grad``)."""
-        self._check_open()
-        for s in self._slots:
-            if s.grad_state != _NO_GRAD:
-                self._wait_idle(s)
-                s.grad_state = _NO_GRAD
-                s.grad_keep = None
-        self.check_error()
+        """Forget the gradients offloaded since the last step (``zero_grad``)."""
+        if self.host is not None:
+            self.host.discard_grads()
 
-    # -- the update -------------------------------------------------------------------------
+    # -- steps ------------------------------------------------------------------------------
 
-    def _grad_source(self, s: _Slot) -> tuple[np.ndarray, int]:
-        if s.grad_state == _ACCUMULATED:
-            return s.grad_acc.array, K.KIND_F32
-        return s.grad_stage.array, _KIND[s.dtype]
+    def launch_eager(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
+        """Launch the update of device slots whose gradients backward has just produced
+        (from a gradient hook: no clipping); :meth:`step` then leaves them out."""
+        self.device.step([(self._device_local(sid), hp, g, gd) for sid, hp, g, gd in updates],
+                         eager=True, max_blocks=self.eager_blocks)
 
-    def _enqueue_update(
-        self,
-        s: _Slot,
-        hp: C.AdamWHyperParams,
-        clip: np.float32,
-        after: Any,
-        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
-    ) -> None:
-        s.step += 1
-        if scalars_fn is not None:  # the adapter computed the scalars (e.g. in XLA)
-            scalars = np.ascontiguousarray(scalars_fn(s.id, s.step), np.float32)
-            if scalars.shape != (C.N_SCALARS,):
-                raise ValueError(f"scalars_fn must return {C.N_SCALARS} float32, got shape {scalars.shape}")
-        else:
-            scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
-        variant = C.variant_id(self.convention, s.platform)
-        g, gkind = self._grad_source(s)
-        landed = s.landed if s.grad_state == _STAGED else None
-        prev_ready = s.ready
-        p, m, v = s.master.array, s.exp_avg.array, s.exp_avg_sq.array
-        out = s.param_stage.array if s.param_stage is not None else None
-        okind = _KIND[s.dtype] if out is not None else 0
-        upload_src = s.param_stage if s.param_stage is not None else s.master
-        nbytes = s.numel * _ITEMSIZE[s.dtype]
-        sqrt_mode = self.cpu_sqrt_mode
+    def step(self, updates: Sequence[tuple], max_grad_norm: float | None = None, *,
+             compute_norm: bool = False,
+             scalars_fn: Callable[[int, int], np.ndarray] | None = None) -> float | None:
+        """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without
+        a gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)``
+        (device slots; a host slot ignores the last two).
 
-        def body(c: int, b: int, e: int) -> None:
-            t = time.perf_counter()
-            if prev_ready is not None:  # the previous upload may still read master/stage
-                prev_ready.synchronize()
-                _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
-            if landed is not None:  # the gradient copy must have landed in staging
-                _wait_landed(landed)
-                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, sqrt_mode)
-            t1 = time.perf_counter()
-            self._stats.add("update_s", t1 - t)
-            _trace.add("update", t, t1, s.id)
-
-        def finalize() -> None:
-            t = time.perf_counter()
-            s.grad_keep = None
-            if s.chunk_failed:
-                # The error is raised at the next call; a failed chunk left its range of
-                # the staging buffer unwritten (with weights in grad staging: gradient
-                # bits), so nothing is uploaded and the device keeps its old weights.
-                return
-            s.ready = self.backend.copy_to_device(s.param, upload_src, after)
-            self._stats.add("param_bytes", nbytes)
-            self._stats.last_finalize = t1 = time.perf_counter()
-            _trace.add("upload", t, t1, s.id)
-
-        s.grad_state = _NO_GRAD
-        self._run_batch(s, body, finalize, landed)
-
-    def grad_sumsq(self, sids: Sequence[int]) -> float:
-        """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
-
-        Partials are taken over fixed blocks of :data:`NORM_BLOCK` elements and summed in
-        slot order, then block order: the result does not depend on threads or chunking.
+        With ``max_grad_norm`` the gradients are scaled by ``clip_coefficient(global
+        norm, max_grad_norm)`` first. Returns the global norm where the host computed it
+        (else None: :meth:`last_grad_norm` reads a device norm lazily). ``scalars_fn(slot,
+        step)`` (host slots): each update's scalar vector, instead of the contract's
+        :func:`~trainstream._contract.step_scalars` (the JAX adapter computes them in XLA).
+        With both placements the share that holds the lowest slot (the parameter the next
+        forward needs first) is queued first; if the second share fails to queue after the
+        first did, the error is raised and left sticky (reload a checkpoint).
         """
-        partials: list[np.ndarray] = []
-        for sid in sids:
-            s = self._slot(sid)
-            if s.grad_state == _NO_GRAD:
-                continue
-            out = np.zeros(-(-s.numel // NORM_BLOCK), np.float64)
-            partials.append(out)
-            g, kind = self._grad_source(s)
-            landed = s.landed if s.grad_state == _STAGED else None
-
-            def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
-                t = time.perf_counter()
-                if landed is not None:
-                    _wait_landed(landed)
-                    _trace.add("wait.landed", t, t := time.perf_counter(), sid)
-                K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
-                _trace.add("sumsq", t, time.perf_counter(), sid)
-
-            self._run_batch(s, body, landed=landed)
-        for sid in sids:
-            self._wait_idle(self._slot(sid))
-        self.check_error()
-        total = 0.0
-        for out in partials:
-            for x in out.tolist():
-                total += x
-        return total
-
-    def step(
-        self,
-        updates: Sequence[tuple[int, C.AdamWHyperParams]],
-        max_grad_norm: float | None = None,
-        compute_norm: bool = False,
-        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
-        clip_coef: np.float32 | None = None,
-        check_errors: bool = True,
-    ) -> float | None:
-        """Queue the update of every slot in ``updates`` that holds a gradient.
-
-        With ``max_grad_norm`` the gradients are first scaled by
-        ``clip_coefficient(global_norm, max_grad_norm)``. Returns the global gradient norm
-        when it was computed (clipping or ``compute_norm``), else None. Slots already
-        updated eagerly are skipped. ``scalars_fn(slot, step)``, if given, supplies each
-        update's scalar vector instead of :func:`trainstream._contract.step_scalars`
-        (the JAX adapter computes bias corrections and schedules inside XLA).
-        ``clip_coef``: a clip coefficient the caller computed (``hybrid`` mode, from the
-        norm over both engines), instead of ``max_grad_norm``. ``check_errors=False``:
-        a worker error recorded since the caller's own check is left for the next call
-        to raise (``hybrid`` mode has already queued the GPU share's update by then).
-        """
-        self._check_open()
-        if check_errors:
-            self.check_error()
-        if clip_coef is not None and (max_grad_norm is not None or compute_norm):
-            raise ValueError("Engine.step: clip_coef excludes max_grad_norm and compute_norm")
-        self._stats.add("steps", 1)
-        self._stats.step_start = time.perf_counter()
-        active = [(sid, hp) for sid, hp in updates if self._slot(sid).grad_state != _NO_GRAD]
-        # Slots that went the eager path were queued by offload_grad (no gradient left).
-        pending = active
-        clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        norm = None
+        self.errors.check()  # raise before anything is queued, not between the shares
+        for u in updates:
+            self._check_sid(u[0])
+        dev = [(self._where[u[0]][1], *u[1:]) for u in updates if self._where[u[0]][0]]
+        hst = [(self._where[u[0]][1], u[1]) for u in updates if not self._where[u[0]][0]]
+        if self.host is None:
+            self.device.step(dev, max_grad_norm, compute_norm)
+            return None
+        if self.device is None:
+            return self.host.step(hst, max_grad_norm, compute_norm, scalars_fn)
+        self.device.check_grads(dev)  # a bad gradient raises before either share is queued
+        coef = norm = None
         if max_grad_norm is not None or compute_norm:
-            sumsq = self.backend.all_reduce_sum(self.grad_sumsq([sid for sid, _ in pending]))
-            norm = math.sqrt(sumsq)
+            sumsq = self.device.grad_sumsq(dev) + self.host.grad_sumsq([sid for sid, _ in hst])
+            norm = math.sqrt(self.backend.all_reduce_sum(sumsq))
             self._last_norm = norm
             if max_grad_norm is not None:
-                clip = C.clip_coefficient(norm, max_grad_norm)
-        for sid, hp in pending:
-            s = self._slot(sid)
-            after = self.backend.record_compute(s.param)
-            self._enqueue_update(s, hp, clip, after, scalars_fn)
+                coef = C.clip_coefficient(norm, max_grad_norm)
+        # The host share's first slot this step updates (frozen, unused and eagerly updated
+        # parameters hold no gradient and do not count).
+        host_sids = [u[0] for u in updates if not self._where[u[0]][0] and self.host.has_grad(self._where[u[0]][1])]
+        dev_sids = [u[0] for u in updates if self._where[u[0]][0]]
+        host_first = bool(host_sids) and (not dev_sids or min(host_sids) < min(dev_sids))
+        if not host_first:
+            self._step_device(dev, coef)
+            self._step_host(hst, coef, scalars_fn)
+            return norm
+        self._step_host(hst, coef, scalars_fn)
+        try:
+            self._step_device(dev, coef)
+        except BaseException as exc:
+            self.errors.record(RuntimeError(
+                "hybrid step: the device share's update failed after the host share's was "
+                f"queued ({type(exc).__name__}: {exc})"))
+            raise
         return norm
 
-    # -- readiness ----------------------------------------------------------------------------
+    def _step_device(self, dev, coef) -> None:
+        if dev:
+            t0 = time.perf_counter()
+            self.device.step(dev, clip_coef=coef)
+            _trace.add("step.device_share", t0, time.perf_counter(), -1)
+
+    def _step_host(self, hst, coef, scalars_fn) -> None:
+        # No second error check: a worker error that came after the first one raises at the
+        # next call, instead of leaving one share stepped and the other not.
+        t0 = time.perf_counter()
+        self.host.step(hst, clip_coef=coef, scalars_fn=scalars_fn, check_errors=False)
+        _trace.add("step.host_share", t0, time.perf_counter(), -1)
+
+    def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
+        """Device slots whose weights, gradients and scalars another runtime owns (XLA):
+        see :meth:`trainstream._device.DevicePlacement.step_external`."""
+        self.device.step_external(stream, [(self._device_local(i[0]), *i[1:]) for i in items])
+
+    # -- readiness and errors ---------------------------------------------------------------
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
-        self.check_error()
-        t0 = time.perf_counter()
-        for sid in sids:
-            s = self._slot(sid)
-            self._wait_idle(s)
-            if s.ready is not None:
-                self.backend.wait_on_compute(s.ready, s.param)
-        t1 = time.perf_counter()
-        self._stats.add("ready_stall_s", t1 - t0)
-        _trace.add("wait_ready", t0, t1, sids[0] if len(sids) else -1)
-        self.check_error()
+        dev = [self._where[s][1] for s in sids if self._where[s][0]]
+        hst = [self._where[s][1] for s in sids if not self._where[s][0]]
+        if dev:
+            self.device.wait_ready(dev)
+        if hst:
+            self.host.wait_ready(hst)
 
     def wait_host(self) -> None:
-        """Block until every queued batch has run on the host; raise worker errors.
+        """Block until every queued host batch has run (not the uploads they started)."""
+        if self.host is not None:
+            self.host.wait_host()
+        self.errors.check()
 
-        Unlike :meth:`synchronize` it does not wait for the uploads the batches started
-        (for a caller whose stream orders them, e.g. XLA's in the JAX adapter).
-        """
-        for s in self._slots:
-            self._wait_idle(s)
-        self.check_error()
+    def check_error(self) -> None:
+        """Raise the sticky :class:`~trainstream._host.WorkerError`, if any."""
+        self.errors.check()
+
+    def clear_error(self) -> None:
+        """Forget a failure (after the whole state has been reloaded)."""
+        self.errors.clear()
 
     def drain(self) -> None:
-        """Block until every queued batch and upload has completed (raises nothing)."""
-        for s in self._slots:
-            self._wait_idle(s)
-            if s.ready is not None:
-                s.ready.synchronize()
+        """Block until every queued update and upload has completed (raises nothing)."""
+        for p in self._placements():
+            p.drain()
 
     def synchronize(self) -> None:
-        """Block until every queued batch and upload has completed; raise worker errors."""
+        """Block until every queued update and upload has completed; raise failures."""
         self.drain()
-        self.check_error()
+        self.errors.check()
 
     def last_grad_norm(self) -> float | None:
+        """The global norm of the last step that computed one (None before)."""
+        if self.host is None:
+            return self.device.last_grad_norm()
+        if self.device is None:
+            return self.host.last_grad_norm()
         return self._last_norm
 
     # -- state ------------------------------------------------------------------------------
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Copies of ``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid``."""
-        self._check_open()
-        s = self._slot(sid)
-        self._wait_idle(s)
-        self.check_error()
-        return s.master.array.copy(), s.exp_avg.array.copy(), s.exp_avg_sq.array.copy(), s.step
+        placement, local = self._local(sid)
+        return placement.state(local)
 
-    def load_state(
-        self,
-        sid: int,
-        exp_avg: np.ndarray,
-        exp_avg_sq: np.ndarray,
-        step: int,
-        master: np.ndarray | None = None,
-    ) -> None:
+    def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
         """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""
-        self._check_open()
-        s = self._slot(sid)
-        self._wait_idle(s)
-        if s.ready is not None:
-            s.ready.synchronize()
-        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
-            if arr is None:
-                continue
-            if np.asarray(arr).size != s.numel:
-                raise ValueError(
-                    f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
-                    f"elements, expected {s.numel}"
-                )
-        if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
-        s.exp_avg.array[:] = np.asarray(exp_avg, np.float32).reshape(-1)
-        s.exp_avg_sq.array[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
-        if master is not None:
-            s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
-        else:
-            self.backend.param_to_host_f32(s.param, s.master.array)
-        s.step = int(step)
-        s.grad_state = _NO_GRAD
-        s.grad_keep = None
+        placement, local = self._local(sid)
+        placement.load_state(local, exp_avg, exp_avg_sq, step, master)
 
     def stats(self) -> dict[str, float]:
-        """Counters of the reference engine (bytes, milliseconds, counts)."""
-        st = self._stats
-        last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
-        return {
-            "params": float(len(self._slots)),
-            "numel": float(sum(s.numel for s in self._slots)),
-            "threads": float(self.threads),
-            "gpu_mode": 0.0,
-            "steps": float(st.steps),
-            "eager_updates": float(st.eager_updates),
-            "host_state_bytes": float(self._host_bytes),
-            "pinned_state_bytes": float(self._pinned_bytes),
-            "pageable_state_bytes": float(self._pageable_bytes),
-            "grad_bytes_offloaded": float(st.grad_bytes),
-            "param_bytes_uploaded": float(st.param_bytes),
-            "update_ms_total": st.update_s * 1e3,
-            "accumulate_ms_total": st.accumulate_s * 1e3,
-            "ready_stall_ms_total": st.ready_stall_s * 1e3,
-            "grad_stall_ms_total": st.grad_stall_s * 1e3,
-            "last_step_wall_ms": last_wall * 1e3,
-        }
-
-    # -- shutdown ---------------------------------------------------------------------------
+        """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device
+        only, 0.5 both; with both also ``gpu_params``, ``gpu_numel`` and
+        ``gpu_update_launch_ms_total`` (the device share's)."""
+        if self.host is None:
+            return self.device.stats()
+        st = dict(self.host.stats())
+        if self.device is None:
+            return st
+        g = self.device.stats()
+        st["params"] += g["params"]
+        st["numel"] += g["numel"]
+        st["gpu_mode"] = 0.5
+        for k in ("host_state_bytes", "pinned_state_bytes"):
+            st[k] += g[k]
+        st["steps"] = max(st["steps"], g["steps"])
+        st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
+        st["eager_updates"] += g["eager_updates"]
+        st["gpu_params"] = g["params"]
+        st["gpu_numel"] = g["numel"]
+        st["gpu_update_launch_ms_total"] = g["update_ms_total"]
+        return st
 
     def close(self) -> None:
-        """Drain the queued work, join the workers and release the host buffers."""
-        if self._closed:
-            return
-        if self._pool.owns_current_thread():
-            # Called from a worker (e.g. a finalizer run by the garbage collector inside a
-            # job): waiting would wait for this very thread. Let the workers drain and stop.
-            self._closed = True
-            self._finalizer()
-            return
+        """Drain the queued work, stop the workers and release the state."""
         try:
-            for s in self._slots:
-                self._wait_idle(s)
-                if s.ready is not None:
-                    try:
-                        s.ready.synchronize()
-                    except Exception:  # noqa: BLE001 - closing regardless
-                        pass
+            if self.device is not None:
+                self.device.close()
         finally:
-            self._closed = True
-            self._finalizer()  # joins the workers (once)
-            for s in self._slots:
-                s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
-                s.grad_stage = s.grad_acc = s.param_stage = None
-                s.grad_keep = s.ready = s.landed = s.param = None
-            self._slots = []
-
+            if self.host is not None:
+                self.host.close()

@@ -235,8 +235,8 @@ class _Instance:
 
     ``platform``: where the parameters live, ``"cpu"`` (XLA:CPU, host buffers) or
     ``"cuda"`` (XLA:GPU, device ``device``). The engine is the host engine
-    (:class:`~trainstream._engine.Engine`) in ``mode="cpu"``, the zero-copy engine
-    (:class:`~trainstream._gpu_engine.GpuEngine`) in ``mode="gpu"``.
+    (:class:`~trainstream._engine.Engine`): host placement in ``mode="cpu"``, device
+    placement (zero-copy kernels) in ``mode="gpu"``.
     """
 
     def __init__(self, handle: int, cfg: _Config, leaves, treedef, decay: list[bool], fused: list[bool],
@@ -255,11 +255,10 @@ class _Instance:
         self.gpu_mode = cfg.mode == "gpu"
         self.stale: str | None = None  # gpu mode: an old state was used (sticky)
         if self.gpu_mode:
-            from .._gpu_engine import GpuEngine  # noqa: PLC0415 (CuPy, on first use)
             from ._jax_cuda import JaxGpuBackend  # noqa: PLC0415
 
             self.backend = JaxGpuBackend(device)
-            self.engine = GpuEngine(self.backend, convention=cfg.convention)
+            self.engine = Engine(self.backend, placement="gpu", convention=cfg.convention)
             self.count_check = self.backend.count_checker()
         else:
             if platform == "cuda":
@@ -271,11 +270,11 @@ class _Instance:
             sqrt_mode = _torch_sqrt_mode() if cfg.convention == "torch" and platform == "cpu" else 0
             self.engine = Engine(
                 self.backend,
-                mode="cpu",
+                placement="cpu",
                 threads=cfg.threads,
                 chunk_elems=cfg.chunk_elems,
                 convention=cfg.convention,
-                cpu_sqrt_mode=sqrt_mode,
+                tc_code=sqrt_mode,
                 worker_nice=cfg.worker_nice,
             )
         self.leaves: list[_Leaf] = []

@@ -12,9 +12,9 @@ forward) holds without extra events on the compute side.
   each leaf's new weights are uploaded on XLA's stream from the worker that finished
   it. The handler returns when the host work is done; the uploads are queued, and XLA's
   next operations on the stream run after them.
-* :class:`JaxGpuBackend` (``mode="gpu"``): the :class:`~trainstream._gpu_engine.GpuEngine`
+* :class:`JaxGpuBackend` (``mode="gpu"``): the :class:`~trainstream._engine.Engine`'s device placement
   backend; its kernels are launched on XLA's stream by
-  :meth:`~trainstream._gpu_engine.GpuEngine.step_external`.
+  :meth:`~trainstream._engine.Engine.step_external`.
 
 CuPy is imported lazily (``trainstream._device_kernels``). No arithmetic lives here.
 """
@@ -230,9 +230,9 @@ class CountCheck:
 
 
 class JaxGpuBackend:
-    """The :class:`~trainstream._gpu_engine.GpuEngine` backend for JAX (``gpu`` mode).
+    """The :class:`~trainstream._engine.Engine`'s device placement backend for JAX (``gpu`` mode).
 
-    Only what :meth:`~trainstream._gpu_engine.GpuEngine.step_external` and the state
+    Only what :meth:`~trainstream._engine.Engine.step_external` and the state
     functions use: the device, the initial weights of fp16/bf16 leaves (for their fp32
     master) and a device scratch allocation.
     """

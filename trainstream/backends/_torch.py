@@ -22,8 +22,6 @@ from .. import _contract as C
 from .. import _cpu_sqrt, _hostmem
 from . import _cuda_driver
 from .._engine import Engine
-from .._gpu_engine import GpuEngine
-from .._split_engine import SplitEngine
 
 __all__ = ["OffloadAdamW", "TorchBackend"]
 
@@ -322,7 +320,7 @@ class OffloadAdamW(Optimizer):
         mode. With
         ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
         share's (each deterministic), so it can differ from the other modes' norms in the
-        last bits (see :mod:`trainstream._split_engine`).
+        last bits (see :mod:`trainstream._engine`).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here) updated by the zero-copy kernel. Parameters are taken in
         the order ``gpu_params`` says; each goes to the kernel if it fits in what is left
@@ -519,42 +517,21 @@ class OffloadAdamW(Optimizer):
         if p.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {p.device}")
         if self._device is None:
-            if self.mode == "hybrid":
-                if p.device.type != "cuda":
-                    raise ValueError(
-                        f"OffloadAdamW mode='hybrid' needs CUDA parameters; parameter {index} is on {p.device}"
-                    )
-                backend = TorchBackend(p.device)
-                try:
-                    gpu_engine = GpuEngine(backend, convention=self._engine_args["convention"])
-                except ImportError as exc:
-                    raise ImportError(
-                        "OffloadAdamW mode='hybrid' needs CuPy: pip install 'trainstream[cuda12]' or "
-                        f"'trainstream[cuda13]' ({exc})"
-                    ) from exc
-                try:
-                    host = Engine(backend, **self._engine_args)
-                except BaseException:
-                    gpu_engine.close()
-                    raise
-                self._engine = SplitEngine(host, gpu_engine, self._gpu_budget)
-            elif self.mode == "gpu":
-                if p.device.type != "cuda":
-                    raise ValueError(
-                        f"OffloadAdamW mode='gpu' needs CUDA parameters; parameter {index} is on {p.device}"
-                    )
-                try:
-                    self._engine = GpuEngine(TorchBackend(p.device), convention=self._engine_args["convention"])
-                except ImportError as exc:
-                    raise ImportError(
-                        "OffloadAdamW mode='gpu' needs CuPy: pip install 'trainstream[cuda12]' or "
-                        f"'trainstream[cuda13]' ({exc})"
-                    ) from exc
-            else:
-                sqrt_mode = 0
-                if p.device.type == "cpu" and self._engine_args["convention"] == "torch":
-                    sqrt_mode = torch_cpu_code()
-                self._engine = Engine(TorchBackend(p.device), cpu_sqrt_mode=sqrt_mode, **self._engine_args)
+            if self.mode != "cpu" and p.device.type != "cuda":
+                raise ValueError(
+                    f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {p.device}"
+                )
+            tc_code = 0
+            if p.device.type == "cpu" and self._engine_args["convention"] == "torch":
+                tc_code = torch_cpu_code()
+            try:
+                self._engine = Engine(TorchBackend(p.device), placement=self.mode, device_elems=self._gpu_budget,
+                                      tc_code=tc_code, eager_blocks=self._eager_blocks, **self._engine_args)
+            except ImportError as exc:
+                raise ImportError(
+                    f"OffloadAdamW mode={self.mode!r} needs CuPy: pip install 'trainstream[cuda12]' or "
+                    f"'trainstream[cuda13]' ({exc})"
+                ) from exc
             self._device = p.device
         elif p.device != self._device:
             raise ValueError(
@@ -562,11 +539,9 @@ class OffloadAdamW(Optimizer):
                 f"{p.device}, earlier ones on {self._device}"
             )
         platform = "cuda" if p.device.type == "cuda" else "cpu"
-        if self.mode == "hybrid":  # a frozen parameter takes none of the GPU share
-            sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
-                                         host=not p.requires_grad, gpu=gpu)
-        else:
-            sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform)
+        # hybrid: a frozen parameter takes none of the GPU share
+        sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
+                                     trainable=p.requires_grad, on_device=gpu)
         assert sid == index
         self._engine_param_ptr.append(p.data_ptr())
         self._slot_of[p] = sid
@@ -579,10 +554,8 @@ class OffloadAdamW(Optimizer):
             self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook(sid))
 
     def _host_slot(self, sid: int) -> bool:
-        """Whether slot ``sid``'s gradient goes to the host engine (through a hook)."""
-        if self.mode == "cpu":
-            return True
-        return self.mode == "hybrid" and not self._engine.on_gpu(sid)
+        """Whether slot ``sid``'s gradient goes to the host placement (through a hook)."""
+        return not self._engine.on_device(sid)
 
     def _group_of_slot(self, sid: int) -> dict[str, Any]:
         return self.param_groups[self._group_of[sid]]
@@ -619,10 +592,8 @@ class OffloadAdamW(Optimizer):
         :meth:`last_micro_batch`: every slot in ``gpu`` mode, hybrid's GPU share with
         ``gpu_params="last"``. With ``"first"`` that share's gradients come at the end of
         backward, and it runs at ``step()`` with the full grid (measured faster there)."""
-        if self.mode == "gpu":
-            return list(range(len(self._params_of_slot)))
-        if self.mode == "hybrid" and self._gpu_params == "last":
-            return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_gpu(sid)]
+        if self.mode == "gpu" or self._gpu_params == "last":
+            return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_device(sid)]
         return []
 
     def _hook_gpu_slots(self) -> None:
@@ -649,11 +620,7 @@ class OffloadAdamW(Optimizer):
                     f"step() (parameter {sid}); only the last micro-batch's backward "
                     "belongs in that block"
                 )
-            update = [(sid, opt._hp(opt._group_of_slot(sid)), *opt._device_grad(sid))]
-            if opt.mode == "gpu":
-                opt._engine.step(update, eager=True, max_blocks=opt._eager_blocks)
-            else:
-                opt._engine.step_gpu_eager(update, max_blocks=opt._eager_blocks)
+            opt._engine.launch_eager([(sid, opt._hp(opt._group_of_slot(sid)), *opt._device_grad(sid))])
             opt._eager_done.add(sid)
             with opt._pending_lock:
                 opt._pending.add(sid)
@@ -752,28 +719,18 @@ class OffloadAdamW(Optimizer):
             hp = self._hp(group)
             for p in group["params"]:
                 updates.append((self._slot_of[p], hp))
-        if self.mode == "gpu":
-            updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
-                       if self._params_of_slot[sid].grad is not None and sid not in eager_done]
-            sids = [u[0] for u in updates]
-            args = (updates, self.max_grad_norm)
-        elif self.mode == "hybrid":
-            on_gpu = self._engine.on_gpu
-            gpu_updates = [(sid, hp, *self._device_grad(sid)) for sid, hp in updates
-                           if on_gpu(sid) and self._params_of_slot[sid].grad is not None
-                           and sid not in eager_done]
-            cpu_updates = [(sid, hp) for sid, hp in updates if not on_gpu(sid)]
-            sids = [u[0] for u in gpu_updates] + [sid for sid, _ in cpu_updates if self._engine.has_grad(sid)]
-            args = (cpu_updates, gpu_updates, self.max_grad_norm)
-        else:
-            sids = [sid for sid, _ in updates if self._engine.has_grad(sid)]
-            args = (updates, self.max_grad_norm)
+        on_device = self._engine.on_device
+        # device slots: the gradient in param.grad (those updated eagerly are done);
+        # host slots: what the hooks offloaded
+        updates = [(sid, hp, *self._device_grad(sid)) if on_device(sid) else (sid, hp) for sid, hp in updates
+                   if not on_device(sid) or (self._params_of_slot[sid].grad is not None and sid not in eager_done)]
+        sids = [u[0] for u in updates if on_device(u[0]) or self._engine.has_grad(u[0])]
         # Marked before the engine runs, so that also when it raises part-way (e.g.
         # hybrid's GPU share failed after its host share was queued) the next forward
         # waits for whatever was queued. Waiting on a slot that queued nothing is harmless.
         with self._pending_lock:
             self._pending.update(sids)
-        self._engine.step(*args)
+        self._engine.step(updates, self.max_grad_norm)
         return loss
 
     def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
@@ -795,11 +752,11 @@ class OffloadAdamW(Optimizer):
             # mode only theirs: the host share's may still be running). Set to None, the
             # gradients stay alive in the engine until the next forward waits for them.
             with self._pending_lock:
-                sids = sorted(s for s in self._pending if self.mode == "gpu" or self._engine.on_gpu(s))
+                sids = sorted(s for s in self._pending if self._engine.on_device(s))
                 self._pending.difference_update(sids)
             self._engine.wait_ready(sids)
         super().zero_grad(set_to_none=set_to_none)
-        if self._engine is not None and self.mode in ("cpu", "hybrid"):
+        if self._engine is not None:
             self._engine.discard_grads()
 
     def _module_slots(self, module: torch.nn.Module) -> list[int]:

@@ -52,6 +52,7 @@
 #define TS_OX_NU_SWAP 2
 #define TS_OX_MU_SWAP 4
 #define TS_OX_CLIP 8
+#define TS_OX_NO_FMA 16
 
 // ---- kernel variants: trainstream._contract.VARIANT_* ----
 #define TS_VARIANT_TORCH_CPU 0
@@ -275,6 +276,9 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     const float eps = ts_ftz(s.s[TS_S_EPS]), wd = ts_ftz(s.s[TS_S_WD]);
     const float neg_lr = ts_ftz(s.s[TS_S_NEG_LR]);
     const float p0 = ts_ftz(p), m0 = ts_ftz(m), v0 = ts_ftz(v);
+    // fma(a, b, c) below: RN(RN(a*b) + c) with TS_OX_NO_FMA (XLA:CPU without FMA3)
+    const bool nofma = (code & TS_OX_NO_FMA) != 0;
+#define ts_z_fma(a, b, c) (nofma ? ts_z_add(ts_z_mul((a), (b)), (c)) : ts_z_fma((a), (b), (c)))
     if (code & TS_OX_MU_SWAP) {
       // m = fma(B1, m, RN(C1*g))
       m = ts_z_fma(B1, m0, ts_z_mul(C1, g));
@@ -304,6 +308,7 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     const float u = (wd != 0.0f) ? ts_z_fma(wd, p0, q) : q;
     // p = fma(f(-lr), u, p)
     p = ts_z_fma(neg_lr, u, p0);
+#undef ts_z_fma
   } else {
     // m = f(1-b1) * g + f(b1) * m
     m = __fadd_rn(__fmul_rn(s.s[TS_S_OMB1], g), __fmul_rn(s.s[TS_S_BETA1], m));

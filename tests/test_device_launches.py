@@ -1,4 +1,4 @@
-"""How ``GpuEngine.step`` groups its zero-copy launches, on CPU: the kernels' launcher and
+"""How ``DevicePlacement.step`` groups its zero-copy launches, on CPU: the kernels' launcher and
 the CUDA backend are replaced by recorders (no CuPy, no GPU). What the launches compute is
 tested on the GPU (``tests/test_device_kernels.py``: multi == single launches == the
 contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW``)."""
@@ -12,7 +12,7 @@ import pytest
 
 from trainstream import _contract as C
 from trainstream import _device_kernels as dk
-from trainstream import _gpu_engine as ge
+from trainstream import _device as ge
 
 HP = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0)
 
@@ -99,7 +99,7 @@ def launches(monkeypatch):
 
 
 def _engine(dtypes_sizes):
-    eng = ge.GpuEngine(_Backend())
+    eng = ge.DevicePlacement(_Backend())
     updates = []
     for k, (dtype, n) in enumerate(dtypes_sizes):
         sid = eng.add_param(1000 + 64 * k, n, dtype, "cuda")

@@ -1,4 +1,4 @@
-"""The ``gpu`` (zero-copy) mode of the engine.
+"""The device placement of the engine: zero-copy kernel launches.
 
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
 pinned host memory. CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, via
@@ -13,7 +13,7 @@ Ordering: the update stream waits for the compute stream at ``step`` (the whole
 backward; with ``eager``, from a gradient hook, the part of backward that produced that
 gradient), each launch records a *ready* event that the next forward waits on (shared
 by the parameters of a multi-tensor launch), and each gradient is kept alive until that
-wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream._engine.Engine`, this module imports
+wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream._engine.Engine`, which owns this placement, this module imports
 neither torch nor jax: the backend supplies streams, events and device scratch memory.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _contract as C
 
-__all__ = ["GpuEngine"]
+__all__ = ["DevicePlacement"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -64,7 +64,7 @@ class _GpuSlot:
     grad_keep: Any = None
 
 
-class GpuEngine:
+class DevicePlacement:
     """Zero-copy AdamW state in mapped host memory, updated by GPU kernels.
 
     The backend must provide, besides :class:`trainstream._engine.Backend`'s
@@ -232,9 +232,9 @@ class GpuEngine:
         """
         self._check_open()
         if clip_coef is not None and (max_grad_norm is not None or compute_norm):
-            raise ValueError("GpuEngine.step: clip_coef excludes max_grad_norm and compute_norm")
+            raise ValueError("DevicePlacement.step: clip_coef excludes max_grad_norm and compute_norm")
         if eager and (max_grad_norm is not None or compute_norm or clip_coef is not None):
-            raise ValueError("GpuEngine.step: an eager update cannot clip (the norm needs every gradient)")
+            raise ValueError("DevicePlacement.step: an eager update cannot clip (the norm needs every gradient)")
         dk, be = self._dk, self.backend
         t0 = time.perf_counter()
         self.check_grads(updates)

@@ -1,14 +1,14 @@
-"""hybrid mode's dispatcher (trainstream._split_engine.SplitEngine) on CPU: two host
-engines stand in for the host and zero-copy engines (the GPU one adapted to the zero-copy
-engine's step signature); slots are split by elements in registration order, work and
-state go to the right engine, and the result equals one engine doing everything."""
+"""The engine's ``hybrid`` placement policy on CPU: a host placement stands in for the
+device one (adapted to the zero-copy placement's step signature); slots are placed by
+elements in registration order, work and state go to the right placement, and the result
+equals one host placement doing everything."""
 
 import numpy as np
 import pytest
 
 from trainstream import _contract as C
 from trainstream import _engine as E
-from trainstream._split_engine import SplitEngine
+from trainstream import _host as H
 
 
 class _Buf:
@@ -45,11 +45,11 @@ class Backend:
         return value
 
 
-class FakeGpuEngine:
-    """The zero-copy engine's interface over a host engine (step takes the gradients)."""
+class FakeDevice:
+    """The zero-copy placement's interface over a host placement (step takes the gradients)."""
 
     def __init__(self):
-        self.e = E.Engine(Backend(), threads=1, chunk_elems=4096)
+        self.e = H.HostPlacement(Backend(), threads=1, chunk_elems=4096)
         self.eager_calls = 0
 
     def __getattr__(self, name):
@@ -84,13 +84,14 @@ def _params(seed=0):
 def test_split_equals_one_engine_and_dispatches_by_registration_order():
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
-    split = SplitEngine(E.Engine(Backend(), threads=2, chunk_elems=4096), FakeGpuEngine(), gpu_elems=6000)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=2, chunk_elems=4096,
+                     _device=FakeDevice)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
     for p in split_p:
         split.add_param(p, p.size, "float32", "cpu")
-    assert [split.on_gpu(s) for s in range(4)] == [True, False, False, True]  # what fits in 6000
+    assert [split.on_device(s) for s in range(4)] == [True, False, False, True]  # what fits in 6000
     rng = np.random.default_rng(1)
     for _ in range(5):
         grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
@@ -99,10 +100,10 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
         whole.step([(sid, hp) for sid in range(4)])
         cpu_updates = []
         for sid, g in enumerate(grads):
-            if not split.on_gpu(sid):
+            if not split.on_device(sid):
                 split.offload_grad(sid, g, "float32")
                 cpu_updates.append((sid, hp))
-        split.step(cpu_updates, [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)])
+        split.step(cpu_updates + [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_device(sid)])
         whole.synchronize()
         split.synchronize()
     for a, b in zip(whole_p, split_p):
@@ -112,13 +113,13 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
         assert split.get_step(sid) == 5
     st = split.stats()
     assert st["params"] == 4 and st["gpu_params"] == 2 and st["numel"] == 15100
-    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", host=True) == 4
-    assert not split.on_gpu(4)
-    with pytest.raises(RuntimeError, match="updated by the GPU kernel"):
+    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False) == 4
+    assert not split.on_device(4)
+    with pytest.raises(RuntimeError, match="updated on the device, not on the host"):
         split.offload_grad(0, np.zeros(5000, np.float32), "float32")
     split.truncate(3)  # drops slot 3 (GPU share, 100 elements) and 4: the share is free again
     assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu") == 3
-    assert split.on_gpu(3)
+    assert split.on_device(3)
     whole.close()
     split.close()
 
@@ -129,16 +130,17 @@ def test_explicit_placement_and_eager_gpu_share():
     ``step()`` without them; the bits of one engine doing everything."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
-    gpu = FakeGpuEngine()
-    split = SplitEngine(E.Engine(Backend(), threads=2, chunk_elems=4096), gpu, gpu_elems=7100)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    gpu = FakeDevice()
+    split = E.Engine(Backend(), placement="hybrid", device_elems=7100, threads=2, chunk_elems=4096,
+                     _device=lambda: gpu)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
     for sid, p in enumerate(split_p):
-        split.add_param(p, p.size, "float32", "cpu", gpu=sid >= 2)
-    assert [split.on_gpu(s) for s in range(4)] == [False, False, True, True]
-    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", host=True, gpu=True) == 4
-    assert not split.on_gpu(4)  # a frozen parameter stays on the host whatever gpu says
+        split.add_param(p, p.size, "float32", "cpu", on_device=sid >= 2)
+    assert [split.on_device(s) for s in range(4)] == [False, False, True, True]
+    assert split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False, on_device=True) == 4
+    assert not split.on_device(4)  # a frozen parameter stays on the host whatever gpu says
     split.truncate(4)
     rng = np.random.default_rng(2)
     for _ in range(4):
@@ -147,10 +149,10 @@ def test_explicit_placement_and_eager_gpu_share():
             whole.offload_grad(sid, g, "float32")
         whole.step([(sid, hp) for sid in range(4)])
         for sid in (3, 2):  # backward's order: the last parameters' gradients first
-            split.step_gpu_eager([(sid, hp, grads[sid], "float32")])
+            split.launch_eager([(sid, hp, grads[sid], "float32")])
         for sid in (1, 0):
             split.offload_grad(sid, grads[sid], "float32")
-        split.step([(0, hp), (1, hp)], [])
+        split.step([(0, hp), (1, hp)])
         whole.synchronize()
         split.synchronize()
     assert gpu.eager_calls == 8
@@ -167,9 +169,10 @@ def test_split_clipping_uses_one_norm_over_both_engines():
     clipping by that coefficient; the norm equals the one-engine norm to rounding."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p, plain_p = _params(), _params(), _params()
-    whole = E.Engine(Backend(), threads=2, chunk_elems=4096)
-    plain = E.Engine(Backend(), threads=1, chunk_elems=4096)  # the same gradients, never clipped
-    split = SplitEngine(E.Engine(Backend(), threads=3, chunk_elems=2048), FakeGpuEngine(), gpu_elems=6000)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    plain = H.HostPlacement(Backend(), threads=1, chunk_elems=4096)  # the same gradients, never clipped
+    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=3, chunk_elems=2048,
+                     _device=FakeDevice)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
     for p in plain_p:
@@ -183,10 +186,10 @@ def test_split_clipping_uses_one_norm_over_both_engines():
         grads = [rng.standard_normal(p.size).astype(np.float32) * 0.02 for p in whole_p]
         cpu_updates = []
         for sid, g in enumerate(grads):
-            if not split.on_gpu(sid):
+            if not split.on_device(sid):
                 split.offload_grad(sid, g, "float32")
                 cpu_updates.append((sid, hp))
-        norm = split.step(cpu_updates, [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)],
+        norm = split.step(cpu_updates + [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_device(sid)],
                           max_grad_norm=1.0)
         assert norm == split.last_grad_norm()
         exact = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)))
@@ -213,28 +216,29 @@ def test_split_clipping_uses_one_norm_over_both_engines():
 
 
 def test_split_worker_error_after_its_check_steps_both_shares_and_raises_later():
-    """A worker error recorded between the split's own check and the host share's step is
+    """A worker error recorded between the engine's own check and the host share's step is
     not raised there (the GPU share is already queued): both shares step, and the error
     comes out at the next call."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     params = _params()
-    gpu = FakeGpuEngine()
-    split = SplitEngine(E.Engine(Backend(), threads=1, chunk_elems=4096), gpu, gpu_elems=6000)
+    gpu = FakeDevice()
+    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=1, chunk_elems=4096,
+                     _device=lambda: gpu)
     for p in params:
         split.add_param(p, p.size, "float32", "cpu")
     grads = [np.ones(p.size, np.float32) for p in params]
     for sid in range(4):
-        if not split.on_gpu(sid):
+        if not split.on_device(sid):
             split.offload_grad(sid, grads[sid], "float32")
     real_step = gpu.step
 
     def step_then_worker_error(*a, **k):  # an error lands while the GPU share is queued
         real_step(*a, **k)
-        split.cpu._record_error(RuntimeError("worker failed"))
+        split.errors.record(RuntimeError("worker failed"))
 
     gpu.step = step_then_worker_error
-    split.step([(sid, hp) for sid in range(4) if not split.on_gpu(sid)],
-               [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)])
+    split.step([(sid, hp) for sid in range(4) if not split.on_device(sid)]
+               + [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_device(sid)])
     assert [split.get_step(sid) for sid in range(4)] == [1, 1, 1, 1]
     with pytest.raises(E.WorkerError, match="worker failed"):
         split.synchronize()
@@ -272,11 +276,12 @@ def _order_split(gpu_elems, skip_grads=(), **kw):
     two shares, recorded around the real calls."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     params = _params()
-    split = SplitEngine(E.Engine(Backend(), threads=1, chunk_elems=4096), FakeGpuEngine(), gpu_elems=gpu_elems)
+    split = E.Engine(Backend(), placement="hybrid", device_elems=gpu_elems, threads=1, chunk_elems=4096,
+                     _device=FakeDevice)
     for p in params:
         split.add_param(p, p.size, "float32", "cpu", **kw)
     order = []
-    for name, engine in (("host", split.cpu), ("gpu", split.gpu)):
+    for name, engine in (("host", split.host), ("gpu", split.device)):
         real = engine.step
 
         def recorded(*a, _real=real, _name=name, **k):
@@ -286,10 +291,10 @@ def _order_split(gpu_elems, skip_grads=(), **kw):
         engine.step = recorded
     grads = [np.ones(p.size, np.float32) for p in params]
     for sid in range(4):
-        if not split.on_gpu(sid) and sid not in skip_grads:
+        if not split.on_device(sid) and sid not in skip_grads:
             split.offload_grad(sid, grads[sid], "float32")
-    cpu_updates = [(sid, hp) for sid in range(4) if not split.on_gpu(sid)]
-    gpu_updates = [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_gpu(sid)]
+    cpu_updates = [(sid, hp) for sid in range(4) if not split.on_device(sid)]
+    gpu_updates = [(sid, hp, grads[sid], "float32") for sid in range(4) if split.on_device(sid)]
     return split, order, cpu_updates, gpu_updates
 
 
@@ -297,7 +302,7 @@ def test_a_host_slot_without_gradient_does_not_put_the_host_share_first():
     """3500: slot 0 is on the host but takes no gradient this step (frozen, unused):
     the first slot updated is the GPU share's slot 1, so the GPU share goes first."""
     split, order, cpu_updates, gpu_updates = _order_split(3500, skip_grads=(0,))
-    split.step(cpu_updates, gpu_updates)
+    split.step(cpu_updates + gpu_updates)
     split.synchronize()
     assert order == ["gpu", "host"]
     assert [split.get_step(sid) for sid in range(4)] == [0, 1, 1, 1]
@@ -314,11 +319,11 @@ def test_gpu_share_failing_after_the_host_share_is_sticky():
         order.append("gpu")
         raise RuntimeError("launch failed")
 
-    split.gpu.step = launch_fails
+    split.device.step = launch_fails
     with pytest.raises(RuntimeError, match="launch failed"):
-        split.step(cpu_updates, gpu_updates)
+        split.step(cpu_updates + gpu_updates)
     assert order == ["host", "gpu"]
-    with pytest.raises(E.WorkerError, match="GPU share's update failed after the host share's was queued"):
+    with pytest.raises(E.WorkerError, match="device share's update failed after the host share's was queued"):
         split.synchronize()
     split.clear_error()
     split.close()
@@ -330,7 +335,7 @@ def test_the_share_holding_the_first_slot_is_queued_first(gpu_elems, first):
     not fit, so the host share holds it and goes first (the 125M case: the tied
     embedding on the host)."""
     split, order, cpu_updates, gpu_updates = _order_split(gpu_elems)
-    split.step(cpu_updates, gpu_updates)
+    split.step(cpu_updates + gpu_updates)
     split.synchronize()
     assert order == ([first, "host" if first == "gpu" else "gpu"])
     assert [split.get_step(sid) for sid in range(4)] == [1, 1, 1, 1]
@@ -343,6 +348,6 @@ def test_a_bad_gpu_share_gradient_queues_neither_share():
     split, order, cpu_updates, gpu_updates = _order_split(3500)
     bad = [(sid, hp, g, "float64") for sid, hp, g, _ in gpu_updates]
     with pytest.raises(TypeError, match="unsupported dtype float64"):
-        split.step(cpu_updates, bad)
+        split.step(cpu_updates + bad)
     assert order == [] and [split.get_step(sid) for sid in range(4)] == [0, 0, 0, 0]
     split.close()
