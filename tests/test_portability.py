@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LEVELS = {
     "avx2": ("fma", dict(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="", ATEN_CPU_CAPABILITY="avx2",
                          MKL_ENABLE_INSTRUCTIONS="AVX2", XLA_FLAGS="--xla_cpu_max_isa=AVX2")),
+    # AVX without FMA3: XLA:CPU's AVX level (no contraction), MKL's AVX path
+    "avx": ("fma", dict(NUMBA_CPU_NAME="sandybridge", NUMBA_CPU_FEATURES="", ATEN_CPU_CAPABILITY="default",
+                        MKL_ENABLE_INSTRUCTIONS="AVX", XLA_FLAGS="--xla_cpu_max_isa=AVX")),
     "sse4.2": ("x86", dict(NUMBA_CPU_NAME="nehalem", NUMBA_CPU_FEATURES="", ATEN_CPU_CAPABILITY="default",
                            MKL_ENABLE_INSTRUCTIONS="SSE4_2", XLA_FLAGS="--xla_cpu_max_isa=SSE4_2")),
 }

@@ -324,6 +324,27 @@ def _shutdown_pool(pool: _WorkerPool) -> None:
     pool.shutdown()
 
 
+# -- fork ----------------------------------------------------------------------------------
+#: The host placements of this process. A child of ``os.fork()`` inherits them without their
+#: worker threads (and maybe with a lock a worker held): there they refuse all work with a
+#: clear error and close without waiting, instead of hanging.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+_FORKED = ("TrainStream: this optimizer was built in the parent process before os.fork(); its "
+           "worker threads do not exist in this child process. Build a new optimizer in the "
+           "child (or fork before building it).")
+
+
+def _orphan_after_fork() -> None:
+    for h in list(_LIVE):
+        h._forked = True
+        h._finalizer.detach()  # its workers did not survive the fork: nothing to stop
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_orphan_after_fork)
+
+
 # -- slots ----------------------------------------------------------------------------------
 
 _NO_GRAD, _STAGED, _ACCUMULATED = 0, 1, 2
@@ -439,8 +460,10 @@ class HostPlacement:
         self._last_norm: float | None = None
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
         self._closed = False
+        self._forked = False
         self._pool = _WorkerPool(threads, worker_nice)
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
+        _LIVE.add(self)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -453,6 +476,8 @@ class HostPlacement:
         return self._closed
 
     def _check_open(self) -> None:
+        if self._forked:
+            raise RuntimeError(_FORKED)
         if self._closed:
             raise RuntimeError("TrainStream engine is closed")
 
@@ -606,6 +631,8 @@ class HostPlacement:
                 s.cond.notify_all()
 
     def _wait_idle(self, s: _Slot) -> None:
+        if self._forked:  # before the lock: a worker of the parent may have held it
+            raise RuntimeError(_FORKED)
         with s.cond:
             while s.inflight:
                 s.cond.wait()
@@ -943,6 +970,10 @@ class HostPlacement:
     def close(self) -> None:
         """Drain the queued work, join the workers and release the host buffers."""
         if self._closed:
+            return
+        if self._forked:  # a child of os.fork(): nothing of the parent's work to wait for
+            self._closed = True
+            self._slots = []
             return
         if self._pool.owns_current_thread():
             # Called from a worker (e.g. a finalizer run by the garbage collector inside a

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel as _DDP
 from torch.optim import Optimizer
 
 from .. import _contract as C
@@ -247,6 +248,25 @@ def torch_cpu_code() -> int:
     return _TC_CODE
 
 
+class _Owned:
+    """What one :class:`OffloadAdamW` releases, once: its hooks and its engine."""
+
+    def __init__(self, *hook_dicts: dict):
+        self.hook_dicts = hook_dicts
+        self.handles: list[Any] = []
+        self.engine: Engine | None = None
+
+    def release(self) -> None:
+        for d in self.hook_dicts:
+            for h in d.values():
+                h.remove()
+            d.clear()
+        for h in self.handles:
+            h.remove()
+        if self.engine is not None:
+            self.engine.close()
+
+
 def t_itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -430,6 +450,10 @@ class OffloadAdamW(Optimizer):
         self._wait_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._device: torch.device | None = None
         self._closed = False
+        # Released once, by close() or when this optimizer itself is collected: never by a
+        # wrapper that copies its attributes (Lightning's LightningOptimizer).
+        self._owned = _Owned(self._hooks, self._gpu_hooks)
+        self._release = weakref.finalize(self, self._owned.release)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
         super().__init__(params, defaults)
         if self._deferred:
@@ -461,16 +485,31 @@ class OffloadAdamW(Optimizer):
             if module not in opt._called:
                 opt._called.add(module)
                 opt._wait_sets.clear()
+                if isinstance(module, _DDP) and any(p in opt._slot_of for p in module.parameters()):
+                    raise RuntimeError(
+                        "OffloadAdamW does not support DistributedDataParallel yet: its gradient "
+                        "hooks take each gradient before DDP's all-reduce, so the replicas would "
+                        "diverge without an error. Train in one process for now."
+                    )
             if opt._pending:
                 opt._wait_module(module)
 
         self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        self._owned.handles.append(self._forward_hook)
 
     # -- parameters -------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         n_groups, n_slots = len(self.param_groups), len(self._params_of_slot)
         super().add_param_group(param_group)
+        listed = self.param_groups[-1]["params"]
+        if len({id(p) for p in listed}) != len(listed):
+            del self.param_groups[n_groups:]
+            raise ValueError(
+                f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
+                "(torch.optim.AdamW would update it once per listing, and warns that this will "
+                "become an error); list each parameter once"
+            )
         if self._deferred:  # hybrid, inside __init__: registered once every group is known
             try:
                 _check_group(self.param_groups[-1])
@@ -532,6 +571,7 @@ class OffloadAdamW(Optimizer):
                     f"OffloadAdamW mode={self.mode!r} needs CuPy: pip install 'trainstream[cuda12]' or "
                     f"'trainstream[cuda13]' ({exc})"
                 ) from exc
+            self._owned.engine = self._engine
             self._device = p.device
         elif p.device != self._device:
             raise ValueError(
@@ -925,14 +965,4 @@ class OffloadAdamW(Optimizer):
         if self._closed:
             return
         self._closed = True
-        for h in [*self._hooks.values(), *self._gpu_hooks.values()]:
-            h.remove()
-        self._forward_hook.remove()
-        if self._engine is not None:
-            self._engine.close()  # drains queued work; a worker failure was raised already
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
+        self._release()  # drains queued work; a worker failure was raised already

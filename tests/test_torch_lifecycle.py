@@ -1,0 +1,184 @@
+"""The optimizer's lifecycle in the loops users run: wrappers that copy it (Lightning's
+LightningOptimizer), ``os.fork()``, DistributedDataParallel (refused until supported) and a
+parameter listed twice (refused)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainstream.torch import OffloadAdamW  # noqa: E402
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _step(model, opt, x, last=False):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    if last:
+        with opt.last_micro_batch():
+            loss.backward()
+    else:
+        loss.backward()
+    opt.step()
+
+
+def _assert_same(model, ref, opt):
+    opt.synchronize()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+class _CopyingWrapper:
+    """Lightning's LightningOptimizer: a copy of the optimizer's ``__dict__`` (less ``step``
+    and ``__del__``) in an object of a class made from the wrapper's and the optimizer's."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")}
+        self.__class__ = type("Lightning" + optimizer.__class__.__name__,
+                              (self.__class__, optimizer.__class__), {})
+        self._optimizer = optimizer
+
+    def step(self, closure=None):
+        return self._optimizer.step(closure)
+
+
+def test_a_wrapper_that_copies_the_optimizer_never_closes_it():
+    model, ref = _pair()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i in range(3):
+        wrapper = _CopyingWrapper(opt)  # Lightning makes one per fit/step call
+        x = torch.randn(5, 8)
+        _step(model, wrapper, x)
+        _step(ref, ropt, x)
+        del wrapper
+        gc.collect()
+    _assert_same(model, ref, opt)
+    opt.close()
+
+
+def test_real_lightning_optimizer_wrapper():
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model, ref = _pair(1)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        wrapped = LightningOptimizer(opt)
+        x = torch.randn(5, 8)
+        _step(model, opt, x)
+        _step(ref, ropt, x)
+        del wrapped
+        gc.collect()
+    _assert_same(model, ref, opt)
+    opt.close()
+    del pl
+
+
+def test_the_optimizer_itself_is_collected_and_releases_its_engine():
+    model, _ = _pair()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, threads=2)
+    engine = opt._engine
+    _step(model, opt, torch.randn(5, 8))
+    del opt
+    gc.collect()
+    assert engine.closed
+    model(torch.randn(2, 8))  # no hook of the dead optimizer is left in the way
+
+
+_FORK_SCRIPT = r"""
+import os, sys, time
+import torch
+from trainstream.torch import OffloadAdamW
+
+child = sys.argv[1]
+torch.manual_seed(2)
+model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+ref = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+ref.load_state_dict(model.state_dict())
+opt = OffloadAdamW(model.parameters(), lr=1e-2, threads=2)
+ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+x = torch.randn(64, 8)
+ropt.zero_grad(); ref(x).square().mean().backward(); ropt.step()
+opt.zero_grad()
+with opt.last_micro_batch():  # host updates queued during backward, running at the fork
+    model(x).square().mean().backward()
+pid = os.fork()
+if pid == 0:
+    if child == "use":
+        try:
+            opt.step(); opt.synchronize()
+        except RuntimeError as e:
+            sys.exit(0 if "os.fork()" in str(e) else 4)
+        sys.exit(3)
+    sys.exit(0)  # interpreter exit: the optimizer's finalizers run in the child
+t0 = time.monotonic()
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.monotonic() - t0 > 60:
+        os.kill(pid, 9); print("child hung"); sys.exit(5)
+    time.sleep(0.05)
+assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+opt.step()
+for _ in range(2):
+    x = torch.randn(64, 8)
+    for m, o in ((model, opt), (ref, ropt)):
+        o.zero_grad(); m(x).square().mean().backward(); o.step()
+opt.synchronize()
+assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("child", ["exit", "use"])
+def test_fork_with_work_queued_never_hangs_the_child(child):
+    """Fork right after an eager backward queued the host updates: a child that exits
+    (``sys.exit``, finalizers and all) does so at once; a child that uses the parent's
+    optimizer gets a clear error; the parent trains on, bit-identical to torch.optim.AdamW."""
+    r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, child], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_ddp_is_refused_with_a_clear_error(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        model, _ = _pair()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = OffloadAdamW(ddp.parameters(), lr=1e-2)
+        with pytest.raises(RuntimeError, match="does not support DistributedDataParallel"):
+            ddp(torch.randn(2, 8))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_parameter_listed_twice_is_refused():
+    model, _ = _pair()
+    w = model[0].weight
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="more than once"):
+        OffloadAdamW([w, model[0].bias, w], lr=1e-2)
+    opt = OffloadAdamW([{"params": [w]}], lr=1e-2)
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": [model[2].weight, model[2].weight]})
+    assert len(opt.param_groups) == 1
+    opt.close()
