@@ -182,3 +182,30 @@ def test_a_parameter_listed_twice_is_refused():
         opt.add_param_group({"params": [model[2].weight, model[2].weight]})
     assert len(opt.param_groups) == 1
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_compiled_model_trains_bit_identically(how):
+    """Dynamo does not trace the optimizer's forward gate (it runs eagerly); the compiled
+    model waits for its weights and trains to torch.optim.AdamW's bits, eager path too."""
+    def compiled(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
+        if how == "torch.compile":
+            return m, torch.compile(m)
+        m.compile()
+        return m, m
+
+    model, cmodel = compiled(3)
+    ref, cref = compiled(3)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, threads=2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: global module hooks fire once more for an OptimizedModule
+        for i in range(4):
+            x = torch.randn(32, 64)
+            _step(cmodel, opt, x, last=i % 2 == 1)
+            _step(cref, ropt, x)
+    _assert_same(model, ref, opt)
+    opt.close()

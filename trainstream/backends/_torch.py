@@ -478,6 +478,7 @@ class OffloadAdamW(Optimizer):
         # One global forward pre-hook: before a module runs, wait for its own weights.
         ref = weakref.ref(self)
 
+        @torch.compiler.disable  # runs eagerly, outside any graph Dynamo traces
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
             opt = ref()
             if opt is None:
