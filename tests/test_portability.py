@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from trainstream._jit import target_features
 
 ROOT = Path(__file__).resolve().parent.parent
 
