@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (the Numba feature the host needs for it, the environment that forces it)
