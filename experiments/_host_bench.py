@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream._jit import OPTS as _JIT_OPTS
 from trainstream._host_kernels import _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
 
@@ -110,10 +110,10 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     ``sqrt_mode``: the square root of that convention (:mod:`trainstream._cpu_sqrt`):
     0, IEEE (the root of torch's fused CPU AdamW and of every CUDA convention), or the MKL
     path that torch's default CPU AdamW takes on this machine
-    (``trainstream.backends._torch.torch_cpu_code()``).
+    (``trainstream.torch._backend.torch_cpu_code()``).
 
     The array is split into ``threads`` contiguous ranges, one per thread. Before timing,
-    one full threaded update is checked against :func:`~trainstream._contract.reference_update`
+    one full threaded update is checked against :func:`~trainstream.contract.reference_update`
     on a sample of elements (every range boundary included); a mismatch raises
     ``RuntimeError``. Returns the best of ``repeats`` timed updates:
     ``{"ms", "gelems_per_s", "gbps", "threads", "numel"}`` (28 bytes per element).

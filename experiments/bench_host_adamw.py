@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     n, t = args.numel, args.threads
     mkl_mode = 0
     if torch is not None:
-        from trainstream.backends._torch import torch_cpu_code
+        from trainstream.torch._backend import torch_cpu_code
 
         mkl_mode = torch_cpu_code()
     for _ in range(args.rounds):

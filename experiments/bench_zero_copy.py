@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream import _device_kernels as dk
 
 TARGETS = {"float32": 0.95, "bfloat16": 0.90}

@@ -27,7 +27,7 @@ import numpy as np
 
 def host_loop(p, m, v, g, scalars, begin, end, stop, counter, lock):
     """Update [begin, end) over and over until ``stop`` is set; count elements."""
-    from trainstream import _contract as C
+    from trainstream import contract as C
     from trainstream._host_kernels import adamw_chunk
 
     done = 0
@@ -96,7 +96,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("contention.py needs a CUDA GPU")
-    from trainstream import _contract as C
+    from trainstream import contract as C
 
     hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
     scalars = C.step_scalars(hp, 1, "torch", "cuda", np.float32(1.0))

@@ -18,7 +18,7 @@ identical batches. Every setting uses a warmup-cosine schedule and a weight-deca
   trains fp32 masters with optax, fed the upcast gradients of its own half model, whose
   weights are the rounded master (the upcast is its own program: inside the update's
   program XLA would fuse it into the moment update, see "Fused gradients" in
-  ``trainstream/_contract.py``);
+  ``trainstream/contract.py``);
 * with and without clipping. The global norm is an input that only XLA computes, and its
   float32 value depends on the program that computes it (XLA's reduction order follows
   the fusion with the gradient and the leaves' dtype). offload_adamw computes it where
@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import optax
 
 import trainstream.jax as tsj
-from trainstream import _contract as C
+from trainstream import contract as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402

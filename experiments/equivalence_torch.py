@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream.torch import OffloadAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

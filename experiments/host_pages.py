@@ -99,7 +99,7 @@ def alloc(mode: str, numel: int, keep: list):
 
 def run_mode(mode, numel, threads, seconds, chunk):
     import torch
-    from trainstream import _contract as C
+    from trainstream import contract as C
     from trainstream._host_kernels import KIND_BF16, adamw_chunk
 
     keep: list = []

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
+from trainstream import contract as C
 
 torch = pytest.importorskip("torch")
 

@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from trainstream.backends import _cuda_driver as drv
+from trainstream import _cuda as drv
 
 
 def test_available_is_a_bool():

@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream import _device_kernels as dk
 
 gpu = pytest.mark.gpu

@@ -10,9 +10,9 @@ import itertools
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream import _device_kernels as dk
-from trainstream import _device as ge
+from trainstream.core import _device as ge
 
 HP = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0)
 

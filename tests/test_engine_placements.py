@@ -6,9 +6,9 @@ equals one host placement doing everything."""
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
-from trainstream import _engine as E
-from trainstream import _host as H
+from trainstream import contract as C
+from trainstream.core import _engine as E
+from trainstream.core import _host as H
 
 
 class _Buf:

@@ -1,4 +1,4 @@
-"""The workers' queue order (trainstream._host._WorkQueue): forward order across slots,
+"""The workers' queue order (trainstream.core._host._WorkQueue): forward order across slots,
 submission order within a slot, jobs whose copy has not landed passed over."""
 
 import types
@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from trainstream import _host as E
+from trainstream.core import _host as E
 
 
 class _HostBackend:

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
-from trainstream import _host as E
+from trainstream import contract as C
+from trainstream.core import _host as E
 
 
 class _Event:

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from trainstream import _contract as C
+from trainstream import contract as C
 from trainstream import _host_kernels as K
 from trainstream._cpu_sqrt import available_modes as sqrt_modes_here
 
@@ -248,7 +248,7 @@ def test_adamw_unknown_codes_rejected():
 def test_torch_cpu_kernel_matches_torch_adamw():
     if torch is None:
         pytest.skip("torch not installed")
-    from trainstream.backends._torch import torch_cpu_code
+    from trainstream.torch._backend import torch_cpu_code
 
     sqrt_mode = torch_cpu_code()
     n, steps = 4097, 50
@@ -272,7 +272,7 @@ def test_torch_cpu_kernel_matches_torch_adamw():
 
 
 def _xla_cpu_fma():
-    from trainstream.backends._jax import _xla_cpu_fma as probe
+    from trainstream.jax._transform import _xla_cpu_fma as probe
 
     return probe()
 

@@ -96,7 +96,7 @@ def test_bits_on_huge_pages(dtype, monkeypatch):
 
 def test_jax_host_state_on_huge_pages(monkeypatch):
     pytest.importorskip("jax")
-    from trainstream.backends._jax import JaxCpuBackend, _aligned_empty
+    from trainstream.jax._transform import JaxCpuBackend, _aligned_empty
 
     calls = []
     real_empty = _hostmem.empty

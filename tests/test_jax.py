@@ -455,7 +455,7 @@ def test_torch_convention_needs_torch(monkeypatch):
 def test_load_state_dict_recovers_from_a_worker_failure(monkeypatch):
     """A worker failure is sticky until a checkpoint is loaded; then training resumes."""
     from trainstream import _host_kernels as K
-    from trainstream import _host as E
+    from trainstream.core import _host as E
 
     rng = np.random.default_rng(12)
     params = mlp_init(rng)
@@ -486,7 +486,7 @@ def test_load_state_dict_recovers_from_a_worker_failure(monkeypatch):
 
 
 def test_worker_nice_reaches_the_engine():
-    from trainstream.backends import _jax as J
+    from trainstream.jax import _transform as J
 
     params = mlp_init(np.random.default_rng(13))
     for kw, want in ((dict(), 5), (dict(worker_nice=19), 19)):

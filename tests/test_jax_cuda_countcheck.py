@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from trainstream.backends import _jax_cuda as jc
+from trainstream.jax import _gpu as jc
 
 
 class FakeStream:

@@ -3,7 +3,7 @@ the GPU, no optimizer state in GPU memory, eager = jit, checkpoints across modes
 
 XLA:GPU's optax uses approximate square root and division (``sqrt.approx``,
 ``div.full``), so the comparison is per step and bounded in ULPs
-(``trainstream._contract.OPTAX_CUDA_MAX_ULP``): each step starts optax from *our* state
+(``trainstream.contract.OPTAX_CUDA_MAX_ULP``): each step starts optax from *our* state
 (exported with ``state_dict``), so differences cannot compound over the steps.
 """
 
@@ -17,7 +17,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import trainstream.jax as tsj  # noqa: E402
-from trainstream import _contract as C  # noqa: E402
+from trainstream import contract as C  # noqa: E402
 from trainstream._device_kernels import _update_ulps  # noqa: E402
 
 pytestmark = pytest.mark.gpu

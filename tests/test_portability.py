@@ -63,7 +63,7 @@ def test_every_kernel_compiles_and_runs():
     builds and runs on a few elements; a missing instruction would abort the process."""
     import numpy as np
 
-    from trainstream import _contract as C
+    from trainstream import contract as C
     from trainstream import _cpu_sqrt as S
     from trainstream import _host_kernels as K
 

@@ -185,9 +185,9 @@ def _copies_through(copies, monkeypatch):
     """``"torch"``: the torch backend's copies and events through torch, as where the CUDA
     driver library cannot be loaded (the fallback); ``"driver"``: through ctypes (default)."""
     if copies == "torch":
-        from trainstream.backends import _cuda_driver
+        from trainstream import _cuda
 
-        monkeypatch.setattr(_cuda_driver, "available", lambda: False)
+        monkeypatch.setattr(_cuda, "available", lambda: False)
 
 
 @pytest.mark.parametrize("copies", ["driver", "torch"])
@@ -207,9 +207,9 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch
     """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
     copy into it, queued at once (no forward in between to order it), must not overwrite
     the weights the upload is still reading."""
-    from trainstream import _contract as C
-    from trainstream._host import HostPlacement as Engine
-    from trainstream.backends._torch import TorchBackend
+    from trainstream import contract as C
+    from trainstream.core._host import HostPlacement as Engine
+    from trainstream.torch._backend import TorchBackend
 
     _copies_through(copies, monkeypatch)
     n = 1 << 24
@@ -236,7 +236,7 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch
 
 
 def test_driver_copies_events_and_errors():
-    from trainstream.backends import _cuda_driver as drv
+    from trainstream import _cuda as drv
 
     ctx = drv.Context(torch.cuda.current_device())
     stream = torch.cuda.Stream()
@@ -266,7 +266,7 @@ def test_driver_calls_leave_the_threads_context_alone():
     import ctypes
     import threading
 
-    from trainstream.backends import _cuda_driver as drv
+    from trainstream import _cuda as drv
 
     ctx = drv.Context(torch.cuda.current_device())
     stream = torch.cuda.Stream()
@@ -390,7 +390,7 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
     a launch closed once it holds MULTI_LAUNCH_ELEMS elements (3000 here, so that the tiny
     model takes several), and no launch per tensor; the weights stay bit-identical to
     torch.optim.AdamW (clipping: the device norm read by every tensor of the launch)."""
-    import trainstream._device as ge
+    import trainstream.core._device as ge
 
     monkeypatch.setattr(ge, "MULTI_LAUNCH_ELEMS", 3000)
     multi, single = _record_launches(monkeypatch)

@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trainstream import _contract as C  # noqa: E402
+from trainstream import contract as C  # noqa: E402
 from trainstream import _host_kernels as K  # noqa: E402
-from trainstream._engine import WorkerError  # noqa: E402
+from trainstream.core._engine import WorkerError  # noqa: E402
 from trainstream.torch import OffloadAdamW  # noqa: E402
 
 VOCAB, CTX = 32, 12
@@ -597,8 +597,8 @@ def test_bad_worker_nice_is_refused(value):
 
 
 def test_engine_is_collected_and_its_workers_stop():
-    from trainstream._engine import Engine
-    from trainstream.backends._torch import TorchBackend
+    from trainstream.core._engine import Engine
+    from trainstream.torch._backend import TorchBackend
 
     def workers():
         return sum(t.name.startswith("trainstream-worker") for t in threading.enumerate())

@@ -1,4 +1,4 @@
-"""Tests for trainstream.backends._xla_ffi (Python typed-FFI handlers, CPU only)."""
+"""Tests for trainstream.jax._xla_ffi (Python typed-FFI handlers, CPU only)."""
 
 import ctypes
 
@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from trainstream.backends import _xla_ffi as xf  # noqa: E402
+from trainstream.jax import _xla_ffi as xf  # noqa: E402
 
 # XLA's handler registry is process-global: every test uses its own target names.
 

@@ -4,7 +4,7 @@ Public entry points:
 
 * ``trainstream.torch.OffloadAdamW`` (PyTorch optimizer)
 * ``trainstream.jax.offload_adamw`` (optax ``GradientTransformation``; JAX on the CPU)
-* the arithmetic contract: ``trainstream.contract`` (``trainstream._contract``)
+* the arithmetic contract: ``trainstream.contract`` (``trainstream.contract``)
 
 ``import trainstream`` needs none of torch, jax or cupy; the names below load lazily.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from . import _contract as contract
-from ._contract import CONVENTIONS, PLATFORMS, AdamWHyperParams
+from . import contract
+from .contract import CONVENTIONS, PLATFORMS, AdamWHyperParams
 
 __version__ = "0.2.0.dev0"
 

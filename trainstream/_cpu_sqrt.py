@@ -251,7 +251,7 @@ def detect_lerp_fma(reference_lerp) -> bool | None:
     """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
     is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
     False, the contract's ``TC_NO_FMA``); None when it is neither."""
-    from ._contract import fma_f32  # noqa: PLC0415
+    from .contract import fma_f32  # noqa: PLC0415
 
     rng = np.random.default_rng(1)
     a = rng.standard_normal(1 << 14).astype(np.float32)

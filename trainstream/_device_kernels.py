@@ -1,7 +1,7 @@
 """CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels in
 ``trainstream/kernels/*.cu``.
 
-The arithmetic of the update is :mod:`trainstream._contract` (one kernel variant per
+The arithmetic of the update is :mod:`trainstream.contract` (one kernel variant per
 ``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
 it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` and
 ``trainstream/kernels/grad_sumsq.cu`` once per device, launching them on raw pointers and
@@ -50,7 +50,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from . import _contract as C
+from . import contract as C
 
 __all__ = [
     "ADAMW_SOURCE",
@@ -204,7 +204,7 @@ _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 
 def check_kernel_constants() -> None:
-    """Check that the ``#define``\\ s of the .cu files match :mod:`trainstream._contract`.
+    """Check that the ``#define``\\ s of the .cu files match :mod:`trainstream.contract`.
 
     Scalar indices (``TS_S_*`` = ``S_*``), variant numbers (``TS_VARIANT_*`` =
     ``VARIANT_*``), optax/cpu code bits (``TS_OX_*`` = ``OX_*``), ``TS_N_SCALARS`` and the block sizes. Raises ``RuntimeError`` listing
@@ -223,7 +223,7 @@ def check_kernel_constants() -> None:
             problems.append(f"{ADAMW_SOURCE}: {key} is {got}, the contract says {want}")
     for key in sorted(adamw):
         if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected:
-            problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream._contract")
+            problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract")
     if sumsq.get("TS_SUMSQ_THREADS") != SUMSQ_THREADS:
         problems.append(
             f"{SUMSQ_SOURCE}: TS_SUMSQ_THREADS is {sumsq.get('TS_SUMSQ_THREADS')}, "
@@ -448,7 +448,7 @@ def launch_adamw(
 ) -> None:
     """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous).
 
-    ``variant``: a ``trainstream._contract.VARIANT_*`` number. ``param_ptr``: the weights
+    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights
     in GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place.
     ``grad_ptr``: the gradient in GPU memory (any of the three dtypes). ``master_ptr``:
     fp32 master weights in mapped host memory (device pointer), required for fp16/bf16
@@ -456,7 +456,7 @@ def launch_adamw(
     moments, device pointers to mapped pinned host memory (see :func:`alloc_mapped`).
     Any element alignment works; 16-byte-aligned state takes the vector path.
 
-    ``scalars``: the float32 vector of :func:`trainstream._contract.step_scalars`,
+    ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars`,
     passed by value; or ``scalars_ptr``, a device pointer to those 12 float32 (then
     ``scalars`` may be ``None``), e.g. the buffer an XLA FFI handler receives.
 
@@ -792,7 +792,7 @@ def _check_sample(variant, p_before, m_before, v_before, g, scalars, p_after, m_
     if problems:
         raise AssertionError(
             f"zero-copy AdamW ({_VARIANT_NAMES[variant]}, {pd} weights) does not match "
-            "trainstream._contract.reference_update:\n  " + "\n  ".join(problems)
+            "trainstream.contract.reference_update:\n  " + "\n  ".join(problems)
         )
 
 
@@ -809,7 +809,7 @@ def benchmark_zero_copy_adamw(
     """Time the zero-copy AdamW kernel on ``numel`` elements: weights and gradient in GPU
     memory, m and v (and the fp32 master for fp16/bf16 weights) in mapped host memory.
 
-    First checks one update against :func:`trainstream._contract.reference_update` on a
+    First checks one update against :func:`trainstream.contract.reference_update` on a
     sample of elements (``AssertionError`` if it differs), then times ``repeats`` runs of
     ``iters`` back-to-back launches with CUDA events and reports the median:
     ``{"ms", "gelems_per_s", "pcie_gbps", "numel", "bytes_per_elem", ...}``.

@@ -1,6 +1,6 @@
 """Numba host kernels: AdamW update, gradient accumulation, sum of squares.
 
-The arithmetic of :func:`adamw_chunk` is the contract of :mod:`trainstream._contract`
+The arithmetic of :func:`adamw_chunk` is the contract of :mod:`trainstream.contract`
 (read it there; it is not restated here). Every kernel works on flat, contiguous 1-D
 buffers over a half-open ``[begin, end)`` range so that worker threads can run disjoint
 chunks of one parameter in parallel; all are compiled with ``nogil=True`` (the GIL is
@@ -60,7 +60,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._contract import (
+from .contract import (
     N_SCALARS,
     S_BC1,
     S_BC2,
@@ -587,7 +587,7 @@ _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
 
 
 def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE):
-    """One AdamW update of elements ``[begin, end)``; see :mod:`trainstream._contract`.
+    """One AdamW update of elements ``[begin, end)``; see :mod:`trainstream.contract`.
 
     ``p`` fp32 master (updated in place), ``m``/``v`` fp32 moments (in place), ``g`` the
     gradient (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16), ``out16``
@@ -595,7 +595,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written). ``out16`` may be ``g``
     itself (``okind == gkind``, fp16/bf16): each element's gradient is read before its
     weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). ``s`` the float32 scalars of
-    :func:`~trainstream._contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
+    :func:`~trainstream.contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
     torch/cpu code of the contract: the :mod:`trainstream._cpu_sqrt` mode of ``msqrt`` |
     ``TC_NO_FMA`` (ATen's unfused DEFAULT kernels). optax/cpu reads
     its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
@@ -738,13 +738,13 @@ def host_adamw_update(
     """One AdamW update of ``p``, ``m``, ``v`` in place over ``[begin, end)``, validated.
 
     ``tc_code``: for torch/cpu, the contract's torch/cpu code on this machine (sqrt mode
-    | ``TC_NO_FMA``; ``trainstream.backends._torch.torch_cpu_code()``); the default, IEEE
+    | ``TC_NO_FMA``; ``trainstream.torch._optimizer.torch_cpu_code()``); the default, IEEE
     and fused, is bit-identical to torch only where torch's sqrt is IEEE.
 
     ``p``, ``m``, ``v``: float32 1-D C-contiguous writeable arrays of one length (master
     weight and moments). ``g``: the gradient, same length: float32, float16, bfloat16
     (``ml_dtypes``) or uint16 bit patterns with ``grad_kind`` ("float16"/"bfloat16").
-    ``scalars``: the float32 vector of :func:`trainstream._contract.step_scalars` for the
+    ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars` for the
     same ``convention``/``platform``. ``out`` (optional): receives the new weights rounded
     to float16/bfloat16 (or uint16 with ``out_kind``). Raises ``TypeError`` for a wrong
     type or dtype, ``ValueError`` for a wrong shape, length, layout, range or name.

@@ -8,7 +8,7 @@
 //   master    fp32 master weights in mapped pinned host memory, for fp16/bf16 weights
 //             only; fp32 weights are their own master (pass nullptr)
 //
-// The arithmetic is the AdamW contract of trainstream/_contract.py, one branch per
+// The arithmetic is the AdamW contract of trainstream/contract.py, one branch per
 // (convention, platform) variant; each line of maths below quotes the contract line
 // it implements. Rounding is explicit: every float operation is an _rn intrinsic,
 // fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not depend
@@ -26,7 +26,7 @@
 
 #define TS_ADAMW_THREADS 256
 
-// ---- the per-step float32 scalar vector: indices are trainstream._contract.S_* ----
+// ---- the per-step float32 scalar vector: indices are trainstream.contract.S_* ----
 // (trainstream/_device_kernels.py checks these against the contract when it loads this file)
 #define TS_N_SCALARS 12
 #define TS_S_CLIP 0
@@ -47,14 +47,14 @@
 #define TS_S_CLIP_DIV 10
 #define TS_S_OX_CODE 11
 
-// ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream._contract.OX_* ----
+// ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream.contract.OX_* ----
 #define TS_OX_FORM_R 1
 #define TS_OX_NU_SWAP 2
 #define TS_OX_MU_SWAP 4
 #define TS_OX_CLIP 8
 #define TS_OX_NO_FMA 16
 
-// ---- kernel variants: trainstream._contract.VARIANT_* ----
+// ---- kernel variants: trainstream.contract.VARIANT_* ----
 #define TS_VARIANT_TORCH_CPU 0
 #define TS_VARIANT_TORCH_CUDA 1
 #define TS_VARIANT_OPTAX_CPU 2
@@ -78,7 +78,7 @@ struct ts_bf16 {
 // ------------------------------------------------------------------------------------------
 
 // torch/cpu: the square root ATen's CPU kernels use. The host contract
-// (trainstream._contract) defines this function; this is its device form.
+// (trainstream.contract) defines this function; this is its device form.
 __device__ __forceinline__ float torch_cpu_sqrt(float x) { return __fsqrt_rn(x); }
 
 // optax/cuda: XLA:GPU calls libdevice __nv_sqrtf with __CUDA_PREC_SQRT unset and
@@ -121,7 +121,7 @@ template <>
 __device__ __forceinline__ float ts_from_f32<float>(float x) {
   return x;
 }
-// f32 -> bf16: round to nearest even, NaN -> 0x7FC0 (_contract.f32_to_bf16_bits, c10::BFloat16)
+// f32 -> bf16: round to nearest even, NaN -> 0x7FC0 (contract.f32_to_bf16_bits, c10::BFloat16)
 template <>
 __device__ __forceinline__ ts_bf16 ts_from_f32<ts_bf16>(float x) {
   const unsigned int u = __float_as_uint(x);
@@ -185,7 +185,7 @@ __device__ __forceinline__ bool ts_aligned(const void* p, unsigned long long byt
 // Gradient clipping coefficient from the device sum of squares (grad_sumsq.cu)
 // ------------------------------------------------------------------------------------------
 
-// _contract.clip_coefficient(sqrt(sumsq), max_norm), in the same float32 operations
+// contract.clip_coefficient(sqrt(sumsq), max_norm), in the same float32 operations
 __device__ __forceinline__ float ts_clip_coefficient(double sumsq, float max_norm) {
   // norm = sqrt(sum of squares), float64, then f32(norm)
   const float norm = __double2float_rn(__dsqrt_rn(sumsq));
@@ -199,7 +199,7 @@ __device__ __forceinline__ float ts_clip_coefficient(double sumsq, float max_nor
 // optax/cpu: XLA:CPU's flush-to-zero / denormals-are-zero, emulated on every operation
 // ------------------------------------------------------------------------------------------
 
-// denormal -> signed zero (_contract.ftz)
+// denormal -> signed zero (contract.ftz)
 __device__ __forceinline__ float ts_ftz(float x) {
   const unsigned int u = __float_as_uint(x);
   return (u & 0x7F800000u) == 0u ? __uint_as_float(u & 0x80000000u) : x;

@@ -1,7 +1,7 @@
 // TrainStream: deterministic global sum of squares of all gradients, for clipping
 // without a host synchronisation (`gpu` mode). The result, a float64 in device memory,
 // is read by the AdamW kernel (adamw_zero_copy.cu), which turns it into the clip
-// coefficient of trainstream._contract.clip_coefficient.
+// coefficient of trainstream.contract.clip_coefficient.
 //
 // Two stages, no atomics, so the same inputs give the same bits on every run:
 //   1. ts_sumsq_partials_<g>, once per gradient tensor: a grid-stride pass in which each

@@ -1,5 +1,5 @@
 """PyTorch API: ``trainstream.torch.OffloadAdamW``."""
 
-from .backends._torch import OffloadAdamW
+from ._optimizer import OffloadAdamW
 
 __all__ = ["OffloadAdamW"]

@@ -1,9 +1,9 @@
 """JAX API: ``trainstream.jax.offload_adamw`` (an optax ``GradientTransformation``).
 
-See :func:`trainstream.backends._jax.offload_adamw`. Needs jax and optax.
+See :func:`trainstream.jax._transform.offload_adamw`. Needs jax and optax.
 """
 
-from .backends._jax import (
+from ._transform import (
     EngineHandle,
     OffloadAdamW,
     OffloadAdamWState,

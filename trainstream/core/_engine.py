@@ -3,17 +3,17 @@
 A *slot* is one flat parameter with its AdamW state in host memory. Its *placement* says
 who updates it:
 
-* ``host`` (:class:`trainstream._host.HostPlacement`): each gradient is copied into pinned
+* ``host`` (:class:`trainstream.core._host.HostPlacement`): each gradient is copied into pinned
   staging as backward produces it, and worker threads run the Numba kernels; the new
   weights are uploaded asynchronously;
-* ``device`` (:class:`trainstream._device.DevicePlacement`): a zero-copy CUDA kernel reads
+* ``device`` (:class:`trainstream.core._device.DevicePlacement`): a zero-copy CUDA kernel reads
   the gradient in GPU memory and the state over PCIe, and writes the weights in place.
 
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
 elements (or those the adapter names) on the device and the rest on the host. One
 mechanism each, whatever the placements: readiness (:meth:`Engine.wait_ready`: the next
-forward waits per slot for its new weights), errors (one :class:`~trainstream._host.StickyError`),
+forward waits per slot for its new weights), errors (one :class:`~trainstream.core._host.StickyError`),
 stats (one dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`).
 
 Clipping with both placements: the global norm is ``sqrt(device_sumsq + host_sumsq)``,
@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _contract as C
-from . import _trace
+from .. import _trace
+from .. import contract as C
 from ._host import NORM_BLOCK, Backend, HostPlacement, StickyError, WorkerError
 
 __all__ = ["Backend", "Engine", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
@@ -47,13 +47,13 @@ class Engine:
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args:
-      backend: the framework adapter (:class:`trainstream._host.Backend`; with device slots
-        also what :class:`trainstream._device.DevicePlacement` names).
+      backend: the framework adapter (:class:`trainstream.core._host.Backend`; with device slots
+        also what :class:`trainstream.core._device.DevicePlacement` names).
       placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
       device_elems: ``hybrid``: the budget of elements placed on the device by fit.
       threads, chunk_elems, pin_moments, worker_nice, tc_code: of the host placement
-        (see :class:`~trainstream._host.HostPlacement`).
-      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream._contract`).
+        (see :class:`~trainstream.core._host.HostPlacement`).
+      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
       eager_blocks: grid cap of device updates launched from gradient hooks
         (:meth:`launch_eager`); None: a quarter of the multiprocessors.
     """
@@ -214,7 +214,7 @@ class Engine:
         norm, max_grad_norm)`` first. Returns the global norm where the host computed it
         (else None: :meth:`last_grad_norm` reads a device norm lazily). ``scalars_fn(slot,
         step)`` (host slots): each update's scalar vector, instead of the contract's
-        :func:`~trainstream._contract.step_scalars` (the JAX adapter computes them in XLA).
+        :func:`~trainstream.contract.step_scalars` (the JAX adapter computes them in XLA).
         With both placements the share that holds the lowest slot (the parameter the next
         forward needs first) is queued first; if the second share fails to queue after the
         first did, the error is raised and left sticky (reload a checkpoint).
@@ -271,7 +271,7 @@ class Engine:
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
         """Device slots whose weights, gradients and scalars another runtime owns (XLA):
-        see :meth:`trainstream._device.DevicePlacement.step_external`."""
+        see :meth:`trainstream.core._device.DevicePlacement.step_external`."""
         self.device.step_external(stream, [(self._device_local(i[0]), *i[1:]) for i in items])
 
     # -- readiness and errors ---------------------------------------------------------------
@@ -292,7 +292,7 @@ class Engine:
         self.errors.check()
 
     def check_error(self) -> None:
-        """Raise the sticky :class:`~trainstream._host.WorkerError`, if any."""
+        """Raise the sticky :class:`~trainstream.core._host.WorkerError`, if any."""
         self.errors.check()
 
     def clear_error(self) -> None:

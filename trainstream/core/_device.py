@@ -5,7 +5,7 @@ pinned host memory. CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, vi
 :mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
 gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
 the weights in place; the arithmetic is the contract's
-(:mod:`trainstream._contract`). With clipping, the global sum of squares is reduced on
+(:mod:`trainstream.contract`). With clipping, the global sum of squares is reduced on
 the GPU in a fixed order (float64 partials, no atomics) into a device scalar that the
 update kernels read: no host round trip. The norm is read back lazily.
 
@@ -13,7 +13,7 @@ Ordering: the update stream waits for the compute stream at ``step`` (the whole
 backward; with ``eager``, from a gradient hook, the part of backward that produced that
 gradient), each launch records a *ready* event that the next forward waits on (shared
 by the parameters of a multi-tensor launch), and each gradient is kept alive until that
-wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream._engine.Engine`, which owns this placement, this module imports
+wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream.core._engine.Engine`, which owns this placement, this module imports
 neither torch nor jax: the backend supplies streams, events and device scratch memory.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _contract as C
+from .. import contract as C
 
 __all__ = ["DevicePlacement"]
 
@@ -67,7 +67,7 @@ class _GpuSlot:
 class DevicePlacement:
     """Zero-copy AdamW state in mapped host memory, updated by GPU kernels.
 
-    The backend must provide, besides :class:`trainstream._engine.Backend`'s
+    The backend must provide, besides :class:`trainstream.core._engine.Backend`'s
     ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
     ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
     ``record_update() -> event``, ``device_scratch(nbytes) -> (handle, ptr)``,
@@ -75,7 +75,7 @@ class DevicePlacement:
     """
 
     def __init__(self, backend: Any, *, convention: str = "torch"):
-        from . import _device_kernels as dk  # CuPy is imported here, on first use
+        from .. import _device_kernels as dk  # CuPy is imported here, on first use
 
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
@@ -334,7 +334,7 @@ class DevicePlacement:
 
         ``items``: ``(slot, weights pointer, gradient pointer, gradient dtype, scalars
         pointer)``, every pointer in device memory: the weights are updated in place, the
-        scalars are the slot's :func:`trainstream._contract.step_scalars` vector (e.g.
+        scalars are the slot's :func:`trainstream.contract.step_scalars` vector (e.g.
         computed inside the caller's XLA program). Kernels go on ``stream``, the caller's:
         nothing is awaited and no event is recorded, the caller's stream orders the
         update with what comes before and after (the JAX adapter's FFI handler).

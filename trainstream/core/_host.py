@@ -1,11 +1,11 @@
 """The host placement of the engine: worker pool, the host update pipeline, its stats.
 
 Slots placed on the host are updated by Numba kernels on worker threads; the engine
-(:class:`trainstream._engine.Engine`) owns this placement and is the adapters' API.
+(:class:`trainstream.core._engine.Engine`) owns this placement and is the adapters' API.
 Like it, this module imports neither torch nor jax. It speaks to a framework through a
 :class:`Backend` (pinned host buffers, asynchronous copies, events, the compute stream);
-``trainstream.backends`` implements one per framework. The arithmetic is the contract's
-(:mod:`trainstream._contract`), run by the Numba kernels of :mod:`trainstream._host_kernels`.
+``trainstream.torch`` and ``trainstream.jax`` implement one each. The arithmetic is the contract's
+(:mod:`trainstream.contract`), run by the Numba kernels of :mod:`trainstream._host_kernels`.
 
 Pipeline, per parameter ("slot"):
 
@@ -52,9 +52,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from . import _contract as C
-from . import _host_kernels as K
-from . import _trace
+from .. import _host_kernels as K
+from .. import _trace
+from .. import contract as C
 
 __all__ = ["Backend", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
 
@@ -117,7 +117,7 @@ class Event(Protocol):
 
 
 class Backend(Protocol):
-    """What the engine needs from a framework (see ``trainstream.backends``)."""
+    """What the engine needs from a framework (``trainstream.torch._backend``, ``trainstream.jax``)."""
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
         """A new host buffer; raises ``MemoryError`` naming ``what`` and the bytes."""
@@ -405,11 +405,11 @@ class _Stats:
 class HostPlacement:
     """The slots updated on the host: their state, staging buffers and the worker pool.
 
-    Args (the engine passes its own; see :class:`trainstream._engine.Engine`):
+    Args (the engine passes its own; see :class:`trainstream.core._engine.Engine`):
       backend: the framework adapter (:class:`Backend`).
       threads: worker threads (default: all cores but one, at least 1).
       chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
-      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream._contract`).
+      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
         only needs the gradient and weight staging pinned; the moments only feed host
         threads, so pageable memory keeps the page-locked footprint small).
@@ -826,7 +826,7 @@ class HostPlacement:
         ``clip_coefficient(global_norm, max_grad_norm)``. Returns the global gradient norm
         when it was computed (clipping or ``compute_norm``), else None. Slots already
         updated eagerly are skipped. ``scalars_fn(slot, step)``, if given, supplies each
-        update's scalar vector instead of :func:`trainstream._contract.step_scalars`
+        update's scalar vector instead of :func:`trainstream.contract.step_scalars`
         (the JAX adapter computes bias corrections and schedules inside XLA).
         ``clip_coef``: a clip coefficient the caller computed (``hybrid`` mode, from the
         norm over both engines), instead of ``max_grad_norm``. ``check_errors=False``:

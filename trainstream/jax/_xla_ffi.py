@@ -120,7 +120,7 @@ Overhead (jax 0.10.2, this CPU-only dev box, noisy, best of several runs)
 Minimal example::
 
     import jax, jax.numpy as jnp, numpy as np
-    from trainstream.backends import _xla_ffi as xf
+    from trainstream.jax import _xla_ffi as xf
 
     def add_scalar(ctx, args, rets):
         x, s = args

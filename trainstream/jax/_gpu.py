@@ -6,15 +6,15 @@ enqueues the program on its compute stream; the handler gets that stream
 so XLA's own ordering (the gradients before the update, the update before the next
 forward) holds without extra events on the compute side.
 
-* :class:`JaxCudaHostBackend` (``mode="cpu"``): the :class:`~trainstream._engine.Engine`
+* :class:`JaxCudaHostBackend` (``mode="cpu"``): the :class:`~trainstream.core._engine.Engine`
   backend. Gradients are copied into pinned staging on XLA's stream (one event per
   leaf, which the engine's workers wait on), the host update runs on the workers, and
   each leaf's new weights are uploaded on XLA's stream from the worker that finished
   it. The handler returns when the host work is done; the uploads are queued, and XLA's
   next operations on the stream run after them.
-* :class:`JaxGpuBackend` (``mode="gpu"``): the :class:`~trainstream._engine.Engine`'s device placement
+* :class:`JaxGpuBackend` (``mode="gpu"``): the :class:`~trainstream.core._engine.Engine`'s device placement
   backend; its kernels are launched on XLA's stream by
-  :meth:`~trainstream._engine.Engine.step_external`.
+  :meth:`~trainstream.core._engine.Engine.step_external`.
 
 CuPy is imported lazily (``trainstream._device_kernels``). No arithmetic lives here.
 """
@@ -116,7 +116,7 @@ def device_synchronize(device: int) -> None:
 
 
 class JaxCudaHostBackend:
-    """:class:`~trainstream._engine.Backend` for JAX arrays on a CUDA device (``cpu`` mode).
+    """:class:`~trainstream.core._engine.Backend` for JAX arrays on a CUDA device (``cpu`` mode).
 
     ``stream`` is set by the FFI handler before each update (XLA's stream of that call);
     ``param`` objects are the adapter's leaves, whose ``out_ptr`` is the device address
@@ -132,7 +132,7 @@ class JaxCudaHostBackend:
         np_dtype = np.float32 if dtype == "float32" else np.uint16
         if pinned:
             return _PinnedBuffer(numel, np_dtype, self.device, what)
-        from ._jax import _aligned_empty, _HostBuffer  # noqa: PLC0415 (circular at import time)
+        from ._transform import _aligned_empty, _HostBuffer  # noqa: PLC0415 (circular at import time)
 
         try:
             return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=True))  # 2 MiB pages
@@ -230,9 +230,9 @@ class CountCheck:
 
 
 class JaxGpuBackend:
-    """The :class:`~trainstream._engine.Engine`'s device placement backend for JAX (``gpu`` mode).
+    """The :class:`~trainstream.core._engine.Engine`'s device placement backend for JAX (``gpu`` mode).
 
-    Only what :meth:`~trainstream._engine.Engine.step_external` and the state
+    Only what :meth:`~trainstream.core._engine.Engine.step_external` and the state
     functions use: the device, the initial weights of fp16/bf16 leaves (for their fp32
     master) and a device scratch allocation.
     """

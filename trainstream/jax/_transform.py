@@ -1,11 +1,11 @@
 """JAX adapter: ``offload_adamw``, an optax-style AdamW whose state lives in host memory.
 
-No arithmetic lives here: the update is the engine's (``trainstream._engine``), whose
-arithmetic is the contract's (``trainstream._contract``). This module computes, inside
+No arithmetic lives here: the update is the engine's (``trainstream.core._engine``), whose
+arithmetic is the contract's (``trainstream.contract``). This module computes, inside
 the user's jitted program, the per-step inputs that only XLA can reproduce (bias
 corrections through glibc ``powf``, the learning-rate schedule, optax's global norm),
 hands them with the gradients to the engine through an XLA typed-FFI call whose handler
-is Python (``trainstream.backends._xla_ffi``), and returns the new parameters.
+is Python (``trainstream.jax._xla_ffi``), and returns the new parameters.
 
 Data path (``mode="cpu"``, JAX on the CPU backend: everything is host memory)::
 
@@ -24,11 +24,11 @@ must outlive the call; XLA's buffers do not). The state threads the calls:
 the new ``count`` is an *output* of the FFI call (aliased to its input), so the next
 update consumes it and XLA can neither reorder nor drop a step whose state is used; the
 call is marked side-effecting in HLO (no CSE, no DCE by XLA) without leaving jit's fast
-dispatch path (:func:`~trainstream.backends._xla_ffi.stateful_ffi_call`). Per-step values
+dispatch path (:func:`~trainstream.jax._xla_ffi.stateful_ffi_call`). Per-step values
 travel as a float32[5] operand, so the program compiles once. The engine's handle is a
 static part of the state (:class:`EngineHandle`), an attribute of the call.
 
-On a CUDA GPU (XLA:GPU; :mod:`trainstream.backends._jax_cuda`) the same call runs a
+On a CUDA GPU (XLA:GPU; :mod:`trainstream.jax._gpu`) the same call runs a
 second handler, which works on XLA's stream (``XLA_FFI_Stream_Get``):
 
 * ``mode="gpu"``: the scalars are a float32[leaves, 12] matrix computed in the program;
@@ -61,9 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import _contract as C
+from .. import contract as C
 from .. import _hostmem
-from .._engine import Engine
+from ..core import Engine
 from . import _xla_ffi as xf
 
 __all__ = [
@@ -119,7 +119,7 @@ class _Leaf:
 
 
 class JaxCpuBackend:
-    """The engine :class:`~trainstream._engine.Backend` for JAX CPU arrays.
+    """The engine :class:`~trainstream.core._engine.Backend` for JAX CPU arrays.
 
     All memory is host memory: copies are synchronous NumPy copies, there are no events
     (every method that returns one returns None) and nothing is pinned.
@@ -235,7 +235,7 @@ class _Instance:
 
     ``platform``: where the parameters live, ``"cpu"`` (XLA:CPU, host buffers) or
     ``"cuda"`` (XLA:GPU, device ``device``). The engine is the host engine
-    (:class:`~trainstream._engine.Engine`): host placement in ``mode="cpu"``, device
+    (:class:`~trainstream.core._engine.Engine`): host placement in ``mode="cpu"``, device
     placement (zero-copy kernels) in ``mode="gpu"``.
     """
 
@@ -506,7 +506,7 @@ def _torch_sqrt_mode() -> int:
     try:
         import torch  # noqa: F401, PLC0415 (even where the adapter was imported before)
 
-        from ._torch import torch_cpu_code  # noqa: PLC0415
+        from ..torch._backend import torch_cpu_code  # noqa: PLC0415
     except ImportError:
         raise RuntimeError(
             "convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt is MKL's "
@@ -946,7 +946,7 @@ def offload_adamw(
         resolved once, at ``init``.
       xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses
         into optax's moment update in the reference program (see "Fused gradients" in
-        :mod:`trainstream._contract`: LLVM then pairs the FMAs differently). Default
+        :mod:`trainstream.contract`: LLVM then pairs the FMAs differently). Default
         none: gradients materialised before the update, which holds for gradients made by
         matmuls and multi-element reductions and whenever ``update`` is jitted apart from
         the gradient. Ignored with ``max_grad_norm`` and with ``convention="torch"``.
@@ -976,7 +976,7 @@ def offload_adamw(
 
     On a CUDA GPU, XLA:GPU's optax uses the approximate ``sqrt.approx``/``div.full``
     instructions: ``mode="gpu"`` runs the same instructions (the ``optax``/``cuda``
-    convention of :mod:`trainstream._contract`; measured bit-identical per step, bound
+    convention of :mod:`trainstream.contract`; measured bit-identical per step, bound
     ``OPTAX_CUDA_MAX_ULP``), ``mode="cpu"`` the IEEE ones on the host: its moments stay
     within ``OPTAX_CUDA_HOST_MAX_ULP`` of optax's per step, its weights within a small
     fraction of the step (their ULPs grow where Adam's ``m`` nearly cancels; see the

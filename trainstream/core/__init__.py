@@ -1,0 +1,11 @@
+"""The engine core: slots with a placement, the adapters' one API (no torch, no jax).
+
+* :class:`Engine` (``core/_engine.py``): register, gradient ready, step, wait ready,
+  state out and in, stats, close; ``cpu``/``gpu``/``hybrid`` are placement policies.
+* host placement (``core/_host.py``): worker pool and the host update pipeline.
+* device placement (``core/_device.py``): zero-copy kernel launches (CuPy on first use).
+"""
+
+from ._engine import PLACEMENTS, Backend, Engine, WorkerError
+
+__all__ = ["Backend", "Engine", "PLACEMENTS", "WorkerError"]

@@ -1,0 +1,245 @@
+"""The torch side of the engine's :class:`~trainstream.core.Backend`: pinned host buffers,
+side streams, events and copies for one device (CUDA or CPU), and the probe of torch's CPU
+arithmetic (:func:`torch_cpu_code`).
+
+No arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from .. import _cpu_sqrt, _cuda, _hostmem
+from .. import contract as C
+
+__all__ = ["TorchBackend", "torch_cpu_code", "t_itemsize"]
+
+_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TORCH_DTYPE = {v: k for k, v in _DTYPE_NAME.items()}
+
+
+class _TorchHostBuffer:
+    """A flat host tensor and its NumPy view (uint16 bit patterns for fp16/bf16)."""
+
+    __slots__ = ("handle", "array", "pinned")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.handle = tensor
+        self.pinned = tensor.is_pinned() if tensor.device.type == "cpu" else False
+        if tensor.dtype == torch.float32:
+            self.array = tensor.numpy()
+        else:
+            self.array = tensor.view(torch.int16).numpy().view(np.uint16)
+
+
+class TorchBackend:
+    """Pinned buffers, side streams and events for one device (CUDA or CPU).
+
+    With CPU parameters every copy is a plain synchronous copy and there are no events;
+    that is how everything is tested where no GPU exists.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
+        # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
+        self.copy_keeps_source_alive = True
+        # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
+        # from there (6% less host memory traffic than a buffer of their own);
+        # copy_to_host orders the next gradient copy after that upload.
+        self.weights_in_grad_stage = True
+        if self.cuda:
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+            self.d2h = torch.cuda.Stream(device=device)
+            self.h2d = torch.cuda.Stream(device=device)
+            self.upd = torch.cuda.Stream(device=device)
+            # cpu mode's copies and events go through the CUDA driver (ctypes; see
+            # _cuda: cost per call), through torch where the driver cannot be loaded.
+            self.drv = None
+            if _cuda.available():
+                self.drv = _cuda.Context(self.device_index)
+
+    # -- gpu (zero-copy) mode -------------------------------------------------------------
+
+    def update_stream(self) -> int:
+        return self.upd.cuda_stream
+
+    def update_wait(self, event) -> None:
+        if isinstance(event, _cuda.Event):
+            self.drv.stream_wait_event(self.upd.cuda_stream, event)
+        else:
+            self.upd.wait_event(event)
+
+    def record_update(self):
+        ev = torch.cuda.Event()
+        ev.record(self.upd)
+        return ev
+
+    def device_scratch(self, nbytes: int):
+        # Allocated on the update stream, which alone uses it: when a larger buffer
+        # replaces it, the caching allocator orders its reuse after that stream's kernels.
+        with torch.cuda.stream(self.upd):
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return t, t.data_ptr()
+
+    @staticmethod
+    def data_ptr(t: torch.Tensor) -> int:
+        return t.data_ptr()
+
+    def copy_scalar_to_host(self, handle: torch.Tensor):
+        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+        with torch.cuda.stream(self.upd):
+            host.copy_(handle.view(torch.float64), non_blocking=True)
+            ev = self.record_update()
+        return ev, host.numpy()
+
+    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _TorchHostBuffer:
+        tdtype = _TORCH_DTYPE[dtype]
+        pin = pinned and self.cuda
+        try:
+            if not pin:  # pageable host state on 2 MiB pages (trainstream._hostmem)
+                arr = _hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16)
+                t = torch.from_numpy(arr)
+                if tdtype != torch.float32:
+                    t = t.view(tdtype)
+            else:
+                t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
+        except (RuntimeError, OSError, MemoryError) as exc:  # cudaHostAlloc: RuntimeError; mmap: OSError
+            nbytes = numel * t_itemsize(tdtype)
+            raise MemoryError(
+                f"TrainStream could not allocate {nbytes} bytes of "
+                f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}"
+            ) from exc
+        return _TorchHostBuffer(t)
+
+    def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
+        torch.from_numpy(out).copy_(param.detach().reshape(-1))
+
+    def record_compute(self, param: torch.Tensor | None):
+        if not self.cuda:
+            return None
+        if self.drv is not None:
+            return _cuda.Event(self.drv, torch.cuda.current_stream(self.device).cuda_stream)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    @staticmethod
+    def _check_copy(host: _TorchHostBuffer, dev: torch.Tensor, what: str) -> int:
+        nbytes = dev.numel() * dev.element_size()
+        if not host.pinned:  # the driver would copy synchronously, holding the GIL
+            raise ValueError(f"TrainStream {what}: the host buffer is not pinned")
+        if not dev.is_contiguous() or host.handle.numel() * host.handle.element_size() != nbytes:
+            raise ValueError(
+                f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
+                f"{dev.is_contiguous()}) does not match its host buffer of {host.handle.numel()} elements"
+            )
+        return nbytes
+
+    def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
+        if not self.cuda:
+            dst.handle.copy_(src.reshape(-1))
+            return None
+        if self.drv is not None:
+            nbytes = self._check_copy(dst, src, "gradient copy")
+            stream = self.d2h.cuda_stream
+            if after is not None:
+                self.drv.stream_wait_event(stream, after)
+            if free is not None:  # the last upload from dst (see weights_in_grad_stage)
+                self.drv.stream_wait_event(stream, free)
+            self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
+            # The caching allocator reuses src's memory only after the work queued on d2h
+            # when src is freed (this copy): the engine drops the gradient right away.
+            src.record_stream(self.d2h)
+            return _cuda.Event(self.drv, stream)
+        with torch.cuda.stream(self.d2h):
+            if after is not None:
+                self.d2h.wait_event(after)
+            if free is not None:
+                self.d2h.wait_event(free)
+            dst.handle.copy_(src.reshape(-1), non_blocking=True)
+            src.record_stream(self.d2h)  # see the driver path above
+            # Worker threads wait on this event: a blocking-sync event lets them sleep
+            # instead of spinning (spinning workers starve the threads that launch kernels).
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(self.d2h)
+        return ev
+
+    def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
+        if not self.cuda:
+            dst.reshape(-1).copy_(src.handle)
+            return None
+        if self.drv is not None:
+            nbytes = self._check_copy(src, dst, "weight upload")
+            stream = self.h2d.cuda_stream
+            if after is not None:
+                self.drv.stream_wait_event(stream, after)
+            self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
+            return _cuda.Event(self.drv, stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            if after is not None:
+                self.h2d.wait_event(after)
+            dst.reshape(-1).copy_(src.handle, non_blocking=True)
+            ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
+            ev.record(self.h2d)
+        return ev
+
+    def wait_on_compute(self, event, param: torch.Tensor) -> None:
+        if event is None:
+            return
+        if isinstance(event, _cuda.Event):
+            self.drv.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event)
+        else:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def all_reduce_sum(self, value: float) -> float:
+        return value
+
+
+_TC_CODE: int | None = None
+
+
+def torch_cpu_code() -> int:
+    """The contract's torch/cpu code on this machine: which MKL sqrt path ``torch.sqrt``
+    takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused.
+
+    Probed once per process. Where no sqrt mode that Numba's target can compile reproduces
+    torch's, the correctly rounded root is used and one warning gives the bound (the
+    contract's ``TORCH_CPU_SQRT_MAX_ULP``); where the lerp is neither fused nor two
+    roundings, the fused form is used with a warning.
+    """
+    global _TC_CODE
+    if _TC_CODE is None:
+        mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
+        fused = _cpu_sqrt.detect_lerp_fma(
+            lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
+        problems = []
+        if mode is None:
+            problems.append(
+                f"torch.sqrt matches none of the MKL paths Numba can compile here (it may "
+                f"use instructions Numba's target lacks); the correctly rounded root is used, "
+                f"within {C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
+            mode = _cpu_sqrt.IEEE
+        if fused is None:
+            problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
+            fused = True
+        if problems:
+            warnings.warn(
+                "TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in "
+                "the last bit on this host (torch " + torch.__version__ + ", CPU capability "
+                + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _TC_CODE = mode | (0 if fused else C.TC_NO_FMA)
+    return _TC_CODE
+
+
+def t_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
