@@ -2,9 +2,6 @@
 CUDA runtime: copies land only when the fake stream runs, so the ring logic (slots
 reused only after their copy was read) is tested without a GPU."""
 
-import contextlib
-import types
-
 import numpy as np
 import pytest
 
@@ -38,22 +35,21 @@ def fake(monkeypatch):
         value = memory[src]
         stream.queue.append(lambda: ring.__setitem__(slot, value))
 
-    class Event:
-        def __init__(self, **kw):
+    class Event:  # recorded on the fake stream at creation, as trainstream._cuda.Event
+        def __init__(self, strm, device):
             self.done = False
-
-        def record(self, s):
             stream.queue.append(lambda: setattr(self, "done", True))
+
+        def query(self):
+            return self.done
 
         def synchronize(self):
             while not self.done:
                 stream.run(1)
 
-    cuda = types.SimpleNamespace(Device=lambda d: contextlib.nullcontext(), Event=Event,
-                                 ExternalStream=lambda s: s)
     monkeypatch.setattr(jc, "_PinnedBuffer", Pinned)
     monkeypatch.setattr(jc, "_memcpy_async", memcpy)
-    monkeypatch.setattr(jc.dk, "_cupy", lambda: types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(jc, "_event", Event)
     check = jc.CountCheck(0)
     ring = check._ring.array
     return check, stream, memory

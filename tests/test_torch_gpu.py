@@ -181,29 +181,16 @@ def test_no_optimizer_state_or_gradient_on_gpu(mode):
     ts.close()
 
 
-def _copies_through(copies, monkeypatch):
-    """``"torch"``: the torch backend's copies and events through torch, as where the CUDA
-    driver library cannot be loaded (the fallback); ``"driver"``: through ctypes (default)."""
-    if copies == "torch":
-        from trainstream import _cuda
-
-        monkeypatch.setattr(_cuda, "available", lambda: False)
-
-
-@pytest.mark.parametrize("copies", ["driver", "torch"])
-def test_copy_paths_bit_identical(copies, monkeypatch):
-    """cpu mode's copies and events through the CUDA driver (default) or through torch
-    (the fallback without a loadable driver): the same weights as torch.optim.AdamW,
-    eager path too."""
-    _copies_through(copies, monkeypatch)
+def test_copies_through_the_cuda_layer_bit_identical():
+    """cpu mode's copies and events through trainstream._cuda (the one CUDA layer): the
+    same weights as torch.optim.AdamW, eager path too."""
     ref_model, ts_model, _, ts = train_pair_cuda(steps=20, micro=2, eager=True)
-    assert (ts._engine.backend.drv is None) == (copies == "torch")
+    assert ts._engine.backend.drv is not None
     assert_same(ref_model, ts_model)
     ts.close()
 
 
-@pytest.mark.parametrize("copies", ["driver", "torch"])
-def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch):
+def test_gradient_copy_waits_for_the_upload_from_its_staging():
     """bf16 weights are uploaded from the gradient's staging buffer: the next gradient
     copy into it, queued at once (no forward in between to order it), must not overwrite
     the weights the upload is still reading."""
@@ -211,14 +198,12 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging(copies, monkeypatch
     from trainstream.core._host import HostPlacement as Engine
     from trainstream.torch._backend import TorchBackend
 
-    _copies_through(copies, monkeypatch)
     n = 1 << 24
     p = torch.randn(n, device=DEV).to(torch.bfloat16)
     backend = TorchBackend(DEV)
     eng = Engine(backend, threads=4, chunk_elems=1 << 22)
     sid = eng.add_param(p, n, "bfloat16", "cuda")
     assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
-    assert (backend.drv is None) == (copies == "torch")
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     for _ in range(3):
         # Hold the upload stream (~0.5 s of GPU sleep): the upload queued by the update

@@ -1,4 +1,7 @@
-"""The few CUDA driver calls of the torch backend's ``cpu`` mode, through ctypes.
+"""The one CUDA layer: the driver calls of both adapters and of the device placement, through
+ctypes (events, asynchronous copies, stream waits, stream memory operations, mapped pinned
+host memory, synchronisation). CuPy only compiles and launches the kernels
+(:mod:`trainstream._device_kernels`); device memory is the framework's.
 
 Why not torch's own ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every
 gradient hook and every finished update issues a copy and records an event, from the
@@ -6,18 +9,16 @@ autograd thread and from up to ``threads`` workers at once. Through torch each o
 a dispatcher call with device guards, a stream context and the pinned allocator's global
 lock, all taken with the GIL in between; measured on the H200 machine (1.3B GPT, 15
 workers) a gradient hook took 0.5 ms and an upload launch 0.5-1.6 ms under that
-contention. A ctypes call into ``libcuda`` is a few microseconds and releases the GIL
-while it runs.
+contention. A ctypes call into ``libcuda`` is a few microseconds.
 
 The calls that return at once (record an event, queue a copy from pinned memory, make a
 stream wait, query) go through ``ctypes.PyDLL``, which keeps the GIL: releasing it for a
 call of a few microseconds costs more, since taking it back may wait for another thread
-(under 15 busy workers a gradient hook with a dozen such calls took 0.2-0.6 ms). Only
-``cuEventSynchronize``, which blocks, goes through ``ctypes.CDLL`` and releases it.
+(under 15 busy workers a gradient hook with a dozen such calls took 0.2-0.6 ms). The calls
+that block (``cuEventSynchronize``, ``cuStreamSynchronize``, ``cuCtxSynchronize``) and the
+allocations go through ``ctypes.CDLL`` and release it.
 
-Only what the pipeline needs: events (blocking sync, no timing), asynchronous copies
-between pinned host memory and device memory on a given stream, a stream waiting on an
-event. Streams are torch's (``torch.cuda.Stream.cuda_stream``): the runtime and the
+Streams are the frameworks' (``torch.cuda.Stream.cuda_stream``, XLA's): the runtime and the
 driver share handles and the device's primary context. Every call checks its result and
 raises :class:`CudaDriverError` with the driver's name and text for the error.
 
@@ -30,11 +31,15 @@ import ctypes
 import ctypes.util
 import threading
 
-__all__ = ["CudaDriverError", "Context", "Event", "available"]
+__all__ = ["CudaDriverError", "Context", "Event", "Mapped", "available", "context"]
 
 _CU_EVENT_BLOCKING_SYNC = 0x1  # waiters sleep instead of spinning (workers yield the CPU)
 _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
 _CUDA_ERROR_NOT_READY = 600
+_CUDA_ERROR_NOT_SUPPORTED = 801
+_CU_MEMHOSTALLOC_PORTABLE = 0x1  # usable from every context
+_CU_MEMHOSTALLOC_DEVICEMAP = 0x2  # mapped into the device address space
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0
 
 _lib = None  # CDLL: releases the GIL during the call (blocking calls)
 _fast = None  # PyDLL: keeps the GIL (calls that return at once)
@@ -80,12 +85,24 @@ def _declare(lib) -> None:
         ("cuStreamWaitEvent", [vp, vp, ui]),
         ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
         ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
+        ("cuStreamSynchronize", [vp]),
+        ("cuCtxSynchronize", []),
+        ("cuDeviceGetAttribute", [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]),
+        ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
+        ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]),
+        ("cuMemFreeHost", [vp]),
         ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
         ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
     ):
         f = getattr(lib, fn)
         f.argtypes = args
         f.restype = ctypes.c_int
+    # Stream memory operations (CUDA 11.7+ drivers): optional, see Context.stream_memops.
+    for fn in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+        f = getattr(lib, fn, None)
+        if f is not None:
+            f.argtypes = [vp, u64, ctypes.c_uint32, ui]
+            f.restype = ctypes.c_int
 
 
 def _check(res: int, what: str, lib=None) -> None:
@@ -164,6 +181,80 @@ class Context:
         """Make ``stream``'s later work wait for ``event`` (on the device; the host goes on)."""
         _check(self.call("cuStreamWaitEvent", stream, event.handle, 0), "cuStreamWaitEvent")
 
+    def stream_synchronize(self, stream: int) -> None:
+        """Block (GIL released) until ``stream``'s queued work is done."""
+        _check(self.call("cuStreamSynchronize", stream, release_gil=True), "cuStreamSynchronize")
+
+    def synchronize(self) -> None:
+        """Block (GIL released) until all work queued on the device is done."""
+        _check(self.call("cuCtxSynchronize", release_gil=True), "cuCtxSynchronize")
+
+    def attribute(self, attr: int) -> int:
+        """``cuDeviceGetAttribute`` of this device."""
+        out = ctypes.c_int()
+        _check(_fast.cuDeviceGetAttribute(ctypes.byref(out), attr, self._dev), "cuDeviceGetAttribute")
+        return out.value
+
+    def alloc_mapped(self, nbytes: int) -> "Mapped":
+        """``nbytes`` of pinned host memory mapped into the device address space (portable:
+        usable from every context). Raises ``MemoryError`` naming the size when the driver
+        refuses; nothing is left allocated then."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        host = ctypes.c_void_p()
+        res = self.call("cuMemHostAlloc", ctypes.byref(host), nbytes,
+                        _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP, release_gil=True)
+        if res != 0:
+            try:
+                _check(res, "cuMemHostAlloc")
+            except CudaDriverError as exc:
+                raise MemoryError(f"could not allocate {nbytes} bytes of mapped pinned host memory: {exc}") from None
+        buf = Mapped(self, host.value, nbytes)
+        dev = ctypes.c_uint64()
+        try:
+            _check(self.call("cuMemHostGetDevicePointer_v2", ctypes.byref(dev), host.value, 0),
+                   "cuMemHostGetDevicePointer")
+        except BaseException:
+            buf.free()
+            raise
+        buf.dev_ptr = dev.value
+        return buf
+
+    @property
+    def stream_memops(self) -> bool:
+        """Whether :meth:`stream_wait_value32` / :meth:`stream_write_value32` work here (the
+        driver has them and the device supports them; probed once)."""
+        ok = getattr(self, "_memops", None)
+        if ok is None:
+            ok = False
+            if getattr(_fast, "cuStreamWaitValue32_v2", None) is not None:
+                probe = self.alloc_mapped(4)
+                try:
+                    # a write then a wait that is already satisfied, on the legacy stream
+                    ok = (self.call("cuStreamWriteValue32_v2", None, probe.dev_ptr, 1, 0) == 0
+                          and self.call("cuStreamWaitValue32_v2", None, probe.dev_ptr, 1,
+                                        _CU_STREAM_WAIT_VALUE_GEQ) == 0)
+                    if ok:
+                        self.stream_synchronize(0)
+                finally:
+                    probe.free()
+            self._memops = ok
+        return ok
+
+    def stream_wait_value32(self, stream: int, dev_ptr: int, value: int) -> None:
+        """Make ``stream``'s later work wait, on the device, until the 32-bit word at
+        ``dev_ptr`` is >= ``value`` (cyclic: ``(int32)(*addr - value) >= 0``). Whatever
+        releases the wait must be ordered independently of ``stream`` (or it deadlocks)."""
+        _check(self.call("cuStreamWaitValue32_v2", stream, dev_ptr, value & 0xFFFFFFFF,
+                         _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def stream_write_value32(self, stream: int, dev_ptr: int, value: int) -> None:
+        """Write ``value`` to the 32-bit word at ``dev_ptr`` once ``stream``'s earlier work
+        is done (after the copies queued before it have landed)."""
+        _check(self.call("cuStreamWriteValue32_v2", stream, dev_ptr, value & 0xFFFFFFFF, 0),
+               "cuStreamWriteValue32")
+
     def __del__(self):
         lib, dev = _lib, getattr(self, "_dev", None)
         if lib is not None and dev is not None:
@@ -225,3 +316,47 @@ class Event:
                 self._ctx.call("cuEventDestroy_v2", h)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+class Mapped:
+    """Pinned host memory mapped into the device address space (:meth:`Context.alloc_mapped`).
+
+    ``host_ptr`` and ``dev_ptr`` address the same bytes (equal under UVA). :meth:`free`
+    (idempotent; also when collected) releases it: drop every view of it first.
+    """
+
+    __slots__ = ("host_ptr", "dev_ptr", "nbytes", "_ctx", "_lock", "__weakref__")
+
+    def __init__(self, ctx: Context, host_ptr: int, nbytes: int):
+        self._ctx = ctx
+        self.host_ptr = host_ptr
+        self.dev_ptr = 0
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+
+    def free(self) -> None:
+        with self._lock:
+            ptr, self.host_ptr = self.host_ptr, None
+        if ptr is not None and _lib is not None:
+            self._ctx.call("cuMemFreeHost", ptr, release_gil=True)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass
+
+
+_contexts: dict[int, Context] = {}
+_contexts_lock = threading.Lock()
+
+
+def context(device: int) -> Context:
+    """The (cached) :class:`Context` of ``device``: its primary context, retained once."""
+    ctx = _contexts.get(int(device))
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(int(device))
+            if ctx is None:
+                ctx = _contexts[int(device)] = Context(int(device))
+    return ctx

@@ -50,6 +50,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from . import _cuda
 from . import contract as C
 
 __all__ = [
@@ -110,11 +111,6 @@ _VARIANT_CONVENTION = {
     C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
     C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
 }
-
-# cudaHostAllocPortable | cudaHostAllocMapped
-_HOST_ALLOC_PORTABLE = 1
-_HOST_ALLOC_MAPPED = 2
-
 
 class _Scalars(ctypes.Structure):
     """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
@@ -664,76 +660,14 @@ def launch_grad_sumsq(
 def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Callable[[], None]]:
     """Allocate ``nbytes`` of pinned host memory mapped into the GPU address space.
 
-    ``cudaHostAlloc(cudaHostAllocMapped | cudaHostAllocPortable)``: usable from every
-    device. Returns ``(host_ptr, dev_ptr, free)``; ``free()`` releases it (idempotent)
-    and must be called (nothing else does). Under UVA the two pointers are equal.
-    Raises ``MemoryError`` naming the size when the allocation fails; nothing leaks.
+    :meth:`trainstream._cuda.Context.alloc_mapped` (portable: usable from every device).
+    Returns ``(host_ptr, dev_ptr, free)``; ``free()`` releases it (idempotent; also when
+    the last reference to ``free`` goes). Under UVA the two pointers are equal. Raises
+    ``MemoryError`` naming the size when the allocation fails; nothing leaks.
     """
-    nbytes = int(nbytes)
-    if nbytes <= 0:
-        raise ValueError(f"nbytes must be > 0, got {nbytes}")
-    physical = _physical_memory_bytes()
-    if physical is not None and nbytes > physical:
-        # fail before CUDA: a failed runtime call would leave its error as the "last
-        # error" of the CUDA runtime, which torch (same libcudart) would later report
-        raise MemoryError(
-            f"could not allocate {nbytes} bytes of mapped pinned host memory: "
-            f"more than the {physical} bytes of physical memory"
-        )
-    cp = _cupy()
-    rt = cp.cuda.runtime
-    flags = int(getattr(rt, "hostAllocMapped", _HOST_ALLOC_MAPPED)) | int(
-        getattr(rt, "hostAllocPortable", _HOST_ALLOC_PORTABLE)
-    )
     dev = _current_device() if device is None else int(device)
-    with cp.cuda.Device(dev):
-        try:
-            host = int(rt.hostAlloc(nbytes, flags))
-        except (rt.CUDARuntimeError, MemoryError, OverflowError) as e:
-            _clear_cuda_last_error()
-            raise MemoryError(f"could not allocate {nbytes} bytes of mapped pinned host memory: {e}") from e
-        freed = threading.Lock()
-        state = {"live": True}
-
-        def free() -> None:
-            with freed:
-                if state["live"]:
-                    state["live"] = False
-                    rt.freeHost(host)
-
-        try:
-            getter = getattr(rt, "hostGetDevicePointer", None)
-            if getter is not None:
-                dev_ptr = int(getter(host, 0))
-            else:
-                dev_ptr = int(rt.pointerGetAttributes(host).devicePointer) or host
-        except BaseException:
-            free()
-            raise
-    return host, dev_ptr, free
-
-
-def _physical_memory_bytes() -> int | None:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _clear_cuda_last_error() -> None:
-    """Reset the CUDA runtime's sticky-until-read "last error" after a failed call, in
-    every libcudart loaded in this process, so that another library's next
-    cudaGetLastError() (torch checks it after each kernel launch) does not report it."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
-    except OSError:
-        return
-    for path in paths:
-        try:
-            ctypes.CDLL(path).cudaGetLastError()
-        except (OSError, AttributeError):
-            pass
+    buf = _cuda.context(dev).alloc_mapped(nbytes)
+    return buf.host_ptr, buf.dev_ptr, buf.free
 
 
 def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:

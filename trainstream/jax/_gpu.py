@@ -21,17 +21,16 @@ CuPy is imported lazily (``trainstream._device_kernels``). No arithmetic lives h
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 
+from .. import _cuda
 from .. import _device_kernels as dk
 
 __all__ = ["CountCheck", "DeviceRef", "JaxCudaHostBackend", "JaxGpuBackend", "device_synchronize"]
 
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
-_EVENT_BLOCKING_SYNC, _EVENT_DISABLE_TIMING = 1, 2
 
 
 class DeviceRef:
@@ -47,72 +46,41 @@ class DeviceRef:
 class _PinnedBuffer:
     """A flat buffer of mapped pinned host memory (the engine's ``HostBuffer``)."""
 
-    __slots__ = ("array", "handle", "pinned", "ptr", "_free", "__weakref__")
+    __slots__ = ("array", "handle", "pinned", "ptr", "_mem", "__weakref__")
 
     def __init__(self, numel: int, dtype, device: int, what: str):
         dt = np.dtype(dtype)
-        nbytes = max(16, numel * dt.itemsize)
         try:
-            host, _dev, free = dk.alloc_mapped(nbytes, device)
+            self._mem = _cuda.context(device).alloc_mapped(max(16, numel * dt.itemsize))
         except MemoryError as exc:
             raise MemoryError(f"TrainStream could not allocate pinned host memory for {what}: {exc}") from exc
-        self.ptr = host
-        self._free = free
-        self.array = dk.host_view(host, numel, dt)
+        self.ptr = self._mem.host_ptr
+        self.array = dk.host_view(self.ptr, numel, dt)
         self.handle = self
         self.pinned = True
 
     def __del__(self):
-        self.array = None
-        free, self._free = getattr(self, "_free", None), None
-        if free is not None:
-            try:
-                free()
-            except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
-                pass
+        self.array = None  # the view goes before the memory (Mapped frees itself when collected)
 
 
-class _Event:
-    """A CUDA event recorded on a stream (blocking sync: waiters sleep, not spin)."""
-
-    __slots__ = ("_ev", "_device")
-
-    def __init__(self, stream: int, device: int):
-        cp = dk._cupy()
-        rt = cp.cuda.runtime
-        flags = int(getattr(rt, "eventBlockingSync", _EVENT_BLOCKING_SYNC)) | int(
-            getattr(rt, "eventDisableTiming", _EVENT_DISABLE_TIMING)
-        )
-        self._device = device
-        with cp.cuda.Device(device):
-            self._ev = rt.eventCreateWithFlags(flags)
-            rt.eventRecord(self._ev, stream)
-
-    def synchronize(self) -> None:
-        dk._cupy().cuda.runtime.eventSynchronize(self._ev)
-
-    def __del__(self):
-        ev, self._ev = getattr(self, "_ev", None), None
-        if ev is not None:
-            try:
-                dk._cupy().cuda.runtime.eventDestroy(ev)
-            except Exception:  # noqa: BLE001
-                pass
+def _event(stream: int, device: int) -> _cuda.Event:
+    """A CUDA event recorded on ``stream`` (blocking sync: waiters sleep, not spin)."""
+    return _cuda.Event(_cuda.context(device), stream)
 
 
 def _memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int, device: int) -> None:
     if nbytes <= 0:
         return
-    cp = dk._cupy()
-    with cp.cuda.Device(device):
-        cp.cuda.runtime.memcpyAsync(int(dst), int(src), int(nbytes), kind, int(stream))
+    ctx = _cuda.context(device)
+    if kind == _H2D:
+        ctx.memcpy_htod_async(int(dst), int(src), int(nbytes), int(stream))
+    else:
+        ctx.memcpy_dtoh_async(int(dst), int(src), int(nbytes), int(stream))
 
 
 def device_synchronize(device: int) -> None:
     """Wait for all work on ``device`` (before the host reads or writes the gpu-mode state)."""
-    cp = dk._cupy()
-    with cp.cuda.Device(device):
-        cp.cuda.runtime.deviceSynchronize()
+    _cuda.context(device).synchronize()
 
 
 class JaxCudaHostBackend:
@@ -126,7 +94,7 @@ class JaxCudaHostBackend:
     def __init__(self, device: int):
         self.device = int(device)
         self.stream = 0
-        dk._cupy()  # fail early, with the install hint, when CuPy is missing
+        _cuda.context(self.device)  # fail early when the CUDA driver cannot be used
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str):
         np_dtype = np.float32 if dtype == "float32" else np.uint16
@@ -146,21 +114,21 @@ class JaxCudaHostBackend:
     def record_compute(self, param: Any) -> None:
         return None  # one stream: XLA's
 
-    def copy_to_host(self, dst, src: DeviceRef, after: Any) -> _Event:
+    def copy_to_host(self, dst, src: DeviceRef, after: Any) -> _cuda.Event:
         if not isinstance(dst, _PinnedBuffer):
             raise TypeError("gradient staging must be pinned host memory")
         if src.nbytes != dst.array.nbytes:
             raise ValueError(f"gradient of {src.nbytes} bytes for a staging buffer of {dst.array.nbytes}")
         _memcpy_async(dst.ptr, src.ptr, src.nbytes, _D2H, self.stream, self.device)
-        return _Event(self.stream, self.device)
+        return _event(self.stream, self.device)
 
-    def copy_to_device(self, dst: Any, src, after: Any) -> _Event | None:
+    def copy_to_device(self, dst: Any, src, after: Any) -> _cuda.Event | None:
         if dst.out_ptr is None:
             return None
         if not isinstance(src, _PinnedBuffer):
             raise TypeError("weights are uploaded from pinned host memory only")
         _memcpy_async(dst.out_ptr, src.ptr, src.array.nbytes, _H2D, self.stream, self.device)
-        return _Event(self.stream, self.device)
+        return _event(self.stream, self.device)
 
     def wait_on_compute(self, event: Any, param: Any) -> None:
         pass  # XLA's stream already orders the next use after the upload
@@ -175,9 +143,7 @@ class JaxCudaHostBackend:
         if buf is None or buf.array.nbytes < nbytes:
             buf = self._small = _PinnedBuffer(max(64, nbytes), np.uint8, self.device, "FFI scalars")
         _memcpy_async(buf.ptr, src, nbytes, _D2H, self.stream, self.device)
-        cp = dk._cupy()
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.streamSynchronize(int(self.stream))
+        _cuda.context(self.device).stream_synchronize(int(self.stream))
         return buf.array[:nbytes].copy()
 
 
@@ -207,14 +173,7 @@ class CountCheck:
         slot = self._next % self.SLOTS
         self._next += 1
         _memcpy_async(self._ring.ptr + 4 * slot, count_ptr, 4, _D2H, stream, self.device)
-        cp = dk._cupy()
-        with cp.cuda.Device(self.device), warnings.catch_warnings():
-            # CuPy 14 deprecates ExternalStream (for Stream.from_external, which wants an
-            # object with __cuda_stream__); it still works and older CuPy has only it.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            ev = cp.cuda.Event(block=True, disable_timing=True)
-            ev.record(cp.cuda.ExternalStream(int(stream)))
-        self._pending.append((ev, slot, done))
+        self._pending.append((_event(stream, self.device), slot, done))
 
     def completed(self, block: bool) -> list[tuple[int, int]]:
         out, self._landed = self._landed, []
@@ -222,7 +181,7 @@ class CountCheck:
             ev, slot, done = self._pending[0]
             if block:
                 ev.synchronize()
-            elif not ev.done:
+            elif not ev.query():
                 break
             self._pending.pop(0)
             out.append((int(self._ring.array[slot]), done))

@@ -38,8 +38,10 @@ class _TorchHostBuffer:
 class TorchBackend:
     """Pinned buffers, side streams and events for one device (CUDA or CPU).
 
-    With CPU parameters every copy is a plain synchronous copy and there are no events;
-    that is how everything is tested where no GPU exists.
+    On CUDA every event, copy and stream wait goes through :mod:`trainstream._cuda` (the
+    one CUDA layer); streams and device memory are torch's. With CPU parameters every copy
+    is a plain synchronous copy and there are no events; that is how everything is tested
+    where no GPU exists.
     """
 
     def __init__(self, device: torch.device):
@@ -57,27 +59,21 @@ class TorchBackend:
             self.d2h = torch.cuda.Stream(device=device)
             self.h2d = torch.cuda.Stream(device=device)
             self.upd = torch.cuda.Stream(device=device)
-            # cpu mode's copies and events go through the CUDA driver (ctypes; see
-            # _cuda: cost per call), through torch where the driver cannot be loaded.
-            self.drv = None
-            if _cuda.available():
-                self.drv = _cuda.Context(self.device_index)
+            self.drv = _cuda.context(self.device_index)
+
+    def _compute_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     # -- gpu (zero-copy) mode -------------------------------------------------------------
 
     def update_stream(self) -> int:
         return self.upd.cuda_stream
 
-    def update_wait(self, event) -> None:
-        if isinstance(event, _cuda.Event):
-            self.drv.stream_wait_event(self.upd.cuda_stream, event)
-        else:
-            self.upd.wait_event(event)
+    def update_wait(self, event: _cuda.Event) -> None:
+        self.drv.stream_wait_event(self.upd.cuda_stream, event)
 
-    def record_update(self):
-        ev = torch.cuda.Event()
-        ev.record(self.upd)
-        return ev
+    def record_update(self) -> _cuda.Event:
+        return _cuda.Event(self.drv, self.upd.cuda_stream)
 
     def device_scratch(self, nbytes: int):
         # Allocated on the update stream, which alone uses it: when a larger buffer
@@ -92,10 +88,10 @@ class TorchBackend:
 
     def copy_scalar_to_host(self, handle: torch.Tensor):
         host = torch.empty(1, dtype=torch.float64, pin_memory=True)
-        with torch.cuda.stream(self.upd):
-            host.copy_(handle.view(torch.float64), non_blocking=True)
-            ev = self.record_update()
-        return ev, host.numpy()
+        self.drv.memcpy_dtoh_async(host.data_ptr(), handle.data_ptr(), 8, self.upd.cuda_stream)
+        return _cuda.Event(self.drv, self.upd.cuda_stream), host.numpy()
+
+    # -- host placement -------------------------------------------------------------------
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> _TorchHostBuffer:
         tdtype = _TORCH_DTYPE[dtype]
@@ -119,14 +115,8 @@ class TorchBackend:
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(param.detach().reshape(-1))
 
-    def record_compute(self, param: torch.Tensor | None):
-        if not self.cuda:
-            return None
-        if self.drv is not None:
-            return _cuda.Event(self.drv, torch.cuda.current_stream(self.device).cuda_stream)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+    def record_compute(self, param: torch.Tensor | None) -> _cuda.Event | None:
+        return _cuda.Event(self.drv, self._compute_stream()) if self.cuda else None
 
     @staticmethod
     def _check_copy(host: _TorchHostBuffer, dev: torch.Tensor, what: str) -> int:
@@ -144,57 +134,32 @@ class TorchBackend:
         if not self.cuda:
             dst.handle.copy_(src.reshape(-1))
             return None
-        if self.drv is not None:
-            nbytes = self._check_copy(dst, src, "gradient copy")
-            stream = self.d2h.cuda_stream
-            if after is not None:
-                self.drv.stream_wait_event(stream, after)
-            if free is not None:  # the last upload from dst (see weights_in_grad_stage)
-                self.drv.stream_wait_event(stream, free)
-            self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
-            # The caching allocator reuses src's memory only after the work queued on d2h
-            # when src is freed (this copy): the engine drops the gradient right away.
-            src.record_stream(self.d2h)
-            return _cuda.Event(self.drv, stream)
-        with torch.cuda.stream(self.d2h):
-            if after is not None:
-                self.d2h.wait_event(after)
-            if free is not None:
-                self.d2h.wait_event(free)
-            dst.handle.copy_(src.reshape(-1), non_blocking=True)
-            src.record_stream(self.d2h)  # see the driver path above
-            # Worker threads wait on this event: a blocking-sync event lets them sleep
-            # instead of spinning (spinning workers starve the threads that launch kernels).
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(self.d2h)
-        return ev
+        nbytes = self._check_copy(dst, src, "gradient copy")
+        stream = self.d2h.cuda_stream
+        if after is not None:
+            self.drv.stream_wait_event(stream, after)
+        if free is not None:  # the last upload from dst (see weights_in_grad_stage)
+            self.drv.stream_wait_event(stream, free)
+        self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
+        # The caching allocator reuses src's memory only after the work queued on d2h
+        # when src is freed (this copy): the engine drops the gradient right away.
+        src.record_stream(self.d2h)
+        return _cuda.Event(self.drv, stream)
 
     def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
         if not self.cuda:
             dst.reshape(-1).copy_(src.handle)
             return None
-        if self.drv is not None:
-            nbytes = self._check_copy(src, dst, "weight upload")
-            stream = self.h2d.cuda_stream
-            if after is not None:
-                self.drv.stream_wait_event(stream, after)
-            self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
-            return _cuda.Event(self.drv, stream)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-            if after is not None:
-                self.h2d.wait_event(after)
-            dst.reshape(-1).copy_(src.handle, non_blocking=True)
-            ev = torch.cuda.Event(blocking=True)  # waited on by workers (see copy_to_host)
-            ev.record(self.h2d)
-        return ev
+        nbytes = self._check_copy(src, dst, "weight upload")
+        stream = self.h2d.cuda_stream
+        if after is not None:
+            self.drv.stream_wait_event(stream, after)
+        self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
+        return _cuda.Event(self.drv, stream)
 
-    def wait_on_compute(self, event, param: torch.Tensor) -> None:
-        if event is None:
-            return
-        if isinstance(event, _cuda.Event):
-            self.drv.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, event)
-        else:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def wait_on_compute(self, event: _cuda.Event | None, param: torch.Tensor) -> None:
+        if event is not None:
+            self.drv.stream_wait_event(self._compute_stream(), event)
 
     def all_reduce_sum(self, value: float) -> float:
         return value
