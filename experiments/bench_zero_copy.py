@@ -7,7 +7,7 @@ In one process, on one GPU:
   host-to-device alone, device-to-host alone, and both at once on two streams; the last
   one, in total GB/s over both directions, is the ceiling the kernel is measured against
   (it reads and writes its state over PCIe in equal amounts);
-* ``zero-copy fp32``: :func:`trainstream._device_kernels.benchmark_zero_copy_adamw`, fp32
+* ``zero-copy fp32``: :func:`benchmark_zero_copy_adamw` (below), fp32
   weights and gradients in GPU memory, m and v in mapped host memory: 16 B/element over
   PCIe (m, v read and written). Target: >= 0.95 of the bidirectional memcpy rate;
 * ``zero-copy bf16+master``: bf16 weights and gradients, fp32 master, m and v in mapped host
@@ -139,6 +139,170 @@ def bench_torch_fused(device: int, numel: int, iters: int, repeats: int) -> dict
     return result
 
 
+# -- the zero-copy kernel's timing (checked against the contract first) ---------------------
+
+_CONVENTION_OF = {C.VARIANT_TORCH_CPU: ("torch", "cpu"), C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
+                  C.VARIANT_OPTAX_CPU: ("optax", "cpu"), C.VARIANT_OPTAX_CUDA: ("optax", "cuda")}
+
+
+def _check_sample(variant, p_before, m_before, v_before, g, scalars, p_after, m_after, v_after, param_after, pd):
+    conv, plat = _CONVENTION_OF[variant]
+    rp, rm, rv = C.reference_update(p_before, m_before, v_before, g, scalars, conv, plat)
+    problems = []
+    for name, got, want in (("exp_avg", m_after, rm), ("exp_avg_sq", v_after, rv)):
+        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        if bad.size:
+            problems.append(f"{name}: {bad.size} of {got.size} sampled elements differ, e.g. {got[bad[0]]!r} vs {want[bad[0]]!r}")
+    if variant == C.VARIANT_OPTAX_CUDA:
+        ulps = C.update_ulps(p_after, rp, p_before)
+        if ulps.max(initial=0) > C.OPTAX_CUDA_MAX_ULP:
+            problems.append(f"param: {float(ulps.max()):.3g} ULPs (of max(|p|, |update|, |p_new|)) from the "
+                            f"contract (bound {C.OPTAX_CUDA_MAX_ULP})")
+    else:
+        bad = np.flatnonzero(p_after.view(np.uint32) != rp.view(np.uint32))
+        if bad.size:
+            problems.append(f"param: {bad.size} of {p_after.size} sampled elements differ, e.g. {p_after[bad[0]]!r} vs {rp[bad[0]]!r}")
+    if pd != "float32":
+        want = C.round_to(p_after, pd)
+        if not np.array_equal(param_after.view(np.uint32), want.view(np.uint32)):
+            problems.append(f"{pd} weights are not the rounded master weights")
+    if problems:
+        raise AssertionError(
+            f"zero-copy AdamW ({dk._VARIANT_NAMES[variant]}, {pd} weights) does not match "
+            "trainstream.contract.reference_update:\n  " + "\n  ".join(problems)
+        )
+
+
+def benchmark_zero_copy_adamw(
+    numel: int,
+    device: int = 0,
+    *,
+    param_dtype: str = "float32",
+    grad_dtype: str | None = None,
+    variant: int = C.VARIANT_TORCH_CUDA,
+    iters: int = 5,
+    repeats: int = 7,
+) -> dict:
+    """Time the zero-copy AdamW kernel on ``numel`` elements: weights and gradient in GPU
+    memory, m and v (and the fp32 master for fp16/bf16 weights) in mapped host memory.
+
+    First checks one update against :func:`trainstream.contract.reference_update` on a
+    sample of elements (``AssertionError`` if it differs), then times ``repeats`` runs of
+    ``iters`` back-to-back launches with CUDA events and reports the median:
+    ``{"ms", "gelems_per_s", "pcie_gbps", "numel", "bytes_per_elem", ...}``.
+    ``pcie_gbps`` counts the state traffic: m and v read and written (16 B/element), plus
+    the master (24 B/element) for fp16/bf16 weights.
+    """
+    cp = dk._cupy()
+    numel = int(numel)
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    pd = dk._dtype_name(param_dtype)
+    gd = dk._dtype_name(grad_dtype or pd)
+    conv, plat = _CONVENTION_OF[variant]
+    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
+    scalars = C.step_scalars(hp, 1, conv, plat)
+    frees = []
+    with cp.cuda.Device(device):
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            rng = cp.random.default_rng(1234)
+            p32 = rng.standard_normal(numel, dtype=cp.float32)
+            g32 = rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2)
+            param = _to_storage_cupy(cp, p32, pd)
+            grad = _to_storage_cupy(cp, g32, gd)
+            del g32
+            m_host, m_dev, free_m = dk.alloc_mapped(4 * numel, device)
+            frees.append(free_m)
+            v_host, v_dev, free_v = dk.alloc_mapped(4 * numel, device)
+            frees.append(free_v)
+            master_host = master_dev = 0
+            if pd != "float32":
+                master_host, master_dev, free_w = dk.alloc_mapped(4 * numel, device)
+                frees.append(free_w)
+                cp.cuda.runtime.memcpy(master_host, p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
+            del p32
+            m_np, v_np = dk.host_view(m_host, numel), dk.host_view(v_host, numel)
+            m_np.fill(np.float32(1e-3))
+            v_np.fill(np.float32(1e-6))
+            # a sample with random state: the ends (head/tail paths) and random interior points
+            hrng = np.random.default_rng(5678)
+            idx = np.unique(np.concatenate([
+                np.arange(min(numel, 4096)), np.arange(max(0, numel - 4096), numel),
+                hrng.integers(0, numel, 65536),
+            ]))
+            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
+            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
+            cidx = cp.asarray(idx)
+            p_before = (dk.host_view(master_host, numel)[idx].copy() if master_host
+                        else cp.asnumpy(param[cidx]).astype(np.float32))
+            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), gd)
+            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
+
+            def step():
+                dk.launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_dev, m_dev, v_dev,
+                             numel, scalars, 0, 0.0, stream.ptr, device=device)
+
+            step()
+            stream.synchronize()
+            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
+            p_after = dk.host_view(master_host, numel)[idx].copy() if master_host else param_after
+            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
+                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
+            del m_np, v_np
+
+            step()  # warm-up
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            samples = []
+            for _ in range(max(1, int(repeats))):
+                start.record(stream)
+                for _ in range(max(1, int(iters))):
+                    step()
+                stop.record(stream)
+                stop.synchronize()
+                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+            dk.check_stream(stream.ptr, device)
+            ms = statistics.median(samples)
+            bytes_per_elem = 16 if pd == "float32" else 24
+            grid = dk._grid_for(numel, dk._kernel(int(device), dk.adamw_kernel_name(variant, pd, gd)).max_grid)
+            return {
+                "ms": ms,
+                "gelems_per_s": numel / (ms * 1e-3) / 1e9,
+                "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9,
+                "numel": numel,
+                "bytes_per_elem": bytes_per_elem,
+                "param_dtype": pd,
+                "grad_dtype": gd,
+                "variant": dk._VARIANT_NAMES[variant],
+                "grid": grid,
+                "ms_samples": samples,
+            }
+        finally:
+            try:
+                cp.cuda.Device(device).synchronize()
+            finally:
+                for free in frees:
+                    free()
+
+
+def _to_storage_cupy(cp, x32, dtype: str):
+    """fp32 CuPy array -> storage (float32, float16 bits or bfloat16 bits as uint16)."""
+    if dtype == "float32":
+        return x32
+    if dtype == "float16":
+        return x32.astype(cp.float16).view(cp.uint16)
+    u = x32.view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> cp.uint32(16)) & cp.uint32(1))) >> cp.uint32(16)).astype(cp.uint16)
+
+
+def _from_storage_np(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return a.astype(np.float32)
+    if dtype == "float16":
+        return a.view(np.float16).astype(np.float32)
+    return C.bf16_bits_to_f32(a)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 28, help="elements per update (default 2**28)")
@@ -160,7 +324,7 @@ def main(argv=None) -> int:
     bidir = memcpy["bidirectional_gbps"]
     zero_copy = {}
     for pd in ("float32", "bfloat16"):
-        zero_copy[pd] = dk.benchmark_zero_copy_adamw(
+        zero_copy[pd] = benchmark_zero_copy_adamw(
             args.numel, args.device, param_dtype=pd, variant=C.VARIANT_TORCH_CUDA,
             iters=args.iters, repeats=args.repeats,
         )

@@ -26,6 +26,7 @@ import pytest
 
 from trainstream import contract as C
 from trainstream import _device_kernels as dk
+from _experiments import load_script
 
 gpu = pytest.mark.gpu
 STEPS = int(os.environ.get("TRAINSTREAM_GPU_TEST_STEPS", "50"))
@@ -128,7 +129,7 @@ def _distance(got, want, prev=None) -> np.ndarray:
     """ULPs of the result; with `prev` (the weight before the step), ULPs of the larger
     operand of p + update, max(|prev|, |want|): the sound measure for an approximate update
     (1 ULP of the update is many ULPs of a result that cancels to near zero)."""
-    return _ulps(got, want) if prev is None else dk._update_ulps(got, want, prev)
+    return _ulps(got, want) if prev is None else C.update_ulps(got, want, prev)
 
 
 def _mismatch_report(title, name, got, want, inputs, regions=None, ulp_bound=0, limit=6, prev=None):
@@ -287,8 +288,8 @@ def test_multi_batch_layout_matches_the_kernel_source():
     body = body[:body.index("};")]
     fields = [line.split(";")[0].split()[-1].lstrip("*") for line in body.splitlines()[1:] if ";" in line]
     assert fields == [name for name, _ in dk._MultiItem._fields_]
-    assert ctypes.sizeof(dk._MultiItem) == 112
-    assert ctypes.sizeof(dk._MultiBatch) == 8 + dk.MULTI_MAX * 112 <= 4096
+    assert ctypes.sizeof(dk._MultiItem) == 120
+    assert ctypes.sizeof(dk._MultiBatch) == 8 + dk.MULTI_MAX * 120 <= 4096
 
 
 def test_dtype_names_and_blocks_for():
@@ -979,7 +980,7 @@ def test_alloc_mapped_cuda_failure_leaves_no_stale_cuda_error(cp):
 @gpu
 @pytest.mark.parametrize("pd", ["float32", "bfloat16"])
 def test_benchmark_checks_then_times(cp, pd):
-    r = dk.benchmark_zero_copy_adamw(1 << 20, device=cp.cuda.runtime.getDevice(), param_dtype=pd,
+    r = load_script("bench_zero_copy").benchmark_zero_copy_adamw(1 << 20, device=cp.cuda.runtime.getDevice(), param_dtype=pd,
                                      iters=2, repeats=3)
     assert r["numel"] == 1 << 20 and r["ms"] > 0
     assert r["bytes_per_elem"] == (16 if pd == "float32" else 24)

@@ -1,7 +1,7 @@
 """How ``DevicePlacement.step`` groups its zero-copy launches, on CPU: the kernels' launcher and
 the CUDA backend are replaced by recorders (no CuPy, no GPU). What the launches compute is
-tested on the GPU (``tests/test_device_kernels.py``: multi == single launches == the
-contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW``)."""
+tested on the GPU (``tests/test_device_kernels.py``: a launch of many == launches of one ==
+the contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW``)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ class _Backend:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Replace the launchers: record (kind, param dtype, grad dtype, [n], [clip], sumsq ptr,
-    max_norm) per launch; ``fail_at[0] = k`` makes the k-th multi launch raise."""
+    """Replace the launcher: record (param dtype, grad dtype, [n], [clip], sumsq ptr,
+    max_norm, max_blocks) per launch; ``fail_at[0] = k`` makes the k-th launch raise."""
     record, fail_at = [], [None]
     buffers = {}
     addresses = itertools.count(1 << 20, 1 << 26)
@@ -76,24 +76,19 @@ def launches(monkeypatch):
         buffers[ptr] = np.zeros(nbytes // 4, np.float32)
         return ptr, ptr, lambda: None
 
-    def multi(variant, pd, gd, items, sumsq_ptr=0, max_norm=0.0, stream=0, *, device=None):
+    def multi(variant, pd, gd, items, sumsq_ptr=0, max_norm=0.0, stream=0, *, device=None, max_blocks=None):
         items = list(items)
-        record.append(("multi", pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items],
-                       sumsq_ptr, max_norm))
-        if fail_at[0] is not None and sum(r[0] == "multi" for r in record) == fail_at[0]:
+        record.append((pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items],
+                       sumsq_ptr, max_norm, max_blocks))
+        if fail_at[0] is not None and len(record) == fail_at[0]:
             raise RuntimeError("launch refused")
         return len(items)
-
-    def single(variant, param_ptr, pd, grad_ptr, gd, master_ptr, m_ptr, v_ptr, n, scalars, sumsq_ptr=0,
-               max_norm=0.0, stream=0, *, scalars_ptr=0, device=None, max_blocks=None):
-        record.append(("single", pd, gd, [n], [float(scalars[C.S_CLIP])], sumsq_ptr, max_blocks))
 
     monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
     monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
     monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr][:n])
     monkeypatch.setattr(dk, "launch_adamw_multi", multi)
-    monkeypatch.setattr(dk, "launch_adamw", single)
     monkeypatch.setattr(dk, "launch_grad_sumsq", lambda *a, **k: None)
     return record, fail_at
 
@@ -117,8 +112,7 @@ def test_groups_close_at_a_dtype_change_the_element_cap_and_multi_max(launches):
               + [("float32", 3)])
     eng, updates = _engine(layout)
     eng.step(updates)
-    got = [(pd, ns) for kind, pd, _, ns, *_ in record]
-    assert all(kind == "multi" for kind, *_ in record)
+    got = [(pd, ns) for pd, _, ns, *_ in record]
     assert got == [
         ("float32", [10, 0, cap - 10]),
         ("bfloat16", [5, 7]),
@@ -142,7 +136,7 @@ def test_a_slot_listed_twice_goes_into_the_next_launch(launches):
     record, _ = launches
     eng, updates = _engine([("float32", 4), ("float32", 6)])
     eng.step([updates[0], updates[1], updates[0]])
-    assert [ns for _, _, _, ns, *_ in record] == [[4, 6], [4]]
+    assert [ns for _, _, ns, *_ in record] == [[4, 6], [4]]
     assert eng.get_step(0) == 2 and eng.get_step(1) == 1
 
 
@@ -160,23 +154,23 @@ def test_clipping_reaches_every_tensor_of_a_launch(launches):
     record, _ = launches
     eng, updates = _engine([("float32", 10), ("bfloat16", 20)])
     eng.step(updates, max_grad_norm=1.5)  # the device norm: its pointer and max_norm
-    assert [(r[5], r[6]) for r in record] == [(eng._sumsq[1], 1.5)] * 2
+    assert [(r[4], r[5]) for r in record] == [(eng._sumsq[1], 1.5)] * 2
     record.clear()
     eng.step(updates, clip_coef=np.float32(0.25))  # hybrid: a coefficient in the scalars
-    assert [(r[4], r[5]) for r in record] == [([0.25], 0), ([0.25], 0)]
+    assert [(r[3], r[4]) for r in record] == [([0.25], 0), ([0.25], 0)]
     record.clear()
     eng.step(updates)
-    assert [(r[4], r[5]) for r in record] == [([1.0], 0), ([1.0], 0)]
+    assert [(r[3], r[4]) for r in record] == [([1.0], 0), ([1.0], 0)]
 
 
 def test_eager_and_a_grid_cap_launch_one_tensor_each(launches):
     record, _ = launches
     eng, updates = _engine([("float32", 10), ("float32", 20)])
     eng.step(updates, eager=True)  # from a gradient hook: capped grid, one each
-    assert [(r[0], r[6]) for r in record] == [("single", eng._eager_grid)] * 2
+    assert [(r[2], r[6]) for r in record] == [([10], eng._eager_grid), ([20], eng._eager_grid)]
     record.clear()
     eng.step(updates, max_blocks=3)
-    assert [(r[0], r[6]) for r in record] == [("single", 3)] * 2
+    assert [(r[2], r[6]) for r in record] == [([10], 3), ([20], 3)]
     record.clear()
     eng.step(updates)
-    assert [r[0] for r in record] == ["multi"]
+    assert [(r[2], r[6]) for r in record] == [([10, 20], None)]

@@ -18,7 +18,6 @@ import jax.numpy as jnp  # noqa: E402
 
 import trainstream.jax as tsj  # noqa: E402
 from trainstream import contract as C  # noqa: E402
-from trainstream._device_kernels import _update_ulps  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +86,7 @@ def _optax_state_like(tx, params32, sd, dev):
 
 
 def _max_ulps(got, want, prev):
-    return max(float(_update_ulps(np.asarray(g, np.float32).ravel(), np.asarray(w, np.float32).ravel(),
+    return max(float(C.update_ulps(np.asarray(g, np.float32).ravel(), np.asarray(w, np.float32).ravel(),
                                   np.asarray(p, np.float32).ravel()).max(initial=0.0))
                for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(prev)))
 

@@ -347,24 +347,23 @@ def test_eager_kernels_launch_during_backward(mode):
 
 
 def _record_launches(monkeypatch):
-    """Wrap the two launchers: [(param dtype, grad dtype, [n per tensor])] per multi-tensor
-    launch, and the element count of each single launch."""
+    """Wrap the launcher: [(param dtype, grad dtype, [n per tensor])] of the launches of
+    several tensors or of none capped, and [n] of the capped launches of one tensor (the
+    eager path's, from gradient hooks)."""
     import trainstream._device_kernels as dk
 
     multi, single = [], []
-    real_multi, real_single = dk.launch_adamw_multi, dk.launch_adamw
+    real = dk.launch_adamw_multi
 
-    def launch_multi(variant, pd, gd, items, *a, **k):
+    def launch(variant, pd, gd, items, *a, **k):
         items = list(items)
-        multi.append((pd, gd, [it[5] for it in items]))
-        return real_multi(variant, pd, gd, items, *a, **k)
+        if k.get("max_blocks") is not None and len(items) == 1:
+            single.append(items[0][5])
+        else:
+            multi.append((pd, gd, [it[5] for it in items]))
+        return real(variant, pd, gd, items, *a, **k)
 
-    def launch_single(*a, **k):
-        single.append(a[8])
-        return real_single(*a, **k)
-
-    monkeypatch.setattr(dk, "launch_adamw_multi", launch_multi)
-    monkeypatch.setattr(dk, "launch_adamw", launch_single)
+    monkeypatch.setattr(dk, "launch_adamw_multi", launch)
     return multi, single
 
 

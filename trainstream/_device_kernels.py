@@ -43,7 +43,6 @@ import ctypes
 import math
 import os
 import re
-import statistics
 import threading
 from importlib import resources
 from typing import Callable, Iterable
@@ -74,7 +73,6 @@ __all__ = [
     "host_view",
     "check_stream",
     "set_sync_launches",
-    "benchmark_zero_copy_adamw",
 ]
 
 #: The CUDA sources, files of the package folder ``trainstream/kernels/`` (package data).
@@ -105,12 +103,6 @@ _VARIANT_NAMES = {
     C.VARIANT_OPTAX_CPU: "optax_cpu",
     C.VARIANT_OPTAX_CUDA: "optax_cuda",
 }
-_VARIANT_CONVENTION = {
-    C.VARIANT_TORCH_CPU: ("torch", "cpu"),
-    C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
-    C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
-    C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
-}
 
 class _Scalars(ctypes.Structure):
     """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
@@ -123,7 +115,7 @@ MULTI_MAX = 32
 
 
 class _MultiItem(ctypes.Structure):
-    """``struct TsMultiItem``: one tensor of a multi-tensor launch (112 bytes)."""
+    """``struct TsMultiItem``: one tensor of a launch (120 bytes)."""
 
     _fields_ = [
         ("param", ctypes.c_void_p),
@@ -135,11 +127,12 @@ class _MultiItem(ctypes.Structure):
         ("block_start", ctypes.c_longlong),
         ("nblocks", ctypes.c_longlong),
         ("scalars", _Scalars),
+        ("scalars_dev", ctypes.c_void_p),
     ]
 
 
 class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the multi-tensor kernel's by-value parameter (3592 bytes,
+    """``struct TsMultiBatch``: the AdamW kernel's by-value parameter (3848 bytes,
     under the 4 KiB that every CUDA driver accepts for a launch's parameters)."""
 
     _fields_ = [("count", ctypes.c_longlong), ("items", _MultiItem * MULTI_MAX)]
@@ -256,13 +249,7 @@ def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
 
 
 def _all_adamw_names() -> list[str]:
-    names = [adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
-    return names + [_multi_name(n) for n in names]
-
-
-def _multi_name(single: str) -> str:
-    """The multi-tensor kernel of the same variant and dtypes as ``single``."""
-    return "adamw_zero_copy_multi_" + single.removeprefix("adamw_zero_copy_")
+    return [adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
 
 
 _SUMSQ_NAMES = ["ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16", "ts_sumsq_finalize"]
@@ -442,7 +429,8 @@ def launch_adamw(
     device: int | None = None,
     max_blocks: int | None = None,
 ) -> None:
-    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous).
+    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous): a
+    :func:`launch_adamw_multi` of one tensor.
 
     ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights
     in GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place.
@@ -454,7 +442,7 @@ def launch_adamw(
 
     ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars`,
     passed by value; or ``scalars_ptr``, a device pointer to those 12 float32 (then
-    ``scalars`` may be ``None``), e.g. the buffer an XLA FFI handler receives.
+    ``scalars`` may be ``None``), e.g. a buffer computed inside an XLA program.
 
     Clipping: with ``sumsq_ptr`` (a device float64 from :func:`launch_sumsq_finalize`)
     the kernel computes ``clip_coefficient(sqrt(sumsq), max_norm)`` on the device and
@@ -464,73 +452,50 @@ def launch_adamw(
     ``max_blocks``: a cap on the grid (the kernel is grid-stride, so the bits do not
     depend on it), e.g. to leave multiprocessors to a backward running at the same time.
     """
-    if variant not in _VARIANT_NAMES:
-        raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
-    pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    # nothing is launched for n == 0; an empty tensor's data pointers may be null
-    param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr = _check_tensor_ptrs(
-        "", pd, gd, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, empty=n == 0)
-    scalars_ptr = _check_ptr("scalars_ptr", scalars_ptr, 4, allow_null=True)
-    sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
-    if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
-        raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
-    by_value = _Scalars()
-    if scalars_ptr == 0:
-        if scalars is None:
-            raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
-        s = np.ascontiguousarray(scalars, dtype=np.float32)
-        if s.shape != (C.N_SCALARS,):
-            raise ValueError(f"scalars must have shape ({C.N_SCALARS},), got {s.shape}")
-        ctypes.memmove(ctypes.addressof(by_value), s.ctypes.data, s.nbytes)
-    if n == 0:
-        return
-    dev = _current_device() if device is None else int(device)
-    kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
-    grid = _grid_for(n, kernel.max_grid)
-    if max_blocks is not None:
-        grid = min(grid, max_blocks)
-    args = [
-        ctypes.c_void_p(param_ptr),
-        ctypes.c_void_p(grad_ptr),
-        ctypes.c_void_p(master_ptr),
-        ctypes.c_void_p(m_ptr),
-        ctypes.c_void_p(v_ptr),
-        ctypes.c_longlong(n),
-        by_value,
-        ctypes.c_void_p(scalars_ptr),
-        ctypes.c_void_p(sumsq_ptr),
-        ctypes.c_float(float(max_norm)),
-    ]
-    _launch(dev, kernel, grid, ADAMW_THREADS, args, stream)
+    if scalars_ptr:
+        s = _check_ptr("scalars_ptr", scalars_ptr, 4)
+    elif scalars is None:
+        raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
+    else:
+        s = scalars
+    _launch_adamw_items(variant, param_dtype, grad_dtype, [(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, s)],
+                        sumsq_ptr, max_norm, stream, device, max_blocks, named=False)
 
 
 def launch_adamw_multi(
     variant: int,
     param_dtype,
     grad_dtype,
-    items: Iterable[tuple[int, int, int, int, int, int, np.ndarray]],
+    items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]],
     sumsq_ptr: int = 0,
     max_norm: float = 0.0,
     stream: int = 0,
     *,
     device: int | None = None,
+    max_blocks: int | None = None,
 ) -> int:
-    """Queue the AdamW updates of several tensors of one dtype pair in one launch.
+    """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one
+    launch (the one launcher: :func:`launch_adamw` is a launch of one).
 
     ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
-    each as the same arguments of :func:`launch_adamw` (scalars by value), at most
-    :data:`MULTI_MAX` of them (empty ones included). Each tensor gets as many blocks as
-    a launch of its own (:func:`launch_adamw` without ``max_blocks``, from the multi
-    kernel's occupancy) and the same bits; the launch costs the host one driver call
-    instead of one per tensor (about 50 us each, measured on the H200, 200 us while the
-    host workers hold the GIL). Tensors of 0 elements are checked, then skipped.
-    ``sumsq_ptr``, ``max_norm``: device clipping, as for :func:`launch_adamw`, shared by
-    every tensor. Every argument is checked before anything is launched. Returns the
-    number of tensors launched.
+    each as the same arguments of :func:`launch_adamw`; ``scalars`` is the float32 vector
+    (by value) or an ``int``, a device pointer to it. Each tensor gets the blocks of its
+    own size (one 4-element group per thread, capped at the blocks resident on the
+    device, and at ``max_blocks`` if given) and grid-strides over them: the bits do not
+    depend on the grid. One launch costs the host one driver call instead of one per
+    tensor (about 50 us each, measured on the H200, 200 us while the host workers hold
+    the GIL). Tensors of 0 elements are checked, then skipped. ``sumsq_ptr``,
+    ``max_norm``: device clipping, as for :func:`launch_adamw`, shared by every tensor.
+    Every argument is checked before anything is launched. Returns the number of tensors
+    launched.
     """
+    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_norm, stream,
+                               device, max_blocks, named=True)
+
+
+def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_norm, stream, device,
+                        max_blocks, *, named: bool) -> int:
+    """The one launcher (``named``: messages name the item, ``items[k].``)."""
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
@@ -538,36 +503,46 @@ def launch_adamw_multi(
     if len(items) > MULTI_MAX:
         raise ValueError(f"launch_adamw_multi takes at most {MULTI_MAX} tensors, got {len(items)}")
     sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
-    batch = _MultiBatch()
+    if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
+        raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
     checked = []
     for k, item in enumerate(items):
+        pre = f"items[{k}]: " if named else ""
         if len(item) != 7:
-            raise ValueError(f"items[{k}]: expected (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)")
+            raise ValueError(f"{pre}expected (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)")
         param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars = item
         n = int(n)
         if n < 0:
-            raise ValueError(f"items[{k}]: n must be >= 0, got {n}")
+            raise ValueError(f"{pre}n must be >= 0, got {n}")
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
-        param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr = _check_tensor_ptrs(
-            f"items[{k}].", pd, gd, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, empty=empty)
-        sc = np.ascontiguousarray(scalars, dtype=np.float32)
-        if sc.shape != (C.N_SCALARS,):
-            raise ValueError(f"items[{k}]: scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
+        ptrs = _check_tensor_ptrs(f"items[{k}]." if named else "", pd, gd, param_ptr, grad_ptr,
+                                  master_ptr, m_ptr, v_ptr, empty=empty)
+        if isinstance(scalars, (int, np.integer)):
+            sc = _check_ptr(f"items[{k}].scalars_ptr" if named else "scalars_ptr", scalars, 4)
+        else:
+            sc = np.ascontiguousarray(scalars, dtype=np.float32)
+            if sc.shape != (C.N_SCALARS,):
+                raise ValueError(f"{pre}scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
         if not empty:
-            checked.append((param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc))
+            checked.append((*ptrs, n, sc))
     if not checked:
         return 0
     dev = _current_device() if device is None else int(device)
-    kernel = _kernel(dev, _multi_name(adamw_kernel_name(variant, pd, gd)))
+    kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
+    cap = kernel.max_grid if max_blocks is None else min(kernel.max_grid, int(max_blocks))
+    batch = _MultiBatch()
     start = 0
     for k, (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc) in enumerate(checked):
         it = batch.items[k]
         it.param, it.grad, it.master, it.m, it.v = param_ptr, grad_ptr, master_ptr or None, m_ptr, v_ptr
         it.n = n
-        it.nblocks = _grid_for(n, kernel.max_grid)
+        it.nblocks = _grid_for(n, cap)
         it.block_start = start
         start += it.nblocks
-        ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
+        if isinstance(sc, int):
+            it.scalars_dev = sc
+        else:
+            ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
     batch.count = len(checked)
     args = [batch, ctypes.c_void_p(sumsq_ptr), ctypes.c_float(float(max_norm))]
     _launch(dev, kernel, start, ADAMW_THREADS, args, stream)
@@ -682,179 +657,3 @@ def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:
         return np.empty(0, dtype)
     buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(host_ptr))
     return np.frombuffer(buf, dtype=dtype, count=count)
-
-
-# -- benchmark ------------------------------------------------------------------------------
-
-
-def _update_ulps(got: np.ndarray, want: np.ndarray, prev: np.ndarray) -> np.ndarray:
-    """|got - want| in float32 ULPs of the largest term of the final ``p_new = p + update``:
-    max(|p|, |update|, |p_new|), the update taken as want - prev. Plain ULPs of p_new blow
-    up where the update cancels the weight (1 ULP of the update is then many ULPs of a
-    result near zero)."""
-    got, want, prev = (np.asarray(a, np.float32) for a in (got, want, prev))
-    with np.errstate(invalid="ignore", over="ignore"):
-        upd = np.abs(want.astype(np.float64) - prev.astype(np.float64)).astype(np.float32)
-    scale = np.spacing(np.maximum(np.maximum(np.abs(prev), np.abs(want)), upd))
-    with np.errstate(invalid="ignore"):
-        d = np.abs(got.astype(np.float64) - want.astype(np.float64)) / scale.astype(np.float64)
-    same = got.view(np.uint32) == want.view(np.uint32)
-    return np.where(same | (np.isnan(got) & np.isnan(want)), 0.0, d)
-
-
-def _check_sample(variant, p_before, m_before, v_before, g, scalars, p_after, m_after, v_after, param_after, pd):
-    conv, plat = _VARIANT_CONVENTION[variant]
-    rp, rm, rv = C.reference_update(p_before, m_before, v_before, g, scalars, conv, plat)
-    problems = []
-    for name, got, want in (("exp_avg", m_after, rm), ("exp_avg_sq", v_after, rv)):
-        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
-        if bad.size:
-            problems.append(f"{name}: {bad.size} of {got.size} sampled elements differ, e.g. {got[bad[0]]!r} vs {want[bad[0]]!r}")
-    if variant == C.VARIANT_OPTAX_CUDA:
-        ulps = _update_ulps(p_after, rp, p_before)
-        if ulps.max(initial=0) > C.OPTAX_CUDA_MAX_ULP:
-            problems.append(f"param: {float(ulps.max()):.3g} ULPs (of max(|p|, |update|, |p_new|)) from the "
-                            f"contract (bound {C.OPTAX_CUDA_MAX_ULP})")
-    else:
-        bad = np.flatnonzero(p_after.view(np.uint32) != rp.view(np.uint32))
-        if bad.size:
-            problems.append(f"param: {bad.size} of {p_after.size} sampled elements differ, e.g. {p_after[bad[0]]!r} vs {rp[bad[0]]!r}")
-    if pd != "float32":
-        want = C.round_to(p_after, pd)
-        if not np.array_equal(param_after.view(np.uint32), want.view(np.uint32)):
-            problems.append(f"{pd} weights are not the rounded master weights")
-    if problems:
-        raise AssertionError(
-            f"zero-copy AdamW ({_VARIANT_NAMES[variant]}, {pd} weights) does not match "
-            "trainstream.contract.reference_update:\n  " + "\n  ".join(problems)
-        )
-
-
-def benchmark_zero_copy_adamw(
-    numel: int,
-    device: int = 0,
-    *,
-    param_dtype: str = "float32",
-    grad_dtype: str | None = None,
-    variant: int = C.VARIANT_TORCH_CUDA,
-    iters: int = 5,
-    repeats: int = 7,
-) -> dict:
-    """Time the zero-copy AdamW kernel on ``numel`` elements: weights and gradient in GPU
-    memory, m and v (and the fp32 master for fp16/bf16 weights) in mapped host memory.
-
-    First checks one update against :func:`trainstream.contract.reference_update` on a
-    sample of elements (``AssertionError`` if it differs), then times ``repeats`` runs of
-    ``iters`` back-to-back launches with CUDA events and reports the median:
-    ``{"ms", "gelems_per_s", "pcie_gbps", "numel", "bytes_per_elem", ...}``.
-    ``pcie_gbps`` counts the state traffic: m and v read and written (16 B/element), plus
-    the master (24 B/element) for fp16/bf16 weights.
-    """
-    cp = _cupy()
-    numel = int(numel)
-    if numel < 1:
-        raise ValueError(f"numel must be >= 1, got {numel}")
-    pd = _dtype_name(param_dtype)
-    gd = _dtype_name(grad_dtype or pd)
-    conv, plat = _VARIANT_CONVENTION[variant]
-    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
-    scalars = C.step_scalars(hp, 1, conv, plat)
-    frees: list[Callable[[], None]] = []
-    with cp.cuda.Device(device):
-        try:
-            stream = cp.cuda.Stream(non_blocking=True)
-            rng = cp.random.default_rng(1234)
-            p32 = rng.standard_normal(numel, dtype=cp.float32)
-            g32 = rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2)
-            param = _to_storage_cupy(cp, p32, pd)
-            grad = _to_storage_cupy(cp, g32, gd)
-            del g32
-            m_host, m_dev, free_m = alloc_mapped(4 * numel, device)
-            frees.append(free_m)
-            v_host, v_dev, free_v = alloc_mapped(4 * numel, device)
-            frees.append(free_v)
-            master_host = master_dev = 0
-            if pd != "float32":
-                master_host, master_dev, free_w = alloc_mapped(4 * numel, device)
-                frees.append(free_w)
-                cp.cuda.runtime.memcpy(master_host, p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
-            del p32
-            m_np, v_np = host_view(m_host, numel), host_view(v_host, numel)
-            m_np.fill(np.float32(1e-3))
-            v_np.fill(np.float32(1e-6))
-            # a sample with random state: the ends (head/tail paths) and random interior points
-            hrng = np.random.default_rng(5678)
-            idx = np.unique(np.concatenate([
-                np.arange(min(numel, 4096)), np.arange(max(0, numel - 4096), numel),
-                hrng.integers(0, numel, 65536),
-            ]))
-            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
-            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
-            cidx = cp.asarray(idx)
-            p_before = (host_view(master_host, numel)[idx].copy() if master_host
-                        else cp.asnumpy(param[cidx]).astype(np.float32))
-            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), gd)
-            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
-
-            def step():
-                launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_dev, m_dev, v_dev,
-                             numel, scalars, 0, 0.0, stream.ptr, device=device)
-
-            step()
-            stream.synchronize()
-            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
-            p_after = host_view(master_host, numel)[idx].copy() if master_host else param_after
-            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
-                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
-            del m_np, v_np
-
-            step()  # warm-up
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            samples = []
-            for _ in range(max(1, int(repeats))):
-                start.record(stream)
-                for _ in range(max(1, int(iters))):
-                    step()
-                stop.record(stream)
-                stop.synchronize()
-                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
-            check_stream(stream.ptr, device)
-            ms = statistics.median(samples)
-            bytes_per_elem = 16 if pd == "float32" else 24
-            grid = _grid_for(numel, _kernel(int(device), adamw_kernel_name(variant, pd, gd)).max_grid)
-            return {
-                "ms": ms,
-                "gelems_per_s": numel / (ms * 1e-3) / 1e9,
-                "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9,
-                "numel": numel,
-                "bytes_per_elem": bytes_per_elem,
-                "param_dtype": pd,
-                "grad_dtype": gd,
-                "variant": _VARIANT_NAMES[variant],
-                "grid": grid,
-                "ms_samples": samples,
-            }
-        finally:
-            try:
-                cp.cuda.Device(device).synchronize()
-            finally:
-                for free in frees:
-                    free()
-
-
-def _to_storage_cupy(cp, x32, dtype: str):
-    """fp32 CuPy array -> storage (float32, float16 bits or bfloat16 bits as uint16)."""
-    if dtype == "float32":
-        return x32
-    if dtype == "float16":
-        return x32.astype(cp.float16).view(cp.uint16)
-    u = x32.view(cp.uint32)
-    return ((u + cp.uint32(0x7FFF) + ((u >> cp.uint32(16)) & cp.uint32(1))) >> cp.uint32(16)).astype(cp.uint16)
-
-
-def _from_storage_np(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float32":
-        return a.astype(np.float32)
-    if dtype == "float16":
-        return a.view(np.float16).astype(np.float32)
-    return C.bf16_bits_to_f32(a)

@@ -652,3 +652,18 @@ def _reference_optax_cpu(p, m, v, g, s):
         u = z(fma(wd, p, q)) if wd != 0 else q
         p = z(fma(neg_lr, u, p))
     return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)
+
+
+def update_ulps(got: np.ndarray, want: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """|got - want| in float32 ULPs of the largest term of the final ``p_new = p + update``:
+    max(|p|, |update|, |p_new|), the update taken as want - prev. Plain ULPs of p_new blow
+    up where the update cancels the weight (1 ULP of the update is then many ULPs of a
+    result near zero)."""
+    got, want, prev = (np.asarray(a, np.float32) for a in (got, want, prev))
+    with np.errstate(invalid="ignore", over="ignore"):
+        upd = np.abs(want.astype(np.float64) - prev.astype(np.float64)).astype(np.float32)
+    scale = np.spacing(np.maximum(np.maximum(np.abs(prev), np.abs(want)), upd))
+    with np.errstate(invalid="ignore"):
+        d = np.abs(got.astype(np.float64) - want.astype(np.float64)) / scale.astype(np.float64)
+    same = got.view(np.uint32) == want.view(np.uint32)
+    return np.where(same | (np.isnan(got) & np.isnan(want)), 0.0, d)

@@ -235,7 +235,7 @@ class DevicePlacement:
             raise ValueError("DevicePlacement.step: clip_coef excludes max_grad_norm and compute_norm")
         if eager and (max_grad_norm is not None or compute_norm or clip_coef is not None):
             raise ValueError("DevicePlacement.step: an eager update cannot clip (the norm needs every gradient)")
-        dk, be = self._dk, self.backend
+        be = self.backend
         t0 = time.perf_counter()
         self.check_grads(updates)
         if eager:
@@ -250,47 +250,19 @@ class DevicePlacement:
         if max_grad_norm is not None or compute_norm:
             sumsq_ptr = self._launch_sumsq(updates)
         clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        if not eager and max_blocks is None:
-            self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream)
-            if sumsq_ptr:
-                self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
-            self._launch_s += time.perf_counter() - t0
-            return
-        for sid, hp, grad, gdtype in updates:
-            s = self._slot(sid)
-            step = s.step + 1  # counted once the launch is queued: a failed one changes nothing
-            scalars = C.step_scalars(hp, step, self.convention, "cuda", clip)
-            dk.launch_adamw(
-                C.variant_id(self.convention, "cuda"),
-                be.data_ptr(s.param),
-                s.dtype,
-                be.data_ptr(grad),
-                gdtype,
-                s.master.dev_ptr if s.master is not None else 0,
-                s.exp_avg.dev_ptr,
-                s.exp_avg_sq.dev_ptr,
-                s.numel,
-                scalars,
-                sumsq_ptr if max_grad_norm is not None else 0,
-                float(max_grad_norm or 0.0),
-                stream,
-                device=self.device,
-                max_blocks=max_blocks,
-            )
-            s.step = step
-            s.grad_keep = grad  # alive until the compute stream has waited on `ready`
-            s.ready = be.record_update()
+        self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream, max_blocks)
         if sumsq_ptr:
             self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
         self._launch_s += time.perf_counter() - t0
 
     def _launch_grouped(self, updates, sumsq_ptr: int, max_grad_norm: float | None,
-                        clip: np.float32, stream: int) -> None:
-        """``step``'s launches as multi-tensor launches: consecutive updates of one dtype
-        pair, up to ``MULTI_MAX`` tensors and ``_multi_elems`` elements per launch (a
-        larger tensor alone), so that the next forward still waits for the first tensors
-        only, not the whole share; one ready event per launch. A slot listed twice goes
-        into the next launch (the stream orders the two updates, as one launch each)."""
+                        clip: np.float32, stream: int, max_blocks: int | None = None) -> None:
+        """The launches: consecutive updates of one dtype pair, up to ``MULTI_MAX`` tensors
+        and ``_multi_elems`` elements per launch (a larger tensor alone), so that the next
+        forward still waits for the first tensors only, not the whole share; one ready
+        event per launch. A slot listed twice goes into the next launch (the stream orders
+        the two updates). With a grid cap (``max_blocks``) every tensor is a launch of its
+        own, capped."""
         dk, be = self._dk, self.backend
         variant = C.variant_id(self.convention, "cuda")
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
@@ -309,7 +281,8 @@ class DevicePlacement:
                               s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
             dk.launch_adamw_multi(variant, group[0][0].dtype, group[0][3], items,
                                   sumsq_ptr if max_grad_norm is not None else 0,
-                                  float(max_grad_norm or 0.0), stream, device=self.device)
+                                  float(max_grad_norm or 0.0), stream, device=self.device,
+                                  max_blocks=max_blocks)
             ready = be.record_update()
             for s, _, grad, _ in group:  # counted once the launch is queued
                 s.step += 1
@@ -321,8 +294,8 @@ class DevicePlacement:
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3])
-                          or len(group) == dk.MULTI_MAX or elems + s.numel > self._multi_elems
-                          or s.id in in_group):
+                          or len(group) == (dk.MULTI_MAX if max_blocks is None else 1)
+                          or elems + s.numel > self._multi_elems or s.id in in_group):
                 flush()
             group.append((s, hp, grad, gdtype))
             in_group.add(s.id)
@@ -343,17 +316,21 @@ class DevicePlacement:
         dk = self._dk
         t0 = time.perf_counter()
         variant = C.variant_id(self.convention, "cuda")
+        groups: dict[tuple[str, str], list] = {}  # one launch per dtype pair and MULTI_MAX leaves
         for sid, param_ptr, grad_ptr, gdtype, scalars_ptr in items:
             s = self._slot(sid)
             if gdtype not in _ITEMSIZE:
                 raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
-            dk.launch_adamw(
-                variant, param_ptr, s.dtype, grad_ptr, gdtype,
-                s.master.dev_ptr if s.master is not None else 0,
-                s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, None,
-                stream=stream, scalars_ptr=scalars_ptr, device=self.device,
-            )
-            s.step += 1
+            groups.setdefault((s.dtype, gdtype), []).append(
+                (s, (param_ptr, grad_ptr, s.master.dev_ptr if s.master is not None else 0,
+                     s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, int(scalars_ptr))))
+        for (pd, gd), group in groups.items():
+            for k in range(0, len(group), dk.MULTI_MAX):
+                chunk = group[k:k + dk.MULTI_MAX]
+                dk.launch_adamw_multi(variant, pd, gd, [item for _, item in chunk], stream=stream,
+                                      device=self.device)
+                for s, _ in chunk:
+                    s.step += 1
         self._steps += 1
         self._launch_s += time.perf_counter() - t0
 

@@ -1,5 +1,5 @@
-// TrainStream zero-copy AdamW: the `gpu` mode update, one launch per parameter tensor or,
-// adamw_zero_copy_multi_*, one launch for up to TS_MULTI_MAX tensors.
+// TrainStream zero-copy AdamW: the `gpu` mode update of up to TS_MULTI_MAX tensors per launch
+// (a single tensor is a launch of one).
 //
 //   weights   GPU memory, updated in place: fp32, fp16 or bf16
 //   gradient  GPU memory, read once: fp32, fp16 or bf16
@@ -17,10 +17,9 @@
 //
 // Kernels: adamw_zero_copy_<variant>_<param>_<grad>, e.g. adamw_zero_copy_torch_cuda_bf16_f32,
 // with <variant> in {torch_cpu, torch_cuda, optax_cpu, optax_cuda} and <param>, <grad> in
-// {f32, f16, bf16}. Launch with blockDim.x == TS_ADAMW_THREADS and any grid (grid-stride).
-// adamw_zero_copy_multi_<variant>_<param>_<grad>: the same update for up to TS_MULTI_MAX
-// tensors in one launch (see TsMultiBatch at the end); its grid must be the sum of the
-// tensors' nblocks (a larger one is harmless, a smaller one leaves the last tensors out).
+// {f32, f16, bf16}, each taking a TsMultiBatch (see the end). Launch with blockDim.x ==
+// TS_ADAMW_THREADS and a grid of the sum of the tensors' nblocks (a larger one is
+// harmless, a smaller one leaves the last tensors out).
 //
 // No #include: compiled by NVRTC through CuPy (trainstream/_device_kernels.py).
 
@@ -425,30 +424,15 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
 }
 
 // ------------------------------------------------------------------------------------------
-// extern "C" entry points: 4 variants x 3 weight types x 3 gradient types
-// ------------------------------------------------------------------------------------------
-
-#define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                                   \
-  extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
-          P* __restrict__ param, const G* __restrict__ grad, float* __restrict__ master,      \
-          float* __restrict__ m, float* __restrict__ v, long long n, TsScalars scalars,        \
-          const float* __restrict__ scalars_dev, const double* __restrict__ sumsq,            \
-          float max_norm) {                                                                   \
-    ts_adamw_zero_copy<VARIANT, P, G>(param, grad, master, m, v, n, scalars, scalars_dev,     \
-                                      sumsq, max_norm, blockIdx.x, gridDim.x);                \
-  }
-
-// ------------------------------------------------------------------------------------------
-// Multi-tensor launch: up to TS_MULTI_MAX tensors of one (weight, gradient) type pair in one
-// launch, their descriptors passed by value (under the 4 KiB kernel-parameter limit).
-// Tensor k owns blocks [block_start, block_start + nblocks) of the grid and runs the same
-// body as a launch of its own with that many blocks: the same bits.
+// The launch: up to TS_MULTI_MAX tensors of one (weight, gradient) type pair, their
+// descriptors passed by value (under the 4 KiB kernel-parameter limit). Tensor k owns blocks
+// [block_start, block_start + nblocks) of the grid and grid-strides over them: the bits do
+// not depend on nblocks. extern "C" entry points: 4 variants x 3 weight x 3 gradient types.
 // ------------------------------------------------------------------------------------------
 
 #define TS_MULTI_MAX 32
 
-struct TsMultiItem {      // 112 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
+struct TsMultiItem {      // 120 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
   void* param;            // weights, GPU memory (P*)
   const void* grad;       // gradient, GPU memory (G*)
   float* master;          // fp32 master (mapped host memory); nullptr for fp32 weights
@@ -457,7 +441,8 @@ struct TsMultiItem {      // 112 bytes; trainstream/_device_kernels.py mirrors i
   long long n;            // elements
   long long block_start;  // first block of the grid that is this tensor's
   long long nblocks;      // blocks that are this tensor's (> 0)
-  TsScalars scalars;      // this tensor's step scalars (its own step count and lr)
+  TsScalars scalars;      // this tensor's step scalars (its own step count and lr), or
+  const float* scalars_dev;  // the same 12 floats in device memory (nullptr: by value; JAX)
 };
 
 struct TsMultiBatch {
@@ -480,24 +465,21 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
   ts_adamw_zero_copy<VARIANT, P, G>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
-                                    t.master, t.m, t.v, t.n, t.scalars, nullptr, sumsq,
+                                    t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, sumsq,
                                     max_norm, block, t.nblocks);
 }
 
-#define TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
+#define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_multi_##VNAME##_##PNAME##_##GNAME(                                      \
+      adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
           const TsMultiBatch batch, const double* __restrict__ sumsq, float max_norm) {       \
     ts_adamw_multi<VARIANT, P, G>(batch, sumsq, max_norm);                                    \
   }
 
 #define TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, PNAME, P)         \
-  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f32, float)         \
-  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f16, ts_f16)        \
-  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)      \
-  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, f32, float)   \
-  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, f16, ts_f16)  \
-  TS_DEFINE_ADAMW_MULTI(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f32, float)   \
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, f16, ts_f16)  \
+  TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, bf16, ts_bf16)
 
 #define TS_DEFINE_ADAMW_VARIANT(VNAME, VARIANT)              \
   TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, f32, float)          \
