@@ -1,6 +1,5 @@
 """The one CUDA layer: the driver calls of both adapters and of the device placement, through
-ctypes (events, asynchronous copies, stream waits, stream memory operations, mapped pinned
-host memory, synchronisation). CuPy only compiles and launches the kernels
+ctypes (events, asynchronous copies, stream waits, mapped pinned host memory, synchronisation). CuPy only compiles and launches the kernels
 (:mod:`trainstream._device_kernels`); device memory is the framework's.
 
 Why not torch's own ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every
@@ -36,10 +35,8 @@ __all__ = ["CudaDriverError", "Context", "Event", "Mapped", "available", "contex
 _CU_EVENT_BLOCKING_SYNC = 0x1  # waiters sleep instead of spinning (workers yield the CPU)
 _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
 _CUDA_ERROR_NOT_READY = 600
-_CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_MEMHOSTALLOC_PORTABLE = 0x1  # usable from every context
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x2  # mapped into the device address space
-_CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0
 
 _lib = None  # CDLL: releases the GIL during the call (blocking calls)
 _fast = None  # PyDLL: keeps the GIL (calls that return at once)
@@ -97,12 +94,6 @@ def _declare(lib) -> None:
         f = getattr(lib, fn)
         f.argtypes = args
         f.restype = ctypes.c_int
-    # Stream memory operations (CUDA 11.7+ drivers): optional, see Context.stream_memops.
-    for fn in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
-        f = getattr(lib, fn, None)
-        if f is not None:
-            f.argtypes = [vp, u64, ctypes.c_uint32, ui]
-            f.restype = ctypes.c_int
 
 
 def _check(res: int, what: str, lib=None) -> None:
@@ -220,40 +211,6 @@ class Context:
             raise
         buf.dev_ptr = dev.value
         return buf
-
-    @property
-    def stream_memops(self) -> bool:
-        """Whether :meth:`stream_wait_value32` / :meth:`stream_write_value32` work here (the
-        driver has them and the device supports them; probed once)."""
-        ok = getattr(self, "_memops", None)
-        if ok is None:
-            ok = False
-            if getattr(_fast, "cuStreamWaitValue32_v2", None) is not None:
-                probe = self.alloc_mapped(4)
-                try:
-                    # a write then a wait that is already satisfied, on the legacy stream
-                    ok = (self.call("cuStreamWriteValue32_v2", None, probe.dev_ptr, 1, 0) == 0
-                          and self.call("cuStreamWaitValue32_v2", None, probe.dev_ptr, 1,
-                                        _CU_STREAM_WAIT_VALUE_GEQ) == 0)
-                    if ok:
-                        self.stream_synchronize(0)
-                finally:
-                    probe.free()
-            self._memops = ok
-        return ok
-
-    def stream_wait_value32(self, stream: int, dev_ptr: int, value: int) -> None:
-        """Make ``stream``'s later work wait, on the device, until the 32-bit word at
-        ``dev_ptr`` is >= ``value`` (cyclic: ``(int32)(*addr - value) >= 0``). Whatever
-        releases the wait must be ordered independently of ``stream`` (or it deadlocks)."""
-        _check(self.call("cuStreamWaitValue32_v2", stream, dev_ptr, value & 0xFFFFFFFF,
-                         _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
-
-    def stream_write_value32(self, stream: int, dev_ptr: int, value: int) -> None:
-        """Write ``value`` to the 32-bit word at ``dev_ptr`` once ``stream``'s earlier work
-        is done (after the copies queued before it have landed)."""
-        _check(self.call("cuStreamWriteValue32_v2", stream, dev_ptr, value & 0xFFFFFFFF, 0),
-               "cuStreamWriteValue32")
 
     def __del__(self):
         lib, dev = _lib, getattr(self, "_dev", None)
