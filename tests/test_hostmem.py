@@ -93,20 +93,3 @@ def test_bits_on_huge_pages(dtype, monkeypatch):
         assert torch.equal(sd["state"][sid]["exp_avg_sq"], ref.state[m]["exp_avg_sq"])
     ts.close()
 
-
-def test_jax_host_state_on_huge_pages(monkeypatch):
-    pytest.importorskip("jax")
-    from trainstream.jax._transform import JaxCpuBackend, _aligned_empty
-
-    calls = []
-    real_empty = _hostmem.empty
-    monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a[0]) or real_empty(*a, **k))
-    be = JaxCpuBackend()
-    buf = be.host_empty(1 << 20, "float32", pinned=False, what="test")
-    assert buf.array.shape == (1 << 20,) and buf.array.ctypes.data % 64 == 0
-    assert calls == [1 << 20]
-    if _hostmem._MADV is not None:
-        assert buf.array.ctypes.data % _hostmem.HUGE_PAGE == 0
-    calls.clear()
-    out = _aligned_empty((1024, 1024), np.float32)  # XLA's outputs: plain aligned NumPy
-    assert out.shape == (1024, 1024) and out.ctypes.data % 64 == 0 and calls == []

@@ -30,7 +30,7 @@ import ctypes
 import ctypes.util
 import threading
 
-__all__ = ["CudaDriverError", "Context", "Event", "Mapped", "available", "context"]
+__all__ = ["CudaDriverError", "Context", "Event", "Mapped", "available", "context", "pointer_device"]
 
 _CU_EVENT_BLOCKING_SYNC = 0x1  # waiters sleep instead of spinning (workers yield the CPU)
 _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
@@ -88,6 +88,7 @@ def _declare(lib) -> None:
         ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
         ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]),
         ("cuMemFreeHost", [vp]),
+        ("cuPointerGetAttribute", [vp, ui, u64]),
         ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
         ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
     ):
@@ -117,6 +118,19 @@ def available() -> bool:
         return True
     except CudaDriverError:
         return False
+
+
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def pointer_device(ptr: int) -> int:
+    """The ordinal of the device that ``ptr`` belongs to: device memory, or host memory
+    registered with a device's context (e.g. a buffer XLA hands to a callback)."""
+    _load()
+    dev = ctypes.c_int()
+    _check(_fast.cuPointerGetAttribute(ctypes.byref(dev), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr)),
+           f"cuPointerGetAttribute({int(ptr):#x}, DEVICE_ORDINAL)")
+    return int(dev.value)
 
 
 class Context:

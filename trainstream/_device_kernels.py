@@ -64,6 +64,9 @@ __all__ = [
     "compile_kernels",
     "launch_adamw",
     "launch_adamw_multi",
+    "launch_adamw_u_multi",
+    "U_VARIANTS",
+    "adamw_u_kernel_name",
     "MULTI_MAX",
     "blocks_for",
     "launch_sumsq_partials",
@@ -248,8 +251,20 @@ def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
     )
 
 
+#: The variants with a kernel that writes optax's ``u`` (:func:`launch_adamw_u_multi`).
+U_VARIANTS = (C.VARIANT_OPTAX_CPU, C.VARIANT_OPTAX_CUDA)
+
+
+def adamw_u_kernel_name(variant: int, grad_dtype) -> str:
+    """The ``extern "C"`` name of the kernel that writes ``u`` of float32 weights (optax)."""
+    if variant not in U_VARIANTS:
+        raise ValueError(f"variant {variant!r} has no kernel that writes u; expected one of {U_VARIANTS}")
+    return f"adamw_zero_copy_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
+
+
 def _all_adamw_names() -> list[str]:
-    return [adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
+    return ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
+            + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
 
 
 _SUMSQ_NAMES = ["ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16", "ts_sumsq_finalize"]
@@ -493,12 +508,36 @@ def launch_adamw_multi(
                                device, max_blocks, named=True)
 
 
+def launch_adamw_u_multi(
+    variant: int,
+    grad_dtype,
+    items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]],
+    stream: int = 0,
+    *,
+    device: int | None = None,
+) -> int:
+    """Queue the optax AdamW updates of up to :data:`MULTI_MAX` float32 tensors that write
+    ``u`` instead of the weights, in one launch: ``u`` of the contract, the update before
+    the learning rate (the JAX adapter's ``update``, whose program scales it as optax's
+    ``scale_by_learning_rate`` does, so that ``optax.apply_updates`` gives optax's bits).
+
+    ``variant``: one of :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr,
+    m_ptr, v_ptr, n, scalars)`` per tensor, as :func:`launch_adamw_multi`'s, with the
+    float32 weights read only and ``u_ptr`` a float32 output in GPU memory. Returns the
+    number of tensors launched.
+    """
+    return _launch_adamw_items(variant, "float32", grad_dtype, items, 0, 0.0, stream, device, None,
+                               named=True, emit_u=True)
+
+
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_norm, stream, device,
-                        max_blocks, *, named: bool) -> int:
-    """The one launcher (``named``: messages name the item, ``items[k].``)."""
+                        max_blocks, *, named: bool, emit_u: bool = False) -> int:
+    """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``:
+    the kernels that write ``u`` into each item's third pointer, see :func:`launch_adamw_u_multi`)."""
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
+    kernel_name = adamw_u_kernel_name(variant, gd) if emit_u else adamw_kernel_name(variant, pd, gd)
     items = list(items)
     if len(items) > MULTI_MAX:
         raise ValueError(f"launch_adamw_multi takes at most {MULTI_MAX} tensors, got {len(items)}")
@@ -515,8 +554,13 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_
         if n < 0:
             raise ValueError(f"{pre}n must be >= 0, got {n}")
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
+        if emit_u:  # the u output takes the master's place (float32 weights have none)
+            u_ptr = _check_ptr(f"items[{k}].u_ptr" if named else "u_ptr", master_ptr, 4, allow_null=empty)
+            master_ptr = 0
         ptrs = _check_tensor_ptrs(f"items[{k}]." if named else "", pd, gd, param_ptr, grad_ptr,
                                   master_ptr, m_ptr, v_ptr, empty=empty)
+        if emit_u:
+            ptrs = (ptrs[0], ptrs[1], u_ptr, ptrs[3], ptrs[4])
         if isinstance(scalars, (int, np.integer)):
             sc = _check_ptr(f"items[{k}].scalars_ptr" if named else "scalars_ptr", scalars, 4)
         else:
@@ -528,7 +572,7 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_
     if not checked:
         return 0
     dev = _current_device() if device is None else int(device)
-    kernel = _kernel(dev, adamw_kernel_name(variant, pd, gd))
+    kernel = _kernel(dev, kernel_name)
     cap = kernel.max_grid if max_blocks is None else min(kernel.max_grid, int(max_blocks))
     batch = _MultiBatch()
     start = 0

@@ -99,6 +99,7 @@ __all__ = [
     "KIND_F16",
     "KIND_BF16",
     "OUT_IN_GRAD",
+    "OUT_U",
     "adamw_chunk",
     "accumulate_chunk",
     "sumsq_blocks",
@@ -118,6 +119,11 @@ _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
 #: given ``out16 is g``. A kernel of its own: with two array arguments that overlap, LLVM's
 #: run-time alias check fails and it runs the scalar loop (~6x slower, measured).
 OUT_IN_GRAD = 3
+#: ``okind`` code of an optax AdamW specialisation that writes optax's update before the
+#: learning rate, ``u`` of the contract (``fma(wd, p, q)``, or ``q``), into a float32
+#: ``out`` and leaves ``p`` unwritten (the JAX adapter's ``update``: ``-lr * u`` is then
+#: computed in the caller's XLA program, where ``apply_updates`` fuses it as optax's does).
+OUT_U = 4
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 
 from ._jit import OPTS as _JIT_OPTS  # noqa: E402
@@ -338,7 +344,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     ox_mu_swap = (ox & OX_MU_SWAP) != 0
     ox_nu_swap = (ox & OX_NU_SWAP) != 0
     in_grad = okind == OUT_IN_GRAD  # the rounded weights overwrite g[i] (read just before)
-    write16 = okind != KIND_F32 and not in_grad
+    emit_u = okind == OUT_U  # optax: u into out (float32), p read only
+    write16 = okind == KIND_F16 or okind == KIND_BF16
     rkind = gkind if in_grad else okind  # the format the weights are rounded to
     blocked = cpu and sqrt_mode != SQRT_IEEE  # MKL's root, taken 16 lanes at a time
     torch_cpu_sqrt = scalar_sqrt(sqrt_mode)  # only this mode's instructions reach LLVM
@@ -394,7 +401,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     _prefetch_w(g, j)
                 else:
                     _prefetch_r(g, j)
-                if write16:
+                if write16 or emit_u:
                     _prefetch_w(out16, j)
             if blocked:
                 # torch/cpu with MKL's square root: the same lines in three passes over the
@@ -429,6 +436,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
                         d = np.float32(math.sqrt(vi)) / bc2 + eps
                         pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
+                    u = pi  # (no OUT_U specialisation of the torch convention)
                 elif optax_cpu:  # XLA:CPU: FTZ/DAZ on every operation, FMA where LLVM fused
                     gi = _ftz(_load(g[i], gkind))
                     if ox_clip:
@@ -466,7 +474,10 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     pi = pi + u * neg_lr
                 m[i] = mi
                 v[i] = vi
-                p[i] = pi
+                if emit_u:
+                    out16[i] = u
+                else:
+                    p[i] = pi
                 if write16:
                     out16[i] = _round16(pi, okind)
                 elif in_grad:
@@ -554,6 +565,7 @@ _BUILDERS = {
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
+              + ((OUT_U,) if vr in (VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA) else ())
               for md in (TC_CODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
     "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
@@ -594,8 +606,10 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     (uint16, or None: nothing written, whatever ``okind``) receives the new weights
     rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written). ``out16`` may be ``g``
     itself (``okind == gkind``, fp16/bf16): each element's gradient is read before its
-    weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). ``s`` the float32 scalars of
-    :func:`~trainstream.contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
+    weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). With ``okind`` =
+    :data:`OUT_U` (optax only) ``out16`` is a float32 array that receives ``u`` of the
+    contract (the update before the learning rate) and ``p`` is read, not written. ``s``
+    the float32 scalars of :func:`~trainstream.contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
     torch/cpu code of the contract: the :mod:`trainstream._cpu_sqrt` mode of ``msqrt`` |
     ``TC_NO_FMA`` (ATen's unfused DEFAULT kernels). optax/cpu reads
     its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
@@ -603,7 +617,10 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     Unchecked: buffers must be C-contiguous, long enough, and disjoint but for
     ``out16 is g`` (see :func:`host_adamw_update` for a validating entry point).
     """
-    if out16 is None:
+    if okind == OUT_U:
+        if out16 is None or out16.dtype != np.float32:
+            raise ValueError("adamw_chunk: okind OUT_U writes u into a float32 out")
+    elif out16 is None:
         okind, out16 = KIND_F32, _NO_OUT
     elif out16 is g and okind != KIND_F32:
         if okind != gkind:

@@ -124,6 +124,9 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
       u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
+  In x64 mode (``jax_enable_x64``) optax's ``1 - b**t`` is a float64 power cast to float32
+  for each leaf, and form R holds for every leaf of more than one element.
+
   Which pairing and form XLA picks depends on the program, not on the values; the
   :data:`OX_FORM_R`, :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP` and :data:`OX_CLIP` bits of
   the *code* name them and :func:`optax_cpu_code` gives the code of a leaf: form R only
@@ -149,7 +152,19 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
   see which case the user's program is in; the JAX adapter takes the affected leaves
   as an argument (``xla_fused_grads``). In rarer cases (a gradient XLA simplifies
   algebraically together with the moment update, e.g. of a loss quadratic in a scalar)
-  no pairing reproduces the fused program.
+  no pairing reproduces the fused program. Compositions whose gradient is an expression
+  that XLA fuses into the update (verified bit for bit, tests/test_jax_compose.py):
+  ``optax.chain(optax.clip_by_global_norm(M), adamw)`` written as a chain (the clipped
+  gradient: the pairing of ``max_norm=M`` without :data:`OX_CLIP`, the adapter's
+  ``after_clip_by_global_norm=M``); ``optax.MultiSteps`` (the accumulated gradient:
+  ``OX_NU_SWAP | OX_MU_SWAP`` on every leaf, ``xla_fused_grads=True``). Not reproduced:
+  under ``jax.pmap`` a ``lax.pmean`` of the gradients fused into the update (several
+  leaves match no code; gradients reduced in a program of their own are exact), and in
+  x64 mode gradients computed in float64 and cast to float32 in the update's program.
+  The update alone (``u`` before the learning rate) is what a custom call hands back to
+  the program: optax's ``scale_by_learning_rate`` multiplies it there by ``-lr`` and
+  ``apply_updates`` adds it, which XLA fuses into the same ``fma(f(-lr), u, p)`` as
+  around optax.adamw.
   ``apply_updates`` jitted *separately* from ``update`` materialises
   ``RN(-lr*u)`` and then ``p + that``: a different result, not a convention here.
 
@@ -204,7 +219,7 @@ precision, far from any practical setting.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -219,6 +234,9 @@ __all__ = [
     "optax_clip_scalars",
     "optax_cpu_code",
     "optax_step_scalars",
+    "optax_scalar_matrix",
+    "OptaxStepScalars",
+    "master_of_weights",
     "step_scalars",
     "clip_coefficient",
     "fma_f32",
@@ -392,18 +410,121 @@ def optax_bias_corrections(b1: float, b2: float, count, xp=np):
     return bc1, bc2
 
 
+class OptaxStepScalars(NamedTuple):
+    """What :func:`optax_scalar_matrix` returns (arrays of its ``xp``)."""
+
+    count_inc: Any  # int32: optax's count after this update (safe_increment)
+    scalars: Any  # float32[leaves, N_SCALARS]: every leaf's scalar vector
+    step_size: Any  # the factor of scale_by_learning_rate, as optax forms it (-lr)
+
+
+def optax_scalar_matrix(
+    count,
+    codes,
+    decays,
+    *,
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    global_norm=None,
+    max_norm=None,
+    xp=np,
+) -> OptaxStepScalars:
+    """The whole per-step scalar matrix of the ``optax`` convention, one row per leaf.
+
+    Every entry is written with the expression optax.adamw (0.2.8) uses for it, so that
+    with ``xp=jax.numpy`` inside the caller's jitted program XLA computes the same bits
+    as in the reference program, whatever the hyper-parameters are (Python floats, or
+    float32 arrays as ``optax.inject_hyperparams`` passes them) and in x64 mode too:
+
+    * ``t = safe_increment(count)``; ``d1 = (1 - b1**t).astype(float32)``, ``d2``
+      likewise (``optax.tree.bias_correction``: the power in the ambient precision);
+    * ``C1 = f32(1 - b1)``, ``B1 = f32(b1)`` (``update_moment``: ``(1 - b1) * g + b1 *
+      m``, weak-typed for a Python float, float32 arithmetic for an array), ``C2``,
+      ``B2`` likewise, ``f32(eps)``, ``f32(weight_decay)``;
+    * ``step_size = -1 * lr`` (``scale_by_learning_rate``), for a schedule
+      ``xp.asarray(-1 * schedule(count), float32)`` (``scale_by_schedule``: the count
+      *before* the increment); ``S_NEG_LR`` is it in float32;
+    * with ``max_norm`` (``clip_by_global_norm``, ``global_norm`` = ``optax.tree.norm``
+      of the float32 gradients): ``(S_CLIP_DIV, S_CLIP) = (n, f32(M))`` unless
+      ``n < M``, else ``(1, 1)``, on the rows whose code has :data:`OX_CLIP`.
+
+    ``codes``: the ``OX_*`` code of each leaf (:func:`optax_cpu_code`; on ``cuda`` only
+    :data:`OX_CLIP` is read); ``decays``: False for a leaf masked out of weight decay.
+    With ``xp=np`` the result is only a reference (NumPy's power is not glibc's
+    ``powf``, see :func:`optax_bias_corrections`).
+    """
+    codes = np.asarray(codes, np.int64).reshape(-1)
+    decays = np.asarray(decays, bool).reshape(-1)
+    n = codes.size
+    f32 = np.float32
+    count = xp.asarray(count, dtype=xp.int32)
+    i32_max = xp.asarray(np.iinfo(np.int32).max, xp.int32)
+    count_inc = xp.where(count < i32_max, count + xp.asarray(1, xp.int32), i32_max)
+    if callable(learning_rate):
+        step_size = xp.asarray(-1 * learning_rate(count), dtype=f32)
+    else:
+        step_size = -1 * learning_rate
+    one = xp.asarray(1.0, f32)
+    cols = [one] * N_SCALARS
+    cols[S_WD] = xp.asarray(weight_decay, f32)
+    cols[S_OMB1] = xp.asarray(1 - b1, f32)
+    cols[S_BETA1] = xp.asarray(b1, f32)
+    cols[S_BETA2] = xp.asarray(b2, f32)
+    cols[S_OMB2] = xp.asarray(1 - b2, f32)
+    cols[S_BC1] = xp.asarray(1 - b1**count_inc).astype(f32)
+    cols[S_BC2_OPTAX] = xp.asarray(1 - b2**count_inc).astype(f32)
+    cols[S_EPS] = xp.asarray(eps, f32)
+    cols[S_NEG_LR] = xp.asarray(step_size, f32)
+    if max_norm is not None:
+        norm = xp.asarray(global_norm)
+        trigger = norm < max_norm
+        cols[S_CLIP_DIV] = xp.where(trigger, one, norm.astype(f32))
+        cols[S_CLIP] = xp.where(trigger, one, xp.asarray(max_norm, f32))
+    base = xp.stack([xp.asarray(c).astype(f32).reshape(()) for c in cols])
+    keep = np.ones((n, N_SCALARS), bool)
+    fixed = np.zeros((n, N_SCALARS), np.float32)
+    keep[:, S_OX_CODE] = False
+    fixed[:, S_OX_CODE] = codes.astype(np.float32)
+    keep[~decays, S_WD] = False
+    no_clip = (codes & OX_CLIP) == 0
+    keep[no_clip, S_CLIP] = keep[no_clip, S_CLIP_DIV] = False
+    fixed[no_clip, S_CLIP] = fixed[no_clip, S_CLIP_DIV] = 1.0
+    mat = xp.where(keep, xp.broadcast_to(base, (n, N_SCALARS)), fixed)
+    return OptaxStepScalars(count_inc, mat, step_size)
+
+
+def master_of_weights(master, weights, xp=np):
+    """The fp32 master an update of fp16/bf16 ``weights`` starts from: ``master`` where it
+    rounds to ``weights`` (float comparison after rounding to their dtype), else the
+    weights upcast to float32.
+
+    The adapters keep a master per fp16/bf16 weight; a weight replaced outside the
+    optimizer (parameters edited, restored or passed in anew) no longer matches its
+    master and is taken as it is, as a float32 parameter would be. ``xp``: NumPy, or
+    ``jax.numpy`` inside a program.
+    """
+    master = xp.asarray(master)
+    weights = xp.asarray(weights)
+    return xp.where(master.astype(weights.dtype) == weights, master, weights.astype(np.float32))
+
+
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
-                   fma: bool = True) -> int:
+                   fma: bool = True, x64: bool = False) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw.
 
     ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
     ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None;
     ``fused_grad``: XLA fuses the computation of this leaf's gradient into the moment
     update (see "Fused gradients" in the module docstring; no effect with clipping);
-    ``fma``: whether XLA:CPU's target has FMA3 (else :data:`OX_NO_FMA`).
+    ``fma``: whether XLA:CPU's target has FMA3 (else :data:`OX_NO_FMA`); ``x64``: JAX's
+    ``jax_enable_x64`` is on (the bias corrections are float64 powers cast to float32 per
+    leaf: XLA's reciprocal rewrite then fires for every leaf, form R).
     Determined empirically for jax/jaxlib 0.10.2 on x86-64 (see the module docstring).
     """
-    code = OX_FORM_R if (n_leaves == 1 and numel > 1) else 0
+    code = OX_FORM_R if (numel > 1 and (n_leaves == 1 or x64)) else 0
     if not fma:
         code |= OX_NO_FMA
     if max_norm is not None:

@@ -6,6 +6,6 @@
 * device placement (``core/_device.py``): zero-copy kernel launches (CuPy on first use).
 """
 
-from ._engine import PLACEMENTS, Backend, Engine, WorkerError
+from ._engine import PLACEMENTS, Backend, Engine, ExternalUpdate, WorkerError
 
-__all__ = ["Backend", "Engine", "PLACEMENTS", "WorkerError"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "WorkerError"]

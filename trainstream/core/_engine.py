@@ -35,9 +35,9 @@ import numpy as np
 
 from .. import _trace
 from .. import contract as C
-from ._host import NORM_BLOCK, Backend, HostPlacement, StickyError, WorkerError
+from ._host import NORM_BLOCK, Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
 
 #: The placement policies (the adapters' ``mode``).
 PLACEMENTS = ("cpu", "gpu", "hybrid")
@@ -273,6 +273,22 @@ class Engine:
         """Device slots whose weights, gradients and scalars another runtime owns (XLA):
         see :meth:`trainstream.core._device.DevicePlacement.step_external`."""
         self.device.step_external(stream, [(self._device_local(i[0]), *i[1:]) for i in items])
+
+    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
+        """Host updates of buffers the caller owns (no slots), on the host placement's
+        workers; blocks until done: see :meth:`trainstream.core._host.HostPlacement.update_external`."""
+        self._host_only("update_external").update_external(items, platform)
+
+    def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
+        """Float64 sum of squares of gradients the caller owns (fixed block order): see
+        :meth:`trainstream.core._host.HostPlacement.sumsq_external`."""
+        return self._host_only("sumsq_external").sumsq_external(grads)
+
+    def _host_only(self, what: str):
+        if self.host is None:
+            raise RuntimeError(f"TrainStream engine: {what} runs on the host placement, and this engine has none "
+                               f"(placement={self.placement!r})")
+        return self.host
 
     # -- readiness and errors ---------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from .. import _host_kernels as K
 from .. import _trace
 from .. import contract as C
 
-__all__ = ["Backend", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
+__all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
 
 #: Element block of the gradient-norm partials (chunk sizes are multiples of it).
 NORM_BLOCK = 4096
@@ -147,6 +147,36 @@ class Backend(Protocol):
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum a float64 over all processes (identity for one process)."""
+
+
+class ExternalUpdate(NamedTuple):
+    """One tensor's AdamW update over buffers the caller owns (:meth:`HostPlacement.update_external`).
+
+    The arrays are flat NumPy views (e.g. of XLA's buffers); the kernel is
+    :func:`trainstream._host_kernels.adamw_chunk`, with the arithmetic of the contract.
+    ``p``: float32 weights (a float32 parameter) or fp32 master, updated in place (read
+    only when ``out_kind`` is ``"u"``); ``m``, ``v``: float32 moments, in place; ``g``: the
+    gradient, float32 or the uint16 bits of ``gdtype`` ``"float16"``/``"bfloat16"``;
+    ``out``: None, or the new weights rounded to ``out_kind`` (``"float16"``/``"bfloat16"``,
+    uint16 bits; it may be ``g`` itself: each gradient element is read before its weight
+    overwrites it), or with ``out_kind="u"`` (optax only) the float32 update before the
+    learning rate, ``u`` of the contract; ``scalars``: float32[N_SCALARS], read when the
+    first chunk runs (so it may be filled by the copy ``landed`` waits for); ``landed``: an
+    event (``synchronize()``, optionally ``query()``) to wait for before reading ``g``,
+    ``p`` and ``scalars``, or None; ``finished``: called once, by the worker that finished
+    the item's last chunk (e.g. to queue the upload of ``out``), or None.
+    """
+
+    p: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    g: np.ndarray
+    gdtype: str
+    out: np.ndarray | None
+    out_kind: str | None
+    scalars: np.ndarray
+    landed: Any = None
+    finished: Callable[[], None] | None = None
 
 
 # -- worker pool ----------------------------------------------------------------------------
@@ -897,6 +927,132 @@ class HostPlacement:
 
     def last_grad_norm(self) -> float | None:
         return self._last_norm
+
+    # -- updates over buffers the caller owns (the JAX adapter: XLA's buffers) -------------------
+
+    def _run_external(self, batches: list, what: str) -> None:
+        """Run ``batches`` (``(priority, landed, [job(c, b, e)...], numel, finished)``) on the
+        workers in chunks and wait for all of them; raise the first failure.
+
+        Nothing of this placement's slots is touched, so a failure is raised to the caller
+        (whose buffers it concerns) and not kept as the sticky error.
+        """
+        self._check_open()
+        self.check_error()
+        if not batches:
+            return
+        cond = threading.Condition()
+        left = [len(batches)]
+        errors: list[BaseException] = []
+
+        def record(exc: BaseException) -> None:
+            with cond:
+                errors.append(exc)
+
+        def batch_done() -> None:
+            with cond:
+                left[0] -= 1
+                if left[0] == 0:
+                    cond.notify_all()
+
+        for priority, landed, body, numel, finished in batches:
+            nchunks = max(1, -(-numel // self.chunk))
+            count = itertools.count(1)
+            query = getattr(landed, "query", None)
+            ready = _Landed(query) if query is not None else None
+
+            def job(c, b, e, body=body, nchunks=nchunks, count=count, finished=finished, landed=landed):
+                try:
+                    if landed is not None:
+                        _wait_landed(landed)
+                    body(c, b, e)
+                except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+                    record(exc)
+                if next(count) == nchunks:  # the item's last chunk to finish
+                    try:
+                        if finished is not None and not errors:
+                            finished()
+                    except BaseException as exc:  # noqa: BLE001
+                        record(exc)
+                    finally:
+                        batch_done()
+
+            jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk), job=job: job(c, b, e))
+                    for c in range(nchunks)]
+            self._pool.submit_many(jobs, priority, ready)
+        with cond:
+            while left[0]:
+                cond.wait()
+        if errors:
+            exc = errors[0]
+            raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
+
+    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
+        """The AdamW update of each item (:class:`ExternalUpdate`: buffers the caller owns),
+        in this placement's convention on ``platform`` (``"cpu"`` or ``"cuda"``: whose
+        arithmetic the contract reproduces), on the workers; blocks until every item and
+        its ``finished`` callback have run. A failure raises :class:`WorkerError`.
+
+        The slots and their steps are not involved: the caller keeps the state (e.g. as
+        arrays of its framework) and supplies each update's scalars.
+        """
+        variant = C.variant_id(self.convention, platform)
+        tc_code = self.tc_code
+        batches = []
+        for k, it in enumerate(items):
+            if it.gdtype not in _KIND:
+                raise TypeError(f"update_external: gradient dtype {it.gdtype!r} is not float32, float16 or bfloat16")
+            numel = int(it.m.size)
+            for name, a in (("p", it.p), ("v", it.v)):
+                if a.size != numel:
+                    raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
+            gkind = _KIND[it.gdtype]
+            if it.out_kind is None or it.out is None:
+                out, okind = None, K.KIND_F32
+            elif it.out_kind == "u":
+                out, okind = it.out, K.OUT_U
+            elif it.out_kind in ("float16", "bfloat16"):
+                out, okind = it.out, _KIND[it.out_kind]
+            else:
+                raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
+            p, m, v, g, s = it.p, it.m, it.v, it.g, it.scalars
+            stats, sid = self._stats, -1 - k
+
+            def body(c, b, e, p=p, m=m, v=v, g=g, gkind=gkind, out=out, okind=okind, s=s, sid=sid):
+                t = time.perf_counter()
+                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, s, tc_code)
+                t1 = time.perf_counter()
+                stats.add("update_s", t1 - t)
+                _trace.add("update", t, t1, sid)
+
+            batches.append((k, it.landed, body, numel, it.finished))
+        self._stats.add("steps", 1)
+        self._run_external(batches, "update_external")
+
+    def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
+        """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the
+        caller owns, from partials over fixed blocks of :data:`NORM_BLOCK` elements summed
+        in item order, then block order (as :meth:`grad_sumsq`: independent of threads and
+        chunking); blocks until done."""
+        partials = []
+        batches = []
+        for k, (g, gdtype, landed) in enumerate(grads):
+            if gdtype not in _KIND:
+                raise TypeError(f"sumsq_external: gradient dtype {gdtype!r} is not float32, float16 or bfloat16")
+            out = np.zeros(-(-int(g.size) // NORM_BLOCK), np.float64)
+            partials.append(out)
+            kind = _KIND[gdtype]
+
+            def body(c, b, e, g=g, kind=kind, out=out):
+                K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK:])
+
+            batches.append((k, landed, body, int(g.size), None))
+        self._run_external(batches, "sumsq_external")
+        total = 0.0
+        for out in partials:
+            for x in out.tolist():
+                total += x
+        return total
 
     # -- state ------------------------------------------------------------------------------
 

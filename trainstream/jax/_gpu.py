@@ -1,228 +1,271 @@
-"""The JAX adapter's CUDA side: engine backends whose stream is XLA's.
+"""The JAX adapter on XLA:GPU: the state in pinned host memory, three callbacks per update.
 
-Under ``jax.jit`` on a GPU, XLA:GPU calls the adapter's FFI handler on the host while it
-enqueues the program on its compute stream; the handler gets that stream
-(``XLA_FFI_Stream_Get``) and device pointers. Everything here is ordered on that stream,
-so XLA's own ordering (the gradients before the update, the update before the next
-forward) holds without extra events on the compute side.
+The moments and masters are ``memory_kind="pinned_host"`` arrays of the parameters' device
+(:func:`init`): host memory whose address the GPU uses directly (UVA). XLA refuses one
+custom call whose outputs mix that host memory and GPU memory (its host offloader follows
+an aliased host operand through all the outputs: ``E1200``), so :func:`apply` builds the
+update from three ``jax.experimental.buffer_callback`` calls:
 
-* :class:`JaxCudaHostBackend` (``mode="cpu"``): the :class:`~trainstream.core._engine.Engine`
-  backend. Gradients are copied into pinned staging on XLA's stream (one event per
-  leaf, which the engine's workers wait on), the host update runs on the workers, and
-  each leaf's new weights are uploaded on XLA's stream from the worker that finished
-  it. The handler returns when the host work is done; the uploads are queued, and XLA's
-  next operations on the stream run after them.
-* :class:`JaxGpuBackend` (``mode="gpu"``): the :class:`~trainstream.core._engine.Engine`'s device placement
-  backend; its kernels are launched on XLA's stream by
-  :meth:`~trainstream.core._engine.Engine.step_external`.
+* ``own(params) -> w`` (device only; aliased for ``step``, fresh buffers for ``update``):
+  the buffers that receive the new weights (or the updates);
+* ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters',
+  token')`` (host only, the state aliased in place): runs the update, writes ``w``;
+* ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes
+  after ``update``.
 
-CuPy is imported lazily (``trainstream._device_kernels``). No arithmetic lives here.
+Inside ``update``, on XLA's stream (``ctx.stream``; nothing waits for the GPU in
+``mode="gpu"``):
+
+* ``mode="gpu"``: the zero-copy kernel, leaves of one dtype in multi-tensor launches
+  (:func:`trainstream._device_kernels.launch_adamw_multi`, or
+  :func:`~trainstream._device_kernels.launch_adamw_u_multi` for ``update``'s float32 leaves),
+  reading the gradient and weights in GPU memory and the state in host memory over PCIe,
+  with the scalars of the contract's matrix computed in the program;
+* ``mode="cpu"``: each gradient (and float32 weights) is copied to pinned staging with an
+  event, the engine's host workers update each leaf as its copy lands
+  (:meth:`trainstream.core.Engine.update_external`, the state's host memory in place) and
+  queue its upload into ``w``; the callback returns once the host work is done (the
+  uploads run before XLA's next work on the stream).
+
+CUDA calls go through :mod:`trainstream._cuda`; CuPy only compiles and launches kernels
+(:mod:`trainstream._device_kernels`), imported on first use. No arithmetic lives here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
 
 from .. import _cuda
-from .. import _device_kernels as dk
+from .. import contract as C
+from ..core import ExternalUpdate
 
-__all__ = ["CountCheck", "DeviceRef", "JaxCudaHostBackend", "JaxGpuBackend", "device_synchronize"]
+__all__ = ["apply", "init"]
 
-_H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
-
-
-class DeviceRef:
-    """A device buffer lent by XLA for one handler call: a pointer and its size."""
-
-    __slots__ = ("ptr", "nbytes")
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.ptr = int(ptr)
-        self.nbytes = int(nbytes)
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-class _PinnedBuffer:
-    """A flat buffer of mapped pinned host memory (the engine's ``HostBuffer``)."""
-
-    __slots__ = ("array", "handle", "pinned", "ptr", "_mem", "__weakref__")
-
-    def __init__(self, numel: int, dtype, device: int, what: str):
-        dt = np.dtype(dtype)
-        try:
-            self._mem = _cuda.context(device).alloc_mapped(max(16, numel * dt.itemsize))
-        except MemoryError as exc:
-            raise MemoryError(f"TrainStream could not allocate pinned host memory for {what}: {exc}") from exc
-        self.ptr = self._mem.host_ptr
-        self.array = dk.host_view(self.ptr, numel, dt)
-        self.handle = self
-        self.pinned = True
-
-    def __del__(self):
-        self.array = None  # the view goes before the memory (Mapped frees itself when collected)
+def _host_sharding(dev):
+    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
-def _event(stream: int, device: int) -> _cuda.Event:
-    """A CUDA event recorded on ``stream`` (blocking sync: waiters sleep, not spin)."""
-    return _cuda.Event(_cuda.context(device), stream)
+def init(params, leaves):
+    """The state of ``params`` (on one CUDA device): the count on the device, the moments
+    and fp16/bf16 masters in its pinned host memory (never in GPU memory)."""
+    from ._transform import OffloadAdamWState  # noqa: PLC0415
 
-
-def _memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int, device: int) -> None:
-    if nbytes <= 0:
-        return
-    ctx = _cuda.context(device)
-    if kind == _H2D:
-        ctx.memcpy_htod_async(int(dst), int(src), int(nbytes), int(stream))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):  # init inside a program
+        host = jax.memory.Space.Host
+        zeros = lambda x: jax.device_put(jnp.zeros(jnp.shape(x), jnp.float32), host)  # noqa: E731
+        master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(x.astype(jnp.float32), host)  # noqa: E731
+        count = jnp.zeros([], jnp.int32)
     else:
-        ctx.memcpy_dtoh_async(int(dst), int(src), int(nbytes), int(stream))
+        dev = next(iter(leaves[0].devices())) if leaves else jax.devices("gpu")[0]
+        host = _host_sharding(dev)
+        zeros = lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), host)  # noqa: E731
+        master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
+                            else jax.device_put(np.asarray(jax.device_get(x)).astype(np.float32), host))
+        count = jax.device_put(jnp.zeros([], jnp.int32), dev)
+    return OffloadAdamWState(count, jax.tree.map(zeros, params), jax.tree.map(zeros, params),
+                             jax.tree.map(master, params))
 
 
-def device_synchronize(device: int) -> None:
-    """Wait for all work on ``device`` (before the host reads or writes the gpu-mode state)."""
-    _cuda.context(device).synchronize()
+def _noop(ctx, outs, *ins) -> None:
+    """``own`` and ``order``: XLA has put the operands into the aliased outputs already."""
 
 
-class JaxCudaHostBackend:
-    """:class:`~trainstream.core._engine.Backend` for JAX arrays on a CUDA device (``cpu`` mode).
-
-    ``stream`` is set by the FFI handler before each update (XLA's stream of that call);
-    ``param`` objects are the adapter's leaves, whose ``out_ptr`` is the device address
-    of this call's output buffer and ``init`` the float32 weights at registration.
-    """
-
-    def __init__(self, device: int):
-        self.device = int(device)
-        self.stream = 0
-        _cuda.context(self.device)  # fail early when the CUDA driver cannot be used
-
-    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str):
-        np_dtype = np.float32 if dtype == "float32" else np.uint16
-        if pinned:
-            return _PinnedBuffer(numel, np_dtype, self.device, what)
-        from ._transform import _aligned_empty, _HostBuffer  # noqa: PLC0415 (circular at import time)
-
-        try:
-            return _HostBuffer(_aligned_empty((numel,), np_dtype, huge=True))  # 2 MiB pages
-        except (MemoryError, OSError) as exc:  # OSError: mmap (trainstream._hostmem)
-            nbytes = numel * np.dtype(np_dtype).itemsize
-            raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of host memory for {what}") from exc
-
-    def param_to_host_f32(self, param: Any, out: np.ndarray) -> None:
-        out[:] = param.init
-
-    def record_compute(self, param: Any) -> None:
-        return None  # one stream: XLA's
-
-    def copy_to_host(self, dst, src: DeviceRef, after: Any) -> _cuda.Event:
-        if not isinstance(dst, _PinnedBuffer):
-            raise TypeError("gradient staging must be pinned host memory")
-        if src.nbytes != dst.array.nbytes:
-            raise ValueError(f"gradient of {src.nbytes} bytes for a staging buffer of {dst.array.nbytes}")
-        _memcpy_async(dst.ptr, src.ptr, src.nbytes, _D2H, self.stream, self.device)
-        return _event(self.stream, self.device)
-
-    def copy_to_device(self, dst: Any, src, after: Any) -> _cuda.Event | None:
-        if dst.out_ptr is None:
-            return None
-        if not isinstance(src, _PinnedBuffer):
-            raise TypeError("weights are uploaded from pinned host memory only")
-        _memcpy_async(dst.out_ptr, src.ptr, src.array.nbytes, _H2D, self.stream, self.device)
-        return _event(self.stream, self.device)
-
-    def wait_on_compute(self, event: Any, param: Any) -> None:
-        pass  # XLA's stream already orders the next use after the upload
-
-    def all_reduce_sum(self, value: float) -> float:
-        return value
-
-    def read_small(self, src: int, nbytes: int) -> np.ndarray:
-        """Copy ``nbytes`` from device memory, ordered on the stream, and wait for them
-        (the wait covers all the program before this call: the gradients are ready)."""
-        buf = self._small if getattr(self, "_small", None) is not None else None
-        if buf is None or buf.array.nbytes < nbytes:
-            buf = self._small = _PinnedBuffer(max(64, nbytes), np.uint8, self.device, "FFI scalars")
-        _memcpy_async(buf.ptr, src, nbytes, _D2H, self.stream, self.device)
-        _cuda.context(self.device).stream_synchronize(int(self.stream))
-        return buf.array[:nbytes].copy()
+def apply(plan, sc, g_leaves, p_leaves, mu, nu, masters):
+    """The update of ``plan`` (``trainstream.jax._transform._Plan``) inside a program on a
+    GPU; returns ``(firsts, mu', nu', masters')``: ``firsts`` the new weights, or with
+    ``plan.emit_u`` the float32 ``u`` of float32 leaves and the rounded new weights of
+    fp16/bf16 leaves."""
+    n = plan.n
+    sds = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
+        like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
+        w = buffer_callback(_noop, like)() if n else []
+        reads = [p for i, p in enumerate(p_leaves) if i not in plan.halves]  # the kernel reads them
+    else:
+        like = [sds(np.shape(p), p.dtype) for p in p_leaves]
+        w = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*p_leaves) if n else []
+        reads = []
+    token = jax.device_put(jnp.zeros((1,), f32), jax.memory.Space.Host)
+    state_in = list(mu) + list(nu) + list(masters) + [token]
+    ops = [sc.scalars, sc.count_inc, *g_leaves, *w, *reads, *state_in]
+    base = len(ops) - len(state_in)
+    res = [sds(np.shape(x), f32) for x in state_in]
+    upd = _update_callback(plan)
+    outs = buffer_callback(upd, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
+    outs = [jax.device_put(x, jax.memory.Space.Host) for x in outs]  # host avals: the outputs stay there
+    firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
+    k = len(masters)
+    return list(firsts), outs[:n], outs[n:2 * n], outs[2 * n:2 * n + k]
 
 
-class CountCheck:
-    """Asynchronous read-back of the optimizer count for ``mode="gpu"``.
-
-    Each update copies the count its program passed (a device int32) into a slot of a
-    pinned ring on XLA's stream and records an event; :meth:`completed` returns
-    ``(count, updates done before that call)`` for the copies that have landed (all of
-    them with ``block=True``). A full ring waits for its oldest copy.
-    """
-
-    SLOTS = 64
-
-    def __init__(self, device: int):
-        self.device = device
-        self._ring = _PinnedBuffer(self.SLOTS, np.int32, device, "optimizer count read-back")
-        self._pending: list = []  # (event, slot, updates done before that call)
-        self._landed: list = []  # (count, done) read from slots reused before a check
-        self._next = 0
-
-    def enqueue(self, count_ptr: int, done: int, stream: int) -> None:
-        if len(self._pending) >= self.SLOTS:  # full: the oldest copy holds the slot we reuse
-            ev, old_slot, old_done = self._pending.pop(0)
-            ev.synchronize()
-            self._landed.append((int(self._ring.array[old_slot]), old_done))
-        slot = self._next % self.SLOTS
-        self._next += 1
-        _memcpy_async(self._ring.ptr + 4 * slot, count_ptr, 4, _D2H, stream, self.device)
-        self._pending.append((_event(stream, self.device), slot, done))
-
-    def completed(self, block: bool) -> list[tuple[int, int]]:
-        out, self._landed = self._landed, []
-        while self._pending:
-            ev, slot, done = self._pending[0]
-            if block:
-                ev.synchronize()
-            elif not ev.query():
-                break
-            self._pending.pop(0)
-            out.append((int(self._ring.array[slot]), done))
-        return out
+def _update_callback(plan) -> "_Update":
+    """The plan's update callback: one object per plan (XLA's caches key programs by it)."""
+    if plan.gpu is None:
+        plan.gpu = _Update(plan)
+    return plan.gpu
 
 
-class JaxGpuBackend:
-    """The :class:`~trainstream.core._engine.Engine`'s device placement backend for JAX (``gpu`` mode).
+def _ptr(buf) -> int:
+    return int(buf.__cuda_array_interface__["data"][0])
 
-    Only what :meth:`~trainstream.core._engine.Engine.step_external` and the state
-    functions use: the device, the initial weights of fp16/bf16 leaves (for their fp32
-    master) and a device scratch allocation.
-    """
 
-    def __init__(self, device: int):
-        self.device_index = int(device)
-        self._scratch: list = []
+class _Staging:
+    """Pinned host buffers of one device for ``mode="cpu"``: the scalars and count, and per
+    leaf the gradient and (float32 leaves) the weights or the update. Freed with the plan."""
 
-    def param_to_host_f32(self, param: Any, out: np.ndarray) -> None:
-        if param.init is None:
-            raise ValueError(
-                "TrainStream gpu mode: the float32 weights of this leaf live in the parameters "
-                "themselves (they are their own master); pass params to state_dict"
-            )
-        out[:] = param.init
+    def __init__(self, plan, device: int):
+        from .. import _device_kernels as dk  # noqa: PLC0415
 
-    def count_checker(self) -> CountCheck:
-        return CountCheck(self.device_index)
+        self.ctx = _cuda.context(device)
+        self.lock = threading.Lock()
+        self._buffers: list = []  # _cuda.Mapped, freed when collected (with the plan)
 
-    def device_scratch(self, nbytes: int) -> tuple[Any, int]:
-        cp = dk._cupy()
-        with cp.cuda.Device(self.device_index):
-            mem = cp.cuda.alloc(int(nbytes))
-        self._scratch.append(mem)
-        return mem, int(mem.ptr)
+        def alloc(nbytes: int, what: str) -> int:
+            try:
+                buf = self.ctx.alloc_mapped(max(64, int(nbytes)))
+            except MemoryError as exc:
+                raise MemoryError(f"TrainStream JAX mode='cpu': pinned staging for {what}: {exc}") from exc
+            self._buffers.append(buf)
+            return buf.host_ptr
 
-    def record_compute(self, param: Any) -> None:
-        return None
+        n = plan.n
+        self.scalars_ptr = alloc(4 * C.N_SCALARS * max(n, 1) + 64, "the scalars")
+        self.scalars = dk.host_view(self.scalars_ptr, C.N_SCALARS * max(n, 1), np.float32).reshape(-1, C.N_SCALARS)
+        self.count_ptr = self.scalars_ptr + 4 * C.N_SCALARS * max(n, 1)
+        self.count = dk.host_view(self.count_ptr, 1, np.int32)
+        self.grads, self.grad_ptrs, self.weights, self.weight_ptrs = [], [], [], []
+        for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
+            gptr = alloc(numel * _ITEMSIZE[kind], f"gradient {i}")
+            self.grad_ptrs.append(gptr)
+            self.grads.append(dk.host_view(gptr, numel, np.float32 if kind == "float32" else np.uint16))
+            if kind == "float32":
+                wptr = alloc(4 * numel, f"weights {i}")
+                self.weight_ptrs.append(wptr)
+                self.weights.append(dk.host_view(wptr, numel, np.float32))
+                if plan.emit_u:  # the update goes to a buffer of its own, the weights are read
+                    uptr = alloc(4 * numel, f"update {i}")
+                    self.weight_ptrs[-1] = (wptr, uptr)
+                    self.weights[-1] = (self.weights[-1], dk.host_view(uptr, numel, np.float32))
+            else:
+                self.weight_ptrs.append(None)
+                self.weights.append(None)
 
-    def update_wait(self, event: Any) -> None:
-        pass
 
-    def wait_on_compute(self, event: Any, param: Any) -> None:
-        pass
+class _Update:
+    """``update(ctx, outs, S, t, grads, w, [params], mu, nu, masters, token)`` on XLA:GPU."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self._staging: dict[int, _Staging] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, ctx, outs, scal, count, *ins) -> None:
+        plan = self.plan
+        n = plan.n
+        if n == 0:
+            return
+        grads, w = ins[:n], ins[n:2 * n]
+        reads = ins[2 * n:]  # float32 weights read by update (emit_u); the state is in outs
+        mus, nus = outs[:n], outs[n:2 * n]
+        masters = dict(zip(plan.halves, outs[2 * n:2 * n + len(plan.halves)]))
+        weights = {}
+        if plan.emit_u:
+            weights = dict(zip([i for i in range(n) if i not in plan.halves], reads))
+        stream = int(ctx.stream)
+        device = _cuda.pointer_device(_ptr(grads[0]))
+        if plan.mode == "gpu":
+            self._launch(device, stream, scal, grads, w, weights, mus, nus, masters)
+        else:
+            self._host(device, stream, scal, count, grads, w, weights, mus, nus, masters)
+
+    def _launch(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
+        """``mode="gpu"``: the zero-copy kernel over every leaf, leaves of one dtype in
+        launches of up to ``MULTI_MAX`` (each leaf's scalars: its row of the matrix)."""
+        from .. import _device_kernels as dk  # noqa: PLC0415
+
+        plan = self.plan
+        row = 4 * C.N_SCALARS
+        s0 = _ptr(scal)
+        groups: dict[tuple, list] = {}
+        for i in range(plan.n):
+            kind, numel = plan.kinds[i], plan.numels[i]
+            if i in masters:  # reads the fp32 master, writes it and the rounded weights into w
+                key, item = ("w", kind), (_ptr(w[i]), _ptr(grads[i]), _ptr(masters[i]), _ptr(mus[i]), _ptr(nus[i]),
+                                          numel, s0 + row * i)
+            elif plan.emit_u:  # reads the float32 weights, writes u into w
+                key, item = ("u", kind), (_ptr(weights[i]), _ptr(grads[i]), _ptr(w[i]), _ptr(mus[i]), _ptr(nus[i]),
+                                          numel, s0 + row * i)
+            else:  # the float32 weights in place (w holds the params)
+                key, item = ("w", kind), (_ptr(w[i]), _ptr(grads[i]), 0, _ptr(mus[i]), _ptr(nus[i]), numel,
+                                          s0 + row * i)
+            groups.setdefault(key, []).append(item)
+        for (what, kind), items in groups.items():
+            for k in range(0, len(items), dk.MULTI_MAX):
+                batch = items[k:k + dk.MULTI_MAX]
+                if what == "u":
+                    dk.launch_adamw_u_multi(C.VARIANT_OPTAX_CUDA, kind, batch, stream, device=device)
+                else:
+                    dk.launch_adamw_multi(C.VARIANT_OPTAX_CUDA, kind, kind, batch, stream=stream, device=device)
+
+    def _stage(self, device: int) -> _Staging:
+        st = self._staging.get(device)
+        if st is None:
+            with self._lock:
+                st = self._staging.get(device)
+                if st is None:
+                    st = self._staging[device] = _Staging(self.plan, device)
+        return st
+
+    def _host(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
+        from .. import _device_kernels as dk  # noqa: PLC0415
+
+        plan = self.plan
+        st = self._stage(device)
+        with st.lock:  # one update of this plan on this device at a time (its staging)
+            cx = st.ctx
+            cx.memcpy_dtoh_async(st.scalars_ptr, _ptr(scal), 4 * C.N_SCALARS * plan.n, stream)
+            cx.memcpy_dtoh_async(st.count_ptr, _ptr(count), 4, stream)
+            events = []
+            for i in range(plan.n):
+                kind, numel = plan.kinds[i], plan.numels[i]
+                cx.memcpy_dtoh_async(st.grad_ptrs[i], _ptr(grads[i]), numel * _ITEMSIZE[kind], stream)
+                if kind == "float32":  # the weights: w holds the params (step), or read them (update)
+                    src = weights[i] if plan.emit_u else w[i]
+                    dst = st.weight_ptrs[i][0] if plan.emit_u else st.weight_ptrs[i]
+                    cx.memcpy_dtoh_async(dst, _ptr(src), 4 * numel, stream)
+                events.append(_cuda.Event(cx, stream))
+            scalars = st.scalars
+            if plan.convention == "torch":  # host float64 scalars from the count and the norm
+                events[-1].synchronize()
+                scalars = plan.torch_scalars(st.scalars[:plan.n].copy(), int(st.count[0]),
+                                             [(st.grads[i], plan.kinds[i], None) for i in range(plan.n)])
+            items = []
+            for i in range(plan.n):
+                kind, numel = plan.kinds[i], plan.numels[i]
+                m = dk.host_view(_ptr(mus[i]), numel, np.float32)
+                v = dk.host_view(_ptr(nus[i]), numel, np.float32)
+                g = st.grads[i]
+                if i in masters:  # the rounded weights overwrite the staged gradient, then go up
+                    p = dk.host_view(_ptr(masters[i]), numel, np.float32)
+                    out, out_kind, up_src, up_bytes = g, kind, st.grad_ptrs[i], numel * _ITEMSIZE[kind]
+                elif plan.emit_u:
+                    p, out = st.weights[i]
+                    out_kind, up_src, up_bytes = "u", st.weight_ptrs[i][1], 4 * numel
+                else:
+                    p, out, out_kind, up_src, up_bytes = st.weights[i], None, None, st.weight_ptrs[i], 4 * numel
+                dst = _ptr(w[i])
+
+                def upload(dst=dst, src=up_src, nbytes=up_bytes):
+                    cx.memcpy_htod_async(dst, src, nbytes, stream)
+
+                items.append(ExternalUpdate(p, m, v, g, kind, out, out_kind, scalars[i], events[i], upload))
+            plan.engine.update_external(items, "cuda")

@@ -235,10 +235,11 @@ __device__ __forceinline__ float ts_grad_in(const float graw, const float c, con
 // ------------------------------------------------------------------------------------------
 
 // p: fp32 master weight, m, v: moments (all updated in place), g: fp32 gradient as
-// ts_grad_in returned it (clipped).
+// ts_grad_in returned it (clipped). u: the optax variants' update before the learning rate
+// (`u` of the contract; the torch variants leave it unset).
 template <int VARIANT>
 __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, const float g,
-                                              const TsScalars& s) {
+                                              const TsScalars& s, float& u) {
   if (VARIANT == TS_VARIANT_TORCH_CPU || VARIANT == TS_VARIANT_TORCH_CUDA) {
     // p1 = p * f(1 - lr*wd)
     const float p1 = __fmul_rn(p, s.s[TS_S_DECAY]);
@@ -304,7 +305,7 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
       q = ts_z_div(m, ts_z_mul(d1, ts_z_add(__fsqrt_rn(ts_z_div(v, d2)), eps)));
     }
     // u = fma(f(wd), p, q)   (u = q when wd == 0: no decay / masked)
-    const float u = (wd != 0.0f) ? ts_z_fma(wd, p0, q) : q;
+    u = (wd != 0.0f) ? ts_z_fma(wd, p0, q) : q;
     // p = fma(f(-lr), u, p)
     p = ts_z_fma(neg_lr, u, p0);
 #undef ts_z_fma
@@ -314,7 +315,7 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     // v = f(1-b2) * (g * g) + f(b2) * v
     v = __fadd_rn(__fmul_rn(s.s[TS_S_OMB2], __fmul_rn(g, g)), __fmul_rn(s.s[TS_S_BETA2], v));
     // u = m / (bc1 * (sqrt(v / bc2) + f(eps)))       XLA:GPU sqrt and division
-    float u = xla_gpu_div(m, __fmul_rn(s.s[TS_S_BC1],
+    u = xla_gpu_div(m, __fmul_rn(s.s[TS_S_BC1],
                                        __fadd_rn(xla_gpu_sqrt(xla_gpu_div(v, s.s[TS_S_BC2_OPTAX])),
                                                  s.s[TS_S_EPS])));
     // u = u + f(wd) * p
@@ -329,8 +330,10 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
 // ------------------------------------------------------------------------------------------
 
 // P: weight storage type (float, ts_f16, ts_bf16); G: gradient storage type.
-// For fp32 weights `param` holds the master weights and `master` is unused.
-template <int VARIANT, typename P, typename G>
+// For fp32 weights `param` holds the master weights and `master` is unused, except with
+// EMIT_U (optax variants, fp32 weights only: the JAX adapter's `update`): then `param` is
+// read, not written, and `master` receives u, the update before the learning rate.
+template <int VARIANT, typename P, typename G, bool EMIT_U = false>
 __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
                                                    const G* __restrict__ grad,
                                                    float* __restrict__ master,
@@ -357,7 +360,7 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
   long long head = (long long)(((16ull - ((unsigned long long)m & 15ull)) & 15ull) >> 2);
   if (head > n) head = n;
   const bool vec = ts_aligned(m + head, 16) && ts_aligned(v + head, 16) &&
-                   (kOwnMaster || ts_aligned(master + head, 16)) &&
+                   ((kOwnMaster && !EMIT_U) || ts_aligned(master + head, 16)) &&
                    ts_aligned(param + head, 4 * sizeof(P)) &&
                    ts_aligned(grad + head, 4 * sizeof(G));
   if (!vec) head = n;
@@ -378,17 +381,22 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     float vi = v[i];
     // g = g * c (optax/cpu: see ts_grad_in)
     const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
-    ts_adamw_math<VARIANT>(p, mi, vi, g, s);
+    float u;
+    ts_adamw_math<VARIANT>(p, mi, vi, g, s, u);
     m[i] = mi;
     v[i] = vi;
-    if (!kOwnMaster) master[i] = p;
-    param[i] = ts_from_f32<P>(p);
+    if (EMIT_U) {
+      master[i] = u;
+    } else {
+      if (!kOwnMaster) master[i] = p;
+      param[i] = ts_from_f32<P>(p);
+    }
   }
 
   // vector body: every PCIe access 16 bytes wide
   for (long long k = tid; k < nvec; k += nthreads) {
     const long long i = head + (k << 2);
-    float p[4], mi[4], vi[4], g[4];
+    float p[4], mi[4], vi[4], g[4], u[4];
     ts_load4(m + i, mi);
     ts_load4(v + i, vi);
     if (kOwnMaster) ts_load4(param + i, p);
@@ -398,12 +406,16 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     for (int j = 0; j < 4; ++j) {
       // g = g * c (optax/cpu: see ts_grad_in)
       g[j] = ts_grad_in<VARIANT>(g[j], c, s);
-      ts_adamw_math<VARIANT>(p[j], mi[j], vi[j], g[j], s);
+      ts_adamw_math<VARIANT>(p[j], mi[j], vi[j], g[j], s, u[j]);
     }
     ts_store4(m + i, mi);
     ts_store4(v + i, vi);
-    if (!kOwnMaster) ts_store4(master + i, p);
-    ts_store4(param + i, p);
+    if (EMIT_U) {
+      ts_store4(master + i, u);
+    } else {
+      if (!kOwnMaster) ts_store4(master + i, p);
+      ts_store4(param + i, p);
+    }
   }
 
   // scalar tail: the last (n - head) % 4 elements
@@ -415,11 +427,16 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     float vi = v[i];
     // g = g * c (optax/cpu: see ts_grad_in)
     const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
-    ts_adamw_math<VARIANT>(p, mi, vi, g, s);
+    float u;
+    ts_adamw_math<VARIANT>(p, mi, vi, g, s, u);
     m[i] = mi;
     v[i] = vi;
-    if (!kOwnMaster) master[i] = p;
-    param[i] = ts_from_f32<P>(p);
+    if (EMIT_U) {
+      master[i] = u;
+    } else {
+      if (!kOwnMaster) master[i] = p;
+      param[i] = ts_from_f32<P>(p);
+    }
   }
 }
 
@@ -450,7 +467,7 @@ struct TsMultiBatch {
   TsMultiItem items[TS_MULTI_MAX];
 };
 
-template <int VARIANT, typename P, typename G>
+template <int VARIANT, typename P, typename G, bool EMIT_U = false>
 __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
                                                const double* __restrict__ sumsq,
                                                const float max_norm) {
@@ -464,7 +481,7 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
   const TsMultiItem& t = batch.items[lo];
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
-  ts_adamw_zero_copy<VARIANT, P, G>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
+  ts_adamw_zero_copy<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
                                     t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, sumsq,
                                     max_norm, block, t.nblocks);
 }
@@ -490,3 +507,21 @@ TS_DEFINE_ADAMW_VARIANT(torch_cpu, TS_VARIANT_TORCH_CPU)
 TS_DEFINE_ADAMW_VARIANT(torch_cuda, TS_VARIANT_TORCH_CUDA)
 TS_DEFINE_ADAMW_VARIANT(optax_cpu, TS_VARIANT_OPTAX_CPU)
 TS_DEFINE_ADAMW_VARIANT(optax_cuda, TS_VARIANT_OPTAX_CUDA)
+
+// adamw_zero_copy_u_<variant>_f32_<grad> (optax variants): the same batch, fp32 weights read
+// from each item's `param`, u (the update before the learning rate) written to its `master`
+// slot, the moments updated: the JAX adapter's `update`, whose program then scales u by the
+// learning rate as optax does.
+#define TS_DEFINE_ADAMW_U(VNAME, VARIANT, GNAME, G)                                            \
+  extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
+      adamw_zero_copy_u_##VNAME##_f32_##GNAME(                                                \
+          const TsMultiBatch batch, const double* __restrict__ sumsq, float max_norm) {       \
+    ts_adamw_multi<VARIANT, float, G, true>(batch, sumsq, max_norm);                          \
+  }
+
+TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, f32, float)
+TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, f16, ts_f16)
+TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, bf16, ts_bf16)
+TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, f32, float)
+TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, f16, ts_f16)
+TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, bf16, ts_bf16)

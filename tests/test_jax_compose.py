@@ -1,0 +1,368 @@
+"""offload_adamw composed as optax's adamw is: optax wrappers, flax nnx, orbax, and the
+program's own conditions (params passed in, x64, pmap, vmap, no growth), each bit for bit
+against the same program around optax.adamw on XLA:CPU."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jnp = jax.numpy
+
+import trainstream.jax as tsj  # noqa: E402
+
+from test_jax import (  # noqa: E402
+    MODELS,
+    SCHEDULE,
+    _copy,
+    assert_tree_bits,
+    decay_mask,
+    fused_grads,
+)
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
+    pytest.skip("these tests run JAX on the CPU backend", allow_module_level=True)
+
+
+def _train(opt, model, steps, seed=4, params=None, edit=None):
+    """``steps`` jitted steps of update + apply_updates; the weights after each step."""
+    init, loss, batch = MODELS[model]
+    params = init(np.random.default_rng(3)) if params is None else params
+
+    @jax.jit
+    def step(p, s, b):
+        g = jax.grad(loss)(p, b)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = _copy(params), opt.init(params)
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        if edit is not None:
+            p = edit(t, p)
+        p, s = step(p, s, batch(rng))
+        out.append(p)
+    return out, s
+
+
+def _same(ours, ref, what):
+    for t, (a, b) in enumerate(zip(ours, ref)):
+        assert_tree_bits(a, b, f"{what} step {t + 1}")
+
+
+KW = dict(weight_decay=0.05)
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("max_norm", [1.0, 0.05])
+def test_chain_after_clip_by_global_norm(model, max_norm):
+    """chain(clip_by_global_norm(M), ours) == chain(clip_by_global_norm(M), optax.adamw):
+    the clipped gradient is fused into optax's moment update in the reference, so the
+    transformation is told (after_clip_by_global_norm=M: LLVM's pairing of that program)."""
+    ref = optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-3, **KW))
+    ours = optax.chain(optax.clip_by_global_norm(max_norm),
+                       tsj.offload_adamw(1e-3, after_clip_by_global_norm=max_norm, **KW))
+    _same(_train(ours, model, 12)[0], _train(ref, model, 12)[0], f"chain clip {model}")
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("model", list(MODELS))
+def test_multisteps(model):
+    """optax.MultiSteps(ours, 3): the inner update runs at every micro-step (as optax's) and
+    its state is kept only when it emits; the accumulated gradient is fused into the
+    reference's moment update for every leaf (xla_fused_grads=True)."""
+    ref = optax.MultiSteps(optax.adamw(1e-3, **KW), 3)
+    ours = optax.MultiSteps(tsj.offload_adamw(1e-3, xla_fused_grads=True, **KW), 3)
+    a, sa = _train(ours, model, 9)
+    b, sb = _train(ref, model, 9)
+    _same(a, b, f"MultiSteps {model}")
+    assert int(sa.inner_opt_state.count) == int(sb.inner_opt_state[0].count) == 3
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("model", list(MODELS))
+def test_inject_hyperparams(model):
+    """inject_hyperparams(ours): learning rate from a schedule and weight decay as float32
+    arrays in the state (the scalars are then float32 arithmetic, as in optax)."""
+    fg = fused_grads if model == "mlp" else None
+    ref = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.05, b1=0.85)
+    ours = optax.inject_hyperparams(tsj.offload_adamw, static_args=("xla_fused_grads",))(
+        learning_rate=SCHEDULE, weight_decay=0.05, b1=0.85, xla_fused_grads=fg)
+    a, sa = _train(ours, model, 12)
+    b, sb = _train(ref, model, 12)
+    _same(a, b, f"inject_hyperparams {model}")
+    np.testing.assert_array_equal(np.asarray(sa.hyperparams["learning_rate"]),
+                                  np.asarray(sb.hyperparams["learning_rate"]))
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("model", list(MODELS))
+def test_masked(model):
+    """optax.masked(ours, matrices only): the masked-out leaves get their gradient back."""
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+    _same(_train(optax.masked(tsj.offload_adamw(1e-3, **KW), mask), model, 10)[0],
+          _train(optax.masked(optax.adamw(1e-3, **KW), mask), model, 10)[0], f"masked {model}")
+
+
+@pytest.mark.isa
+def test_update_and_step_equal_and_honour_the_params_passed_in():
+    """Weights replaced between steps (a params tree edited outside the optimizer) are
+    the ones updated, as with optax: update, step and the reference agree bit for bit."""
+    def edit(t, p):
+        return jax.tree.map(lambda x: x * 0.5 if t == 3 else x, p)
+
+    ref, _ = _train(optax.adamw(SCHEDULE, **KW), "mlp", 8, edit=edit)
+    tx = tsj.offload_adamw(SCHEDULE, xla_fused_grads=fused_grads, **KW)
+    ours, _ = _train(tx, "mlp", 8, edit=edit)
+    _same(ours, ref, "update, params edited")
+    init, loss, batch = MODELS["mlp"]
+    step = jax.jit(lambda p, s, b: tx.step(jax.grad(loss)(p, b), s, p))
+    p, s = init(np.random.default_rng(3)), tx.init(init(np.random.default_rng(3)))
+    rng = np.random.default_rng(4)
+    for t in range(8):
+        p, s = step(edit(t, p), s, batch(rng))
+        assert_tree_bits(p, ref[t], f"step, params edited, step {t + 1}")
+
+
+def test_bf16_master_gives_way_to_replaced_weights():
+    """fp16/bf16 leaves: where the state's master no longer rounds to the weights passed
+    in, the weights are taken (upcast) as the master; elsewhere the master is kept."""
+    init, loss, batch = MODELS["mlp"]
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(np.random.default_rng(3)))
+    tx = tsj.offload_adamw(1e-3, **KW)
+    step = jax.jit(lambda p, s, b: tx.step(jax.grad(loss)(p, b), s, p))
+    rng = np.random.default_rng(4)
+    p, s = step(params, tx.init(params), batch(rng))
+    p, s = step(p, s, batch(rng))
+    new = jax.tree.map(lambda x: (x * 3).astype(jnp.bfloat16), p)  # replaced weights
+    b = batch(rng)
+    got, _ = step(new, s, b)
+    fresh = tx.init(new)  # their master is the weights themselves
+    want, _ = step(new, fresh._replace(count=s.count, mu=s.mu, nu=s.nu), b)
+    assert_tree_bits(got, want, "replaced bf16 weights")
+    kept, s_kept = step(p, s, b)  # untouched weights: the state's master is used
+    assert not all(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(c).view(np.uint16))
+                   for a, c in zip(jax.tree.leaves(s_kept.master),
+                                   jax.tree.leaves(jax.tree.map(lambda x: x.astype(jnp.float32), kept))))
+
+
+# -- flax nnx and orbax ---------------------------------------------------------------------------
+
+
+def test_nnx_optimizer():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(12, 32, rngs=rngs)
+            self.l2 = nnx.Linear(32, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.gelu(self.l1(x)))
+
+    def train(tx):
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, x, y):
+            g = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            opt.update(model, g)
+
+        rng = np.random.default_rng(1)
+        for _ in range(10):
+            step(model, opt, jnp.asarray(rng.standard_normal((16, 12)), jnp.float32),
+                 jnp.asarray(rng.standard_normal((16, 5)), jnp.float32))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param)), opt
+
+    want, _ = train(optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask))
+    got, opt = train(tsj.offload_adamw(1e-2, weight_decay=0.1, mask=decay_mask))
+    assert_tree_bits(got, want, "nnx.Optimizer")
+    assert int(opt.opt_state.count[...]) == 10
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_orbax_saves_and_restores_the_state_as_it_is(tmp_path, dtype):
+    """The state goes through orbax like optax's (moments, masters, the count) and a
+    restored state resumes bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    init, loss, batch = MODELS["mlp"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x.astype(dtype) if x.ndim > 1 else x, init(rng))
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask, max_grad_norm=1.0)
+
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    bs = [batch(rng) for _ in range(10)]
+    p, s = params, tx.init(params)
+    for b in bs[:5]:
+        p, s = step(p, s, b)
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+    ck.wait_until_finished()
+    for b in bs[5:]:
+        p, s = step(p, s, b)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": tx.init(params)})
+    r = ck.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(r["opt_state"], tsj.OffloadAdamWState) and int(r["opt_state"].count) == 5
+    p2, s2 = r["params"], r["opt_state"]
+    for b in bs[5:]:
+        p2, s2 = step(p2, s2, b)
+    assert_tree_bits(p2, p, "resumed weights")
+    assert_tree_bits(s2, s, "resumed state")
+
+
+# -- x64, pmap, vmap, no growth -----------------------------------------------------------------
+
+
+_X64 = textwrap.dedent('''
+    import sys
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import numpy as np, jax.numpy as jnp, optax
+    sys.path.insert(0, {tests!r})
+    import trainstream.jax as tsj
+    from test_jax import MODELS, SCHEDULE, _copy, assert_tree_bits, decay_mask, fused_grads
+    init, loss, batch = MODELS["mlp"]
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), init(np.random.default_rng(0)))
+    cases = {{
+        "schedule": (optax.adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask),
+                     tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask, xla_fused_grads=fused_grads)),
+        "clip": (optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3)),
+                 tsj.offload_adamw(1e-3, max_grad_norm=0.5)),
+    }}
+    for name, pair in cases.items():
+        res = []
+        for opt in pair:
+            @jax.jit
+            def f(p, s, b, opt=opt):
+                u, s = opt.update(jax.grad(loss)(p, b), s, p)
+                return optax.apply_updates(p, u), s
+            p, s = _copy(params), opt.init(params)
+            r = np.random.default_rng(1)
+            res.append([])
+            for t in range(10):
+                p, s = f(p, s, batch(r))
+                res[-1].append(p)
+        for t in range(10):
+            assert_tree_bits(res[1][t], res[0][t], f"x64 {{name}} step {{t + 1}}")
+    print("x64 ok")
+''')
+
+
+@pytest.mark.isa
+def test_x64_mode():
+    """With jax_enable_x64 (optax's bias corrections are float64 powers cast per leaf)."""
+    code = _X64.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "x64 ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+_PMAP = textwrap.dedent('''
+    import os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    import numpy as np, jax, jax.numpy as jnp, optax
+    sys.path.insert(0, {tests!r})
+    import trainstream.jax as tsj
+    from test_jax import MODELS, assert_tree_bits
+    init, loss, batch = MODELS["mlp"]
+    params = init(np.random.default_rng(0))
+    rep = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)
+    grad = jax.jit(jax.grad(loss))
+    res = []
+    for opt in (optax.adamw(1e-3, weight_decay=0.1), tsj.offload_adamw(1e-3, weight_decay=0.1, threads=2)):
+        def f(g, p, s):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        step = jax.pmap(f, axis_name="i")
+        def with_pmean(p, s, b):
+            g = jax.lax.pmean(jax.grad(loss)(p, b), "i")
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        step2 = jax.pmap(with_pmean, axis_name="i")
+        p, s = rep(params), rep(opt.init(params))
+        r = np.random.default_rng(1)
+        for t in range(5):
+            bs = [batch(r) for _ in range(2)]
+            g = jax.tree.map(lambda a, b: jnp.stack([a, b]), grad(params, bs[0]), grad(params, bs[1]))
+            p, s = step(g, p, s)
+            p, s = step2(p, s, jax.tree.map(lambda *x: jnp.stack(x), *bs))
+        res.append(p)
+    # the pmean program fuses the reduction into the update differently: within rounding
+    for a, b in zip(jax.tree.leaves(res[0]), jax.tree.leaves(res[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    print("pmap ok")
+''')
+
+
+def test_pmap_with_collectives_runs():
+    """pmap over two CPU devices, with and without lax.pmean in the step: every replica's
+    callback runs on its own buffers (no shared engine, no rendezvous to miss)."""
+    code = _PMAP.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "pmap ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.isa
+def test_pmap_matches_optax_per_replica():
+    """Gradients passed into the pmapped update (materialised): bit for bit per replica."""
+    code = _PMAP.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    code = code.replace("p, s = step2(p, s, jax.tree.map(lambda *x: jnp.stack(x), *bs))", "pass")
+    code = code.replace("np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)",
+                        "np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "pmap ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_vmap_raises_a_clear_error_at_trace_time():
+    init, _, _ = MODELS["mlp"]
+    params = init(np.random.default_rng(0))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    tx = tsj.offload_adamw(1e-3)
+    states = jax.vmap(tx.init)(stacked)  # init is array code: it batches
+    for fn in (tx.update, tx.step):
+        with pytest.raises(NotImplementedError, match="under jax.vmap"):
+            jax.eval_shape(jax.vmap(fn), stacked, states, stacked)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc")
+def test_no_growth_across_init_step_close():
+    """30 cycles of a new optimizer, init, a jitted step, close: the process does not grow
+    (nothing is kept between calls; the callbacks of equal configurations are shared)."""
+    init, loss, batch = MODELS["mlp"]
+    params = init(np.random.default_rng(0))
+    b = batch(np.random.default_rng(1))
+
+    def cycle():
+        tx = tsj.offload_adamw(1e-3, weight_decay=0.1)
+        step = jax.jit(lambda p, s, b: tx.step(jax.grad(loss)(p, b), s, p))
+        s = tx.init(params)
+        p, s = step(params, s, b)
+        jax.block_until_ready(p)
+        tx.close(s)
+
+    for _ in range(10):  # warm up (compilation caches, allocator pools)
+        cycle()
+    gc.collect()
+    before = _rss()
+    for _ in range(30):
+        cycle()
+    gc.collect()
+    grown = _rss() - before
+    assert grown < 30 * 64 * 1024, f"grew {grown / 1024:.0f} KiB over 30 cycles"
