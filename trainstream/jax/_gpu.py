@@ -6,8 +6,9 @@ custom call whose outputs mix that host memory and GPU memory (its host offloade
 an aliased host operand through all the outputs: ``E1200``), so :func:`apply` builds the
 update from three ``jax.experimental.buffer_callback`` calls:
 
-* ``own(params) -> w`` (device only; aliased for ``step``, fresh buffers for ``update``):
-  the buffers that receive the new weights (or the updates);
+* ``own(params) -> w`` (device only; aliased for ``step``; for ``update`` fresh buffers,
+  with the gradients as operands so that XLA cannot hoist it out of a loop): the buffers
+  that receive the new weights (or the updates);
 * ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters',
   token')`` (host only, the state aliased in place): runs the update, writes ``w``;
 * ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes
@@ -88,7 +89,9 @@ def apply(plan, sc, g_leaves, p_leaves, mu, nu, masters):
     f32 = jnp.float32
     if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
         like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
-        w = buffer_callback(_noop, like)() if n else []
+        # the gradients as operands: buffers of this update (without operands XLA may hoist
+        # the call out of a loop, and every iteration would write into the same buffers)
+        w = buffer_callback(_noop, like)(*g_leaves) if n else []
         reads = [p for i, p in enumerate(p_leaves) if i not in plan.halves]  # the kernel reads them
     else:
         like = [sds(np.shape(p), p.dtype) for p in p_leaves]
@@ -115,7 +118,13 @@ def _update_callback(plan) -> "_Update":
 
 
 def _ptr(buf) -> int:
+    """The device address of a buffer XLA hands to a callback (host memory: its UVA address)."""
     return int(buf.__cuda_array_interface__["data"][0])
+
+
+def _stream(ctx) -> int:
+    """XLA's compute stream of this execution (a ``CUstream``)."""
+    return int(ctx.stream)
 
 
 class _Staging:
@@ -180,7 +189,7 @@ class _Update:
         weights = {}
         if plan.emit_u:
             weights = dict(zip([i for i in range(n) if i not in plan.halves], reads))
-        stream = int(ctx.stream)
+        stream = _stream(ctx)
         device = _cuda.pointer_device(_ptr(grads[0]))
         if plan.mode == "gpu":
             self._launch(device, stream, scal, grads, w, weights, mus, nus, masters)

@@ -1,0 +1,272 @@
+"""The GPU code path of offload_adamw (trainstream.jax._gpu), run on XLA:CPU with its CUDA
+calls simulated: the state in ``pinned_host`` memory, the three callbacks (own, update,
+order), the engine pipeline of ``mode="cpu"`` (staging, events, uploads) and the grouped
+launches of ``mode="gpu"``.
+
+The simulated launches run the host kernel of the same variant (optax/cuda), so both modes
+must give the contract's NumPy reference bit for bit here; what this checks is the
+plumbing (operands, aliases, memory kinds, orders), which the H200 tests
+(tests/test_jax_gpu.py) then check with the real kernel against XLA:GPU's optax.
+"""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jnp = jax.numpy
+
+import trainstream.jax as tsj  # noqa: E402
+from trainstream import _host_kernels as K  # noqa: E402
+from trainstream import contract as C  # noqa: E402
+from trainstream.jax import _gpu as G  # noqa: E402
+from trainstream.jax import _transform as T  # noqa: E402
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the simulation needs XLA:CPU buffers
+    pytest.skip("simulates the CUDA calls on XLA:CPU (tests/test_jax_gpu.py runs them for real)",
+                allow_module_level=True)
+
+_KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
+_NP = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.uint16}
+
+
+def _view(ptr, n, dtype):
+    if n == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(ptr), dtype, n)
+
+
+class _Mapped:
+    def __init__(self, nbytes):
+        self._a = np.zeros(nbytes, np.uint8)
+        self.host_ptr = self.dev_ptr = self._a.ctypes.data
+
+
+class _Context:
+    copies = []
+
+    def alloc_mapped(self, nbytes):
+        return _Mapped(nbytes)
+
+    def memcpy_dtoh_async(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        self.copies.append(("d2h", nbytes))
+
+    def memcpy_htod_async(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        self.copies.append(("h2d", nbytes))
+
+
+class _Event:
+    def __init__(self, ctx, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Kernels:
+    """launch_adamw_multi / launch_adamw_u_multi on host views, with the host kernel."""
+
+    MULTI_MAX = 3  # small, so that leaves of one dtype take several launches
+    launches = []
+
+    @classmethod
+    def launch_adamw_multi(cls, variant, pd, gd, items, stream=0, *, device=None):
+        assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
+        cls.launches.append(("w", pd, len(items)))
+        for param, grad, master, m, v, n, sptr in items:
+            s = _view(sptr, C.N_SCALARS, np.float32)
+            g = _view(grad, n, _NP[gd])
+            if pd == "float32":
+                K.adamw_chunk(variant, _view(param, n, np.float32), _view(m, n, np.float32),
+                              _view(v, n, np.float32), g, _KIND[gd], None, 0, 0, n, s.copy())
+            else:
+                K.adamw_chunk(variant, _view(master, n, np.float32), _view(m, n, np.float32),
+                              _view(v, n, np.float32), g, _KIND[gd], _view(param, n, np.uint16), _KIND[pd], 0, n,
+                              s.copy())
+
+    @classmethod
+    def launch_adamw_u_multi(cls, variant, gd, items, stream=0, *, device=None):
+        assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
+        cls.launches.append(("u", gd, len(items)))
+        for param, grad, u, m, v, n, sptr in items:
+            s = _view(sptr, C.N_SCALARS, np.float32)
+            K.adamw_chunk(variant, _view(param, n, np.float32), _view(m, n, np.float32), _view(v, n, np.float32),
+                          _view(grad, n, _NP[gd]), _KIND[gd], _view(u, n, np.float32), K.OUT_U, 0, n, s.copy())
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    from trainstream import _cuda
+    from trainstream import _device_kernels as dk
+
+    monkeypatch.setattr(T, "_platform_of", lambda leaves: "cuda")
+    monkeypatch.setattr(G, "_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
+    monkeypatch.setattr(G, "_stream", lambda ctx: 0)
+    monkeypatch.setattr(_cuda, "pointer_device", lambda ptr: 0)
+    monkeypatch.setattr(_cuda, "context", lambda device: _Context())
+    monkeypatch.setattr(_cuda, "Event", _Event)
+    for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
+        monkeypatch.setattr(dk, name, getattr(_Kernels, name))
+    _Kernels.launches.clear()
+    _Context.copies.clear()
+    with T._plans_lock:  # plans of the real platform must not serve the simulated one
+        T._plans.clear()
+    yield
+    with T._plans_lock:
+        T._plans.clear()
+
+
+SHAPES = {"a": (37, 19), "b": (64, 16), "c": (1001,), "d": (4,), "e": (3, 5)}
+
+
+def _params(dtype):
+    rng = np.random.default_rng(0)
+    return {k: jnp.asarray(rng.standard_normal(s).astype(np.float32), dtype) for k, s in SHAPES.items()}
+
+
+def _grads(rng, params):
+    return {k: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32) * 0.1, p.dtype) for k, p in params.items()}
+
+
+def _mask(p):
+    return {k: k != "d" for k in p}
+
+
+def _reference(params, grads_seq, lr, wd):
+    """The contract's NumPy update (optax/cuda) on fp32 masters, scalars from the contract's
+    matrix evaluated by XLA (as in the program)."""
+    keys = list(params)
+    decays = [_mask(params)[k] for k in keys]
+    mat = jax.jit(lambda c: C.optax_scalar_matrix(c, [0] * len(keys), decays, learning_rate=lr, b1=0.9, b2=0.999,
+                                                  eps=1e-8, weight_decay=wd, xp=jnp).scalars)
+    p = {k: np.asarray(params[k], np.float32).ravel() for k in keys}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    for t, g in enumerate(grads_seq):
+        s = np.asarray(mat(jnp.int32(t)))
+        for i, k in enumerate(keys):
+            p[k], m[k], v[k] = C.reference_update(p[k], m[k], v[k], np.asarray(g[k], np.float32).ravel(), s[i],
+                                                  "optax", "cuda")
+    return p, m, v
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.itemsize == 4 else np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype):
+    lr, wd = 1e-2, 0.05
+    params = _params(jnp.dtype(dtype))
+    rng = np.random.default_rng(1)
+    gs = [_grads(rng, params) for _ in range(4)]
+    want_p, want_m, want_v = _reference(params, gs, lr, wd)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, chunk_elems=4096)
+    for donate in (True, False):
+        for via in ("step", "update"):
+            s = tx.init(params)
+            assert {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))} == {"pinned_host"}
+
+            # params and state in the same order in and out: with uncommitted params JAX
+            # pairs donated inputs with outputs by shape and dtype alone (see the docstring
+            # of offload_adamw on donation)
+            def body(p, s, g, via=via):
+                if via == "step":
+                    return tx.step(g, s, p)
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            step = jax.jit(body, donate_argnums=(0, 1) if donate else ())
+            p = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+            for g in gs:
+                old_mu = None if donate else np.asarray(jax.tree.leaves(s.mu)[0]).copy()
+                keep = s.mu
+                p, s = step(p, s, g)
+                if not donate:  # the caller's state is untouched (XLA copied it first)
+                    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(keep)[0]), old_mu)
+            what = f"{mode} {dtype} {via} donate={donate}"
+            assert {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))} == {"pinned_host"}, what
+            for k in params:
+                got_master = s.master[k] if dtype != "float32" else p[k]
+                if via == "step" or dtype != "float32":  # update's fp32 weights: XLA's p + (-lr)*u, below
+                    np.testing.assert_array_equal(_bits(np.asarray(got_master).ravel()), _bits(want_p[k]), what + k)
+                else:
+                    np.testing.assert_allclose(np.asarray(got_master).ravel(), want_p[k], rtol=0, atol=1e-6)
+                np.testing.assert_array_equal(_bits(np.asarray(s.mu[k]).ravel()), _bits(want_m[k]), what + k)
+                np.testing.assert_array_equal(_bits(np.asarray(s.nu[k]).ravel()), _bits(want_v[k]), what + k)
+                if dtype != "float32":
+                    np.testing.assert_array_equal(_bits(p[k]), _bits(np.asarray(s.master[k]).astype(p[k].dtype)))
+            assert int(s.count) == len(gs)
+    if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX
+        assert {(w, n) for w, _, n in _Kernels.launches} >= {("w", 3), ("w", 2)}
+        if dtype == "float32":
+            assert ("u", "float32", 3) in _Kernels.launches
+    else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf
+        ups = [n for d, n in _Context.copies if d == "h2d"]
+        assert len(ups) == 2 * 2 * len(gs) * len(SHAPES)
+
+
+def test_gpu_path_compositions_keep_the_state_in_host_memory(simulated_gpu):
+    """MultiSteps (jnp.where and lax.cond on the state), chain with clipping, masked, a
+    scan over steps: the state stays pinned_host and the weights equal the plain loop's."""
+    params = _params(jnp.float32)
+    rng = np.random.default_rng(2)
+    gs = [_grads(rng, params) for _ in range(4)]
+
+    def run(tx, scan=False):
+        s = tx.init(params)
+        if scan:
+            @jax.jit
+            def many(p, s, gs):
+                def body(c, g):
+                    u, s = tx.update(g, c[1], c[0])
+                    return (optax.apply_updates(c[0], u), s), None
+                return jax.lax.scan(body, (p, s), gs)[0]
+            return many(params, s, jax.tree.map(lambda *x: jnp.stack(x), *gs))
+
+        @jax.jit
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        p = params
+        for g in gs:
+            p, s = step(p, s, g)
+        return p, s
+
+    kinds = lambda s: {x.sharding.memory_kind for x in jax.tree.leaves(s) if x.ndim}  # noqa: E731
+    for mode in ("gpu", "cpu"):
+        base = tsj.offload_adamw(1e-2, mode=mode, threads=2)
+        p_plain, s_plain = run(base)
+        p_scan, s_scan = run(base, scan=True)
+        for a, b in zip(jax.tree.leaves(p_scan), jax.tree.leaves(p_plain)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+        p_ms, s_ms = run(optax.MultiSteps(base, 2))
+        assert int(s_ms.inner_opt_state.count) == 2
+        p_ch, s_ch = run(optax.chain(optax.clip_by_global_norm(0.5), base))
+        mask = {k: k != "c" for k in params}
+        p_mk, s_mk = run(optax.masked(base, mask))
+        p_ref, _ = run(optax.masked(optax.adamw(1e-2), mask))  # leaf c: the raw gradients, as optax's
+        np.testing.assert_array_equal(_bits(p_mk["c"]), _bits(p_ref["c"]))
+        for s in (s_plain, s_scan, s_ms, s_ch, s_mk):
+            ours = [x for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tsj.OffloadAdamWState))
+                    if isinstance(x, tsj.OffloadAdamWState)]
+            assert len(ours) == 1 and kinds((ours[0].mu, ours[0].nu)) == {"pinned_host"}
+
+
+def test_gpu_path_refuses_state_in_device_memory(simulated_gpu):
+    params = _params(jnp.float32)
+    tx = tsj.offload_adamw(1e-2, mode="gpu")
+    s = tx.init(params)
+    on_device = s._replace(mu=jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices("cpu")[0]), s.mu))
+    g = _grads(np.random.default_rng(3), params)
+    with pytest.raises(ValueError, match="in GPU memory.*pinned host memory"):
+        jax.jit(tx.step)(g, on_device, params)
