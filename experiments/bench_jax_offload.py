@@ -127,7 +127,8 @@ def setups(lr, dev):
                 g = jax.grad(loss_fn)(p, x)
                 return tx.step(g, s, p)
 
-            return jax.jit(step, donate_argnums=(0,)), state
+            # the state is arrays (host memory): donated, it is updated in place
+            return jax.jit(step, donate_argnums=(0, 1)), state
 
         return build
 

@@ -1,10 +1,11 @@
-"""offload_adamw on a CUDA GPU (XLA:GPU): both modes under jit against optax.adamw jitted on
-the GPU, no optimizer state in GPU memory, eager = jit, checkpoints across modes, bad input.
+"""offload_adamw on a CUDA GPU (XLA:GPU), against the same programs around optax.adamw
+jitted on the GPU: ``mode="gpu"`` bit for bit (the kernel runs XLA:GPU's instructions),
+``mode="cpu"`` within the contract's bound (IEEE arithmetic on the host where XLA:GPU
+approximates); the optax wrappers, flax nnx and orbax in gpu mode bit for bit; the state
+never in GPU memory; eager = jit; checkpoints; bad input.
 
-XLA:GPU's optax uses approximate square root and division (``sqrt.approx``,
-``div.full``), so the comparison is per step and bounded in ULPs
-(``trainstream.contract.OPTAX_CUDA_MAX_ULP``): each step starts optax from *our* state
-(exported with ``state_dict``), so differences cannot compound over the steps.
+Clipped runs use gradients whose squares sum exactly in float32 (``exact_norm``): XLA sums
+a global norm in a program-dependent order, and the clip coefficient's last bit with it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def _gpu():
         pytest.skip("JAX sees no GPU")
 
 
-# Leaf sizes: odd, a multiple of 4, a prime: the kernels' scalar head/tail and vector body.
-SHAPES = {"a": (37, 19), "b": (256, 64), "c": (10007,), "d": (4,), "e": (1536, 1025)}  # e: 2 host chunks
+# Leaf sizes: odd, a multiple of 4, a prime: the kernels' scalar head/tail and vector body;
+# "e" spans two host chunks.
+SHAPES = {"a": (37, 19), "b": (256, 64), "c": (10007,), "d": (4,), "e": (1536, 1025)}
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, 50, 1e-4)
 
 
@@ -45,11 +47,8 @@ def _params(dtype, dev, seed=0):
 
 
 def _grads(rng, params, dev, exact_norm=False):
-    """A spread of magnitudes, zeros included. ``exact_norm``: k * 2**-10 with integer k in
-    [-2, 2] (exact in bf16), whose squares sum exactly in float32 in any order (every
-    partial sum is an integer multiple of 2**-20 below 2**24 of them):
-    the global norm is then the same in every program (XLA's reduction order changes the
-    last bits of a float32 sum, and with them the clip coefficient)."""
+    """A spread of magnitudes, zeros included; ``exact_norm``: k * 2**-10, k in [-2, 2]
+    (exact in bf16), whose squares sum exactly in float32 in any order."""
     out = {}
     for k, p in params.items():
         if exact_norm:
@@ -61,99 +60,243 @@ def _grads(rng, params, dev, exact_norm=False):
     return out
 
 
-def _optax_tx(lr, clip, wd=1e-2):
-    """The reference: optax.adamw, chained after clip_by_global_norm when clipping."""
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({4: np.uint32, 2: np.uint16}[a.itemsize])
+
+
+def _same(got, want, what):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, path)
+        bad = int((_bits(a) != _bits(b)).sum())
+        assert bad == 0, f"{what} {jax.tree_util.keystr(path)}: {bad} of {a.size} elements differ"
+
+
+def _f32(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _ref_tx(lr, clip, wd=1e-2):
     inner = optax.adamw(lr, weight_decay=wd, mask=_mask)
-    tx = optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
-    return tx
+    return optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
 
 
-def _optax_state_like(tx, params32, sd, dev):
-    """``tx.init`` with its moments and counts replaced by our checkpoint ``sd``."""
-    st = tx.init(params32)
-    mu = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), dev), sd["exp_avg"])
-    nu = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), dev), sd["exp_avg_sq"])
-    count = jax.device_put(jnp.asarray(sd["count"], jnp.int32), dev)
-
-    def fix(x):
-        if isinstance(x, optax.ScaleByAdamState):
-            return optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
-        if isinstance(x, optax.ScaleByScheduleState):
-            return optax.ScaleByScheduleState(count=count)
-        return x
-
-    return jax.tree.map(fix, st, is_leaf=lambda x: isinstance(x, (optax.ScaleByAdamState, optax.ScaleByScheduleState)))
+def _adam_state(st):
+    return [x for x in jax.tree.leaves(st, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(x, optax.ScaleByAdamState)][0]
 
 
-def _max_ulps(got, want, prev):
-    return max(float(C.update_ulps(np.asarray(g, np.float32).ravel(), np.asarray(w, np.float32).ravel(),
-                                  np.asarray(p, np.float32).ravel()).max(initial=0.0))
-               for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(prev)))
+def _host_state(s):
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))}
+    assert kinds == {"pinned_host"}, kinds
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+# -- gpu mode: optax's bits -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["step", "update"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
-def test_jit_matches_optax_on_gpu_per_step(mode, dtype, clip):
+def test_gpu_mode_is_optax_on_the_gpu_bit_for_bit(via, dtype, clip):
+    """Weights (fp16/bf16: the fp32 master, and its rounding), moments and, for update, the
+    updates themselves equal optax.adamw's jitted on the GPU, step after step."""
     dev = _gpu()
-    steps = 30
-    lr = SCHEDULE
     params = _params(jnp.dtype(dtype), dev)
-    tx = tsj.offload_adamw(lr, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode=mode)
-    state = tx.init(params)
-    ref_tx = _optax_tx(lr, clip)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="gpu")
+    ref = _ref_tx(SCHEDULE, clip)
+
+    def ours(p, s, g):
+        if via == "step":
+            p, s = tx.step(g, s, p)
+            return p, s, None
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
 
     @jax.jit
-    def ref_step(g32, st, p32):
-        u, st = ref_tx.update(g32, st, p32)
-        return optax.apply_updates(p32, u), st
+    def theirs(p, s, g):
+        u, s = ref.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
 
-    traces = []
-
-    def our(g, s, p):
-        traces.append(1)
-        return tx.step(g, s, p)
-
-    step = jax.jit(our)
+    step = jax.jit(ours, donate_argnums=(0, 1))
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    pr, sr = _f32(params), ref.init(_f32(params))
     rng = np.random.default_rng(1)
-    worst = worst_mv = worst_step = 0.0
-    p = params
-    for t in range(steps):
-        g = _grads(rng, p, dev, exact_norm=clip is not None)
-        sd = tsj.state_dict(state, p)  # our state before the step
-        master = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), dev), sd["master"])
-        g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g)
-        want, ref_st = ref_step(g32, _optax_state_like(ref_tx, master, sd, dev), master)
-        p, state = step(g, state, p)
-        sd2 = tsj.state_dict(state, p)
-        assert int(sd2["count"]) == t + 1
-        worst = max(worst, _max_ulps(sd2["master"], want, master))
-        lr_t = float(SCHEDULE(t))  # optax: the schedule at the count before the step
-        step_err = max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
-                       for a, b in zip(jax.tree.leaves(sd2["master"]), jax.tree.leaves(want)))
-        worst_step = max(worst_step, step_err / lr_t if lr_t > 0 else (np.inf if step_err else 0.0))
-        adam = [x for x in jax.tree.leaves(ref_st, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-                if isinstance(x, optax.ScaleByAdamState)][0]
-        worst_mv = max(worst_mv, _max_ulps(sd2["exp_avg"], adam.mu, sd["exp_avg"]),
-                       _max_ulps(sd2["exp_avg_sq"], adam.nu, sd["exp_avg_sq"]))
-        if dtype != "float32":  # the weights are the master's rounding, exactly
-            for k in p:
-                np.testing.assert_array_equal(
-                    np.asarray(p[k]).view(np.uint16),
-                    np.asarray(jnp.asarray(sd2["master"][k]).astype(p[k].dtype)).view(np.uint16))
-    print(f"mode={mode} {dtype} clip={clip}: max ULP vs optax on the GPU, weights {worst}, moments {worst_mv}; "
-          f"max weight difference {worst_step:.2e} lr")
-    if mode == "gpu":  # the same instructions as XLA:GPU
-        assert worst <= C.OPTAX_CUDA_MAX_ULP
-        assert worst_mv <= C.OPTAX_CUDA_MAX_ULP
+    for t in range(8):
+        g = _grads(rng, params, dev, exact_norm=clip is not None)
+        p, s, u = step(p, s, g)
+        pr, sr, ur = theirs(pr, sr, _f32(g))
+        what = f"{via} {dtype} clip={clip} step {t + 1}"
+        _same(s.master if dtype != "float32" else p, pr, what + " weights")
+        _same(s.mu, _adam_state(sr).mu, what + " mu")
+        _same(s.nu, _adam_state(sr).nu, what + " nu")
+        if dtype != "float32":
+            _same(p, jax.tree.map(lambda x: x.astype(dtype), pr), what + " rounded weights")
+        elif via == "update":
+            _same(u, ur, what + " updates")
+    _host_state(s)
+    assert int(s.count) == 8
+
+
+# -- cpu mode: within the contract's bound -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
+def test_cpu_mode_within_the_contract_bound(dtype, clip):
+    """Each step starts optax from our state (so differences cannot compound): the moments
+    within OPTAX_CUDA_HOST_MAX_ULP of XLA:GPU's, the weights within a small fraction of
+    the step (IEEE sqrt and division on the host, XLA:GPU's approximations there)."""
+    dev = _gpu()
+    params = _params(jnp.dtype(dtype), dev)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="cpu")
+    ref = _ref_tx(SCHEDULE, clip)
+
+    @jax.jit
+    def theirs(p, s, g):
+        u, s = ref.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(lambda p, s, g: tx.step(g, s, p), donate_argnums=(0, 1))
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    sr = ref.init(_f32(params))
+    rng = np.random.default_rng(2)
+    worst_mv = worst_w = 0.0
+    for t in range(10):
+        g = _grads(rng, params, dev, exact_norm=clip is not None)
+        master = _f32(s.master if dtype != "float32" else p)
+        master = jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), master)
+        adam = _adam_state(sr)._replace(mu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.mu),
+                                        nu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.nu))
+        sr = jax.tree.map(lambda x: adam if isinstance(x, optax.ScaleByAdamState) else x, sr,
+                          is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        want, sr = theirs(master, sr, _f32(g))
+        prev_m, prev_v = jax.tree.map(np.asarray, (s.mu, s.nu))
+        p, s = step(p, s, g)
+        got = _f32(s.master if dtype != "float32" else p)
+        for k in params:  # ULPs of the largest of the old moment, the new one and the change
+            for ours_x, ref_x, old_x in ((s.mu, _adam_state(sr).mu, prev_m), (s.nu, _adam_state(sr).nu, prev_v)):
+                u = C.update_ulps(np.asarray(ours_x[k]).ravel(), np.asarray(ref_x[k]).ravel(), old_x[k].ravel())
+                worst_mv = max(worst_mv, float(u.max(initial=0.0)))
+            lr_t = max(float(SCHEDULE(t)), 1e-6)
+            worst_w = max(worst_w, float(np.abs(np.asarray(got[k]) - np.asarray(want[k])).max()) / lr_t)
+    print(f"cpu mode {dtype} clip={clip}: moments <= {worst_mv:.0f} ULP, weights <= {worst_w:.2e} lr")
+    assert worst_mv <= C.OPTAX_CUDA_HOST_MAX_ULP
+    assert worst_w < 1e-2
+    _host_state(s)
+
+
+# -- the optax wrappers, flax nnx, orbax (gpu mode) ---------------------------------------------
+
+
+def _train(tx, params, gs, dev):
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    out = []
+    for g in gs:
+        p, s = step(p, s, g)
+        out.append(p)
+    return out, s
+
+
+@pytest.mark.parametrize("wrap", ["chain_clip", "multisteps", "inject_hyperparams", "masked"])
+def test_optax_wrappers_in_gpu_mode_are_optax_bit_for_bit(wrap):
+    dev = _gpu()
+    params = _params(jnp.float32, dev, seed=3)
+    rng = np.random.default_rng(4)
+    gs = [_grads(rng, params, dev, exact_norm=True) for _ in range(6)]
+    kw = dict(weight_decay=0.05)
+    if wrap == "chain_clip":
+        ours = optax.chain(optax.clip_by_global_norm(0.5), tsj.offload_adamw(1e-3, mode="gpu", **kw))
+        ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, **kw))
+    elif wrap == "multisteps":
+        ours = optax.MultiSteps(tsj.offload_adamw(1e-3, mode="gpu", **kw), 2)
+        ref = optax.MultiSteps(optax.adamw(1e-3, **kw), 2)
+    elif wrap == "inject_hyperparams":
+        ours = optax.inject_hyperparams(tsj.offload_adamw, static_args=("mode",))(
+            learning_rate=SCHEDULE, b1=0.85, mode="gpu", **kw)
+        ref = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, b1=0.85, **kw)
     else:
-        # IEEE host arithmetic: the moments within the contract's bound; the weights within
-        # a thousandth of the step (their ULPs blow up where Adam's m nearly cancels,
-        # e.g. a gradient that flips sign: measured up to 326 ULP, from 2-ULP moments)
-        assert worst_mv <= C.OPTAX_CUDA_HOST_MAX_ULP
-        assert worst_step <= 1e-3
-    assert len(traces) == 1, "the train step recompiled"
-    tsj.close(state)
+        mask = {k: k in ("a", "e") for k in params}
+        ours, ref = optax.masked(tsj.offload_adamw(1e-3, mode="gpu", **kw), mask), optax.masked(optax.adamw(1e-3, **kw), mask)
+    a, sa = _train(ours, params, gs, dev)
+    b, _ = _train(ref, params, gs, dev)
+    for t, (x, y) in enumerate(zip(a, b)):
+        _same(x, y, f"{wrap} step {t + 1}")
+    _host_state([x for x in jax.tree.leaves(sa, is_leaf=lambda x: isinstance(x, tsj.OffloadAdamWState))
+                 if isinstance(x, tsj.OffloadAdamWState)][0])
+
+
+def test_nnx_optimizer_and_orbax_in_gpu_mode():
+    """flax nnx.Optimizer gives optax.adamw's bits; orbax saves the state as it is and a
+    restored state (still in host memory) resumes bit for bit."""
+    nnx = pytest.importorskip("flax.nnx")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    dev = _gpu()
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(24, 64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.gelu(self.l1(x)))
+
+    rng = np.random.default_rng(5)
+    xs = [jax.device_put(jnp.asarray(rng.standard_normal((16, 24)).astype(np.float32)), dev) for _ in range(6)]
+
+    def train(tx):
+        with jax.default_device(dev):
+            model = MLP(nnx.Rngs(0))
+            opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, x):
+            opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+        for x in xs:
+            step(model, opt, x)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    _same(train(tsj.offload_adamw(1e-2, weight_decay=0.1, mode="gpu")),
+          train(optax.adamw(1e-2, weight_decay=0.1)), "nnx.Optimizer")
+
+    params = _params(jnp.bfloat16, dev, seed=6)
+    gs = [_grads(rng, params, dev) for _ in range(6)]
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=_mask, mode="gpu")
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for g in gs[:3]:
+        p, s = step(p, s, g)
+    import tempfile
+
+    ck = ocp.StandardCheckpointer()
+    path = tempfile.mkdtemp() + "/ckpt"
+    ck.save(path, {"params": p, "opt_state": s})
+    ck.wait_until_finished()
+    for g in gs[3:]:
+        p, s = step(p, s, g)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": tx.init(params)})
+    r = ck.restore(path, abstract)
+    _host_state(r["opt_state"])
+    p2, s2 = r["params"], r["opt_state"]
+    assert int(s2.count) == 3
+    for g in gs[3:]:
+        p2, s2 = step(p2, s2, g)
+    _same(p2, p, "orbax resumed weights")
+    _same(s2, s, "orbax resumed state")
+
+
+# -- memory, programs, eager, checkpoints -------------------------------------------------------
 
 
 def _mlp(params, x):
@@ -171,45 +314,34 @@ def test_no_optimizer_state_in_gpu_memory(mode):
               for k in ("w1", "w2")}
     x = jax.device_put(jnp.asarray(rng.standard_normal((64, 1024)).astype(np.float32)), dev)
     pbytes = sum(a.nbytes for a in params.values())
-
-    def ref(p, s, x):
-        g = jax.grad(_mlp)(p, x)
-        u, s = optax.adamw(1e-3).update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    ref_state = optax.adamw(1e-3).init(params)
-    ma_ref = jax.jit(ref, donate_argnums=(0, 1)).lower(params, ref_state, x).compile().memory_analysis()
     tx = tsj.offload_adamw(1e-3, mode=mode)
     before = dev.memory_stats()["bytes_in_use"]
     state = tx.init(params)
     after = dev.memory_stats()["bytes_in_use"]
 
     def ours(p, s, x):
-        g = jax.grad(_mlp)(p, x)
-        return tx.step(g, s, p)
+        return tx.step(jax.grad(_mlp)(p, x), s, p)
 
-    ma = jax.jit(ours, donate_argnums=(0,)).lower(params, state, x).compile().memory_analysis()
+    step = jax.jit(ours, donate_argnums=(0, 1))
+    ma = step.lower(params, state, x).compile().memory_analysis()
     print(f"mode={mode}: args {ma.argument_size_in_bytes} temp {ma.temp_size_in_bytes} "
-          f"(optax in HBM: args {ma_ref.argument_size_in_bytes} temp {ma_ref.temp_size_in_bytes}); "
-          f"init added {after - before} bytes of GPU memory; params {pbytes}")
-    # the optax step carries mu and nu (2 x params) as arguments; ours only params, batch, count
-    assert ma_ref.argument_size_in_bytes >= 3 * pbytes
-    assert ma.argument_size_in_bytes <= pbytes + x.nbytes + 4096
-    # temporaries: the gradients and activations; mu and nu alone would be 2 x params
-    assert ma.temp_size_in_bytes < 2 * pbytes
-    assert after - before < pbytes // 4  # a few scalars, no moments
-    p, state = jax.jit(ours, donate_argnums=(0,))(params, state, x)
+          f"host args {getattr(ma, 'host_argument_size_in_bytes', '?')}; init added {after - before} B; params {pbytes}")
+    assert after - before < pbytes // 4  # the count, no moments
+    assert ma.temp_size_in_bytes < 2 * pbytes  # gradients and activations; mu and nu would be 2 x params
+    p = params
+    for _ in range(3):
+        p, state = step(p, state, x)
     jax.block_until_ready(p)
+    assert dev.memory_stats()["bytes_in_use"] - before < 2 * pbytes + x.nbytes  # params (old and new), batch
+    _host_state(state)
     tsj.close(state)
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 def test_train_step_with_gradients_in_the_same_program(mode, clip):
-    """Gradients computed in the same jitted program as the update (the usual train step):
-    the update must see them (stream order on XLA's stream), so the trajectory follows
-    optax's within rounding. A well-conditioned least-squares problem keeps every
-    gradient far above rounding noise (Adam's step of a noise-level gradient is +-lr)."""
+    """Gradients computed in the same jitted program as the update: the update sees them
+    (the callbacks run in XLA's stream order); the trajectory follows optax's."""
     dev = _gpu()
     rng = np.random.default_rng(11)
     a = jax.device_put(jnp.asarray(rng.standard_normal((512, 300)).astype(np.float32)), dev)
@@ -221,69 +353,59 @@ def test_train_step_with_gradients_in_the_same_program(mode, clip):
         return jnp.mean((a @ p["w"] + p["b"] - y) ** 2)
 
     ref_tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-2)) if clip else optax.adamw(1e-2)
-
-    @jax.jit
-    def ref_step(p, s):
-        l, g = jax.value_and_grad(loss)(p)
-        u, s = ref_tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, l
-
     tx = tsj.offload_adamw(1e-2, max_grad_norm=clip, mode=mode)
 
-    @jax.jit
-    def our_step(p, s):
-        l, g = jax.value_and_grad(loss)(p)
-        p, s = tx.step(g, s, p)
-        return p, s, l
+    def make(opt):
+        @jax.jit
+        def step(p, s):
+            l, g = jax.value_and_grad(loss)(p)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s, l
+        return step
 
-    pr, sr = w0, ref_tx.init(w0)
-    po, so = jax.tree.map(jnp.copy, w0), tx.init(w0)
+    pr, sr, ref_step = w0, ref_tx.init(w0), make(ref_tx)
+    po, so, our_step = jax.tree.map(jnp.copy, w0), tx.init(w0), make(tx)
     for _ in range(20):
         pr, sr, lr_ = ref_step(pr, sr)
         po, so, lo = our_step(po, so)
-    # The two programs compute the gradients with different fusions (last-bit
-    # differences), which Adam's sign-like steps turn into differences of a small
-    # fraction of lr where a gradient nears zero; a missed or stale gradient would move
-    # weights by whole steps (lr each, 20 steps).
     for k in pr:
-        r, o = np.asarray(pr[k]), np.asarray(po[k])
-        dist = np.abs(r - o).max() / 1e-2
-        print(f"mode={mode} clip={clip} {k}: max |ours - optax| = {dist:.3f} lr")
-        assert dist < 0.25, k
+        dist = np.abs(np.asarray(pr[k]) - np.asarray(po[k])).max() / 1e-2
+        print(f"mode={mode} clip={clip} {k}: max |ours - optax| = {dist:.3g} lr")
+        assert dist < 0.25, k  # a stale or missed gradient would move weights by whole steps
     assert abs(float(lo) - float(lr_)) <= 1e-3 * abs(float(lr_))
-    tsj.close(so)
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_eager_equals_jit_on_gpu(mode):
+def test_eager_equals_jit_and_the_state_is_pure(mode):
+    """Outside jit the same program runs; a state passed twice (not donated) gives the same
+    result twice, and the state passed in is left as it was."""
     dev = _gpu()
     p0 = _params(jnp.float32, dev, seed=3)
     rng = np.random.default_rng(4)
-    gs = [_grads(rng, p0, dev) for _ in range(4)]
-    tx_a = tsj.offload_adamw(1e-3, max_grad_norm=1.0, mode=mode)
-    tx_b = tsj.offload_adamw(1e-3, max_grad_norm=1.0, mode=mode)
-    pa, sa = p0, tx_a.init(p0)
-    pb, sb = jax.tree.map(jnp.copy, p0), tx_b.init(p0)
-    jstep = jax.jit(tx_a.step)
+    gs = [_grads(rng, p0, dev) for _ in range(3)]
+    tx = tsj.offload_adamw(1e-3, max_grad_norm=1.0, mode=mode)
+    pa, sa = p0, tx.init(p0)
+    pb, sb = p0, tx.init(p0)
+    jstep = jax.jit(tx.step)
     for g in gs:
         pa, sa = jstep(g, sa, pa)
-        pb, sb = tx_b.step(g, sb, pb)
-    for k in pa:
-        np.testing.assert_array_equal(np.asarray(pa[k]).view(np.uint32), np.asarray(pb[k]).view(np.uint32))
-    tsj.close(sa)
-    tsj.close(sb)
+        pb, sb = tx.step(g, sb, pb)
+    _same(pb, pa, "eager vs jit")
+    keep = jax.tree.map(np.asarray, sa)
+    again = [jstep(gs[0], sa, pa) for _ in range(2)]
+    _same(again[0], again[1], "the same state twice")
+    _same(sa, keep, "the state passed in")
 
 
-def test_checkpoint_moves_between_modes_on_gpu():
+def test_state_dict_round_trip_between_modes_on_gpu():
     dev = _gpu()
     p0 = _params(jnp.bfloat16, dev, seed=5)
     rng = np.random.default_rng(6)
     gs = [_grads(rng, p0, dev) for _ in range(6)]
     kw = dict(weight_decay=1e-2, mask=_mask)
-    # gpu -> checkpoint -> gpu resumes bit-identically
     tx = tsj.offload_adamw(1e-3, mode="gpu", **kw)
-    p, s = p0, tx.init(p0)
     step = jax.jit(tx.step)
+    p, s = p0, tx.init(p0)
     for g in gs[:3]:
         p, s = step(g, s, p)
     ckpt = jax.tree.map(np.array, tsj.state_dict(s, p))
@@ -293,19 +415,13 @@ def test_checkpoint_moves_between_modes_on_gpu():
     for mode in ("gpu", "cpu"):
         tx2 = tsj.offload_adamw(1e-3, mode=mode, **kw)
         s2 = tx2.load_state_dict(tx2.init(p_ck), ckpt)
-        back = tsj.state_dict(s2, p_ck)
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            for a, b in zip(jax.tree.leaves(back[key]), jax.tree.leaves(ckpt[key])):
-                np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-        assert int(back["count"]) == 3
+        _host_state(s2)
+        assert int(s2.count) == 3
         if mode == "gpu":
             p2, step2 = p_ck, jax.jit(tx2.step)
             for g in gs[3:]:
                 p2, s2 = step2(g, s2, p2)
-            for k in p:
-                np.testing.assert_array_equal(np.asarray(p2[k]).view(np.uint16), np.asarray(p[k]).view(np.uint16))
-        tsj.close(s2)
-    tsj.close(s)
+            _same(p2, p, "resumed from state_dict")
 
 
 def test_torch_convention_cpu_mode_on_gpu_matches_torch_cuda():
@@ -321,41 +437,13 @@ def test_torch_convention_cpu_mode_on_gpu_matches_torch_cuda():
     tp = {k: torch.tensor(np.asarray(v), device="cuda", requires_grad=True) for k, v in p0.items()}
     opt = torch.optim.AdamW(list(tp.values()), lr=1e-3, weight_decay=1e-2)
     step = jax.jit(tx.step)
-    for _ in range(20):
+    for _ in range(10):
         g = _grads(rng, p, dev)
         for k in tp:
             tp[k].grad = torch.tensor(np.asarray(g[k]), device="cuda")
         opt.step()
         p, s = step(g, s, p)
-    for k in p:
-        np.testing.assert_array_equal(np.asarray(p[k]).view(np.uint32),
-                                      tp[k].detach().cpu().numpy().view(np.uint32))
-    tsj.close(s)
-
-
-def test_gpu_mode_reports_an_old_state():
-    """In gpu mode the count is checked asynchronously: reusing an old state is reported
-    at a later call or at state_dict, and stays reported until a checkpoint is loaded."""
-    dev = _gpu()
-    p0 = _params(jnp.float32, dev, seed=9)
-    rng = np.random.default_rng(10)
-    g = _grads(rng, p0, dev)
-    tx = tsj.offload_adamw(1e-3, mode="gpu")
-    s0 = tx.init(p0)
-    step = jax.jit(tx.step)
-    p1, s1 = step(g, s0, p0)
-    ckpt = jax.tree.map(np.array, tsj.state_dict(s1, p1))
-    p2, s2 = step(g, s1, p1)
-    p3, s3 = step(g, s0, p2)  # the state of step 0 again: its moments are gone
-    with pytest.raises(Exception, match="only the state returned by the previous update"):
-        jax.block_until_ready(p3)
-        tsj.state_dict(s3, p3)
-    with pytest.raises(Exception, match="previous update"):
-        tsj.state_dict(s3, p3)  # sticky
-    s4 = tx.load_state_dict(s3, ckpt)
-    p4, s4 = step(g, s4, p1)
-    assert int(tsj.state_dict(s4, p4)["count"]) == 2
-    tsj.close(s4)
+    _same(p, {k: tp[k].detach().cpu().numpy() for k in p}, "torch convention on CUDA")
 
 
 def test_bad_input_on_gpu():
@@ -368,8 +456,9 @@ def test_bad_input_on_gpu():
         tsj.offload_adamw(1e-3, mode="gpu", convention="torch").init(params)
     tx = tsj.offload_adamw(1e-3, mode="gpu")
     s = tx.init(params)
-    with pytest.raises(ValueError, match="gradients are on cpu"):
-        tx.step(jax.tree.map(jnp.zeros_like, cpu_params), s, params)
+    g = jax.tree.map(jnp.zeros_like, params)
+    on_device = s._replace(mu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.mu))
+    with pytest.raises(ValueError, match="in GPU memory.*pinned host memory"):
+        jax.jit(tx.step)(g, on_device, params)
     with pytest.raises(ValueError, match="state_dict.*params"):
         tsj.state_dict(s)
-    tsj.close(s)
