@@ -733,7 +733,12 @@ def offload_adamw(
 
     The state (:class:`OffloadAdamWState`) is arrays; donate it to the step
     (``jax.jit(..., donate_argnums=...)``) to update it in place, else XLA copies it
-    first (host memory to host memory).
+    first (host memory to host memory). Donating, pass and return the params and the
+    state in the same order (``step(params, state, ...) -> (params, state)``): where an
+    argument's memory kind is unknown (an uncommitted array) JAX pairs donated inputs with
+    outputs by shape and dtype alone, and could pair a moment in host memory with a weight
+    in GPU memory. On a GPU a NumPy view of a state array (``np.asarray(state.mu[...])``)
+    is an external reference to its host buffer, which XLA then refuses to donate: copy it.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
