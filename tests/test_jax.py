@@ -474,7 +474,7 @@ def test_one_engine_per_configuration_and_worker_nice():
         txs = [tsj.offload_adamw(1e-3, threads=2, worker_nice=nice) for _ in range(2)]
         for tx in txs:
             jax.block_until_ready(jax.jit(tx.step)(g, tx.init(params), params))
-        engines = [e for k, e in T._engines.items() if k[0] == os.getpid() and k[3:] == (2, 1 << 20, nice)]
+        engines = [e for k, e in T._engines.items() if k == (os.getpid(), "optax", 0, 2, 1 << 20, nice)]
         assert len(engines) == 1 and engines[0].threads == 2
         tids = [t.native_id for t in threading.enumerate() if t.name.startswith("trainstream-worker")]
         try:

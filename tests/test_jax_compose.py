@@ -60,8 +60,11 @@ def _same(ours, ref, what):
 KW = dict(weight_decay=0.05)
 
 
-@pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+# The forced-ISA reruns (tests/test_portability.py) take the MLP's variants only: CI time.
+_BOTH = [pytest.param("mlp", marks=pytest.mark.isa), "transformer"]
+
+
+@pytest.mark.parametrize("model", _BOTH)
 @pytest.mark.parametrize("max_norm", [1.0, 0.05])
 def test_chain_after_clip_by_global_norm(model, max_norm):
     """chain(clip_by_global_norm(M), ours) == chain(clip_by_global_norm(M), optax.adamw):
@@ -73,8 +76,7 @@ def test_chain_after_clip_by_global_norm(model, max_norm):
     _same(_train(ours, model, 12)[0], _train(ref, model, 12)[0], f"chain clip {model}")
 
 
-@pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", _BOTH)
 def test_multisteps(model):
     """optax.MultiSteps(ours, 3): the inner update runs at every micro-step (as optax's) and
     its state is kept only when it emits; the accumulated gradient is fused into the
@@ -88,7 +90,7 @@ def test_multisteps(model):
 
 
 @pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", ["mlp"])
 def test_inject_hyperparams(model):
     """inject_hyperparams(ours): learning rate from a schedule and weight decay as float32
     arrays in the state (the scalars are then float32 arithmetic, as in optax)."""
@@ -104,7 +106,7 @@ def test_inject_hyperparams(model):
 
 
 @pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", ["mlp"])
 def test_masked(model):
     """optax.masked(ours, matrices only): the masked-out leaves get their gradient back."""
     mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
@@ -261,7 +263,6 @@ _X64 = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.isa
 def test_x64_mode():
     """With jax_enable_x64 (optax's bias corrections are float64 powers cast per leaf)."""
     code = _X64.format(tests=os.path.dirname(os.path.abspath(__file__)))
@@ -314,7 +315,6 @@ def test_pmap_with_collectives_runs():
     assert r.returncode == 0 and "pmap ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
-@pytest.mark.isa
 def test_pmap_matches_optax_per_replica():
     """Gradients passed into the pmapped update (materialised): bit for bit per replica."""
     code = _PMAP.format(tests=os.path.dirname(os.path.abspath(__file__)))
@@ -343,8 +343,9 @@ def _rss() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc")
 def test_no_growth_across_init_step_close():
-    """30 cycles of a new optimizer, init, a jitted step, close: the process does not grow
-    (nothing is kept between calls; the callbacks of equal configurations are shared)."""
+    """Cycles of a new optimizer, init, a jitted step, close: the process does not grow
+    (nothing is kept between calls; the callbacks of equal configurations are shared).
+    experiments/jax_no_growth.py measures 100 cycles (data/2026-12-02_jax_no_growth_cpu.json)."""
     init, loss, batch = MODELS["mlp"]
     params = init(np.random.default_rng(0))
     b = batch(np.random.default_rng(1))
@@ -357,12 +358,12 @@ def test_no_growth_across_init_step_close():
         jax.block_until_ready(p)
         tx.close(s)
 
-    for _ in range(10):  # warm up (compilation caches, allocator pools)
+    for _ in range(8):  # warm up (compilation caches, allocator pools)
         cycle()
     gc.collect()
     before = _rss()
-    for _ in range(30):
+    for _ in range(20):
         cycle()
     gc.collect()
     grown = _rss() - before
-    assert grown < 30 * 64 * 1024, f"grew {grown / 1024:.0f} KiB over 30 cycles"
+    assert grown < 20 * 64 * 1024, f"grew {grown / 1024:.0f} KiB over 20 cycles"

@@ -3,7 +3,7 @@
 Public entry points:
 
 * ``trainstream.torch.OffloadAdamW`` (PyTorch optimizer)
-* ``trainstream.jax.offload_adamw`` (optax ``GradientTransformation``; JAX on the CPU)
+* ``trainstream.jax.offload_adamw`` (optax ``GradientTransformation``; JAX on the CPU or a CUDA GPU)
 * the arithmetic contract: ``trainstream.contract`` (``trainstream.contract``)
 
 ``import trainstream`` needs none of torch, jax or cupy; the names below load lazily.

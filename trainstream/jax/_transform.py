@@ -801,7 +801,8 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
     float32 master of each leaf, the weights themselves for float32 leaves, which needs
     ``params`` when there are any). The state itself is arrays that orbax saves as they
     are; this is for checkpoints in the names of ``torch.optim.AdamW``."""
-    to_np = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+    # copies: a NumPy view of a state array would keep XLA from donating it afterwards
+    to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
     out = {"count": to_np(state.count), "exp_avg": jax.tree.map(to_np, state.mu),
            "exp_avg_sq": jax.tree.map(to_np, state.nu)}
     masters = jax.tree.leaves(state.master, is_leaf=_is_none)
@@ -812,7 +813,7 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
         p_leaves = jax.tree.leaves(params)
         if len(p_leaves) != len(masters):
             raise ValueError(f"TrainStream state_dict: params have {len(p_leaves)} leaves, the state {len(masters)}")
-        masters = [np.asarray(jax.device_get(p), np.float32) if m is None else to_np(m)
+        masters = [np.array(jax.device_get(p), np.float32, copy=True) if m is None else to_np(m)
                    for m, p in zip(masters, p_leaves)]
     else:
         masters = [to_np(m) for m in masters]
