@@ -28,6 +28,12 @@ Inside ``update``, on XLA's stream (``ctx.stream``; nothing waits for the GPU in
   queue its upload into ``w``; the callback returns once the host work is done (the
   uploads run before XLA's next work on the stream).
 
+``update`` writes into ``w``, an operand XLA treats as read only: what makes that safe is
+that ``w`` is a buffer of this update alone (``own``'s output, never the caller's arrays)
+and that its only uses are ``update`` and then ``order``, ordered by ``update``'s token.
+Verified with jax 0.10.2 (XLA:CPU, the CUDA calls simulated: tests/test_jax_gpu_plumbing.py,
+``lax.scan`` included) and 0.11.2 (H200: tests/test_jax_gpu.py).
+
 CUDA calls go through :mod:`trainstream._cuda`; CuPy only compiles and launches kernels
 (:mod:`trainstream._device_kernels`), imported on first use. No arithmetic lives here.
 """
