@@ -1,5 +1,5 @@
 """The optimizer's lifecycle in the loops users run: wrappers that copy it (Lightning's
-LightningOptimizer), ``os.fork()``, DistributedDataParallel (refused until supported) and a
+LightningOptimizer), ``os.fork()``, several processes (refused until supported) and a
 parameter listed twice (refused)."""
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def _step(model, opt, x, last=False):
 
 
 def _assert_same(model, ref, opt):
-    opt.synchronize()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 
@@ -156,17 +155,26 @@ def test_fork_with_work_queued_never_hangs_the_child(child):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
 
 
-def test_ddp_is_refused_with_a_clear_error(tmp_path):
+def test_multi_process_is_refused_with_a_clear_error(tmp_path, monkeypatch):
+    """One process (DDP over a group of one included) trains as torch.optim.AdamW does;
+    several processes are refused at step() until they are supported."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
     try:
-        model, _ = _pair()
+        model, ref = _pair()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = OffloadAdamW(ddp.parameters(), lr=1e-2)
-        with pytest.raises(RuntimeError, match="does not support DistributedDataParallel"):
-            ddp(torch.randn(2, 8))
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            _step(ddp, opt, x)
+            _step(ref, ropt, x)
+        _assert_same(model, ref, opt)
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        with pytest.raises(RuntimeError, match="does not support DistributedDataParallel or other multi-process"):
+            _step(ddp, opt, torch.randn(5, 8))
         opt.close()
     finally:
         dist.destroy_process_group()

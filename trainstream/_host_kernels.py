@@ -101,7 +101,6 @@ __all__ = [
     "OUT_IN_GRAD",
     "OUT_U",
     "adamw_chunk",
-    "accumulate_chunk",
     "sumsq_blocks",
     "convert_to_f32",
     "round_from_f32",
@@ -351,12 +350,14 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     torch_cpu_sqrt = scalar_sqrt(sqrt_mode)  # only this mode's instructions reach LLVM
     torch_cpu_sqrt_block = block_sqrt(sqrt_mode)
     strip = int(_STRIP)
+    grad16 = torch_conv and gkind != KIND_F32  # torch: g * c rounded to the gradient's format
 
     @njit(**opts)
     def adamw_kernel(p, m, v, g, out16, begin, end, s):
         # Every scalar into a local before the loop (no reload per element). Slots that a
         # convention does not use are read too (harmless: the vector has N_SCALARS).
         c = s[S_CLIP]
+        round_g = grad16 and c != np.float32(1.0)  # g * 1 is exact: nothing to round
         # torch
         decay = s[S_DECAY]
         small = s[S_LERP_SMALL] != np.float32(0.0)
@@ -408,6 +409,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 # strip, so that the root is taken 16 lanes at a time (torch_cpu_sqrt_block)
                 for i in range(lo, hi):
                     gi = _load(g[i], gkind) * c  # g = g * c
+                    if round_g:
+                        gi = _load(_round16(gi, gkind), gkind)
                     mi = m[i]
                     m[i] = mad(w, gi - mi, _select(small, mi, gi))  # lerp
                     v[i] = mad(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
@@ -425,6 +428,8 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
             for i in range(lo, hi):
                 if torch_conv:
                     gi = _load(g[i], gkind) * c  # g = g * c
+                    if round_g:
+                        gi = _load(_round16(gi, gkind), gkind)
                     mi = m[i]
                     pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
                     mi = mad(w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
@@ -487,19 +492,6 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     return adamw_kernel
 
 
-def _build_accumulate(gkind: int, fresh: bool, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
-    def accumulate_kernel(acc, g, begin, end):
-        if fresh:
-            for i in range(np.uint64(begin), np.uint64(end)):
-                acc[i] = _load(g[i], gkind)
-        else:
-            for i in range(np.uint64(begin), np.uint64(end)):
-                acc[i] = acc[i] + _load(g[i], gkind)
-
-    return accumulate_kernel
-
-
 def _build_sumsq(gkind: int, cache: bool = True):
     @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
     def sumsq_kernel(g, begin, end, block, out):
@@ -557,7 +549,6 @@ def _build_round(kind: int, cache: bool = True):
 
 _BUILDERS = {
     "adamw": _build_adamw,
-    "accumulate": _build_accumulate,
     "sumsq": _build_sumsq,
     "convert": _build_convert,
     "round": _build_round,
@@ -568,7 +559,6 @@ _VALID_KEYS = {
               + ((OUT_U,) if vr in (VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA) else ())
               for md in (TC_CODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
-    "accumulate": {(gk, fr) for gk in _KINDS for fr in (False, True)},
     "sumsq": {(gk,) for gk in _KINDS},
     "convert": {(k,) for k in _KINDS},
     "round": {(KIND_F16,), (KIND_BF16,)},
@@ -637,15 +627,6 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     if fn is None:
         fn = _specialisation("adamw", key)
     fn(p, m, v, g, out16, begin, end, s)
-
-
-def accumulate_chunk(acc, g, gkind, begin, end, fresh):
-    """``acc[i] = g[i]`` (``fresh``) or ``acc[i] += g[i]`` in float32 over ``[begin, end)``."""
-    key = (gkind, bool(fresh))
-    fn = _TABLE.get(("accumulate", key))
-    if fn is None:
-        fn = _specialisation("accumulate", key)
-    fn(acc, g, begin, end)
 
 
 def sumsq_blocks(g, gkind, begin, end, block, out):
@@ -840,8 +821,6 @@ def vectorisation_report(specs=None) -> list[dict]:
         if kernel == "adamw":
             gt = f32 if key[1] == KIND_F32 else u16
             sig = (f32, f32, f32, gt, u16, i64, i64, f32)
-        elif kernel == "accumulate":
-            sig = (f32, f32 if key[0] == KIND_F32 else u16, i64, i64)
         elif kernel == "sumsq":
             sig = (f32 if key[0] == KIND_F32 else u16, i64, i64, i64, f64)
         elif kernel == "convert":

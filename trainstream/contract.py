@@ -36,9 +36,17 @@ Conventions
 ``torch`` reproduces ``torch.optim.AdamW`` (default, single-tensor/foreach path, which are
 bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
 
+* the gradient, both platforms: ``g = g * c`` in float32, and for an fp16/bf16 gradient
+  rounded back to its format, ``g = r(g * c)``: ``c`` stands for torch's own in-place
+  multiplications of ``param.grad`` before ``step()`` (``clip_grad_norm_``'s
+  ``_foreach_mul_`` by the clip coefficient cast to the gradient's dtype,
+  ``GradScaler.unscale_`` by the float32 inverse scale), which store ``g * c`` in the
+  gradient's dtype. With ``c = 1`` both are ``g``. (The CUDA kernels do not round yet;
+  the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with torch.)
+
 * platform ``cpu`` (ATen's AVX2/AVX512 kernels; measured on torch 2.13)::
 
-      g  = g * c
+      g  = g * c                                  # (fp16/bf16: r(g * c), above)
       p1 = p * f(1 - lr*wd)                       # param.mul_(1 - lr*wd)
       m  = fma(f(1-b1), g - m, m)                 # exp_avg.lerp_(g, 1-b1), weight < 0.5
          = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
@@ -239,6 +247,7 @@ __all__ = [
     "master_of_weights",
     "step_scalars",
     "clip_coefficient",
+    "merge_master",
     "fma_f32",
     "ftz",
     "f32_to_bf16_bits",
@@ -607,14 +616,33 @@ def step_scalars(
 
 
 def clip_coefficient(norm: float, max_norm: float) -> np.float32:
-    """``min(1, max_norm / (norm + 1e-6))`` in float32, as ``clip_grad_norm_`` computes it.
+    """``min(1, max_norm / (norm + 1e-6))`` in float32, as ``clip_grad_norm_`` computes it
+    on a float32 norm: ``max_norm / tensor`` is ``tensor.reciprocal() * max_norm`` (two
+    roundings; a true division differs in the last bit for about a quarter of the inputs).
 
-    ``norm`` is the global L2 norm of all gradients (TrainStream sums float64 partials,
-    torch sums float32 norms: the two may differ in the last bits). A non-finite norm
+    ``norm``: the global L2 norm of all gradients, rounded to float32 (torch sums float32
+    norms; the engine's float64 partials may differ in the last bits). A non-finite norm
     gives a non-finite coefficient, which poisons the update exactly as torch's does.
     """
-    coef = np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6))
-    return np.float32(min(np.float32(1.0), coef)) if not np.isnan(coef) else np.float32(coef)
+    with np.errstate(all="ignore"):
+        recip = np.float32(1.0) / (np.float32(norm) + np.float32(1e-6))
+        coef = np.float32(recip * np.float32(max_norm))
+    return np.float32(min(np.float32(1.0), coef)) if not np.isnan(coef) else coef
+
+
+def merge_master(master: np.ndarray, weights: np.ndarray, dtype: str) -> None:
+    """Take weights changed outside the optimizer as its fp32 master, in place.
+
+    float32: ``master = weights``. fp16/bf16 (``weights`` upcast): an element whose master
+    still rounds to its weight keeps the master (the weight is unchanged, or was set to
+    what it was); any other takes the weight.
+    """
+    weights = np.asarray(weights, np.float32).reshape(-1)
+    if dtype == "float32":
+        master[:] = weights
+        return
+    kept = round_to(master, dtype).view(np.uint32) == weights.view(np.uint32)
+    np.copyto(master, weights, where=~kept)
 
 
 # -- exact float32 helpers for the NumPy reference ------------------------------------------
@@ -684,11 +712,13 @@ def reference_update(
     platform: str,
     sqrt=np.sqrt,
     fma: bool = True,
+    grad_dtype: str = "float32",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One AdamW update in NumPy float32: the executable statement of the contract.
 
     ``p``, ``m``, ``v`` are float32 master weight and moments, ``g`` the fp32 (upcast)
     gradient, ``scalars`` the vector of :func:`step_scalars`. Returns new arrays.
+    ``grad_dtype``: the gradient's format (torch: an fp16/bf16 ``g * c`` is rounded to it).
     ``sqrt`` is ``msqrt`` of the torch/cpu convention (default: IEEE; pass the sqrt the
     reference really uses, e.g. torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode);
     ``fma=False`` is torch/cpu with :data:`TC_NO_FMA` (ATen's DEFAULT kernels). optax/cpu
@@ -703,6 +733,7 @@ def reference_update(
         g0 = g
         g = np.asarray(g, np.float32) * s[S_CLIP]
         if convention == "torch":
+            g = round_to(g, grad_dtype)
             p1 = p * s[S_DECAY]
             fused = fma or variant != VARIANT_TORCH_CPU
             mad = fma_f32 if fused else (lambda a, b, c: a * b + c)

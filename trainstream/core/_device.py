@@ -101,6 +101,7 @@ class DevicePlacement:
         self._launch_s = 0.0
         self._ready_stall_s = 0.0
         self._mapped_bytes = 0
+        self._unwaited = False  # launches since the compute stream last waited for all
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -245,6 +246,7 @@ class DevicePlacement:
         else:
             self._steps += 1
         be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update
+        self._unwaited = True
         stream = be.update_stream()
         sumsq_ptr = 0
         if max_grad_norm is not None or compute_norm:
@@ -347,6 +349,27 @@ class DevicePlacement:
             s.grad_keep = None
         self._ready_stall_s += time.perf_counter() - t0
 
+    def wait_all(self) -> None:
+        """Make the compute stream wait for every update launched so far (no host block)."""
+        if self._unwaited:
+            self._unwaited = False
+            self.backend.wait_on_compute(self.backend.record_update(), None)
+            for s in self._slots:  # the compute stream now runs after their kernels
+                s.grad_keep = None
+
+    def reload_param(self, sid: int, param: Any = None) -> None:
+        """The weights of slot ``sid`` were changed outside (or its parameter replaced by
+        ``param``): an fp16/bf16 slot's master follows them (contract ``merge_master``)."""
+        s = self._slot(sid)
+        if s.ready is not None:
+            s.ready.synchronize()
+        if param is not None:
+            s.param = param
+        if s.master is not None:
+            weights = np.empty(s.numel, np.float32)
+            self.backend.param_to_host_f32(s.param, weights)
+            C.merge_master(s.master.host, weights, s.dtype)
+
     def check_error(self) -> None:
         """Kernel faults surface from CUDA itself; there are no worker threads here."""
 
@@ -414,7 +437,6 @@ class DevicePlacement:
             "grad_bytes_offloaded": 0.0,
             "param_bytes_uploaded": 0.0,
             "update_ms_total": self._launch_s * 1e3,  # host launch time; device time is async
-            "accumulate_ms_total": 0.0,
             "ready_stall_ms_total": self._ready_stall_s * 1e3,
             "grad_stall_ms_total": 0.0,
             "last_step_wall_ms": 0.0,

@@ -12,22 +12,21 @@ who updates it:
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
 elements (or those the adapter names) on the device and the rest on the host. One
-mechanism each, whatever the placements: readiness (:meth:`Engine.wait_ready`: the next
-forward waits per slot for its new weights), errors (one :class:`~trainstream.core._host.StickyError`),
-stats (one dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`).
+mechanism each, whatever the placements: readiness (:meth:`Engine.wait_step`: the
+compute stream waits on the device for every update queued; :meth:`Engine.wait_ready`:
+for single slots), errors (one :class:`~trainstream.core._host.StickyError`), stats (one
+dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`,
+:meth:`Engine.reload_param` for weights changed outside the engine).
 
-Clipping with both placements: the global norm is ``sqrt(device_sumsq + host_sumsq)``,
-each placement's float64 sum of squares in its own fixed order (``kernels/grad_sumsq.cu``
-on the device; slot and block order on the host), so it does not depend on threads or
-chunk size, but it can differ in the last bits from a single placement's, and with it the
-float32 clip coefficient. Given the same coefficient every placement gives the same bits.
+Clipping: with one placement the engine can clip by a float64 global norm
+(``max_grad_norm``); the torch adapter instead gives per-slot multipliers computed by
+torch itself (``coefs``), with any placement.
 
 Imports neither torch nor jax; no arithmetic lives here.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -104,7 +103,6 @@ class Engine:
         self._device_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
-        self._last_norm: float | None = None
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -205,68 +203,68 @@ class Engine:
 
     def step(self, updates: Sequence[tuple], max_grad_norm: float | None = None, *,
              compute_norm: bool = False,
-             scalars_fn: Callable[[int, int], np.ndarray] | None = None) -> float | None:
+             scalars_fn: Callable[[int, int], np.ndarray] | None = None,
+             coefs: dict[int, float] | None = None) -> float | None:
         """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without
         a gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)``
         (device slots; a host slot ignores the last two).
 
         With ``max_grad_norm`` the gradients are scaled by ``clip_coefficient(global
-        norm, max_grad_norm)`` first. Returns the global norm where the host computed it
-        (else None: :meth:`last_grad_norm` reads a device norm lazily). ``scalars_fn(slot,
-        step)`` (host slots): each update's scalar vector, instead of the contract's
-        :func:`~trainstream.contract.step_scalars` (the JAX adapter computes them in XLA).
-        With both placements the share that holds the lowest slot (the parameter the next
-        forward needs first) is queued first; if the second share fails to queue after the
-        first did, the error is raised and left sticky (reload a checkpoint).
+        norm, max_grad_norm)`` first (one placement only). Returns the global norm where
+        the host computed it (else None: :meth:`last_grad_norm` reads a device norm
+        lazily). ``scalars_fn(slot, step)`` (host slots): each update's scalar vector,
+        instead of the contract's :func:`~trainstream.contract.step_scalars` (the JAX
+        adapter computes them in XLA). ``coefs``: per host slot, the multiplier ``c`` of
+        its staged gradient (see :meth:`HostPlacement.step`). With both placements the
+        share that holds the lowest slot (the parameter the next forward needs first) is
+        queued first; if the second share fails to queue after the first did, the error is
+        raised and left sticky (reload a checkpoint).
         """
         self.errors.check()  # raise before anything is queued, not between the shares
         for u in updates:
             self._check_sid(u[0])
         dev = [(self._where[u[0]][1], *u[1:]) for u in updates if self._where[u[0]][0]]
         hst = [(self._where[u[0]][1], u[1]) for u in updates if not self._where[u[0]][0]]
+        if coefs is not None:
+            coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[sid][0]}
         if self.host is None:
             self.device.step(dev, max_grad_norm, compute_norm)
             return None
         if self.device is None:
-            return self.host.step(hst, max_grad_norm, compute_norm, scalars_fn)
-        self.device.check_grads(dev)  # a bad gradient raises before either share is queued
-        coef = norm = None
+            return self.host.step(hst, max_grad_norm, compute_norm, scalars_fn, coefs=coefs)
         if max_grad_norm is not None or compute_norm:
-            sumsq = self.device.grad_sumsq(dev) + self.host.grad_sumsq([sid for sid, _ in hst])
-            norm = math.sqrt(self.backend.all_reduce_sum(sumsq))
-            self._last_norm = norm
-            if max_grad_norm is not None:
-                coef = C.clip_coefficient(norm, max_grad_norm)
+            raise ValueError("Engine.step: max_grad_norm/compute_norm need a single placement")
+        self.device.check_grads(dev)  # a bad gradient raises before either share is queued
         # The host share's first slot this step updates (frozen, unused and eagerly updated
         # parameters hold no gradient and do not count).
         host_sids = [u[0] for u in updates if not self._where[u[0]][0] and self.host.has_grad(self._where[u[0]][1])]
         dev_sids = [u[0] for u in updates if self._where[u[0]][0]]
         host_first = bool(host_sids) and (not dev_sids or min(host_sids) < min(dev_sids))
         if not host_first:
-            self._step_device(dev, coef)
-            self._step_host(hst, coef, scalars_fn)
-            return norm
-        self._step_host(hst, coef, scalars_fn)
+            self._step_device(dev)
+            self._step_host(hst, scalars_fn, coefs)
+            return None
+        self._step_host(hst, scalars_fn, coefs)
         try:
-            self._step_device(dev, coef)
+            self._step_device(dev)
         except BaseException as exc:
             self.errors.record(RuntimeError(
                 "hybrid step: the device share's update failed after the host share's was "
                 f"queued ({type(exc).__name__}: {exc})"))
             raise
-        return norm
+        return None
 
-    def _step_device(self, dev, coef) -> None:
+    def _step_device(self, dev) -> None:
         if dev:
             t0 = time.perf_counter()
-            self.device.step(dev, clip_coef=coef)
+            self.device.step(dev)
             _trace.add("step.device_share", t0, time.perf_counter(), -1)
 
-    def _step_host(self, hst, coef, scalars_fn) -> None:
+    def _step_host(self, hst, scalars_fn, coefs) -> None:
         # No second error check: a worker error that came after the first one raises at the
         # next call, instead of leaving one share stepped and the other not.
         t0 = time.perf_counter()
-        self.host.step(hst, clip_coef=coef, scalars_fn=scalars_fn, check_errors=False)
+        self.host.step(hst, scalars_fn=scalars_fn, check_errors=False, coefs=coefs)
         _trace.add("step.host_share", t0, time.perf_counter(), -1)
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
@@ -325,20 +323,33 @@ class Engine:
         self.drain()
         self.errors.check()
 
+    def wait_step(self) -> None:
+        """Make the compute stream wait until every update queued so far has landed in the
+        parameters, on the device where it can (the host goes on), else by blocking."""
+        if self.host is not None:
+            self.host.wait_step()
+        if self.device is not None:
+            self.device.wait_all()
+
     def last_grad_norm(self) -> float | None:
         """The global norm of the last step that computed one (None before)."""
-        if self.host is None:
-            return self.device.last_grad_norm()
-        if self.device is None:
-            return self.host.last_grad_norm()
-        return self._last_norm
+        return (self.host or self.device).last_grad_norm()
 
     # -- state ------------------------------------------------------------------------------
 
-    def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Copies of ``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid``."""
+    def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work
+        is done: copies, or with ``copy=False`` the host slots' buffers themselves (device
+        slots: copies, their mapped memory goes with the engine)."""
         placement, local = self._local(sid)
-        return placement.state(local)
+        return placement.state(local) if placement is self.device else placement.state(local, copy)
+
+    def reload_param(self, sid: int, param: Any = None) -> None:
+        """Slot ``sid``'s weights were changed outside the engine, or its parameter replaced
+        by ``param`` (same size and dtype): its master follows them (see
+        :meth:`trainstream.core._host.HostPlacement.reload_param`)."""
+        placement, local = self._local(sid)
+        placement.reload_param(local, param)
 
     def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
         """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""

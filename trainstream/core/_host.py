@@ -10,25 +10,35 @@ Like it, this module imports neither torch nor jax. It speaks to a framework thr
 Pipeline, per parameter ("slot"):
 
 1. ``offload_grad``: the gradient is copied (asynchronously, on the backend's D2H
-   stream) into the slot's pinned staging buffer. If the update may start now (one
-   micro-batch, no clipping: the *eager* path) the update is queued right behind the
-   copy. Otherwise the gradient stays in staging; a second micro-batch first folds the
-   staging buffer into an fp32 accumulator (created on first need), then adds itself.
-2. ``step``: with clipping, the sum of squares of every gradient is taken from float64
-   partials over fixed element blocks (so the norm does not depend on the thread count
-   or the chunk size), then each slot's update is queued with the clip coefficient.
+   stream) into the slot's pinned staging buffer, replacing what was staged there. If
+   the update may start now (the *eager* path) it is queued right behind the copy.
+   Micro-batches are summed by the framework (torch sums ``param.grad`` in the
+   parameter's dtype): each copy simply replaces the staged one.
+2. ``step``: each slot's update is queued, with a multiplier of the staged gradient per
+   slot where the adapter asks for one (``coefs``: torch's clip coefficient or inverse
+   loss scale, applied as torch applies it to ``param.grad``) or, with ``max_grad_norm``,
+   the clip coefficient of the global norm, taken from float64 partials over fixed element
+   blocks (so the norm does not depend on the thread count or the chunk size).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights
    (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
-   event, which the next forward waits on for that parameter only. For fp16/bf16
-   parameters the rounded weights go into the gradient's own staging buffer when the
-   backend allows it (``weights_in_grad_stage``: the next gradient copy into it then waits
-   for that upload): each element's gradient is read just before its weight overwrites
-   it, which saves the host memory traffic of a separate buffer (2 B read-for-ownership
-   + 2 B write per element, ~6 % of the update's) and its pinned memory.
+   event. For fp16/bf16 parameters the rounded weights go into the gradient's own staging
+   buffer when the backend allows it (``weights_in_grad_stage``: the next gradient copy
+   into it then waits for that upload): each element's gradient is read just before its
+   weight overwrites it, which saves the host memory traffic of a separate buffer (2 B
+   read-for-ownership + 2 B write per element, ~6 % of the update's) and its pinned memory.
+4. Readiness: :meth:`HostPlacement.wait_step` makes the framework's compute stream wait,
+   on the device, for every upload queued so far. Each update belongs to an *epoch* (the
+   steps between two ``wait_step`` calls); after the last upload of a closed epoch the
+   upload stream writes the epoch's number into a 32-bit flag in mapped host memory, which
+   the compute stream waits on (``backend.new_flag``; stream memory operations). The flag
+   is always written, also for a failed or dropped batch and at ``close()``: a wait on it
+   never hangs. Without such a flag (CPU parameters, no stream memory operations)
+   ``wait_step`` blocks the host until the uploads have landed. :meth:`wait_ready` makes
+   the compute stream wait for single slots instead (the adapters' forward gate).
 
 The batches of one slot run one after another: a batch submitted while another of its
-slot is queued or running is chained behind it (accumulate -> norm -> update never
-overlap on a chunk), and the chunks of one batch are independent. They go to a queue
+slot is queued or running is chained behind it (norm -> update never overlap on a chunk),
+and the chunks of one batch are independent. They go to a queue
 shared by all workers (any idle worker takes the next job; the queue orders slots for
 the next forward and passes over copies that have not landed, see :class:`_WorkQueue`).
 A failure in a worker is kept and raised, with its message, at the next call into the
@@ -147,6 +157,21 @@ class Backend(Protocol):
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum a float64 over all processes (identity for one process)."""
+
+    # Optional: the readiness flag of :meth:`HostPlacement.wait_step` (without them, or
+    # with ``new_flag()`` returning None, wait_step blocks the host instead).
+
+    def new_flag(self) -> Any | None:
+        """A 32-bit word in mapped host memory that the device can wait on: ``.host`` its
+        NumPy view (``uint32[1]``, its current value), ``.release()`` gives it back. None
+        where the device cannot wait on one."""
+
+    def signal_flag(self, flag: Any, value: int) -> None:
+        """Queue a write of ``value`` into ``flag`` on the upload stream (after every upload
+        queued so far)."""
+
+    def wait_flag(self, flag: Any, value: int) -> None:
+        """Make the compute stream wait, on the device, until ``flag`` >= ``value``."""
 
 
 class ExternalUpdate(NamedTuple):
@@ -377,7 +402,7 @@ if hasattr(os, "register_at_fork"):
 
 # -- slots ----------------------------------------------------------------------------------
 
-_NO_GRAD, _STAGED, _ACCUMULATED = 0, 1, 2
+_NO_GRAD, _STAGED = 0, 1
 
 
 @dataclass(eq=False)
@@ -392,7 +417,6 @@ class _Slot:
     exp_avg: HostBuffer
     exp_avg_sq: HostBuffer
     grad_stage: HostBuffer | None = None
-    grad_acc: HostBuffer | None = None
     param_stage: HostBuffer | None = None  # fp16/bf16 weights to upload; may be grad_stage
     step: int = 0
     grad_state: int = _NO_GRAD
@@ -410,8 +434,8 @@ class _Stats:
     lock would make a worker give up the GIL and wait to take it back) and readers sum
     them. ``step_start``/``last_finalize`` are plain timestamps."""
 
-    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "accumulate_s",
-              "ready_stall_s", "grad_stall_s")
+    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s",
+              "grad_stall_s")
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -491,6 +515,16 @@ class HostPlacement:
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
         self._closed = False
         self._forked = False
+        # Readiness (module docstring, 4.): update batches per epoch, the flag the upload
+        # stream writes each finished epoch's number into. Epochs continue from the flag's
+        # value (a flag may come from an earlier placement: its old waits stay released).
+        new_flag = getattr(backend, "new_flag", None)
+        self._flag = new_flag() if new_flag is not None else None
+        self._epoch_lock = threading.Lock()
+        self._written = int(self._flag.host[0]) if self._flag is not None else 0  # queued
+        self._closed_upto = self._written  # epochs up to this one are closed
+        self._epoch = self._written + 1  # the open epoch
+        self._epoch_batches: collections.Counter = collections.Counter()  # epoch -> unfinished
         self._pool = _WorkerPool(threads, worker_nice)
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
         _LIVE.add(self)
@@ -601,21 +635,28 @@ class HostPlacement:
         body: Callable[[int, int, int], None],
         finalize: Callable[[], None] | None = None,
         landed: Any = None,
+        dropped: Callable[[], None] | None = None,
     ) -> None:
         """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
         (after the slot's batch in flight, if any: see the module docstring).
 
         ``landed``: the event the body waits for first (a gradient copy), if any; its
         ``query()`` lets a worker run another slot's job while the copy is in flight.
+        ``dropped``: called instead of ``finalize`` if the batch can never run (its
+        submission failed).
         """
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed))
+                s.chain.append((body, finalize, landed, dropped))
                 return
-        self._submit_batch(s, body, finalize, landed)
+        try:
+            self._submit_batch(s, body, finalize, landed)
+        except BaseException:
+            self._drop(s, [(body, finalize, landed, dropped)])
+            raise
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed, dropped=None) -> None:
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
         query = getattr(landed, "query", None)
         ready = _Landed(query) if query is not None else None
@@ -650,15 +691,27 @@ class HostPlacement:
     def _submit_chained(self, s: _Slot, batch: tuple) -> None:
         """Submit a slot's next chained batch (from the worker that finished the one
         before). If that fails, the error is kept and the batch and those chained after it
-        are dropped from ``inflight``: waiters must not hang on work that will never run."""
+        are dropped: waiters must not hang on work that will never run."""
         try:
             self._submit_batch(s, *batch)
         except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
             self._record_error(exc)
             with s.cond:
-                s.inflight -= 1 + len(s.chain)
+                batches = [batch, *s.chain]
                 s.chain.clear()
-                s.cond.notify_all()
+            self._drop(s, batches)
+
+    def _drop(self, s: _Slot, batches: list) -> None:
+        """Batches that will never run: out of ``inflight``, their ``dropped`` called."""
+        for *_, dropped in batches:
+            try:
+                if dropped is not None:
+                    dropped()
+            except BaseException as exc:  # noqa: BLE001
+                self._record_error(exc)
+        with s.cond:
+            s.inflight -= len(batches)
+            s.cond.notify_all()
 
     def _wait_idle(self, s: _Slot) -> None:
         if self._forked:  # before the lock: a worker of the parent may have held it
@@ -672,10 +725,11 @@ class HostPlacement:
     def offload_grad(
         self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None
     ) -> None:
-        """Take the gradient of slot ``sid`` (a device tensor of ``grad_dtype``).
+        """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing
+        the one staged before (micro-batches are summed by the framework).
 
-        With ``update`` (the eager path: last micro-batch, no clipping) the AdamW update
-        with those hyper-parameters is queued right behind the copy.
+        With ``update`` (the eager path) the AdamW update with those hyper-parameters is
+        queued right behind the copy.
         """
         self._check_open()
         self.check_error()
@@ -690,50 +744,20 @@ class HostPlacement:
         self._wait_idle(s)
         self._stats.add("grad_stall_s", time.perf_counter() - t0)
         self.check_error()
-        if s.grad_state == _STAGED:
-            # Second micro-batch: fold the staged gradient into the fp32 accumulator first.
-            self._accumulate_from_stage(s, fresh=True)
-            self._wait_idle(s)
-            self.check_error()
         after = self.backend.record_compute(s.param)
         # The last upload may still read the staging buffer (weights in grad staging).
         free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
         s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
         # Keep the device gradient alive until its copy ran, unless the backend already
         # guarantees that (torch: record_stream, so the memory goes back to the pool once
-        # the copy has completed and backward can reuse it).
+        # the copy has completed even if the gradient is dropped before).
         s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
-        if s.grad_state == _ACCUMULATED:
-            self._accumulate_from_stage(s, fresh=False)
-        else:
-            s.grad_state = _STAGED
-        if update is not None:
-            # Eager: the update follows the copy (or the accumulation) in each chunk's order.
+        s.grad_state = _STAGED
+        if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
         _trace.add("offload_grad", t_call, time.perf_counter(), sid)
-
-    def _accumulate_from_stage(self, s: _Slot, fresh: bool) -> None:
-        if s.grad_acc is None:
-            s.grad_acc = self._alloc(s.numel, "float32", pinned=False, what="grad.accumulator")
-        acc, stage, kind, landed = s.grad_acc.array, s.grad_stage.array, _KIND[s.dtype], s.landed
-
-        def body(c: int, b: int, e: int) -> None:
-            t = time.perf_counter()
-            if landed is not None:
-                _wait_landed(landed)
-                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
-            K.accumulate_chunk(acc, stage, kind, b, e, fresh)
-            t1 = time.perf_counter()
-            self._stats.add("accumulate_s", t1 - t)
-            _trace.add("accumulate", t, t1, s.id)
-
-        def release() -> None:
-            s.grad_keep = None
-
-        s.grad_state = _ACCUMULATED
-        self._run_batch(s, body, release, landed)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
@@ -746,11 +770,6 @@ class HostPlacement:
         self.check_error()
 
     # -- the update -------------------------------------------------------------------------
-
-    def _grad_source(self, s: _Slot) -> tuple[np.ndarray, int]:
-        if s.grad_state == _ACCUMULATED:
-            return s.grad_acc.array, K.KIND_F32
-        return s.grad_stage.array, _KIND[s.dtype]
 
     def _enqueue_update(
         self,
@@ -768,8 +787,7 @@ class HostPlacement:
         else:
             scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         variant = C.variant_id(self.convention, s.platform)
-        g, gkind = self._grad_source(s)
-        landed = s.landed if s.grad_state == _STAGED else None
+        g, gkind, landed = s.grad_stage.array, _KIND[s.dtype], s.landed
         prev_ready = s.ready
         p, m, v = s.master.array, s.exp_avg.array, s.exp_avg_sq.array
         out = s.param_stage.array if s.param_stage is not None else None
@@ -805,7 +823,79 @@ class HostPlacement:
             _trace.add("upload", t, t1, s.id)
 
         s.grad_state = _NO_GRAD
-        self._run_batch(s, body, finalize, landed)
+        epoch = self._epoch_begin()
+
+        def finalize_and_signal() -> None:
+            try:
+                finalize()
+            finally:
+                self._epoch_end(epoch)
+
+        self._run_batch(s, body, finalize_and_signal, landed, lambda: self._epoch_end(epoch))
+
+    # -- the readiness flag -------------------------------------------------------------------
+
+    def _epoch_begin(self) -> int:
+        with self._epoch_lock:
+            self._epoch_batches[self._epoch] += 1
+            return self._epoch
+
+    def _epoch_end(self, epoch: int) -> None:
+        """An update batch of ``epoch`` finished (its upload queued) or was dropped."""
+        with self._epoch_lock:
+            self._epoch_batches[epoch] -= 1
+            if not self._epoch_batches[epoch]:
+                del self._epoch_batches[epoch]
+            self._signal_epochs()
+
+    def _signal_epochs(self) -> None:
+        """(``_epoch_lock`` held.) Write the last closed epoch whose batches (and those of
+        every epoch before it) have all finished; after their uploads on the upload stream."""
+        done = self._closed_upto
+        if self._epoch_batches:
+            done = min(done, min(self._epoch_batches) - 1)
+        if self._flag is None or done <= self._written:
+            return
+        self._written = done
+        try:
+            self.backend.signal_flag(self._flag, done)
+        except BaseException as exc:  # noqa: BLE001 - released from the host: never hang
+            self._record_error(exc)
+            self._flag.host[0] = done & 0xFFFFFFFF
+
+    def wait_step(self) -> None:
+        """Make the compute stream wait until every update queued so far has landed in the
+        parameters: on the device where the backend has a flag (the host goes on), else by
+        blocking the host. Raises nothing (a failure is raised at the next call)."""
+        if self._flag is None:
+            self.drain()
+            return
+        with self._epoch_lock:
+            if self._epoch_batches.get(self._epoch):  # close the open epoch
+                self._closed_upto = self._epoch
+                self._epoch += 1
+                self._signal_epochs()
+            target = self._epoch - 1
+        if ((int(self._flag.host[0]) - target) & 0xFFFFFFFF) >= 0x80000000:  # not reached yet
+            self.backend.wait_flag(self._flag, target)
+
+    def _release_flag(self) -> None:
+        """Close every epoch, let the flag reach its last value (the upload stream is
+        drained), and give it back: no wait on it can hang, and a later owner's epochs
+        start above every write still in flight."""
+        flag = self._flag
+        if flag is None:
+            return
+        with self._epoch_lock:
+            target = self._closed_upto = self._epoch
+            self._epoch_batches.clear()  # drained: nothing left to finish
+            self._signal_epochs()
+            self._flag = None
+        deadline = time.monotonic() + 10.0
+        while ((int(flag.host[0]) - target) & 0xFFFFFFFF) >= 0x80000000 and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        flag.host[0] = target & 0xFFFFFFFF
+        flag.release()
 
     def grad_sumsq(self, sids: Sequence[int]) -> float:
         """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
@@ -820,8 +910,7 @@ class HostPlacement:
                 continue
             out = np.zeros(-(-s.numel // NORM_BLOCK), np.float64)
             partials.append(out)
-            g, kind = self._grad_source(s)
-            landed = s.landed if s.grad_state == _STAGED else None
+            g, kind, landed = s.grad_stage.array, _KIND[s.dtype], s.landed
 
             def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
                 t = time.perf_counter()
@@ -849,6 +938,7 @@ class HostPlacement:
         scalars_fn: Callable[[int, int], np.ndarray] | None = None,
         clip_coef: np.float32 | None = None,
         check_errors: bool = True,
+        coefs: dict[int, float] | None = None,
     ) -> float | None:
         """Queue the update of every slot in ``updates`` that holds a gradient.
 
@@ -862,6 +952,9 @@ class HostPlacement:
         norm over both engines), instead of ``max_grad_norm``. ``check_errors=False``:
         a worker error recorded since the caller's own check is left for the next call
         to raise (``hybrid`` mode has already queued the GPU share's update by then).
+        ``coefs``: per slot, the multiplier of its staged gradient instead (the contract's
+        ``c``: torch's clip coefficient or inverse loss scale, as torch multiplies
+        ``param.grad`` by it).
         """
         self._check_open()
         if check_errors:
@@ -884,7 +977,8 @@ class HostPlacement:
         for sid, hp in pending:
             s = self._slot(sid)
             after = self.backend.record_compute(s.param)
-            self._enqueue_update(s, hp, clip, after, scalars_fn)
+            c = clip if coefs is None else np.float32(coefs.get(sid, clip))
+            self._enqueue_update(s, hp, c, after, scalars_fn)
         return norm
 
     # -- readiness ----------------------------------------------------------------------------
@@ -1056,13 +1150,32 @@ class HostPlacement:
 
     # -- state ------------------------------------------------------------------------------
 
-    def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Copies of ``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid``."""
+    def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work
+        has run: copies, or with ``copy=False`` the buffers themselves (views that keep
+        them alive; changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
         self._wait_idle(s)
         self.check_error()
-        return s.master.array.copy(), s.exp_avg.array.copy(), s.exp_avg_sq.array.copy(), s.step
+        bufs = (s.master.array, s.exp_avg.array, s.exp_avg_sq.array)
+        return (*(b.copy() if copy else b for b in bufs), s.step)
+
+    def reload_param(self, sid: int, param: Any = None) -> None:
+        """The weights of slot ``sid`` were changed outside the engine (or its parameter
+        replaced by ``param``, of the same size and dtype): read them into the master, as
+        the next update's starting point. An fp16/bf16 element keeps its fp32 master where
+        the master still rounds to the weight (:func:`trainstream.contract.merge_master`)."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        if s.ready is not None:
+            s.ready.synchronize()
+        if param is not None:
+            s.param = param
+        weights = np.empty(s.numel, np.float32)
+        self.backend.param_to_host_f32(s.param, weights)
+        C.merge_master(s.master.array, weights, s.dtype)
 
     def load_state(
         self,
@@ -1115,7 +1228,6 @@ class HostPlacement:
             "grad_bytes_offloaded": float(st.grad_bytes),
             "param_bytes_uploaded": float(st.param_bytes),
             "update_ms_total": st.update_s * 1e3,
-            "accumulate_ms_total": st.accumulate_s * 1e3,
             "ready_stall_ms_total": st.ready_stall_s * 1e3,
             "grad_stall_ms_total": st.grad_stall_s * 1e3,
             "last_step_wall_ms": last_wall * 1e3,
@@ -1146,11 +1258,14 @@ class HostPlacement:
                     except Exception:  # noqa: BLE001 - closing regardless
                         pass
         finally:
-            self._closed = True
-            self._finalizer()  # joins the workers (once)
+            try:
+                self._release_flag()
+            finally:
+                self._closed = True
+                self._finalizer()  # joins the workers (once)
             for s in self._slots:
                 s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
-                s.grad_stage = s.grad_acc = s.param_stage = None
+                s.grad_stage = s.param_stage = None
                 s.grad_keep = s.ready = s.landed = s.param = None
             self._slots = []
 

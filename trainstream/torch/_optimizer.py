@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+from collections.abc import Mapping
 import threading
 import warnings
 import weakref
@@ -16,7 +17,6 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as _DDP
 from torch.optim import Optimizer
 
 from .. import contract as C
@@ -66,55 +66,109 @@ def _check_group(group: dict[str, Any]) -> None:
     C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
+def _refuse_multiprocess() -> None:
+    """Several processes (DistributedDataParallel, FSDP): the gradient hooks would copy each
+    gradient before the all-reduce; not supported yet, so refused rather than diverging."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "OffloadAdamW does not support DistributedDataParallel or other multi-process "
+            f"training yet (torch.distributed is initialized with {dist.get_world_size()} "
+            "processes): train in one process for now."
+        )
+
+
+class _State(Mapping):
+    """``OffloadAdamW.state``: per parameter that has been updated, its state as
+    ``torch.optim.AdamW`` keeps it (``step``, ``exp_avg``, ``exp_avg_sq``; fp16/bf16 also
+    ``master_param``), as views of the optimizer's host buffers, read once the parameter's
+    queued update has run. A parameter without state gives ``{}``. Each lookup builds a
+    new dict: assigning into it changes nothing (Lightning's ``_optimizer_to_device``
+    then only makes passing copies); change the tensors in place, or ``load_state_dict``.
+    """
+
+    def __init__(self, opt: "OffloadAdamW"):
+        self._opt = weakref.ref(opt)  # no cycle: the optimizer stays collectable
+
+    def _slots(self) -> list[int]:
+        opt = self._opt()
+        if opt is None or opt._closed or opt._engine is None:
+            return []
+        return [sid for sid in range(len(opt._params_of_slot)) if opt._engine.get_step(sid) > 0]
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        opt = self._opt()
+        sid = None if opt is None or opt._closed else opt._slot_of.get(param)
+        if sid is None:
+            raise KeyError(param)
+        return opt._state_of(sid)
+
+    def __iter__(self):
+        opt = self._opt()
+        return iter([opt._params_of_slot[sid] for sid in self._slots()])
+
+    def __len__(self) -> int:
+        return len(self._slots())
+
+    def __contains__(self, param: object) -> bool:
+        opt = self._opt()
+        sid = None if opt is None else opt._slot_of.get(param)  # type: ignore[call-overload]
+        return sid is not None and not opt._closed and opt._engine.get_step(sid) > 0
+
+
 class OffloadAdamW(Optimizer):
     r"""AdamW with its state in host memory, bit-identical to ``torch.optim.AdamW``.
 
     A drop-in replacement: the same arguments, param groups, LR schedulers,
-    ``zero_grad``, ``step(closure)`` and ``state_dict`` (state keys ``step``, ``exp_avg``,
-    ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``). The fp32
-    master weights (for fp16/bf16 parameters) and both moments live in host memory.
+    ``zero_grad``, ``step(closure)``, ``state`` and ``state_dict`` (state keys ``step``,
+    ``exp_avg``, ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``).
+    The fp32 master weights (for fp16/bf16 parameters) and both moments live in host
+    memory. In the loop a user already has, it changes memory and speed, nothing else:
 
-    As backward produces each gradient (a post-accumulate-grad hook), it is copied to a
-    pinned host buffer and ``param.grad`` is set to ``None``: the GPU gradient is
-    released. Gradient accumulation needs nothing special: several ``backward()`` then
-    ``step()`` accumulate on the host in fp32. ``step()`` queues the host update; the
-    new weights are uploaded asynchronously and the next forward waits, per module, only
-    for the weights it is about to use. Because ``param.grad`` is ``None`` after backward,
-    clip with ``max_grad_norm`` rather than ``clip_grad_norm_``. Micro-batch gradients of
-    fp16/bf16 parameters are summed in fp32 on the host (torch sums ``param.grad`` in the
-    parameter's dtype). In ``gpu`` mode gradients stay in ``param.grad`` as usual, except
-    under :meth:`last_micro_batch`, where each kernel takes its gradient as on the host
-    path (``param.grad`` is then ``None``).
+    * Gradients stay where autograd puts them (``param.grad``, summed over micro-batches in
+      the parameter's dtype, as with ``torch.optim.AdamW``). As backward produces each
+      one, a post-accumulate-grad hook copies it to pinned host memory asynchronously;
+      ``step()`` uses that copy, or copies ``param.grad`` again where it changed since
+      (``clip_grad_norm_``, ``GradScaler``, an edit by hand), and skips parameters whose
+      ``grad`` is ``None`` (``module.zero_grad()``). Clipping (``max_grad_norm``,
+      :meth:`clip_grad_norm`) and ``GradScaler``'s unscaling are torch's own operations on
+      ``param.grad``; the host applies the same multiplier to its copy, bit for bit.
+    * The weights are current whenever user code can see them: with CUDA parameters
+      ``step()`` makes the current stream wait, on the GPU, for every new weight (the host
+      does not block; where the driver lacks stream memory operations it does); with CPU
+      parameters ``step()`` returns once they are written. No ``synchronize()`` needed.
+    * Weights changed outside the optimizer (an in-place edit, ``model.load_state_dict``,
+      ``p.data = ...`` of the same shape, dtype and device) are what it updates next: a
+      changed ``param._version`` or storage is re-read into the host copy (fp16/bf16: an
+      element keeps its fp32 master where that still rounds to the weight). A change
+      through ``p.data.mul_(...)`` does not advance ``_version``: it is not seen.
 
-    To start the update during backward (the *eager* path), say which backward is the
-    last micro-batch of the step::
+    Two opt-ins trade a rule above for speed:
 
-        with opt.last_micro_batch():
-            loss.backward()
-        opt.step()
-
-    The eager path is used only without ``max_grad_norm`` (clipping needs every gradient
-    first) and uses each group's ``lr`` as it is during backward.
-
-    Read weights outside a module's forward (``model.state_dict()``, an evaluation
-    through functional calls) only after :meth:`synchronize`.
+    * ``with opt.last_micro_batch(): loss.backward()`` (the *eager* path) starts each
+      update from its gradient hook during backward and takes the gradient (``param.grad``
+      is ``None`` after it: GPU memory is freed at once, but ``clip_grad_norm_`` and
+      ``GradScaler`` find nothing to act on);
+    * ``overlap_forward=model`` lets the next forward of ``model`` start before the
+      update has finished: each of its modules waits for its own weights (forward
+      pre-hooks, outside Dynamo's graphs); reads of the weights outside that forward
+      (``state_dict``, an EMA) then need :meth:`synchronize`.
 
     Args:
       params: parameters or param groups, as for ``torch.optim.AdamW``; float32,
         float16 or bfloat16, contiguous, dense, all on one device (CUDA, or CPU).
       lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-      max_grad_norm: if set, gradients are clipped by their global L2 norm, as
-        ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before the step.
+      max_grad_norm: if set, ``step()`` first clips the gradients of these parameters by
+        their global norm: :meth:`clip_grad_norm` (``clip_grad_norm_`` over the parameters
+        in param-group order, the same bits), without copying the gradients to the host
+        again.
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
         ``"hybrid"`` (both at once: up to ``gpu_share`` of the trainable elements by
         the zero-copy kernel, the rest by the host threads; the state of all of them in
         host memory; CUDA parameters). Each parameter gets the bits of the mode that
-        updates it: the same as both modes, except that micro-batch gradients of a
-        GPU-share fp16/bf16 parameter are summed by torch in its dtype, as in ``gpu``
-        mode. With
-        ``max_grad_norm`` the global norm is the GPU share's sum of squares plus the host
-        share's (each deterministic), so it can differ from the other modes' norms in the
-        last bits (see :mod:`trainstream.core._engine`).
+        updates it (both are ``torch.optim.AdamW``'s on CUDA).
+      overlap_forward: a module (the model) whose next forward may overlap the update:
+        see above. Default ``None``: ``step()`` makes the weights current for every reader.
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here) updated by the zero-copy kernel. Parameters are taken in
         the order ``gpu_params`` says; each goes to the kernel if it fits in what is left
@@ -147,6 +201,10 @@ class OffloadAdamW(Optimizer):
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream.contract``.
     """
 
+    # GradScaler hands step() its scale and inf flag instead of unscaling the gradients
+    # itself (the protocol of torch's fused optimizers): see _amp().
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -157,6 +215,7 @@ class OffloadAdamW(Optimizer):
         *,
         max_grad_norm: float | None = None,
         mode: str = "cpu",
+        overlap_forward: torch.nn.Module | None = None,
         threads: int | None = None,
         chunk_size: int = 1 << 20,
         worker_nice: int = 5,
@@ -179,6 +238,8 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if mode not in ("cpu", "gpu", "hybrid"):
             raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+        if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
+            raise TypeError(f"overlap_forward must be a torch.nn.Module or None, got {type(overlap_forward).__name__}")
         if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
         self._gpu_share = float(gpu_share)
@@ -206,7 +267,17 @@ class OffloadAdamW(Optimizer):
         self._slot_of: dict[torch.Tensor, int] = {}
         self._params_of_slot: list[torch.Tensor] = []
         self._group_of: list[int] = []  # slot -> index of its param group
-        self._engine_param_ptr: list[int] = []  # the storage the engine writes, per slot
+        # Per slot, what the engine last saw of its parameter: the storage it writes, the
+        # parameter's _version then (the engine's own writes leave it alone), and
+        # (dtype, shape, device); a change of either means the weights changed outside.
+        self._engine_param_ptr: list[int] = []
+        self._param_version: list[int] = []
+        self._param_meta: list[tuple] = []
+        # Host slots: the gradient its hook copied, as [weakref to the tensor, its _version,
+        # the multiplier torch applied to it since (None: none)]. step() uses the copy only
+        # while param.grad is still that tensor at that version.
+        self._staged: dict[int, list] = {}
+        self._last_norm: torch.Tensor | None = None
         self._hooks: dict[int, Any] = {}  # host-engine slot -> its gradient hook's handle
         # GPU-engine slots (gpu mode; hybrid's GPU share with gpu_params="last"): one hook
         # each, registered by the first last_micro_batch(), launching the slot's kernel as
@@ -214,12 +285,14 @@ class OffloadAdamW(Optimizer):
         self._gpu_hooks: dict[int, Any] = {}
         self._eager_blocks = eager_blocks
         self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
+        self._eager = False
+        # overlap_forward: slots whose update the gated forward has not waited for yet;
+        # modules seen running forward, and per module the slots its forward waits for:
+        # its own parameters and those of descendants whose forward never runs (e.g.
+        # MultiheadAttention reads out_proj.weight without calling out_proj).
+        self._gated = overlap_forward is not None
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
-        self._eager = False
-        # Modules seen running forward, and per module the slots its forward must wait
-        # for: its own parameters and those of descendants whose forward never runs
-        # (e.g. MultiheadAttention reads out_proj.weight without calling out_proj).
         self._called: weakref.WeakSet = weakref.WeakSet()
         self._wait_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._device: torch.device | None = None
@@ -230,6 +303,7 @@ class OffloadAdamW(Optimizer):
         self._release = weakref.finalize(self, self._owned.release)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
         super().__init__(params, defaults)
+        self.state = _State(self)  # type: ignore[assignment]  # the engine's, per parameter
         if self._deferred:
             self._deferred = False
             flat = [p for g in self.param_groups for p in g["params"]]
@@ -249,28 +323,26 @@ class OffloadAdamW(Optimizer):
                 if self._engine is not None:
                     self._engine.close()
                 raise
-        # One global forward pre-hook: before a module runs, wait for its own weights.
+        if overlap_forward is not None:
+            self._gate(overlap_forward)
+
+    def _gate(self, model: torch.nn.Module) -> None:
+        """``overlap_forward``: before each module of ``model`` runs, wait for its weights."""
         ref = weakref.ref(self)
 
         @torch.compiler.disable  # runs eagerly, outside any graph Dynamo traces
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
             opt = ref()
-            if opt is None:
+            if opt is None or opt._closed:
                 return
             if module not in opt._called:
                 opt._called.add(module)
                 opt._wait_sets.clear()
-                if isinstance(module, _DDP) and any(p in opt._slot_of for p in module.parameters()):
-                    raise RuntimeError(
-                        "OffloadAdamW does not support DistributedDataParallel yet: its gradient "
-                        "hooks take each gradient before DDP's all-reduce, so the replicas would "
-                        "diverge without an error. Train in one process for now."
-                    )
             if opt._pending:
                 opt._wait_module(module)
 
-        self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
-        self._owned.handles.append(self._forward_hook)
+        for m in model.modules():
+            self._owned.handles.append(m.register_forward_pre_hook(pre_hook))
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -303,9 +375,9 @@ class OffloadAdamW(Optimizer):
             del self.param_groups[n_groups:]
             for p in self._params_of_slot[n_slots:]:
                 self._slot_of.pop(p, None)
-            del self._params_of_slot[n_slots:]
-            del self._group_of[n_slots:]
-            del self._engine_param_ptr[n_slots:]
+            for lst in (self._params_of_slot, self._group_of, self._engine_param_ptr,
+                        self._param_version, self._param_meta):
+                del lst[n_slots:]
             for sid in [k for k in self._hooks if k >= n_slots]:
                 self._hooks.pop(sid).remove()
             if self._engine is not None:
@@ -354,14 +426,43 @@ class OffloadAdamW(Optimizer):
                 f"{p.device}, earlier ones on {self._device}"
             )
         platform = "cuda" if p.device.type == "cuda" else "cpu"
-        # hybrid: a frozen parameter takes none of the GPU share
-        sid = self._engine.add_param(p.detach().view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
+        # The engine writes through p.data: its own writes do not advance p._version.
+        # hybrid: a frozen parameter takes none of the GPU share.
+        sid = self._engine.add_param(p.data.view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
                                      trainable=p.requires_grad, on_device=gpu)
         assert sid == index
         self._engine_param_ptr.append(p.data_ptr())
+        self._param_version.append(p._version)
+        self._param_meta.append((p.dtype, tuple(p.shape), p.device))
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
         self._hook_if_trainable(sid)
+
+    def _check_param(self, sid: int) -> None:
+        """Follow a change of parameter ``sid`` made outside the optimizer: new values are
+        read into the host copy, a new storage of the same shape, dtype and device is
+        written from now on; any other change raises, naming what changed."""
+        p = self._params_of_slot[sid]
+        ptr = p.data_ptr()
+        if ptr == self._engine_param_ptr[sid]:
+            if p._version != self._param_version[sid]:
+                self._engine.reload_param(sid)
+                self._param_version[sid] = p._version
+            return
+        was, now = self._param_meta[sid], (p.dtype, tuple(p.shape), p.device)
+        if now != was or not p.is_contiguous():
+            what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), was, now)
+                             if a != b) or "made non-contiguous"
+            hint = (" (float64 is not supported: float32, float16 or bfloat16)"
+                    if p.dtype not in _DTYPE_NAME else "")
+            raise RuntimeError(
+                f"OffloadAdamW: parameter {sid} (group {self._group_of[sid]}) was replaced after the "
+                f"optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = ...). "
+                "Build the optimizer after converting or moving the model."
+            )
+        self._engine.reload_param(sid, p.data.view(-1))
+        self._engine_param_ptr[sid] = ptr
+        self._param_version[sid] = p._version
 
     def _hook_if_trainable(self, sid: int) -> None:
         p = self._params_of_slot[sid]
@@ -379,26 +480,37 @@ class OffloadAdamW(Optimizer):
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
         return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
+    def _take_eager(self, sid: int) -> C.AdamWHyperParams:
+        """Under ``last_micro_batch()``: slot ``sid`` is updated from its hook, now."""
+        if sid in self._eager_done:
+            raise RuntimeError(
+                "OffloadAdamW: a second backward inside last_micro_batch() before "
+                f"step() (parameter {sid}); only the last micro-batch's backward "
+                "belongs in that block"
+            )
+        _refuse_multiprocess()
+        self._check_param(sid)  # an edited weight is re-read before the update
+        self._eager_done.add(sid)
+        return self._hp(self._group_of_slot(sid))
+
     def _make_hook(self, sid: int):
-        """The gradient hook of host-engine slot ``sid``: offloads its gradient (with the
-        update queued behind it on the eager path)."""
+        """The gradient hook of host-engine slot ``sid``: copies its gradient to the host
+        (on the eager path with the update queued behind it, the gradient taken)."""
         ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
             opt = ref()
             if opt is None or opt._closed or p.grad is None:
                 return
-            update = None
+            if p.data_ptr() != opt._engine_param_ptr[sid]:
+                opt._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
             if opt._eager and opt.max_grad_norm is None:
-                if sid in opt._eager_done:
-                    raise RuntimeError(
-                        "OffloadAdamW: a second backward inside last_micro_batch() before "
-                        f"step() (parameter {sid}); only the last micro-batch's backward "
-                        "belongs in that block"
-                    )
-                opt._eager_done.add(sid)
-                update = opt._hp(opt._group_of_slot(sid))
-            opt._offload_grad(sid, p, update)
+                opt._staged.pop(sid, None)
+                opt._offload_grad(sid, p, opt._take_eager(sid))
+                return
+            grad = p.grad
+            opt._offload_grad(sid, p)
+            opt._staged[sid] = [weakref.ref(grad), grad._version, None]
 
         return hook
 
@@ -429,24 +541,21 @@ class OffloadAdamW(Optimizer):
             opt = ref()
             if opt is None or opt._closed or p.grad is None or not opt._eager or opt.max_grad_norm is not None:
                 return
-            if sid in opt._eager_done:
-                raise RuntimeError(
-                    "OffloadAdamW: a second backward inside last_micro_batch() before "
-                    f"step() (parameter {sid}); only the last micro-batch's backward "
-                    "belongs in that block"
-                )
-            opt._engine.launch_eager([(sid, opt._hp(opt._group_of_slot(sid)), *opt._device_grad(sid))])
-            opt._eager_done.add(sid)
-            with opt._pending_lock:
-                opt._pending.add(sid)
+            hp = opt._take_eager(sid)
+            opt._engine.launch_eager([(sid, hp, *opt._device_grad(sid))])
+            if opt._gated:
+                with opt._pending_lock:
+                    opt._pending.add(sid)
             # Taken, as on the host path: an in-place change of it from here on (clipping
             # by hand, a second backward) would race the kernel that reads it. The engine
-            # keeps its memory alive until the next forward has waited for the kernel.
+            # keeps its memory alive until the compute stream has waited for the kernel.
             p.grad = None
 
         return hook
 
     def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
+        """Copy ``p.grad`` to slot ``sid``'s host staging (``update``: the eager path, the
+        update queued behind the copy and the gradient taken)."""
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
@@ -467,9 +576,10 @@ class OffloadAdamW(Optimizer):
             grad = grad.contiguous()
         self._engine.offload_grad(sid, grad, _DTYPE_NAME[grad.dtype], update)
         if update is not None:
-            with self._pending_lock:
-                self._pending.add(sid)
-        p.grad = None  # released: the engine keeps it alive until its copy landed
+            if self._gated:
+                with self._pending_lock:
+                    self._pending.add(sid)
+            p.grad = None  # taken: the engine keeps it alive until its copy landed
 
     # -- the user API -----------------------------------------------------------------------
 
@@ -485,12 +595,15 @@ class OffloadAdamW(Optimizer):
         the rest of backward: on the host threads once it is on the host (``cpu`` mode,
         ``hybrid``'s host share), or by its zero-copy kernel on the update stream
         (``gpu`` mode; ``hybrid``'s GPU share with ``gpu_params="last"``; with the
-        default ``"first"`` that share still runs at ``step()``). Either way
-        ``param.grad`` is ``None`` after that backward for the parameters it updated,
-        and each update uses its group's ``lr`` as it is during backward (set a
-        schedule's ``lr`` before it). Not with ``max_grad_norm``: clipping needs every
-        gradient first, and the block then has no effect. Between this backward and
-        ``step()``, ``state_dict()`` and ``load_state_dict()`` raise.
+        default ``"first"`` that share still runs at ``step()``). The gradients are taken:
+        ``param.grad`` is ``None`` after that backward for the parameters it updated (the
+        GPU memory of each is freed as soon as its copy or kernel is done), so nothing
+        may change them after backward: no ``clip_grad_norm_`` (it would find no
+        gradient), no ``GradScaler`` (``step()`` raises). Each update uses its group's
+        ``lr`` as it is during backward (set a schedule's ``lr`` before it). Not with
+        ``max_grad_norm``: clipping needs every gradient first, and the block then has no
+        effect. Between this backward and ``step()``, ``state_dict()`` and
+        ``load_state_dict()`` raise.
 
         The host threads then run during backward, beside the thread that launches its
         kernels: with ``mode="hybrid"`` on a 350M GPT, workers at the default nice 5
@@ -506,9 +619,91 @@ class OffloadAdamW(Optimizer):
         finally:
             self._eager = False
 
+    def _grads(self) -> list[tuple[int, torch.Tensor]]:
+        """``(slot, parameter)`` of every parameter with a gradient, in group order."""
+        return [(self._slot_of[p], p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _multiply(self, op, mult: dict[torch.dtype, float]) -> None:
+        """Run ``op``, torch's in-place multiplication of the ``param.grad`` of ``self``'s
+        parameters; a host copy still equal to its gradient before it gets the same
+        multiplier, ``mult[grad dtype]`` (the contract's ``c``; a dtype not in ``mult``,
+        or a second multiplication: copied again at ``step()``)."""
+        valid = {sid: rec for sid, rec in self._staged.items() if self._fresh(sid, rec)}
+        op()
+        for sid, rec in valid.items():
+            grad = self._params_of_slot[sid].grad
+            c = mult.get(grad.dtype)
+            if c is None or rec[2] is not None:
+                continue
+            rec[1], rec[2] = grad._version, c
+
+    def _fresh(self, sid: int, rec: list) -> bool:
+        grad = self._params_of_slot[sid].grad
+        return grad is not None and rec[0]() is grad and rec[1] == grad._version
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       foreach: bool | None = None, *, parameters: Iterable[torch.Tensor] | None = None
+                       ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, the
+        same clipped ``param.grad``, the same bits after ``step()``), without copying the
+        gradients to the host again: the host multiplies its copies by the same
+        coefficient. Returns the total norm (a tensor, as ``clip_grad_norm_``).
+
+        ``parameters``: default, this optimizer's, in param-group order (as Lightning's
+        clipping lists them). torch sums the per-tensor norms in the order given, so for
+        the bits of ``clip_grad_norm_(model.parameters(), ...)`` pass ``model.parameters()``
+        where the groups list them in another order (e.g. weight decay groups).
+        """
+        self._check_open()
+        if parameters is None:
+            params = [p for _, p in self._grads()]
+        else:
+            params = [p for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
+        if params:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s lines
+            self._multiply(lambda: torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach),
+                           {coef.dtype: float(coef)})
+        self._last_norm = total
+        return total
+
+    def _amp(self) -> bool:
+        """GradScaler's ``step(opt)``: it set ``grad_scale`` (None once the user unscaled
+        the gradients, in place) and ``found_inf``. Returns whether to skip the step;
+        otherwise unscales ``param.grad`` as ``GradScaler.unscale_`` does."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        if self._eager_done:
+            raise RuntimeError(
+                "OffloadAdamW: GradScaler with last_micro_batch(): the updates started during "
+                "backward used the scaled gradients. Do not use last_micro_batch() with a "
+                "GradScaler; reload a checkpoint (load_state_dict) to continue."
+            )
+        if found_inf.item():
+            return True  # skipped, as GradScaler skips torch.optim.AdamW's step
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:  # unscaled in place by GradScaler.unscale_ (no _version change)
+            self._staged.clear()
+            return False
+        inv = scale.double().reciprocal().float()
+        by_kind: dict = {}
+        for _, p in self._grads():
+            by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+
+        def unscale():
+            for (dev, _), grads in by_kind.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, torch.zeros(1, device=dev), inv.to(dev))
+
+        self._multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)))
+        return False
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Queue the AdamW update of every parameter that received a gradient."""
+        """Update every parameter whose ``grad`` is not ``None`` (see the class docstring
+        for when the new weights are visible)."""
         self._check_open()
         loss = None
         if closure is not None:
@@ -517,35 +712,45 @@ class OffloadAdamW(Optimizer):
         if self._engine is None:
             return loss
         self._engine.check_error()
-        for sid, p in enumerate(self._params_of_slot):
-            if p.data_ptr() != self._engine_param_ptr[sid]:
-                raise RuntimeError(
-                    f"OffloadAdamW: the storage of parameter {sid} was replaced after the "
-                    "optimizer was built (p.data = ..., module.to(), re-initialisation); "
-                    "build the optimizer after moving/replacing parameters"
-                )
+        _refuse_multiprocess()
+        if self._amp():
+            return loss
+        for sid in range(len(self._params_of_slot)):
+            self._check_param(sid)
             if self._host_slot(sid):
                 self._hook_if_trainable(sid)  # unfrozen after construction
-                if p.grad is not None:  # a gradient no hook took (set by hand)
-                    self._offload_grad(sid, p)
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm(self.max_grad_norm)
         eager_done, self._eager_done = self._eager_done, set()
-        updates = []
+        staged, self._staged = self._staged, {}
+        updates, coefs = [], {}
         for group in self.param_groups:
             hp = self._hp(group)
             for p in group["params"]:
-                updates.append((self._slot_of[p], hp))
-        on_device = self._engine.on_device
-        # device slots: the gradient in param.grad (those updated eagerly are done);
-        # host slots: what the hooks offloaded
-        updates = [(sid, hp, *self._device_grad(sid)) if on_device(sid) else (sid, hp) for sid, hp in updates
-                   if not on_device(sid) or (self._params_of_slot[sid].grad is not None and sid not in eager_done)]
-        sids = [u[0] for u in updates if on_device(u[0]) or self._engine.has_grad(u[0])]
-        # Marked before the engine runs, so that also when it raises part-way (e.g.
-        # hybrid's GPU share failed after its host share was queued) the next forward
-        # waits for whatever was queued. Waiting on a slot that queued nothing is harmless.
-        with self._pending_lock:
-            self._pending.update(sids)
-        self._engine.step(updates, self.max_grad_norm)
+                sid = self._slot_of[p]
+                if p.grad is None or sid in eager_done:
+                    continue  # no gradient: no update, as torch's
+                if self._engine.on_device(sid):
+                    updates.append((sid, hp, *self._device_grad(sid)))
+                    continue
+                rec = staged.get(sid)
+                if rec is not None and self._fresh(sid, rec):
+                    if rec[2] is not None:
+                        coefs[sid] = rec[2]
+                else:
+                    self._offload_grad(sid, p)  # changed since its hook copied it, or set by hand
+                updates.append((sid, hp))
+        if self._gated:
+            # Marked before the engine runs, so that also when it raises part-way (e.g.
+            # hybrid's GPU share failed after its host share was queued) the next forward
+            # waits for whatever was queued. Waiting on a slot that queued nothing is harmless.
+            with self._pending_lock:
+                self._pending.update(u[0] for u in updates)
+        try:
+            self._engine.step(updates, coefs=coefs)
+        finally:
+            if not self._gated:
+                self._engine.wait_step()  # every reader on the current stream sees the new weights
         return loss
 
     def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
@@ -560,17 +765,13 @@ class OffloadAdamW(Optimizer):
         return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop gradients offloaded since the last step (and any ``param.grad``)."""
+        """``torch.optim.Optimizer.zero_grad``; the host copies of the gradients are
+        forgotten too."""
         self._check_open()
-        if self.mode in ("gpu", "hybrid") and self._pending and not set_to_none:
-            # The update kernels still read p.grad: order its zeroing after them (in hybrid
-            # mode only theirs: the host share's may still be running). Set to None, the
-            # gradients stay alive in the engine until the next forward waits for them.
-            with self._pending_lock:
-                sids = sorted(s for s in self._pending if self._engine.on_device(s))
-                self._pending.difference_update(sids)
-            self._engine.wait_ready(sids)
+        if self._gated and self._pending and not set_to_none:
+            self.synchronize()  # the update may still read param.grad: zero it after
         super().zero_grad(set_to_none=set_to_none)
+        self._staged.clear()
         if self._engine is not None:
             self._engine.discard_grads()
 
@@ -595,7 +796,8 @@ class OffloadAdamW(Optimizer):
                 self._pending.difference_update(sids)
 
     def synchronize(self) -> None:
-        """Block until every queued update has landed in the parameters."""
+        """Block until every queued update has landed in the parameters (only needed
+        with ``overlap_forward``, before reading weights outside that model's forward)."""
         self._check_open()
         if self._engine is not None:
             self._engine.synchronize()  # host-blocks on every upload: nothing left to wait for
@@ -603,11 +805,11 @@ class OffloadAdamW(Optimizer):
                 self._pending.clear()
 
     def last_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step that computed one (clipping)."""
-        return None if self._engine is None else self._engine.last_grad_norm()
+        """The total gradient norm of the last :meth:`clip_grad_norm` (``max_grad_norm``)."""
+        return None if self._last_norm is None else float(self._last_norm)
 
     def stats(self) -> dict[str, float]:
-        """Engine counters: bytes moved, state bytes, update/accumulate/stall times."""
+        """Engine counters: bytes moved, state bytes, update and stall times."""
         self._check_open()
         return {} if self._engine is None else self._engine.stats()
 
@@ -624,8 +826,27 @@ class OffloadAdamW(Optimizer):
                 "step() first"
             )
 
+    def _state_of(self, sid: int) -> dict[str, torch.Tensor]:
+        """Slot ``sid``'s state as ``torch.optim.AdamW`` keeps it, once its queued work has
+        run: ``step`` (float32 scalar), ``exp_avg``, ``exp_avg_sq`` and for fp16/bf16
+        ``master_param``: views of the host buffers (gpu-placed slots: copies). Empty
+        before its first update."""
+        master, m, v, step = self._engine.state(sid, copy=False)
+        if step == 0:
+            return {}
+        shape = self._params_of_slot[sid].shape
+        entry = {
+            "step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": torch.from_numpy(m).view(shape),
+            "exp_avg_sq": torch.from_numpy(v).view(shape),
+        }
+        if self._params_of_slot[sid].dtype != torch.float32:
+            entry["master_param"] = torch.from_numpy(master).view(shape)
+        return entry
+
     def state_dict(self) -> dict[str, Any]:
-        """A ``torch.optim.AdamW``-compatible state dict (CPU tensors).
+        """A ``torch.optim.AdamW``-compatible state dict: its state tensors are views of
+        the optimizer's (as ``torch.optim.AdamW``'s are its own), see :attr:`state`.
 
         Per parameter: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``
         (float32, the parameter's shape) and, for fp16/bf16 parameters, ``master_param``
@@ -634,18 +855,10 @@ class OffloadAdamW(Optimizer):
         self._check_open()
         self._check_no_eager_in_flight("state_dict")
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for sid, p in enumerate(self._params_of_slot):
-            master, m, v, step = self._engine.state(sid)
-            if step == 0:
-                continue
-            entry = {
-                "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": torch.from_numpy(m).view(p.shape),
-                "exp_avg_sq": torch.from_numpy(v).view(p.shape),
-            }
-            if p.dtype != torch.float32:
-                entry["master_param"] = torch.from_numpy(master).view(p.shape)
-            state[sid] = entry
+        for sid in range(len(self._params_of_slot)):
+            entry = self._state_of(sid)
+            if entry:
+                state[sid] = entry
         groups = []
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -716,6 +929,8 @@ class OffloadAdamW(Optimizer):
             loads.append((self._slot_of[p], f32(entry["exp_avg"]), f32(entry["exp_avg_sq"]), int(step), master))
         for sg in saved_groups:
             _check_group({**self.defaults, **sg})
+        for sid in range(len(self._params_of_slot)):
+            self._check_param(sid)  # a replaced storage first (the masters are checked against it)
         self._engine.drain()
         loaded = {sid for sid, *_ in loads}
         for sid, m, v, step, master in loads:
@@ -725,6 +940,7 @@ class OffloadAdamW(Optimizer):
                 zeros = np.zeros(p.numel(), np.float32)
                 self._engine.load_state(sid, zeros, zeros, 0, None)
         self._engine.clear_error()  # every slot is consistent again
+        self._param_version = [p._version for p in self._params_of_slot]  # the masters follow them
         with self._pending_lock:
             self._pending.clear()
         self._eager_done.clear()
