@@ -24,7 +24,16 @@ A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements
 clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
 ~shareF (hybrid: gpu_share=F), ~ebN (eager zero-copy kernels capped at N blocks:
-OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count).
+OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count),
+~overlap (TrainStream: OffloadAdamW(overlap_forward=model), the next forward overlaps the
+update, each module waiting for its own weights; default: step() makes the current stream
+wait for every new weight), ~userclipX (clip with the loop's own clip_grad_norm_(params, X)
+before step(), as transformers' Trainer does; TrainStream then copies every gradient to
+the host again at step()). Default against opt-in, same run:
+``--setups ts_cpu,ts_cpu~overlap,ts_cpu_eager,ts_cpu_eager~overlap,ts_hybrid,ts_hybrid~overlap``
+at ``--configs 350m:8,1.3b:24``; compare "stream" (back to back), not "step ms" (its
+device-wide synchronize waits for the whole update in the default, for none of the
+host uploads still to be queued with ~overlap).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
 (trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
@@ -134,6 +143,7 @@ def build(setup, size, device, batch=8):
     setup, *opts_ = setup.split("~")
     sys.setswitchinterval(next((int(o[3:]) * 1e-6 for o in opts_ if o.startswith("swi")), 0.005))
     clip = next((float(o[4:]) for o in opts_ if o.startswith("clip")), None)
+    user_clip = next((float(o[8:]) for o in opts_ if o.startswith("userclip")), None)
     if clip is not None and setup.split("@")[0].endswith("_eager"):
         raise ValueError(f"{setup}: the eager path is off with clipping (use the setup without _eager)")
     setup, _, opts = setup.partition("@")
@@ -164,6 +174,8 @@ def build(setup, size, device, batch=8):
                 extra["gpu_share"] = share
             if "last" in opts_:
                 extra["gpu_params"] = "last"
+        if "overlap" in opts_:
+            extra["overlap_forward"] = model
         opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, max_grad_norm=clip, **extra, **lr)
         eager = setup.endswith("_eager")
     elif clip is not None:
@@ -179,6 +191,8 @@ def build(setup, size, device, batch=8):
         raise ValueError(f"unknown setup {setup!r}")
     # In-GPU baselines clip with clip_grad_norm_ before the step; TrainStream clips inside.
     clip_fn = (lambda: torch.nn.utils.clip_grad_norm_(params, clip)) if clip is not None and not setup.startswith("ts_") else None
+    if user_clip is not None:
+        clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, user_clip)  # noqa: E731
     return model, opt, autocast, eager, clip_fn
 
 

@@ -185,9 +185,6 @@ class Engine:
         micro-batch, no clipping) its AdamW update is queued right behind the copy."""
         self.host.offload_grad(self._host_local(sid), grad, grad_dtype, update)
 
-    def has_grad(self, sid: int) -> bool:
-        return self.host.has_grad(self._host_local(sid))
-
     def discard_grads(self) -> None:
         """Forget the gradients offloaded since the last step (``zero_grad``)."""
         if self.host is not None:
