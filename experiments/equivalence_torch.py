@@ -8,19 +8,17 @@ downloaded), for N steps with every TrainStream setting beside the references:
   ``fused=True``;
 * TrainStream: ``OffloadAdamW(mode="cpu")``, the same with the eager path
   (``last_micro_batch()``, without clipping only), and ``mode="gpu"`` and
-  ``mode="hybrid"`` (the latter in fp32, or in fp16/bf16 without accumulation) on CUDA when CuPy
-  is present (skipped with a printed reason otherwise);
+  ``mode="hybrid"`` on CUDA when CuPy is present (skipped with a printed reason otherwise);
 * fp32 weights; bf16 and fp16 weights against an fp32-master reference (the reference
   trains fp32 master copies fed the upcast gradients of its own half model, whose weights
-  are the rounded master);
-* with and without clipping (``max_grad_norm``) and gradient accumulation.
+  are the rounded master; micro-batches summed in the half ``param.grad``, as autograd
+  sums them);
+* with and without clipping (``max_grad_norm``; the reference calls ``clip_grad_norm_``)
+  and gradient accumulation.
 
 Each comparison is a pair of trainers that start from identical weights and see
-identical batches. With clipping, the promised rows' reference scales its gradients by
-``clip_coefficient(OffloadAdamW.last_grad_norm(), max_norm)`` (clip_grad_norm_'s float32
-arithmetic on TrainStream's norm, as the tests do); an extra row per TrainStream setting
-compares with a reference that calls ``clip_grad_norm_`` itself (torch's float32 norm and
-TrainStream's float64-summed one can round to different float32s).
+identical batches; every TrainStream setting is compared with the reference loop a user
+would write with ``torch.optim.AdamW``.
 
 Per step: the loss of each, the fraction of (fp32 master) weights that are bit-identical
 (and of the model's own weights, for fp16/bf16), the max distance in float32 ULPs (on the
@@ -49,7 +47,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainstream import contract as C
 from trainstream.torch import OffloadAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,8 +64,6 @@ DEFAULT, FUSED, TS_CPU, TS_EAGER, TS_GPU, TS_HYBRID = "torch default", "torch fu
 TS_KINDS = (TS_CPU, TS_EAGER, TS_GPU, TS_HYBRID)
 _MODE = {TS_CPU: "cpu", TS_EAGER: "cpu", TS_GPU: "gpu", TS_HYBRID: "hybrid"}
 # Notes on rows whose reference differs from the plain one
-OWN_NORM = "reference clips with its own clip_grad_norm_"
-PARAM_ACCUM = "reference accumulates half gradients in the parameter dtype, as the gpu mode reads them"
 
 
 # -- model and data ------------------------------------------------------------------------
@@ -133,14 +128,6 @@ def ordered_params(model: nn.Module) -> tuple[list[torch.Tensor], list[dict[str,
     return decay + no_decay, [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def total_norm(grads: list[torch.Tensor]) -> float:
-    """Torch's global L2 norm of ``grads`` (as clip_grad_norm_ computes it)."""
-    fn = getattr(torch.nn.utils, "get_total_norm", None)
-    if fn is not None:
-        return float(fn(grads, 2.0))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-
-
 # -- trainers ------------------------------------------------------------------------------
 
 
@@ -148,21 +135,17 @@ class Trainer:
     """One model and one optimizer.
 
     ``kind``: torch default / fused, or an OffloadAdamW setting. For fp16/bf16 models the
-    torch trainers keep fp32 master copies: each step they upcast the half gradients
-    (accumulating micro-batches in fp32, as OffloadAdamW's cpu mode does, or, with
-    ``half_accum="param"``, in the parameter dtype as autograd does, which is what the
-    ``gpu`` mode reads), step AdamW on the masters and round them into the model.
-    With clipping, a trainer with a ``norm_source`` (an OffloadAdamW trainer) scales its
-    gradients by ``clip_coefficient(norm_source's last_grad_norm(), max_norm)`` in float32
-    (clip_grad_norm_'s arithmetic on TrainStream's norm); without one it calls
-    ``torch.nn.utils.clip_grad_norm_`` itself.
+    torch trainers keep fp32 master copies: each step, after the half model's own
+    backward (micro-batches summed in ``param.grad``, in the parameter dtype) and, with
+    clipping, ``torch.nn.utils.clip_grad_norm_`` on those half gradients (parameters in
+    the optimizer's order), they upcast the gradients, step AdamW on the masters and round
+    them into the model: the loop a user writes, and what OffloadAdamW must give.
     """
 
     def __init__(self, kind: str, device: torch.device, dtype: torch.dtype, init: dict[str, torch.Tensor],
-                 args: argparse.Namespace, *, clip: float | None, accum: int,
-                 norm_source: "Trainer | None" = None, half_accum: str = "fp32"):
+                 args: argparse.Namespace, *, clip: float | None, accum: int):
         self.kind, self.device, self.dtype = kind, device, dtype
-        self.clip, self.accum, self.norm_source, self.half_accum = clip, accum, norm_source, half_accum
+        self.clip, self.accum = clip, accum
         self.model = build_model(args)
         self.model.load_state_dict(init)
         self.model.to(device=device, dtype=dtype)
@@ -213,29 +196,14 @@ class Trainer:
                     p.grad = None
             for x, y in micro:
                 loss = loss_of(self.model, x, y) / n
-                if self.half and self.half_accum == "fp32":
-                    grads = torch.autograd.grad(loss, self.params)
-                    for m, g in zip(self.masters, grads):
-                        if m.grad is None:
-                            m.grad = g.float()
-                        else:
-                            m.grad.add_(g.float())
-                else:
-                    loss.backward()
+                loss.backward()
                 losses.append(loss.detach())
-            if self.half and self.half_accum == "param":
+            if self.clip is not None:
+                self.last_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
+            if self.half:
                 for m, p in zip(self.masters, self.params):
                     m.grad = p.grad.float()
                     p.grad = None
-            trained = self.masters if self.half else self.params
-            if self.clip is not None:
-                if self.norm_source is not None:
-                    self.last_norm = total_norm([p.grad for p in trained])
-                    coef = torch.tensor(C.clip_coefficient(self.norm_source.last_norm, self.clip), device=self.device)
-                    for p in trained:
-                        p.grad.mul_(coef)
-                else:
-                    self.last_norm = float(torch.nn.utils.clip_grad_norm_(trained, self.clip))
             self.opt.step()
             if self.half:
                 with torch.no_grad():
@@ -311,38 +279,23 @@ def plan_setting(devices: list[torch.device], dtype: torch.dtype, clip: float | 
         trainers.append(t)
         return t
 
-    ts_trainers, refs = [], []
-    own = {}  # the reference trainer of each device that clips by its own norm
+    ts_trainers = []
+    own = {}
     for dev in devices:
-        ts_kinds = [TS_CPU] + ([TS_EAGER] if clip is None else []) + ([TS_GPU] if dev.type == "cuda" and gpu_ok else [])
-        # hybrid: its GPU share sums half micro-batch gradients in the parameter dtype, its
-        # host share in fp32; no single reference does both, so it runs where they agree.
-        if dev.type == "cuda" and gpu_ok and (dtype == torch.float32 or accum == 1):
-            ts_kinds.append(TS_HYBRID)
+        ts_kinds = [TS_CPU] + ([TS_EAGER] if clip is None else [])
+        if dev.type == "cuda" and gpu_ok:
+            ts_kinds += [TS_GPU, TS_HYBRID]
         default = new(DEFAULT, dev)
         own[dev.type] = default
         for kind in ts_kinds:
             ts = new(kind, dev)
             ts_trainers.append(ts)
-            half_accum = "param" if kind == TS_GPU and dtype != torch.float32 and accum > 1 else "fp32"
-            note = PARAM_ACCUM if half_accum == "param" else ""
-            if clip is None and half_accum == "fp32":
-                ref = default  # no clipping: one reference serves every TrainStream setting
-            else:
-                ref = new(DEFAULT, dev, norm_source=ts if clip is not None else None, half_accum=half_accum)
-                refs.append(ref)
-            pairs.append(("trainstream-vs-reference", ts, ref, True, note))
-            if clip is not None:
-                # What a user sees replacing clip_grad_norm_ + AdamW: torch's float32 norm
-                # and TrainStream's float64-summed norm may round to different float32s.
-                pairs.append(("trainstream-vs-reference", ts, default, False, OWN_NORM))
+            pairs.append(("trainstream-vs-reference", ts, default, True, ""))
         fused = new(FUSED, dev)
         pairs.append(("reference-vs-reference", default, fused, False, ""))
     if len(devices) > 1 and "cpu" in own and "cuda" in own:
         pairs.append(("reference-vs-reference", own["cuda"], own["cpu"], False, ""))
-    # TrainStream first: a reference that clips by TrainStream's norm runs after it.
-    order = ts_trainers + [t for t in trainers if t not in ts_trainers]
-    return order, pairs
+    return trainers, pairs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from trainstream.torch import OffloadAdamW
 def _run_traced(eager: bool):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
+    opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096, overlap_forward=model)
     x = torch.randn(4, 64)
     _trace.start()
     try:
