@@ -241,6 +241,37 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     opt.close()
 
 
+def test_clip_grad_norm_in_the_models_order_and_not_after_an_eager_backward():
+    """Weight-decay groups list the parameters in another order than the model: torch's
+    norm sums per-tensor norms in the order given, so ``parameters=model.parameters()``
+    gives clip_grad_norm_(model.parameters())'s bits. After a last_micro_batch() backward
+    the gradients are gone: clip_grad_norm raises instead of clipping nothing."""
+    ref, ours = mlp(), mlp()
+
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.ndim > 1]},
+                {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+
+    ropt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    opt = OffloadAdamW(groups(ours), lr=1e-2, threads=2)
+    for x in data(3):
+        for m in (ref, ours):
+            loss_fn(m, x).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert float(opt.clip_grad_norm(0.05, parameters=ours.parameters())) == float(want)
+        ropt.step()
+        opt.step()
+        ropt.zero_grad()
+        opt.zero_grad()
+        same(ref, ours)
+    with opt.last_micro_batch():
+        loss_fn(ours, data(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="gradients were taken"):
+        opt.clip_grad_norm(0.05)
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("flow", ["plain", "unscale_clip", "max_grad_norm", "inf"])
 @pytest.mark.parametrize("device,mode", DEVICES_MODES)
 def test_grad_scaler(device, mode, flow):

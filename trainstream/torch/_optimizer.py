@@ -656,6 +656,10 @@ class OffloadAdamW(Optimizer):
         where the groups list them in another order (e.g. weight decay groups).
         """
         self._check_open()
+        if self._eager_done:
+            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its "
+                               "gradients were taken by their updates (use max_grad_norm=, which turns "
+                               "the eager path off)")
         if parameters is None:
             params = [p for _, p in self._grads()]
         else:
