@@ -92,7 +92,7 @@ def _resume_in_another_mode(first, second, data, split):
     model = make_model().to(DEV)
     ts = OffloadAdamW(two_groups(model), mode=first)
     _run(model, ts, data[:split])
-    ck = {"model": copy.deepcopy(model.state_dict()), "opt": ts.state_dict()}
+    ck = copy.deepcopy({"model": model.state_dict(), "opt": ts.state_dict()})  # views, as torch's
     _run(model, ts, data[split:])
     m2 = make_model().to(DEV)
     m2.load_state_dict(ck["model"])
