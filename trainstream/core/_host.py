@@ -26,15 +26,14 @@ Pipeline, per parameter ("slot"):
    into it then waits for that upload): each element's gradient is read just before its
    weight overwrites it, which saves the host memory traffic of a separate buffer (2 B
    read-for-ownership + 2 B write per element, ~6 % of the update's) and its pinned memory.
-4. Readiness: :meth:`HostPlacement.wait_step` makes the framework's compute stream wait,
-   on the device, for every upload queued so far. Each update belongs to an *epoch* (the
-   steps between two ``wait_step`` calls); after the last upload of a closed epoch the
-   upload stream writes the epoch's number into a 32-bit flag in mapped host memory, which
-   the compute stream waits on (``backend.new_flag``; stream memory operations). The flag
-   is always written, also for a failed or dropped batch and at ``close()``: a wait on it
-   never hangs. Without such a flag (CPU parameters, no stream memory operations)
-   ``wait_step`` blocks the host until the uploads have landed. :meth:`wait_ready` makes
-   the compute stream wait for single slots instead (the adapters' forward gate).
+4. Readiness: :meth:`HostPlacement.wait_step` blocks the host until the workers have run
+   every queued update (so every upload is queued), then makes the framework's compute
+   stream wait, on the device, for an event after those uploads: the host does not wait
+   for the transfers, and the device never waits for work the host has not queued yet (a
+   stream waiting on a flag that later host work sets deadlocked the H200 at the first
+   launch of a lazily loaded kernel, which synchronises the context).
+   :meth:`wait_ready` makes the compute stream wait for single slots instead (the
+   adapters' forward gate).
 
 The batches of one slot run one after another: a batch submitted while another of its
 slot is queued or running is chained behind it (norm -> update never overlap on a chunk),
@@ -158,20 +157,11 @@ class Backend(Protocol):
     def all_reduce_sum(self, value: float) -> float:
         """Sum a float64 over all processes (identity for one process)."""
 
-    # Optional: the readiness flag of :meth:`HostPlacement.wait_step` (without them, or
-    # with ``new_flag()`` returning None, wait_step blocks the host instead).
+    # Optional (:meth:`HostPlacement.wait_step`; without it the compute stream waits for
+    # each slot's last upload event):
 
-    def new_flag(self) -> Any | None:
-        """A 32-bit word in mapped host memory that the device can wait on: ``.host`` its
-        NumPy view (``uint32[1]``, its current value), ``.release()`` gives it back. None
-        where the device cannot wait on one."""
-
-    def signal_flag(self, flag: Any, value: int) -> None:
-        """Queue a write of ``value`` into ``flag`` on the upload stream (after every upload
-        queued so far)."""
-
-    def wait_flag(self, flag: Any, value: int) -> None:
-        """Make the compute stream wait, on the device, until ``flag`` >= ``value``."""
+    def record_uploads(self) -> Event | None:
+        """An event after every weight upload queued so far (None: nothing to wait for)."""
 
 
 class ExternalUpdate(NamedTuple):
@@ -515,16 +505,7 @@ class HostPlacement:
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
         self._closed = False
         self._forked = False
-        # Readiness (module docstring, 4.): update batches per epoch, the flag the upload
-        # stream writes each finished epoch's number into. Epochs continue from the flag's
-        # value (a flag may come from an earlier placement: its old waits stay released).
-        new_flag = getattr(backend, "new_flag", None)
-        self._flag = new_flag() if new_flag is not None else None
-        self._epoch_lock = threading.Lock()
-        self._written = int(self._flag.host[0]) if self._flag is not None else 0  # queued
-        self._closed_upto = self._written  # epochs up to this one are closed
-        self._epoch = self._written + 1  # the open epoch
-        self._epoch_batches: collections.Counter = collections.Counter()  # epoch -> unfinished
+        self._unwaited = False  # updates queued since the last wait_step
         self._pool = _WorkerPool(threads, worker_nice)
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
         _LIVE.add(self)
@@ -635,28 +616,27 @@ class HostPlacement:
         body: Callable[[int, int, int], None],
         finalize: Callable[[], None] | None = None,
         landed: Any = None,
-        dropped: Callable[[], None] | None = None,
     ) -> None:
         """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
         (after the slot's batch in flight, if any: see the module docstring).
 
         ``landed``: the event the body waits for first (a gradient copy), if any; its
         ``query()`` lets a worker run another slot's job while the copy is in flight.
-        ``dropped``: called instead of ``finalize`` if the batch can never run (its
-        submission failed).
         """
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed, dropped))
+                s.chain.append((body, finalize, landed))
                 return
         try:
             self._submit_batch(s, body, finalize, landed)
         except BaseException:
-            self._drop(s, [(body, finalize, landed, dropped)])
+            with s.cond:  # never queued: waiters must not wait for it
+                s.inflight -= 1
+                s.cond.notify_all()
             raise
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed, dropped=None) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
         query = getattr(landed, "query", None)
         ready = _Landed(query) if query is not None else None
@@ -691,27 +671,15 @@ class HostPlacement:
     def _submit_chained(self, s: _Slot, batch: tuple) -> None:
         """Submit a slot's next chained batch (from the worker that finished the one
         before). If that fails, the error is kept and the batch and those chained after it
-        are dropped: waiters must not hang on work that will never run."""
+        are dropped from ``inflight``: waiters must not hang on work that will never run."""
         try:
             self._submit_batch(s, *batch)
         except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
             self._record_error(exc)
             with s.cond:
-                batches = [batch, *s.chain]
+                s.inflight -= 1 + len(s.chain)
                 s.chain.clear()
-            self._drop(s, batches)
-
-    def _drop(self, s: _Slot, batches: list) -> None:
-        """Batches that will never run: out of ``inflight``, their ``dropped`` called."""
-        for *_, dropped in batches:
-            try:
-                if dropped is not None:
-                    dropped()
-            except BaseException as exc:  # noqa: BLE001
-                self._record_error(exc)
-        with s.cond:
-            s.inflight -= len(batches)
-            s.cond.notify_all()
+                s.cond.notify_all()
 
     def _wait_idle(self, s: _Slot) -> None:
         if self._forked:  # before the lock: a worker of the parent may have held it
@@ -823,79 +791,30 @@ class HostPlacement:
             _trace.add("upload", t, t1, s.id)
 
         s.grad_state = _NO_GRAD
-        epoch = self._epoch_begin()
-
-        def finalize_and_signal() -> None:
-            try:
-                finalize()
-            finally:
-                self._epoch_end(epoch)
-
-        self._run_batch(s, body, finalize_and_signal, landed, lambda: self._epoch_end(epoch))
-
-    # -- the readiness flag -------------------------------------------------------------------
-
-    def _epoch_begin(self) -> int:
-        with self._epoch_lock:
-            self._epoch_batches[self._epoch] += 1
-            return self._epoch
-
-    def _epoch_end(self, epoch: int) -> None:
-        """An update batch of ``epoch`` finished (its upload queued) or was dropped."""
-        with self._epoch_lock:
-            self._epoch_batches[epoch] -= 1
-            if not self._epoch_batches[epoch]:
-                del self._epoch_batches[epoch]
-            self._signal_epochs()
-
-    def _signal_epochs(self) -> None:
-        """(``_epoch_lock`` held.) Write the last closed epoch whose batches (and those of
-        every epoch before it) have all finished; after their uploads on the upload stream."""
-        done = self._closed_upto
-        if self._epoch_batches:
-            done = min(done, min(self._epoch_batches) - 1)
-        if self._flag is None or done <= self._written:
-            return
-        self._written = done
-        try:
-            self.backend.signal_flag(self._flag, done)
-        except BaseException as exc:  # noqa: BLE001 - released from the host: never hang
-            self._record_error(exc)
-            self._flag.host[0] = done & 0xFFFFFFFF
+        self._unwaited = True
+        self._run_batch(s, body, finalize, landed)
 
     def wait_step(self) -> None:
         """Make the compute stream wait until every update queued so far has landed in the
-        parameters: on the device where the backend has a flag (the host goes on), else by
-        blocking the host. Raises nothing (a failure is raised at the next call)."""
-        if self._flag is None:
-            self.drain()
+        parameters (module docstring, 4.): blocks the host until the workers have queued
+        every upload, not until the transfers are done. Raises nothing (a failure is
+        raised at the next call)."""
+        if not self._unwaited:
             return
-        with self._epoch_lock:
-            if self._epoch_batches.get(self._epoch):  # close the open epoch
-                self._closed_upto = self._epoch
-                self._epoch += 1
-                self._signal_epochs()
-            target = self._epoch - 1
-        if ((int(self._flag.host[0]) - target) & 0xFFFFFFFF) >= 0x80000000:  # not reached yet
-            self.backend.wait_flag(self._flag, target)
-
-    def _release_flag(self) -> None:
-        """Close every epoch, let the flag reach its last value (the upload stream is
-        drained), and give it back: no wait on it can hang, and a later owner's epochs
-        start above every write still in flight."""
-        flag = self._flag
-        if flag is None:
-            return
-        with self._epoch_lock:
-            target = self._closed_upto = self._epoch
-            self._epoch_batches.clear()  # drained: nothing left to finish
-            self._signal_epochs()
-            self._flag = None
-        deadline = time.monotonic() + 10.0
-        while ((int(flag.host[0]) - target) & 0xFFFFFFFF) >= 0x80000000 and time.monotonic() < deadline:
-            time.sleep(1e-4)
-        flag.host[0] = target & 0xFFFFFFFF
-        flag.release()
+        self._unwaited = False
+        t0 = time.perf_counter()
+        for s in self._slots:
+            self._wait_idle(s)
+        record = getattr(self.backend, "record_uploads", None)
+        if record is not None:
+            self.backend.wait_on_compute(record(), None)
+        else:
+            for s in self._slots:
+                if s.ready is not None:
+                    self.backend.wait_on_compute(s.ready, s.param)
+        t1 = time.perf_counter()
+        self._stats.add("ready_stall_s", t1 - t0)
+        _trace.add("wait_step", t0, t1, -1)
 
     def grad_sumsq(self, sids: Sequence[int]) -> float:
         """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
@@ -1258,11 +1177,8 @@ class HostPlacement:
                     except Exception:  # noqa: BLE001 - closing regardless
                         pass
         finally:
-            try:
-                self._release_flag()
-            finally:
-                self._closed = True
-                self._finalizer()  # joins the workers (once)
+            self._closed = True
+            self._finalizer()  # joins the workers (once)
             for s in self._slots:
                 s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
                 s.grad_stage = s.param_stage = None

@@ -7,8 +7,6 @@ No arithmetic lives here.
 
 from __future__ import annotations
 
-import ctypes
-import threading
 import warnings
 
 import numpy as np
@@ -163,79 +161,14 @@ class TorchBackend:
         if event is not None:
             self.drv.stream_wait_event(self._compute_stream(), event)
 
-    # -- the readiness flag (trainstream.core._host: wait_step) ------------------------------
-
-    def new_flag(self) -> _Flag | None:
-        if not self.cuda or not self.drv.stream_memops:
-            return None  # wait_step blocks the host instead
-        return _flags(self.drv).take()
-
-    def signal_flag(self, flag: _Flag, value: int) -> None:
-        self.drv.stream_write_value32(self.h2d.cuda_stream, flag.dev_ptr, value)
-
-    def wait_flag(self, flag: _Flag, value: int) -> None:
-        self.drv.stream_wait_value32(self._compute_stream(), flag.dev_ptr, value)
+    def record_uploads(self) -> _cuda.Event | None:
+        """An event after every weight upload queued so far (CPU: uploads are synchronous)."""
+        return _cuda.Event(self.drv, self.h2d.cuda_stream) if self.cuda else None
 
     def all_reduce_sum(self, value: float) -> float:
         return value
 
 
-class _Flag:
-    """One 32-bit word of a :class:`_FlagPool` page: ``host`` (``uint32[1]`` view),
-    ``dev_ptr``; :meth:`release` gives it back."""
-
-    __slots__ = ("host", "dev_ptr", "_pool")
-
-    def __init__(self, pool: "_FlagPool", host: np.ndarray, dev_ptr: int):
-        self.host, self.dev_ptr, self._pool = host, dev_ptr, pool
-
-    def release(self) -> None:
-        self._pool.give(self)
-
-
-class _FlagPool:
-    """Words of mapped pinned host memory for the engines' readiness flags, one device.
-
-    Pages are never freed and a word given back keeps its value: a wait that the device
-    has not executed yet may still read it after its engine closed (the engine wrote its
-    last value first), and the next owner's epochs start above that value.
-    """
-
-    WORDS = 1024  # per 4 KiB page
-
-    def __init__(self, ctx: _cuda.Context):
-        self._ctx = ctx
-        self._pages: list[_cuda.Mapped] = []
-        self._free: list[_Flag] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> _Flag:
-        with self._lock:
-            if not self._free:
-                page = self._ctx.alloc_mapped(4 * self.WORDS)
-                words = np.frombuffer((ctypes.c_uint32 * self.WORDS).from_address(page.host_ptr), np.uint32)
-                words[:] = 0
-                self._pages.append(page)
-                self._free = [_Flag(self, words[i:i + 1], page.dev_ptr + 4 * i) for i in range(self.WORDS)][::-1]
-            return self._free.pop()
-
-    def give(self, flag: _Flag) -> None:
-        with self._lock:
-            self._free.append(flag)
-
-
-_POOLS: dict[int, _FlagPool] = {}
-
-
-def _flags(ctx: _cuda.Context) -> _FlagPool:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(ctx.device)
-        if pool is None:
-            pool = _POOLS[ctx.device] = _FlagPool(ctx)
-    return pool
-
-
-_POOLS_LOCK = threading.Lock()
 _TC_CODE: int | None = None
 
 

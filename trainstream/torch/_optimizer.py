@@ -133,10 +133,10 @@ class OffloadAdamW(Optimizer):
       ``grad`` is ``None`` (``module.zero_grad()``). Clipping (``max_grad_norm``,
       :meth:`clip_grad_norm`) and ``GradScaler``'s unscaling are torch's own operations on
       ``param.grad``; the host applies the same multiplier to its copy, bit for bit.
-    * The weights are current whenever user code can see them: with CUDA parameters
-      ``step()`` makes the current stream wait, on the GPU, for every new weight (the host
-      does not block; where the driver lacks stream memory operations it does); with CPU
-      parameters ``step()`` returns once they are written. No ``synchronize()`` needed.
+    * The weights are current whenever user code can see them: ``step()`` returns once the
+      host update has run, and with CUDA parameters makes the current stream wait, on the
+      GPU, for the uploads of the new weights (the host does not wait for the transfers).
+      No ``synchronize()`` needed.
     * Weights changed outside the optimizer (an in-place edit, ``model.load_state_dict``,
       ``p.data = ...`` of the same shape, dtype and device) are what it updates next: a
       changed ``param._version`` or storage is re-read into the host copy (fp16/bf16: an
