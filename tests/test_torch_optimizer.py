@@ -14,7 +14,6 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trainstream import contract as C  # noqa: E402
 from trainstream import _host_kernels as K  # noqa: E402
 from trainstream.core._engine import WorkerError  # noqa: E402
 from trainstream.torch import OffloadAdamW  # noqa: E402
