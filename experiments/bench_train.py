@@ -29,7 +29,11 @@ OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count),
 update, each module waiting for its own weights; default: step() makes the current stream
 wait for every new weight), ~userclipX (clip with the loop's own clip_grad_norm_(params, X)
 before step(), as transformers' Trainer does; TrainStream then copies every gradient to
-the host again at step()). Default against opt-in, same run:
+the host again at step()), ~base (TrainStream from the tree in .base_tree/trainstream_base,
+an earlier commit for a same-process A/B: ``git archive COMMIT trainstream | tar -x -C
+.base_tree && mv .base_tree/trainstream .base_tree/trainstream_base`` and rename its
+``resources.files("trainstream")``; trees before 2026-12-02 gate each module's forward on
+its own weights, as ~overlap does). Default against opt-in, same run:
 ``--setups ts_cpu,ts_cpu~overlap,ts_cpu_eager,ts_cpu_eager~overlap,ts_hybrid,ts_hybrid~overlap``
 at ``--configs 350m:8,1.3b:24``; compare "stream" (back to back), not "step ms" (its
 device-wide synchronize waits for the whole update in the default, for none of the
@@ -161,7 +165,11 @@ def build(setup, size, device, batch=8):
     if setup in ("amp_fused", "bf16_fused"):
         opt = torch.optim.AdamW(params, fused=True, **lr)
     elif setup.startswith("ts_"):
-        from trainstream.torch import OffloadAdamW
+        if "base" in opts_:  # the earlier tree, for a same-process A/B (see the docstring)
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".base_tree"))
+            from trainstream_base.torch import OffloadAdamW
+        else:
+            from trainstream.torch import OffloadAdamW
 
         mode = "gpu" if setup.startswith("ts_gpu") else ("hybrid" if setup.startswith("ts_hybrid") else "cpu")
         extra = {"worker_nice": next((int(o[4:]) for o in opts_ if o.startswith("nice")), 5)}
