@@ -170,18 +170,13 @@ def test_every_kernel_name_is_defined_in_the_source():
                 assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
                 assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
                 assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
-    sumsq = dk.kernel_source(dk.SUMSQ_SOURCE)
-    for name in ("ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16",
-                 "ts_sumsq_finalize"):
-        assert name + "(" in sumsq
 
 
 def test_kernel_sources_are_package_data():
     """The .cu files are read from the package (importlib.resources), not from a folder
     beside it; a missing one raises FileNotFoundError naming it."""
     pkg = Path(dk.__file__).resolve().parent
-    for name in (dk.ADAMW_SOURCE, dk.SUMSQ_SOURCE):
-        assert dk.kernel_source(name) == (pkg / "kernels" / name).read_text()
+    assert dk.kernel_source(dk.ADAMW_SOURCE) == (pkg / "kernels" / dk.ADAMW_SOURCE).read_text()
     with pytest.raises(FileNotFoundError, match=r"trainstream/kernels/no_such\.cu"):
         dk.kernel_source("no_such.cu")
     assert not hasattr(dk, "KERNEL_DIR")
@@ -213,7 +208,6 @@ def test_import_is_lazy_and_names_the_extras():
     (dict(scalars=np.zeros(11, np.float32)), "shape"),
     (dict(scalars=None), "scalars_ptr"),
     (dict(n=-1), "n must be"),
-    (dict(sumsq_ptr=260), "8-byte aligned"),
     (dict(max_blocks=0), "max_blocks"),
     (dict(max_blocks=2.5), "max_blocks"),
 ])
@@ -254,7 +248,6 @@ def _multi_item(**kw):
     ([_multi_item(scalars=np.zeros(3, np.float32))], {}, "scalars must have shape"),
     ([_multi_item()[:6]], {}, "expected \\(param_ptr"),
     ([_multi_item()], dict(variant=9), "Unknown kernel variant"),
-    ([_multi_item()], dict(sumsq_ptr=12), "8-byte aligned"),
 ])
 def test_launch_adamw_multi_rejects_bad_arguments_before_touching_cuda(items, kwargs, match):
     """Every tensor is checked before anything is launched (no CuPy here: a launch would
@@ -292,14 +285,9 @@ def test_multi_batch_layout_matches_the_kernel_source():
     assert ctypes.sizeof(dk._MultiBatch) == 8 + dk.MULTI_MAX * 120 <= 4096
 
 
-def test_dtype_names_and_blocks_for():
+def test_dtype_names():
     assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
     assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"
-    assert dk.blocks_for(0) == 1 and dk.blocks_for(1) == 1
-    assert dk.blocks_for(dk.SUMSQ_ELEMS_PER_BLOCK + 1) == 2
-    assert dk.blocks_for(10**12) == dk.SUMSQ_MAX_BLOCKS
-    with pytest.raises(ValueError):
-        dk.launch_sumsq_partials(256, "float32", 10, 512, 0, 0)
 
 
 # -- GPU fixtures ------------------------------------------------------------------------------
@@ -391,7 +379,7 @@ def test_adamw_matches_contract(cp, mapped, variant, pd, gd, n, layout):
         p_prev = master.copy() if master is not None else param.get()
         m_prev, v_prev = m.copy(), v.copy()
         dk.launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_ptr, m_ptr, v_ptr,
-                        n, s, 0, 0.0, _stream(cp))
+                        n, s, _stream(cp))
         cp.cuda.Device().synchronize()
         rp, rm, rv = C.reference_update(p_prev, m_prev, v_prev, g_in, s, conv, plat)
         inputs = {"p": p_prev, "m": m_prev, "v": v_prev, "g": g_in}
@@ -481,18 +469,17 @@ def test_adamw_on_a_non_default_stream_and_sync_mode(cp, mapped, max_blocks):
 @gpu
 @pytest.mark.parametrize("pd, gd", [("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")])
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=[VNAME[v].replace("/", "_") for v in VARIANTS])
-@pytest.mark.parametrize("clip", ["none", "coef", "device"])
+@pytest.mark.parametrize("clip", ["none", "coef"])
 def test_adamw_multi_is_bit_identical_to_one_launch_per_tensor(cp, mapped, variant, pd, gd, clip):
     """One multi-tensor launch of tensors of many sizes and alignments (including empty
     ones, and a grid of several waves) against one launch_adamw per tensor on copies of
     the same state: every weight, master and moment bit equal, for three steps with
-    per-tensor step counts and hyper-parameters. ``clip``: none, a coefficient in the
-    scalars, or the device sum of squares."""
+    per-tensor step counts and hyper-parameters. ``clip``: none, or a coefficient in the
+    scalars."""
     conv, plat = VARIANTS[variant]
     rng = np.random.default_rng([variant, len(pd), len(gd)])
     sizes = [1, 3, 4, 5, 4095, 4097, 0, 100003, 1 << 20, 7, 2_500_001]
     offsets = [0, 1, 0, 3, 1, 0, 0, 2, 0, 1, 0]
-    max_norm = 0.5
     sides = []
     for side in range(2):
         tensors = []
@@ -507,8 +494,6 @@ def test_adamw_multi_is_bit_identical_to_one_launch_per_tensor(cp, mapped, varia
                 t[name], t[name + "_ptr"] = host, ptr
             tensors.append(t)
         sides.append(tensors)
-    partials = cp.zeros(dk.SUMSQ_MAX_BLOCKS * len(sizes), cp.float64)
-    sumsq = cp.zeros(1, cp.float64)
     for step in range(1, 4):
         grads = [_to_storage((rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32), gd)
                  for n in sizes]
@@ -525,16 +510,10 @@ def test_adamw_multi_is_bit_identical_to_one_launch_per_tensor(cp, mapped, varia
                               t.get("master_ptr", 0) if t["n"] else 0,
                               t["m_ptr"] if t["n"] else 0, t["v_ptr"] if t["n"] else 0, t["n"], s))
             items_per_side.append(items)
-        sumsq_ptr = 0
-        if clip == "device":
-            dk.launch_grad_sumsq([(t["grad"].data.ptr, gd, t["n"]) for t in sides[0] if t["n"]],
-                                 partials.data.ptr, sumsq.data.ptr, _stream(cp))
-            sumsq_ptr = sumsq.data.ptr
         for item in items_per_side[0]:
             dk.launch_adamw(variant, item[0], pd, item[1], gd, item[2], item[3], item[4], item[5], item[6],
-                            sumsq_ptr, max_norm if sumsq_ptr else 0.0, _stream(cp))
-        launched = dk.launch_adamw_multi(variant, pd, gd, items_per_side[1], sumsq_ptr,
-                                         max_norm if sumsq_ptr else 0.0, _stream(cp))
+                            _stream(cp))
+        launched = dk.launch_adamw_multi(variant, pd, gd, items_per_side[1], _stream(cp))
         assert launched == sum(1 for n in sizes if n)
         cp.cuda.Device().synchronize()
         for k, (a, b) in enumerate(zip(*sides)):
@@ -828,116 +807,6 @@ def test_contract_optax_bias_corrections_match_optax_on_xla_gpu():
                 f"b=({b1}, {b2}) {name}: _contract.optax_bias_corrections differs from optax's "
                 f"1 - b**count on XLA:GPU at {bad.size} counts, first count {bad[0] + 1}: "
                 f"{_fmt(a[bad[0]])} vs {_fmt(b[bad[0]])}")
-
-
-# -- deterministic sum of squares and clipping ----------------------------------------------------
-
-_SUMSQ_SPECS = [(1, "float32"), (4097, "bfloat16"), (0, "float16"), (1000003, "float16"),
-                (3000001, "float32"), (65536, "bfloat16"), (12345, "float32")]
-
-
-def _sumsq_inputs(cp, rng, offset_of=lambda i: i % 3):
-    arrays, ref = [], 0.0
-    for i, (n, gd) in enumerate(_SUMSQ_SPECS):
-        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 2)).astype(np.float32)
-        store = _to_storage(x, gd)
-        arrays.append((_device_array(cp, store, offset_of(i)), gd, n))
-        ref += float(np.sum(_from_storage(store, gd).astype(np.float64) ** 2))
-    return arrays, ref
-
-
-def _run_sumsq(cp, arrays):
-    total = sum(dk.blocks_for(n) for _, _, n in arrays)
-    partials = cp.full(total, np.nan, cp.float64)
-    out = cp.full(1, np.nan, cp.float64)
-    used = dk.launch_grad_sumsq([(a.data.ptr, gd, n) for a, gd, n in arrays], partials.data.ptr,
-                                out.data.ptr, _stream(cp))
-    assert used == total
-    return out.get()[0]
-
-
-@gpu
-def test_grad_sumsq_is_deterministic_and_accurate(cp):
-    rng = np.random.default_rng(11)
-    arrays, ref = _sumsq_inputs(cp, rng)
-    runs = [_run_sumsq(cp, arrays) for _ in range(5)]
-    bits = {np.float64(r).tobytes().hex() for r in runs}
-    assert len(bits) == 1, f"sum of squares differs between identical runs: {runs}"
-    rel = abs(runs[0] - ref) / ref
-    assert rel <= 1e-12, f"device sum of squares {runs[0]!r} vs float64 NumPy {ref!r}: relative {rel:.3e}"
-    # the same values at other alignments: the same bits (scalar loads, order by index only)
-    moved = [(_device_array(cp, a.get(), (i + 1) % 4), gd, n) for i, (a, gd, n) in enumerate(arrays)]
-    again = _run_sumsq(cp, moved)
-    assert np.float64(again).tobytes() == np.float64(runs[0]).tobytes(), (again, runs[0])
-
-
-@gpu
-def test_grad_sumsq_per_tensor_slices(cp):
-    """Each tensor's partials land in its own slice; finalize over a prefix sums just those."""
-    rng = np.random.default_rng(12)
-    x = rng.standard_normal(50000).astype(np.float32)
-    y = rng.standard_normal(9000).astype(np.float32)
-    gx, gy = cp.asarray(x), cp.asarray(y)
-    nx, ny = dk.blocks_for(x.size), dk.blocks_for(y.size)
-    partials = cp.full(nx + ny, np.nan, cp.float64)
-    out = cp.zeros(2, cp.float64)
-    dk.launch_sumsq_partials(gx.data.ptr, "float32", x.size, partials.data.ptr, 0, nx, _stream(cp))
-    dk.launch_sumsq_partials(gy.data.ptr, "float32", y.size, partials.data.ptr, nx, ny, _stream(cp))
-    dk.launch_sumsq_finalize(partials.data.ptr, nx, out.data.ptr, _stream(cp))
-    dk.launch_sumsq_finalize(partials.data.ptr + 8 * nx, ny, out.data.ptr + 8, _stream(cp))
-    sx, sy = out.get()
-    np.testing.assert_allclose(sx, np.sum(x.astype(np.float64) ** 2), rtol=1e-12)
-    np.testing.assert_allclose(sy, np.sum(y.astype(np.float64) ** 2), rtol=1e-12)
-
-
-@gpu
-@pytest.mark.parametrize("max_norm", [0.0, 0.5, 3.0, 1e30])
-@pytest.mark.parametrize("pd", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", [C.VARIANT_TORCH_CUDA, C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU],
-                         ids=["torch_cuda", "torch_cpu", "optax_cpu"])
-def test_clip_coefficient_applied_on_device(cp, mapped, variant, pd, max_norm):
-    """Two tensors clipped by the global norm from the device sum of squares, no host sync:
-    the update equals reference_update with S_CLIP = clip_coefficient(sqrt(sumsq), max_norm)."""
-    conv, plat = VARIANTS[variant]
-    rng = np.random.default_rng(int(max_norm * 7) % 1000 + variant)
-    sizes = (4097, 1000)
-    gs = [rng.standard_normal(k).astype(np.float32) * np.float32(0.1) for k in sizes]
-    ps = [rng.standard_normal(k).astype(np.float32) for k in sizes]
-    grads = [cp.asarray(_to_storage(g, "float32")) for g in gs]
-    total = sum(dk.blocks_for(k) for k in sizes)
-    partials = cp.empty(total, cp.float64)
-    sumsq = cp.full(1, np.nan, cp.float64)
-    dk.launch_grad_sumsq([(g.data.ptr, "float32", g.size) for g in grads], partials.data.ptr,
-                         sumsq.data.ptr, _stream(cp))
-    s = C.step_scalars(HPS[0], 3, conv, plat, clip=np.float32(123.0))  # S_CLIP must be ignored
-    states = []
-    for p0, g, k in zip(ps, grads, sizes):
-        param = cp.asarray(_to_storage(p0, pd))
-        m, m_ptr = mapped(k)
-        v, v_ptr = mapped(k)
-        m[:] = rng.standard_normal(k).astype(np.float32) * np.float32(1e-2)
-        v[:] = np.abs(rng.standard_normal(k)).astype(np.float32) * np.float32(1e-4)
-        w, w_ptr = (None, 0) if pd == "float32" else mapped(k)
-        if w is not None:
-            w[:] = p0
-        states.append((param, m, v, w, m.copy(), v.copy()))
-        dk.launch_adamw(variant, param.data.ptr, pd, g.data.ptr, "float32", w_ptr, m_ptr, v_ptr, k, s,
-                        sumsq.data.ptr, max_norm, _stream(cp))
-    cp.cuda.Device().synchronize()
-    sq = float(sumsq.get()[0])
-    ref_sq = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in gs)
-    assert abs(sq - ref_sq) <= 1e-12 * ref_sq, (sq, ref_sq)
-    coef = C.clip_coefficient(np.sqrt(sq), max_norm)
-    s_ref = s.copy()
-    s_ref[C.S_CLIP] = coef
-    for (param, m, v, w, m0, v0), p0, g in zip(states, ps, gs):
-        rp, rm, rv = C.reference_update(p0, m0, v0, g, s_ref, conv, plat)
-        got_p = w if w is not None else param.get()
-        for name, got, want in (("exp_avg", m, rm), ("exp_avg_sq", v, rv), ("weights", got_p, rp)):
-            if not np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32)):
-                pytest.fail(_mismatch_report(
-                    f"{VNAME[variant]} {pd}, max_norm={max_norm}, sumsq={sq!r}, contract coefficient "
-                    f"{_fmt(coef)}", name, np.asarray(got), want, {"p": p0, "m": m0, "v": v0, "g": g}))
 
 
 # -- mapped memory and the benchmark ---------------------------------------------------------------

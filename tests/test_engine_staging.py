@@ -159,13 +159,13 @@ def _train(backend, steps=len(SCENARIOS), seed=0):
             grads()
             grads(update=hp)
             eng.step(everyone)
-        elif kind == "clip":
+        elif kind == "clip":  # a multiplier per slot (torch's clip coefficient)
             grads()
-            eng.step(everyone, max_grad_norm=0.5)
+            eng.step(everyone, coefs={s: 0.5 for s in sids})
         elif kind == "clip_micro2":
             grads()
             grads()
-            eng.step(everyone, max_grad_norm=0.5)
+            eng.step(everyone, coefs={s: 0.25 for s in sids})
         elif kind == "discard":
             grads()
             eng.discard_grads()

@@ -3,10 +3,9 @@
 
 The arithmetic of the update is :mod:`trainstream.contract` (one kernel variant per
 ``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
-it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` and
-``trainstream/kernels/grad_sumsq.cu`` once per device, launching them on raw pointers and
-a raw stream handle (plain ``int``\\ s, so torch, JAX and CuPy callers all fit), mapped
-pinned host allocations for the state, and a micro-benchmark.
+it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` once per device,
+launching its kernels on raw pointers and a raw stream handle (plain ``int``\\ s, so torch,
+JAX and CuPy callers all fit), and mapped pinned host allocations for the state.
 
 No torch or jax import, and CuPy is imported on first use only: ``import
 trainstream._device_kernels`` works on a machine without CuPy or a GPU; a call that needs
@@ -54,10 +53,8 @@ from . import contract as C
 
 __all__ = [
     "ADAMW_SOURCE",
-    "SUMSQ_SOURCE",
     "kernel_source",
     "ADAMW_THREADS",
-    "SUMSQ_THREADS",
     "DTYPES",
     "adamw_kernel_name",
     "check_kernel_constants",
@@ -68,10 +65,6 @@ __all__ = [
     "U_VARIANTS",
     "adamw_u_kernel_name",
     "MULTI_MAX",
-    "blocks_for",
-    "launch_sumsq_partials",
-    "launch_sumsq_finalize",
-    "launch_grad_sumsq",
     "alloc_mapped",
     "host_view",
     "check_stream",
@@ -80,15 +73,9 @@ __all__ = [
 
 #: The CUDA sources, files of the package folder ``trainstream/kernels/`` (package data).
 ADAMW_SOURCE = "adamw_zero_copy.cu"
-SUMSQ_SOURCE = "grad_sumsq.cu"
 
 #: Block sizes; the .cu files define the same numbers (checked at load time).
 ADAMW_THREADS = 256
-SUMSQ_THREADS = 256
-#: Sum-of-squares stage 1: about this many elements per block, at most this many blocks
-#: per tensor. A function of the tensor size only, so the bits never depend on the GPU.
-SUMSQ_ELEMS_PER_BLOCK = 16 * SUMSQ_THREADS
-SUMSQ_MAX_BLOCKS = 1024
 
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
@@ -176,7 +163,7 @@ def set_sync_launches(enabled: bool) -> None:
 
 
 def kernel_source(name: str) -> str:
-    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`, :data:`SUMSQ_SOURCE`),
+    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`),
     read from the package data ``trainstream/kernels/``. Needs no CuPy or GPU.
 
     Raises ``FileNotFoundError`` naming the file when the installed package lacks it.
@@ -204,7 +191,6 @@ def check_kernel_constants() -> None:
     """
     problems = []
     adamw = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE)))
-    sumsq = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(SUMSQ_SOURCE)))
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
     for name in dir(C):
         if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int):
@@ -216,11 +202,6 @@ def check_kernel_constants() -> None:
     for key in sorted(adamw):
         if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected:
             problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract")
-    if sumsq.get("TS_SUMSQ_THREADS") != SUMSQ_THREADS:
-        problems.append(
-            f"{SUMSQ_SOURCE}: TS_SUMSQ_THREADS is {sumsq.get('TS_SUMSQ_THREADS')}, "
-            f"_device_kernels.SUMSQ_THREADS is {SUMSQ_THREADS}"
-        )
     if problems:
         raise RuntimeError("TrainStream kernels out of sync with the contract:\n  " + "\n  ".join(problems))
 
@@ -267,7 +248,6 @@ def _all_adamw_names() -> list[str]:
             + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
 
 
-_SUMSQ_NAMES = ["ts_sumsq_partials_f32", "ts_sumsq_partials_f16", "ts_sumsq_partials_bf16", "ts_sumsq_finalize"]
 
 
 # -- compilation, once per device ----------------------------------------------------------
@@ -316,20 +296,13 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
             if not _modules:
                 opts = COMPILE_OPTIONS
                 _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=opts)
-                _modules["sumsq"] = cp.RawModule(code=kernel_source(SUMSQ_SOURCE), options=opts)
             table = {}
             with cp.cuda.Device(dev):
                 sm_count = multiprocessor_count(dev)
-                for module, names, threads in (
-                    ("adamw", _all_adamw_names(), ADAMW_THREADS),
-                    ("sumsq", _SUMSQ_NAMES, SUMSQ_THREADS),
-                ):
-                    for name in names:
-                        function = _modules[module].get_function(name).kernel  # compiles once
-                        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                            function.ptr, threads, 0
-                        )
-                        table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
+                for name in _all_adamw_names():
+                    function = _modules["adamw"].get_function(name).kernel  # compiles once
+                    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, ADAMW_THREADS, 0)
+                    table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
             _kernels[dev] = table
     return {k: v.max_grid for k, v in table.items()}
 
@@ -436,8 +409,6 @@ def launch_adamw(
     v_ptr: int,
     n: int,
     scalars: np.ndarray | None,
-    sumsq_ptr: int = 0,
-    max_norm: float = 0.0,
     stream: int = 0,
     *,
     scalars_ptr: int = 0,
@@ -459,10 +430,8 @@ def launch_adamw(
     passed by value; or ``scalars_ptr``, a device pointer to those 12 float32 (then
     ``scalars`` may be ``None``), e.g. a buffer computed inside an XLA program.
 
-    Clipping: with ``sumsq_ptr`` (a device float64 from :func:`launch_sumsq_finalize`)
-    the kernel computes ``clip_coefficient(sqrt(sumsq), max_norm)`` on the device and
-    uses it instead of ``scalars[S_CLIP]``; with ``sumsq_ptr=0`` the coefficient is
-    ``scalars[S_CLIP]`` (1.0 when not clipping).
+    ``scalars[S_CLIP]`` multiplies the gradient (1.0 when the framework has clipped or
+    unscaled it in place).
 
     ``max_blocks``: a cap on the grid (the kernel is grid-stride, so the bits do not
     depend on it), e.g. to leave multiprocessors to a backward running at the same time.
@@ -474,7 +443,7 @@ def launch_adamw(
     else:
         s = scalars
     _launch_adamw_items(variant, param_dtype, grad_dtype, [(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, s)],
-                        sumsq_ptr, max_norm, stream, device, max_blocks, named=False)
+                        stream, device, max_blocks, named=False)
 
 
 def launch_adamw_multi(
@@ -482,8 +451,6 @@ def launch_adamw_multi(
     param_dtype,
     grad_dtype,
     items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]],
-    sumsq_ptr: int = 0,
-    max_norm: float = 0.0,
     stream: int = 0,
     *,
     device: int | None = None,
@@ -499,13 +466,10 @@ def launch_adamw_multi(
     device, and at ``max_blocks`` if given) and grid-strides over them: the bits do not
     depend on the grid. One launch costs the host one driver call instead of one per
     tensor (about 50 us each, measured on the H200, 200 us while the host workers hold
-    the GIL). Tensors of 0 elements are checked, then skipped. ``sumsq_ptr``,
-    ``max_norm``: device clipping, as for :func:`launch_adamw`, shared by every tensor.
-    Every argument is checked before anything is launched. Returns the number of tensors
+    the GIL). Tensors of 0 elements are checked, then skipped. Every argument is checked before anything is launched. Returns the number of tensors
     launched.
     """
-    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_norm, stream,
-                               device, max_blocks, named=True)
+    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True)
 
 
 def launch_adamw_u_multi(
@@ -526,12 +490,12 @@ def launch_adamw_u_multi(
     float32 weights read only and ``u_ptr`` a float32 output in GPU memory. Returns the
     number of tensors launched.
     """
-    return _launch_adamw_items(variant, "float32", grad_dtype, items, 0, 0.0, stream, device, None,
+    return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None,
                                named=True, emit_u=True)
 
 
-def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_norm, stream, device,
-                        max_blocks, *, named: bool, emit_u: bool = False) -> int:
+def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
+                        named: bool, emit_u: bool = False) -> int:
     """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``:
     the kernels that write ``u`` into each item's third pointer, see :func:`launch_adamw_u_multi`)."""
     if variant not in _VARIANT_NAMES:
@@ -541,7 +505,6 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_
     items = list(items)
     if len(items) > MULTI_MAX:
         raise ValueError(f"launch_adamw_multi takes at most {MULTI_MAX} tensors, got {len(items)}")
-    sumsq_ptr = _check_ptr("sumsq_ptr", sumsq_ptr, 8, allow_null=True)
     if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
         raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
     checked = []
@@ -588,89 +551,8 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, sumsq_ptr, max_
         else:
             ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
     batch.count = len(checked)
-    args = [batch, ctypes.c_void_p(sumsq_ptr), ctypes.c_float(float(max_norm))]
-    _launch(dev, kernel, start, ADAMW_THREADS, args, stream)
+    _launch(dev, kernel, start, ADAMW_THREADS, [batch], stream)
     return len(checked)
-
-
-# -- deterministic sum of squares ------------------------------------------------------------
-
-
-def blocks_for(n: int) -> int:
-    """Stage-1 block count (= float64 partials) for a gradient of ``n`` elements.
-
-    A function of ``n`` only (never of the GPU), so the reduction order, and the bits of
-    the result, are the same on every run and every device.
-    """
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    return max(1, min(SUMSQ_MAX_BLOCKS, -(-n // SUMSQ_ELEMS_PER_BLOCK)))
-
-
-def launch_sumsq_partials(
-    grad_ptr: int,
-    grad_dtype,
-    n: int,
-    partials_ptr: int,
-    offset: int,
-    nblocks: int,
-    stream: int = 0,
-    *,
-    device: int | None = None,
-) -> None:
-    """Queue stage 1 for one gradient: writes ``partials[offset : offset + nblocks]``.
-
-    ``partials_ptr``: a device float64 array shared by all the gradients of a step, each
-    owning the slice at its ``offset``; use ``nblocks = blocks_for(n)``. ``n = 0`` still
-    writes its (zero) partials.
-    """
-    gd = _dtype_name(grad_dtype)
-    n, offset, nblocks = int(n), int(offset), int(nblocks)
-    if n < 0 or offset < 0 or nblocks < 1:
-        raise ValueError(f"need n >= 0, offset >= 0, nblocks >= 1; got n={n}, offset={offset}, nblocks={nblocks}")
-    grad_ptr = _check_ptr("grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=(n == 0))
-    partials_ptr = _check_ptr("partials_ptr", partials_ptr, 8)
-    dev = _current_device() if device is None else int(device)
-    kernel = _kernel(dev, f"ts_sumsq_partials_{_SUFFIX[gd]}")
-    args = [ctypes.c_void_p(grad_ptr), ctypes.c_longlong(n), ctypes.c_void_p(partials_ptr + 8 * offset)]
-    _launch(dev, kernel, nblocks, SUMSQ_THREADS, args, stream)
-
-
-def launch_sumsq_finalize(
-    partials_ptr: int, count: int, out_ptr: int, stream: int = 0, *, device: int | None = None
-) -> None:
-    """Queue stage 2: ``*out = sum(partials[0:count])`` (float64, fixed order, one block)."""
-    count = int(count)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    partials_ptr = _check_ptr("partials_ptr", partials_ptr, 8, allow_null=(count == 0))
-    out_ptr = _check_ptr("out_ptr", out_ptr, 8)
-    dev = _current_device() if device is None else int(device)
-    kernel = _kernel(dev, "ts_sumsq_finalize")
-    args = [ctypes.c_void_p(partials_ptr), ctypes.c_longlong(count), ctypes.c_void_p(out_ptr)]
-    _launch(dev, kernel, 1, SUMSQ_THREADS, args, stream)
-
-
-def launch_grad_sumsq(
-    grads: Iterable[tuple[int, object, int]],
-    partials_ptr: int,
-    out_ptr: int,
-    stream: int = 0,
-    *,
-    device: int | None = None,
-) -> int:
-    """Both stages for ``grads`` = ``[(ptr, dtype, n), ...]`` in that order.
-
-    ``partials_ptr`` must hold ``sum(blocks_for(n))`` float64; returns that count.
-    """
-    offset = 0
-    for ptr, dtype, n in grads:
-        nb = blocks_for(n)
-        launch_sumsq_partials(ptr, dtype, n, partials_ptr, offset, nb, stream, device=device)
-        offset += nb
-    launch_sumsq_finalize(partials_ptr, offset, out_ptr, stream, device=device)
-    return offset
 
 
 # -- mapped pinned host memory ---------------------------------------------------------------

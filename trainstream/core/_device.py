@@ -5,21 +5,19 @@ pinned host memory. CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, vi
 :mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
 gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
 the weights in place; the arithmetic is the contract's
-(:mod:`trainstream.contract`). With clipping, the global sum of squares is reduced on
-the GPU in a fixed order (float64 partials, no atomics) into a device scalar that the
-update kernels read: no host round trip. The norm is read back lazily.
+(:mod:`trainstream.contract`). Clipping and loss scaling are the framework's, done on the
+gradients in GPU memory before the update.
 
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
 backward; with ``eager``, from a gradient hook, the part of backward that produced that
 gradient), each launch records a *ready* event that the next forward waits on (shared
 by the parameters of a multi-tensor launch), and each gradient is kept alive until that
 wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream.core._engine.Engine`, which owns this placement, this module imports
-neither torch nor jax: the backend supplies streams, events and device scratch memory.
+neither torch nor jax: the backend supplies streams and events.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -70,8 +68,7 @@ class DevicePlacement:
     The backend must provide, besides :class:`trainstream.core._engine.Backend`'s
     ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
     ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
-    ``record_update() -> event``, ``device_scratch(nbytes) -> (handle, ptr)``,
-    ``data_ptr(tensor) -> int``, ``device_index: int`` and ``copy_scalar_to_host``.
+    ``record_update() -> event``, ``data_ptr(tensor) -> int`` and ``device_index: int``.
     """
 
     def __init__(self, backend: Any, *, convention: str = "torch"):
@@ -91,11 +88,6 @@ class DevicePlacement:
         self._slots: list[_GpuSlot] = []
         self._closed = False
         self._lock = threading.Lock()
-        self._scratch = None  # (handle, ptr, capacity in float64) for the norm partials
-        self._sumsq = backend.device_scratch(8)
-        self._norm_host = np.zeros(1, np.float64)
-        self._norm_copy: tuple[Any, Any] | None = None  # (event, pinned host buffer)
-        self._last_norm: float | None = None
         self._steps = 0
         self._eager_updates = 0
         self._launch_s = 0.0
@@ -165,12 +157,6 @@ class DevicePlacement:
 
     # -- the update -------------------------------------------------------------------------
 
-    def _partials(self, count: int) -> int:
-        if self._scratch is None or self._scratch[2] < count:
-            handle, ptr = self.backend.device_scratch(8 * max(count, 1024))
-            self._scratch = (handle, ptr, max(count, 1024))
-        return self._scratch[1]
-
     def check_grads(self, updates: Sequence[tuple[int, Any, Any, str]]) -> None:
         """Raise for an unknown slot or a gradient dtype the kernels do not take."""
         for sid, _, _, gdtype in updates:
@@ -178,37 +164,9 @@ class DevicePlacement:
             if gdtype not in _ITEMSIZE:
                 raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
 
-    def _launch_sumsq(self, updates: Sequence[tuple[int, Any, Any, str]]) -> int:
-        """Queue the deterministic sum of squares of the gradients of ``updates`` on the
-        update stream (which must already wait for backward); returns the device float64's
-        pointer."""
-        dk, be = self._dk, self.backend
-        grads = [(be.data_ptr(g), gd, self._slot(sid).numel) for sid, _, g, gd in updates]
-        count = sum(dk.blocks_for(n) for _, _, n in grads)
-        dk.launch_grad_sumsq(grads, self._partials(count), self._sumsq[1], be.update_stream(), device=self.device)
-        return self._sumsq[1]
-
-    def grad_sumsq(self, updates: Sequence[tuple[int, Any, Any, str]]) -> float:
-        """Float64 sum of squares of the gradients of ``updates`` (``(slot, _, grad tensor,
-        grad dtype)``), in the fixed order of ``trainstream/kernels/grad_sumsq.cu``; blocks
-        until the backward that produced them and the sum have run (``hybrid`` mode's
-        clipping: the host share needs the global norm)."""
-        self._check_open()
-        self.check_grads(updates)
-        if not updates:
-            return 0.0
-        self.backend.update_wait(self.backend.record_compute(None))  # after the whole backward
-        self._launch_sumsq(updates)
-        event, host = self.backend.copy_scalar_to_host(self._sumsq[0])
-        event.synchronize()
-        return float(host[0])
-
     def step(
         self,
         updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
-        max_grad_norm: float | None = None,
-        compute_norm: bool = False,
-        clip_coef: np.float32 | None = None,
         *,
         eager: bool = False,
         max_blocks: int | None = None,
@@ -218,11 +176,10 @@ class DevicePlacement:
         Gradients must be contiguous device tensors with the parameter's element count.
         Asynchronous: returns once the kernels are queued on the update stream, after
         what the compute stream has queued so far (the whole backward, or with ``eager``
-        the part that produced these gradients).
-        ``clip_coef``: a clip coefficient computed by the caller (``hybrid`` mode, from
-        the norm over both engines), used instead of ``max_grad_norm``.
+        the part that produced these gradients). Clipping and loss scaling are the
+        framework's, in place on the gradients before this call.
         ``eager``: called from a gradient hook during backward for some parameters of
-        the step (counted as eager updates, not as a step; no clipping).
+        the step (counted as eager updates, not as a step).
         ``max_blocks``: grid cap of the update kernels (see
         :func:`trainstream._device_kernels.launch_adamw`; with a cap every tensor gets a
         launch of its own, else ``step`` puts several tensors into one launch, see
@@ -232,10 +189,6 @@ class DevicePlacement:
         per step with 16-33 blocks against 156 ms with the full grid).
         """
         self._check_open()
-        if clip_coef is not None and (max_grad_norm is not None or compute_norm):
-            raise ValueError("DevicePlacement.step: clip_coef excludes max_grad_norm and compute_norm")
-        if eager and (max_grad_norm is not None or compute_norm or clip_coef is not None):
-            raise ValueError("DevicePlacement.step: an eager update cannot clip (the norm needs every gradient)")
         be = self.backend
         t0 = time.perf_counter()
         self.check_grads(updates)
@@ -247,18 +200,10 @@ class DevicePlacement:
             self._steps += 1
         be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update
         self._unwaited = True
-        stream = be.update_stream()
-        sumsq_ptr = 0
-        if max_grad_norm is not None or compute_norm:
-            sumsq_ptr = self._launch_sumsq(updates)
-        clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        self._launch_grouped(updates, sumsq_ptr, max_grad_norm, clip, stream, max_blocks)
-        if sumsq_ptr:
-            self._norm_copy = be.copy_scalar_to_host(self._sumsq[0])
+        self._launch_grouped(updates, be.update_stream(), max_blocks)
         self._launch_s += time.perf_counter() - t0
 
-    def _launch_grouped(self, updates, sumsq_ptr: int, max_grad_norm: float | None,
-                        clip: np.float32, stream: int, max_blocks: int | None = None) -> None:
+    def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None) -> None:
         """The launches: consecutive updates of one dtype pair, up to ``MULTI_MAX`` tensors
         and ``_multi_elems`` elements per launch (a larger tensor alone), so that the next
         forward still waits for the first tensors only, not the whole share; one ready
@@ -277,14 +222,12 @@ class DevicePlacement:
                 return
             items = []
             for s, hp, grad, _ in group:
-                scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda", clip)
+                scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
                 items.append((be.data_ptr(s.param), be.data_ptr(grad),
                               s.master.dev_ptr if s.master is not None else 0,
                               s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
-            dk.launch_adamw_multi(variant, group[0][0].dtype, group[0][3], items,
-                                  sumsq_ptr if max_grad_norm is not None else 0,
-                                  float(max_grad_norm or 0.0), stream, device=self.device,
-                                  max_blocks=max_blocks)
+            dk.launch_adamw_multi(variant, group[0][0].dtype, group[0][3], items, stream=stream,
+                                  device=self.device, max_blocks=max_blocks)
             ready = be.record_update()
             for s, _, grad, _ in group:  # counted once the launch is queued
                 s.step += 1
@@ -385,14 +328,6 @@ class DevicePlacement:
                 s.ready.synchronize()
             s.grad_keep = None
 
-    def last_grad_norm(self) -> float | None:
-        if self._norm_copy is not None:
-            event, host = self._norm_copy
-            event.synchronize()
-            self._last_norm = math.sqrt(float(host[0]))
-            self._norm_copy = None
-        return self._last_norm
-
     # -- state ------------------------------------------------------------------------------
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -456,4 +391,3 @@ class DevicePlacement:
                         buf.free()
                 s.param = s.grad_keep = s.ready = None
             self._slots = []
-            self._scratch = None

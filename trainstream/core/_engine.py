@@ -18,9 +18,9 @@ for single slots), errors (one :class:`~trainstream.core._host.StickyError`), st
 dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`,
 :meth:`Engine.reload_param` for weights changed outside the engine).
 
-Clipping: with one placement the engine can clip by a float64 global norm
-(``max_grad_norm``); the torch adapter instead gives per-slot multipliers computed by
-torch itself (``coefs``), with any placement.
+Clipping and loss scaling are the framework's: the torch adapter computes the norm with
+torch's own code and hands host slots their multiplier (``coefs``); the JAX adapter computes
+optax's norm in the program.
 
 Imports neither torch nor jax; no arithmetic lives here.
 """
@@ -198,24 +198,17 @@ class Engine:
         self.device.step([(self._device_local(sid), hp, g, gd) for sid, hp, g, gd in updates],
                          eager=True, max_blocks=self.eager_blocks)
 
-    def step(self, updates: Sequence[tuple], max_grad_norm: float | None = None, *,
-             compute_norm: bool = False,
-             scalars_fn: Callable[[int, int], np.ndarray] | None = None,
-             coefs: dict[int, float] | None = None) -> float | None:
+    def step(self, updates: Sequence[tuple], coefs: dict[int, float] | None = None) -> None:
         """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without
         a gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)``
         (device slots; a host slot ignores the last two).
 
-        With ``max_grad_norm`` the gradients are scaled by ``clip_coefficient(global
-        norm, max_grad_norm)`` first (one placement only). Returns the global norm where
-        the host computed it (else None: :meth:`last_grad_norm` reads a device norm
-        lazily). ``scalars_fn(slot, step)`` (host slots): each update's scalar vector,
-        instead of the contract's :func:`~trainstream.contract.step_scalars` (the JAX
-        adapter computes them in XLA). ``coefs``: per host slot, the multiplier ``c`` of
-        its staged gradient (see :meth:`HostPlacement.step`). With both placements the
-        share that holds the lowest slot (the parameter the next forward needs first) is
-        queued first; if the second share fails to queue after the first did, the error is
-        raised and left sticky (reload a checkpoint).
+        ``coefs``: per host slot, the multiplier ``c`` of its staged gradient (see
+        :meth:`HostPlacement.step`; device slots' gradients are scaled in place by the
+        framework). With both placements the share that holds the lowest slot (the
+        parameter the next forward needs first) is queued first; if the second share fails
+        to queue after the first did, the error is raised and left sticky (reload a
+        checkpoint).
         """
         self.errors.check()  # raise before anything is queued, not between the shares
         for u in updates:
@@ -225,23 +218,21 @@ class Engine:
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[sid][0]}
         if self.host is None:
-            self.device.step(dev, max_grad_norm, compute_norm)
-            return None
+            self.device.step(dev)
+            return
         if self.device is None:
-            return self.host.step(hst, max_grad_norm, compute_norm, scalars_fn, coefs=coefs)
-        if max_grad_norm is not None or compute_norm:
-            raise ValueError("Engine.step: max_grad_norm/compute_norm need a single placement")
+            self.host.step(hst, coefs)
+            return
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
         # The host share's first slot this step updates (frozen, unused and eagerly updated
         # parameters hold no gradient and do not count).
         host_sids = [u[0] for u in updates if not self._where[u[0]][0] and self.host.has_grad(self._where[u[0]][1])]
         dev_sids = [u[0] for u in updates if self._where[u[0]][0]]
-        host_first = bool(host_sids) and (not dev_sids or min(host_sids) < min(dev_sids))
-        if not host_first:
+        if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             self._step_device(dev)
-            self._step_host(hst, scalars_fn, coefs)
-            return None
-        self._step_host(hst, scalars_fn, coefs)
+            self._step_host(hst, coefs)
+            return
+        self._step_host(hst, coefs)
         try:
             self._step_device(dev)
         except BaseException as exc:
@@ -249,7 +240,6 @@ class Engine:
                 "hybrid step: the device share's update failed after the host share's was "
                 f"queued ({type(exc).__name__}: {exc})"))
             raise
-        return None
 
     def _step_device(self, dev) -> None:
         if dev:
@@ -257,11 +247,11 @@ class Engine:
             self.device.step(dev)
             _trace.add("step.device_share", t0, time.perf_counter(), -1)
 
-    def _step_host(self, hst, scalars_fn, coefs) -> None:
+    def _step_host(self, hst, coefs) -> None:
         # No second error check: a worker error that came after the first one raises at the
         # next call, instead of leaving one share stepped and the other not.
         t0 = time.perf_counter()
-        self.host.step(hst, scalars_fn=scalars_fn, check_errors=False, coefs=coefs)
+        self.host.step(hst, coefs, check_errors=False)
         _trace.add("step.host_share", t0, time.perf_counter(), -1)
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
@@ -327,10 +317,6 @@ class Engine:
             self.host.wait_step()
         if self.device is not None:
             self.device.wait_all()
-
-    def last_grad_norm(self) -> float | None:
-        """The global norm of the last step that computed one (None before)."""
-        return (self.host or self.device).last_grad_norm()
 
     # -- state ------------------------------------------------------------------------------
 

@@ -16,9 +16,7 @@ Pipeline, per parameter ("slot"):
    parameter's dtype): each copy simply replaces the staged one.
 2. ``step``: each slot's update is queued, with a multiplier of the staged gradient per
    slot where the adapter asks for one (``coefs``: torch's clip coefficient or inverse
-   loss scale, applied as torch applies it to ``param.grad``) or, with ``max_grad_norm``,
-   the clip coefficient of the global norm, taken from float64 partials over fixed element
-   blocks (so the norm does not depend on the thread count or the chunk size).
+   loss scale, applied as torch applies it to ``param.grad``).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights
    (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
    event. For fp16/bf16 parameters the rounded weights go into the gradient's own staging
@@ -36,7 +34,7 @@ Pipeline, per parameter ("slot"):
    adapters' forward gate).
 
 The batches of one slot run one after another: a batch submitted while another of its
-slot is queued or running is chained behind it (norm -> update never overlap on a chunk),
+slot is queued or running is chained behind it (two batches never overlap on a chunk),
 and the chunks of one batch are independent. They go to a queue
 shared by all workers (any idle worker takes the next job; the queue orders slots for
 the next forward and passes over copies that have not landed, see :class:`_WorkQueue`).
@@ -501,7 +499,6 @@ class HostPlacement:
         self._host_bytes = 0
         self._pinned_bytes = 0
         self._pageable_bytes = 0
-        self._last_norm: float | None = None
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
         self._closed = False
         self._forked = False
@@ -745,15 +742,9 @@ class HostPlacement:
         hp: C.AdamWHyperParams,
         clip: np.float32,
         after: Any,
-        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
     ) -> None:
         s.step += 1
-        if scalars_fn is not None:  # the adapter computed the scalars (e.g. in XLA)
-            scalars = np.ascontiguousarray(scalars_fn(s.id, s.step), np.float32)
-            if scalars.shape != (C.N_SCALARS,):
-                raise ValueError(f"scalars_fn must return {C.N_SCALARS} float32, got shape {scalars.shape}")
-        else:
-            scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
+        scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         variant = C.variant_id(self.convention, s.platform)
         g, gkind, landed = s.grad_stage.array, _KIND[s.dtype], s.landed
         prev_ready = s.ready
@@ -816,89 +807,33 @@ class HostPlacement:
         self._stats.add("ready_stall_s", t1 - t0)
         _trace.add("wait_step", t0, t1, -1)
 
-    def grad_sumsq(self, sids: Sequence[int]) -> float:
-        """Float64 sum of squares of the pending gradients of ``sids`` (blocks until done).
-
-        Partials are taken over fixed blocks of :data:`NORM_BLOCK` elements and summed in
-        slot order, then block order: the result does not depend on threads or chunking.
-        """
-        partials: list[np.ndarray] = []
-        for sid in sids:
-            s = self._slot(sid)
-            if s.grad_state == _NO_GRAD:
-                continue
-            out = np.zeros(-(-s.numel // NORM_BLOCK), np.float64)
-            partials.append(out)
-            g, kind, landed = s.grad_stage.array, _KIND[s.dtype], s.landed
-
-            def body(c, b, e, g=g, kind=kind, out=out, landed=landed, sid=sid):
-                t = time.perf_counter()
-                if landed is not None:
-                    _wait_landed(landed)
-                    _trace.add("wait.landed", t, t := time.perf_counter(), sid)
-                K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK :])
-                _trace.add("sumsq", t, time.perf_counter(), sid)
-
-            self._run_batch(s, body, landed=landed)
-        for sid in sids:
-            self._wait_idle(self._slot(sid))
-        self.check_error()
-        total = 0.0
-        for out in partials:
-            for x in out.tolist():
-                total += x
-        return total
-
     def step(
         self,
         updates: Sequence[tuple[int, C.AdamWHyperParams]],
-        max_grad_norm: float | None = None,
-        compute_norm: bool = False,
-        scalars_fn: Callable[[int, int], np.ndarray] | None = None,
-        clip_coef: np.float32 | None = None,
-        check_errors: bool = True,
         coefs: dict[int, float] | None = None,
-    ) -> float | None:
-        """Queue the update of every slot in ``updates`` that holds a gradient.
+        check_errors: bool = True,
+    ) -> None:
+        """Queue the update of every slot in ``updates`` that holds a gradient (slots
+        updated eagerly hold none: their update was queued by :meth:`offload_grad`).
 
-        With ``max_grad_norm`` the gradients are first scaled by
-        ``clip_coefficient(global_norm, max_grad_norm)``. Returns the global gradient norm
-        when it was computed (clipping or ``compute_norm``), else None. Slots already
-        updated eagerly are skipped. ``scalars_fn(slot, step)``, if given, supplies each
-        update's scalar vector instead of :func:`trainstream.contract.step_scalars`
-        (the JAX adapter computes bias corrections and schedules inside XLA).
-        ``clip_coef``: a clip coefficient the caller computed (``hybrid`` mode, from the
-        norm over both engines), instead of ``max_grad_norm``. ``check_errors=False``:
-        a worker error recorded since the caller's own check is left for the next call
-        to raise (``hybrid`` mode has already queued the GPU share's update by then).
-        ``coefs``: per slot, the multiplier of its staged gradient instead (the contract's
-        ``c``: torch's clip coefficient or inverse loss scale, as torch multiplies
-        ``param.grad`` by it).
+        ``coefs``: per slot, the multiplier of its staged gradient (the contract's ``c``:
+        torch's clip coefficient or inverse loss scale, as torch multiplies ``param.grad``
+        by it; 1.0 where absent). ``check_errors=False``: a worker error recorded since the
+        caller's own check is left for the next call to raise (``hybrid`` mode has already
+        queued the GPU share's update by then).
         """
         self._check_open()
         if check_errors:
             self.check_error()
-        if clip_coef is not None and (max_grad_norm is not None or compute_norm):
-            raise ValueError("HostPlacement.step: clip_coef excludes max_grad_norm and compute_norm")
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
-        active = [(sid, hp) for sid, hp in updates if self._slot(sid).grad_state != _NO_GRAD]
-        # Slots that went the eager path were queued by offload_grad (no gradient left).
-        pending = active
-        clip = np.float32(1.0) if clip_coef is None else np.float32(clip_coef)
-        norm = None
-        if max_grad_norm is not None or compute_norm:
-            sumsq = self.backend.all_reduce_sum(self.grad_sumsq([sid for sid, _ in pending]))
-            norm = math.sqrt(sumsq)
-            self._last_norm = norm
-            if max_grad_norm is not None:
-                clip = C.clip_coefficient(norm, max_grad_norm)
-        for sid, hp in pending:
+        coefs = coefs or {}
+        for sid, hp in updates:
             s = self._slot(sid)
+            if s.grad_state == _NO_GRAD:
+                continue
             after = self.backend.record_compute(s.param)
-            c = clip if coefs is None else np.float32(coefs.get(sid, clip))
-            self._enqueue_update(s, hp, c, after, scalars_fn)
-        return norm
+            self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), after)
 
     # -- readiness ----------------------------------------------------------------------------
 
@@ -938,8 +873,6 @@ class HostPlacement:
         self.drain()
         self.check_error()
 
-    def last_grad_norm(self) -> float | None:
-        return self._last_norm
 
     # -- updates over buffers the caller owns (the JAX adapter: XLA's buffers) -------------------
 
@@ -1045,8 +978,8 @@ class HostPlacement:
     def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
         """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the
         caller owns, from partials over fixed blocks of :data:`NORM_BLOCK` elements summed
-        in item order, then block order (as :meth:`grad_sumsq`: independent of threads and
-        chunking); blocks until done."""
+        in item order, then block order (independent of threads and chunking); blocks until
+        done."""
         partials = []
         batches = []
         for k, (g, gdtype, landed) in enumerate(grads):

@@ -181,20 +181,6 @@ __device__ __forceinline__ bool ts_aligned(const void* p, unsigned long long byt
 }
 
 // ------------------------------------------------------------------------------------------
-// Gradient clipping coefficient from the device sum of squares (grad_sumsq.cu)
-// ------------------------------------------------------------------------------------------
-
-// contract.clip_coefficient(sqrt(sumsq), max_norm), in the same float32 operations
-__device__ __forceinline__ float ts_clip_coefficient(double sumsq, float max_norm) {
-  // norm = sqrt(sum of squares), float64, then f32(norm)
-  const float norm = __double2float_rn(__dsqrt_rn(sumsq));
-  // coef = f32(max_norm) / (f32(norm) + f32(1e-6))
-  const float coef = __fdiv_rn(max_norm, __fadd_rn(norm, 1e-6f));
-  // min(1, coef), a NaN coefficient kept (it poisons the update, as in torch)
-  return (coef < 1.0f || coef != coef) ? coef : 1.0f;
-}
-
-// ------------------------------------------------------------------------------------------
 // optax/cpu: XLA:CPU's flush-to-zero / denormals-are-zero, emulated on every operation
 // ------------------------------------------------------------------------------------------
 
@@ -341,9 +327,7 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
                                                    float* __restrict__ v, const long long n,
                                                    const TsScalars& scalars,
                                                    const float* __restrict__ scalars_dev,
-                                                   const double* __restrict__ sumsq,
-                                                   const float max_norm, const long long block,
-                                                   const long long nblocks) {
+                                                   const long long block, const long long nblocks) {
   constexpr bool kOwnMaster = sizeof(P) == sizeof(float);  // fp32 weights are the master
   // the per-step scalars: by value, or from device memory when a pointer is given (JAX)
   TsScalars s = scalars;
@@ -351,8 +335,8 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
 #pragma unroll
     for (int k = 0; k < TS_N_SCALARS; ++k) s.s[k] = scalars_dev[k];
   }
-  // c: from the device sum of squares when given (then S_CLIP is ignored), else S_CLIP
-  const float c = (sumsq != nullptr) ? ts_clip_coefficient(*sumsq, max_norm) : s.s[TS_S_CLIP];
+  // c: the gradient's multiplier (1.0, or a coefficient the framework computed)
+  const float c = s.s[TS_S_CLIP];
 
   // Vector path: `head` scalar elements bring m to a 16-byte boundary; the body runs in
   // groups of 4 if every array is then aligned for its 4-wide access, else everything
@@ -468,9 +452,7 @@ struct TsMultiBatch {
 };
 
 template <int VARIANT, typename P, typename G, bool EMIT_U = false>
-__device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
-                                               const double* __restrict__ sumsq,
-                                               const float max_norm) {
+__device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
   // the tensor that owns this block: the last one whose block_start <= blockIdx.x
   int lo = 0, hi = (int)batch.count - 1;
   while (lo < hi) {
@@ -482,15 +464,15 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch,
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
   ts_adamw_zero_copy<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
-                                    t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, sumsq,
-                                    max_norm, block, t.nblocks);
+                                    t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, block,
+                                    t.nblocks);
 }
 
 #define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
       adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
-          const TsMultiBatch batch, const double* __restrict__ sumsq, float max_norm) {       \
-    ts_adamw_multi<VARIANT, P, G>(batch, sumsq, max_norm);                                    \
+          const TsMultiBatch batch) {                                                         \
+    ts_adamw_multi<VARIANT, P, G>(batch);                                                     \
   }
 
 #define TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, PNAME, P)         \
@@ -515,8 +497,8 @@ TS_DEFINE_ADAMW_VARIANT(optax_cuda, TS_VARIANT_OPTAX_CUDA)
 #define TS_DEFINE_ADAMW_U(VNAME, VARIANT, GNAME, G)                                            \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
       adamw_zero_copy_u_##VNAME##_f32_##GNAME(                                                \
-          const TsMultiBatch batch, const double* __restrict__ sumsq, float max_norm) {       \
-    ts_adamw_multi<VARIANT, float, G, true>(batch, sumsq, max_norm);                          \
+          const TsMultiBatch batch) {                                                         \
+    ts_adamw_multi<VARIANT, float, G, true>(batch);                                           \
   }
 
 TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, f32, float)
