@@ -47,17 +47,11 @@ class _Backend:
     def record_compute(self, param):
         return None
 
-    def device_scratch(self, nbytes):
-        return None, 4096
-
     def data_ptr(self, tensor):
         return tensor
 
     def param_to_host_f32(self, param, out):
         out[:] = 0
-
-    def copy_scalar_to_host(self, handle):
-        return _Event(), np.zeros(1)
 
     def wait_on_compute(self, event, param):
         self.waits.append(event.id)

@@ -14,7 +14,6 @@ import torch.nn as nn  # noqa: E402
 
 from test_torch_optimizer import (  # noqa: E402
     assert_same,
-    backward,
     batches,
     loss_of,
     make_model,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import copy
 import gc
-import io
 import threading
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -609,10 +607,6 @@ def test_engine_is_collected_and_its_workers_stop():
     from trainstream.core._engine import Engine
     from trainstream.torch._backend import TorchBackend
 
-    def workers():
-        return sum(t.name.startswith("trainstream-worker") for t in threading.enumerate())
-
-    before = workers()
     old = set(threading.enumerate())
     engine = Engine(TorchBackend(torch.device("cpu")), threads=3)
     engine.add_param(torch.zeros(10), 10, "float32", "cpu")

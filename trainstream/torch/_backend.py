@@ -75,21 +75,9 @@ class TorchBackend:
     def record_update(self) -> _cuda.Event:
         return _cuda.Event(self.drv, self.upd.cuda_stream)
 
-    def device_scratch(self, nbytes: int):
-        # Allocated on the update stream, which alone uses it: when a larger buffer
-        # replaces it, the caching allocator orders its reuse after that stream's kernels.
-        with torch.cuda.stream(self.upd):
-            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return t, t.data_ptr()
-
     @staticmethod
     def data_ptr(t: torch.Tensor) -> int:
         return t.data_ptr()
-
-    def copy_scalar_to_host(self, handle: torch.Tensor):
-        host = torch.empty(1, dtype=torch.float64, pin_memory=True)
-        self.drv.memcpy_dtoh_async(host.data_ptr(), handle.data_ptr(), 8, self.upd.cuda_stream)
-        return _cuda.Event(self.drv, self.upd.cuda_stream), host.numpy()
 
     # -- host placement -------------------------------------------------------------------
 
