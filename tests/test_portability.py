@@ -40,20 +40,45 @@ def _host_has(feature: str) -> bool:
     return feature in out.stdout.split()
 
 
-@pytest.mark.parametrize("level", list(LEVELS))
-def test_forced_isa_level(level):
+def _isa_files() -> list[str]:
+    """The test files that hold ``isa``-marked tests (collecting only those keeps each
+    level's start-up short)."""
+    return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+                  if "mark.isa" in f.read_text())
+
+
+@pytest.fixture(scope="module")
+def levels():
+    """Every level's subprocess, started at once (they compile the kernels for their own
+    target, mostly single-threaded: run side by side they take about half the time)."""
     if os.environ.get("NUMBA_CPU_NAME"):
         pytest.skip("this process already runs under a forced level")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "isa", *_isa_files()]
+    procs = {}
+    for level, (need, env) in LEVELS.items():
+        if _host_has(need):
+            # JAX on XLA:CPU (what --xla_cpu_max_isa narrows), also on a machine with a GPU
+            procs[level] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_forced_isa_level(level, levels):
     need, env = LEVELS[level]
-    if not _host_has(need):
+    if level not in levels:
         pytest.skip(f"the host lacks {need!r}: level {level} cannot be forced here")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "isa", "tests"]
-    # JAX on XLA:CPU (what --xla_cpu_max_isa narrows), also on a machine with a GPU
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
-                       capture_output=True, text=True, timeout=900)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"level {level} ({env}) failed, rc={r.returncode}:\n{tail}"
-    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+    try:
+        out, err = levels[level].communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        levels[level].kill()
+        raise
+    tail = (out[-6000:] + "\n" + err[-3000:]).strip()
+    assert levels[level].returncode == 0, f"level {level} ({env}) failed, rc={levels[level].returncode}:\n{tail}"
+    assert " passed" in out and " failed" not in out, tail
 
 
 @pytest.mark.isa
