@@ -50,7 +50,7 @@ class Engine:
         also what :class:`trainstream.core._device.DevicePlacement` names).
       placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
       device_elems: ``hybrid``: the budget of elements placed on the device by fit.
-      threads, chunk_elems, pin_moments, worker_nice, tc_code: of the host placement
+      threads, chunk_elems, pin_moments, worker_nice, tc_code, cores: of the host placement
         (see :class:`~trainstream.core._host.HostPlacement`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
       eager_blocks: grid cap of device updates launched from gradient hooks
@@ -70,6 +70,7 @@ class Engine:
         tc_code: int = 0,
         worker_nice: int = 5,
         eager_blocks: int | None = None,
+        cores: Sequence[int] | None = None,
         _device: Callable[[], Any] | None = None,
     ):
         if placement not in PLACEMENTS:
@@ -94,7 +95,8 @@ class Engine:
             try:
                 self.host = HostPlacement(backend, threads=threads, chunk_elems=chunk_elems,
                                           convention=convention, pin_moments=pin_moments,
-                                          tc_code=tc_code, worker_nice=worker_nice, errors=self.errors)
+                                          tc_code=tc_code, worker_nice=worker_nice, errors=self.errors,
+                                          cores=cores)
             except BaseException:
                 if self.device is not None:
                     self.device.close()

@@ -61,6 +61,7 @@ import numpy as np
 
 from .. import _host_kernels as K
 from .. import _trace
+from .._cores import bind_current_thread, default_threads
 from .. import contract as C
 
 __all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
@@ -315,14 +316,16 @@ class _WorkerPool:
     with a queue per worker the workers were busy only 55% of backward while updates piled
     up for the next forward).
 
-    ``nice``: the workers' nice value (see :class:`HostPlacement`).
+    ``nice``: the workers' nice value (see :class:`HostPlacement`); ``cores``: the CPU ids
+    each worker is bound to (None: unbound).
     """
 
-    def __init__(self, threads: int, nice: int = WORKER_NICE):
+    def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
         # Holds nothing of the engine: running threads keep the pool alive, and the
         # engine must stay collectable so that its finalizer can stop them.
         self._queue = _WorkQueue()
         self._nice = int(nice)
+        self._cores = list(cores) if cores else None
         self._threads = [
             threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
             for i in range(threads)
@@ -341,6 +344,7 @@ class _WorkerPool:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (AttributeError, OSError):
             pass
+        bind_current_thread(self._cores)
         while True:
             job = self._queue.get()
             if job is None:
@@ -449,7 +453,8 @@ class HostPlacement:
 
     Args (the engine passes its own; see :class:`trainstream.core._engine.Engine`):
       backend: the framework adapter (:class:`Backend`).
-      threads: worker threads (default: all cores but one, at least 1).
+      threads: worker threads (default: the usable cores, or ``cores``, but one; at least 1).
+      cores: CPU ids the workers are bound to (None: unbound; Linux).
       chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
       pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
@@ -477,11 +482,12 @@ class HostPlacement:
         tc_code: int = 0,
         worker_nice: int = WORKER_NICE,
         errors: StickyError | None = None,
+        cores: Sequence[int] | None = None,
     ):
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
         if threads is None:  # every core but one, which drives the framework
-            threads = max(1, (os.cpu_count() or 2) - 1)
+            threads = default_threads(1, list(cores) if cores else None)
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
@@ -503,7 +509,7 @@ class HostPlacement:
         self._closed = False
         self._forked = False
         self._unwaited = False  # updates queued since the last wait_step
-        self._pool = _WorkerPool(threads, worker_nice)
+        self._pool = _WorkerPool(threads, worker_nice, cores)
         self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
         _LIVE.add(self)
 

@@ -123,6 +123,8 @@ class TorchBackend:
             dst.handle.copy_(src.reshape(-1))
             return None
         nbytes = self._check_copy(dst, src, "gradient copy")
+        if not nbytes:  # an empty FSDP2 shard: its pointer is null, nothing to copy
+            return None
         stream = self.d2h.cuda_stream
         if after is not None:
             self.drv.stream_wait_event(stream, after)
@@ -139,6 +141,8 @@ class TorchBackend:
             dst.reshape(-1).copy_(src.handle)
             return None
         nbytes = self._check_copy(src, dst, "weight upload")
+        if not nbytes:
+            return None
         stream = self.h2d.cuda_stream
         if after is not None:
             self.drv.stream_wait_event(stream, after)

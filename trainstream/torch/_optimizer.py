@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 
+from .. import _cores
 from .. import contract as C
 from ..core import Engine
+from . import _dist as D
 from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 
 __all__ = ["OffloadAdamW"]
@@ -45,6 +47,18 @@ class _Owned:
             self.engine.close()
 
 
+def _local_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a loaded state tensor ``t`` of parameter ``p``: for a DTensor
+    parameter the local tensor of a DTensor ``t`` (what torch.distributed.checkpoint's
+    ``set_optimizer_state_dict`` passes, also of a full state dict)."""
+    if D.is_dtensor(p) and not D.is_dtensor(t):
+        raise ValueError(
+            "OffloadAdamW.load_state_dict: the state of a DTensor (FSDP2) parameter must be a DTensor laid out "
+            "as the parameter (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from "
+            f"a full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
+    return D.local(t.detach())
+
+
 _GROUP_FLAGS = dict(
     amsgrad=False,
     maximize=False,
@@ -65,17 +79,6 @@ def _check_group(group: dict[str, Any]) -> None:
         raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
     C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-
-def _refuse_multiprocess() -> None:
-    """Several processes (DistributedDataParallel, FSDP): the gradient hooks would copy each
-    gradient before the all-reduce; not supported yet, so refused rather than diverging."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            "OffloadAdamW does not support DistributedDataParallel or other multi-process "
-            f"training yet (torch.distributed is initialized with {dist.get_world_size()} "
-            "processes): train in one process for now."
-        )
 
 
 class _State(Mapping):
@@ -154,6 +157,30 @@ class OffloadAdamW(Optimizer):
       pre-hooks, outside Dynamo's graphs); reads of the weights outside that forward
       (``state_dict``, an EMA) then need :meth:`synchronize`.
 
+    Several processes (``torch.distributed``), each rank offloading only what it updates:
+
+    * FSDP2 (``fully_shard``): build it on the sharded model's parameters (DTensors, kept
+      in ``param_groups``); each rank registers its local shard (uneven or empty shards
+      included). FSDP2 runs the gradient hooks itself, after its reduce-scatter, on the
+      sharded gradient. Clipping is torch's norm of the DTensor gradients, a collective
+      every rank joins. In-place foreach ops on DTensor gradients (a user's
+      ``clip_grad_norm_``) move no version counter in torch 2.13, so a DTensor gradient is
+      copied again at ``step()`` unless this optimizer's own clipping (``max_grad_norm``,
+      :meth:`clip_grad_norm`) or unscaling made the only change since its hook: with
+      ``max_grad_norm`` the hook's copies serve, otherwise the hook copies nothing and
+      ``step()`` copies each shard's gradient. ``state`` and ``state_dict()`` hold
+      DTensor views (the parameter's mesh and placements) of the host state:
+      torch.distributed.checkpoint saves and loads them under the original FQNs, in both
+      directions with ``torch.optim.AdamW``. HSDP meshes and ``MixedPrecisionPolicy``
+      (whose sharded parameters stay fp32) need nothing more. Not with FSDP2's
+      ``CPUOffloadPolicy`` (one or the other) or ``overlap_forward``.
+    * DistributedDataParallel, or any reduction of the gradients after backward (by hand,
+      e.g. an all-reduce of ``param.grad``): in a run of several processes the gradients
+      of plain (non-DTensor) parameters are taken at ``step()``, after that reduction,
+      never by the hook (which would see this rank's unreduced gradient). Each rank
+      updates every parameter (as ``torch.optim.AdamW`` under DDP does), or with
+      ``zero_stage=1`` only its partition. Not with :meth:`last_micro_batch`.
+
     Args:
       params: parameters or param groups, as for ``torch.optim.AdamW``; float32,
         float16 or bfloat16, contiguous, dense, all on one device (CUDA, or CPU).
@@ -183,7 +210,23 @@ class OffloadAdamW(Optimizer):
         from the last one backwards, whose gradients backward usually produces first;
         with :meth:`last_micro_batch` their kernels then run during the rest of backward
         and the host share's update starts when its gradients arrive.
-      threads: host worker threads (default: all cores but one).
+      threads: host worker threads. Default: this process's share of the host's cores
+        (its CPU affinity divided by the local world size, torchrun's ``LOCAL_WORLD_SIZE``,
+        else the world size of torch.distributed when initialised), less one; at least 1.
+        With ``worker_cores``: its cores less one.
+      worker_cores: bind the host workers (and the first touch of the host state) to
+        cores: ``None`` (default, unbound), ``"auto"`` (this local rank's disjoint slice of
+        the cores: of the cores of its GPU's NUMA node where ``/sys`` tells it and each
+        local rank r drives GPU r, else of this process's cores in rank order) or a list
+        of CPU ids. Linux; elsewhere ignored.
+      zero_stage: ``0`` (default) or ``1``: ZeRO stage 1 over the default process group
+        (plain parameters replicated on every rank, e.g. under DDP): each rank holds the
+        state of, and updates, only its partition (ZeroRedundancyOptimizer's: per group,
+        largest parameters first, each to the least loaded rank), then every owner
+        broadcasts its new weights (a collective in ``step()``). ``state_dict()`` follows
+        ZeroRedundancyOptimizer's protocol: :meth:`consolidate_state_dict` on every rank,
+        then ``state_dict()`` on the receiving rank, in ``torch.optim.AdamW``'s format;
+        ``load_state_dict`` takes such a dict on every rank.
       chunk_size: elements per work item of the worker pool.
       worker_nice: the host workers' nice value (``cpu`` and ``hybrid`` modes; Linux
         applies it per thread). The default, 5, lets them yield the CPU to the threads
@@ -217,6 +260,8 @@ class OffloadAdamW(Optimizer):
         mode: str = "cpu",
         overlap_forward: torch.nn.Module | None = None,
         threads: int | None = None,
+        worker_cores: Any = None,
+        zero_stage: int = 0,
         chunk_size: int = 1 << 20,
         worker_nice: int = 5,
         eager_blocks: int | None = None,
@@ -257,6 +302,24 @@ class OffloadAdamW(Optimizer):
         if eager_blocks is not None and (isinstance(eager_blocks, bool) or not isinstance(eager_blocks, int)
                                          or eager_blocks < 1):
             raise ValueError(f"Invalid eager_blocks: {eager_blocks!r} (must be an int >= 1 or None)")
+        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+            raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
+        self._rank, world = D.world()
+        self._zero = None  # zero_stage=1: which rank owns (holds the state of) each parameter
+        if zero_stage:
+            dist = torch.distributed
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("OffloadAdamW(zero_stage=1) partitions the parameters between the ranks of "
+                                 "torch.distributed's default process group: initialise it first")
+            if overlap_forward is not None:
+                raise NotImplementedError("OffloadAdamW: overlap_forward with zero_stage=1 is not built (each "
+                                          "owner broadcasts its new weights in step(), after their uploads)")
+            self._zero = D.ZeroPartition(world)
+        self._consolidated: dict[str, Any] | None = None  # zero_stage=1: consolidate_state_dict()'s
+        self._worker_cores = worker_cores
+        self._cores: list[int] | None = None  # resolved with the first parameter's device
+        if worker_cores is not None:
+            D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
         self._engine: Engine | None = None
@@ -306,17 +369,18 @@ class OffloadAdamW(Optimizer):
         self.state = _State(self)  # type: ignore[assignment]  # the engine's, per parameter
         if self._deferred:
             self._deferred = False
-            flat = [p for g in self.param_groups for p in g["params"]]
-            self._gpu_budget = round(self._gpu_share * sum(p.numel() for p in flat if p.requires_grad))
+            mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
+            flat = [p for p, _ in mine]
+            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad))
             on_gpu: list[bool | None] = [None] * len(flat)  # None: by fit, in order
             if self._gpu_params == "last":  # by fit, from the last parameter backwards
                 left = self._gpu_budget
                 for i in range(len(flat) - 1, -1, -1):
-                    on_gpu[i] = flat[i].requires_grad and flat[i].numel() <= left
-                    left -= flat[i].numel() if on_gpu[i] else 0
+                    n = D.local(flat[i]).numel()
+                    on_gpu[i] = flat[i].requires_grad and n <= left
+                    left -= n if on_gpu[i] else 0
             try:
-                groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-                for p, gi, gpu in zip(flat, groups, on_gpu):
+                for (p, gi), gpu in zip(mine, on_gpu):
                     self._register(p, gpu)
                     self._group_of.append(gi)
             except BaseException:
@@ -357,22 +421,27 @@ class OffloadAdamW(Optimizer):
                 "(torch.optim.AdamW would update it once per listing, and warns that this will "
                 "become an error); list each parameter once"
             )
-        if self._deferred:  # hybrid, inside __init__: registered once every group is known
-            try:
-                _check_group(self.param_groups[-1])
-            except BaseException:
-                del self.param_groups[n_groups:]
-                raise
-            return
+        sizes = None if self._zero is None else list(self._zero.sizes)
         try:
-            group = self.param_groups[-1]
-            _check_group(group)
-            for p in group["params"]:
-                self._register(p)
-                self._group_of.append(len(self.param_groups) - 1)
+            _check_group(self.param_groups[-1])
+            if self._zero is not None:
+                if any(D.is_dtensor(p) for p in listed):
+                    raise ValueError("OffloadAdamW: zero_stage=1 is for replicated parameters (DDP); FSDP2's "
+                                     "DTensor parameters are sharded already: use zero_stage=0")
+                self._zero.add_group(listed)
+            if self._deferred:  # hybrid, inside __init__: registered once every group is known
+                return
+            for p in listed:
+                if self._mine(p):
+                    self._register(p)
+                    self._group_of.append(len(self.param_groups) - 1)
         except BaseException:
             # Leave the optimizer exactly as it was.
             del self.param_groups[n_groups:]
+            if sizes is not None:
+                self._zero.sizes[:] = sizes
+                for p in listed:
+                    self._zero.owner.pop(p, None)
             for p in self._params_of_slot[n_slots:]:
                 self._slot_of.pop(p, None)
             for lst in (self._params_of_slot, self._group_of, self._engine_param_ptr,
@@ -385,9 +454,21 @@ class OffloadAdamW(Optimizer):
             raise
         self._wait_sets.clear()  # cached per-module wait lists predate these parameters
 
+    def _mine(self, p: torch.Tensor) -> bool:
+        """Whether this rank holds ``p``'s state and updates it (all but zero_stage=1's
+        parameters of other ranks)."""
+        return self._zero is None or self._zero.owner[p] == self._rank
+
+    @staticmethod
+    def _meta(p: torch.Tensor) -> tuple:
+        loc = D.local(p)
+        return loc.dtype, tuple(loc.shape), loc.device
+
     def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
-        """Give ``p`` a slot (hybrid: on the GPU engine if ``gpu``; ``None``: by fit)."""
+        """Give ``p`` a slot (hybrid: on the GPU engine if ``gpu``; ``None``: by fit). For a
+        DTensor (FSDP2) the slot is its local shard, which may have 0 elements."""
         index = len(self._params_of_slot)
+        loc = D.local(p)
         if p.dtype not in _DTYPE_NAME:
             raise TypeError(
                 "OffloadAdamW supports float32, float16 and bfloat16 parameters; parameter "
@@ -395,62 +476,85 @@ class OffloadAdamW(Optimizer):
             )
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"OffloadAdamW: parameter {index} is not a dense strided tensor")
-        if not p.is_contiguous():
+        if not loc.is_contiguous():
             raise ValueError(
                 f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous "
                 "before building the optimizer"
             )
-        if p.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {p.device}")
+        if loc.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
+        if loc is not p:
+            self._check_dtensor(p, index)
         if self._device is None:
-            if self.mode != "cpu" and p.device.type != "cuda":
+            if self.mode != "cpu" and loc.device.type != "cuda":
                 raise ValueError(
-                    f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {p.device}"
+                    f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
                 )
             tc_code = 0
-            if p.device.type == "cpu" and self._engine_args["convention"] == "torch":
+            if loc.device.type == "cpu" and self._engine_args["convention"] == "torch":
                 tc_code = torch_cpu_code()
+            self._cores = D.worker_cores(self._worker_cores, loc.device)
+            args = dict(self._engine_args)
+            if args["threads"] is None:  # this rank's share of the host
+                args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
-                self._engine = Engine(TorchBackend(p.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      tc_code=tc_code, eager_blocks=self._eager_blocks, **self._engine_args)
+                self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
+                                      tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
                     f"OffloadAdamW mode={self.mode!r} needs CuPy: pip install 'trainstream[cuda12]' or "
                     f"'trainstream[cuda13]' ({exc})"
                 ) from exc
             self._owned.engine = self._engine
-            self._device = p.device
-        elif p.device != self._device:
+            self._device = loc.device
+        elif loc.device != self._device:
             raise ValueError(
                 f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
-                f"{p.device}, earlier ones on {self._device}"
+                f"{loc.device}, earlier ones on {self._device}"
             )
-        platform = "cuda" if p.device.type == "cuda" else "cpu"
-        # The engine writes through p.data: its own writes do not advance p._version.
+        platform = "cuda" if loc.device.type == "cuda" else "cpu"
+        # The engine writes through loc.data: its own writes advance no _version.
         # hybrid: a frozen parameter takes none of the GPU share.
-        sid = self._engine.add_param(p.data.view(-1), p.numel(), _DTYPE_NAME[p.dtype], platform,
-                                     trainable=p.requires_grad, on_device=gpu)
+        with _cores.bound(self._cores):  # the host state's first touch: on the workers' cores
+            sid = self._engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], platform,
+                                         trainable=p.requires_grad, on_device=gpu)
         assert sid == index
-        self._engine_param_ptr.append(p.data_ptr())
-        self._param_version.append(p._version)
-        self._param_meta.append((p.dtype, tuple(p.shape), p.device))
+        self._engine_param_ptr.append(loc.data_ptr())
+        self._param_version.append(D.version(p))
+        self._param_meta.append(self._meta(p))
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
         self._hook_if_trainable(sid)
+
+    def _check_dtensor(self, p: torch.Tensor, index: int) -> None:
+        """What OffloadAdamW does not take of an FSDP2 (DTensor) parameter."""
+        if p.device_mesh.device_type != D.local(p).device.type:
+            raise ValueError(
+                f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
+                f"shard lives on {D.local(p).device.type} (FSDP2's CPUOffloadPolicy?): use either "
+                "CPUOffloadPolicy or OffloadAdamW, not both")
+        if self._gated:
+            raise NotImplementedError(
+                "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built: FSDP's all-gather "
+                "reads the shards before a module's forward could wait for them (the gate would have to "
+                "wait on FSDP's all-gather copy-in stream). Leave overlap_forward unset: step() orders "
+                "the uploads before FSDP's next all-gather.")
 
     def _check_param(self, sid: int) -> None:
         """Follow a change of parameter ``sid`` made outside the optimizer: new values are
         read into the host copy, a new storage of the same shape, dtype and device is
         written from now on; any other change raises, naming what changed."""
         p = self._params_of_slot[sid]
-        ptr = p.data_ptr()
+        loc = D.local(p)
+        ptr = loc.data_ptr()
         if ptr == self._engine_param_ptr[sid]:
-            if p._version != self._param_version[sid]:
+            ver = D.version(p)
+            if ver != self._param_version[sid]:
                 self._engine.reload_param(sid)
-                self._param_version[sid] = p._version
+                self._param_version[sid] = ver
             return
-        was, now = self._param_meta[sid], (p.dtype, tuple(p.shape), p.device)
-        if now != was or not p.is_contiguous():
+        was, now = self._param_meta[sid], self._meta(p)
+        if now != was or not loc.is_contiguous():
             what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), was, now)
                              if a != b) or "made non-contiguous"
             hint = (" (float64 is not supported: float32, float16 or bfloat16)"
@@ -460,9 +564,9 @@ class OffloadAdamW(Optimizer):
                 f"optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = ...). "
                 "Build the optimizer after converting or moving the model."
             )
-        self._engine.reload_param(sid, p.data.view(-1))
+        self._engine.reload_param(sid, loc.data.view(-1))
         self._engine_param_ptr[sid] = ptr
-        self._param_version[sid] = p._version
+        self._param_version[sid] = D.version(p)
 
     def _hook_if_trainable(self, sid: int) -> None:
         p = self._params_of_slot[sid]
@@ -488,7 +592,6 @@ class OffloadAdamW(Optimizer):
                 f"step() (parameter {sid}); only the last micro-batch's backward "
                 "belongs in that block"
             )
-        _refuse_multiprocess()
         self._check_param(sid)  # an edited weight is re-read before the update
         self._eager_done.add(sid)
         return self._hp(self._group_of_slot(sid))
@@ -502,17 +605,29 @@ class OffloadAdamW(Optimizer):
             opt = ref()
             if opt is None or opt._closed or p.grad is None:
                 return
-            if p.data_ptr() != opt._engine_param_ptr[sid]:
+            if D.local(p).data_ptr() != opt._engine_param_ptr[sid]:
                 opt._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
             if opt._eager and opt.max_grad_norm is None:
                 opt._staged.pop(sid, None)
                 opt._offload_grad(sid, p, opt._take_eager(sid))
                 return
+            if not opt._hook_copies(p):
+                return  # step() copies it
             grad = p.grad
             opt._offload_grad(sid, p)
-            opt._staged[sid] = [weakref.ref(grad), grad._version, None]
+            opt._staged[sid] = [weakref.ref(grad), D.version(grad), None]
 
         return hook
+
+    def _hook_copies(self, p: torch.Tensor) -> bool:
+        """Whether a gradient hook's copy of ``p.grad`` can serve ``step()``. Under FSDP2
+        (DTensor) only where a later change shows (a version counter moves; in torch 2.13
+        only ``max_grad_norm``'s own clipping, whose multiplier the host applies) or none
+        comes; a plain parameter in a run of several processes never (DDP, or the user,
+        reduces its gradient after the hook): ``step()`` copies those gradients."""
+        if D.is_dtensor(p):
+            return self.max_grad_norm is not None or D.foreach_moves_versions(p.device_mesh)
+        return D.world()[1] == 1
 
     def _gpu_slots(self) -> list[int]:
         """The slots whose zero-copy kernels start from gradient hooks under
@@ -556,16 +671,16 @@ class OffloadAdamW(Optimizer):
     def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
         """Copy ``p.grad`` to slot ``sid``'s host staging (``update``: the eager path, the
         update queued behind the copy and the gradient taken)."""
-        grad = p.grad
+        grad, loc = D.local(p.grad), D.local(p)
         if grad.is_sparse:
             raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if grad.dtype != p.dtype or grad.shape != p.shape:
+        if grad.dtype != loc.dtype or grad.shape != loc.shape:
             raise TypeError(
                 f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, "
-                f"the parameter is {p.dtype}{tuple(p.shape)}"
+                f"the parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else "")
             )
-        if grad.device != p.device:
-            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
+        if grad.device != loc.device:
+            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {loc.device}")
         # A contiguous gradient is copied as it is; another layout is first made
         # contiguous on the compute stream (the engine's copy is ordered after it).
         # (Each torch call releases and retakes the GIL, which under busy workers costs
@@ -611,6 +726,12 @@ class OffloadAdamW(Optimizer):
         faster (experiments/RESULTS.md, session 6).
         """
         self._check_open()
+        if D.world()[1] > 1 and not all(D.is_dtensor(p) for p in self._params_of_slot):
+            raise NotImplementedError(
+                "OffloadAdamW.last_micro_batch() in a run of several processes with plain (non-DTensor) "
+                "parameters is not built: their gradient hooks run before DDP's all-reduce (or any "
+                "reduction after backward), so the updates would use this rank's unreduced gradients. "
+                "Leave it out: step() takes the reduced gradients (FSDP2's DTensor parameters may use it).")
         if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
             self._hook_gpu_slots()  # parameters added since the last time included
         self._eager = True
@@ -619,27 +740,38 @@ class OffloadAdamW(Optimizer):
         finally:
             self._eager = False
 
-    def _grads(self) -> list[tuple[int, torch.Tensor]]:
-        """``(slot, parameter)`` of every parameter with a gradient, in group order."""
-        return [(self._slot_of[p], p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _grads(self) -> list[torch.Tensor]:
+        """Every parameter with a gradient, in group order (zero_stage=1: every rank's)."""
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _multiply(self, op, mult: dict[torch.dtype, float]) -> None:
         """Run ``op``, torch's in-place multiplication of the ``param.grad`` of ``self``'s
         parameters; a host copy still equal to its gradient before it gets the same
         multiplier, ``mult[grad dtype]`` (the contract's ``c``; a dtype not in ``mult``,
         or a second multiplication: copied again at ``step()``)."""
-        valid = {sid: rec for sid, rec in self._staged.items() if self._fresh(sid, rec)}
+        valid = {sid: rec for sid, rec in self._staged.items() if self._fresh(self._params_of_slot[sid], rec)}
         op()
         for sid, rec in valid.items():
             grad = self._params_of_slot[sid].grad
             c = mult.get(grad.dtype)
             if c is None or rec[2] is not None:
                 continue
-            rec[1], rec[2] = grad._version, c
+            rec[1], rec[2] = D.version(grad), c
 
-    def _fresh(self, sid: int, rec: list) -> bool:
-        grad = self._params_of_slot[sid].grad
-        return grad is not None and rec[0]() is grad and rec[1] == grad._version
+    @staticmethod
+    def _fresh(p: torch.Tensor, rec: list) -> bool:
+        """Whether ``p.grad`` is the tensor a staged copy (``rec``) was taken of, at the
+        same version."""
+        grad = p.grad
+        return grad is not None and rec[0]() is grad and rec[1] == D.version(grad)
+
+    def _trusted(self, p: torch.Tensor, rec: list) -> bool:
+        """Whether a staged copy (``rec``) is ``p.grad`` as it is now: :meth:`_fresh`, and
+        for a DTensor gradient whose in-place foreach changes move no version counter,
+        multiplied since by this optimizer alone (see :meth:`_hook_copies`)."""
+        if not self._fresh(p, rec):
+            return False
+        return rec[2] is not None or not D.is_dtensor(p) or D.foreach_moves_versions(p.device_mesh)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -661,14 +793,14 @@ class OffloadAdamW(Optimizer):
                                "gradients were taken by their updates (use max_grad_norm=, which turns "
                                "the eager path off)")
         if parameters is None:
-            params = [p for _, p in self._grads()]
+            params = self._grads()
         else:
             params = [p for p in parameters if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
         if params:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s lines
             self._multiply(lambda: torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach),
-                           {coef.dtype: float(coef)})
+                           {coef.dtype: float(D.local(coef))})
         self._last_norm = total
         return total
 
@@ -693,8 +825,9 @@ class OffloadAdamW(Optimizer):
             return False
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}
-        for _, p in self._grads():
-            by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for p in self._grads():
+            grad = D.local(p.grad)  # a DTensor's shard: the same bits, no dispatch
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
 
         def unscale():
             for (dev, _), grads in by_kind.items():
@@ -713,12 +846,13 @@ class OffloadAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._engine is None:
+        if self._engine is None and self._zero is None:
             return loss
-        self._engine.check_error()
-        _refuse_multiprocess()
+        if self._engine is not None:
+            self._engine.check_error()
         if self._amp():
             return loss
+        self._consolidated = None
         for sid in range(len(self._params_of_slot)):
             self._check_param(sid)
             if self._host_slot(sid):
@@ -731,14 +865,14 @@ class OffloadAdamW(Optimizer):
         for group in self.param_groups:
             hp = self._hp(group)
             for p in group["params"]:
-                sid = self._slot_of[p]
-                if p.grad is None or sid in eager_done:
+                sid = self._slot_of.get(p)  # None: another rank's (zero_stage=1)
+                if sid is None or p.grad is None or sid in eager_done:
                     continue  # no gradient: no update, as torch's
                 if self._engine.on_device(sid):
                     updates.append((sid, hp, *self._device_grad(sid)))
                     continue
                 rec = staged.get(sid)
-                if rec is not None and self._fresh(sid, rec):
+                if rec is not None and self._trusted(p, rec):
                     if rec[2] is not None:
                         coefs[sid] = rec[2]
                 else:
@@ -750,20 +884,23 @@ class OffloadAdamW(Optimizer):
             # waits for whatever was queued. Waiting on a slot that queued nothing is harmless.
             with self._pending_lock:
                 self._pending.update(u[0] for u in updates)
-        try:
-            self._engine.step(updates, coefs=coefs)
-        finally:
-            if not self._gated:
-                self._engine.wait_step()  # every reader on the current stream sees the new weights
+        if self._engine is not None:
+            try:
+                self._engine.step(updates, coefs=coefs)
+            finally:
+                if not self._gated:
+                    self._engine.wait_step()  # every reader on the current stream sees the new weights
+        if self._zero is not None:  # after the uploads (the current stream waits for them)
+            D.broadcast_from_owners([p for g in self.param_groups for p in g["params"]], self._zero.owner)
         return loss
 
     def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
         p = self._params_of_slot[sid]
-        grad = p.grad
+        grad, loc = D.local(p.grad), D.local(p)
         if grad.is_sparse:
             raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if grad.device != p.device:
-            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {p.device}")
+        if grad.device != loc.device:
+            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on {loc.device}")
         if grad.dtype not in _DTYPE_NAME:
             raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
         return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
@@ -810,12 +947,19 @@ class OffloadAdamW(Optimizer):
 
     def last_grad_norm(self) -> float | None:
         """The total gradient norm of the last :meth:`clip_grad_norm` (``max_grad_norm``)."""
-        return None if self._last_norm is None else float(self._last_norm)
+        return None if self._last_norm is None else float(D.local(self._last_norm))
 
     def stats(self) -> dict[str, float]:
-        """Engine counters: bytes moved, state bytes, update and stall times."""
+        """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of
+        them ``pinned_state_bytes``), update and stall times, worker ``threads``, and where
+        the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
+        ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
+        them over the ranks itself (e.g. ``all_gather_object``)."""
         self._check_open()
-        return {} if self._engine is None else self._engine.stats()
+        (rank, world), (lrank, lworld) = D.world(), D.local_world()
+        where = dict(rank=rank, world_size=world, local_rank=lrank, local_world_size=lworld,
+                     worker_cores=len(self._cores or ()))
+        return {**({} if self._engine is None else self._engine.stats()), **{k: float(v) for k, v in where.items()}}
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -838,40 +982,76 @@ class OffloadAdamW(Optimizer):
         master, m, v, step = self._engine.state(sid, copy=False)
         if step == 0:
             return {}
-        shape = self._params_of_slot[sid].shape
-        entry = {
-            "step": torch.tensor(float(step), dtype=torch.float32),
-            "exp_avg": torch.from_numpy(m).view(shape),
-            "exp_avg_sq": torch.from_numpy(v).view(shape),
-        }
-        if self._params_of_slot[sid].dtype != torch.float32:
-            entry["master_param"] = torch.from_numpy(master).view(shape)
+        p = self._params_of_slot[sid]
+        shape = D.local(p).shape
+
+        def view(a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
+            t = torch.from_numpy(a).view(shape)
+            return D.state_view(p, t) if D.is_dtensor(p) else t
+
+        entry = {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": view(m), "exp_avg_sq": view(v)}
+        if p.dtype != torch.float32:
+            entry["master_param"] = view(master)
         return entry
 
     def state_dict(self) -> dict[str, Any]:
         """A ``torch.optim.AdamW``-compatible state dict: its state tensors are views of
-        the optimizer's (as ``torch.optim.AdamW``'s are its own), see :attr:`state`.
+        the optimizer's (as ``torch.optim.AdamW``'s are its own), see :attr:`state`;
+        DTensors for FSDP2's parameters, laid out as they are.
 
         Per parameter: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq``
         (float32, the parameter's shape) and, for fp16/bf16 parameters, ``master_param``
-        (the fp32 master, so that resuming is bit-exact).
+        (the fp32 master, so that resuming is bit-exact). With ``zero_stage=1``: the
+        whole state gathered by the last :meth:`consolidate_state_dict` to this rank
+        (copies; a ``step()`` since discards them).
         """
         self._check_open()
         self._check_no_eager_in_flight("state_dict")
+        if self._zero is None:
+            return self._own_state_dict()
+        if self._consolidated is None:
+            raise RuntimeError(
+                "OffloadAdamW(zero_stage=1).state_dict(): each rank holds only its partition of the state. "
+                "Call consolidate_state_dict(to=rank) on every rank first (ZeroRedundancyOptimizer's "
+                "protocol), then state_dict() on that rank (not since a step())")
+        return self._consolidated
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        """This rank's state (views), keyed by each parameter's index in the groups."""
+        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for sid in range(len(self._params_of_slot)):
+        for sid, p in enumerate(self._params_of_slot):
             entry = self._state_of(sid)
             if entry:
-                state[sid] = entry
+                state[index[p]] = entry
         groups = []
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = [self._slot_of[p] for p in g["params"]]
+            packed["params"] = [index[p] for p in g["params"]]
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """``zero_stage=1``: gather every rank's partition of the state on rank ``to``,
+        whose :meth:`state_dict` then returns all of it in ``torch.optim.AdamW``'s format
+        (ZeroRedundancyOptimizer's protocol, which Lightning's DDP strategy follows). A
+        collective: every rank calls it."""
+        self._check_open()
+        self._check_no_eager_in_flight("consolidate_state_dict")
+        if self._zero is None:
+            raise RuntimeError("OffloadAdamW.consolidate_state_dict() is for zero_stage=1: without it "
+                               "state_dict() holds all of this rank's state")
+        own = self._own_state_dict()
+        shares = D.gather_to(own["state"], to)  # pickled: copies of the views
+        self._consolidated = None
+        if shares is not None:
+            state = {i: entry for share in shares for i, entry in share.items()}
+            self._consolidated = {"state": dict(sorted(state.items())), "param_groups": own["param_groups"]}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW``."""
+        """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW`` (DTensor values
+        included: torch.distributed.checkpoint passes it by keyword). With
+        ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
         self._check_open()
         self._check_no_eager_in_flight("load_state_dict")
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
@@ -898,6 +1078,8 @@ class OffloadAdamW(Optimizer):
             if saved_id not in id_map:
                 raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
             p = id_map[saved_id]
+            if p not in self._slot_of:
+                continue  # another rank's (zero_stage=1)
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 if key not in entry:
                     raise ValueError(f"loaded state for parameter {saved_id} lacks '{key}'")
@@ -912,15 +1094,15 @@ class OffloadAdamW(Optimizer):
             if step < 0 or step != int(step):
                 raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
 
-            def f32(t):
-                return t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy()
+            def f32(t, p=p):
+                return _local_value(t, p).to("cpu", torch.float32).contiguous().view(-1).numpy()
 
             master = None
             if "master_param" in entry and p.dtype != torch.float32:
-                saved = entry["master_param"].detach().to("cpu", torch.float32)
+                saved = _local_value(entry["master_param"], p).to("cpu", torch.float32)
                 # Keep the fp32 master only if it still rounds to the live weights: a
                 # checkpoint that went through torch.optim.AdamW carries a stale one.
-                if torch.equal(saved.to(p.dtype), p.detach().to("cpu")):
+                if torch.equal(saved.to(p.dtype), D.local(p).detach().to("cpu")):
                     master = f32(saved)
                 else:
                     warnings.warn(
@@ -935,16 +1117,18 @@ class OffloadAdamW(Optimizer):
             _check_group({**self.defaults, **sg})
         for sid in range(len(self._params_of_slot)):
             self._check_param(sid)  # a replaced storage first (the masters are checked against it)
-        self._engine.drain()
-        loaded = {sid for sid, *_ in loads}
-        for sid, m, v, step, master in loads:
-            self._engine.load_state(sid, m, v, step, master)
-        for sid, p in enumerate(self._params_of_slot):
-            if sid not in loaded:  # no saved state: a fresh parameter, as in torch
-                zeros = np.zeros(p.numel(), np.float32)
-                self._engine.load_state(sid, zeros, zeros, 0, None)
-        self._engine.clear_error()  # every slot is consistent again
-        self._param_version = [p._version for p in self._params_of_slot]  # the masters follow them
+        self._consolidated = None
+        if self._engine is not None:
+            self._engine.drain()
+            loaded = {sid for sid, *_ in loads}
+            for sid, m, v, step, master in loads:
+                self._engine.load_state(sid, m, v, step, master)
+            for sid, p in enumerate(self._params_of_slot):
+                if sid not in loaded:  # no saved state: a fresh parameter, as in torch
+                    zeros = np.zeros(D.local(p).numel(), np.float32)
+                    self._engine.load_state(sid, zeros, zeros, 0, None)
+            self._engine.clear_error()  # every slot is consistent again
+        self._param_version = [D.version(p) for p in self._params_of_slot]  # the masters follow them
         with self._pending_lock:
             self._pending.clear()
         self._eager_done.clear()

@@ -1,0 +1,108 @@
+"""Host cores per rank: the default worker count, a disjoint core slice per local rank
+(NUMA-local where ``/sys`` tells the GPU's node), and binding threads to it.
+
+Several processes of one host (torchrun's local ranks) each run an engine with its own
+worker pool; left alone, each would start a worker per core of the whole host. Linux only
+for the binding and NUMA parts; elsewhere every function degrades to "all cores, unbound".
+No torch, no JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["usable_cores", "default_threads", "rank_cores", "pci_numa_node", "bind_current_thread", "bound"]
+
+
+def usable_cores() -> list[int]:
+    """The CPU ids this process may run on (its affinity mask), ascending."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def default_threads(local_world: int = 1, cores: list[int] | None = None) -> int:
+    """Worker threads of one rank: its share of the usable cores (or of ``cores``, its
+    slice) less one, which drives the framework; at least 1."""
+    n = len(cores) if cores is not None else len(usable_cores()) // max(1, int(local_world))
+    return max(1, n - 1)
+
+
+def _cpulist(text: str) -> list[int]:
+    """Parse a kernel cpulist (``"0-3,8,10-11"``)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pci_numa_node(bus_id: str | None) -> int | None:
+    """The NUMA node of a PCI device (``"0000:3b:00.0"``) from ``/sys``; None if unknown."""
+    if not bus_id:
+        return None
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node") as f:
+            node = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def _node_cores(node: int) -> list[int]:
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            return _cpulist(f.read())
+    except (OSError, ValueError):
+        return []
+
+
+def rank_cores(local_rank: int, local_world: int, nodes: list[int | None] | None = None) -> list[int]:
+    """A disjoint slice of the usable cores for ``local_rank`` of ``local_world`` ranks.
+
+    ``nodes``: the NUMA node of each local rank's GPU (None where unknown). Where this
+    rank's node is known and has usable cores, the ranks on that node split its cores;
+    otherwise all ranks split the usable cores in rank order. Never empty.
+    """
+    cores = usable_cores()
+    local_world = max(1, int(local_world))
+    node = nodes[local_rank] if nodes is not None and local_rank < len(nodes) else None
+    if node is not None:
+        on_node = [c for c in _node_cores(node) if c in set(cores)]
+        peers = [r for r in range(local_world) if nodes[r] == node]
+        if on_node and len(on_node) >= len(peers):
+            cores, local_world, local_rank = on_node, len(peers), peers.index(local_rank)
+    k = max(1, len(cores) // local_world)
+    part = cores[local_rank * k:(local_rank + 1) * k]
+    return part or cores[-k:]
+
+
+def bind_current_thread(cores: list[int] | None) -> None:
+    """Bind the calling thread to ``cores`` (Linux; a no-op elsewhere or when refused)."""
+    if cores:
+        try:
+            os.sched_setaffinity(0, cores)  # pid 0: the calling thread
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+@contextlib.contextmanager
+def bound(cores: list[int] | None):
+    """Run the block with the calling thread bound to ``cores``, then restore its mask
+    (first-touch of memory allocated in the block lands on those cores' NUMA node)."""
+    if not cores:
+        yield
+        return
+    try:
+        before = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        yield
+        return
+    bind_current_thread(cores)
+    try:
+        yield
+    finally:
+        bind_current_thread(sorted(before))

@@ -1,0 +1,165 @@
+"""What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's
+DTensor parameters (each rank offloads its local shard), the process's place among the
+ranks of its host (worker threads and cores), and ZeRO-1's partition, broadcast and state
+consolidation. No arithmetic lives here.
+
+``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .. import _cores
+
+__all__ = ["is_dtensor", "local", "version", "foreach_moves_versions", "state_view", "world",
+           "local_world", "worker_cores", "ZeroPartition", "broadcast_from_owners", "gather_to"]
+
+
+# -- FSDP2: DTensor parameters ---------------------------------------------------------------
+
+def is_dtensor(t: Any) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (FSDP2: this rank's shard, maybe uneven or of 0
+    elements, whose storage FSDP's all-gather reads), else ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def version(t: torch.Tensor) -> Any:
+    """What torch's version counters say of in-place changes to ``t``: for a DTensor its own
+    counter and its local tensor's (FSDP2's ``load_state_dict`` and
+    ``set_model_state_dict`` move only the first, an edit of ``to_local()`` only the second)."""
+    return (t._version, t._local_tensor._version) if is_dtensor(t) else t._version
+
+
+_FOREACH_VERSIONS: bool | None = None
+
+
+def foreach_moves_versions(mesh: Any) -> bool:
+    """Whether an in-place ``torch._foreach_*`` op on DTensors (``clip_grad_norm_``'s)
+    moves a version counter. In torch 2.13 it moves none (pytorch/pytorch PR #197502, open
+    then): a gradient changed that way looks unchanged. Probed once per process on a
+    1-element replicated DTensor of ``mesh`` (no communication)."""
+    global _FOREACH_VERSIONS
+    if _FOREACH_VERSIONS is None:
+        from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415 (imported by then)
+
+        with torch.no_grad():
+            t = DTensor.from_local(torch.zeros(1, device=mesh.device_type), mesh,
+                                   [Replicate()] * mesh.ndim, run_check=False)
+            before = version(t)
+            torch._foreach_mul_([t], 2.0)
+            _FOREACH_VERSIONS = version(t) != before
+    return _FOREACH_VERSIONS
+
+
+def state_view(param: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``host`` (this rank's shard of a state tensor, in host memory) as a DTensor laid out
+    as the DTensor ``param`` (mesh, placements, global shape and stride): a view, so that
+    torch.distributed.checkpoint saves every rank's shard and loads in place. Built as FSDP2
+    builds its CPU-offloaded shards (``DTensor.from_local`` would copy it to the mesh's
+    device)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: PLC0415
+
+    meta = TensorMeta(param.shape, param.stride(), host.dtype)
+    return DTensor(host, DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta),
+                   requires_grad=False)
+
+
+# -- ranks and host resources ----------------------------------------------------------------
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def local_world() -> tuple[int, int]:
+    """``(local rank, local world size)``: the processes of this host. torchrun's
+    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; without them, with torch.distributed initialised,
+    the rank and world size (all ranks counted as local: never more threads than cores)."""
+    try:
+        return int(os.environ["LOCAL_RANK"]), max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return world()
+
+
+def _gpu_numa_node(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
+    bus, dev = getattr(props, "pci_bus_id", None), getattr(props, "pci_device_id", None)
+    if bus is None or dev is None:
+        return None
+    return _cores.pci_numa_node(f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{dev:02x}.0")
+
+
+def worker_cores(spec: Any, device: torch.device) -> list[int] | None:
+    """The cores ``OffloadAdamW(worker_cores=spec)`` binds its workers to: None (unbound),
+    ``"auto"`` (this local rank's slice, see :func:`trainstream._cores.rank_cores`; NUMA-
+    local where every local rank r drives GPU r, torchrun's convention, and ``/sys`` gives
+    their nodes) or a list of CPU ids."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ValueError(f"worker_cores must be None, 'auto' or a list of CPU ids, got {spec!r}")
+        lrank, lworld = local_world()
+        nodes = None
+        if device.type == "cuda" and device.index == lrank and torch.cuda.device_count() >= lworld:
+            nodes = [_gpu_numa_node(r) for r in range(lworld)]
+        return _cores.rank_cores(lrank, lworld, nodes)
+    try:
+        cores = sorted({int(c) for c in spec})
+    except (TypeError, ValueError):
+        raise ValueError(f"worker_cores must be None, 'auto' or a list of CPU ids, got {spec!r}") from None
+    usable = set(_cores.usable_cores())
+    if not cores or not set(cores) <= usable:
+        raise ValueError(f"worker_cores {cores} must be a non-empty subset of this process's cores {sorted(usable)}")
+    return cores
+
+
+# -- ZeRO-1 ----------------------------------------------------------------------------------
+
+class ZeroPartition:
+    """ZeroRedundancyOptimizer's partition of the parameters between the ranks: per param
+    group in order, its parameters largest first (a stable sort), each to the rank that
+    holds the fewest elements so far (the lowest such rank). A group added later continues
+    from the counts so far, as ZeroRedundancyOptimizer's repartition from scratch gives."""
+
+    def __init__(self, world_size: int):
+        self.sizes = [0] * world_size
+        self.owner: dict[torch.Tensor, int] = {}
+
+    def add_group(self, params: Sequence[torch.Tensor]) -> None:
+        for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+            r = self.sizes.index(min(self.sizes))
+            self.owner[p] = r
+            self.sizes[r] += p.numel()
+
+
+def broadcast_from_owners(params: Iterable[torch.Tensor], owner: dict[torch.Tensor, int]) -> None:
+    """Every parameter from the rank that owns it to all (``p.data``: no version counter
+    moves), issued together, then waited for (NCCL: the current stream waits)."""
+    dist = torch.distributed
+    works = [dist.broadcast(p.data, src=owner[p], async_op=True) for p in params]
+    for w in works:
+        w.wait()
+
+
+def gather_to(obj: Any, to: int) -> list | None:
+    """``obj`` of every rank, on rank ``to`` (None on the others): a collective."""
+    rank, size = world()
+    out = [None] * size if rank == to else None
+    torch.distributed.gather_object(obj, out, dst=to)
+    return out
