@@ -1,0 +1,399 @@
+"""OffloadAdamW in runs of several processes, each rank offloading only what it updates:
+FSDP2 (``fully_shard``, HSDP, ``MixedPrecisionPolicy``, uneven and empty shards),
+torch.distributed.checkpoint both ways, DDP and ``zero_stage=1``. Two gloo ranks
+(``torch.multiprocessing.spawn``); the CUDA variants, marked ``gpu``, put both ranks on
+one GPU (NCCL refuses that). Each scenario is bitwise against the same sharded run with
+``torch.optim.AdamW``: every rank's local shard after every step, flags reduced over the
+ranks. The scenarios of a job share one spawn (start-up paid once); a scenario that raises
+stops its job, and the tests of the scenarios after it report that error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = torch.distributed
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+from trainstream import _cores  # noqa: E402
+from trainstream.torch import OffloadAdamW  # noqa: E402
+
+LR, WD = 1e-2, 0.05
+
+
+# -- the harness ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, job: str, device: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # 2 ranks on a 2-core machine: spinning intra-op threads starve the workers
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    results: dict[str, dict] = {}
+    try:
+        for name, fn in JOBS[job]:
+            try:
+                checks = fn(rank, device, out)
+            except Exception:  # noqa: BLE001 - reported by the test of this scenario
+                results[name] = {"error": f"rank {rank}: {traceback.format_exc()[-3000:]}"}
+                break
+            flags = torch.tensor([int(bool(v)) for v in checks.values()] or [1])
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank's shards
+            results[name] = {"checks": dict(zip(checks, map(bool, flags.tolist())))}
+    finally:
+        if rank == 0 or any("error" in r for r in results.values()):
+            with open(os.path.join(out, f"results{rank}.json"), "w") as f:
+                json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _run(job: str, device: str, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp(f"{job}_{device}")
+    try:
+        mp.spawn(_rank_main, args=(2, _free_port(), job, device, str(out)), nprocs=2, join=True)
+    except Exception as exc:  # noqa: BLE001 - the scenarios' own reports say more
+        failure = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = "no result"
+    results: dict = {}
+    for rank in (1, 0):  # rank 0's report wins; an error of rank 1 fills the gaps
+        path = out / f"results{rank}.json"
+        if path.exists():
+            results.update(json.loads(path.read_text()))
+    results["__failure__"] = failure
+    return results
+
+
+def _check(results: dict, name: str) -> None:
+    r = results.get(name)
+    if r is None:
+        pytest.fail(f"scenario {name} did not run: {results['__failure__']}; earlier errors: "
+                    + "; ".join(v["error"] for v in results.values() if isinstance(v, dict) and "error" in v))
+    assert "error" not in r, r["error"]
+    failed = [k for k, ok in r["checks"].items() if not ok]
+    assert not failed, f"{name}: checks failed on some rank: {failed}"
+
+
+def _all(flags) -> bool:
+    return all(bool(f) for f in flags)
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    """Every parameter's local shard bitwise equal."""
+    def loc(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    return all(torch.equal(loc(p), loc(q)) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _x(step: int, mb: int, rank: int, device: str, n_in: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * mb + rank)
+    return torch.randn(6, n_in, generator=g).to(device)
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------
+
+def _fsdp(device: str, mp_policy=None, mesh_shape=(2,)):
+    """Linear(5,7) (7 rows: 4 | 3, uneven), Linear(7,9), Linear(9,1) (1 row: rank 1's weight
+    and bias shards are empty), each layer and the root fully_shard-ed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 9), nn.GELU(), nn.Linear(9, 1)).to(device)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+    mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=names)
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for i in (0, 2, 4):
+        fully_shard(m[i], mesh=mesh, **kw)
+    fully_shard(m, mesh=mesh, **kw)
+    return m
+
+
+def _groups(m, split):
+    if not split:
+        return m.parameters()
+    first = [m[0].weight, m[4].weight]
+    return [{"params": first, "lr": 2e-2, "weight_decay": 0.1},
+            {"params": [p for p in m.parameters() if all(p is not q for q in first)], "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def _fsdp_pair(rank, device, *, mp_policy=None, mesh_shape=(2,), micro=1, nosync=False, clip=None,
+               split=False, eager=False, steps=4, **kw):
+    """The reference (torch.optim.AdamW, the user's clip_grad_norm_ over model.parameters())
+    and OffloadAdamW on the same FSDP2 model. ``clip``: "user" (clip_grad_norm_ in both
+    loops), "max" (max_grad_norm), "method" (opt.clip_grad_norm(0.05, parameters=...))."""
+    ref, tst = _fsdp(device, mp_policy, mesh_shape), _fsdp(device, mp_policy, mesh_shape)
+    opt_r = torch.optim.AdamW(_groups(ref, split), lr=LR, weight_decay=WD)
+    opt_t = OffloadAdamW(_groups(tst, split), lr=LR, weight_decay=WD,
+                         max_grad_norm=0.05 if clip == "max" else None, **kw)
+    flags, norms = [], []
+    for step in range(steps):
+        for model, opt in ((ref, opt_r), (tst, opt_t)):
+            for mb in range(micro):
+                last = mb == micro - 1
+                if nosync:
+                    model.set_requires_gradient_sync(last)
+                loss = model(_x(step, mb, rank, device, 5)).square().mean()
+                if eager and last and opt is opt_t:
+                    with opt.last_micro_batch():
+                        loss.backward()
+                else:
+                    loss.backward()
+            if clip == "user" or (clip and opt is opt_r):
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).to_local().item())
+            elif clip == "method":
+                norms.append(opt.clip_grad_norm(0.05, parameters=model.parameters()).to_local().item())
+            opt.step()
+            if clip == "max" and opt is opt_t:
+                norms.append(opt.last_grad_norm())
+            opt.zero_grad()
+        flags.append(_same(ref, tst))
+    opt_t.close()
+    return flags, norms[0::2] == norms[1::2]
+
+
+def fsdp_fp32(rank, device, out):
+    m = _fsdp(device)
+    shards = [tuple(p.to_local().shape) for p in m.parameters()]
+    opt = OffloadAdamW(m.parameters(), lr=LR)
+    st = opt.stats()
+    opt.close()
+    flags, _ = _fsdp_pair(rank, device)
+    return {"uneven and empty shards": shards == ([(4, 5), (4,), (5, 7), (5,), (1, 9), (1,)] if rank == 0
+                                                  else [(3, 5), (3,), (4, 7), (4,), (0, 9), (0,)]),
+            "one slot per local shard": st["params"] == 6 and st["numel"] == sum(map(_numel, shards)),
+            "threads from the local world size": st["threads"] == _cores.default_threads(2),
+            "local_rank in stats": st["local_rank"] == rank and st["local_world_size"] == 2,
+            "bit-identical": _all(flags)}
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def fsdp_accumulation(rank, device, out):
+    return {"with sync": _all(_fsdp_pair(rank, device, micro=3)[0]),
+            "without sync": _all(_fsdp_pair(rank, device, micro=3, nosync=True)[0])}
+
+
+def fsdp_clipping(rank, device, out):
+    """The user's clip_grad_norm_ (foreach on DTensors: no version moves), max_grad_norm
+    and clip_grad_norm(): the same norms, the same bits."""
+    out = {}
+    for clip in ("user", "max", "method"):
+        flags, norms = _fsdp_pair(rank, device, clip=clip, micro=2)
+        out[f"{clip}: bit-identical"], out[f"{clip}: norms"] = _all(flags), norms
+    return out
+
+
+def fsdp_param_groups(rank, device, out):
+    flags, norms = _fsdp_pair(rank, device, split=True, clip="method", micro=2, nosync=True)
+    return {"bit-identical": _all(flags), "norms in the model's order": norms}
+
+
+def fsdp_mixed_precision(rank, device, out):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for name, pol, kw in (("bf16, fp32 reduce, no-sync, max_grad_norm",
+                           MixedPrecisionPolicy(torch.bfloat16, torch.float32), dict(micro=2, nosync=True, clip="max")),
+                          ("bf16, bf16 reduce, sync, user clip",
+                           MixedPrecisionPolicy(torch.bfloat16), dict(micro=2, clip="user"))):
+        flags, norms = _fsdp_pair(rank, device, mp_policy=pol, **kw)
+        out[name] = _all(flags) and norms
+    m = _fsdp(device, MixedPrecisionPolicy(torch.bfloat16))
+    out["sharded parameters stay fp32"] = all(p.dtype == torch.float32 for p in m.parameters())
+    return out
+
+
+def fsdp_hsdp(rank, device, out):
+    """A (replicate 2, shard 1) mesh: placements (Replicate, Shard(0))."""
+    out = {}
+    for name, kw in (("sync, user clip", dict(micro=2, clip="user")),
+                     ("no-sync, max_grad_norm", dict(micro=2, nosync=True, clip="max"))):
+        flags, norms = _fsdp_pair(rank, device, mesh_shape=(2, 1), **kw)
+        out[name] = _all(flags) and norms
+    return out
+
+
+def fsdp_eager(rank, device, out):
+    return {"last_micro_batch": _all(_fsdp_pair(rank, device, micro=2, eager=True)[0])}
+
+
+def fsdp_weight_edits(rank, device, out):
+    """Weights changed between steps: model.load_state_dict (moves only the DTensor's
+    version counter) and an edit of the local shard (only the local tensor's)."""
+    ref, tst = _fsdp(device), _fsdp(device)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    opt_t = OffloadAdamW(tst.parameters(), lr=LR, weight_decay=WD)
+    flags = []
+    for step in range(4):
+        for model, opt in ((ref, opt_r), (tst, opt_t)):
+            if step == 1:
+                model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+            if step == 2:
+                with torch.no_grad():
+                    model[2].weight.to_local().add_(0.25)
+            model(_x(step, 0, rank, device, 5)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        flags.append(_same(ref, tst))
+    opt_t.close()
+    return {"edits followed": _all(flags)}
+
+
+def fsdp_refusals(rank, device, out):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    m = _fsdp(device)
+    got = {}
+    for name, kw, exc in (("overlap_forward", dict(overlap_forward=m), NotImplementedError),
+                          ("zero_stage=1", dict(zero_stage=1), ValueError)):
+        try:
+            OffloadAdamW(m.parameters(), **kw).close()
+        except exc as e:
+            got[name] = "not built" in str(e) or "sharded already" in str(e)
+        else:
+            got[name] = False
+    if device == "cuda":
+        c = nn.Linear(4, 4).to(device)
+        fully_shard(c, offload_policy=CPUOffloadPolicy())
+        try:
+            OffloadAdamW(c.parameters()).close()
+        except ValueError as e:
+            got["CPUOffloadPolicy"] = "CPUOffloadPolicy" in str(e)
+        else:
+            got["CPUOffloadPolicy"] = False
+    return got
+
+
+# -- torch.distributed.checkpoint -----------------------------------------------------------------
+
+def _train(model, opt, steps, first, rank, device):
+    for step in range(first, first + steps):
+        model(_x(step, 0, rank, device, 5)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _make(cls, device):
+    m = _fsdp(device)
+    return m, cls(m.parameters(), lr=LR, weight_decay=WD)
+
+
+def _close(*opts):
+    for o in opts:
+        if isinstance(o, OffloadAdamW):
+            o.close()
+
+
+def _state_same(a, b) -> bool:
+    return all(torch.equal(a[k][n].to_local(), b[k][n].to_local()) for k in a for n in ("exp_avg", "exp_avg_sq")) \
+        and all(float(a[k]["step"]) == float(b[k]["step"]) for k in a) and a.keys() == b.keys()
+
+
+def dcp_round_trips(rank, device, out):
+    """dcp.save of model and optimizer after 2 steps, dcp.load into a fresh pair, 2 more
+    steps: bitwise the uninterrupted run, in every direction with torch.optim.AdamW."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    got = {}
+    for src, dst in ((torch.optim.AdamW, OffloadAdamW), (OffloadAdamW, torch.optim.AdamW), (OffloadAdamW, OffloadAdamW)):
+        name = f"{src.__name__} -> {dst.__name__}"
+        ckpt = os.path.join(out, name.replace(" ", "").replace(">", ""))
+        ma, oa = _make(src, device)
+        _train(ma, oa, 4, 0, rank, device)
+        mb, ob = _make(src, device)
+        _train(mb, ob, 2, 0, rank, device)
+        osd = get_optimizer_state_dict(mb, ob)
+        got[f"{name}: DTensor state under the FQNs"] = all(
+            isinstance(st["exp_avg"], DTensor) for st in osd["state"].values()) and "4.weight" in osd["state"]
+        dcp.save({"model": get_model_state_dict(mb), "optim": osd}, checkpoint_id=ckpt)
+        mc, oc = _make(dst, device)
+        sd = {"model": get_model_state_dict(mc), "optim": get_optimizer_state_dict(mc, oc)}
+        dcp.load(sd, checkpoint_id=ckpt)
+        set_model_state_dict(mc, sd["model"])
+        set_optimizer_state_dict(mc, oc, sd["optim"])
+        _train(mc, oc, 2, 2, rank, device)
+        got[f"{name}: resumed bit-identically"] = _same(ma, mc)
+        got[f"{name}: the same state"] = _state_same(get_optimizer_state_dict(ma, oa)["state"],
+                                                     get_optimizer_state_dict(mc, oc)["state"])
+        _close(oa, ob, oc)
+    return got
+
+
+def dcp_full_state_dict(rank, device, out):
+    """get/set_*_state_dict with full_state_dict=True (gathered tensors), the model's weights
+    set first: the optimizer's hidden zero-gradient step (lr 0) must use the loaded weights."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True)
+    got = {}
+    for src, dst in ((OffloadAdamW, torch.optim.AdamW), (torch.optim.AdamW, OffloadAdamW), (OffloadAdamW, OffloadAdamW)):
+        ma, oa = _make(src, device)
+        _train(ma, oa, 2, 0, rank, device)
+        full = get_optimizer_state_dict(ma, oa, options=opts)
+        mc, oc = _make(dst, device)
+        set_model_state_dict(mc, get_model_state_dict(ma, options=opts), options=opts)
+        set_optimizer_state_dict(mc, oc, full, options=opts)
+        _train(ma, oa, 2, 2, rank, device)
+        _train(mc, oc, 2, 2, rank, device)
+        got[f"{src.__name__} -> {dst.__name__}"] = _same(ma, mc)
+        _close(oa, oc)
+    return got
+
+
+JOBS = {
+    "fsdp": [(f.__name__, f) for f in (fsdp_fp32, fsdp_accumulation, fsdp_clipping, fsdp_param_groups,
+                                      fsdp_mixed_precision, fsdp_hsdp, fsdp_eager, fsdp_weight_edits,
+                                      fsdp_refusals, dcp_round_trips, dcp_full_state_dict)],
+}
+
+FSDP = [name for name, _ in JOBS["fsdp"]]
+
+
+@pytest.fixture(scope="module")
+def fsdp_cpu(tmp_path_factory):
+    return _run("fsdp", "cpu", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fsdp_cuda(tmp_path_factory):
+    return _run("fsdp", "cuda", tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp2(fsdp_cpu, name):
+    _check(fsdp_cpu, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp2_cuda(fsdp_cuda, name):
+    _check(fsdp_cuda, name)
