@@ -369,13 +369,163 @@ def dcp_full_state_dict(rank, device, out):
     return got
 
 
+# -- DDP and zero_stage=1 --------------------------------------------------------------------------
+
+def _mlp(device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 31), nn.Tanh(), nn.Linear(31, 17), nn.GELU(), nn.Linear(17, 1)).to(device)
+
+
+def _ddp(device, gabv=False):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(_mlp(device), gradient_as_bucket_view=gabv, device_ids=[0] if device == "cuda" else None)
+
+
+def _ddp_pair(rank, device, *, micro=2, clip=None, gabv=False, set_to_none=True, manual=False, split=False,
+              steps=4, ref=None, tst=None, opt_r=None, opt_t=None, first=0, **kw):
+    """torch.optim.AdamW and OffloadAdamW on DDP models (``manual``: plain models whose
+    gradients the loop all-reduces and averages by hand), ``micro`` micro-batches under
+    ``no_sync`` but the last; ``clip``: "user" (clip_grad_norm_ in both loops) or "max"."""
+    ref = ref or (_mlp(device) if manual else _ddp(device, gabv))
+    tst = tst or (_mlp(device) if manual else _ddp(device, gabv))
+    opt_r = opt_r or torch.optim.AdamW(_mlp_groups(ref, split), lr=LR, weight_decay=WD)
+    opt_t = opt_t or OffloadAdamW(_mlp_groups(tst, split), lr=LR, weight_decay=WD,
+                                  max_grad_norm=0.05 if clip == "max" else None, **kw)
+    flags = []
+    for step in range(first, first + steps):
+        for model, opt in ((ref, opt_r), (tst, opt_t)):
+            for mb in range(micro):
+                if mb < micro - 1 and not manual:
+                    with model.no_sync():
+                        model(_x(step, mb, rank, device, 5)).square().mean().backward()
+                else:
+                    model(_x(step, mb, rank, device, 5)).square().mean().backward()
+            if manual:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(2)
+            if clip == "user" or (clip and opt is opt_r):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        flags.append(_same(ref, tst))
+    return flags, ref, tst, opt_r, opt_t
+
+
+def _mlp_groups(m, split):
+    if not split:
+        return m.parameters()
+    ps = list(m.parameters())
+    return [{"params": ps[0::2], "weight_decay": 0.1}, {"params": ps[1::2], "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def ddp_default(rank, device, out):
+    """Gradients taken at step(), after DDP's all-reduce: one copy per parameter and step,
+    none in the hooks (which see this rank's own gradient)."""
+    got = {}
+    for name, kw in (("no_sync, user clip", dict(clip="user")),
+                     ("bucket views, zero_grad to zeros, max_grad_norm", dict(clip="max", gabv=True, set_to_none=False)),
+                     ("one micro-batch", dict(micro=1))):
+        flags, _, tst, _, opt = _ddp_pair(rank, device, **kw)
+        st = opt.stats()
+        got[name] = _all(flags)
+        got[f"{name}: one copy per step"] = st["grad_bytes_offloaded"] == 4 * st["numel"] * 4
+        opt.close()
+    return got
+
+
+def ddp_manual_all_reduce(rank, device, out):
+    """No DDP: the loop all-reduces param.grad by hand after backward."""
+    flags, *_, opt = _ddp_pair(rank, device, manual=True, clip="max")
+    opt.close()
+    return {"bit-identical": _all(flags)}
+
+
+def ddp_last_micro_batch_refused(rank, device, out):
+    m = _ddp(device)
+    opt = OffloadAdamW(m.parameters())
+    try:
+        with opt.last_micro_batch():
+            pass
+    except NotImplementedError as e:
+        ok = "unreduced" in str(e)
+    else:
+        ok = False
+    opt.close()
+    return {"refused": ok}
+
+
+def zero1(rank, device, out):
+    """zero_stage=1: ZeroRedundancyOptimizer's partition, state only for it, bitwise
+    DDP + torch.optim.AdamW with no_sync and the user's clip; the consolidated state dict
+    is torch.optim.AdamW's, on either rank; it resumes either way."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    flags, ref, tst, opt_r, opt = _ddp_pair(rank, device, clip="user", zero_stage=1)
+    zro = ZeroRedundancyOptimizer(list(tst.parameters()), optimizer_class=torch.optim.AdamW, lr=LR)
+    mine = {id(p) for p in zro._partition_parameters()[rank][0]["params"]}
+    got = {"bit-identical": _all(flags),
+           "ZeroRedundancyOptimizer's partition": {id(p) for p in opt.state} == mine,
+           "state only for the partition": opt.stats()["numel"] == sum(p.numel() for p in tst.parameters()
+                                                                         if id(p) in mine)}
+    try:
+        opt.state_dict()
+        got["state_dict() without consolidation raises"] = False
+    except RuntimeError as e:
+        got["state_dict() without consolidation raises"] = "consolidate_state_dict" in str(e)
+    rsd = opt_r.state_dict()
+    for to in (0, 1):
+        opt.consolidate_state_dict(to=to)
+        if rank == to:
+            sd = opt.state_dict()
+            got[f"consolidated on rank {to} is torch.optim.AdamW's"] = (
+                sd["param_groups"] == rsd["param_groups"] and sd["state"].keys() == rsd["state"].keys()
+                and all(torch.equal(sd["state"][i][k].cpu(), rsd["state"][i][k].cpu())
+                        for i in rsd["state"] for k in rsd["state"][i]))
+    # torch.optim.AdamW's state dict (the reference run's) into a fresh zero_stage=1 optimizer
+    # on a copy of the reference model: both go on bitwise
+    tst2 = _ddp(device)
+    tst2.module.load_state_dict(ref.module.state_dict())
+    opt2 = OffloadAdamW(tst2.parameters(), lr=LR, weight_decay=WD, zero_stage=1)
+    opt2.load_state_dict(rsd)
+    flags2, *_ = _ddp_pair(rank, device, clip="user", ref=ref, tst=tst2, opt_r=opt_r, opt_t=opt2,
+                           first=4, steps=2)
+    got["resumed from torch.optim.AdamW's state dict"] = _all(flags2)
+    opt.close()
+    opt2.close()
+    return got
+
+
+def zero1_groups_max_grad_norm(rank, device, out):
+    flags, *_, opt = _ddp_pair(rank, device, clip="max", split=True, gabv=True, zero_stage=1)
+    opt.close()
+    return {"bit-identical": _all(flags)}
+
+
+def worker_cores_auto(rank, device, out):
+    """worker_cores="auto": disjoint slices of the cores, the default thread count from them."""
+    opt = OffloadAdamW(_mlp(device).parameters(), worker_cores="auto")
+    cores = opt._cores
+    st = opt.stats()
+    opt.close()
+    every = [None, None]
+    dist.all_gather_object(every, cores)
+    return {"disjoint slices": not set(every[0]) & set(every[1]) and all(every),
+            "threads from the slice": st["threads"] == _cores.default_threads(cores=cores),
+            "cores in stats": st["worker_cores"] == len(cores)}
+
+
 JOBS = {
     "fsdp": [(f.__name__, f) for f in (fsdp_fp32, fsdp_accumulation, fsdp_clipping, fsdp_param_groups,
                                       fsdp_mixed_precision, fsdp_hsdp, fsdp_eager, fsdp_weight_edits,
                                       fsdp_refusals, dcp_round_trips, dcp_full_state_dict)],
+    "ddp": [(f.__name__, f) for f in (ddp_default, ddp_manual_all_reduce, ddp_last_micro_batch_refused, zero1,
+                                     zero1_groups_max_grad_norm, worker_cores_auto)],
 }
 
 FSDP = [name for name, _ in JOBS["fsdp"]]
+DDP = [name for name, _ in JOBS["ddp"]]
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +547,24 @@ def test_fsdp2(fsdp_cpu, name):
 @pytest.mark.parametrize("name", FSDP)
 def test_fsdp2_cuda(fsdp_cuda, name):
     _check(fsdp_cuda, name)
+
+
+@pytest.fixture(scope="module")
+def ddp_cpu(tmp_path_factory):
+    return _run("ddp", "cpu", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ddp_cuda(tmp_path_factory):
+    return _run("ddp", "cuda", tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", DDP)
+def test_ddp(ddp_cpu, name):
+    _check(ddp_cpu, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DDP)
+def test_ddp_cuda(ddp_cuda, name):
+    _check(ddp_cuda, name)
