@@ -1,5 +1,5 @@
 """The optimizer's lifecycle in the loops users run: wrappers that copy it (Lightning's
-LightningOptimizer), ``os.fork()``, several processes (refused until supported) and a
+LightningOptimizer), ``os.fork()``, several processes (the gradients taken at step()) and a
 parameter listed twice (refused)."""
 
 from __future__ import annotations
@@ -155,9 +155,11 @@ def test_fork_with_work_queued_never_hangs_the_child(child):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
 
 
-def test_multi_process_is_refused_with_a_clear_error(tmp_path, monkeypatch):
-    """One process (DDP over a group of one included) trains as torch.optim.AdamW does;
-    several processes are refused at step() until they are supported."""
+def test_several_processes_take_plain_gradients_at_step(tmp_path, monkeypatch):
+    """One process (DDP over a group of one included) trains as torch.optim.AdamW does, the
+    eager path included. With several processes the gradients of plain parameters are taken
+    at step() (after DDP's all-reduce), the hooks copy none, and last_micro_batch() is
+    refused with a clear error (tests/test_torch_dist.py runs real ranks)."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
@@ -167,14 +169,23 @@ def test_multi_process_is_refused_with_a_clear_error(tmp_path, monkeypatch):
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = OffloadAdamW(ddp.parameters(), lr=1e-2)
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        for _ in range(3):
+        for i in range(3):
             x = torch.randn(5, 8)
-            _step(ddp, opt, x)
+            _step(ddp, opt, x, last=i == 2)
             _step(ref, ropt, x)
         _assert_same(model, ref, opt)
         monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-        with pytest.raises(RuntimeError, match="does not support DistributedDataParallel or other multi-process"):
-            _step(ddp, opt, torch.randn(5, 8))
+        for _ in range(2):
+            x = torch.randn(5, 8)
+            before = opt.stats()["grad_bytes_offloaded"]
+            ddp(x).square().mean().backward()
+            assert opt.stats()["grad_bytes_offloaded"] == before  # no copy in the hooks
+            opt.step()
+            opt.zero_grad()
+            _step(ref, ropt, x)
+        _assert_same(model, ref, opt)
+        with pytest.raises(NotImplementedError, match="unreduced gradients"):
+            _step(ddp, opt, torch.randn(5, 8), last=True)
         opt.close()
     finally:
         dist.destroy_process_group()
