@@ -568,3 +568,28 @@ def test_ddp(ddp_cpu, name):
 @pytest.mark.parametrize("name", DDP)
 def test_ddp_cuda(ddp_cuda, name):
     _check(ddp_cuda, name)
+
+
+def test_bench_fsdp_runs_on_cpu_with_two_ranks(tmp_path):
+    """experiments/bench_fsdp.py's smoke mode: torchrun, 2 gloo ranks, a tiny GPT; the
+    setups that need CUDA (or DeepSpeed) are skipped and say so."""
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    script = repo / "experiments" / "bench_fsdp.py"
+    assert script.read_text().splitlines()[0].startswith("# Run (GPU machine, N GPUs of one host): torchrun ")
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), "--device", "cpu", "--size", "micro", "--batch", "2", "--seq", "32",
+                        "--vocab", "256", "--steps", "2", "--warmup", "1", "--json", str(out),
+                        "--setups", "fsdp_gpu,ts_cpu~clip,ts_hybrid"],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["setup"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["ts_hybrid"]["skipped"] == "needs CUDA"
+    for name in ("fsdp_gpu", "ts_cpu~clip"):
+        assert rows[name]["world_size"] == 2 and rows[name]["step_ms_median"] > 0
+    assert rows["ts_cpu~clip"]["host_state_gib_sum"] > 0
