@@ -122,9 +122,9 @@ class TorchBackend:
         if not self.cuda:
             dst.handle.copy_(src.reshape(-1))
             return None
-        nbytes = self._check_copy(dst, src, "gradient copy")
-        if not nbytes:  # an empty FSDP2 shard: its pointer is null, nothing to copy
+        if not src.numel():  # an empty FSDP2 shard: null pointers, nothing to copy
             return None
+        nbytes = self._check_copy(dst, src, "gradient copy")
         stream = self.d2h.cuda_stream
         if after is not None:
             self.drv.stream_wait_event(stream, after)
@@ -140,9 +140,9 @@ class TorchBackend:
         if not self.cuda:
             dst.reshape(-1).copy_(src.handle)
             return None
-        nbytes = self._check_copy(src, dst, "weight upload")
-        if not nbytes:
+        if not dst.numel():
             return None
+        nbytes = self._check_copy(src, dst, "weight upload")
         stream = self.h2d.cuda_stream
         if after is not None:
             self.drv.stream_wait_event(stream, after)
