@@ -80,7 +80,6 @@ def _check_group(group: dict[str, Any]) -> None:
     C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
-
 class _State(Mapping):
     """``OffloadAdamW.state``: per parameter that has been updated, its state as
     ``torch.optim.AdamW`` keeps it (``step``, ``exp_avg``, ``exp_avg_sq``; fp16/bf16 also
@@ -620,11 +619,12 @@ class OffloadAdamW(Optimizer):
         return hook
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
-        """Whether a gradient hook's copy of ``p.grad`` can serve ``step()``. Under FSDP2
-        (DTensor) only where a later change shows (a version counter moves; in torch 2.13
-        only ``max_grad_norm``'s own clipping, whose multiplier the host applies) or none
-        comes; a plain parameter in a run of several processes never (DDP, or the user,
-        reduces its gradient after the hook): ``step()`` copies those gradients."""
+        """Whether the gradient hook copies ``p.grad`` for ``step()`` to use. A plain
+        parameter in a run of several processes: no (DDP, or the loop, reduces its
+        gradient after the hook; ``step()`` copies it). A DTensor (FSDP2): where a later
+        change of the gradient would show (version counters that in-place foreach ops
+        move), or where the only change to come is ``max_grad_norm``'s clipping, whose
+        multiplier the host applies to its copy; otherwise ``step()`` copies it."""
         if D.is_dtensor(p):
             return self.max_grad_norm is not None or D.foreach_moves_versions(p.device_mesh)
         return D.world()[1] == 1
@@ -1034,13 +1034,13 @@ class OffloadAdamW(Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """``zero_stage=1``: gather every rank's partition of the state on rank ``to``,
         whose :meth:`state_dict` then returns all of it in ``torch.optim.AdamW``'s format
-        (ZeroRedundancyOptimizer's protocol, which Lightning's DDP strategy follows). A
-        collective: every rank calls it."""
+        (ZeroRedundancyOptimizer's protocol; Lightning calls it wherever it exists). A
+        collective: every rank calls it. Without ``zero_stage=1`` a no-op: ``state_dict()``
+        holds this rank's state."""
         self._check_open()
         self._check_no_eager_in_flight("consolidate_state_dict")
         if self._zero is None:
-            raise RuntimeError("OffloadAdamW.consolidate_state_dict() is for zero_stage=1: without it "
-                               "state_dict() holds all of this rank's state")
+            return
         own = self._own_state_dict()
         shares = D.gather_to(own["state"], to)  # pickled: copies of the views
         self._consolidated = None
@@ -1103,7 +1103,7 @@ class OffloadAdamW(Optimizer):
                 # Keep the fp32 master only if it still rounds to the live weights: a
                 # checkpoint that went through torch.optim.AdamW carries a stale one.
                 if torch.equal(saved.to(p.dtype), D.local(p).detach().to("cpu")):
-                    master = f32(saved)
+                    master = saved.contiguous().view(-1).numpy()
                 else:
                     warnings.warn(
                         f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter "
