@@ -464,3 +464,78 @@ def test_bad_input_on_gpu():
         jax.jit(tx.step)(g, on_device, params)
     with pytest.raises(ValueError, match="state_dict.*params"):
         tsj.state_dict(s)
+
+
+# -- parameters sharded over a mesh (here: a mesh of the one GPU) ------------------------------
+
+_MESH_SPECS = {"a": ("x", None), "b": (None, "x"), "c": ("x",), "d": (), "e": ("x", None)}
+
+
+def _on_mesh(tree, mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec(*_MESH_SPECS[k]))) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sharded_over_a_one_device_mesh(mode, dtype, tmp_path):
+    """NamedSharding parameters (a mesh of the one GPU): the moments and masters are
+    NamedSharding ``pinned_host`` arrays with the parameters' specs, the count a replicated
+    NamedSharding array; the update runs per device inside a shard_map and gives the bits
+    of the single-device update (gpu mode: also optax.adamw's on the same sharded params);
+    orbax restores the sharded host state into an abstract target, which resumes bit for bit."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    ocp = pytest.importorskip("orbax.checkpoint")
+    dev = _gpu()
+    mesh = Mesh(np.array([dev]), ("x",))
+    params = _params(jnp.dtype(dtype), dev, seed=9)
+    sharded = _on_mesh(params, mesh)
+    rng = np.random.default_rng(10)
+    gs = [_grads(rng, params, dev, exact_norm=True) for _ in range(6)]
+    kw = dict(weight_decay=1e-2, mask=_mask, max_grad_norm=0.5, mode=mode)
+    tx, tx1 = tsj.offload_adamw(SCHEDULE, **kw), tsj.offload_adamw(SCHEDULE, **kw)
+    ref = _ref_tx(SCHEDULE, 0.5)
+
+    def make(opt):
+        @jax.jit
+        def step(p, s, g):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        return step
+
+    step, step1, theirs = make(tx), make(tx1), make(ref)
+    s = tx.init(sharded)
+    _host_state(s)
+    for k in params:
+        want = NamedSharding(mesh, PartitionSpec(*_MESH_SPECS[k]), memory_kind="pinned_host")
+        assert s.mu[k].sharding.is_equivalent_to(want, s.mu[k].ndim), (k, s.mu[k].sharding)
+    assert isinstance(s.count.sharding, NamedSharding) and s.count.sharding.is_fully_replicated
+    p, p1, s1 = sharded, params, tx1.init(params)
+    pr, sr = _on_mesh(_f32(params), mesh), ref.init(_on_mesh(_f32(params), mesh))
+    for t, g in enumerate(gs[:3]):
+        p, s = step(p, s, _on_mesh(g, mesh))
+        p1, s1 = step1(p1, s1, g)
+        pr, sr = theirs(pr, sr, _on_mesh(_f32(g), mesh))
+        what = f"{mode} {dtype} step {t + 1}"
+        _same(p, p1, what + " weights, sharded vs single-device")
+        _same(s, s1, what + " state, sharded vs single-device")
+        if mode == "gpu":
+            _same(s.master if dtype != "float32" else p, pr, what + " weights vs optax")
+            _same(s.mu, _adam_state(sr).mu, what + " mu vs optax")
+    _host_state(s)
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+    ck.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": sharded, "opt_state": tx.init(sharded)})
+    r = ck.restore(tmp_path / "ckpt", abstract)
+    _host_state(r["opt_state"])
+    p2, s2 = r["params"], r["opt_state"]
+    assert int(s2.count) == 3
+    for g in gs[3:]:
+        g = _on_mesh(g, mesh)
+        p, s = step(p, s, g)
+        p2, s2 = step(p2, s2, g)
+    _same(p2, p, "orbax resumed weights")
+    _same(s2, s, "orbax resumed state")

@@ -101,8 +101,9 @@ class _Kernels:
                           _view(grad, n, _NP[gd]), _KIND[gd], _view(u, n, np.float32), K.OUT_U, 0, n, s.copy())
 
 
-@pytest.fixture
-def simulated_gpu(monkeypatch):
+def simulate_gpu(monkeypatch):
+    """Patch the CUDA calls of the GPU path with their host simulations (a generator: the
+    fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
 
@@ -121,6 +122,11 @@ def simulated_gpu(monkeypatch):
     yield
     with T._plans_lock:
         T._plans.clear()
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    yield from simulate_gpu(monkeypatch)
 
 
 SHAPES = {"a": (37, 19), "b": (64, 16), "c": (1001,), "d": (4,), "e": (3, 5)}

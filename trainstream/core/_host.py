@@ -229,6 +229,7 @@ class _WorkQueue:
         self._all: collections.deque = collections.deque()  # every job entry, oldest first
         self._jobs = 0
         self._stops = 0
+        self._closed = False
         self._seq = itertools.count()
 
     def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
@@ -239,11 +240,23 @@ class _WorkQueue:
         else:
             self.put_many([job], priority, ready)
 
+    def close(self, workers: int) -> None:
+        """Refuse new jobs; each of ``workers`` stops once no job is left."""
+        with self._cond:
+            self._closed = True
+            self._stops += workers
+            self._cond.notify_all()
+
     def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
                  ready: Callable[[], bool] | None = None) -> None:
         """Queue ``jobs`` (one batch: same slot) under one lock; ``ready``: one predicate
-        for all of them."""
+        for all of them. Raises once the queue is closed: no worker would run them (a
+        caller waiting for them would hang, e.g. an XLA callback at interpreter exit,
+        after the pool's ``atexit`` shutdown)."""
         with self._cond:
+            if self._closed:
+                raise RuntimeError("TrainStream: the host workers have stopped (the engine was closed, or the "
+                                   "interpreter is exiting); no update runs any more")
             q = self._slots.get(priority)
             if q is None:
                 q = self._slots[priority] = collections.deque()
@@ -360,8 +373,7 @@ class _WorkerPool:
         return threading.current_thread() in self._threads
 
     def shutdown(self) -> None:
-        for _ in self._threads:  # one stop marker per worker, after every queued job
-            self._queue.put(None, math.inf)
+        self._queue.close(len(self._threads))  # each worker stops after every queued job
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -907,7 +919,7 @@ class HostPlacement:
                 if left[0] == 0:
                     cond.notify_all()
 
-        for priority, landed, body, numel, finished in batches:
+        for k, (priority, landed, body, numel, finished) in enumerate(batches):
             nchunks = max(1, -(-numel // self.chunk))
             count = itertools.count(1)
             query = getattr(landed, "query", None)
@@ -931,7 +943,13 @@ class HostPlacement:
 
             jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk), job=job: job(c, b, e))
                     for c in range(nchunks)]
-            self._pool.submit_many(jobs, priority, ready)
+            try:
+                self._pool.submit_many(jobs, priority, ready)
+            except RuntimeError as exc:  # the pool has stopped: wait only for what it took
+                with cond:
+                    left[0] -= len(batches) - k
+                    errors.append(exc)
+                break
         with cond:
             while left[0]:
                 cond.wait()

@@ -71,7 +71,7 @@ def init(params, leaves):
         master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(x.astype(jnp.float32), host)  # noqa: E731
         count = jnp.zeros([], jnp.int32)
     else:
-        dev = next(iter(leaves[0].devices())) if leaves else jax.devices("gpu")[0]
+        dev = next(iter(leaves[0].devices())) if leaves else jax.local_devices(backend="gpu")[0]
         host = _host_sharding(dev)
         zeros = lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), host)  # noqa: E731
         master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
@@ -85,11 +85,11 @@ def _noop(ctx, outs, *ins) -> None:
     """``own`` and ``order``: XLA has put the operands into the aliased outputs already."""
 
 
-def apply(plan, sc, g_leaves, p_leaves, mu, nu, masters):
+def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     """The update of ``plan`` (``trainstream.jax._transform._Plan``) inside a program on a
-    GPU; returns ``(firsts, mu', nu', masters')``: ``firsts`` the new weights, or with
-    ``plan.emit_u`` the float32 ``u`` of float32 leaves and the rounded new weights of
-    fp16/bf16 leaves."""
+    GPU, over the leaves given (one device's); returns ``(firsts, mu', nu', masters')``:
+    ``firsts`` the new weights, or with ``plan.emit_u`` the float32 ``u`` of float32 leaves
+    and the rounded new weights of fp16/bf16 leaves."""
     n = plan.n
     sds = jax.ShapeDtypeStruct
     f32 = jnp.float32
@@ -105,7 +105,7 @@ def apply(plan, sc, g_leaves, p_leaves, mu, nu, masters):
         reads = []
     token = jax.device_put(jnp.zeros((1,), f32), jax.memory.Space.Host)
     state_in = list(mu) + list(nu) + list(masters) + [token]
-    ops = [sc.scalars, sc.count_inc, *g_leaves, *w, *reads, *state_in]
+    ops = [scalars, count_inc, *g_leaves, *w, *reads, *state_in]
     base = len(ops) - len(state_in)
     res = [sds(np.shape(x), f32) for x in state_in]
     upd = _update_callback(plan)

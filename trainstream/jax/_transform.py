@@ -45,6 +45,8 @@ trace time) and the program's outputs are placed in host memory by their avals.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
 import threading
@@ -56,9 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental.buffer_callback import buffer_callback
+from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
 from ..core import Engine, ExternalUpdate
+from . import _sharding
 
 __all__ = [
     "OffloadAdamW",
@@ -101,7 +105,7 @@ class _Config(NamedTuple):
     after_clip: float | None
     mode: str
     convention: str
-    threads: int
+    threads: int | None  # None: _sharding.default_threads(), when the first update is traced
     chunk_elems: int
     worker_nice: int
 
@@ -129,6 +133,13 @@ _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+def _finish_in_flight() -> None:
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - exiting; JAX's own hook reports a failed program
+        pass
+
+
 def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) -> Engine:
     """The host engine of a configuration, shared by every transformation of it in this
     process (its workers live as long as the process; a child of ``os.fork`` gets its own)."""
@@ -140,11 +151,11 @@ def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) 
             if eng is None:
                 eng = _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
                                              convention=convention, tc_code=tc_code, worker_nice=nice)
+                # After the engine's finalizer (atexit runs the later registration first):
+                # at exit, XLA's programs still in flight run their callbacks while the
+                # workers are alive (JAX's own exit hook waits for them after ours)
+                atexit.register(_finish_in_flight)
     return eng
-
-
-def _default_threads() -> int:
-    return max(1, (os.cpu_count() or 2) - 1)
 
 
 # -- probes of the references on this host ----------------------------------------------------
@@ -175,7 +186,7 @@ def _xla_cpu_fma() -> bool:
     if _XLA_CPU_FMA is None:
         rng = np.random.default_rng(5)
         a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
         with jax.ensure_compile_time_eval():
             f = jax.jit(lambda a, b, c: a * b + c)
             got = np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32)
@@ -241,13 +252,7 @@ def _platform_of(leaves) -> str:
         devs = getattr(x, "devices", None)
         if devs is None:
             continue
-        ds = list(devs())
-        if len(ds) > 1:
-            raise NotImplementedError(
-                f"TrainStream offload_adamw: an array is sharded over {len(ds)} devices; this "
-                "release updates single-device arrays (one process per device, or jax.pmap)"
-            )
-        plats.update(d.platform for d in ds)
+        plats.update(d.platform for d in devs())
     if not plats:
         plats = {jax.default_backend()}
     if len(plats) > 1:
@@ -271,21 +276,6 @@ def _check_not_batched(*trees) -> None:
                     "TrainStream offload_adamw under jax.vmap: its update runs outside XLA on "
                     "whole arrays and has no batching rule; vmap a model's loss, not its "
                     "optimizer (for several models: one optimizer state each)"
-                )
-
-
-def _check_single_device(leaves, paths) -> None:
-    """Arrays sharded over several devices (jit with a mesh) are refused at trace time."""
-    for x, path in zip(leaves, paths):
-        sh = getattr(jax.typeof(x), "sharding", None)
-        mesh = getattr(sh, "mesh", None)
-        if mesh is not None and getattr(mesh, "size", 1) > 1 and not getattr(mesh, "empty", False):
-            spec = getattr(sh, "spec", None)
-            if spec is not None and any(s is not None for s in spec):
-                raise NotImplementedError(
-                    f"TrainStream offload_adamw: leaf {path} is sharded over a mesh of {mesh.size} "
-                    "devices; this release updates single-device arrays (one process per device, "
-                    "or jax.pmap)"
                 )
 
 
@@ -331,7 +321,8 @@ class _Plan:
         self.platform = platform
         self.mode = cfg.mode
         tc_code = _torch_cpu_code() if cfg.convention == "torch" else 0
-        self.engine_key = (cfg.convention, tc_code, cfg.threads, cfg.chunk_elems, cfg.worker_nice)
+        threads = cfg.threads or _sharding.default_threads()
+        self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_elems, cfg.worker_nice)
         self.hps = None
         if cfg.convention == "torch":
             base_lr = 0.0 if callable(cfg.learning_rate) else float(cfg.learning_rate)
@@ -428,6 +419,16 @@ class _Impl:
     def __init__(self, cfg: _Config):
         self.cfg = cfg
         self._eager: dict = {}  # emit_u -> the jitted update for calls outside jit
+        # the layout (mesh, specs; None: single-device arrays) of each concrete parameter
+        # pytree passed to init, by structure, shapes and dtypes (the last init wins)
+        self._layouts: dict = {}
+
+    def _remember_layout(self, params, leaves, paths) -> _sharding.Layout | None:
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            _sharding.check_traced(leaves, paths)  # a traced init of arrays on a mesh
+            return None
+        layout = self._layouts[_layout_key(params, leaves)] = _sharding.layout_of(leaves, paths)
+        return layout
 
     def init(self, params) -> OffloadAdamWState:
         leaves = jax.tree.leaves(params)
@@ -437,6 +438,9 @@ class _Impl:
         platform = _platform_of(leaves)
         if self.cfg.mode == "gpu":
             _check_gpu_mode(platform, self.cfg)
+        layout = self._remember_layout(params, leaves, paths)
+        if layout is not None:
+            return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
         if platform == "cuda":
             from . import _gpu  # noqa: PLC0415
 
@@ -504,7 +508,13 @@ class _Impl:
         p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
         n = len(p_leaves)
         platform = _platform_of(p_leaves + g_leaves)
-        _check_single_device(p_leaves, paths)
+        layout = None
+        if not _sharding.in_manual_mesh():  # inside the user's shard_map: the arrays are local
+            key = _layout_key(params, p_leaves)
+            if key in self._layouts:
+                layout = self._layouts[key]
+            else:
+                _sharding.check_traced(p_leaves, paths)
         if cfg.mode == "gpu":
             _check_gpu_mode(platform, cfg)
         halves = [i for i, k in enumerate(kinds) if k != "float32"]
@@ -512,7 +522,16 @@ class _Impl:
             _check_host_state(mu, nu, [master[i] if i in halves else None for i in range(n)], paths)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
-        numels = [int(np.prod(np.shape(p), dtype=np.int64)) for p in p_leaves]
+        if layout is None:
+            numels = [int(np.prod(np.shape(p), dtype=np.int64)) for p in p_leaves]
+        else:  # XLA compiles each device's program for its shards: the codes of the local counts
+            numels = [_sharding.local_numel(np.shape(p), spec, layout.mesh) for p, spec in zip(p_leaves, layout.specs)]
+            if cfg.convention == "torch" and cfg.max_grad_norm is not None:
+                raise NotImplementedError(
+                    "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 "
+                    "norm on the host, per device; sharded parameters would need it across devices. "
+                    "Use convention='optax' (optax's norm, in the program) or clip in the program"
+                )
         if cfg.convention == "optax" and platform == "cpu":
             fma = _xla_cpu_fma()
             x64 = bool(jax.config.jax_enable_x64)
@@ -526,7 +545,8 @@ class _Impl:
             codes = [C.OX_CLIP if clip else 0] * n
         norm = None
         if cfg.max_grad_norm is not None and cfg.convention == "optax":
-            norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])  # clip_by_global_norm's
+            # clip_by_global_norm's, in the global view (GSPMD partitions it as optax's)
+            norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])
         sc = C.optax_scalar_matrix(
             state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
             weight_decay=cfg.weight_decay, global_norm=norm,
@@ -541,21 +561,15 @@ class _Impl:
         if platform == "cuda":
             from . import _gpu  # noqa: PLC0415
 
-            firsts, mu_new, nu_new, m_new = _gpu.apply(plan, sc, g_leaves, p_leaves, mu, nu, masters)
+            run = functools.partial(_gpu.apply, plan)
         else:
-            sds = jax.ShapeDtypeStruct
-            if u_kernel:  # fp32 leaves: u; fp16/bf16 leaves: nothing (their master is the result)
-                first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, kinds)]
-            else:
-                first = [sds(np.shape(p), p.dtype) for p in p_leaves]
-            result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
-            args = [sc.scalars, sc.count_inc, *g_leaves, *p_leaves, *mu, *nu, *masters]
-            base = 2 + 2 * n  # index of the first moment in args
-            aliases = {base + j: n + j for j in range(2 * n + len(masters))}
-            if not u_kernel:
-                aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place
-            outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(*args)
-            firsts, mu_new, nu_new, m_new = outs[:n], outs[n:2 * n], outs[2 * n:3 * n], outs[3 * n:]
+            run = functools.partial(_cpu_apply, plan)
+        if layout is not None:  # each device's callback on its own shards
+            placeholder = platform == "cpu" and u_kernel  # update's fp16/bf16 leaves: no first output
+            first_specs = [P() if placeholder and i in halves else spec for i, spec in enumerate(layout.specs)]
+            run = _sharding.per_device(run, layout, first_specs, halves)
+        firsts, mu_new, nu_new, m_new = run(sc.scalars, sc.count_inc, list(g_leaves), list(p_leaves), list(mu),
+                                            list(nu), masters)
         m_new = dict(zip(halves, m_new))
         if u_kernel:
             ups = []
@@ -584,6 +598,8 @@ class _Impl:
             return self._apply(grads, state, params, emit_u)
         # Outside jit: one small program of its own (op-by-op scalars would round differently
         # from a jitted program's: XLA's norm and schedule depend on the program)
+        if params is not None:
+            self._remember_layout(params, jax.tree.leaves(params), _paths(params))
         fn = self._eager.get(emit_u)
         if fn is None:
             fn = self._eager[emit_u] = jax.jit(lambda g, s, p: self._apply(g, s, p, emit_u))
@@ -597,6 +613,31 @@ class _Impl:
     def update(self, updates, state, params=None):
         """optax API: ``(updates, new_state)`` with ``updates`` exactly optax.adamw's."""
         return self._run(updates, state, params, emit_u=True)
+
+
+def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
+    """The update of ``plan`` on XLA:CPU (every buffer host memory): one callback over all
+    the leaves given (one device's); returns ``(firsts, mu', nu', masters')``: ``firsts``
+    the new weights (aliased to the params), or with ``plan.emit_u`` ``u`` of the float32
+    leaves and a placeholder for the fp16/bf16 ones (their master is the result)."""
+    n = plan.n
+    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+    if plan.emit_u:
+        first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, plan.kinds)]
+    else:
+        first = [sds(np.shape(p), p.dtype) for p in p_leaves]
+    result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
+    base = 2 + 2 * n  # index of the first moment in the operands
+    aliases = {base + j: n + j for j in range(2 * n + len(masters))}
+    if not plan.emit_u:
+        aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place
+    outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(
+        scalars, count_inc, *g_leaves, *p_leaves, *mu, *nu, *masters)
+    return outs[:n], outs[n:2 * n], outs[2 * n:3 * n], outs[3 * n:]
+
+
+def _layout_key(params, leaves) -> tuple:
+    return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
 
 
 def _scale_by_learning_rate(step_size, u, learning_rate):
@@ -787,7 +828,7 @@ def offload_adamw(
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
     cfg = _Config(
         fl(learning_rate), fl(b1), fl(b2), fl(eps), fl(weight_decay), max_grad_norm, mask, xla_fused_grads,
-        after_clip, mode, convention, threads or _default_threads(), chunk_elems, worker_nice,
+        after_clip, mode, convention, threads, chunk_elems, worker_nice,
     )
     impl = _Impl(cfg)
     return OffloadAdamW(impl.init, impl.update)

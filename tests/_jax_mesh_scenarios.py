@@ -1,0 +1,501 @@
+"""Scenarios of offload_adamw on parameters sharded over a mesh of forced XLA:CPU devices,
+each bit for bit against the same sharded program around optax.adamw. Run by
+tests/test_jax_mesh.py in subprocesses (XLA_FLAGS must be set before JAX initialises):
+
+    python tests/_jax_mesh_scenarios.py [NAME ...]        4 host devices, one process
+    python tests/_jax_mesh_scenarios.py --processes 2    jax.distributed, 2 x 2 host devices
+
+Prints ``SCENARIO <name> ok`` or ``SCENARIO <name> FAIL`` and the traceback, per scenario.
+"""
+
+import faulthandler
+import functools
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+if __name__ == "__main__" and "--processes" in sys.argv:  # the parent of the multi-process run
+    nproc = int(sys.argv[sys.argv.index("--processes") + 1])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    import shutil
+    import tempfile
+
+    ckpt_dir = tempfile.mkdtemp()  # the processes' shared checkpoint directory
+    procs = [subprocess.Popen([sys.executable, __file__, "--process", str(i), str(nproc), str(port), ckpt_dir])
+             for i in range(nproc)]
+    try:
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    sys.exit(max(codes))
+
+faulthandler.dump_traceback_later(120, exit=True)  # a hang: stacks and exit, not a stuck CI job
+PROCESS = None
+if "--process" in sys.argv:
+    k = sys.argv.index("--process")
+    PROCESS = (*(int(x) for x in sys.argv[k + 1:k + 4]), sys.argv[k + 4])  # (id, count, port, checkpoints)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+else:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+
+if PROCESS is not None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{PROCESS[2]}", num_processes=PROCESS[1], process_id=PROCESS[0])
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, HERE)
+import trainstream.jax as tsj  # noqa: E402
+from trainstream.jax import _transform as T  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# -- the model: leaves sharded by rows, by columns, replicated, one element per shard --------
+
+SHAPES = {"w1": (16, 8), "b1": (8,), "w2": (8, 4), "b2": (4,), "t": (2,), "s": (1,)}
+SPECS_1D = {"w1": P("x", None), "b1": P(), "w2": P(None, "x"), "b2": P("x"), "t": P("x"), "s": P()}
+SPECS_2D = {"w1": P("fsdp", "dp"), "b1": P(("dp", "fsdp")), "w2": P(None, "fsdp"), "b2": P("dp"),
+            "t": P("fsdp"), "s": P()}
+
+
+def loss(p, x):
+    h = jnp.tanh(x.astype(p["w1"].dtype) @ p["w1"] + p["b1"])
+    out = (h @ p["w2"] + p["b2"]).astype(F32)
+    return jnp.mean(out ** 2) * p["s"][0].astype(F32) + jnp.sum(jnp.sin(p["t"] * h[:, :2]).astype(F32))
+
+
+def mesh_1d():
+    return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def mesh_2d():
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+
+
+def params_on(mesh, specs, dtype=F32, seed=0):
+    rng = np.random.default_rng(seed)
+    host = {k: rng.standard_normal(v).astype(np.float32) for k, v in SHAPES.items()}
+    out = {k: jnp.asarray(v, dtype) for k, v in host.items()}
+    return jax.device_put(out, {k: NamedSharding(mesh, specs[k]) for k in out})
+
+
+def batches(n, seed=1):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((6, 16)).astype(np.float32)) for _ in range(n)]
+
+
+def train(opt, params, xs, via="update", state=None):
+    """``via``: update + apply_updates, step, or update called eagerly (its own program).
+    The new params keep their shardings (left to the compiler, optax's would change, and
+    with them the gradient program of the next step)."""
+    @functools.partial(jax.jit, out_shardings=(jax.tree.map(lambda a: a.sharding, params), None))
+    def step(p, s, x):
+        g = jax.grad(loss)(p, x)
+        if via == "step":
+            return opt.step(g, s, p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    grad = jax.jit(jax.grad(loss))
+    p, s = params, opt.init(params) if state is None else state
+    out = []
+    for x in xs:
+        if via == "eager":  # optax's update jitted alone, as ours runs outside jit
+            u, s = (opt.update if isinstance(opt, tsj.OffloadAdamW) else jax.jit(opt.update))(grad(p, x), s, p)
+            p = optax.apply_updates(p, u)
+        else:
+            p, s = step(p, s, x)
+        out.append(p)
+    return jax.block_until_ready((out, s))
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.itemsize == 4 else np.uint16)
+
+
+def full(x):
+    """The whole array on this process (gathered from the other processes' devices)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def same_bits(got, want, what):
+    gl, gd = jax.tree.flatten(got)
+    wl, wd = jax.tree.flatten(want)
+    assert gd == wd, (what, gd, wd)
+    for i, (a, b) in enumerate(zip(gl, wl)):
+        a, b = bits(full(a)), bits(full(b))
+        if not np.array_equal(a, b):
+            bad = np.flatnonzero(a.ravel() != b.ravel())
+            raise AssertionError(f"{what}: leaf {i}: {bad.size} of {a.size} elements differ")
+
+
+def same_runs(got, want, what):
+    for t, (a, b) in enumerate(zip(got, want)):
+        same_bits(a, b, f"{what} step {t + 1}")
+
+
+def has_specs(tree, specs, memory_kind=None):
+    """Every leaf sharded as ``specs`` says (over its own mesh), in ``memory_kind``."""
+    return all(v.sharding.is_equivalent_to(NamedSharding(v.sharding.mesh, specs[k], memory_kind=memory_kind), v.ndim)
+               for k, v in tree.items())
+
+
+class CallbackShapes:
+    """Records the leaf shapes each host update callback receives (the local shards)."""
+
+    def __enter__(self):
+        self.shapes = []
+        self._orig = T._Plan.__call__
+        rec = self.shapes
+
+        def call(plan, ctx, outs, scal, count, *ins):
+            rec.append(tuple(np.shape(x) for x in ins[plan.n:2 * plan.n]))
+            return self._orig(plan, ctx, outs, scal, count, *ins)
+
+        T._Plan.__call__ = call
+        return self
+
+    def __exit__(self, *exc):
+        T._Plan.__call__ = self._orig
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, warmup_steps=2, decay_steps=20, end_value=1e-3)
+
+
+def decay_mask(p):
+    return {k: v.ndim > 1 for k, v in p.items()}
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+
+def scenario_fp32():
+    """update + apply_updates, step, and eager update; schedule and decay mask; the state
+    keeps the params' shardings and each callback gets its device's shards."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D)
+    xs = batches(5)
+    kw = dict(weight_decay=0.1, mask=decay_mask)
+    for via in ("update", "step", "eager"):
+        want, s_ref = train(optax.adamw(SCHEDULE, **kw), params, xs, "eager" if via == "eager" else "update")
+        with CallbackShapes() as cb:
+            got, s = train(tsj.offload_adamw(SCHEDULE, **kw), params, xs, via)
+        same_runs(got, want, via)
+        same_bits(s.mu, s_ref[0].mu, f"{via} mu")
+        same_bits(s.nu, s_ref[0].nu, f"{via} nu")
+        assert has_specs(s.mu, SPECS_1D) and has_specs(s.nu, SPECS_1D), via
+        assert s.count.sharding.is_fully_replicated and s.count.committed and int(s.count) == len(xs)
+        assert all(has_specs(p, SPECS_1D) for p in got), via
+        local = ((8,), (2,), (1,), (1,), (8, 8), (8, 2))  # b1 b2 s t w1 w2: one device's shards
+        assert set(cb.shapes) == {local}, (via, set(cb.shapes))
+        assert len(cb.shapes) == 2 * len(xs), (via, len(cb.shapes))  # one call per device and step
+
+
+def scenario_clip():
+    """max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view),
+    some steps clipped and some not; chain(clip, offload_adamw(after_clip_by_global_norm))."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D)
+    xs = batches(6, seed=2)
+    grad = jax.jit(jax.grad(loss))
+    norms = [float(optax.tree.norm(grad(params, x))) for x in xs]
+    m = float(np.median(norms))
+    ref = optax.chain(optax.clip_by_global_norm(m), optax.adamw(1e-2, weight_decay=0.1))
+    want, _ = train(ref, params, xs)
+    for via in ("update", "step"):
+        got, _ = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=m), params, xs, via)
+        same_runs(got, want, f"max_grad_norm {via}")
+    chained = optax.chain(optax.clip_by_global_norm(m),
+                          tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=m))
+    got, _ = train(chained, params, xs)
+    same_runs(got, want, "chain")
+
+
+def scenario_bf16():
+    """bf16 leaves sharded: the fp32 masters (sharded as the params) equal optax on fp32
+    weights fed the upcast gradients; the weights are their rounding."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D, BF16)
+    xs = batches(5, seed=3)
+    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+    s = tx.init(params)
+    assert has_specs(s.master, SPECS_1D) and all(x.dtype == F32 for x in jax.tree.leaves(s.master))
+    master = jax.tree.map(lambda x: x.astype(F32), params)
+    s_ref = ref.init(master)
+
+    @jax.jit
+    def step(p, s, x):
+        g = jax.grad(loss)(p, x)
+        p, s = tx.step(g, s, p)
+        return p, s, g
+
+    @jax.jit
+    def rstep(master, s, g):
+        u, s = ref.update(g, s, master)
+        return optax.apply_updates(master, u), s
+
+    upd = jax.jit(lambda p, s, g: optax.apply_updates(p, tx.update(g, s, p)[0]))
+    p = params
+    for t, x in enumerate(xs):
+        p_before, s_before = p, s
+        p, s, g = step(p, s, x)
+        master, s_ref = rstep(master, s_ref, jax.tree.map(lambda a: a.astype(F32), g))
+        same_bits(s.master, master, f"bf16 master step {t + 1}")
+        same_bits(p, jax.tree.map(lambda a: a.astype(BF16), master), f"bf16 weights step {t + 1}")
+        same_bits(upd(p_before, s_before, g), p, f"bf16 update + apply_updates step {t + 1}")
+
+
+def scenario_mesh_2d():
+    """A 2 x 2 mesh: leaves sharded over one axis, both, a tuple of axes, and replicated;
+    clipped; update and step."""
+    mesh = mesh_2d()
+    params = params_on(mesh, SPECS_2D)
+    xs = batches(5, seed=4)
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+    want, _ = train(ref, params, xs)
+    for via in ("update", "step"):
+        got, s = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.5), params, xs, via)
+        same_runs(got, want, f"2-D {via}")
+        assert has_specs(s.mu, SPECS_2D)
+
+
+def scenario_orbax():
+    """orbax saves the sharded state and restores it into an abstract target with the
+    shardings of tx.init(params); the resumed run is the uninterrupted one, bit for bit."""
+    import shutil
+    import tempfile
+
+    import orbax.checkpoint as ocp
+
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D, BF16)
+    xs = batches(6, seed=5)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, max_grad_norm=1.0)
+    full, s_full = train(tx, params, xs)
+    half, s_half = train(tx, params, xs[:3])
+    d = tempfile.mkdtemp()
+    try:
+        ck = ocp.StandardCheckpointer()
+        ck.save(os.path.join(d, "ck"), {"params": half[-1], "opt": s_half})
+        ck.wait_until_finished()
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": tx.init(params)})
+        r = ck.restore(os.path.join(d, "ck"), target)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    assert isinstance(r["opt"], tsj.OffloadAdamWState) and int(r["opt"].count) == 3
+    for a, b in zip(jax.tree.leaves(r["opt"]), jax.tree.leaves(s_half)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    rest, s_rest = train(tx, r["params"], xs[3:], state=r["opt"])
+    same_runs(rest, full[3:], "resumed")
+    same_bits(s_rest, s_full, "resumed state")
+
+
+def scenario_user_shard_map():
+    """Inside the user's own shard_map the arrays are local and the program is the
+    per-device one: offload_adamw equals optax.adamw (with clip_by_global_norm, the norm of
+    the local shards, as optax computes there) in the same shard_map."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D)
+    rng = np.random.default_rng(6)
+    gs = [jax.device_put({k: jnp.asarray(rng.standard_normal(v).astype(np.float32)) for k, v in SHAPES.items()},
+                         {k: NamedSharding(mesh, SPECS_1D[k]) for k in SHAPES}) for _ in range(4)]
+    host = jax.tree.map(np.asarray, params)
+    none = {k: None for k in SHAPES}
+    runs = []
+    for opt, sspec in (
+        (optax.chain(optax.clip_by_global_norm(0.3), optax.adamw(1e-2, weight_decay=0.1)),
+         (optax.EmptyState(), (optax.ScaleByAdamState(P(), SPECS_1D, SPECS_1D), optax.EmptyState(),
+                               optax.EmptyState()))),
+        (tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.3),
+         tsj.OffloadAdamWState(P(), SPECS_1D, SPECS_1D, none)),
+    ):
+        def body(p, s, g, opt=opt):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPECS_1D, sspec, SPECS_1D),
+                                  out_specs=(SPECS_1D, sspec), check_vma=False))
+        p, s, out = params, opt.init(host), []
+        for g in gs:
+            p, s = f(p, s, g)
+            out.append(p)
+        runs.append(out)
+    same_runs(runs[1], runs[0], "inside shard_map")
+
+
+def scenario_errors():
+    """Clear errors: leaves on different placements, an update whose init never saw the
+    sharded params, a traced init, the torch convention's host norm, a partly manual
+    shard_map."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D)
+    g = jax.jit(jax.grad(loss))(params, batches(1)[0])
+    tx = tsj.offload_adamw(1e-2)
+
+    def raises(exc, match, fn, *args):
+        import re
+        try:
+            fn(*args)
+        except exc as e:
+            assert re.search(match, str(e)), (match, str(e))
+            return
+        raise AssertionError(f"no {exc.__name__} matching {match!r}")
+
+    mixed = dict(params, s=jnp.ones((1,), F32))
+    raises(ValueError, r"leaf \['s'\] is a SingleDeviceSharding array while other leaves are sharded",
+           tx.init, mixed)
+    other = dict(params, s=jax.device_put(jnp.ones((1,), F32), NamedSharding(mesh_2d(), P())))
+    raises(ValueError, "every leaf must be on one mesh", tx.init, other)
+    s = tx.init(params)
+    fresh = tsj.offload_adamw(1e-2)
+    raises(ValueError, "never saw these parameters as arrays", jax.jit(fresh.step), g, s, params)
+    raises(ValueError, "a traced array carries none", jax.jit(fresh.init), params)
+    try:
+        import torch  # noqa: F401
+        ttx = tsj.offload_adamw(1e-2, convention="torch", max_grad_norm=1.0)
+        raises(NotImplementedError, "convention='torch' with max_grad_norm", jax.jit(ttx.step), g, ttx.init(params),
+               params)
+    except ImportError:
+        pass
+    m2 = mesh_2d()
+    p2 = params_on(m2, SPECS_2D)
+    s2 = tx.init(p2)
+    g2 = jax.device_put(g, {k: NamedSharding(m2, SPECS_2D[k]) for k in g})
+    part = jax.shard_map(lambda p, s, g: tx.step(g, s, p), mesh=m2, axis_names={"dp"},
+                         in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)
+    raises(NotImplementedError, r"leaves the mesh axes \['fsdp'\] automatic", jax.jit(part), p2, s2, g2)
+
+
+def scenario_gpu_path():
+    """The GPU code path (pinned_host state, the own/update/order callbacks) inside the
+    shard_map, its CUDA calls simulated on XLA:CPU (tests/test_jax_gpu_plumbing.py): the
+    state is sharded pinned_host memory and the weights equal the single-device run's
+    (the same gradients given to both)."""
+    import pytest
+
+    from test_jax_gpu_plumbing import simulate_gpu
+
+    mesh = mesh_1d()
+    rng = np.random.default_rng(7)
+    gs = [{k: rng.standard_normal(v).astype(np.float32) for k, v in SHAPES.items()} for _ in range(3)]
+    for mode in ("gpu", "cpu"):
+        with pytest.MonkeyPatch.context() as mp:
+            sim = simulate_gpu(mp)
+            next(sim)
+            try:
+                for dtype in (F32, BF16):
+                    results = {}
+                    for sharded in (True, False):
+                        params = params_on(mesh, SPECS_1D, dtype)
+                        if not sharded:
+                            params = {k: jnp.asarray(np.asarray(v)) for k, v in params.items()}
+                        put = (lambda t, like=params: {k: jax.device_put(jnp.asarray(v, dtype), like[k].sharding)
+                                                       for k, v in t.items()})
+                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2)
+                        for via in ("update", "step"):
+                            def body(p, s, g, via=via):
+                                if via == "step":
+                                    return tx.step(g, s, p)
+                                u, s = tx.update(g, s, p)
+                                return optax.apply_updates(p, u), s
+
+                            step = jax.jit(body, donate_argnums=(0, 1))
+                            p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
+                            for g in gs:
+                                p, s = step(p, s, put(g))
+                            p, s = jax.block_until_ready((p, s))
+                            kinds = {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))}
+                            assert kinds == {"pinned_host"}, (mode, kinds)
+                            if sharded:
+                                assert has_specs(s.mu, SPECS_1D, "pinned_host") and has_specs(p, SPECS_1D)
+                            results[sharded, via] = (p, s.mu, s.nu, s.master)
+                    for via in ("update", "step"):
+                        for a, b in zip(jax.tree.leaves(results[True, via]), jax.tree.leaves(results[False, via])):
+                            assert np.array_equal(bits(a), bits(b)), (mode, dtype, via)
+            finally:
+                next(sim, None)
+
+
+SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+
+# -- jax.distributed: 2 processes x 2 devices ---------------------------------------------------
+
+
+def multi_process():
+    """4 global devices over 2 processes: each process's callbacks get only its own
+    devices' shards; clipped updates bit for bit against optax on every process; orbax."""
+    from jax.experimental import multihost_utils
+
+    import orbax.checkpoint as ocp
+
+    pid, nproc, _, ckpt_dir = PROCESS
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "fsdp"))
+    specs = SPECS_2D
+    rng = np.random.default_rng(0)
+    host = {k: rng.standard_normal(v).astype(np.float32) for k, v in SHAPES.items()}
+    params = jax.jit(lambda t: t, out_shardings={k: NamedSharding(mesh, specs[k]) for k in host})(
+        {k: multihost_utils.host_local_array_to_global_array(v, mesh, P()) for k, v in host.items()})
+    xs = [multihost_utils.host_local_array_to_global_array(x, mesh, P()) for x in batches(4, seed=8)]
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+    want, _ = train(ref, params, xs)
+    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    with CallbackShapes() as cb:
+        got, s = train(tx, params, xs[:2])
+    ck = ocp.StandardCheckpointer()  # every process writes its shards
+    ck.save(os.path.join(ckpt_dir, "ck"), {"params": got[-1], "opt": s})
+    ck.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": tx.init(params)})
+    r = ck.restore(os.path.join(ckpt_dir, "ck"), target)
+    rest, s = train(tx, r["params"], xs[2:], state=r["opt"])
+    ok = True
+    try:
+        same_runs(got + rest, want, f"process {pid}")
+        assert len(cb.shapes) == 2 * 2, len(cb.shapes)  # this process's 2 devices only
+        assert has_specs(s.mu, specs) and not s.mu["w1"].is_fully_addressable
+    except AssertionError:
+        traceback.print_exc()
+        ok = False
+    flags = multihost_utils.process_allgather(np.array([int(ok)]))
+    print(f"SCENARIO multi_process[{pid}] {'ok' if flags.all() else 'FAIL'}", flush=True)
+    jax.distributed.shutdown()
+    return bool(flags.all())
+
+
+if __name__ == "__main__":
+    if PROCESS is not None:
+        sys.exit(0 if multi_process() else 1)
+    names = sys.argv[1:] or list(SCENARIOS)
+    failed = 0
+    for name in names:
+        try:
+            SCENARIOS[name]()
+            print(f"SCENARIO {name} ok", flush=True)
+        except BaseException:  # noqa: BLE001 - reported per scenario
+            failed += 1
+            print(f"SCENARIO {name} FAIL", flush=True)
+            traceback.print_exc(file=sys.stdout)
+            sys.stdout.flush()
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,56 @@
+"""offload_adamw on parameters sharded with NamedSharding over a mesh of forced XLA:CPU host
+devices, and under jax.distributed (2 processes x 2 devices over gloo), each bit for bit
+against the same sharded program around optax.adamw. The scenarios are in
+tests/_jax_mesh_scenarios.py; they run in subprocesses (XLA_FLAGS must be set before JAX
+initialises), all single-process scenarios in one (JAX starts once)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jax_mesh_scenarios.py")
+SCENARIOS = ["fp32", "clip", "bf16", "mesh_2d", "orbax", "user_shard_map", "errors", "gpu_path"]
+
+
+def _run(*args, timeout):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # the forced host devices, even beside a GPU
+    root = os.path.dirname(os.path.dirname(SCRIPT))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    return _run(*SCENARIOS, timeout=400)[1]
+
+
+def _section(out: str, name: str) -> str:
+    """The scenario's result line and the traceback printed after it."""
+    m = re.search(rf"^SCENARIO {re.escape(name)} .*?(?=^SCENARIO |\Z)", out, re.M | re.S)
+    return m.group(0) if m else out[-4000:]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_sharded_scenario(scenarios, name):
+    """fp32: update + apply_updates, step, eager update (rows, columns, replicated and
+    one-element-per-shard leaves; the state keeps the shardings; each callback gets its
+    device's shards). clip: max_grad_norm and chain(clip_by_global_norm, ...). bf16: fp32
+    masters. mesh_2d: a 2 x 2 mesh. orbax: save / restore into an abstract target /
+    resume. user_shard_map: inside the user's shard_map. errors: clear errors. gpu_path:
+    the pinned_host path (CUDA calls simulated) against its single-device run."""
+    assert re.search(rf"^SCENARIO {re.escape(name)} ok$", scenarios, re.M), _section(scenarios, name)
+
+
+def test_jax_distributed_two_processes():
+    """2 processes x 2 host devices (gloo): each process's callbacks get only its own
+    devices' shards; clipped updates bit for bit against optax on every process across an
+    orbax save and restore of the sharded state."""
+    code, out = _run("--processes", "2", timeout=200)
+    assert code == 0 and all(f"SCENARIO multi_process[{i}] ok" in out for i in (0, 1)), out[-6000:]

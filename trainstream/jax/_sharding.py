@@ -1,0 +1,204 @@
+"""The JAX adapter over a device mesh: parameters sharded with ``NamedSharding``.
+
+``init`` reads each leaf's ``NamedSharding`` from the concrete parameters (inside a traced
+function an array of a mesh in Auto axis mode carries no PartitionSpec) and keeps the mesh
+and the specs as the transformation's *layout* of that pytree; the moments and masters are
+created with the same shardings (on a GPU the same specs in ``memory_kind="pinned_host"``)
+and ``count`` as a committed replicated array, so orbax saves and restores them as it does
+optax.adamw's state.
+
+In the user's program (``jax.jit`` over the global arrays) everything that is not
+elementwise stays in the global view, written as optax writes it: the contract's scalar
+matrix and ``optax.tree.norm`` of the gradients, which GSPMD partitions as it partitions
+optax's own ``clip_by_global_norm`` in the reference program. The update itself is
+elementwise and runs per shard: :func:`per_device` wraps the adapter's callbacks in a
+``shard_map`` over the layout's mesh, so that each device's callback (XLA calls it once per
+addressable device, on the device's own thread) gets that device's local shards and no
+array is gathered. Replicated leaves are updated on every device, each on its own copy.
+The per-leaf code of the optax/cpu convention comes from the local element count (XLA
+compiles the per-device program for the local shapes: :func:`local_numel`).
+
+Called inside the user's own ``shard_map`` (every mesh axis manual, as under ``pmap``), the
+adapter adds no ``shard_map``: the arrays are local already and the program is the
+per-device one, where optax's ``clip_by_global_norm`` takes the norm of the local shards
+(no collective); the adapter does exactly that.
+
+The engine: one per configuration and process, whose host worker pool serves every local
+device (XLA's threads of the devices wait in their callbacks while the workers run the
+updates, so a shared pool keeps every worker busy whichever device's update comes first).
+Per-device resources of a GPU (pinned staging, the CUDA context) are keyed by the CUDA
+device of the buffers XLA passes, never by ``device.id`` (ids differ between processes).
+No arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+__all__ = ["Layout", "check_traced", "default_threads", "init_state", "layout_of", "local_numel",
+           "per_device", "in_manual_mesh"]
+
+
+class Layout(NamedTuple):
+    """The mesh and the PartitionSpec of each leaf of a sharded parameter pytree."""
+
+    mesh: Any  # jax.sharding.Mesh
+    specs: tuple  # PartitionSpec per leaf
+
+
+def layout_of(leaves, paths) -> Layout | None:
+    """The layout of concrete parameter leaves: None for single-device arrays (and
+    tracers); every leaf ``NamedSharding`` over one mesh otherwise (else a clear error)."""
+    if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    named = [isinstance(s, NamedSharding) for s in shardings]
+    if not any(named):
+        for s, path in zip(shardings, paths):
+            if s is not None and not isinstance(s, SingleDeviceSharding) and len(s.device_set) > 1:
+                raise NotImplementedError(
+                    f"TrainStream offload_adamw: leaf {path} has a {type(s).__name__} over "
+                    f"{len(s.device_set)} devices; sharded parameters must be NamedSharding arrays "
+                    "(jax.device_put(params, NamedSharding(mesh, spec)))"
+                )
+        return None
+    mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding))
+    for s, path in zip(shardings, paths):
+        if not isinstance(s, NamedSharding):
+            raise ValueError(
+                f"TrainStream offload_adamw: leaf {path} is a {type(s).__name__} array while other "
+                f"leaves are sharded over the mesh {dict(mesh.shape)}: place every leaf on that mesh "
+                "(NamedSharding(mesh, PartitionSpec()) replicates one)"
+            )
+        if s.mesh != mesh:
+            raise ValueError(
+                f"TrainStream offload_adamw: leaf {path} is sharded over the mesh {dict(s.mesh.shape)} "
+                f"{s.mesh.devices.ravel().tolist()}, other leaves over {dict(mesh.shape)} "
+                f"{mesh.devices.ravel().tolist()}: every leaf must be on one mesh"
+            )
+    return Layout(mesh, tuple(s.spec for s in shardings))
+
+
+def in_manual_mesh() -> bool:
+    """Whether the caller traces inside its own ``shard_map`` (or ``pmap``): every axis of
+    the abstract mesh manual. A partly manual mesh is refused (the arrays would still be
+    partitioned over the other axes, which a per-shard callback cannot see)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if not manual:
+        return False
+    auto = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
+    if auto:
+        raise NotImplementedError(
+            f"TrainStream offload_adamw inside a shard_map that leaves the mesh axes {auto} automatic: "
+            "its per-device update needs whole local shards; make every axis manual "
+            "(shard_map(..., axis_names=all of them)) or call it outside the shard_map"
+        )
+    return True
+
+
+def check_traced(leaves, paths) -> None:
+    """Traced arrays of a multi-device mesh whose layout is unknown (init never saw them
+    concretely) are refused: inside a traced function their PartitionSpecs are not visible."""
+    for x, path in zip(leaves, paths):
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
+            raise ValueError(
+                f"TrainStream offload_adamw: leaf {path} lives on a mesh of {dict(mesh.shape)} devices, "
+                "and this transformation never saw these parameters as arrays: offload_adamw takes the "
+                "PartitionSpecs of sharded parameters from the concrete arrays passed to tx.init (a traced "
+                "array carries none); call tx.init(params) outside jit, before the update"
+            )
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def local_shape(shape, spec, mesh) -> tuple:
+    """The shape of one shard of an array of ``shape`` sharded by ``spec`` over ``mesh``."""
+    out = list(shape)
+    for d, entry in enumerate(tuple(spec)[:len(out)]):
+        parts = math.prod(mesh.shape[a] for a in _axes(entry))
+        out[d] //= parts
+    return tuple(out)
+
+
+def local_numel(shape, spec, mesh) -> int:
+    """Elements of one shard (JAX shards evenly: it refuses uneven NamedShardings)."""
+    return int(math.prod(local_shape(shape, spec, mesh)))
+
+
+def init_state(params, leaves, layout: Layout, host_memory: bool):
+    """``OffloadAdamWState`` of sharded ``params``: moments and fp16/bf16 masters with the
+    parameters' shardings (``host_memory``: in ``pinned_host`` memory, on a GPU), put shard
+    by shard from host memory (this process's shards only; nothing touches GPU memory);
+    ``count`` a committed replicated array."""
+    from ._transform import OffloadAdamWState  # noqa: PLC0415
+
+    mesh = layout.mesh
+    kind = "pinned_host" if host_memory else None
+
+    def zeros(x, spec):
+        local = local_shape(np.shape(x), spec, mesh)
+        return jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
+                                            lambda _: np.zeros(local, np.float32))
+
+    def master(x, spec):
+        if np.dtype(x.dtype) == np.float32:
+            return None
+        shards = [jax.device_put(np.asarray(s.data).astype(np.float32), SingleDeviceSharding(s.device, memory_kind=kind))
+                  for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
+                                                        shards)
+
+    treedef = jax.tree.structure(params)
+    col = lambda f: jax.tree.unflatten(treedef, [f(x, s) for x, s in zip(leaves, layout.specs)])  # noqa: E731
+    count = jax.make_array_from_callback((), NamedSharding(mesh, PartitionSpec()), lambda _: np.zeros((), np.int32))
+    return OffloadAdamWState(count, col(zeros), col(zeros), col(master))
+
+
+def per_device(fn, layout: Layout, first_specs, n_masters_of):
+    """``fn(scalars, count, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')``
+    (lists of leaves) run on each device's local shards: a ``shard_map`` over the layout's
+    mesh; the scalars and the count replicated. ``first_specs``: the specs of ``firsts``;
+    ``n_masters_of``: the leaf index of each master."""
+    specs = list(layout.specs)
+    mspecs = [specs[i] for i in n_masters_of]
+    rep = PartitionSpec()
+    return jax.shard_map(
+        fn, mesh=layout.mesh,
+        in_specs=(rep, rep, specs, specs, specs, specs, mspecs),
+        out_specs=(list(first_specs), specs, specs, mspecs),
+        check_vma=False,  # the callbacks' outputs carry no varying-axes types
+    )
+
+
+def default_threads() -> int:
+    """Host worker threads of this process by default: its cores (``sched_getaffinity``:
+    a launcher that binds processes to cores has split them already; unbound, the JAX
+    processes of this host share its cores) less one for the thread that drives XLA.
+    The local devices share these workers (one pool per process)."""
+    total = os.cpu_count() or 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    if cores >= total:
+        cores //= _local_processes()
+    return max(1, cores - 1)
+
+
+def _local_processes() -> int:
+    """The JAX processes on this host (XLA gives the devices of one host, by boot id, one
+    ``slice_index``); 1 without ``jax.distributed``."""
+    if jax.process_count() == 1:
+        return 1
+    mine = {getattr(d, "slice_index", 0) for d in jax.local_devices()}
+    return max(1, len({d.process_index for d in jax.devices() if getattr(d, "slice_index", 0) in mine}))
