@@ -15,20 +15,37 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jax_mesh_scenarios.py")
-SCENARIOS = ["fp32", "clip", "bf16", "mesh_2d", "orbax", "user_shard_map", "errors", "gpu_path"]
+SCENARIOS = ["fp32", "clip", "bf16", "mesh_2d", "explicit_axes", "orbax", "user_shard_map", "errors", "gpu_path"]
 
 
-def _run(*args, timeout):
+def _start(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # the forced host devices, even beside a GPU
     root = os.path.dirname(os.path.dirname(SCRIPT))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    return r.returncode, r.stdout + r.stderr
+    return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    return _run(*SCENARIOS, timeout=400)[1]
+def runs():
+    """Both subprocesses side by side (JAX compiles in one thread: on CI's 2 cores they
+    overlap): ``{"scenarios": output, "processes": (exit code, output)}``."""
+    procs = {"scenarios": _start(*SCENARIOS), "processes": _start("--processes", "2")}
+    out = {}
+    try:
+        for name, p in procs.items():
+            text = p.communicate(timeout=400)[0]
+            out[name] = (p.returncode, text)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(runs):
+    return runs["scenarios"][1]
 
 
 def _section(out: str, name: str) -> str:
@@ -42,15 +59,15 @@ def test_sharded_scenario(scenarios, name):
     """fp32: update + apply_updates, step, eager update (rows, columns, replicated and
     one-element-per-shard leaves; the state keeps the shardings; each callback gets its
     device's shards). clip: max_grad_norm and chain(clip_by_global_norm, ...). bf16: fp32
-    masters. mesh_2d: a 2 x 2 mesh. orbax: save / restore into an abstract target /
+    masters. mesh_2d: a 2 x 2 mesh. explicit_axes: a mesh of Explicit axes. orbax: save / restore into an abstract target /
     resume. user_shard_map: inside the user's shard_map. errors: clear errors. gpu_path:
     the pinned_host path (CUDA calls simulated) against its single-device run."""
     assert re.search(rf"^SCENARIO {re.escape(name)} ok$", scenarios, re.M), _section(scenarios, name)
 
 
-def test_jax_distributed_two_processes():
+def test_jax_distributed_two_processes(runs):
     """2 processes x 2 host devices (gloo): each process's callbacks get only its own
     devices' shards; clipped updates bit for bit against optax on every process across an
-    orbax save and restore of the sharded state."""
-    code, out = _run("--processes", "2", timeout=200)
+    orbax save and restore of the sharded state; state_dict refuses other processes' shards."""
+    code, out = runs["processes"]
     assert code == 0 and all(f"SCENARIO multi_process[{i}] ok" in out for i in (0, 1)), out[-6000:]

@@ -48,7 +48,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import math
 import os
 import threading
 import time

@@ -38,12 +38,11 @@ import os
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-__all__ = ["Layout", "check_traced", "default_threads", "init_state", "layout_of", "local_numel",
-           "per_device", "in_manual_mesh"]
+__all__ = ["Layout", "check_traced", "default_threads", "in_manual_mesh", "init_state", "layout_of", "local_numel",
+           "per_device"]
 
 
 class Layout(NamedTuple):
@@ -167,13 +166,13 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
     return OffloadAdamWState(count, col(zeros), col(zeros), col(master))
 
 
-def per_device(fn, layout: Layout, first_specs, n_masters_of):
+def per_device(fn, layout: Layout, first_specs, halves):
     """``fn(scalars, count, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')``
     (lists of leaves) run on each device's local shards: a ``shard_map`` over the layout's
     mesh; the scalars and the count replicated. ``first_specs``: the specs of ``firsts``;
-    ``n_masters_of``: the leaf index of each master."""
+    ``halves``: the leaf of each master."""
     specs = list(layout.specs)
-    mspecs = [specs[i] for i in n_masters_of]
+    mspecs = [specs[i] for i in halves]
     rep = PartitionSpec()
     return jax.shard_map(
         fn, mesh=layout.mesh,

@@ -18,6 +18,9 @@ of inputs): the state goes in aliased to the outputs, updated in place when the 
 donates it (else XLA copies it first, host memory to host memory), and nothing is kept
 between calls.
 
+Parameters sharded over a mesh: the same program, with the callbacks in a ``shard_map``
+so that each device updates its own shards (:mod:`trainstream.jax._sharding`).
+
 Data path on XLA:CPU (all buffers are host memory)::
 
     program:   t, S, step_size = optax_scalar_matrix(count, ...)          # jnp, float32[n, 12]
@@ -187,9 +190,21 @@ def _xla_cpu_fma() -> bool:
         rng = np.random.default_rng(5)
         a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
         cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
-        with jax.ensure_compile_time_eval():
-            f = jax.jit(lambda a, b, c: a * b + c)
-            got = np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32)
+        out = []
+
+        def probe():  # in a thread of its own: none of the caller's trace or mesh context
+            try:
+                f = jax.jit(lambda a, b, c: a * b + c)
+                out.append(np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32))
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                out.append(exc)
+
+        t = threading.Thread(target=probe, name="trainstream-xla-probe")
+        t.start()
+        t.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        got = out[0]
         if np.array_equal(got, C.fma_f32(a, b, c).view(np.uint32)):
             _XLA_CPU_FMA = True
         elif np.array_equal(got, (a * b + c).view(np.uint32)):
@@ -755,8 +770,9 @@ def offload_adamw(
       convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"``
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable; its
         ``update`` is ``new - params``).
-      threads, chunk_elems: host worker threads (default: all cores but one) and the
-        elements of one job.
+      threads, chunk_elems: host worker threads of this process, shared by its devices
+        (default: the cores it may run on, divided among the JAX processes of the host
+        unless a launcher bound it to its own, less one) and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
 
     Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
@@ -780,6 +796,13 @@ def offload_adamw(
     outputs by shape and dtype alone, and could pair a moment in host memory with a weight
     in GPU memory. On a GPU a NumPy view of a state array (``np.asarray(state.mu[...])``)
     is an external reference to its host buffer, which XLA then refuses to donate: copy it.
+
+    Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``):
+    ``init`` takes the specs from the concrete arrays (call it outside jit) and shards the
+    state likewise; each device updates its own shards, with the scalars and the global
+    norm of the whole program, as optax.adamw's on the same sharded params (see
+    :mod:`trainstream.jax._sharding`). Inside the caller's own ``shard_map`` the update is
+    that device's, as optax's there.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
@@ -841,7 +864,15 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
     """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (``master``: the
     float32 master of each leaf, the weights themselves for float32 leaves, which needs
     ``params`` when there are any). The state itself is arrays that orbax saves as they
-    are; this is for checkpoints in the names of ``torch.optim.AdamW``."""
+    are; this is for checkpoints in the names of ``torch.optim.AdamW`` (whole arrays:
+    sharded state of several processes goes through orbax)."""
+    for x in jax.tree.leaves(state):
+        if not getattr(x, "is_fully_addressable", True):
+            raise ValueError(
+                "TrainStream state_dict gathers the whole state into this process, and part of it "
+                "lives on other processes' devices (jax.distributed): save the state itself with "
+                "orbax, which writes every process's shards"
+            )
     # copies: a NumPy view of a state array would keep XLA from donating it afterwards
     to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
     out = {"count": to_np(state.count), "exp_avg": jax.tree.map(to_np, state.mu),
