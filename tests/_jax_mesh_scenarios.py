@@ -100,27 +100,35 @@ def batches(n, seed=1):
     return [jnp.asarray(rng.standard_normal((6, 16)).astype(np.float32)) for _ in range(n)]
 
 
+GRAD = jax.jit(jax.grad(loss))
+_STEPS: dict = {}
+
+
 def train(opt, params, xs, via="update", state=None):
     """``via``: update + apply_updates, step, or update called eagerly (its own program).
     The new params keep their shardings (left to the compiler, optax's would change, and
-    with them the gradient program of the next step)."""
-    @functools.partial(jax.jit, out_shardings=(jax.tree.map(lambda a: a.sharding, params), None),
-                       donate_argnums=(0, 1) if via == "step" else ())
-    def step(p, s, x):
-        g = jax.grad(loss)(p, x)
-        if via == "step":
-            return opt.step(g, s, p)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    with them the gradient program of the next step). One jitted step per optimizer, way
+    and shardings (compiled once)."""
+    shardings = jax.tree.map(lambda a: a.sharding, params)
+    key = (opt, via, tuple(jax.tree.leaves(shardings)))
+    if key not in _STEPS:
+        @functools.partial(jax.jit, out_shardings=(shardings, None), donate_argnums=(0, 1) if via == "step" else ())
+        def step(p, s, x):
+            g = jax.grad(loss)(p, x)
+            if via == "step":
+                return opt.step(g, s, p)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
 
-    grad = jax.jit(jax.grad(loss))
+        _STEPS[key] = step
+    step = _STEPS[key]
     p, s = params, opt.init(params) if state is None else state
     if via == "step":  # donated: copies (of the same shardings)
         p, s = jax.tree.map(lambda a: jnp.array(a, copy=True), (p, s))
     out = []
     for x in xs:
         if via == "eager":  # optax's update jitted alone, as ours runs outside jit
-            u, s = (opt.update if isinstance(opt, tsj.OffloadAdamW) else jax.jit(opt.update))(grad(p, x), s, p)
+            u, s = (opt.update if isinstance(opt, tsj.OffloadAdamW) else jax.jit(opt.update))(GRAD(p, x), s, p)
             p = optax.apply_updates(p, u)
         else:
             p, s = step(p, s, x)
@@ -222,25 +230,6 @@ def scenario_fp32():
         assert len(cb.shapes) == 2 * len(xs), (via, len(cb.shapes))  # one call per device and step
 
 
-def scenario_clip():
-    """max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view),
-    some steps clipped and some not; chain(clip, offload_adamw(after_clip_by_global_norm))."""
-    mesh = mesh_1d()
-    params = params_on(mesh, SPECS_1D)
-    xs = batches(4, seed=2)
-    norm = jax.jit(lambda p, x: optax.tree.norm(jax.grad(loss)(p, x)))
-    norms = [float(norm(params, x)) for x in xs]
-    m = float(np.median(norms))
-    ref = optax.chain(optax.clip_by_global_norm(m), optax.adamw(1e-2, weight_decay=0.1))
-    want, _ = train(ref, params, xs)
-    got, _ = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=m), params, xs)
-    same_runs(got, want, "max_grad_norm")
-    chained = optax.chain(optax.clip_by_global_norm(m),
-                          tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=m))
-    got, _ = train(chained, params, xs)
-    same_runs(got, want, "chain")
-
-
 def scenario_bf16():
     """bf16 leaves sharded: the fp32 masters (sharded as the params) equal optax on fp32
     weights fed the upcast gradients; the weights are their rounding."""
@@ -276,18 +265,28 @@ def scenario_bf16():
         same_bits(upd(p_before, s_before, g), p, f"bf16 update + apply_updates step {t + 1}")
 
 
-def scenario_mesh_2d():
-    """A 2 x 2 mesh: leaves sharded over one axis, both, a tuple of axes, and replicated;
-    clipped; update and step."""
+def scenario_clip_2d():
+    """A 2 x 2 mesh (leaves sharded over one axis, both, a tuple of axes, and replicated):
+    max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view), some
+    steps clipped and some not, update and step; chain(clip, after_clip_by_global_norm)."""
     mesh = mesh_2d()
     params = params_on(mesh, SPECS_2D)
     xs = batches(4, seed=4)
-    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+    norm = jax.jit(lambda p, x: optax.tree.norm(jax.grad(loss)(p, x)))
+    m = float(np.median([float(norm(params, x)) for x in xs]))
+    ref = optax.chain(optax.clip_by_global_norm(m), optax.adamw(1e-2, weight_decay=0.1))
     want, _ = train(ref, params, xs)
+    clipped = [float(norm(p, x)) >= m for p, x in zip([params] + want[:-1], xs)]
+    assert any(clipped) and not all(clipped), clipped
+    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=m)
     for via in ("update", "step"):
-        got, s = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.5), params, xs, via)
-        same_runs(got, want, f"2-D {via}")
+        got, s = train(tx, params, xs, via)
+        same_runs(got, want, f"max_grad_norm {via}")
         assert has_specs(s.mu, SPECS_2D)
+    chained = optax.chain(optax.clip_by_global_norm(m),
+                          tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=m))
+    got, _ = train(chained, params, xs)
+    same_runs(got, want, "chain")
 
 
 def scenario_explicit_axes():
@@ -535,4 +534,13 @@ if __name__ == "__main__":
             print(f"SCENARIO {name} FAIL", flush=True)
             traceback.print_exc(file=sys.stdout)
             sys.stdout.flush()
+    # exit with updates in flight: they finish while the host workers are alive (no hang,
+    # no error at exit)
+    params = params_on(mesh_1d(), SPECS_1D)
+    tx = tsj.offload_adamw(1e-2)
+    step = jax.jit(lambda p, s, x: tx.step(jax.grad(loss)(p, x), s, p))
+    p, s = params, tx.init(params)
+    for x in batches(3):
+        p, s = step(p, s, x)
+    print("EXITING with updates in flight", flush=True)
     sys.exit(1 if failed else 0)

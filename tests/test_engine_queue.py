@@ -120,6 +120,23 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     eng.close()
 
 
+def test_work_for_stopped_workers_raises_instead_of_hanging():
+    """Once the pool has stopped (close, or its atexit finalizer), new work is refused: an
+    external update raises (an XLA callback at interpreter exit would otherwise wait
+    forever); the queue refuses jobs once closed."""
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096)
+    eng._finalizer()  # the pool's shutdown, as at interpreter exit (the engine itself not closed)
+    a = np.zeros(10, np.float32)
+    item = E.ExternalUpdate(a, a.copy(), a.copy(), a.copy(), "float32", None, None, np.zeros(16, np.float32))
+    with pytest.raises(E.WorkerError, match="host workers have stopped"):
+        eng.update_external([item, item], "cpu")
+    q = E._WorkQueue()
+    q.close(1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        q.put(lambda: None)
+    assert q.get() is None
+
+
 @pytest.mark.parametrize("nice", [None, 7])
 def test_workers_run_at_the_nice_value_asked(nice):
     """``worker_nice`` (default 5) is the nice value of every worker thread (Linux)."""
