@@ -157,6 +157,7 @@ def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) 
                 # After the engine's finalizer (atexit runs the later registration first):
                 # at exit, XLA's programs still in flight run their callbacks while the
                 # workers are alive (JAX's own exit hook waits for them after ours)
+                atexit.unregister(_finish_in_flight)
                 atexit.register(_finish_in_flight)
     return eng
 
