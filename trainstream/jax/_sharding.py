@@ -34,12 +34,13 @@ No arithmetic lives here.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from .. import _cores
 
 __all__ = ["Layout", "check_traced", "default_threads", "in_manual_mesh", "init_state", "layout_of", "local_numel",
            "per_device"]
@@ -183,15 +184,10 @@ def per_device(fn, layout: Layout, first_specs, halves):
 
 
 def default_threads() -> int:
-    """Host worker threads of this process by default: its cores (``sched_getaffinity``:
-    a launcher that binds processes to cores has split them already; unbound, the JAX
-    processes of this host share its cores) less one for the thread that drives XLA.
-    The local devices share these workers (one pool per process)."""
-    total = os.cpu_count() or 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
-    if cores >= total:
-        cores //= _local_processes()
-    return max(1, cores - 1)
+    """Host worker threads of this process by default: its share of the usable cores among
+    the JAX processes of this host, less one (:func:`trainstream._cores.default_threads`,
+    as a torch rank's). The local devices share these workers (one pool per process)."""
+    return _cores.default_threads(_local_processes())
 
 
 def _local_processes() -> int:

@@ -772,8 +772,8 @@ def offload_adamw(
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable; its
         ``update`` is ``new - params``).
       threads, chunk_elems: host worker threads of this process, shared by its devices
-        (default: the cores it may run on, divided among the JAX processes of the host
-        unless a launcher bound it to its own, less one) and the elements of one job.
+        (default: its share of the cores it may run on among the JAX processes of this
+        host, less one) and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
 
     Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
