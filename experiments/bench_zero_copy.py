@@ -241,7 +241,7 @@ def benchmark_zero_copy_adamw(
 
             def step():
                 dk.launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_dev, m_dev, v_dev,
-                             numel, scalars, 0, 0.0, stream.ptr, device=device)
+                             numel, scalars, stream.ptr, device=device)
 
             step()
             stream.synchronize()

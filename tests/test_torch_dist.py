@@ -312,7 +312,7 @@ def _close(*opts):
 
 
 def _state_same(a, b) -> bool:
-    return all(torch.equal(a[k][n].to_local(), b[k][n].to_local()) for k in a for n in ("exp_avg", "exp_avg_sq")) \
+    return all(torch.equal(a[k][n].to_local().cpu(), b[k][n].to_local().cpu()) for k in a for n in ("exp_avg", "exp_avg_sq")) \
         and all(float(a[k]["step"]) == float(b[k]["step"]) for k in a) and a.keys() == b.keys()
 
 
