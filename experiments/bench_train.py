@@ -1,7 +1,36 @@
 # Run (GPU machine): python experiments/bench_train.py --configs 125m:8,350m:8,1.3b:8,1.3b:24 --json $OUT/bench_train.json
-"""End-to-end training benchmark: GPT-style models (125M, 350M, 1.3B; bf16 matmuls) on
-batches of B x 1024 tokens, every optimizer placement in one process, per step time,
-tokens/s and peak GPU memory.
+"""End-to-end training benchmark: GPT-style models (125M to 20B, ``SIZES``; bf16 matmuls)
+on batches of B x 1024 tokens, every optimizer placement at the same numerics; per setup
+step time, tokens/s, MFU, peak GPU memory and peak host memory.
+
+Sizes where offloading is needed (issue #22): ``3b`` (3.10B), ``5b``, ``7b`` (6.65B),
+``8b``, ``9b``, ``10b``, ``13b``, ``20b``; models are created directly on the device in
+their dtype (a 7B bf16 model takes ~2 s, no host copy of its weights). ``--ckpt``
+checkpoints the activations of every block, in every setup alike (24 x 1024 tokens at
+3B-7B need it). ``--lean`` keeps only the timed steps (no phase-memory step, forward
+probe or back-to-back steps: each is a multi-second step at 7B).
+
+Each setup runs in a fresh subprocess (``--same-process``: all in this one, as before),
+with ``--timeout`` seconds and within ``--budget`` seconds for the whole run; the JSON is
+rewritten after every setup and a one-line summary printed. Host memory per setup: the
+drop of the machine's ``MemAvailable`` below its value before the subprocess started,
+sampled every 0.1 s by the parent (``host_used_peak_gib``: pinned memory, page tables and
+everything the setup allocated; other processes' changes included), the subprocess's own
+resident high-water mark (``host.VmHWM_gib``, ``host.ru_maxrss_gib``) and, for
+TrainStream, ``host_state_gib`` / ``pinned_state_gib`` from ``stats()``. A setup that
+drives ``MemAvailable`` below ``--host-reserve-gib`` is killed and recorded as a host OOM
+(so is a SIGKILL from the kernel's OOM killer); ``torch.OutOfMemoryError`` as a GPU OOM.
+MFU = 6 x N x tokens per step / step time / 989e12 (N: all parameters, embeddings
+included; 989 TFLOP/s: H200 bf16 dense peak, ``--peak-tflops``; attention's
+sequence-quadratic FLOPs and checkpointing's recomputation not counted).
+
+``--largest SETUPS --sizes ... --batch B [--first SIZE]``: per setup, the largest of the
+sizes that completes ``--steps`` steps after ``--warmup`` at batch B, by bisection over the
+sizes (each try a subprocess; an OOM of GPU or host, or a timeout, is "does not fit").
+``--prebuild-ds`` compiles DeepSpeed's cpu_adam extension in the background from the start
+(about a minute on a fresh machine); the setups other than bf16_fused/amp_fused wait for it.
+``--device cpu`` is a smoke test of the script on the CPU (CUDA-only setups skipped):
+``python experiments/bench_train.py --device cpu --configs tiny:2 --seq 64 --vocab 512 --steps 2 --warmup 1 --lean``.
 
 Setups:
   amp_fused        fp32 weights + bf16 autocast + torch.optim.AdamW(fused=True) in GPU memory
