@@ -752,7 +752,7 @@ def search_largest(setup: str, sizes: list, first: str | None, runner) -> dict:
             lo = mid
         else:
             hi = mid
-        mid = (lo + hi + 1) // 2 if lo + 1 < hi else mid
+        mid = (lo + hi) // 2
     return {"largest_fit": sizes[lo] if lo >= 0 else None,
             "largest_fit_params_B": param_count(sizes[lo]) / 1e9 if lo >= 0 else None,
             "smallest_not_fit": sizes[hi] if hi < len(sizes) else None,
