@@ -112,8 +112,12 @@ def environment(torch=None) -> dict:
 
         from trainstream._jit import target_features
 
+        import llvmlite.binding as llvm
+
         env["numba"] = numba.__version__
         env["numba_target_features"] = sorted(target_features())
+        # the microarchitecture LLVM tunes for (a VM's masked CPUID may resolve to another)
+        env["llvm_host_cpu"] = numba.config.CPU_NAME or llvm.get_host_cpu_name()
     except Exception as e:  # noqa: BLE001 - informational only
         env["numba"] = f"unavailable: {e}"
     if torch is not None:
@@ -123,6 +127,8 @@ def environment(torch=None) -> dict:
         except Exception:  # noqa: BLE001
             pass
         env["torch_threads"] = torch.get_num_threads()
+        env["torch_parallel"] = [ln.strip() for ln in torch.__config__.parallel_info().splitlines()
+                                 if ln.startswith(("ATen parallel backend", "OpenMP", "MKL", "std::thread"))]
     return env
 
 
@@ -248,7 +254,7 @@ def main(argv=None) -> int:
     n, t = args.numel, args.threads
     print(f"# {env.get('cpu')}, {env['cpus']} CPUs (cpu0 siblings {env['cpu0_thread_siblings']}, "
           f"NUMA nodes {env['numa_nodes']}), THP {env['thp_enabled']}, load {env['loadavg_start']}; "
-          f"numba {env.get('numba')} {env.get('numba_target_features')}, torch {env.get('torch', '-')} "
+          f"numba {env.get('numba')} {env.get('llvm_host_cpu')} {env.get('numba_target_features')}, torch {env.get('torch', '-')} "
           f"{env.get('torch_cpu_capability', '')}")
     print(f"# numel={n}, threads={t}, {args.rounds} interleaved rounds x {args.repeats} passes, "
           f"gap {args.gap} s; contenders {', '.join(names)}", flush=True)

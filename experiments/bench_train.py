@@ -616,6 +616,8 @@ def child_main(spec: dict) -> None:
             f.write("1000")
     except OSError:
         pass
+    # DeepSpeed's one-process group: a port of this process (the previous setup's may linger)
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 2000))
     t0 = time.perf_counter()
     if spec["device"] == "cuda":
         torch.zeros(1, device="cuda")  # the context, outside the setup's timings
