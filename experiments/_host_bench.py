@@ -13,6 +13,12 @@ write-allocate read, so it is not the right yardstick).
 Bytes are counted as the fewest the operation must move: 28 per element for the update
 (read ``p``, ``m``, ``v``, ``g``; write ``p``, ``m``, ``v``), 12 for the stream (read ``a``,
 ``b``; write ``a``).
+
+For an interleaved comparison in one process (``bench_host_adamw.py``) the buffers must
+outlive one measurement: :class:`AdamWCase` (the update, checked against the contract once)
+and :class:`CeilingCase` (the machine's read-modify-write ceiling over the update's own
+bytes: ``p``, ``m``, ``v`` read and written, ``g`` read, 28 B/element, a trivial body) keep
+theirs; each call runs one full pass over all threads of a shared :class:`Team`.
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from numba import njit
 
 from trainstream import contract as C
 from trainstream._jit import OPTS as _JIT_OPTS
-from trainstream._host_kernels import _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
+from trainstream._host_kernels import KIND_BF16, KIND_F32, _AHEAD, _LINE, _STRIP, _prefetch_r, _prefetch_w, adamw_chunk
 
-__all__ = ["benchmark_host_adamw", "benchmark_rmw_bandwidth", "split_ranges"]
+__all__ = ["AdamWCase", "CeilingCase", "Team", "benchmark_host_adamw", "benchmark_rmw_bandwidth", "split_ranges"]
 
 ADAMW_BYTES_PER_ELEMENT = 28
 RMW_BYTES_PER_ELEMENT = 12
@@ -41,7 +47,7 @@ def split_ranges(numel: int, parts: int, align: int = _ALIGN) -> list[tuple[int,
     return [(b, e) for b, e in zip(bounds[:-1], bounds[1:])]
 
 
-class _Team:
+class Team:
     """``threads`` workers: ``threads - 1`` pool threads plus the calling thread."""
 
     def __init__(self, threads: int):
@@ -123,7 +129,7 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
     ranges = split_ranges(numel, threads)
     p, m, v, g = (np.empty(numel, np.float32) for _ in range(4))
-    with _Team(threads) as team:
+    with Team(threads) as team:
         team.run(_init_adamw_state, ranges, p, m, v, g)
 
         # correctness on a sample, before any timing
@@ -192,7 +198,7 @@ def benchmark_rmw_bandwidth(numel: int, threads: int = 1, repeats: int = 5, pref
     a = np.empty(numel, np.float32)
     b = np.empty(numel, np.float32)
     s = np.float32(1e-3)
-    with _Team(threads) as team:
+    with Team(threads) as team:
         team.run(_init_rmw, ranges, a, b)
         idx = np.unique(np.concatenate([[0, numel - 1], np.random.default_rng(0).integers(0, numel, 4096)]))
         want = a[idx] + s * b[idx]
@@ -201,3 +207,144 @@ def benchmark_rmw_bandwidth(numel: int, threads: int = 1, repeats: int = 5, pref
             raise RuntimeError("read-modify-write kernel gave wrong values; not timing it")
         dt = _time_best(team, kernel, ranges, (a, b, s), repeats)
     return numel * RMW_BYTES_PER_ELEMENT / dt / 1e9
+
+
+# -- persistent cases for interleaved measurements (bench_host_adamw.py) ----------------------
+
+
+@njit(**dict(_JIT_OPTS, cache=False, boundscheck=False))  # loaded from its file: no disk cache
+def ceiling_chunk(p, m, v, g, s, begin, end):
+    """The AdamW update's memory traffic with a trivial body: ``g`` read; ``p``, ``m``, ``v``
+    read and written (28 B/element), with the AdamW kernel's strips and software prefetch."""
+    stop = np.uint64(end)
+    lo = np.uint64(begin)
+    while lo < stop:
+        hi = min(lo + _STRIP, stop)
+        for q in range(np.uint64(0), _STRIP, _LINE):
+            j = lo + _AHEAD + q
+            _prefetch_w(p, j)
+            _prefetch_w(m, j)
+            _prefetch_w(v, j)
+            _prefetch_r(g, j)
+        for i in range(lo, hi):
+            gi = s * g[i]
+            p[i] = p[i] + gi
+            m[i] = m[i] + gi
+            v[i] = v[i] + gi
+        lo = hi
+
+
+@njit(**dict(_JIT_OPTS, cache=False, boundscheck=False))  # loaded from its file: no disk cache
+def ceiling_chunk_plain(p, m, v, g, s, begin, end):
+    """:func:`ceiling_chunk` as one plain loop (no strips, no software prefetch)."""
+    for i in range(np.uint64(begin), np.uint64(end)):
+        gi = s * g[i]
+        p[i] = p[i] + gi
+        m[i] = m[i] + gi
+        v[i] = v[i] + gi
+
+
+class CeilingCase:
+    """The read-modify-write ceiling over the AdamW update's bytes (28 B/element): ``numel``
+    elements of ``p``, ``m``, ``v``, ``g`` (float32), first touched by the threads that
+    use them; checked on a sample once. Calling it runs one pass on ``team``."""
+
+    bytes_per_element = ADAMW_BYTES_PER_ELEMENT
+
+    def __init__(self, team: Team, numel: int, prefetch: bool = True):
+        _check_args(numel, team.threads, 1)
+        self.team, self.numel = team, int(numel)
+        self.ranges = split_ranges(self.numel, team.threads)
+        self.kernel = ceiling_chunk if prefetch else ceiling_chunk_plain
+        self.bufs = tuple(np.empty(self.numel, np.float32) for _ in range(4))  # p, m, v, g
+        team.run(_init_adamw_state, self.ranges, *self.bufs)
+        self.s = np.float32(1e-3)
+        p, m, v, g = self.bufs
+        idx = np.unique(np.concatenate([[0, self.numel - 1], np.random.default_rng(0).integers(0, self.numel, 4096)]))
+        want = [a[idx] + self.s * g[idx] for a in (p, m, v)]
+        self()
+        if not all(np.array_equal(a[idx], w) for a, w in zip((p, m, v), want)):
+            raise RuntimeError("ceiling kernel gave wrong values; not timing it")
+
+    def __call__(self):
+        self.team.run(self.kernel, self.ranges, *self.bufs, self.s)
+
+
+def _adamw_range_any(p, m, v, g, out, okind, variant, gkind, s, mode, begin, end):
+    adamw_chunk(variant, p, m, v, g, gkind, out, okind, begin, end, s, mode)
+
+
+class AdamWCase:
+    """One host AdamW configuration with persistent buffers: ``variant`` (contract id),
+    ``gkind`` :data:`KIND_F32` (fp32 gradient, fp32 weights only: 28 B/element) or
+    :data:`KIND_BF16` (bf16 gradient bits; the rounded bf16 weights written back into the
+    gradient buffer, as the engine does for bf16 CUDA parameters: 12 + 2 read, 12 + 2
+    written, also 28 B/element), ``sqrt_mode`` the torch/cpu root mode (0: IEEE).
+
+    The first update is checked bit for bit against
+    :func:`~trainstream.contract.reference_update` on a sample (range boundaries included);
+    a mismatch raises ``RuntimeError``. Calling the case runs one full update on ``team``
+    with the scalars of step 11, unclipped, every call (the arithmetic does not depend on
+    them; the bf16 case then reads its own weights as the gradient, values of the same range).
+    """
+
+    bytes_per_element = ADAMW_BYTES_PER_ELEMENT
+
+    def __init__(self, team: Team, numel: int, variant: int = C.VARIANT_TORCH_CPU, gkind: int = KIND_F32,
+                 sqrt_mode: int = 0, seed: int = 0):
+        _check_args(numel, team.threads, 1)
+        if gkind not in (KIND_F32, KIND_BF16):
+            raise ValueError(f"gkind must be KIND_F32 or KIND_BF16, got {gkind}")
+        self.team, self.numel, self.variant, self.gkind, self.mode = team, int(numel), variant, gkind, sqrt_mode
+        self.ranges = split_ranges(self.numel, team.threads)
+        p, m, v, g32 = (np.empty(self.numel, np.float32) for _ in range(4))
+        team.run(_init_adamw_state, self.ranges, p, m, v, g32)
+        if gkind == KIND_BF16:
+            g = np.empty(self.numel, np.uint16)
+            team.run(_to_bf16_range, self.ranges, g32, g)
+            del g32
+            out, okind = g, KIND_BF16  # the weights into the gradient buffer (OUT_IN_GRAD)
+        else:
+            g, out, okind = g32, None, KIND_F32
+        self.p, self.m, self.v, self.g, self.out, self.okind = p, m, v, g, out, okind
+        hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
+        convention, platform = _CONVENTION[variant]
+        rng = np.random.default_rng(seed)
+        edges = np.array([x for b, e in self.ranges for x in (b, e - 1)], np.int64)
+        idx = np.unique(np.concatenate([edges, rng.integers(0, self.numel, min(self.numel, 65536))]))
+        clip = 0.75 if gkind == KIND_F32 else 1.0  # bf16: as training runs without clipping
+        s = C.step_scalars(hp, 10, convention, platform, clip=clip)
+        self.s = C.step_scalars(hp, 11, convention, platform, clip=1.0)
+        from trainstream._cpu_sqrt import sqrt_array  # noqa: PLC0415
+
+        gs = g[idx] if gkind == KIND_F32 else C.bf16_bits_to_f32(g[idx])
+        want = C.reference_update(p[idx], m[idx], v[idx], gs, s, convention, platform,
+                                  sqrt=lambda x: sqrt_array(x, sqrt_mode),
+                                  grad_dtype="float32" if gkind == KIND_F32 else "bfloat16")
+        self._run(s)
+        got = [p[idx], m[idx], v[idx]]
+        names = ["p", "m", "v"]
+        if gkind == KIND_BF16:
+            want = [*want, C.f32_to_bf16_bits(want[0])]
+            got.append(g[idx])
+            names.append("bf16 weights")
+        for name, a, w in zip(names, got, want):
+            a, w = np.asarray(a), np.asarray(w)
+            if not np.array_equal(a.view(np.uint32 if a.dtype == np.float32 else np.uint16),
+                                  w.view(np.uint32 if w.dtype == np.float32 else np.uint16)):
+                raise RuntimeError(f"host AdamW kernel (variant {variant}, gkind {gkind}) disagrees with the "
+                                   f"contract's reference on {name}; not timing a wrong kernel")
+
+    def _run(self, s):
+        self.team.run(_adamw_range_any, self.ranges, self.p, self.m, self.v, self.g, self.out, self.okind,
+                      self.variant, self.gkind, s, self.mode)
+
+    def __call__(self):
+        self._run(self.s)
+
+
+_CONVENTION = {C.VARIANT_TORCH_CPU: ("torch", "cpu"), C.VARIANT_TORCH_CUDA: ("torch", "cuda")}
+
+
+def _to_bf16_range(src, dst, b, e):
+    dst[b:e] = C.f32_to_bf16_bits(src[b:e])

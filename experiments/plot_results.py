@@ -14,6 +14,14 @@ experiments/data/ (needs numpy and matplotlib only; no GPU, a few seconds):
   per config; hatched: rows recorded before bench_train.py took peaks net of memory an
   earlier setup left allocated (they may read high). Dashed line: 16 B/param below AMP
   (dotted where the AMP row itself is hatched).
+* ``scaling_step_time.png`` and ``scaling_memory.png`` (``--scaling FILE ...``, only these):
+  from bench_train.py JSON (``--configs 3b:24,7b:24`` and the like, ``--largest`` tries
+  included), one panel per batch size: the median step time (and the MFU in the legend)
+  against the parameter count, and the peak GPU memory (solid) and host memory (dashed:
+  the drop of the machine's MemAvailable during the setup) against it, one line per
+  setup; a size a setup did not fit is an ``x`` on the panel's floor (GPU OOM, host OOM
+  or timeout, named in the legend). ``python experiments/plot_results.py --scaling
+  bench_train_3b7b.json --out experiments/plots``.
 * ``equivalence.png``: per-step divergence of the H200 equivalence run (fp32, torch and
   JAX): the largest distance in float32 ULPs over all weights at each step, and the
   fraction of weights that are bit-identical. Read from the JSON inside
@@ -286,12 +294,107 @@ def plot_equivalence(data: str, out: str) -> None:
     _save(fig, out)
 
 
+def _sizes() -> dict:
+    """bench_train.SIZES, read from its source (no torch import here)."""
+    import ast  # noqa: PLC0415
+
+    tree = ast.parse(open(os.path.join(HERE, "bench_train.py")).read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SIZES":
+            return ast.literal_eval(node.value)
+    raise RuntimeError("SIZES not found in bench_train.py")
+
+
+def _params_b(size: str, sizes: dict, vocab: int = 50304, ctx: int = 1024) -> float:
+    layers, d, _ = sizes[size]
+    return (layers * (12 * d * d + 13 * d) + vocab * d + ctx * d + 2 * d) / 1e9
+
+
+SCALING_COLORS = {"bf16_fused": "#7f7f7f", "amp_fused": "#b0b0b0", "torchao_fp32": "#d62728",
+                  "torchao_bf16": "#ff9896", "ds_zero_offload": "#9467bd", "ts_cpu": "#aec7e8",
+                  "ts_cpu_eager": "#1f77b4", "ts_gpu": "#98df8a", "ts_hybrid": "#2ca02c"}
+
+
+def load_scaling(paths: list[str]) -> list[dict]:
+    """The rows of bench_train JSON files (newest file last wins per setup, size, batch)."""
+    sizes = _sizes()
+    latest: dict = {}
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for r in doc["rows"]:
+            if "skipped" in r or r.get("size") not in sizes:
+                continue
+            r = dict(r, params_b=r["params_M"] / 1e3 if "params_M" in r else _params_b(r["size"], sizes))
+            key = (r["setup"], r["size"], r["batch"])
+            if key in latest and "step_ms_median" in latest[key] and "step_ms_median" not in r:
+                continue  # a measured row is not replaced by a failed retry
+            latest[key] = r
+    return list(latest.values())
+
+
+def plot_scaling(paths: list[str], out_dir: str) -> list[str]:
+    """Step time and peak memory against the parameter count, per setup and batch size."""
+    rows = load_scaling(paths)
+    batches = sorted({r["batch"] for r in rows})
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    written = []
+    for what in ("step_time", "memory"):
+        fig, axes = plt.subplots(1, len(batches), figsize=(6.2 * len(batches), 4.6), squeeze=False)
+        for ax, batch in zip(axes[0], batches):
+            for k, setup in enumerate(setups):
+                mine = sorted((r for r in rows if r["setup"] == setup and r["batch"] == batch),
+                              key=lambda r: r["params_b"])
+                ok = [r for r in mine if "step_ms_median" in r]
+                bad = [r for r in mine if "step_ms_median" not in r]
+                color = SCALING_COLORS.get(setup.split("~")[0].split("@")[0], f"C{k % 10}")
+                xs = [r["params_b"] for r in ok]
+                if what == "step_time":
+                    mfu = "/".join(f"{100 * r['mfu']:.0f}" for r in ok if "mfu" in r)
+                    ax.plot(xs, [r["step_ms_median"] / 1e3 for r in ok], "o-", color=color,
+                            label=f"{setup}" + (f" (MFU {mfu}%)" if mfu else ""))
+                else:
+                    ax.plot(xs, [r["peak_gib"] for r in ok], "o-", color=color, label=f"{setup} GPU")
+                    host = [(r["params_b"], r["host_used_peak_gib"]) for r in ok if "host_used_peak_gib" in r]
+                    if host:
+                        ax.plot(*zip(*host), "s--", color=color, mfc="none", label=f"{setup} host")
+                if bad:
+                    fails = ", ".join(f"{r['size']} {r.get('failure', '?')}" for r in bad)
+                    ax.plot([r["params_b"] for r in bad], [0] * len(bad), "x", color=color, ms=10, mew=2,
+                            clip_on=False, label=f"{setup}: does not fit ({fails})")
+            ax.set_xlabel("parameters, billions", fontsize=9)
+            if what == "step_time":
+                ax.set_ylabel("median step, s (device synchronized)", fontsize=9)
+                ax.set_title(f"step time, batch {batch} x {rows[0].get('seq', 1024)} tokens", fontsize=10)
+            else:
+                ax.set_ylabel("peak memory, GiB", fontsize=9)
+                ax.set_title(f"peak GPU (solid) and host (dashed) memory, batch {batch}", fontsize=10)
+            ax.set_ylim(bottom=0)
+            ax.set_xlim(left=0)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=8)
+            ax.legend(fontsize=6.5)
+        fig.suptitle("bench_train.py against model size (" + ", ".join(os.path.basename(p) for p in paths) + ")",
+                     fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"scaling_{what}.png")
+        _save(fig, path)
+        written.append(path)
+    return written
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=os.path.join(HERE, "data"))
     ap.add_argument("--out", default=os.path.join(HERE, "plots"))
+    ap.add_argument("--scaling", nargs="+", metavar="JSON",
+                    help="only the plots against model size, from these bench_train JSON files")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.scaling:
+        for path in plot_scaling(args.scaling, args.out):
+            print(f"wrote {path} ({os.path.getsize(path) // 1024} KiB)")
+        return
     files = load_bench(args.data)
     plot_step_time(files, os.path.join(args.out, "step_time.png"))
     plot_peak_memory(files, os.path.join(args.out, "peak_memory.png"))

@@ -77,3 +77,78 @@ def test_equivalence_torch_has_reference_rows(torch_equivalence):
     # every TrainStream row is promised: its reference is the loop a user writes (its own
     # clip_grad_norm_, micro-batches summed in param.grad)
     assert all(c["promised"] for c in result["comparisons"] if c["kind"] == "trainstream-vs-reference")
+
+
+# -- issue #22: bench_train at sizes where offloading is needed, the host benchmark, plots ------
+
+
+def _run_bench_train(tmp_path, *extra, timeout=300):
+    import os
+    import subprocess
+    import sys
+
+    repo = EXPERIMENTS.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_train.py"), "--device", "cpu", "--seq", "32",
+                        "--vocab", "256", "--steps", "2", "--warmup", "1", "--json", str(out), *extra],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text()), r.stdout
+
+
+def test_bench_train_cpu_smoke_subprocess_per_setup_and_scaling_plots(tmp_path):
+    doc, stdout = _run_bench_train(tmp_path, "--configs", "tiny:2", "--ckpt", "--lean", "--order", "setup",
+                                   "--budget", "250", "--setups", "bf16_fused,ts_cpu_eager,ts_hybrid")
+    rows = {r["setup"]: r for r in doc["rows"]}
+    assert rows["ts_hybrid"]["skipped"] == "needs CUDA"
+    for name in ("bf16_fused", "ts_cpu_eager"):
+        r = rows[name]
+        assert r["step_ms_median"] > 0 and r["steps_timed"] == 2 and r["ckpt"] is True
+        assert r["mfu"] == pytest.approx(6 * r["params_M"] * 1e6 * 2 * 32 / (r["step_ms_median"] / 1e3) / 989e12)
+        assert r["host"]["VmHWM_gib"] > 0 and "host_used_peak_gib" in r and r["wall_s"] > 0
+        assert "mem_phases" not in r and "step_ms_stream" not in r  # --lean
+        assert any(line.split("]", 1)[1].split()[:3] == ["tiny", "x2", name] for line in stdout.splitlines() if "]" in line)
+    assert rows["ts_cpu_eager"]["host_state_gib"] > 0
+    plots = load_script("plot_results")
+    for path in plots.plot_scaling([str(tmp_path / "bench.json")], str(tmp_path)):
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_host_oom_is_recorded_not_fatal(tmp_path):
+    doc, _ = _run_bench_train(tmp_path, "--configs", "tiny:2", "--lean", "--setups", "ts_cpu",
+                              "--host-reserve-gib", "1e9")
+    (row,) = doc["rows"]
+    assert row["failure"] == "host_oom" and "MemAvailable" in row["error"] and "step_ms_median" not in row
+
+
+def test_bench_train_largest_bisection():
+    bt = load_script("bench_train")
+    sizes = ["1.3b", "3b", "5b", "7b", "10b", "13b"]
+    for limit, first, want, n_tries in ((8e9, "7b", "7b", 2), (8e9, None, "7b", 3), (1e9, None, None, 2),
+                                        (1e12, "13b", "13b", 1), (4e9, "7b", "3b", 3)):
+        tried = []
+
+        def runner(size, limit=limit, tried=tried):
+            tried.append(size)
+            fits = bt.param_count(size) < limit
+            return {"step_ms_median": 1.0} if fits else {"failure": "host_oom"}
+
+        res = bt.search_largest("ts_cpu", sizes, first, runner)
+        assert res["largest_fit"] == want and res["resolved"], (limit, first, res)
+        assert len(tried) == n_tries and len(set(tried)) == n_tries, tried
+
+
+def test_bench_host_adamw_interleaved(tmp_path):
+    script = load_script("bench_host_adamw")
+    out = tmp_path / "host.json"
+    assert script.main(["--numel", "65536", "--threads", "2", "--rounds", "2", "--repeats", "2", "--gap", "0",
+                        "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    res = doc["results"]
+    assert set(res) == {"ceiling", "ceiling_plain", "ours", "ours_bf16", "torch_fused"}
+    for r in res.values():
+        assert len(r["round_medians_ms"]) == 2 and r["bytes_per_element"] == 28
+    assert res["torch_fused"]["x_torch_median"] == 1.0 and res["ceiling"]["of_ceiling_median"] == 1.0
+    assert len(doc["summary"]["ours_x_torch_per_round"]) == 2
+    assert doc["env"]["thp_enabled"] is None or "[" in doc["env"]["thp_enabled"]
