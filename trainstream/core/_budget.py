@@ -63,7 +63,8 @@ def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = Fal
 
     Args:
       pin_moments: the ``host`` layout's moments pinned.
-      can_pin: False where the backend cannot pin (torch with CPU parameters): all pageable.
+      can_pin: False where the backend cannot pin (torch with CPU parameters): the ``host``
+        layout all pageable.
       weights_in_grad_stage: the backend's (``Backend.weights_in_grad_stage``).
       pinned_size: what one pinned buffer of the ``host`` layout takes for ``n`` bytes
         (the backend's ``pinned_size``: torch rounds up to a power of two); None: ``n``.
@@ -71,9 +72,9 @@ def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = Fal
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
-        pinned = pinned and can_pin
-        if pinned and host and pinned_size is not None:
-            nbytes = pinned_size(nbytes)
+        if host:
+            pinned = pinned and can_pin
+            nbytes = pinned_size(nbytes) if pinned and pinned_size is not None else nbytes
         out[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
 
     for numel, dtype, layout in slots:

@@ -474,7 +474,7 @@ class _Impl:
         (this process's shards; a replicated leaf once per device)."""
         layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
         slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]
-        return _budget.plan(slots, margin=self.cfg.host_margin, can_pin=platform == "cuda")
+        return _budget.plan(slots, margin=self.cfg.host_margin)
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -870,11 +870,15 @@ def offload_adamw(
             raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
         after_clip = float(after_clip)
     # optax.inject_hyperparams passes every number as an array too (a tracer in the update):
-    # these three change no bit, so a traced one falls back to its default (name them in
+    # these four change no bit, so a traced one falls back to its default (name them in
     # static_args to keep other values there)
     threads = _static_int(threads, None)
     chunk_elems = _static_int(chunk_elems, 1 << 20)
     worker_nice = _static_int(worker_nice, 5)
+    if isinstance(host_margin, jax.core.Tracer):  # likewise (it changes no bit either)
+        host_margin = _budget.MARGIN
+    elif hasattr(host_margin, "dtype") and np.ndim(host_margin) == 0:
+        host_margin = float(host_margin)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     if isinstance(chunk_elems, bool) or not isinstance(chunk_elems, int) or chunk_elems < 1:
