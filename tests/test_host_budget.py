@@ -223,7 +223,7 @@ def test_torch_refuses_before_allocating(monkeypatch):
     for figure in (plan["needed"], plan["state_pageable"], plan["masters_pageable"], plan["staging_pageable"],
                    100_000, 90_000):
         assert f"{figure:,.0f}" in msg, (figure, msg)
-    assert re.search(r"Nothing was allocated\. To fit: .*zero_stage=1.*mode='gpu'.*host_margin=None", msg)
+    assert re.search(r"None of it was allocated\. To fit: .*zero_stage=1.*mode='gpu'.*host_margin=None", msg)
     assert OffloadAdamW.host_memory_plan(model.parameters())["fits"] == 0
     assert OffloadAdamW.host_memory_plan(model.parameters(), host_margin=None)["fits"] == 1
     with pytest.raises(ValueError, match="host_margin"):

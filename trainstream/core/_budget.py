@@ -140,5 +140,5 @@ def check(p: dict[str, float], hint: str) -> None:
         f"memory ({parts}; {p['pinned']:,.0f} pinned in all), and {p['available']:,.0f} bytes "
         f"({p['available'] / 2**30:.2f} GiB) are available (the least of MemAvailable and this process's "
         f"cgroup memory limit less its usage), of which it may take {p['usable']:,.0f} (host_margin="
-        f"{p['margin']:g} is left to the rest). Nothing was allocated. To fit: {hint}; or host_margin=None "
+        f"{p['margin']:g} is left to the rest). None of it was allocated. To fit: {hint}; or host_margin=None "
         "to skip this check where that figure is wrong (e.g. a VM whose memory grows as it is used).")
