@@ -269,8 +269,8 @@ def test_jax_plan_equals_the_state_and_refuses_before_allocating(monkeypatch):
 
     from trainstream.jax import offload_adamw
 
-    params = {"w": jnp.ones((300, 64), jnp.bfloat16), "b": jnp.zeros(300, jnp.float32),
-              "h": jnp.ones((7, 5), jnp.float16)}
+    params = jax.device_put({"w": jnp.ones((300, 64), jnp.bfloat16), "b": jnp.zeros(300, jnp.float32),
+                             "h": jnp.ones((7, 5), jnp.float16)}, jax.devices("cpu")[0])  # XLA:CPU, also beside a GPU
     tx = offload_adamw(1e-3)
     plan = tx.host_memory_plan(params)
     state = tx.init(params)
