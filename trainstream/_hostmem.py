@@ -9,12 +9,16 @@ memory from glibc with the kernel's default pages, which are 4 KiB unless
 arrays; torch does only under ``THP_MEM_ALLOC_ENABLE=1``). :func:`empty` asks. Measured
 effect: ``experiments/host_pages.py`` and ``experiments/RESULTS.md``.
 
+:func:`available`: the host memory this process can still take (the budget of
+:mod:`trainstream.core._budget`).
+
 No torch, no JAX: the engine core may use it and every backend wraps its arrays.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
@@ -62,3 +66,68 @@ def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
     except OSError:  # kernels without THP: the mapping still works, with small pages
         pass
     return raw[off:off + nbytes].view(dt)
+
+
+#: Per cgroup version: its limit, usage and reclaimable-cache (``memory.stat``) names.
+_CGROUP = {"v2": ("memory.max", "memory.current", "inactive_file"),
+           "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory this process can still allocate; None where unknown (not Linux).
+
+    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without
+    swapping, reclaimable cache included) and, for this process's cgroup and each ancestor
+    visible to it, the memory limit less the usage not counting the inactive file cache
+    (v2: ``memory.max``, ``memory.current``; v1: ``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``): a container's limit, which ``MemAvailable`` (the whole
+    machine's) does not see. ``proc``, ``cgroup``: where those file systems are mounted.
+
+    Pinned memory is part of this figure, not a budget of its own: CUDA's page-locked
+    allocations (``cudaHostAlloc``: torch's ``pin_memory``, XLA's ``pinned_host``, CuPy's)
+    are not counted against ``RLIMIT_MEMLOCK`` (measured on the H200 machine, 2026-12-02:
+    4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit), so it is not read.
+    """
+    best = None
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            best = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, names = cgroup, _CGROUP["v2"]
+        elif "memory" in controllers.split(","):
+            base, names = os.path.join(cgroup, "memory"), _CGROUP["v1"]
+        else:
+            continue
+        d = os.path.normpath(base + path)
+        while True:  # its own group (absent in a container's namespace: the mount is its own) up to the mount
+            left = _cgroup_left(d, *names)
+            if left is not None and (best is None or left < best):
+                best = left
+            if len(d) <= len(base):
+                break
+            d = os.path.dirname(d)
+    return best
+
+
+def _cgroup_left(d: str, limit: str, usage: str, inactive: str) -> int | None:
+    try:
+        with open(os.path.join(d, limit)) as f:
+            lim = f.read().strip()
+        if lim == "max":
+            return None
+        with open(os.path.join(d, usage)) as f:
+            used = int(f.read())
+        with open(os.path.join(d, "memory.stat")) as f:
+            cache = next((int(v) for k, v in (line.split() for line in f) if k == inactive), 0)
+    except (OSError, ValueError):
+        return None
+    return max(0, int(lim) - used + cache)

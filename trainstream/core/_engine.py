@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import _trace
 from .. import contract as C
+from ._budget import place
 from ._host import NORM_BLOCK, Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
 __all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
@@ -116,6 +117,11 @@ class Engine:
     def threads(self) -> int:
         return self.host.threads if self.host is not None else 0
 
+    @property
+    def device_elems_used(self) -> int:
+        """``hybrid``: the elements of the device budget taken so far."""
+        return self._device_used
+
     def _placements(self) -> list[Any]:
         return [p for p in (self.device, self.host) if p is not None]
 
@@ -124,14 +130,7 @@ class Engine:
         """Register a flat parameter; returns its slot id. Its placement: the policy's
         (``hybrid``: ``on_device`` if given, else on the device while it fits in the
         budget; a parameter that is not ``trainable`` takes none of it)."""
-        if self.host is None:
-            dev = True
-        elif self.device is None:
-            dev = False
-        elif on_device is None:
-            dev = trainable and self._device_used + int(numel) <= self._budget
-        else:
-            dev = bool(on_device) and trainable
+        dev = place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
         local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
         if dev:
             self._device_used += int(numel)

@@ -161,6 +161,11 @@ class Backend(Protocol):
     def record_uploads(self) -> Event | None:
         """An event after every weight upload queued so far (None: nothing to wait for)."""
 
+    # Optional (the host bytes of ``stats()`` and :mod:`trainstream.core._budget`; without it n):
+
+    def pinned_size(self, nbytes: int) -> int:
+        """The bytes a pinned ``host_empty`` buffer of ``nbytes`` takes."""
+
 
 class ExternalUpdate(NamedTuple):
     """One tensor's AdamW update over buffers the caller owns (:meth:`HostPlacement.update_external`).
@@ -559,6 +564,9 @@ class HostPlacement:
     def _alloc(self, numel: int, dtype: str, pinned: bool, what: str) -> HostBuffer:
         buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
         nbytes = numel * _ITEMSIZE[dtype]
+        size = getattr(self.backend, "pinned_size", None)  # what a pinned buffer really takes
+        if buf.pinned and size is not None:
+            nbytes = size(nbytes)
         self._host_bytes += nbytes
         if buf.pinned:
             self._pinned_bytes += nbytes

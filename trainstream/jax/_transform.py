@@ -64,7 +64,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
-from ..core import Engine, ExternalUpdate
+from ..core import Engine, ExternalUpdate, _budget
 from . import _sharding
 
 __all__ = [
@@ -111,6 +111,7 @@ class _Config(NamedTuple):
     threads: int | None  # None: _sharding.default_threads(), when the first update is traced
     chunk_elems: int
     worker_nice: int
+    host_margin: float | None
 
 
 # -- the engine of the host updates (one per configuration and process) ---------------------
@@ -454,6 +455,7 @@ class _Impl:
         platform = _platform_of(leaves)
         if self.cfg.mode == "gpu":
             _check_gpu_mode(platform, self.cfg)
+        _budget.check(self.host_plan(leaves, paths, platform), _HINT)  # before any array is made
         layout = self._remember_layout(params, leaves, paths)
         if layout is not None:
             return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
@@ -466,6 +468,13 @@ class _Impl:
                               params)
         return OffloadAdamWState(jnp.zeros([], jnp.int32), jax.tree.map(f32, params), jax.tree.map(f32, params),
                                  master)
+
+    def host_plan(self, leaves, paths, platform: str) -> dict[str, float]:
+        """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
+        (this process's shards; a replicated leaf once per device)."""
+        layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
+        slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]
+        return _budget.plan(slots, margin=self.cfg.host_margin)
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -689,16 +698,35 @@ def _check_gpu_mode(platform: str, cfg: _Config) -> None:
         )
 
 
+_HINT = ("fewer parameters' state per process (shard the parameters over the devices of more "
+         "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
+
+
+def _host_numel(x) -> int:
+    """Elements of leaf ``x`` whose state this process holds (its devices' shards)."""
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if sharding is None:
+        return int(np.prod(np.shape(x), dtype=np.int64))
+    return len(sharding.addressable_devices) * int(np.prod(sharding.shard_shape(np.shape(x)), dtype=np.int64))
+
+
 class OffloadAdamW(optax.GradientTransformation):
     """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`.
 
     ``init`` / ``update`` as optax (``update`` is exactly optax.adamw's); in addition
     ``step(grads, state, params) -> (new_params, new_state)``, the new weights in one
-    pass (no update array), and the module functions :func:`state_dict`,
+    pass (no update array), :meth:`host_memory_plan`, and the module functions :func:`state_dict`,
     :func:`load_state_dict` and :func:`close`.
     """
 
     __slots__ = ()
+
+    def host_memory_plan(self, params) -> dict[str, float]:
+        """The host memory ``init(params)`` will check and its state take (bytes per part,
+        pinned and pageable, ``needed``, ``available``, ``usable``, ``fits``: see
+        :func:`trainstream.core._budget.plan`), without allocating anything."""
+        leaves = jax.tree.leaves(params)
+        return self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
 
     def step(self, grads, state, params):
         return self.update.__self__.step(grads, state, params)
@@ -740,6 +768,7 @@ def offload_adamw(
     threads: int | None = None,
     chunk_elems: int = 1 << 20,
     worker_nice: int = 5,
+    host_margin: float | None = _budget.MARGIN,
 ) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in
     host memory, updated on the host (Numba kernels) or, on a GPU, by a zero-copy kernel.
@@ -775,6 +804,11 @@ def offload_adamw(
         (default: its share of the cores it may run on among the JAX processes of this
         host, less one) and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
+      host_margin: ``init`` first checks the host memory the state (and on a GPU in
+        ``mode="cpu"`` the pinned staging of the first ``update``) will take
+        (:meth:`OffloadAdamW.host_memory_plan`) against what the host has less this
+        fraction of it: ``MemoryError`` naming the bytes where it does not fit, before any
+        array is made. None: no check.
 
     Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
     bits of optax.adamw's update, so ``optax.apply_updates`` and the optax wrappers around
@@ -836,11 +870,15 @@ def offload_adamw(
             raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
         after_clip = float(after_clip)
     # optax.inject_hyperparams passes every number as an array too (a tracer in the update):
-    # these three change no bit, so a traced one falls back to its default (name them in
+    # these four change no bit, so a traced one falls back to its default (name them in
     # static_args to keep other values there)
     threads = _static_int(threads, None)
     chunk_elems = _static_int(chunk_elems, 1 << 20)
     worker_nice = _static_int(worker_nice, 5)
+    if isinstance(host_margin, jax.core.Tracer):  # likewise (it changes no bit either)
+        host_margin = _budget.MARGIN
+    elif hasattr(host_margin, "dtype") and np.ndim(host_margin) == 0:
+        host_margin = float(host_margin)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     if isinstance(chunk_elems, bool) or not isinstance(chunk_elems, int) or chunk_elems < 1:
@@ -849,10 +887,11 @@ def offload_adamw(
         raise ValueError(f"worker_nice must be an int, got {worker_nice!r}")
     if convention == "torch":
         _torch_cpu_code()  # refuse early without torch
+    _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
     cfg = _Config(
         fl(learning_rate), fl(b1), fl(b2), fl(eps), fl(weight_decay), max_grad_norm, mask, xla_fused_grads,
-        after_clip, mode, convention, threads, chunk_elems, worker_nice,
+        after_clip, mode, convention, threads, chunk_elems, worker_nice, host_margin,
     )
     impl = _Impl(cfg)
     return OffloadAdamW(impl.init, impl.update)

@@ -44,16 +44,17 @@ class TorchBackend:
     where no GPU exists.
     """
 
+    # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
+    # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
+    copy_keeps_source_alive = True
+    # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
+    # from there (6% less host memory traffic than a buffer of their own);
+    # copy_to_host orders the next gradient copy after that upload.
+    weights_in_grad_stage = True
+
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
-        # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
-        self.copy_keeps_source_alive = True
-        # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
-        # from there (6% less host memory traffic than a buffer of their own);
-        # copy_to_host orders the next gradient copy after that upload.
-        self.weights_in_grad_stage = True
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h = torch.cuda.Stream(device=device)
@@ -99,6 +100,12 @@ class TorchBackend:
                 f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}"
             ) from exc
         return _TorchHostBuffer(t)
+
+    @staticmethod
+    def pinned_size(nbytes: int) -> int:
+        """What a pinned buffer of ``nbytes`` takes: torch's CachingHostAllocator rounds each
+        block up to a power of two (its default ``pinned_max_round_threshold``)."""
+        return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(param.detach().reshape(-1))

@@ -21,11 +21,37 @@ from torch.optim import Optimizer
 
 from .. import _cores
 from .. import contract as C
-from ..core import Engine
+from ..core import Engine, _budget
 from . import _dist as D
 from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 
 __all__ = ["OffloadAdamW"]
+
+
+_HINT = ("fewer parameters' state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), "
+         "mode='gpu' or 'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, "
+         "8 instead of 16 per float32 one)")
+#: Plan entries added up over the parameter groups (the others are the last check's).
+_SUMMED = {*(f"{p}_{k}" for p in _budget.PARTS for k in ("pinned", "pageable")), "pinned", "pageable", "needed"}
+
+
+def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None):
+    """The host-memory plan of registering ``flat`` (:func:`trainstream.core._budget.plan`) and
+    hybrid's split: by fit in what ``used`` leaves of ``budget``, from the last parameter
+    backwards with ``last``. Parameters that registration will refuse are left out."""
+    order = list(range(len(flat)))[::-1] if last else list(range(len(flat)))
+    dev = _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order], mode, budget, used)
+    on_gpu = [False] * len(flat)
+    for i, d in zip(order, dev):
+        on_gpu[i] = d
+    device = device or next((D.local(p).device for p in flat), None)
+    cuda = device is not None and device.type == "cuda"
+    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], "device" if g else "host")
+             for p, g in zip(flat, on_gpu) if p.dtype in _DTYPE_NAME]
+    plan = _budget.plan(slots, margin=margin, pin_moments=pin_moments, can_pin=cuda,
+                        weights_in_grad_stage=TorchBackend.weights_in_grad_stage,
+                        pinned_size=TorchBackend.pinned_size if cuda else None)
+    return plan, on_gpu
 
 
 class _Owned:
@@ -239,7 +265,13 @@ class OffloadAdamW(Optimizer):
         ``None`` (default): a quarter of the GPU's multiprocessor count, which leaves
         backward most of the GPU (measured on the H200, 350M GPT: 131 ms per step with
         16-33 blocks against 156 ms with the full grid).
-      pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode).
+      pin_moments: keep ``exp_avg``/``exp_avg_sq`` page-locked (``cpu`` mode), where all
+        pinned memory stays within half of the available host memory (else pageable:
+        ``stats()["host_plan_pin_moments"]`` says which).
+      host_margin: before allocating anything, the host memory the state, masters and
+        staging will take (:meth:`host_memory_plan`) is checked against what the host has
+        less this fraction of it: ``MemoryError`` naming the bytes where it does not fit.
+        None: no check.
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream.contract``.
     """
 
@@ -267,6 +299,7 @@ class OffloadAdamW(Optimizer):
         gpu_share: float = 0.3,
         gpu_params: str = "first",
         pin_moments: bool = False,
+        host_margin: float | None = _budget.MARGIN,
         convention: str = "torch",
         amsgrad: bool = False,
         maximize: bool = False,
@@ -293,9 +326,13 @@ class OffloadAdamW(Optimizer):
         if gpu_params != "first" and mode != "hybrid":
             raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
         self._gpu_params = gpu_params
-        # hybrid: the split needs the total of the elements, known once torch has read every
-        # group: registration waits until then (add_param_group only checks the groups).
-        self._deferred = mode == "hybrid"
+        # Registration waits until torch has read every group (add_param_group only checks
+        # them): the host memory is checked over all of them, and hybrid's split needs the
+        # total of the elements.
+        self._deferred = True
+        self._host_margin = host_margin
+        self._host_plan: dict[str, float] = {}
+        _budget.plan([], margin=host_margin)  # a bad margin raises here
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"Invalid worker_nice: {worker_nice!r} (must be an int)")
         if eager_blocks is not None and (isinstance(eager_blocks, bool) or not isinstance(eager_blocks, int)
@@ -366,26 +403,20 @@ class OffloadAdamW(Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
         super().__init__(params, defaults)
         self.state = _State(self)  # type: ignore[assignment]  # the engine's, per parameter
-        if self._deferred:
-            self._deferred = False
-            mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
-            flat = [p for p, _ in mine]
+        self._deferred = False
+        mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
+        flat = [p for p, _ in mine]
+        if mode == "hybrid":
             self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad))
-            on_gpu: list[bool | None] = [None] * len(flat)  # None: by fit, in order
-            if self._gpu_params == "last":  # by fit, from the last parameter backwards
-                left = self._gpu_budget
-                for i in range(len(flat) - 1, -1, -1):
-                    n = D.local(flat[i]).numel()
-                    on_gpu[i] = flat[i].requires_grad and n <= left
-                    left -= n if on_gpu[i] else 0
-            try:
-                for (p, gi), gpu in zip(mine, on_gpu):
-                    self._register(p, gpu)
-                    self._group_of.append(gi)
-            except BaseException:
-                if self._engine is not None:
-                    self._engine.close()
-                raise
+        on_gpu = self._reserve(flat, last=self._gpu_params == "last")  # raises before anything is allocated
+        try:
+            for (p, gi), gpu in zip(mine, on_gpu):
+                self._register(p, gpu)
+                self._group_of.append(gi)
+        except BaseException:
+            if self._engine is not None:
+                self._engine.close()
+            raise
         if overlap_forward is not None:
             self._gate(overlap_forward)
 
@@ -428,12 +459,12 @@ class OffloadAdamW(Optimizer):
                     raise ValueError("OffloadAdamW: zero_stage=1 is for replicated parameters (DDP); FSDP2's "
                                      "DTensor parameters are sharded already: use zero_stage=0")
                 self._zero.add_group(listed)
-            if self._deferred:  # hybrid, inside __init__: registered once every group is known
+            if self._deferred:  # inside __init__: registered once every group is known
                 return
-            for p in listed:
-                if self._mine(p):
-                    self._register(p)
-                    self._group_of.append(len(self.param_groups) - 1)
+            mine = [p for p in listed if self._mine(p)]
+            for p, gpu in zip(mine, self._reserve(mine)):
+                self._register(p, gpu)
+                self._group_of.append(len(self.param_groups) - 1)
         except BaseException:
             # Leave the optimizer exactly as it was.
             del self.param_groups[n_groups:]
@@ -452,6 +483,42 @@ class OffloadAdamW(Optimizer):
                 self._engine.truncate(n_slots)
             raise
         self._wait_sets.clear()  # cached per-module wait lists predate these parameters
+
+    def _reserve(self, flat: list[torch.Tensor], last: bool = False) -> list[bool]:
+        """Check the host memory that registering ``flat`` takes (:func:`_host_plan`) before
+        anything is allocated, fall back to pageable moments where pinned ones would not
+        fit, keep the plan for :meth:`stats`; returns hybrid's split (per parameter: on the GPU)."""
+        host = self._engine.host if self._engine is not None else None
+        pin = host.pin_moments if host is not None else self._engine_args["pin_moments"]
+        used = self._engine.device_elems_used if self._engine is not None else 0
+        plan, on_gpu = _host_plan(flat, self.mode, self._gpu_budget, last, used, pin, self._host_margin, self._device)
+        _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
+                                     if plan["pin_moments"] else ""))
+        if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
+            self._engine_args["pin_moments"] = False
+            if host is not None:
+                host.pin_moments = False
+        old = self._host_plan
+        self._host_plan = {k: v + old.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
+        return on_gpu
+
+    @staticmethod
+    def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
+                         gpu_share: float = 0.3, gpu_params: str = "first", pin_moments: bool = False,
+                         host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
+        """The host memory ``OffloadAdamW(params, ...)`` with these arguments will take, and
+        what the host has, without allocating anything: bytes per part (``state_pinned``,
+        ``state_pageable``, ``masters_*``, ``staging_*``), ``pinned``, ``pageable``,
+        ``needed``, ``available``, ``usable``, ``pin_moments`` and ``fits`` (see
+        :func:`trainstream.core._budget.plan`). After construction the same figures are in
+        :meth:`stats` as ``host_plan_*``."""
+        if mode not in ("cpu", "gpu", "hybrid"):
+            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+        groups = list(params)
+        flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
+            if groups and isinstance(groups[0], dict) else groups
+        budget = round(gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad)) if mode == "hybrid" else 0
+        return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin)[0]
 
     def _mine(self, p: torch.Tensor) -> bool:
         """Whether this rank holds ``p``'s state and updates it (all but zero_stage=1's
@@ -951,7 +1018,8 @@ class OffloadAdamW(Optimizer):
 
     def stats(self) -> dict[str, float]:
         """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of
-        them ``pinned_state_bytes``), update and stall times, worker ``threads``, and where
+        them ``pinned_state_bytes``), the host memory plan checked at construction
+        (``host_plan_*``: see :meth:`host_memory_plan`), update and stall times, worker ``threads``, and where
         the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
         ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
         them over the ranks itself (e.g. ``all_gather_object``)."""
@@ -959,7 +1027,9 @@ class OffloadAdamW(Optimizer):
         (rank, world), (lrank, lworld) = D.world(), D.local_world()
         where = dict(rank=rank, world_size=world, local_rank=lrank, local_world_size=lworld,
                      worker_cores=len(self._cores or ()))
-        return {**({} if self._engine is None else self._engine.stats()), **{k: float(v) for k, v in where.items()}}
+        plan = {f"host_plan_{k}": v for k, v in self._host_plan.items()}
+        return {**({} if self._engine is None else self._engine.stats()), **plan,
+                **{k: float(v) for k, v in where.items()}}
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -1,0 +1,364 @@
+"""Host memory as a budget (trainstream.core._budget, trainstream._hostmem.available): the
+plan equals what the engine and the adapters allocate, pinned and pageable; a request
+that does not fit raises MemoryError with the numbers before anything is allocated;
+pinned moments fall back to pageable where pinning would pass the pinned budget."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from trainstream import _device_kernels as dk
+from trainstream import _hostmem
+from trainstream.core import _budget as B
+from trainstream.core import _engine as E
+from trainstream.torch import OffloadAdamW
+from trainstream.torch._backend import TorchBackend
+
+_PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.master_fp32": "masters",
+         "grad.staging": "staging", "param.staging": "staging"}
+_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _avail(monkeypatch, nbytes):
+    monkeypatch.setattr(_hostmem, "available", lambda *a, **k: nbytes)
+
+
+# -- what is available ----------------------------------------------------------------------------
+
+
+def _write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_available_is_the_least_of_meminfo_and_the_cgroup_limits(tmp_path):
+    proc, cg = str(tmp_path / "proc"), str(tmp_path / "cg")
+    _write(f"{proc}/meminfo", "MemTotal: 4000 kB\nMemAvailable:    3000 kB\n")
+    assert _hostmem.available(proc, cg) == 3000 * 1024  # no cgroup file: MemAvailable
+    # v2: the group itself is unlimited, its parent's limit less usage (inactive file cache reclaimable)
+    _write(f"{proc}/self/cgroup", "0::/a/b\n")
+    _write(f"{cg}/a/b/memory.max", "max\n")
+    _write(f"{cg}/a/memory.max", "2000000\n")
+    _write(f"{cg}/a/memory.current", "1500000\n")
+    _write(f"{cg}/a/memory.stat", "anon 1\ninactive_file 100000\nactive_file 5\n")
+    assert _hostmem.available(proc, cg) == 600000
+    # v1, in a container whose cgroup path is not under the mount: the mount's own group
+    _write(f"{proc}/self/cgroup", "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n")
+    _write(f"{cg}/memory/memory.limit_in_bytes", "800000\n")
+    _write(f"{cg}/memory/memory.usage_in_bytes", "500000\n")
+    _write(f"{cg}/memory/memory.stat", "cache 9\ntotal_inactive_file 20000\n")
+    assert _hostmem.available(proc, cg) == 320000
+    _write(f"{cg}/memory/memory.limit_in_bytes", str(2**63 - 4096))  # v1's "unlimited"
+    assert _hostmem.available(proc, cg) == 3000 * 1024
+    assert _hostmem.available(str(tmp_path / "none"), str(tmp_path / "none")) is None  # not Linux
+    assert _hostmem.available() is None or _hostmem.available() > 0  # this host
+
+
+# -- the plan against the engine's allocations ------------------------------------------------------
+
+
+class _Buf:
+    def __init__(self, numel, dtype, pinned):
+        self.array = np.zeros(numel, np.float32 if dtype == "float32" else np.uint16)
+        self.pinned = pinned
+        self.handle = None
+
+
+class _Backend:
+    """Records every host allocation; pins like torch on CUDA (power-of-two blocks) or not."""
+
+    device_index = 0
+
+    def __init__(self, can_pin, weights_in_grad_stage):
+        self.can_pin = can_pin
+        self.weights_in_grad_stage = weights_in_grad_stage
+        self.allocs = []  # (part, bytes taken, pinned)
+
+    pinned_size = staticmethod(TorchBackend.pinned_size)
+
+    def host_empty(self, numel, dtype, *, pinned, what):
+        pinned = pinned and self.can_pin
+        nbytes = numel * _ITEM[dtype]
+        self.allocs.append((_PART[what], self.pinned_size(nbytes) if pinned else nbytes, pinned))
+        return _Buf(numel, dtype, pinned)
+
+    def param_to_host_f32(self, param, out):
+        out[:] = 0
+
+
+@pytest.fixture
+def mapped(monkeypatch):
+    """The device placement's mapped memory, recorded (no CuPy, no GPU)."""
+    sizes, buffers, addresses = [], {}, iter(range(1 << 20, 1 << 40, 1 << 30))
+
+    def alloc_mapped(nbytes, device=None):
+        ptr = next(addresses)
+        sizes.append(nbytes)
+        buffers[ptr] = np.zeros(nbytes // 4, np.float32)
+        return ptr, ptr, lambda: None
+
+    monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
+    monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
+    monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
+    monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr][:n])
+    return sizes
+
+
+_SLOTS = [(5000, "float32"), (3 << 12, "bfloat16"), (7000, "bfloat16"), (100, "float16"), (0, "float32"),
+          (1 << 14, "float32"), (12345, "bfloat16")]
+
+
+@pytest.mark.parametrize("placement", ["cpu", "hybrid"])
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+@pytest.mark.parametrize("pin_moments", [False, True])
+@pytest.mark.parametrize("backend", [(True, True), (True, False), (False, True)],
+                         ids=["pinned", "separate-weight-staging", "cannot-pin"])
+def test_plan_equals_what_the_engine_allocates(mapped, placement, chunk, pin_moments, backend):
+    be = _Backend(*backend)
+    budget = 20000
+    eng = E.Engine(be, placement=placement, device_elems=budget, threads=1, chunk_elems=chunk,
+                   pin_moments=pin_moments)
+    try:
+        trainable = [k != 2 for k in range(len(_SLOTS))]  # a frozen one takes none of the GPU share
+        dev = B.place([(n, t, None) for (n, _), t in zip(_SLOTS, trainable)], placement, budget)
+        for (n, dtype), t in zip(_SLOTS, trainable):
+            eng.add_param(np.zeros(n, np.float32), n, dtype, "cuda", trainable=t)
+        assert [eng.on_device(s) for s in range(len(_SLOTS))] == dev
+        assert (placement == "hybrid") == any(dev)
+        plan = B.host_bytes([(n, d, "device" if g else "host") for (n, d), g in zip(_SLOTS, dev)],
+                            pin_moments=pin_moments, can_pin=be.can_pin,
+                            weights_in_grad_stage=be.weights_in_grad_stage, pinned_size=be.pinned_size)
+        got = dict.fromkeys(plan, 0)
+        for part, nbytes, pinned in be.allocs:
+            got[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
+        # the device share: moments (and fp16/bf16 masters) in mapped memory, in slot order
+        it = iter(mapped)
+        for (n, dtype), g in zip(_SLOTS, dev):
+            if g:
+                got["state_pinned"] += next(it) + next(it)
+                if dtype != "float32":
+                    got["masters_pinned"] += next(it)
+        assert next(it, None) is None
+        assert got == plan
+        st = eng.stats()
+        pinned = sum(v for k, v in plan.items() if k.endswith("_pinned"))
+        assert st["pinned_state_bytes"] == pinned
+        assert st["pageable_state_bytes"] == sum(plan.values()) - pinned
+        assert st["host_state_bytes"] == sum(plan.values())
+    finally:
+        eng.close()
+
+
+def test_pinned_moments_fall_back_to_pageable_by_budget(monkeypatch):
+    slots = [(1 << 20, "bfloat16", "host")] * 4  # per element: 8 B moments, 4 master, 2 staging
+    kw = {"can_pin": True, "pinned_size": TorchBackend.pinned_size}
+    n = 4 << 20
+    _avail(monkeypatch, 30 * n)
+    p = B.plan(slots, pin_moments=True, **kw)
+    assert p["pin_moments"] == 1 and p["state_pinned"] == 8 * n and p["pinned"] == 10 * n and p["fits"]
+    _avail(monkeypatch, 18 * n)  # 10 B pinned > half of it; 14 B in all < 90 % of it
+    p = B.plan(slots, pin_moments=True, **kw)
+    assert p["pin_moments"] == 0 and p["state_pinned"] == 0 and p["state_pageable"] == 8 * n
+    assert p["pinned"] == 2 * n and p["needed"] == 14 * n and p["fits"]
+    _avail(monkeypatch, 15 * n)  # not even pageable fits within the margin
+    p = B.plan(slots, pin_moments=True, **kw)
+    assert not p["fits"] and p["usable"] == int(15 * n * 0.9)
+    with pytest.raises(MemoryError, match=f"needs {p['needed']:,.0f} bytes"):
+        B.check(p, "something")
+    assert B.plan(slots, margin=None)["fits"]  # no check
+    _avail(monkeypatch, None)  # unknown: nothing checked
+    assert B.plan(slots, pin_moments=True, **kw)["pin_moments"] == 1
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(ValueError, match="host_margin"):
+            B.plan([], margin=bad)
+
+
+# -- torch ----------------------------------------------------------------------------------------
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.GELU(), torch.nn.Linear(300, 7)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_torch_plan_equals_the_allocation_and_trains(dtype, chunk):
+    model = _model(dtype)
+    plan = OffloadAdamW.host_memory_plan(model.parameters())
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, chunk_size=chunk)
+    st = opt.stats()
+    numel = sum(p.numel() for p in model.parameters())
+    assert st["host_plan_needed"] == plan["needed"] == st["pageable_state_bytes"] == st["host_state_bytes"]
+    assert plan["needed"] == numel * (12 + dtype.itemsize) and plan["pinned"] == 0  # CPU: nothing pinned
+    assert st["host_plan_fits"] == 1 and st["host_plan_available"] > 0
+    model(torch.randn(4, 64, dtype=dtype)).float().square().mean().backward()
+    opt.step()
+    # a group added later is checked and counted too
+    extra = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    opt.add_param_group({"params": [extra]})
+    assert opt.stats()["host_plan_needed"] == plan["needed"] + 1000 * (12 + dtype.itemsize) \
+        == opt.stats()["host_state_bytes"]
+    opt.close()
+
+
+def test_torch_refuses_before_allocating(monkeypatch):
+    model = _model(torch.bfloat16)
+    plan = OffloadAdamW.host_memory_plan(model.parameters())
+    calls = []
+    monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(TorchBackend, "host_empty", lambda *a, **k: calls.append(a))
+    _avail(monkeypatch, 100_000)
+    with pytest.raises(MemoryError) as info:
+        OffloadAdamW(model.parameters())
+    msg = str(info.value)
+    assert calls == []
+    for figure in (plan["needed"], plan["state_pageable"], plan["masters_pageable"], plan["staging_pageable"],
+                   100_000, 90_000):
+        assert f"{figure:,.0f}" in msg, (figure, msg)
+    assert re.search(r"None of it was allocated\. To fit: .*zero_stage=1.*mode='gpu'.*host_margin=None", msg)
+    assert OffloadAdamW.host_memory_plan(model.parameters())["fits"] == 0
+    assert OffloadAdamW.host_memory_plan(model.parameters(), host_margin=None)["fits"] == 1
+    with pytest.raises(ValueError, match="host_margin"):
+        OffloadAdamW(model.parameters(), host_margin=1.5)
+
+
+def test_torch_margin_none_skips_the_check_and_a_late_group_is_refused_whole(monkeypatch):
+    model = _model(torch.float32)
+    _avail(monkeypatch, 1000)
+    OffloadAdamW(model.parameters(), host_margin=None).close()  # allocates regardless
+    monkeypatch.undo()
+    opt = OffloadAdamW(list(model.parameters())[:2])
+    before = opt.stats()
+    _avail(monkeypatch, 1000)
+    with pytest.raises(MemoryError, match=r"needs [0-9,]+ bytes .* of host memory"):
+        opt.add_param_group({"params": list(model.parameters())[2:]})
+    assert len(opt.param_groups) == 1 and opt.stats()["host_state_bytes"] == before["host_state_bytes"]
+    opt.close()
+
+
+def test_torch_hybrid_plan_follows_the_split():
+    """hybrid's split by fit, in the order gpu_params says: the GPU share's state mapped,
+    the host share's pageable (CPU parameters: the host share pins nothing; the optimizer
+    itself needs CUDA parameters, see test_gpu_hybrid_plan_equals_the_engine_bytes)."""
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2000, 2000, 300)]
+    for order, on_gpu in (("first", [True, False, True]), ("last", [False, True, True])):
+        plan = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.56, gpu_params=order)
+        host = sum(p.numel() for p, g in zip(params, on_gpu) if not g)
+        dev = 4300 - host
+        assert plan["state_pageable"] == 8 * host and plan["masters_pageable"] == 4 * host  # host share
+        assert plan["state_pinned"] == 8 * dev and plan["masters_pinned"] == 4 * dev  # mapped, GPU share
+        assert plan["staging_pageable"] == 2 * host and plan["needed"] == 14 * host + 12 * dev
+    with pytest.raises(ValueError, match="mode"):
+        OffloadAdamW.host_memory_plan(params, mode="tpu")
+
+
+# -- JAX ------------------------------------------------------------------------------------------
+
+
+def test_jax_plan_equals_the_state_and_refuses_before_allocating(monkeypatch):
+    jnp = pytest.importorskip("jax.numpy")
+    import jax
+
+    from trainstream.jax import offload_adamw
+
+    params = jax.device_put({"w": jnp.ones((300, 64), jnp.bfloat16), "b": jnp.zeros(300, jnp.float32),
+                             "h": jnp.ones((7, 5), jnp.float16)}, jax.devices("cpu")[0])  # XLA:CPU, also beside a GPU
+    tx = offload_adamw(1e-3)
+    plan = tx.host_memory_plan(params)
+    state = tx.init(params)
+    def nbytes(tree):
+        return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+    assert plan["state_pageable"] == nbytes(state.mu) + nbytes(state.nu)
+    assert plan["masters_pageable"] == nbytes(state.master) == 4 * (300 * 64 + 35)
+    assert plan["pinned"] == plan["staging_pageable"] == 0 and plan["fits"] == 1
+    _avail(monkeypatch, 10_000)
+    made = []
+    monkeypatch.setattr(jnp, "zeros", lambda *a, **k: made.append(a))
+    with pytest.raises(MemoryError, match=f"needs {plan['needed']:,.0f} bytes.*jax.distributed"):
+        tx.init(params)
+    assert made == []
+    assert offload_adamw(1e-3, host_margin=None).host_memory_plan(params)["fits"] == 1
+    with pytest.raises(ValueError, match="host_margin"):
+        offload_adamw(1e-3, host_margin=-1)
+
+
+def test_jax_plan_counts_this_process_shards():
+    """Sharded and replicated leaves over 4 CPU devices: the state of each device's shards."""
+    pytest.importorskip("jax")
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from trainstream.jax import offload_adamw
+        mesh = jax.make_mesh((4,), ("x",))
+        params = {"w": jax.device_put(jnp.ones((64, 8), jnp.bfloat16), NamedSharding(mesh, P("x"))),
+                  "r": jax.device_put(jnp.ones(10, jnp.float32), NamedSharding(mesh, P()))}
+        tx = offload_adamw(1e-3)
+        plan = tx.host_memory_plan(params)
+        state = tx.init(params)
+        held = lambda t: sum(s.data.nbytes for x in jax.tree.leaves(t) for s in x.addressable_shards)
+        assert plan["state_pageable"] == held(state.mu) + held(state.nu) == 8 * (64 * 8 + 4 * 10), plan
+        assert plan["masters_pageable"] == held(state.master) == 4 * 64 * 8, plan
+        print("ok")
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# -- on a GPU: torch's pinned allocator --------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_plan_equals_torch_pinned_allocator(dtype, monkeypatch):
+    """cpu mode on CUDA: the plan's pinned bytes are what torch's CachingHostAllocator hands
+    out (power-of-two blocks); with pin_moments and too little memory for pinned moments,
+    they are pageable, and the plan and the allocator agree again."""
+    def active():
+        torch.cuda.synchronize()
+        return torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1000), torch.nn.Linear(1000, 300)).to("cuda", dtype)
+    for pin in (False, True):
+        a0 = active()
+        opt = OffloadAdamW(model.parameters(), pin_moments=pin)
+        st = opt.stats()
+        assert st["host_plan_pin_moments"] == pin
+        assert active() - a0 == st["host_plan_pinned"] == st["pinned_state_bytes"] > 0
+        assert st["host_plan_pageable"] == st["pageable_state_bytes"]
+        opt.close()
+        del opt
+    pinned = OffloadAdamW.host_memory_plan(model.parameters(), pin_moments=True)["pinned"]
+    needed = OffloadAdamW.host_memory_plan(model.parameters())["needed"]
+    avail = int(max(needed / 0.85, pinned * 1.5))
+    assert pinned > B.PINNED_FRACTION * avail
+    _avail(monkeypatch, avail)
+    a0 = active()
+    opt = OffloadAdamW(model.parameters(), pin_moments=True)
+    st = opt.stats()
+    assert st["host_plan_pin_moments"] == 0 and st["host_plan_state_pinned"] == 0
+    assert active() - a0 == st["host_plan_pinned"] == st["pinned_state_bytes"]
+    assert not opt._engine.host.pin_moments
+    opt.close()
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_plan_equals_the_engine_bytes():
+    pytest.importorskip("cupy")
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1000), torch.nn.Linear(1000, 300)).to("cuda", torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), mode="hybrid", gpu_share=0.5)
+    st = opt.stats()
+    assert st["gpu_params"] > 0
+    assert st["host_plan_pinned"] == st["pinned_state_bytes"] and st["host_plan_needed"] == st["host_state_bytes"]
+    opt.close()

@@ -1,0 +1,144 @@
+"""Host memory as a budget: the bytes an optimizer will allocate, checked before it does.
+
+:func:`host_bytes` counts, per slot, the buffers of its *layout* as they are allocated,
+pinned and pageable, in three parts: ``state`` (``exp_avg``, ``exp_avg_sq``), ``masters``
+(fp32 weights) and ``staging`` (gradient and weight transfers). The layouts:
+
+* ``"host"``: the engine's host placement (:meth:`~trainstream.core._host.HostPlacement.add_param`):
+  pageable moments (pinned with ``pin_moments``), an fp32 master (pinned for a float32
+  parameter, whose upload it is), the gradient's pinned staging, and for fp16/bf16 a pinned
+  weight staging unless the backend rounds the weights into the gradient's;
+* ``"device"``: the device placement (:meth:`~trainstream.core._device.DevicePlacement.add_param`),
+  and the JAX adapter's state on a GPU in ``mode="gpu"``: moments and the fp32 master of
+  fp16/bf16 weights in pinned (mapped) memory;
+* ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
+* ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf,
+  of its weights and its update (JAX ``mode="cpu"`` on a GPU, as ``update`` allocates it).
+
+:func:`plan` sets that against what the host can give (:func:`trainstream._hostmem.available`)
+and picks pinned or pageable moments; :func:`check` raises ``MemoryError`` where it does
+not fit. The adapters call both before they allocate any state. Imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .. import _hostmem
+
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan"]
+
+LAYOUTS = ("host", "device", "arrays", "staged")
+PARTS = ("state", "masters", "staging")
+#: The default ``host_margin``: the fraction of the available host memory left to the rest
+#: of the process and the host (the framework, data loading, a checkpoint being written).
+MARGIN = 0.1
+#: ``pin_moments`` pins the moments only while all pinned memory stays within this fraction
+#: of the available memory (pinned pages are never reclaimed or swapped); else pageable.
+PINNED_FRACTION = 0.5
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device_elems: int = 0,
+          used: int = 0) -> list[bool]:
+    """Which ``(numel, trainable, on_device)`` slots the policy ``placement`` puts on the
+    device (:class:`~trainstream.core._engine.Engine`'s rule): ``cpu`` none, ``gpu`` all,
+    ``hybrid`` a trainable slot where ``on_device`` says, or (None) while it fits in what
+    ``used`` leaves of ``device_elems``, in order."""
+    out = []
+    for numel, trainable, on_device in slots:
+        if placement != "hybrid":
+            dev = placement == "gpu"
+        else:
+            dev = bool(trainable) and (used + int(numel) <= device_elems if on_device is None else bool(on_device))
+        used += int(numel) if dev else 0
+        out.append(dev)
+    return out
+
+
+def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = False, can_pin: bool = True,
+               weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None) -> dict[str, int]:
+    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and
+    ``{part}_pageable`` for each part of :data:`PARTS` (see the module docstring).
+
+    Args:
+      pin_moments: the ``host`` layout's moments pinned.
+      can_pin: False where the backend cannot pin (torch with CPU parameters): the ``host``
+        layout all pageable.
+      weights_in_grad_stage: the backend's (``Backend.weights_in_grad_stage``).
+      pinned_size: what one pinned buffer of the ``host`` layout takes for ``n`` bytes
+        (the backend's ``pinned_size``: torch rounds up to a power of two); None: ``n``.
+    """
+    out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
+
+    def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
+        if host:
+            pinned = pinned and can_pin
+            nbytes = pinned_size(nbytes) if pinned and pinned_size is not None else nbytes
+        out[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
+
+    for numel, dtype, layout in slots:
+        if layout not in LAYOUTS or dtype not in _ITEMSIZE:
+            raise ValueError(f"host_bytes: unknown layout {layout!r} or dtype {dtype!r}")
+        numel, item, half = int(numel), _ITEMSIZE[dtype], dtype != "float32"
+        if layout == "host":
+            add("state", 4 * numel, pin_moments, True)
+            add("state", 4 * numel, pin_moments, True)
+            add("masters", 4 * numel, not half, True)
+            add("staging", item * numel, True, True)
+            if half and not weights_in_grad_stage:
+                add("staging", item * numel, True, True)
+            continue
+        pinned = layout != "arrays"
+        nbytes = max(4, 4 * numel) if layout == "device" else 4 * numel  # DevicePlacement maps >= 4 B
+        add("state", 2 * nbytes, pinned)
+        if half:
+            add("masters", nbytes, pinned)
+        if layout == "staged":
+            add("staging", item * numel + (0 if half else 8 * numel), True)
+    return out
+
+
+def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN, pin_moments: bool = False,
+         **kwargs) -> dict[str, float]:
+    """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has.
+
+    Returns the parts and ``pinned``, ``pageable``, ``needed`` (their totals, bytes),
+    ``available`` (:func:`trainstream._hostmem.available`; -1: unknown), ``usable``
+    (``available`` less ``margin`` of it; -1: not checked), ``margin``, ``pin_moments``
+    (1: pinned; 0: pageable, also where pinning them would take more than
+    :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked, 0).
+    ``margin=None``: no check.
+    """
+    if margin is not None and not 0.0 <= margin < 1.0:
+        raise ValueError(f"host_margin must be a fraction in [0, 1) or None, got {margin!r}")
+    slots = list(slots)
+    avail = _hostmem.available()
+    got = host_bytes(slots, pin_moments=pin_moments, **kwargs)
+    pinned = sum(got[f"{p}_pinned"] for p in PARTS)
+    if pin_moments and avail is not None and pinned > PINNED_FRACTION * avail:
+        pin_moments = False
+        got = host_bytes(slots, pin_moments=False, **kwargs)
+        pinned = sum(got[f"{p}_pinned"] for p in PARTS)
+    needed = sum(got.values())
+    usable = -1 if margin is None or avail is None else int(avail * (1.0 - margin))
+    return {**{k: float(v) for k, v in got.items()}, "pinned": float(pinned), "pageable": float(needed - pinned),
+            "needed": float(needed), "available": float(-1 if avail is None else avail), "usable": float(usable),
+            "margin": float(-1 if margin is None else margin), "pin_moments": float(pin_moments),
+            "fits": float(usable < 0 or needed <= usable)}
+
+
+def check(p: dict[str, float], hint: str) -> None:
+    """Raise ``MemoryError`` where plan ``p`` (:func:`plan`) does not fit: the bytes needed
+    (per part, pinned and pageable), available and usable, and ``hint`` (the adapter's
+    ways to fit)."""
+    if p["fits"]:
+        return
+    parts = "; ".join(f"{k} {p[k + '_pinned']:,.0f} pinned + {p[k + '_pageable']:,.0f} pageable" for k in PARTS)
+    raise MemoryError(
+        f"TrainStream: the optimizer needs {p['needed']:,.0f} bytes ({p['needed'] / 2**30:.2f} GiB) of host "
+        f"memory ({parts}; {p['pinned']:,.0f} pinned in all), and {p['available']:,.0f} bytes "
+        f"({p['available'] / 2**30:.2f} GiB) are available (the least of MemAvailable and this process's "
+        f"cgroup memory limit less its usage), of which it may take {p['usable']:,.0f} (host_margin="
+        f"{p['margin']:g} is left to the rest). None of it was allocated. To fit: {hint}; or host_margin=None "
+        "to skip this check where that figure is wrong (e.g. a VM whose memory grows as it is used).")
