@@ -11,7 +11,10 @@ who updates it:
 
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
-elements (or those the adapter names) on the device and the rest on the host. One
+elements (or those the adapter names) on the device and the rest on the host. Before the
+mode's policy, in any mode, a budget of GPU memory (``resident_bytes``) keeps the state of
+the first trainable slots that fit in it *resident*: device slots whose state is in GPU
+memory (no PCIe traffic; the same kernels, so the same bits), the rest as the mode says. One
 mechanism each, whatever the placements: readiness (:meth:`Engine.wait_step`: the
 compute stream waits on the device for every update queued; :meth:`Engine.wait_ready`:
 for single slots), errors (one :class:`~trainstream.core._host.StickyError`), stats (one
@@ -36,10 +39,17 @@ from .. import _trace
 from .. import contract as C
 from ._host import NORM_BLOCK, Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError", "state_bytes"]
 
 #: The placement policies (the adapters' ``mode``).
 PLACEMENTS = ("cpu", "gpu", "hybrid")
+
+
+def state_bytes(numel: int, dtype: str) -> int:
+    """The bytes of a slot's state on the device placement: two fp32 moments, and an fp32
+    master for fp16/bf16 weights (each buffer at least 4 bytes). What a resident slot
+    takes of ``resident_bytes``."""
+    return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
 
 
 class Engine:
@@ -50,6 +60,9 @@ class Engine:
         also what :class:`trainstream.core._device.DevicePlacement` names).
       placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
       device_elems: ``hybrid``: the budget of elements placed on the device by fit.
+      resident_bytes: any placement: the budget of GPU memory (bytes, :func:`state_bytes`
+        per slot) for the state of the trainable slots that fit in it, in registration
+        order; a slot that does not fit is placed by the policy (0: none resident).
       threads, chunk_elems, pin_moments, worker_nice, tc_code, cores: of the host placement
         (see :class:`~trainstream.core._host.HostPlacement`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
@@ -63,6 +76,7 @@ class Engine:
         *,
         placement: str = "cpu",
         device_elems: int = 0,
+        resident_bytes: int = 0,
         threads: int | None = None,
         chunk_elems: int = 1 << 20,
         convention: str = "torch",
@@ -77,6 +91,8 @@ class Engine:
             raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        if isinstance(resident_bytes, bool) or not isinstance(resident_bytes, (int, np.integer)) or resident_bytes < 0:
+            raise ValueError(f"resident_bytes must be an int >= 0, got {resident_bytes!r}")
         self.backend = backend
         self.placement = placement
         self.convention = convention
@@ -84,7 +100,7 @@ class Engine:
         self.eager_blocks = eager_blocks
         self.device = None
         self.host = None
-        if placement != "cpu":
+        if placement != "cpu" or resident_bytes > 0:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
 
@@ -102,9 +118,12 @@ class Engine:
                     self.device.close()
                 raise
         self._budget = int(device_elems)
-        self._device_used = 0
+        self._device_used = 0  # elements of the device slots that are not resident
+        self._resident_budget = int(resident_bytes)
+        self._resident_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
+        self._resident: list[int] = []  # slot -> bytes of its resident state (0: not resident)
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -121,29 +140,43 @@ class Engine:
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
                   trainable: bool = True, on_device: bool | None = None) -> int:
-        """Register a flat parameter; returns its slot id. Its placement: the policy's
-        (``hybrid``: ``on_device`` if given, else on the device while it fits in the
-        budget; a parameter that is not ``trainable`` takes none of it)."""
-        if self.host is None:
+        """Register a flat parameter; returns its slot id. Its placement: resident on the
+        device if it is ``trainable`` and its state fits in what is left of
+        ``resident_bytes``, else the policy's (``hybrid``: ``on_device`` if given, else on
+        the device while it fits in the budget; a parameter that is not ``trainable``
+        takes none of it)."""
+        need = state_bytes(numel, dtype)
+        resident = trainable and self._resident_budget > 0 and self._resident_used + need <= self._resident_budget
+        if resident or self.host is None:
             dev = True
-        elif self.device is None:
+        elif self.placement == "cpu":
             dev = False
         elif on_device is None:
             dev = trainable and self._device_used + int(numel) <= self._budget
         else:
             dev = bool(on_device) and trainable
-        local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
-        if dev:
+        if resident:
+            local = self.device.add_param(param, numel, dtype, platform, resident=True)
+            self._resident_used += need
+        else:
+            local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
+        if dev and not resident:
             self._device_used += int(numel)
         self._where.append((dev, local))
         self._numel.append(int(numel))
+        self._resident.append(need if resident else 0)
         return len(self._where) - 1
 
     def __len__(self) -> int:
         return len(self._where)
 
     def on_device(self, sid: int) -> bool:
+        """Whether slot ``sid`` is updated by the device placement (resident or not)."""
         return self._where[self._check_sid(sid)][0]
+
+    def resident(self, sid: int) -> bool:
+        """Whether slot ``sid``'s state is resident in GPU memory."""
+        return self._resident[self._check_sid(sid)] > 0
 
     def _check_sid(self, sid: int) -> int:
         if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._where):
@@ -172,9 +205,12 @@ class Engine:
         for placement, dev in ((self.host, False), (self.device, True)):
             if placement is not None:
                 placement.truncate(sum(1 for d, _ in keep if d == dev))
-        self._device_used -= sum(k for (d, _), k in zip(self._where[n:], self._numel[n:]) if d)
+        self._device_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
+                                 if d and not r)
+        self._resident_used -= sum(self._resident[n:])
         del self._where[n:]
         del self._numel[n:]
+        del self._resident[n:]
 
     def get_step(self, sid: int) -> int:
         placement, local = self._local(sid)
@@ -344,12 +380,14 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device
         only, 0.5 both; with both also ``gpu_params``, ``gpu_numel`` and
-        ``gpu_update_launch_ms_total`` (the device share's)."""
+        ``gpu_update_launch_ms_total`` (the device share's). ``gpu_state_bytes``: the
+        resident state in GPU memory (``resident_params`` slots, ``resident_numel``
+        elements); ``host_state_bytes``: the state in host memory."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())
         if self.device is None:
-            return st
+            return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0}
         g = self.device.stats()
         st["params"] += g["params"]
         st["numel"] += g["numel"]
@@ -359,6 +397,8 @@ class Engine:
         st["steps"] = max(st["steps"], g["steps"])
         st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
         st["eager_updates"] += g["eager_updates"]
+        for k in ("gpu_state_bytes", "resident_params", "resident_numel"):
+            st[k] = g[k]
         st["gpu_params"] = g["params"]
         st["gpu_numel"] = g["numel"]
         st["gpu_update_launch_ms_total"] = g["update_ms_total"]

@@ -740,6 +740,7 @@ def offload_adamw(
     threads: int | None = None,
     chunk_elems: int = 1 << 20,
     worker_nice: int = 5,
+    gpu_state_bytes: int | None = None,
 ) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in
     host memory, updated on the host (Numba kernels) or, on a GPU, by a zero-copy kernel.
@@ -775,6 +776,10 @@ def offload_adamw(
         (default: its share of the cores it may run on among the JAX processes of this
         host, less one) and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
+      gpu_state_bytes: not built for JAX (``trainstream.torch.OffloadAdamW`` has it): any
+        value but None or 0 raises ``NotImplementedError``. Keeping a share of the state in
+        GPU memory is ``optax.adamw`` on those leaves (e.g. through
+        ``optax.multi_transform``; for float32 leaves the bits of ``mode="gpu"``).
 
     Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
     bits of optax.adamw's update, so ``optax.apply_updates`` and the optax wrappers around
@@ -807,6 +812,13 @@ def offload_adamw(
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
+    if gpu_state_bytes not in (None, 0):
+        raise NotImplementedError(
+            f"TrainStream offload_adamw(gpu_state_bytes={gpu_state_bytes!r}) is not built for JAX: its state is "
+            "arrays of the program in pinned host memory, and XLA refuses one custom call whose outputs mix host "
+            "and GPU memory, so a resident share needs a second update call and plan of its own. State kept in "
+            "GPU memory is optax.adamw's: give those leaves optax.adamw (optax.multi_transform; float32 leaves "
+            "get the bits of mode='gpu') and the rest offload_adamw")
     if convention not in C.CONVENTIONS:
         raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
     hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from .. import _cores
 from .. import contract as C
 from ..core import Engine
+from ..core._engine import state_bytes
 from . import _dist as D
 from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 
@@ -125,7 +126,7 @@ class OffloadAdamW(Optimizer):
     ``zero_grad``, ``step(closure)``, ``state`` and ``state_dict`` (state keys ``step``,
     ``exp_avg``, ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``).
     The fp32 master weights (for fp16/bf16 parameters) and both moments live in host
-    memory. In the loop a user already has, it changes memory and speed, nothing else:
+    memory (those of the share that ``gpu_state_bytes`` keeps there: in GPU memory). In the loop a user already has, it changes memory and speed, nothing else:
 
     * Gradients stay where autograd puts them (``param.grad``, summed over micro-batches in
       the parameter's dtype, as with ``torch.optim.AdamW``). As backward produces each
@@ -195,8 +196,22 @@ class OffloadAdamW(Optimizer):
         updates it (both are ``torch.optim.AdamW``'s on CUDA).
       overlap_forward: a module (the model) whose next forward may overlap the update:
         see above. Default ``None``: ``step()`` makes the weights current for every reader.
+      gpu_state_bytes: a budget of GPU memory, in bytes, for optimizer state kept there
+        (any mode; CUDA parameters): the trainable parameters whose state (8 bytes per
+        element, 12 for fp16/bf16: the moments and the master) fits in what is left of
+        it, taken in order (also those of a later ``add_param_group``), keep it in GPU
+        memory and are updated there by the zero-copy kernel's arithmetic, with no PCIe
+        traffic (the same bits); the rest as ``mode`` says. Their updates run at
+        ``step()`` (under :meth:`last_micro_batch` from their gradient hooks in ``gpu``
+        mode, and in ``hybrid`` mode with ``gpu_params="last"``). ``state`` and
+        ``state_dict()`` hold host copies of their state; ``load_state_dict`` copies it
+        back. The memory is allocated outside torch's caching allocator (``stats()``:
+        ``gpu_state_bytes``), at construction, and freed by :meth:`close`. Default 0:
+        no state in GPU memory. ``"auto"`` (what is free after the first step) is not
+        built: the first step would have to move state between placements.
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
-        parameters given here) updated by the zero-copy kernel. Parameters are taken in
+        parameters given here) whose state is not kept in GPU memory
+        (``gpu_state_bytes``) updated by the zero-copy kernel. Parameters are taken in
         the order ``gpu_params`` says; each goes to the kernel if it fits in what is left
         of the share (also one added later with ``add_param_group``), else to the host. The
         default, 0.3, was the fastest or near it for GPT-style models of 125M-1.3B
@@ -264,6 +279,7 @@ class OffloadAdamW(Optimizer):
         chunk_size: int = 1 << 20,
         worker_nice: int = 5,
         eager_blocks: int | None = None,
+        gpu_state_bytes: int = 0,
         gpu_share: float = 0.3,
         gpu_params: str = "first",
         pin_moments: bool = False,
@@ -288,6 +304,16 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
+        if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
+            raise NotImplementedError(
+                "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
+                "is known only once the state of every parameter has been placed, and moving state between "
+                "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
+                "free after a step, less some headroom)")
+        if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) \
+                or gpu_state_bytes < 0:
+            raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
+        self._gpu_state_bytes = int(gpu_state_bytes)
         if gpu_params not in ("first", "last"):
             raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
         if gpu_params != "first" and mode != "hybrid":
@@ -370,13 +396,19 @@ class OffloadAdamW(Optimizer):
             self._deferred = False
             mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
             flat = [p for p, _ in mine]
-            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad))
+            resident, left = [], self._gpu_state_bytes  # the engine's rule: those it keeps in GPU memory
+            for p in flat:
+                need = state_bytes(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"))
+                resident.append(p.requires_grad and left > 0 and need <= left)
+                left -= need if resident[-1] else 0
+            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p, r in zip(flat, resident)
+                                                           if p.requires_grad and not r))
             on_gpu: list[bool | None] = [None] * len(flat)  # None: by fit, in order
             if self._gpu_params == "last":  # by fit, from the last parameter backwards
                 left = self._gpu_budget
                 for i in range(len(flat) - 1, -1, -1):
                     n = D.local(flat[i]).numel()
-                    on_gpu[i] = flat[i].requires_grad and n <= left
+                    on_gpu[i] = flat[i].requires_grad and not resident[i] and n <= left
                     left -= n if on_gpu[i] else 0
             try:
                 for (p, gi), gpu in zip(mine, on_gpu):
@@ -489,6 +521,10 @@ class OffloadAdamW(Optimizer):
                 raise ValueError(
                     f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
                 )
+            if self._gpu_state_bytes and loc.device.type != "cuda":
+                raise ValueError(
+                    f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
+                    f"CUDA parameters; parameter {index} is on {loc.device}")
             tc_code = 0
             if loc.device.type == "cpu" and self._engine_args["convention"] == "torch":
                 tc_code = torch_cpu_code()
@@ -498,10 +534,11 @@ class OffloadAdamW(Optimizer):
                 args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
                 self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
+                                      resident_bytes=self._gpu_state_bytes, tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
-                    f"OffloadAdamW mode={self.mode!r} needs CuPy: pip install 'trainstream[cuda12]' or "
+                    f"OffloadAdamW mode={self.mode!r}{' with gpu_state_bytes' if self._gpu_state_bytes else ''} "
+                    "needs CuPy: pip install 'trainstream[cuda12]' or "
                     f"'trainstream[cuda13]' ({exc})"
                 ) from exc
             self._owned.engine = self._engine
@@ -951,7 +988,8 @@ class OffloadAdamW(Optimizer):
 
     def stats(self) -> dict[str, float]:
         """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of
-        them ``pinned_state_bytes``), update and stall times, worker ``threads``, and where
+        them ``pinned_state_bytes``), GPU state bytes (``gpu_state_bytes``, of
+        ``resident_params`` parameters), update and stall times, worker ``threads``, and where
         the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
         ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
         them over the ranks itself (e.g. ``all_gather_object``)."""
