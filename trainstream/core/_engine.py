@@ -1,13 +1,14 @@
 """The engine: the one API of the adapters, over slots that each have a placement.
 
-A *slot* is one flat parameter with its AdamW state in host memory. Its *placement* says
-who updates it:
+A *slot* is one flat parameter with its AdamW state in host memory (or, resident, in GPU
+memory). Its *placement* says who updates it:
 
 * ``host`` (:class:`trainstream.core._host.HostPlacement`): each gradient is copied into pinned
   staging as backward produces it, and worker threads run the Numba kernels; the new
   weights are uploaded asynchronously;
 * ``device`` (:class:`trainstream.core._device.DevicePlacement`): a zero-copy CUDA kernel reads
-  the gradient in GPU memory and the state over PCIe, and writes the weights in place.
+  the gradient in GPU memory and the state over PCIe (resident slots: in GPU memory), and
+  writes the weights in place.
 
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
