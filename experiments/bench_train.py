@@ -24,8 +24,9 @@ A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements
 clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
 ~shareF (hybrid: gpu_share=F), ~resG (TrainStream: gpu_state_bytes of G GiB: the state of the
-first parameters that fit kept in GPU memory and updated there, the rest as the mode says), ~ebN (eager zero-copy kernels capped at N blocks:
-OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count),
+first parameters that fit kept in GPU memory and updated there, the rest as the mode says),
+~ebN (eager zero-copy kernels capped at N blocks: OffloadAdamW(eager_blocks=N); default: a
+quarter of the multiprocessors' count),
 ~overlap (TrainStream: OffloadAdamW(overlap_forward=model), the next forward overlaps the
 update, each module waiting for its own weights; default: step() makes the current stream
 wait for every new weight), ~userclipX (clip with the loop's own clip_grad_norm_(params, X)

@@ -3,10 +3,11 @@
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
 pinned host memory, or for a slot added ``resident`` in GPU memory (the state of
 ``gpu_state_bytes``: no PCIe traffic, the same kernels with other pointers, so the same
-bits; its state I/O copies through :mod:`trainstream._cuda`). CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, via
-:mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
-gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
-the weights in place; the arithmetic is the contract's
+bits; its state I/O copies through :mod:`trainstream._cuda`). CUDA kernels
+(``trainstream/kernels/adamw_zero_copy.cu``, via :mod:`trainstream._device_kernels`; at
+``step`` several parameters per launch, from a gradient hook one) read the gradient from
+GPU memory and the state over PCIe, and write the weights in place; the arithmetic is the
+contract's
 (:mod:`trainstream.contract`). Clipping and loss scaling are the framework's, done on the
 gradients in GPU memory before the update.
 

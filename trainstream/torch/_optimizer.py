@@ -21,8 +21,7 @@ from torch.optim import Optimizer
 
 from .. import _cores
 from .. import contract as C
-from ..core import Engine
-from ..core._engine import state_bytes
+from ..core import Engine, state_bytes
 from . import _dist as D
 from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 
@@ -126,7 +125,8 @@ class OffloadAdamW(Optimizer):
     ``zero_grad``, ``step(closure)``, ``state`` and ``state_dict`` (state keys ``step``,
     ``exp_avg``, ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``).
     The fp32 master weights (for fp16/bf16 parameters) and both moments live in host
-    memory (those of the share that ``gpu_state_bytes`` keeps there: in GPU memory). In the loop a user already has, it changes memory and speed, nothing else:
+    memory (of the share that ``gpu_state_bytes`` keeps there: in GPU memory). In the loop
+    a user already has, it changes memory and speed, nothing else:
 
     * Gradients stay where autograd puts them (``param.grad``, summed over micro-batches in
       the parameter's dtype, as with ``torch.optim.AdamW``). As backward produces each
@@ -534,7 +534,8 @@ class OffloadAdamW(Optimizer):
                 args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
                 self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      resident_bytes=self._gpu_state_bytes, tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
+                                      resident_bytes=self._gpu_state_bytes, tc_code=tc_code,
+                                      eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
                     f"OffloadAdamW mode={self.mode!r}{' with gpu_state_bytes' if self._gpu_state_bytes else ''} "
