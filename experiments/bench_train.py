@@ -52,8 +52,10 @@ A setup may end in @N or @N:C (TrainStream: N host threads, chunks of C elements
 ~clipX (clip gradients to global norm X: TrainStream max_grad_norm=X, in-GPU setups
 clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U microseconds
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
-~shareF (hybrid: gpu_share=F), ~ebN (eager zero-copy kernels capped at N blocks:
-OffloadAdamW(eager_blocks=N); default: a quarter of the multiprocessors' count),
+~shareF (hybrid: gpu_share=F), ~resG (TrainStream: gpu_state_bytes of G GiB: the state of the
+first parameters that fit kept in GPU memory and updated there, the rest as the mode says),
+~ebN (eager zero-copy kernels capped at N blocks: OffloadAdamW(eager_blocks=N); default: a
+quarter of the multiprocessors' count),
 ~overlap (TrainStream: OffloadAdamW(overlap_forward=model), the next forward overlaps the
 update, each module waiting for its own weights; default: step() makes the current stream
 wait for every new weight), ~userclipX (clip with the loop's own clip_grad_norm_(params, X)
@@ -234,6 +236,9 @@ def build(setup, size, device, batch=8, ckpt=False, vocab=VOCAB, seq=1024):
         eager_blocks = next((int(o[2:]) for o in opts_ if o.startswith("eb")), None)
         if eager_blocks is not None:
             extra["eager_blocks"] = eager_blocks
+        resident = next((float(o[3:]) for o in opts_ if o.startswith("res")), None)
+        if resident is not None:  # ~resG: gpu_state_bytes of G GiB
+            extra["gpu_state_bytes"] = int(resident * 2**30)
         if mode == "hybrid":
             share = next((float(o[5:]) for o in opts_ if o.startswith("share")), None)
             if share is not None:
@@ -521,6 +526,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         extra["device"] = torch.cuda.get_device_name(dev.device)
     if hasattr(opt, "stats"):
         st = opt.stats()
+        peak += st.get("gpu_state_bytes", 0.0) / 2**30  # ~res: GPU memory outside torch's allocator
         extra["threads"] = st.get("threads", 0.0)
         extra["host_update_wall_ms_last"] = st.get("last_step_wall_ms", 0.0)
         for k in ("host_state_bytes", "pinned_state_bytes", "pageable_state_bytes"):

@@ -98,3 +98,41 @@ def test_mapped_memory_read_and_written_by_the_device():
     del words
     buf.free()
     buf.free()  # idempotent
+
+
+@pytest.mark.gpu
+def test_device_memory_zeroed_written_read_and_freed():
+    """alloc_device gives GPU memory; zero, from_host and to_host (pageable NumPy arrays)
+    block until done, in stream order (the kernels that use dev_ptr: test_torch_gpu); a failed
+    allocation is a MemoryError naming the size; free gives the memory back, is
+    idempotent, and a copy after it raises."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ctx = drv.context(dev.index)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with pytest.raises(MemoryError, match=rf"could not allocate {2**60} bytes of GPU memory"):
+        ctx.alloc_device(2**60)
+    n = 1 << 26  # 256 MiB
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    buf = ctx.alloc_device(4 * n)
+    assert free0 - torch.cuda.mem_get_info()[0] >= 4 * n
+    buf.zero(stream)
+    out = np.full(n, 7.0, np.float32)
+    buf.to_host(out.ctypes.data, out.nbytes, stream)
+    assert not out.any()
+    src = np.arange(n, dtype=np.float32)
+    buf.from_host(src.ctypes.data, src.nbytes, stream)
+    back = np.empty(n, np.float32)
+    buf.to_host(back.ctypes.data, back.nbytes, stream)
+    assert np.array_equal(back, src)
+    with pytest.raises(ValueError, match="does not fit"):
+        buf.to_host(back.ctypes.data, back.nbytes + 4, stream)
+    before = torch.cuda.mem_get_info()[0]
+    buf.free()
+    buf.free()
+    assert torch.cuda.mem_get_info()[0] - before >= 4 * n
+    with pytest.raises(drv.CudaDriverError, match="after free"):
+        buf.to_host(back.ctypes.data, 4, stream)

@@ -5,6 +5,7 @@ the contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -59,8 +60,8 @@ class _Backend:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Replace the launcher: record (param dtype, grad dtype, [n], [clip], max_blocks) per
-    launch; ``fail_at[0] = k`` makes the k-th launch raise."""
+    """Replace the launcher: record (param dtype, grad dtype, [n], [clip], max_blocks,
+    [(master, m, v) pointers]) per launch; ``fail_at[0] = k`` makes the k-th launch raise."""
     record, fail_at = [], [None]
     buffers = {}
     addresses = itertools.count(1 << 20, 1 << 26)
@@ -72,7 +73,8 @@ def launches(monkeypatch):
 
     def multi(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
         items = list(items)
-        record.append((pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items], max_blocks))
+        record.append((pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items], max_blocks,
+                       [tuple(it[2:5]) for it in items]))
         if fail_at[0] is not None and len(record) == fail_at[0]:
             raise RuntimeError("launch refused")
         return len(items)
@@ -153,3 +155,113 @@ def test_eager_and_a_grid_cap_launch_one_tensor_each(launches):
     record.clear()
     eng.step(updates)
     assert [(r[2], r[3], r[4]) for r in record] == [([10, 20], [1.0, 1.0], None)]
+
+
+# -- state resident in GPU memory ----------------------------------------------------------------
+
+
+class _DeviceMemory:
+    """trainstream._cuda.DeviceMemory over a NumPy array (NaN until written)."""
+
+    addresses = itertools.count(1 << 40, 1 << 26)
+
+    def __init__(self, nbytes):
+        self.nbytes, self.dev_ptr, self.freed = nbytes, next(self.addresses), False
+        self.data = np.full(nbytes // 4, np.nan, np.float32)
+
+    def to_host(self, host_ptr, nbytes, stream):
+        assert stream == 0 and not self.freed and nbytes <= self.nbytes  # on the update stream
+        ctypes.memmove(host_ptr, self.data.ctypes.data, nbytes)
+
+    def from_host(self, host_ptr, nbytes, stream):
+        assert stream == 0 and not self.freed and nbytes <= self.nbytes
+        ctypes.memmove(self.data.ctypes.data, host_ptr, nbytes)
+
+    def zero(self, stream):
+        self.data[:] = 0
+
+    def free(self):
+        self.freed = True
+
+
+@pytest.fixture
+def device_memory(monkeypatch, launches):
+    """Replace GPU allocations: the list of them; ``fail[0] = k`` refuses the k-th."""
+    allocs, fail = [], [None]
+
+    def alloc_device(nbytes, device=None):
+        if fail[0] is not None and len(allocs) + 1 == fail[0]:
+            raise MemoryError(f"could not allocate {nbytes} bytes of GPU memory")
+        allocs.append(_DeviceMemory(nbytes))
+        return allocs[-1]
+
+    monkeypatch.setattr(dk, "alloc_device", alloc_device)
+    return allocs, fail
+
+
+def test_resident_slots_keep_their_state_in_device_memory(launches, device_memory):
+    """A resident slot's moments (and master) are GPU allocations that the launches address
+    instead of mapped memory; its state I/O copies through them: zeroed moments and the
+    weights as master at the start, state() and load_state() (with or without a master),
+    reload_param() merging the master with edited weights; stats count them apart;
+    truncate() and close() free them."""
+    record, _ = launches
+    allocs, _ = device_memory
+    weights = {1000: np.arange(5, dtype=np.float32), 2000: np.array([0.5, -1.25, 3.0], np.float32),
+               3000: np.ones(4, np.float32)}
+    backend = _Backend()
+    backend.param_to_host_f32 = lambda param, out: out.__setitem__(slice(None), weights[param])
+    eng = ge.DevicePlacement(backend)
+    a = eng.add_param(1000, 5, "float32", "cuda", resident=True)
+    b = eng.add_param(2000, 3, "bfloat16", "cuda", resident=True)
+    c = eng.add_param(3000, 4, "float32", "cuda")
+    assert [eng.resident(s) for s in (a, b, c)] == [True, True, False]
+    assert [x.nbytes for x in allocs] == [20, 20, 12, 12, 12]  # m, v of a; m, v, master of b
+    st = eng.stats()
+    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["resident_params"], st["resident_numel"]) == \
+        (76, 32, 2, 8)
+    master, m, v, step = eng.state(b)
+    assert np.array_equal(master, weights[2000]) and not m.any() and not v.any() and step == 0
+    assert np.array_equal(eng.state(a)[0], weights[1000])  # fp32: the weights are the master
+    eng.step([(a, HP, 5000, "float32"), (c, HP, 5064, "float32")])
+    eng.step([(b, HP, 6000, "bfloat16")])
+    ptrs = [p for r in record for p in r[5]]
+    assert ptrs[0] == (0, allocs[0].dev_ptr, allocs[1].dev_ptr)
+    assert ptrs[1][0] == 0 and ptrs[1][1] not in [x.dev_ptr for x in allocs]  # mapped
+    assert ptrs[2] == (allocs[4].dev_ptr, allocs[2].dev_ptr, allocs[3].dev_ptr)
+    assert [eng.get_step(s) for s in (a, b, c)] == [1, 1, 1]
+    eng.load_state(a, np.full(5, 2.0), np.full((1, 5), 3.0), 7)
+    master, m, v, step = eng.state(a)
+    assert (m == 2).all() and (v == 3).all() and step == 7 and np.array_equal(allocs[0].data, m)
+    kept = np.array([0.5001, -1.25, 3.0], np.float32)  # 0.5001 rounds to the bf16 weight 0.5
+    eng.load_state(b, np.ones(3), np.ones(3), 2, master=kept)
+    assert np.array_equal(allocs[4].data, kept)
+    weights[2000] = np.array([0.5, 8.0, 3.0], np.float32)  # edited outside: element 1
+    eng.reload_param(b)
+    want = kept.copy()
+    C.merge_master(want, weights[2000], "bfloat16")
+    assert want[0] == kept[0] and want[1] == 8.0
+    assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)[0], want)
+    eng.load_state(b, np.zeros(3), np.zeros(3), 0)  # no master: re-read from the weights
+    assert np.array_equal(allocs[4].data, weights[2000])
+    with pytest.raises(ValueError, match="exp_avg of parameter slot 0 has 4 elements, expected 5"):
+        eng.load_state(a, np.zeros(4), np.zeros(5), 0)
+    eng.truncate(1)
+    assert [x.freed for x in allocs] == [False, False, True, True, True]
+    st = eng.stats()
+    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["resident_params"]) == (40, 0, 1)
+    eng.close()
+    assert all(x.freed for x in allocs)
+
+
+def test_a_refused_gpu_allocation_frees_the_slots_others(launches, device_memory):
+    allocs, fail = device_memory
+    eng = ge.DevicePlacement(_Backend())
+    fail[0] = 3  # the master of a bf16 slot
+    with pytest.raises(MemoryError, match="GPU-resident state.*adamw.master_fp32.*12 bytes"):
+        eng.add_param(1000, 3, "bfloat16", "cuda", resident=True)
+    assert len(allocs) == 2 and all(x.freed for x in allocs)
+    assert eng.stats()["gpu_state_bytes"] == 0 and eng.stats()["params"] == 0
+    with pytest.raises(ValueError, match="gpu_state_bytes needs CUDA parameters"):
+        eng.add_param(1000, 3, "float32", "cpu", resident=True)
+    eng.close()

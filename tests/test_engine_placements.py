@@ -1,7 +1,8 @@
 """The engine's ``hybrid`` placement policy on CPU: a host placement stands in for the
 device one (adapted to the zero-copy placement's step signature); slots are placed by
 elements in registration order, work and state go to the right placement, and the result
-equals one host placement doing everything."""
+equals one host placement doing everything. The same for the GPU-resident share
+(``resident_bytes``) in every mode."""
 
 import numpy as np
 import pytest
@@ -51,9 +52,26 @@ class FakeDevice:
     def __init__(self):
         self.e = H.HostPlacement(Backend(), threads=1, chunk_elems=4096)
         self.eager_calls = 0
+        self.resident: list[int] = []  # local ids of the slots added resident
 
     def __getattr__(self, name):
         return getattr(self.e, name)
+
+    def add_param(self, param, numel, dtype, platform, *, resident=False):
+        sid = self.e.add_param(param, numel, dtype, platform)
+        if resident:
+            self.resident.append(sid)
+        return sid
+
+    def truncate(self, n):
+        self.resident = [sid for sid in self.resident if sid < n]
+        self.e.truncate(n)
+
+    def stats(self):
+        slots = [self.e._slot(sid) for sid in self.resident]
+        return {**self.e.stats(), "resident_params": float(len(slots)),
+                "resident_numel": float(sum(s.numel for s in slots)),
+                "gpu_state_bytes": float(sum(E.state_bytes(s.numel, s.dtype) for s in slots))}
 
     def check_grads(self, updates):
         for sid, _, _, gdtype in updates:
@@ -328,3 +346,122 @@ def test_a_bad_gpu_share_gradient_queues_neither_share():
         split.step(cpu_updates + bad)
     assert order == [] and [split.get_step(sid) for sid in range(4)] == [0, 0, 0, 0]
     split.close()
+
+
+# -- the GPU-resident share (resident_bytes) ------------------------------------------------------
+
+
+def test_state_bytes():
+    assert E.state_bytes(100, "float32") == 800
+    assert E.state_bytes(100, "bfloat16") == E.state_bytes(100, "float16") == 1200
+    assert E.state_bytes(0, "float32") == 8  # an empty shard: 4 bytes a buffer
+
+
+@pytest.mark.parametrize("placement", ["cpu", "gpu", "hybrid"], ids=lambda p: f"{p}-mode")
+def test_resident_share_in_every_mode_equals_one_engine(placement):
+    """``resident_bytes=70000``: slots 0 (5000 elements, 40000 bytes) and 1 (3000, 24000)
+    fit and 3 (100, 800) still does after 2 (7000) did not: resident on the device
+    placement; the rest as the mode says (hybrid, element budget 7100: slot 2 on the
+    device, not resident). Frozen parameters take none of the budget. The bits of one
+    host placement doing everything; truncate gives the budget back."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    whole_p, split_p = _params(), _params()
+    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    gpu = FakeDevice()
+    split = E.Engine(Backend(), placement=placement, device_elems=7100, resident_bytes=70000, threads=2,
+                     chunk_elems=4096, _device=lambda: gpu)
+    assert split.device is gpu
+    assert (split.host is None) == (placement == "gpu")
+    for p in whole_p:
+        whole.add_param(p, p.size, "float32", "cpu")
+    for p in split_p:
+        split.add_param(p, p.size, "float32", "cpu")
+    assert [split.resident(s) for s in range(4)] == [True, True, False, True]
+    assert [split.on_device(s) for s in range(4)] == [True, True, placement != "cpu", True]
+    assert gpu.resident == [0, 1, 2 if placement == "cpu" else 3]
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
+        for sid, g in enumerate(grads):
+            whole.offload_grad(sid, g, "float32")
+        whole.step([(sid, hp) for sid in range(4)])
+        for sid, g in enumerate(grads):
+            if not split.on_device(sid):
+                split.offload_grad(sid, g, "float32")
+        split.step([(sid, hp, grads[sid], "float32") if split.on_device(sid) else (sid, hp) for sid in range(4)])
+        whole.synchronize()
+        split.synchronize()
+    for a, b in zip(whole_p, split_p):
+        assert np.array_equal(a, b)
+    for sid in range(4):
+        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+    st = split.stats()
+    assert st["resident_params"] == 3 and st["resident_numel"] == 8100 and st["gpu_state_bytes"] == 64800
+    frozen = split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False)
+    assert not split.resident(frozen)
+    assert split.add_param(np.zeros(650, np.float32), 650, "float32", "cpu") == 5  # 5200 bytes: 70000 - 64800
+    assert split.resident(5)
+    assert not split.resident(split.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))  # none left
+    split.truncate(3)  # slots 3 (resident), 4, 5 (resident), 6 dropped: their budget is free again
+    assert split.add_param(np.zeros(750, np.float32), 750, "float32", "cpu") == 3
+    assert split.resident(3)
+    with pytest.raises(IndexError, match="no parameter slot"):
+        split.resident(7)
+    whole.close()
+    split.close()
+
+
+def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device():
+    """fp16/bf16 slots hold a master too (12 bytes an element); ``resident_bytes=0`` in cpu
+    mode builds no device placement; bad budgets are refused."""
+    made = []
+
+    def device():
+        made.append(FakeDevice())
+        return made[-1]
+
+    eng = E.Engine(Backend(), placement="cpu", resident_bytes=11999, threads=1, _device=device)
+    assert eng.add_param(np.zeros(1000, np.float32), 1000, "bfloat16", "cpu") == 0
+    assert not eng.resident(0) and not eng.on_device(0)  # 12000 bytes
+    assert eng.add_param(np.zeros(1000, np.float32), 1000, "float32", "cpu") == 1
+    assert eng.resident(1) and eng.on_device(1)  # 8000 bytes
+    eng.close()
+    eng = E.Engine(Backend(), placement="cpu", threads=1, _device=device)
+    assert eng.device is None and len(made) == 1
+    assert eng.stats()["gpu_state_bytes"] == 0
+    eng.close()
+    for bad in (-1, 1.5, True, "auto", None):
+        with pytest.raises(ValueError, match="resident_bytes must be an int >= 0"):
+            E.Engine(Backend(), placement="cpu", resident_bytes=bad, threads=1, _device=device)
+    assert len(made) == 1  # refused before anything is built
+
+
+def test_gpu_state_bytes_argument_checks():
+    """OffloadAdamW(gpu_state_bytes=...): an int >= 0; "auto" is not built; a budget needs
+    CUDA parameters (checked before any GPU code runs); 0 leaves CPU parameters alone."""
+    torch = pytest.importorskip("torch")
+    from trainstream.torch import OffloadAdamW
+
+    model = torch.nn.Linear(4, 4)
+    for bad in (-1, 1.5, True, "half", None):
+        with pytest.raises(ValueError, match="Invalid gpu_state_bytes"):
+            OffloadAdamW(model.parameters(), gpu_state_bytes=bad)
+    with pytest.raises(NotImplementedError, match="gpu_state_bytes='auto'.*not built"):
+        OffloadAdamW(model.parameters(), gpu_state_bytes="auto")
+    for mode in ("cpu", "hybrid"):
+        with pytest.raises(ValueError, match="needs CUDA"):
+            OffloadAdamW(model.parameters(), mode=mode, gpu_state_bytes=1 << 20)
+    with pytest.raises(ValueError, match="gpu_state_bytes=4096 keeps state in GPU memory and needs CUDA parameters"):
+        OffloadAdamW(model.parameters(), gpu_state_bytes=4096)
+    opt = OffloadAdamW(model.parameters(), gpu_state_bytes=np.int64(0), threads=1)
+    assert opt.stats()["gpu_state_bytes"] == 0 and opt._engine.device is None
+    opt.close()
+
+
+def test_jax_gpu_state_bytes_is_not_built():
+    pytest.importorskip("jax")
+    from trainstream.jax import offload_adamw
+
+    with pytest.raises(NotImplementedError, match="not built for JAX.*multi_transform"):
+        offload_adamw(1e-3, gpu_state_bytes=1 << 20)
+    offload_adamw(1e-3, gpu_state_bytes=0)

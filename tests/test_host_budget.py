@@ -260,6 +260,20 @@ def test_torch_hybrid_plan_follows_the_split():
         OffloadAdamW.host_memory_plan(params, mode="tpu")
 
 
+def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():
+    """gpu_state_bytes: the first parameters whose state fits (first fit, 12 bytes per
+    bf16 element) take no host memory, and hybrid's share is of the rest."""
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2000, 3000, 300)]
+    whole = OffloadAdamW.host_memory_plan(params)
+    # 30,000 bytes hold the state of 2000 (24,000) and then 300 (3,600) elements, not 3000's.
+    plan = OffloadAdamW.host_memory_plan(params, gpu_state_bytes=30_000)
+    assert B.resident([(p.numel(), "bfloat16", True) for p in params], 30_000) == [True, False, True]
+    assert plan["needed"] == whole["needed"] * 3000 // 5300 == 14 * 3000
+    hyb = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.5, gpu_state_bytes=24_000)
+    # resident: the 2000; of the other 3300 elements a share of 1650: the 300 fit, 3000 not
+    assert hyb["state_pinned"] == 8 * 300 and hyb["state_pageable"] == 8 * 3000
+
+
 # -- JAX ------------------------------------------------------------------------------------------
 
 

@@ -319,33 +319,67 @@ def _state_same(a, b) -> bool:
 def dcp_round_trips(rank, device, out):
     """dcp.save of model and optimizer after 2 steps, dcp.load into a fresh pair, 2 more
     steps: bitwise the uninterrupted run, in every direction with torch.optim.AdamW."""
+    got = {}
+    for src, dst in ((torch.optim.AdamW, OffloadAdamW), (OffloadAdamW, torch.optim.AdamW), (OffloadAdamW, OffloadAdamW)):
+        got.update(_dcp_resume(src, dst, f"{src.__name__} -> {dst.__name__}", rank, device, out))
+    return got
+
+
+def _dcp_resume(src, dst, name, rank, device, out):
+    """One direction of :func:`dcp_round_trips` (``src``, ``dst``: optimizer factories;
+    ``name`` labels the checks and the checkpoint)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.tensor import DTensor
 
     got = {}
-    for src, dst in ((torch.optim.AdamW, OffloadAdamW), (OffloadAdamW, torch.optim.AdamW), (OffloadAdamW, OffloadAdamW)):
-        name = f"{src.__name__} -> {dst.__name__}"
-        ckpt = os.path.join(out, name.replace(" ", "").replace(">", ""))
-        ma, oa = _make(src, device)
-        _train(ma, oa, 4, 0, rank, device)
-        mb, ob = _make(src, device)
-        _train(mb, ob, 2, 0, rank, device)
-        osd = get_optimizer_state_dict(mb, ob)
-        got[f"{name}: DTensor state under the FQNs"] = all(
-            isinstance(st["exp_avg"], DTensor) for st in osd["state"].values()) and "4.weight" in osd["state"]
-        dcp.save({"model": get_model_state_dict(mb), "optim": osd}, checkpoint_id=ckpt)
-        mc, oc = _make(dst, device)
-        sd = {"model": get_model_state_dict(mc), "optim": get_optimizer_state_dict(mc, oc)}
-        dcp.load(sd, checkpoint_id=ckpt)
-        set_model_state_dict(mc, sd["model"])
-        set_optimizer_state_dict(mc, oc, sd["optim"])
-        _train(mc, oc, 2, 2, rank, device)
-        got[f"{name}: resumed bit-identically"] = _same(ma, mc)
-        got[f"{name}: the same state"] = _state_same(get_optimizer_state_dict(ma, oa)["state"],
-                                                     get_optimizer_state_dict(mc, oc)["state"])
-        _close(oa, ob, oc)
+    ckpt = os.path.join(out, name.replace(" ", "").replace(">", ""))
+    ma, oa = _make(src, device)
+    _train(ma, oa, 4, 0, rank, device)
+    mb, ob = _make(src, device)
+    _train(mb, ob, 2, 0, rank, device)
+    osd = get_optimizer_state_dict(mb, ob)
+    got[f"{name}: DTensor state under the FQNs"] = all(
+        isinstance(st["exp_avg"], DTensor) for st in osd["state"].values()) and "4.weight" in osd["state"]
+    dcp.save({"model": get_model_state_dict(mb), "optim": osd}, checkpoint_id=ckpt)
+    mc, oc = _make(dst, device)
+    sd = {"model": get_model_state_dict(mc), "optim": get_optimizer_state_dict(mc, oc)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(mc, sd["model"])
+    set_optimizer_state_dict(mc, oc, sd["optim"])
+    _train(mc, oc, 2, 2, rank, device)
+    got[f"{name}: resumed bit-identically"] = _same(ma, mc)
+    got[f"{name}: the same state"] = _state_same(get_optimizer_state_dict(ma, oa)["state"],
+                                                 get_optimizer_state_dict(mc, oc)["state"])
+    _close(oa, ob, oc)
+    return got
+
+
+def fsdp_resident(rank, device, out):
+    """``gpu_state_bytes=256`` on FSDP2 shards: each rank keeps the state of the local shards
+    that fit in GPU memory (rank 0: 20 + 4 + 5 + 1 elements of weight and bias shards;
+    rank 1: 15 + 3 + 4 elements and its two empty shards), the rest in host memory;
+    DCP round trips both ways with torch.optim.AdamW resume bit-identically. Without
+    CUDA: refused, naming it."""
+    if device != "cuda":
+        m = _fsdp(device)
+        try:
+            OffloadAdamW(m.parameters(), gpu_state_bytes=256).close()
+        except ValueError as e:
+            return {"refused without CUDA": "needs CUDA parameters" in str(e)}
+        return {"refused without CUDA": False}
+
+    def resident(params, **kw):
+        return OffloadAdamW(params, gpu_state_bytes=256, **kw)
+
+    m, o = _make(resident, device)
+    st = o.stats()
+    got = {"resident shards": st["resident_params"] == 4 and st["gpu_state_bytes"] == (240 if rank == 0 else 192)}
+    _close(o)
+    for src, dst, name in ((torch.optim.AdamW, resident, "AdamW -> resident"),
+                           (resident, torch.optim.AdamW, "resident -> AdamW")):
+        got.update(_dcp_resume(src, dst, name, rank, device, out))
     return got
 
 
@@ -550,7 +584,8 @@ def dcp_bf16_master(rank, device, out):
 JOBS = {
     "fsdp": [(f.__name__, f) for f in (fsdp_fp32, fsdp_accumulation, fsdp_clipping, fsdp_param_groups,
                                       fsdp_mixed_precision, fsdp_hsdp, fsdp_eager, fsdp_weight_edits,
-                                      fsdp_refusals, dcp_round_trips, dcp_full_state_dict, dcp_bf16_master)],
+                                      fsdp_refusals, dcp_round_trips, dcp_full_state_dict, dcp_bf16_master,
+                                      fsdp_resident)],
     "ddp": [(f.__name__, f) for f in (ddp_default, ddp_manual_all_reduce, ddp_last_micro_batch_refused, zero1,
                                      zero1_groups_max_grad_norm, worker_cores_auto)],
 }

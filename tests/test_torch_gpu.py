@@ -452,3 +452,149 @@ def test_hybrid_checkpoint_moves_to_cpu_mode():
     ts, _, ts2 = _resume_in_another_mode("hybrid", "cpu", [x.to(DEV) for x in batches(20)], 10)
     for o in (ts, ts2):
         o.close()
+
+
+# -- state resident in GPU memory (gpu_state_bytes) ---------------------------------------------
+
+#: gpu_state_bytes for make_model()'s fp32 state in two_groups' order (1024, 3072, 1024, 2048,
+#: 2048, 1024 weights, then nine biases): the first two weights and every bias fit (35840
+#: bytes), the other four weights (6144 elements) go where the mode says (hybrid, 0.3 of them:
+#: the 1024-element third weight by the zero-copy kernel, the rest on the host).
+RESIDENT = 40000
+RESIDENT_MASK = [True, True, False, False, False, False] + [True] * 9
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "hybrid", "hybrid-last"])
+@pytest.mark.parametrize("kw", [{}, {"sched": True}, {"micro": 4}, {"max_norm": 0.5}, {"micro": 2, "eager": True}],
+                         ids=["groups", "scheduler", "accumulate4", "clip", "eager"])
+def test_resident_state_bit_identical(kw, mode):
+    """A share of the state resident in GPU memory, the rest as the mode places it (host
+    threads, zero-copy kernel, or both): the same bits as torch.optim.AdamW on CUDA; the
+    resident share takes exactly the parameters that fit, in order, and is counted in
+    stats(); state (host copies) equals torch's."""
+    extra = {"mode": "hybrid", "gpu_params": "last"} if mode == "hybrid-last" else {"mode": mode}
+    ref_model, ts_model, ref, ts = train_pair_cuda(steps=30, gpu_state_bytes=RESIDENT, **kw, **extra)
+    assert_same(ref_model, ts_model)
+    params = [p for g in ts.param_groups for p in g["params"]]
+    assert [ts._engine.resident(sid) for sid in range(len(params))] == RESIDENT_MASK
+    st = ts.stats()
+    assert st["resident_params"] == 11 and st["gpu_state_bytes"] == 35840 and st["resident_numel"] == 4480
+    if mode == "gpu":
+        assert st["host_state_bytes"] == 8 * 6144  # the mapped share only
+    if mode.startswith("hybrid"):
+        assert 0 < st["gpu_params"] - st["resident_params"] < 4  # a zero-copy share beside the host's
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    for p, q in zip(params, ref_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ts.state[p][key], ref.state[q][key].cpu()), key
+        assert int(ts.state[p]["step"]) == int(ref.state[q]["step"])
+    ts.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_resident_half_params_against_fp32_master(mode, dtype):
+    """fp16/bf16 weights with their fp32 master in GPU memory (12 bytes an element) for the
+    parameters that fit: the bits of torch.optim.AdamW on an fp32 master; state_dict's
+    master_param (a copy from GPU memory) equals that master."""
+    model = make_model(dtype=dtype).to(DEV)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
+                      gpu_state_bytes=RESIDENT)
+    resident = [ts._engine.resident(sid) for sid in range(len(master))]
+    assert any(resident) and not all(resident)
+    assert ts.stats()["gpu_state_bytes"] == sum(12 * p.numel() for p, r in zip(master, resident) if r)
+    for x in batches(30):
+        x = x.to(DEV)
+        step_beside_master(model, master, ref, ts, loss_of(model, x))
+    sd = ts.state_dict()
+    for sid, (p, m) in enumerate(zip(model.parameters(), master)):
+        assert torch.equal(sd["state"][sid]["master_param"], m.detach().cpu())
+        assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"].cpu())
+        assert torch.equal(p.detach(), m.detach().to(dtype))
+    ts.close()
+
+
+def _run_any(m, opt, xs):
+    for x in xs:
+        opt.zero_grad()
+        loss_of(m, x).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "hybrid"])
+def test_resident_checkpoint_round_trip_with_adamw(mode):
+    """torch.optim.AdamW's state_dict loaded into an optimizer with resident state (copied
+    into GPU memory), and its state_dict (copies from GPU memory) loaded into
+    torch.optim.AdamW: both go on with the bits of the uninterrupted torch run."""
+    data = [x.to(DEV) for x in batches(30)]
+    ref = make_model().to(DEV)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    _run_any(ref, ropt, data[:10])
+    m2 = make_model().to(DEV)
+    m2.load_state_dict(ref.state_dict())
+    ts = OffloadAdamW(two_groups(m2), mode=mode, gpu_state_bytes=RESIDENT)
+    ts.load_state_dict(copy.deepcopy(ropt.state_dict()))
+    for p, q in zip(m2.parameters(), ref.parameters()):
+        assert torch.equal(ts.state[p]["exp_avg_sq"], ropt.state[q]["exp_avg_sq"].cpu())
+    _run_any(ref, ropt, data[10:20])
+    _run_any(m2, ts, data[10:20])
+    assert_same(ref, m2)
+    m3 = make_model().to(DEV)
+    m3.load_state_dict(m2.state_dict())
+    r3 = torch.optim.AdamW(two_groups(m3))
+    r3.load_state_dict(copy.deepcopy(ts.state_dict()))
+    _run_any(m2, ts, data[20:])
+    _run_any(m3, r3, data[20:])
+    _run_any(ref, ropt, data[20:])
+    assert_same(ref, m2)
+    assert_same(ref, m3)
+    ts.close()
+
+
+def test_resident_state_is_in_gpu_memory_and_close_frees_it():
+    """gpu_state_bytes takes GPU memory outside torch's allocator at construction (counted in
+    stats), none of host memory for those parameters; the update is torch's; close()
+    gives the memory back."""
+    n = 1 << 24  # 128 MiB of fp32 state, 192 MiB for bf16
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, device=DEV)), nn.Parameter(torch.randn(n, device=DEV).to(torch.bfloat16)),
+              nn.Parameter(torch.randn(n, device=DEV))]
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params[::2]]
+    for p in params + ref_params:
+        p.grad = torch.randn_like(p) * 1e-2
+    budget = 8 * n + 12 * n
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    ts = OffloadAdamW(params, lr=1e-2, mode="gpu", gpu_state_bytes=budget + 1000)
+    free1 = torch.cuda.mem_get_info()[0]
+    st = ts.stats()
+    assert st["gpu_state_bytes"] == budget and st["resident_params"] == 2 and st["host_state_bytes"] == 8 * n
+    assert free0 - free1 >= budget
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    for p, q in zip(params[::2], ref_params):
+        q.grad = p.grad.clone()
+    for _ in range(2):
+        ts.step()
+        ref.step()
+    for p, q in zip(params[::2], ref_params):  # one resident, one mapped
+        assert torch.equal(p, q)
+        assert torch.equal(ts.state[p]["exp_avg"], ref.state[q]["exp_avg"].cpu())
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    ts.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.mem_get_info()[0] - before >= budget - (16 << 20)
+
+
+def test_resident_share_then_offloaded_gpu_share_in_hybrid():
+    """hybrid's gpu_share counts the elements whose state is not resident: 0.5 of the four
+    offloaded weights (3072 of 6144 elements) by fit from the first: the 1024 and 2048
+    ones; the 2048 and 1024 after them on the host."""
+    model = make_model().to(DEV)
+    ts = OffloadAdamW(two_groups(model), mode="hybrid", gpu_share=0.5, gpu_state_bytes=RESIDENT)
+    eng = ts._engine
+    assert [eng.resident(s) for s in range(15)] == RESIDENT_MASK
+    assert [eng.on_device(s) and not eng.resident(s) for s in range(6)] == [False, False, True, True, False, False]
+    ts.close()

@@ -21,9 +21,21 @@ from trainstream.torch import OffloadAdamW  # noqa: E402
 CPU = pytest.param("cpu", id="cpu")
 CUDA = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
 # CUDA: every placement; mode "overlap" is cpu mode with overlap_forward (reads then need
-# synchronize(): only the forward is checked there)
+# synchronize(): only the forward is checked there); "+res": the first layer's state
+# resident in GPU memory (see mode_kw)
 DEVICES_MODES = [pytest.param("cpu", "cpu", id="cpu")] + [
-    pytest.param("cuda", m, id=f"cuda-{m}", marks=pytest.mark.gpu) for m in ("cpu", "gpu", "hybrid")]
+    pytest.param("cuda", m, id=f"cuda-{m}", marks=pytest.mark.gpu)
+    for m in ("cpu", "gpu", "hybrid", "cpu+res", "gpu+res", "hybrid+res")]
+
+
+def mode_kw(mode):
+    """OffloadAdamW's arguments for a test mode: ``hybrid`` with half of the GPU share;
+    ``+res`` with ``gpu_state_bytes=2304``: of mlp()'s fp32 state the first layer's (2048 +
+    256 bytes), of its bf16 state the biases of the first two layers and the last weight
+    (384 + 384 + 1536 bytes), the rest as the mode says (hybrid: host and zero-copy)."""
+    base, _, res = mode.partition("+")
+    return dict(mode=base, **(dict(gpu_share=0.5) if base == "hybrid" else {}),
+                **(dict(gpu_state_bytes=2304) if res else {}))
 
 
 def mlp(seed=0, dtype=torch.float32, device="cpu", width=32):
@@ -35,9 +47,8 @@ def mlp(seed=0, dtype=torch.float32, device="cpu", width=32):
 def pair(device="cpu", mode="cpu", dtype=torch.float32, lr=1e-2, **kw):
     """Two equal models: one with torch.optim.AdamW, one with OffloadAdamW."""
     ref, ours = mlp(dtype=dtype, device=device), mlp(dtype=dtype, device=device)
-    extra = dict(gpu_share=0.5) if mode == "hybrid" else {}
     return (ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1),
-            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, mode=mode, threads=2, **extra, **kw))
+            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **mode_kw(mode), **kw))
 
 
 def data(n, device="cpu", seed=1):
@@ -184,9 +195,8 @@ def test_module_zero_grad_dcgan_pattern(device, mode):
     generator's loss, which netD.zero_grad() (module.zero_grad) discards."""
     gen_r, disc_r = mlp(seed=2, device=device), mlp(seed=1, device=device)
     gen_o, disc_o = mlp(seed=2, device=device), mlp(seed=1, device=device)
-    extra = dict(gpu_share=0.5) if mode == "hybrid" else {}
     opts_r = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (gen_r, disc_r)]
-    opts_o = [OffloadAdamW(m.parameters(), lr=1e-2, mode=mode, threads=2, **extra) for m in (gen_o, disc_o)]
+    opts_o = [OffloadAdamW(m.parameters(), lr=1e-2, threads=2, **mode_kw(mode)) for m in (gen_o, disc_o)]
     for x in data(4, device):
         for gen, disc, (og, od) in ((gen_r, disc_r, opts_r), (gen_o, disc_o, opts_o)):
             disc.zero_grad()
@@ -212,9 +222,8 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     ref, _, ours, _ = pair(device, mode, dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ropt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    extra = dict(gpu_share=0.5) if mode == "hybrid" else {}
-    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, threads=2,
-                       max_grad_norm=0.05 if how == "max_grad_norm" else None, **extra)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, threads=2,
+                       max_grad_norm=0.05 if how == "max_grad_norm" else None, **mode_kw(mode))
     micro = 2 if how == "micro2" else 1
     for x in data(4, device):
         for part in x.chunk(micro):
@@ -278,9 +287,8 @@ def test_grad_scaler(device, mode, flow):
     """GradScaler: scale, step (the optimizer unscales, as torch's fused ones do), update;
     unscale_ then clip_grad_norm_; a step skipped for an inf gradient."""
     ref, ropt, ours, _ = pair(device, mode)
-    extra = dict(gpu_share=0.5) if mode == "hybrid" else {}
-    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, threads=2,
-                       max_grad_norm=0.05 if flow == "max_grad_norm" else None, **extra)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, threads=2,
+                       max_grad_norm=0.05 if flow == "max_grad_norm" else None, **mode_kw(mode))
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=2) for _ in range(2)]
     for i, x in enumerate(data(5, device)):
         for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):

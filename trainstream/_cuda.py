@@ -1,6 +1,7 @@
 """The one CUDA layer: the driver calls of both adapters and of the device placement, through
 ctypes (events, asynchronous copies, stream waits, mapped pinned host memory, synchronisation). CuPy only compiles and launches the kernels
-(:mod:`trainstream._device_kernels`); device memory is the framework's.
+(:mod:`trainstream._device_kernels`); device memory is the framework's, except the optimizer
+state kept resident in GPU memory (:class:`DeviceMemory`).
 
 Why not torch's own ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every
 gradient hook and every finished update issues a copy and records an event, from the
@@ -30,7 +31,7 @@ import ctypes
 import ctypes.util
 import threading
 
-__all__ = ["CudaDriverError", "Context", "Event", "Mapped", "available", "context", "pointer_device"]
+__all__ = ["CudaDriverError", "Context", "DeviceMemory", "Event", "Mapped", "available", "context", "pointer_device"]
 
 _CU_EVENT_BLOCKING_SYNC = 0x1  # waiters sleep instead of spinning (workers yield the CPU)
 _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
@@ -88,6 +89,9 @@ def _declare(lib) -> None:
         ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
         ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]),
         ("cuMemFreeHost", [vp]),
+        ("cuMemAlloc_v2", [ctypes.POINTER(u64), sz]),
+        ("cuMemFree_v2", [u64]),
+        ("cuMemsetD32Async", [u64, ui, sz, vp]),
         ("cuPointerGetAttribute", [vp, ui, u64]),
         ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
         ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
@@ -226,6 +230,23 @@ class Context:
         buf.dev_ptr = dev.value
         return buf
 
+    def alloc_device(self, nbytes: int) -> DeviceMemory:
+        """``nbytes`` of device memory (``cuMemAlloc``: outside the framework's allocator,
+        which does not count it). Raises ``MemoryError`` naming the size when the driver
+        refuses; nothing is left allocated then."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        ptr = ctypes.c_uint64()
+        res = self.call("cuMemAlloc_v2", ctypes.byref(ptr), nbytes, release_gil=True)
+        if res != 0:
+            try:
+                _check(res, "cuMemAlloc")
+            except CudaDriverError as exc:
+                raise MemoryError(f"could not allocate {nbytes} bytes of GPU memory on cuda:{self.device}: "
+                                  f"{exc}") from None
+        return DeviceMemory(self, ptr.value, nbytes)
+
     def __del__(self):
         lib, dev = _lib, getattr(self, "_dev", None)
         if lib is not None and dev is not None:
@@ -310,6 +331,65 @@ class Mapped:
             ptr, self.host_ptr = self.host_ptr, None
         if ptr is not None and _lib is not None:
             self._ctx.call("cuMemFreeHost", ptr, release_gil=True)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass
+
+
+class DeviceMemory:
+    """Device memory of one context (:meth:`Context.alloc_device`), read and written by
+    copies from and to host memory (pinned or pageable) that block the calling thread,
+    GIL released, until they are done: queued on ``stream``, they come after the work
+    queued there before. :meth:`free` (idempotent; also when collected) releases it."""
+
+    __slots__ = ("__weakref__", "_ctx", "_lock", "dev_ptr", "nbytes")
+
+    def __init__(self, ctx: Context, dev_ptr: int, nbytes: int):
+        self._ctx = ctx
+        self.dev_ptr = dev_ptr
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+
+    def _span(self, nbytes: int) -> int:
+        nbytes = int(nbytes)
+        if self.dev_ptr is None:
+            raise CudaDriverError("device memory used after free()")
+        if not 0 <= nbytes <= self.nbytes:
+            raise ValueError(f"a copy of {nbytes} bytes does not fit a device buffer of {self.nbytes}")
+        return nbytes
+
+    def to_host(self, host_ptr: int, nbytes: int, stream: int) -> None:
+        """Copy the first ``nbytes`` into host memory at ``host_ptr``; returns once done."""
+        nbytes = self._span(nbytes)
+        if nbytes:
+            _check(self._ctx.call("cuMemcpyDtoHAsync_v2", host_ptr, self.dev_ptr, nbytes, stream, release_gil=True),
+                   "cuMemcpyDtoHAsync")
+            self._ctx.stream_synchronize(stream)
+
+    def from_host(self, host_ptr: int, nbytes: int, stream: int) -> None:
+        """Copy ``nbytes`` of host memory at ``host_ptr`` into the first bytes; returns once done."""
+        nbytes = self._span(nbytes)
+        if nbytes:
+            _check(self._ctx.call("cuMemcpyHtoDAsync_v2", self.dev_ptr, host_ptr, nbytes, stream, release_gil=True),
+                   "cuMemcpyHtoDAsync")
+            self._ctx.stream_synchronize(stream)
+
+    def zero(self, stream: int) -> None:
+        """Set every byte to zero; returns once done."""
+        self._span(0)
+        if self.nbytes % 4:
+            raise ValueError(f"zero() needs a multiple of 4 bytes, the buffer has {self.nbytes}")
+        _check(self._ctx.call("cuMemsetD32Async", self.dev_ptr, 0, self.nbytes // 4, stream), "cuMemsetD32Async")
+        self._ctx.stream_synchronize(stream)
+
+    def free(self) -> None:
+        with self._lock:
+            ptr, self.dev_ptr = self.dev_ptr, None
+        if ptr is not None and _lib is not None:
+            self._ctx.call("cuMemFree_v2", ptr, release_gil=True)
 
     def __del__(self):
         try:

@@ -5,7 +5,8 @@ The arithmetic of the update is :mod:`trainstream.contract` (one kernel variant 
 ``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
 it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` once per device,
 launching its kernels on raw pointers and a raw stream handle (plain ``int``\\ s, so torch,
-JAX and CuPy callers all fit), and mapped pinned host allocations for the state.
+JAX and CuPy callers all fit), and the allocations for the state: mapped pinned host memory,
+or GPU memory for state kept resident there (the same kernels, other pointers).
 
 No torch or jax import, and CuPy is imported on first use only: ``import
 trainstream._device_kernels`` works on a machine without CuPy or a GPU; a call that needs
@@ -66,6 +67,7 @@ __all__ = [
     "adamw_u_kernel_name",
     "MULTI_MAX",
     "alloc_mapped",
+    "alloc_device",
     "host_view",
     "check_stream",
     "set_sync_launches",
@@ -423,7 +425,8 @@ def launch_adamw(
     ``grad_ptr``: the gradient in GPU memory (any of the three dtypes). ``master_ptr``:
     fp32 master weights in mapped host memory (device pointer), required for fp16/bf16
     weights and ``0`` for fp32 weights (their own master). ``m_ptr``, ``v_ptr``: fp32
-    moments, device pointers to mapped pinned host memory (see :func:`alloc_mapped`).
+    moments, device pointers to mapped pinned host memory (see :func:`alloc_mapped`); the
+    master and the moments may be GPU memory instead (:func:`alloc_device`).
     Any element alignment works; 16-byte-aligned state takes the vector path.
 
     ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars`,
@@ -569,6 +572,15 @@ def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Call
     dev = _current_device() if device is None else int(device)
     buf = _cuda.context(dev).alloc_mapped(nbytes)
     return buf.host_ptr, buf.dev_ptr, buf.free
+
+
+def alloc_device(nbytes: int, device: int | None = None) -> _cuda.DeviceMemory:
+    """Allocate ``nbytes`` of GPU memory for state kept resident there:
+    :meth:`trainstream._cuda.Context.alloc_device` (its ``dev_ptr`` is what the kernels
+    take in place of a mapped pointer; ``to_host``, ``from_host`` and ``zero`` copy).
+    Raises ``MemoryError`` naming the size when the allocation fails; nothing leaks."""
+    dev = _current_device() if device is None else int(device)
+    return _cuda.context(dev).alloc_device(nbytes)
 
 
 def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterable
 
 from .. import _hostmem
 
-__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan"]
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan", "resident",
+           "state_bytes"]
 
 LAYOUTS = ("host", "device", "arrays", "staged")
 PARTS = ("state", "masters", "staging")
@@ -37,6 +38,26 @@ MARGIN = 0.1
 #: of the available memory (pinned pages are never reclaimed or swapped); else pageable.
 PINNED_FRACTION = 0.5
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def state_bytes(numel: int, dtype: str) -> int:
+    """The bytes of a slot's state on the device placement: two fp32 moments, and an fp32
+    master for fp16/bf16 weights (each buffer at least 4 bytes). What a resident slot
+    takes of the engine's ``resident_bytes``."""
+    return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
+
+
+def resident(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0) -> list[bool]:
+    """Which ``(numel, dtype, trainable)`` slots keep their state in GPU memory
+    (:class:`~trainstream.core._engine.Engine`'s rule, before the policy's): a trainable
+    slot whose :func:`state_bytes` fit in what ``used`` leaves of ``budget``, in order
+    (first fit)."""
+    out = []
+    for numel, dtype, trainable in slots:
+        need = state_bytes(numel, dtype)
+        out.append(bool(trainable) and budget > 0 and used + need <= budget)
+        used += need if out[-1] else 0
+    return out
 
 
 def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device_elems: int = 0,

@@ -1,10 +1,13 @@
 """The device placement of the engine: zero-copy kernel launches.
 
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
-pinned host memory. CUDA kernels (``trainstream/kernels/adamw_zero_copy.cu``, via
-:mod:`trainstream._device_kernels`; at ``step`` several parameters per launch, from a
-gradient hook one) read the gradient from GPU memory and the state over PCIe, and write
-the weights in place; the arithmetic is the contract's
+pinned host memory, or for a slot added ``resident`` in GPU memory (the state of
+``gpu_state_bytes``: no PCIe traffic, the same kernels with other pointers, so the same
+bits; its state I/O copies through :mod:`trainstream._cuda`). CUDA kernels
+(``trainstream/kernels/adamw_zero_copy.cu``, via :mod:`trainstream._device_kernels`; at
+``step`` several parameters per launch, from a gradient hook one) read the gradient from
+GPU memory and the state over PCIe, and write the weights in place; the arithmetic is the
+contract's
 (:mod:`trainstream.contract`). Clipping and loss scaling are the framework's, done on the
 gradients in GPU memory before the update.
 
@@ -42,10 +45,15 @@ MULTI_LAUNCH_ELEMS = 1 << 22
 
 
 @dataclass(eq=False)
-class _Mapped:
-    host: np.ndarray  # float32 view of the host memory
+class _Buf:
+    """One fp32 state buffer: mapped host memory (``host``, a view of it), or resident
+    GPU memory (``host`` None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
+
+    host: np.ndarray | None
     dev_ptr: int
     free: Callable[[], None]
+    nbytes: int
+    mem: Any = None
 
 
 @dataclass(eq=False)
@@ -54,16 +62,17 @@ class _GpuSlot:
     param: Any
     numel: int
     dtype: str
-    exp_avg: _Mapped
-    exp_avg_sq: _Mapped
-    master: _Mapped | None
+    exp_avg: _Buf
+    exp_avg_sq: _Buf
+    master: _Buf | None
     step: int = 0
     ready: Any = None
     grad_keep: Any = None
 
 
 class DevicePlacement:
-    """Zero-copy AdamW state in mapped host memory, updated by GPU kernels.
+    """AdamW state in mapped host memory (zero-copy) or resident in GPU memory, updated by
+    GPU kernels.
 
     The backend must provide, besides :class:`trainstream.core._engine.Backend`'s
     ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
@@ -93,6 +102,7 @@ class DevicePlacement:
         self._launch_s = 0.0
         self._ready_stall_s = 0.0
         self._mapped_bytes = 0
+        self._device_bytes = 0  # resident state, in GPU memory
         self._unwaited = False  # launches since the compute stream last waited for all
 
     # -- parameters -------------------------------------------------------------------------
@@ -105,38 +115,87 @@ class DevicePlacement:
         if self._closed:
             raise RuntimeError("TrainStream engine is closed")
 
-    def _mapped(self, numel: int, what: str, owned: list) -> _Mapped:
+    def _alloc(self, numel: int, what: str, owned: list, resident: bool) -> _Buf:
         nbytes = max(4, numel * 4)
         try:
-            host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
+            if resident:
+                mem = self._dk.alloc_device(nbytes, self.device)
+                buf = _Buf(None, mem.dev_ptr, mem.free, nbytes, mem)
+            else:
+                host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
+                buf = _Buf(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free, nbytes)
         except MemoryError as exc:
-            raise MemoryError(f"TrainStream gpu mode, {what}: {exc}") from exc
-        owned.append(free)
-        self._mapped_bytes += nbytes
-        return _Mapped(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free)
+            where = "GPU-resident state (gpu_state_bytes)" if resident else "gpu mode"
+            raise MemoryError(f"TrainStream {where}, {what}: {exc}") from exc
+        owned.append(buf)
+        if resident:
+            self._device_bytes += nbytes
+        else:
+            self._mapped_bytes += nbytes
+        return buf
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
+    def _release(self, bufs) -> None:
+        for buf in bufs:
+            if buf is not None:
+                buf.host = None  # drop the view before the memory goes
+                buf.free()
+                if buf.mem is not None:
+                    self._device_bytes -= buf.nbytes
+                else:
+                    self._mapped_bytes -= buf.nbytes
+
+    def _read(self, buf: _Buf, numel: int) -> np.ndarray:
+        """A copy of a state buffer's ``numel`` floats (resident: once the update stream's
+        work queued so far is done)."""
+        if buf.host is not None:
+            return buf.host.copy()
+        out = np.empty(numel, np.float32)
+        buf.mem.to_host(out.ctypes.data, out.nbytes, self.backend.update_stream())
+        return out
+
+    def _write(self, buf: _Buf, values) -> None:
+        """Set a state buffer to ``values`` (resident: after the update stream's work
+        queued so far, before what is queued next)."""
+        if buf.host is not None:
+            buf.host[:] = values
+            return
+        a = np.ascontiguousarray(values, np.float32).reshape(-1)
+        buf.mem.from_host(a.ctypes.data, a.nbytes, self.backend.update_stream())
+
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False) -> int:
+        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU
+        memory, else in mapped host memory."""
         self._check_open()
         if platform != "cuda":
-            raise ValueError("gpu mode needs CUDA parameters (the update runs on the GPU)")
+            raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
+                             if resident else "gpu mode needs CUDA parameters (the update runs on the GPU)")
         if dtype not in _ITEMSIZE:
             raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
-        owned: list[Callable[[], None]] = []
+        owned: list[_Buf] = []
         try:
-            m = self._mapped(numel, "adamw.exp_avg", owned)
-            v = self._mapped(numel, "adamw.exp_avg_sq", owned)
-            master = self._mapped(numel, "adamw.master_fp32", owned) if dtype != "float32" else None
+            m = self._alloc(numel, "adamw.exp_avg", owned, resident)
+            v = self._alloc(numel, "adamw.exp_avg_sq", owned, resident)
+            master = self._alloc(numel, "adamw.master_fp32", owned, resident) if dtype != "float32" else None
+            for buf in (m, v):
+                if resident:
+                    buf.mem.zero(self.backend.update_stream())
+                else:
+                    buf.host[:] = 0
+            if master is not None:
+                weights = master.host if not resident else np.empty(numel, np.float32)
+                self.backend.param_to_host_f32(param, weights)
+                if resident:
+                    self._write(master, weights)
         except BaseException:
-            for free in owned:  # nothing leaks from a half-built slot
-                free()
+            self._release(owned)  # nothing leaks from a half-built slot
             raise
-        m.host[:] = 0
-        v.host[:] = 0
-        if master is not None:
-            self.backend.param_to_host_f32(param, master.host)
         slot = _GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master)
         self._slots.append(slot)
         return slot.id
+
+    def resident(self, sid: int) -> bool:
+        """Whether slot ``sid``'s state is in GPU memory."""
+        return self._slot(sid).exp_avg.mem is not None
 
     def _slot(self, sid: int) -> _GpuSlot:
         if not 0 <= sid < len(self._slots):
@@ -146,10 +205,7 @@ class DevicePlacement:
     def truncate(self, n: int) -> None:
         """Drop (and free) the slots registered after the first ``n``."""
         for s in self._slots[n:]:
-            for buf in (s.exp_avg, s.exp_avg_sq, s.master):
-                if buf is not None:
-                    buf.host = None
-                    buf.free()
+            self._release((s.exp_avg, s.exp_avg_sq, s.master))
         del self._slots[n:]
 
     def get_step(self, sid: int) -> int:
@@ -311,7 +367,10 @@ class DevicePlacement:
         if s.master is not None:
             weights = np.empty(s.numel, np.float32)
             self.backend.param_to_host_f32(s.param, weights)
-            C.merge_master(s.master.host, weights, s.dtype)
+            master = s.master.host if s.master.host is not None else self._read(s.master, s.numel)
+            C.merge_master(master, weights, s.dtype)
+            if s.master.host is None:
+                self._write(s.master, master)
 
     def check_error(self) -> None:
         """Kernel faults surface from CUDA itself; there are no worker threads here."""
@@ -334,10 +393,12 @@ class DevicePlacement:
         s = self._slot(sid)
         if s.ready is not None:
             s.ready.synchronize()
-        master = s.master.host.copy() if s.master is not None else np.empty(s.numel, np.float32)
-        if s.master is None:
+        if s.master is not None:
+            master = self._read(s.master, s.numel)
+        else:
+            master = np.empty(s.numel, np.float32)
             self.backend.param_to_host_f32(s.param, master)
-        return master, s.exp_avg.host.copy(), s.exp_avg_sq.host.copy(), s.step
+        return master, self._read(s.exp_avg, s.numel), self._read(s.exp_avg_sq, s.numel), s.step
 
     def load_state(self, sid, exp_avg, exp_avg_sq, step, master=None) -> None:
         s = self._slot(sid)
@@ -349,16 +410,20 @@ class DevicePlacement:
                     f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
                     f"elements, expected {s.numel}"
                 )
-        s.exp_avg.host[:] = np.asarray(exp_avg, np.float32).reshape(-1)
-        s.exp_avg_sq.host[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
+        self._write(s.exp_avg, np.asarray(exp_avg, np.float32).reshape(-1))
+        self._write(s.exp_avg_sq, np.asarray(exp_avg_sq, np.float32).reshape(-1))
         if s.master is not None:
-            if master is not None:
-                s.master.host[:] = np.asarray(master, np.float32).reshape(-1)
-            else:
-                self.backend.param_to_host_f32(s.param, s.master.host)
+            if master is None:
+                master = s.master.host if s.master.host is not None else np.empty(s.numel, np.float32)
+                self.backend.param_to_host_f32(s.param, master)
+            if master is not s.master.host:
+                self._write(s.master, np.asarray(master, np.float32).reshape(-1))
         s.step = int(step)
 
     def stats(self) -> dict[str, float]:
+        """Counters; ``host_state_bytes``: the mapped state, ``gpu_state_bytes``: the
+        resident state (``resident_params`` slots, ``resident_numel`` elements)."""
+        resident = [s for s in self._slots if s.exp_avg.mem is not None]
         return {
             "params": float(len(self._slots)),
             "numel": float(sum(s.numel for s in self._slots)),
@@ -369,6 +434,9 @@ class DevicePlacement:
             "host_state_bytes": float(self._mapped_bytes),
             "pinned_state_bytes": float(self._mapped_bytes),
             "pageable_state_bytes": 0.0,
+            "gpu_state_bytes": float(self._device_bytes),
+            "resident_params": float(len(resident)),
+            "resident_numel": float(sum(s.numel for s in resident)),
             "grad_bytes_offloaded": 0.0,
             "param_bytes_uploaded": 0.0,
             "update_ms_total": self._launch_s * 1e3,  # host launch time; device time is async
@@ -385,9 +453,6 @@ class DevicePlacement:
         finally:
             self._closed = True
             for s in self._slots:
-                for buf in (s.exp_avg, s.exp_avg_sq, s.master):
-                    if buf is not None:
-                        buf.host = None  # drop the view before the memory goes
-                        buf.free()
+                self._release((s.exp_avg, s.exp_avg_sq, s.master))
                 s.param = s.grad_keep = s.ready = None
             self._slots = []

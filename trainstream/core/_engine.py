@@ -1,17 +1,21 @@
 """The engine: the one API of the adapters, over slots that each have a placement.
 
-A *slot* is one flat parameter with its AdamW state in host memory. Its *placement* says
-who updates it:
+A *slot* is one flat parameter with its AdamW state in host memory (or, resident, in GPU
+memory). Its *placement* says who updates it:
 
 * ``host`` (:class:`trainstream.core._host.HostPlacement`): each gradient is copied into pinned
   staging as backward produces it, and worker threads run the Numba kernels; the new
   weights are uploaded asynchronously;
 * ``device`` (:class:`trainstream.core._device.DevicePlacement`): a zero-copy CUDA kernel reads
-  the gradient in GPU memory and the state over PCIe, and writes the weights in place.
+  the gradient in GPU memory and the state over PCIe (resident slots: in GPU memory), and
+  writes the weights in place.
 
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
-elements (or those the adapter names) on the device and the rest on the host. One
+elements (or those the adapter names) on the device and the rest on the host. Before the
+mode's policy, in any mode, a budget of GPU memory (``resident_bytes``) keeps the state of
+the first trainable slots that fit in it *resident*: device slots whose state is in GPU
+memory (no PCIe traffic; the same kernels, so the same bits), the rest as the mode says. One
 mechanism each, whatever the placements: readiness (:meth:`Engine.wait_step`: the
 compute stream waits on the device for every update queued; :meth:`Engine.wait_ready`:
 for single slots), errors (one :class:`~trainstream.core._host.StickyError`), stats (one
@@ -34,10 +38,11 @@ import numpy as np
 
 from .. import _trace
 from .. import contract as C
-from ._budget import place
+from ._budget import place, state_bytes
+from ._budget import resident as _resident
 from ._host import NORM_BLOCK, Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError", "state_bytes"]
 
 #: The placement policies (the adapters' ``mode``).
 PLACEMENTS = ("cpu", "gpu", "hybrid")
@@ -51,6 +56,9 @@ class Engine:
         also what :class:`trainstream.core._device.DevicePlacement` names).
       placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
       device_elems: ``hybrid``: the budget of elements placed on the device by fit.
+      resident_bytes: any placement: the budget of GPU memory (bytes, :func:`state_bytes`
+        per slot) for the state of the trainable slots that fit in it, in registration
+        order; a slot that does not fit is placed by the policy (0: none resident).
       threads, chunk_elems, pin_moments, worker_nice, tc_code, cores: of the host placement
         (see :class:`~trainstream.core._host.HostPlacement`).
       convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
@@ -64,6 +72,7 @@ class Engine:
         *,
         placement: str = "cpu",
         device_elems: int = 0,
+        resident_bytes: int = 0,
         threads: int | None = None,
         chunk_elems: int = 1 << 20,
         convention: str = "torch",
@@ -78,6 +87,8 @@ class Engine:
             raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        if isinstance(resident_bytes, bool) or not isinstance(resident_bytes, (int, np.integer)) or resident_bytes < 0:
+            raise ValueError(f"resident_bytes must be an int >= 0, got {resident_bytes!r}")
         self.backend = backend
         self.placement = placement
         self.convention = convention
@@ -85,7 +96,7 @@ class Engine:
         self.eager_blocks = eager_blocks
         self.device = None
         self.host = None
-        if placement != "cpu":
+        if placement != "cpu" or resident_bytes > 0:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
 
@@ -103,9 +114,12 @@ class Engine:
                     self.device.close()
                 raise
         self._budget = int(device_elems)
-        self._device_used = 0
+        self._device_used = 0  # elements of the device slots that are not resident
+        self._resident_budget = int(resident_bytes)
+        self._resident_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
+        self._resident: list[int] = []  # slot -> bytes of its resident state (0: not resident)
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -122,27 +136,45 @@ class Engine:
         """``hybrid``: the elements of the device budget taken so far."""
         return self._device_used
 
+    @property
+    def resident_bytes_used(self) -> int:
+        """The bytes of ``resident_bytes`` taken so far."""
+        return self._resident_used
+
     def _placements(self) -> list[Any]:
         return [p for p in (self.device, self.host) if p is not None]
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
                   trainable: bool = True, on_device: bool | None = None) -> int:
-        """Register a flat parameter; returns its slot id. Its placement: the policy's
-        (``hybrid``: ``on_device`` if given, else on the device while it fits in the
-        budget; a parameter that is not ``trainable`` takes none of it)."""
-        dev = place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
-        local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
-        if dev:
-            self._device_used += int(numel)
+        """Register a flat parameter; returns its slot id. Its placement: resident on the
+        device where :func:`~trainstream.core._budget.resident` says (its state fits in
+        what is left of ``resident_bytes``), else the policy's
+        (:func:`~trainstream.core._budget.place`)."""
+        need = state_bytes(numel, dtype)
+        res = _resident([(numel, dtype, trainable)], self._resident_budget, self._resident_used)[0]
+        if res:
+            local = self.device.add_param(param, numel, dtype, platform, resident=True)
+            self._resident_used += need
+            dev = True
+        else:
+            dev = place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
+            local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
+            self._device_used += int(numel) if dev else 0
         self._where.append((dev, local))
         self._numel.append(int(numel))
+        self._resident.append(need if res else 0)
         return len(self._where) - 1
 
     def __len__(self) -> int:
         return len(self._where)
 
     def on_device(self, sid: int) -> bool:
+        """Whether slot ``sid`` is updated by the device placement (resident or not)."""
         return self._where[self._check_sid(sid)][0]
+
+    def resident(self, sid: int) -> bool:
+        """Whether slot ``sid``'s state is resident in GPU memory."""
+        return self._resident[self._check_sid(sid)] > 0
 
     def _check_sid(self, sid: int) -> int:
         if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._where):
@@ -171,9 +203,12 @@ class Engine:
         for placement, dev in ((self.host, False), (self.device, True)):
             if placement is not None:
                 placement.truncate(sum(1 for d, _ in keep if d == dev))
-        self._device_used -= sum(k for (d, _), k in zip(self._where[n:], self._numel[n:]) if d)
+        self._device_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
+                                 if d and not r)
+        self._resident_used -= sum(self._resident[n:])
         del self._where[n:]
         del self._numel[n:]
+        del self._resident[n:]
 
     def get_step(self, sid: int) -> int:
         placement, local = self._local(sid)
@@ -343,12 +378,14 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device
         only, 0.5 both; with both also ``gpu_params``, ``gpu_numel`` and
-        ``gpu_update_launch_ms_total`` (the device share's)."""
+        ``gpu_update_launch_ms_total`` (the device share's). ``gpu_state_bytes``: the
+        resident state in GPU memory (``resident_params`` slots, ``resident_numel``
+        elements); ``host_state_bytes``: the state in host memory."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())
         if self.device is None:
-            return st
+            return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0}
         g = self.device.stats()
         st["params"] += g["params"]
         st["numel"] += g["numel"]
@@ -358,6 +395,8 @@ class Engine:
         st["steps"] = max(st["steps"], g["steps"])
         st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
         st["eager_updates"] += g["eager_updates"]
+        for k in ("gpu_state_bytes", "resident_params", "resident_numel"):
+            st[k] = g[k]
         st["gpu_params"] = g["params"]
         st["gpu_numel"] = g["numel"]
         st["gpu_update_launch_ms_total"] = g["update_ms_total"]

@@ -769,6 +769,7 @@ def offload_adamw(
     chunk_elems: int = 1 << 20,
     worker_nice: int = 5,
     host_margin: float | None = _budget.MARGIN,
+    gpu_state_bytes: int | None = None,
 ) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in
     host memory, updated on the host (Numba kernels) or, on a GPU, by a zero-copy kernel.
@@ -809,6 +810,10 @@ def offload_adamw(
         (:meth:`OffloadAdamW.host_memory_plan`) against what the host has less this
         fraction of it: ``MemoryError`` naming the bytes where it does not fit, before any
         array is made. None: no check.
+      gpu_state_bytes: not built for JAX (``trainstream.torch.OffloadAdamW`` has it): any
+        value but None or 0 raises ``NotImplementedError``. Keeping a share of the state in
+        GPU memory is ``optax.adamw`` on those leaves (e.g. through
+        ``optax.multi_transform``; for float32 leaves the bits of ``mode="gpu"``).
 
     Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
     bits of optax.adamw's update, so ``optax.apply_updates`` and the optax wrappers around
@@ -841,6 +846,13 @@ def offload_adamw(
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
+    if gpu_state_bytes not in (None, 0):
+        raise NotImplementedError(
+            f"TrainStream offload_adamw(gpu_state_bytes={gpu_state_bytes!r}) is not built for JAX: its state is "
+            "arrays of the program in pinned host memory, and XLA refuses one custom call whose outputs mix host "
+            "and GPU memory, so a resident share needs a second update call and plan of its own. State kept in "
+            "GPU memory is optax.adamw's: give those leaves optax.adamw (optax.multi_transform; float32 leaves "
+            "get the bits of mode='gpu') and the rest offload_adamw")
     if convention not in C.CONVENTIONS:
         raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
     hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)

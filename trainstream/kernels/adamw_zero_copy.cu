@@ -7,6 +7,8 @@
 //             to host memory): each element read once and written once over PCIe
 //   master    fp32 master weights in mapped pinned host memory, for fp16/bf16 weights
 //             only; fp32 weights are their own master (pass nullptr)
+//   (state kept resident in GPU memory: m, v and master are plain GPU memory instead,
+//   the same code)
 //
 // The arithmetic is the AdamW contract of trainstream/contract.py, one branch per
 // (convention, platform) variant; each line of maths below quotes the contract line

@@ -35,11 +35,21 @@ _HINT = ("fewer parameters' state per process (FSDP2, or zero_stage=1 under DDP:
 _SUMMED = {*(f"{p}_{k}" for p in _budget.PARTS for k in ("pinned", "pageable")), "pinned", "pageable", "needed"}
 
 
-def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None):
+def _resident(flat, budget: int, used: int = 0) -> list[bool]:
+    """The engine's resident rule (:func:`trainstream.core._budget.resident`) on parameters."""
+    return _budget.resident([(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad)
+                             for p in flat], budget, used)
+
+
+def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None,
+               resident_bytes: int = 0, resident_used: int = 0):
     """The host-memory plan of registering ``flat`` (:func:`trainstream.core._budget.plan`) and
-    hybrid's split: by fit in what ``used`` leaves of ``budget``, from the last parameter
-    backwards with ``last``. Parameters that registration will refuse are left out."""
-    order = list(range(len(flat)))[::-1] if last else list(range(len(flat)))
+    hybrid's split: the parameters whose state is resident in GPU memory first (they take
+    no host memory), then of the rest by fit in what ``used`` leaves of ``budget``, from the
+    last parameter backwards with ``last``. Parameters that registration will refuse are
+    left out."""
+    res = _resident(flat, resident_bytes, resident_used)
+    order = [i for i in (range(len(flat) - 1, -1, -1) if last else range(len(flat))) if not res[i]]
     dev = _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order], mode, budget, used)
     on_gpu = [False] * len(flat)
     for i, d in zip(order, dev):
@@ -47,7 +57,7 @@ def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments:
     device = device or next((D.local(p).device for p in flat), None)
     cuda = device is not None and device.type == "cuda"
     slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], "device" if g else "host")
-             for p, g in zip(flat, on_gpu) if p.dtype in _DTYPE_NAME]
+             for p, g, r in zip(flat, on_gpu, res) if p.dtype in _DTYPE_NAME and not r]
     plan = _budget.plan(slots, margin=margin, pin_moments=pin_moments, can_pin=cuda,
                         weights_in_grad_stage=TorchBackend.weights_in_grad_stage,
                         pinned_size=TorchBackend.pinned_size if cuda else None)
@@ -151,7 +161,8 @@ class OffloadAdamW(Optimizer):
     ``zero_grad``, ``step(closure)``, ``state`` and ``state_dict`` (state keys ``step``,
     ``exp_avg``, ``exp_avg_sq``, so checkpoints move to and from ``torch.optim.AdamW``).
     The fp32 master weights (for fp16/bf16 parameters) and both moments live in host
-    memory. In the loop a user already has, it changes memory and speed, nothing else:
+    memory (of the share that ``gpu_state_bytes`` keeps there: in GPU memory). In the loop
+    a user already has, it changes memory and speed, nothing else:
 
     * Gradients stay where autograd puts them (``param.grad``, summed over micro-batches in
       the parameter's dtype, as with ``torch.optim.AdamW``). As backward produces each
@@ -221,8 +232,22 @@ class OffloadAdamW(Optimizer):
         updates it (both are ``torch.optim.AdamW``'s on CUDA).
       overlap_forward: a module (the model) whose next forward may overlap the update:
         see above. Default ``None``: ``step()`` makes the weights current for every reader.
+      gpu_state_bytes: a budget of GPU memory, in bytes, for optimizer state kept there
+        (any mode; CUDA parameters): the trainable parameters whose state (8 bytes per
+        element, 12 for fp16/bf16: the moments and the master) fits in what is left of
+        it, taken in order (also those of a later ``add_param_group``), keep it in GPU
+        memory and are updated there by the zero-copy kernel's arithmetic, with no PCIe
+        traffic (the same bits); the rest as ``mode`` says. Their updates run at
+        ``step()`` (under :meth:`last_micro_batch` from their gradient hooks in ``gpu``
+        mode, and in ``hybrid`` mode with ``gpu_params="last"``). ``state`` and
+        ``state_dict()`` hold host copies of their state; ``load_state_dict`` copies it
+        back. The memory is allocated outside torch's caching allocator (``stats()``:
+        ``gpu_state_bytes``), at construction, and freed by :meth:`close`. Default 0:
+        no state in GPU memory. ``"auto"`` (what is free after the first step) is not
+        built: the first step would have to move state between placements.
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
-        parameters given here) updated by the zero-copy kernel. Parameters are taken in
+        parameters given here) whose state is not kept in GPU memory
+        (``gpu_state_bytes``) updated by the zero-copy kernel. Parameters are taken in
         the order ``gpu_params`` says; each goes to the kernel if it fits in what is left
         of the share (also one added later with ``add_param_group``), else to the host. The
         default, 0.3, was the fastest or near it for GPT-style models of 125M-1.3B
@@ -296,6 +321,7 @@ class OffloadAdamW(Optimizer):
         chunk_size: int = 1 << 20,
         worker_nice: int = 5,
         eager_blocks: int | None = None,
+        gpu_state_bytes: int = 0,
         gpu_share: float = 0.3,
         gpu_params: str = "first",
         pin_moments: bool = False,
@@ -321,6 +347,16 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
+        if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
+            raise NotImplementedError(
+                "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
+                "is known only once the state of every parameter has been placed, and moving state between "
+                "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
+                "free after a step, less some headroom)")
+        if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) \
+                or gpu_state_bytes < 0:
+            raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
+        self._gpu_state_bytes = int(gpu_state_bytes)
         if gpu_params not in ("first", "last"):
             raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
         if gpu_params != "first" and mode != "hybrid":
@@ -406,8 +442,10 @@ class OffloadAdamW(Optimizer):
         self._deferred = False
         mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
         flat = [p for p, _ in mine]
-        if mode == "hybrid":
-            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad))
+        if mode == "hybrid":  # a share of the elements whose state is not resident in GPU memory
+            res = _resident(flat, self._gpu_state_bytes)
+            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p, r in zip(flat, res)
+                                                           if p.requires_grad and not r))
         on_gpu = self._reserve(flat, last=self._gpu_params == "last")  # raises before anything is allocated
         try:
             for (p, gi), gpu in zip(mine, on_gpu):
@@ -491,7 +529,9 @@ class OffloadAdamW(Optimizer):
         host = self._engine.host if self._engine is not None else None
         pin = host.pin_moments if host is not None else self._engine_args["pin_moments"]
         used = self._engine.device_elems_used if self._engine is not None else 0
-        plan, on_gpu = _host_plan(flat, self.mode, self._gpu_budget, last, used, pin, self._host_margin, self._device)
+        res_used = self._engine.resident_bytes_used if self._engine is not None else 0
+        plan, on_gpu = _host_plan(flat, self.mode, self._gpu_budget, last, used, pin, self._host_margin, self._device,
+                                  self._gpu_state_bytes, res_used)
         _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
                                      if plan["pin_moments"] else ""))
         if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
@@ -504,8 +544,8 @@ class OffloadAdamW(Optimizer):
 
     @staticmethod
     def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
-                         gpu_share: float = 0.3, gpu_params: str = "first", pin_moments: bool = False,
-                         host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
+                         gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
+                         pin_moments: bool = False, host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
         """The host memory ``OffloadAdamW(params, ...)`` with these arguments will take, and
         what the host has, without allocating anything: bytes per part (``state_pinned``,
         ``state_pageable``, ``masters_*``, ``staging_*``), ``pinned``, ``pageable``,
@@ -517,8 +557,11 @@ class OffloadAdamW(Optimizer):
         groups = list(params)
         flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
             if groups and isinstance(groups[0], dict) else groups
-        budget = round(gpu_share * sum(D.local(p).numel() for p in flat if p.requires_grad)) if mode == "hybrid" else 0
-        return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin)[0]
+        res = _resident(flat, gpu_state_bytes)
+        budget = round(gpu_share * sum(D.local(p).numel() for p, r in zip(flat, res) if p.requires_grad and not r)) \
+            if mode == "hybrid" else 0
+        return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin,
+                          resident_bytes=gpu_state_bytes)[0]
 
     def _mine(self, p: torch.Tensor) -> bool:
         """Whether this rank holds ``p``'s state and updates it (all but zero_stage=1's
@@ -556,6 +599,10 @@ class OffloadAdamW(Optimizer):
                 raise ValueError(
                     f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
                 )
+            if self._gpu_state_bytes and loc.device.type != "cuda":
+                raise ValueError(
+                    f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
+                    f"CUDA parameters; parameter {index} is on {loc.device}")
             tc_code = 0
             if loc.device.type == "cpu" and self._engine_args["convention"] == "torch":
                 tc_code = torch_cpu_code()
@@ -565,10 +612,12 @@ class OffloadAdamW(Optimizer):
                 args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
                 self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
+                                      resident_bytes=self._gpu_state_bytes, tc_code=tc_code,
+                                      eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
-                    f"OffloadAdamW mode={self.mode!r} needs CuPy: pip install 'trainstream[cuda12]' or "
+                    f"OffloadAdamW mode={self.mode!r}{' with gpu_state_bytes' if self._gpu_state_bytes else ''} "
+                    "needs CuPy: pip install 'trainstream[cuda12]' or "
                     f"'trainstream[cuda13]' ({exc})"
                 ) from exc
             self._owned.engine = self._engine
@@ -1019,7 +1068,8 @@ class OffloadAdamW(Optimizer):
     def stats(self) -> dict[str, float]:
         """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of
         them ``pinned_state_bytes``), the host memory plan checked at construction
-        (``host_plan_*``: see :meth:`host_memory_plan`), update and stall times, worker ``threads``, and where
+        (``host_plan_*``: see :meth:`host_memory_plan`), GPU state bytes (``gpu_state_bytes``,
+        of ``resident_params`` parameters), update and stall times, worker ``threads``, and where
         the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
         ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
         them over the ranks itself (e.g. ``all_gather_object``)."""
