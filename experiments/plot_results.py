@@ -19,8 +19,8 @@ experiments/data/ (needs numpy and matplotlib only; no GPU, a few seconds):
   included), one panel per batch size: the median step time (and the MFU in the legend)
   against the parameter count, and the peak GPU memory (solid) and host memory (dashed:
   the drop of the machine's MemAvailable during the setup) against it, one line per
-  setup; a size a setup did not fit is an ``x`` on the panel's floor (GPU OOM, host OOM
-  or timeout, named in the legend). ``python experiments/plot_results.py --scaling
+  setup; a size without a figure is an ``x`` on the panel's floor, its reason in the
+  legend (GPU OOM or host OOM: it does not fit; a timeout: not measured). ``python experiments/plot_results.py --scaling
   bench_train_3b7b.json --out experiments/plots``.
 * ``equivalence.png``: per-step divergence of the H200 equivalence run (fp32, torch and
   JAX): the largest distance in float32 ULPs over all weights at each step, and the
@@ -361,7 +361,7 @@ def plot_scaling(paths: list[str], out_dir: str) -> list[str]:
                 if bad:
                     fails = ", ".join(f"{r['size']} {r.get('failure', '?')}" for r in bad)
                     ax.plot([r["params_b"] for r in bad], [0] * len(bad), "x", color=color, ms=10, mew=2,
-                            clip_on=False, label=f"{setup}: does not fit ({fails})")
+                            clip_on=False, label=f"{setup}: no figure ({fails})")
             ax.set_xlabel("parameters, billions", fontsize=9)
             if what == "step_time":
                 ax.set_ylabel("median step, s (device synchronized)", fontsize=9)

@@ -11,11 +11,11 @@ python3 -m pip install -q --no-index --find-links .whl pytest-xdist torchao deep
 { date -u; git log -1 --format=%H 2>/dev/null; echo "commit: ${COMMIT:-?}"; nvidia-smi -L; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$OUT/env.txt" 2>&1
 if has tests; then
   # The kernel matrix in 6 processes beside the adapters' tests (one GPU, plenty of memory).
-  timeout "${KT:-330}" python3 -m pytest -m gpu -q -ra -p no:cacheprovider -n 6 tests/test_device_kernels.py \
+  timeout "${KT:-330}" python3 -m pytest -m gpu -q -ra -p no:cacheprovider -n 5 tests/test_device_kernels.py \
     ${KERNEL_K:+-k "$KERNEL_K"} > "$OUT/gpu_kernels.log" 2>&1 &
-  timeout "${AT:-330}" python3 -m pytest -m gpu -q -ra -p no:cacheprovider -n 3 --dist loadfile \
+  timeout "${AT:-330}" python3 -m pytest -m gpu -q -ra -p no:cacheprovider -n 4 --dist loadfile \
     ${GPU_TESTS:-tests/test_torch_gpu.py tests/test_torch_loops.py tests/test_torch_readiness.py tests/test_cuda_driver.py \
-    tests/test_jax_gpu.py tests/test_wheel_install.py tests/test_torch_dist.py} > "$OUT/gpu_tests.log" 2>&1
+    tests/test_jax_gpu.py tests/test_wheel_install.py tests/test_torch_dist.py tests/test_host_budget.py} > "$OUT/gpu_tests.log" 2>&1
   wait
   tail -n 15 "$OUT/gpu_kernels.log"; tail -n 25 "$OUT/gpu_tests.log"
 fi

@@ -52,7 +52,8 @@ def test_eager_spans_and_summary():
     assert all(s.t1 >= s.t0 for s in spans)
     assert {s.sid for s in updates} == set(range(6))  # 3 weights + 3 biases, both steps
     summ = _trace.summary(spans)
-    assert summ["workers"] == 2
+    # the worker threads that ran updates (both of them, or one where the host is busy)
+    assert summ["workers"] == len({s.thread for s in updates}) in (1, 2)
     phases = [p["phase"] for p in summ["phases"]]
     assert phases == ["forward", "backward", "step"] * 2
     # The eager path offloads every gradient inside backward, one hook call per parameter.
