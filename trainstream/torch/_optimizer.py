@@ -244,7 +244,8 @@ class OffloadAdamW(Optimizer):
         back. The memory is allocated outside torch's caching allocator (``stats()``:
         ``gpu_state_bytes``), at construction, and freed by :meth:`close`. Default 0:
         no state in GPU memory. ``"auto"`` (what is free after the first step) is not
-        built: the first step would have to move state between placements.
+        built: the first step would have to move state between placements; nor is it for
+        FSDP2's DTensor parameters (refused: not through its GPU tests yet).
       gpu_share: ``hybrid`` mode: the fraction of the trainable elements (of the
         parameters given here) whose state is not kept in GPU memory
         (``gpu_state_bytes``) updated by the zero-copy kernel. Parameters are taken in
@@ -648,6 +649,10 @@ class OffloadAdamW(Optimizer):
                 f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
                 f"shard lives on {D.local(p).device.type} (FSDP2's CPUOffloadPolicy?): use either "
                 "CPUOffloadPolicy or OffloadAdamW, not both")
+        if self._gpu_state_bytes:
+            raise NotImplementedError(
+                "OffloadAdamW: gpu_state_bytes with FSDP2 (DTensor) parameters is not built: the GPU-resident "
+                "state of local shards has not passed its GPU tests yet. Leave gpu_state_bytes=0 under FSDP2.")
         if self._gated:
             raise NotImplementedError(
                 "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built: FSDP's all-gather "
