@@ -1,15 +1,6 @@
 """GPU tests carry the ``gpu`` marker and are skipped cleanly where no GPU exists."""
 
-import os
-
 import pytest
-
-# The JAX GPU tests compare two jitted programs bit for bit; XLA:GPU reduces with atomics
-# by default, so a bias gradient (a sum over the batch) may differ in its last bits from
-# one run of the *reference* to the next (seen on the H200: 2 of 5 elements of a bias
-# under nnx.Optimizer). Deterministic reductions, set before JAX initialises; no effect on
-# XLA:CPU.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
 
 
 def _gpu_available() -> bool:
