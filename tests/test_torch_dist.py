@@ -378,16 +378,27 @@ def fsdp_resident(rank, device, out):
     return {"refused": False}
 
 
+def dcp_full_reference(rank, device, out):
+    """The same full_state_dict round trip with torch.optim.AdamW on both sides: the control
+    of :func:`dcp_full_state_dict` (on CUDA, 2 gloo ranks on one GPU, a rank crashed there)."""
+    return _full_state_dict_pairs(rank, device, [(torch.optim.AdamW, torch.optim.AdamW)])
+
+
 def dcp_full_state_dict(rank, device, out):
     """get/set_*_state_dict with full_state_dict=True (gathered tensors), the model's weights
     set first: the optimizer's hidden zero-gradient step (lr 0) must use the loaded weights."""
+    return _full_state_dict_pairs(rank, device, [(OffloadAdamW, torch.optim.AdamW), (torch.optim.AdamW, OffloadAdamW),
+                                                 (OffloadAdamW, OffloadAdamW)])
+
+
+def _full_state_dict_pairs(rank, device, pairs):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     opts = StateDictOptions(full_state_dict=True)
     got = {}
-    for src, dst in ((OffloadAdamW, torch.optim.AdamW), (torch.optim.AdamW, OffloadAdamW), (OffloadAdamW, OffloadAdamW)):
+    for src, dst in pairs:
         ma, oa = _make(src, device)
         _train(ma, oa, 2, 0, rank, device)
         full = get_optimizer_state_dict(ma, oa, options=opts)
@@ -580,7 +591,8 @@ JOBS = {
     "fsdp": [(f.__name__, f) for f in (fsdp_fp32, fsdp_accumulation, fsdp_clipping, fsdp_param_groups,
                                       fsdp_mixed_precision, fsdp_hsdp, fsdp_eager, fsdp_weight_edits,
                                       fsdp_refusals, dcp_round_trips, dcp_bf16_master, fsdp_resident,
-                                      dcp_full_state_dict)],  # last: on CUDA (2 gloo ranks, one H200) it crashed a rank
+                                      dcp_full_reference, dcp_full_state_dict)],  # last: on CUDA (2 gloo ranks,
+                                      # one H200) dcp_full_state_dict crashed a rank; its control comes first
     "ddp": [(f.__name__, f) for f in (ddp_default, ddp_manual_all_reduce, ddp_last_micro_batch_refused, zero1,
                                      zero1_groups_max_grad_norm, worker_cores_auto)],
 }
