@@ -156,6 +156,127 @@ def test_plan_equals_what_the_engine_allocates(mapped, placement, chunk, pin_mom
         eng.close()
 
 
+
+class _DeviceMemory:
+    """A resident slot's GPU allocation (trainstream._cuda.DeviceMemory) over a NumPy array."""
+
+    def __init__(self, nbytes, ptr):
+        self.nbytes, self.dev_ptr, self.data = nbytes, ptr, np.zeros(nbytes // 4, np.float32)
+
+    def zero(self, stream):
+        self.data[:] = 0
+
+    def from_host(self, host_ptr, nbytes, stream):
+        pass
+
+    def free(self):
+        pass
+
+
+@pytest.fixture
+def gpu_memory(monkeypatch, mapped):
+    """The GPU allocations of resident state, recorded (bytes each), beside ``mapped``."""
+    sizes, addresses = [], iter(range(1 << 41, 1 << 50, 1 << 30))
+
+    def alloc_device(nbytes, device=None):
+        sizes.append(nbytes)
+        return _DeviceMemory(nbytes, next(addresses))
+
+    monkeypatch.setattr(dk, "alloc_device", alloc_device)
+    monkeypatch.setattr(_Backend, "update_stream", lambda self: 0, raising=False)
+    return sizes
+
+
+# (numel, dtype, trainable): zero-size shards and frozen parameters among them
+_MIXED = [(5000, "float32", True), (3 << 12, "bfloat16", True), (7000, "bfloat16", False), (100, "float16", True),
+          (0, "float32", True), (1 << 14, "float32", True), (0, "bfloat16", True), (12345, "bfloat16", True),
+          (64, "float16", False), (2000, "float16", True)]
+_LATER = [(300, "bfloat16", True), (0, "float16", True), (4000, "float32", True), (50, "float32", False),
+          (6000, "bfloat16", True), (10, "float16", True)]
+
+
+def _host_allocs(be, mapped, slots, dev):
+    """The engine's host allocations by plan key: ``be``'s, and the mapped memory of the
+    device slots that are not resident (moments, fp16/bf16 master), in slot order."""
+    got = {f"{p}_{k}": 0 for p in B.PARTS for k in ("pinned", "pageable")}
+    for part, nbytes, pinned in be.allocs:
+        got[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
+    it = iter(mapped)
+    for (_, dtype, _), d in zip(slots, dev):
+        if d:
+            got["state_pinned"] += next(it) + next(it)
+            got["masters_pinned"] += next(it) if dtype != "float32" else 0
+    assert next(it, None) is None
+    return got
+
+
+@pytest.mark.parametrize("dtypes", ["mixed", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("resident", ["none", "some", "all"])
+@pytest.mark.parametrize("mode,order", [("cpu", "first"), ("gpu", "first"), ("hybrid", "first"), ("hybrid", "last")])
+@pytest.mark.parametrize("pin_moments", [False, True])
+def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, dtypes, resident, mode, order,
+                                                            pin_moments):
+    """OffloadAdamW's placement (``_host_plan``, as ``__init__`` and ``add_param_group``
+    call it on CUDA parameters) against the engine that registers the same parameters:
+    the slots resident in GPU memory, those on the device placement and the host bytes
+    (pinned and pageable, per part) are those the plan predicted, for a first group and a
+    group added later that finds part of both budgets taken. The engine's device
+    placement is the real one over faked CUDA allocations."""
+    from trainstream.torch._optimizer import _host_plan
+    from trainstream.torch._optimizer import _resident as torch_resident
+
+    def params(slots):
+        return [torch.nn.Parameter(torch.zeros(n, dtype=getattr(torch, d if dtypes == "mixed" else dtypes)),
+                                   requires_grad=t) for n, d, t in slots]
+
+    first, later = params(_MIXED), params(_LATER)
+    slots = [(p.numel(), str(p.dtype)[6:], p.requires_grad) for p in first + later]
+    need = [B.state_bytes(n, d) for n, d, t in slots if t]
+    budget_bytes = {"none": 0, "some": sum(need[:len(need) // 2]) - 1, "all": sum(need)}[resident]
+    # __init__: hybrid's share is of the trainable elements that are not resident
+    res = torch_resident(first, budget_bytes)
+    share = round(0.4 * sum(p.numel() for p, r in zip(first, res) if p.requires_grad and not r)) \
+        if mode == "hybrid" else 0
+    be = _Backend(True, TorchBackend.weights_in_grad_stage)
+    eng = E.Engine(be, placement=mode, device_elems=share, resident_bytes=budget_bytes, threads=1, chunk_elems=4096,
+                   pin_moments=pin_moments)
+    cuda = torch.device("cuda")
+    try:
+        want = dict.fromkeys(_host_allocs(be, mapped, [], []), 0.0)
+        placed, dev = [], []
+        for group, last in ((first, order == "last"), (later, False)):  # add_param_group: by fit, in order
+            res = torch_resident(group, budget_bytes, eng.resident_bytes_used)
+            plan, on_gpu = _host_plan(group, mode, share, last, eng.device_elems_used, pin_moments, None, cuda,
+                                      budget_bytes, eng.resident_bytes_used)
+            assert not any(r and g for r, g in zip(res, on_gpu))
+            for p, g in zip(group, on_gpu):
+                eng.add_param(np.zeros(p.numel(), np.float32), p.numel(), str(p.dtype)[6:], "cuda",
+                              trainable=p.requires_grad, on_device=g)
+            n0 = len(placed)
+            placed += group
+            assert [eng.resident(s) for s in range(n0, len(placed))] == res
+            assert [eng.on_device(s) for s in range(n0, len(placed))] == [r or g for r, g in zip(res, on_gpu)]
+            dev += [g for g in on_gpu]
+            for k in want:
+                want[k] += plan[k]
+            assert _host_allocs(be, mapped, slots[:len(placed)], dev) == want
+            st = eng.stats()
+            assert st["host_state_bytes"] == sum(want.values())
+            assert st["pinned_state_bytes"] == sum(v for k, v in want.items() if k.endswith("_pinned"))
+            resident_bytes = sum(B.state_bytes(n, d) for (n, d, _), s in zip(slots, range(len(placed)))
+                                 if eng.resident(s))
+            assert st["gpu_state_bytes"] == sum(gpu_memory) == resident_bytes == eng.resident_bytes_used
+            assert resident_bytes <= budget_bytes
+            assert eng.device_elems_used == sum(n for (n, _, _), g in zip(slots, dev) if g) or mode != "hybrid"
+        n_res = sum(eng.resident(s) for s in range(len(placed)))
+        assert (n_res > 0) == (resident != "none")
+        if resident == "all":  # every trainable parameter, of both groups
+            assert [eng.resident(s) for s in range(len(placed))] == [t for _, _, t in slots]
+        if mode == "hybrid" and resident != "all":
+            assert 0 < eng.device_elems_used <= share
+    finally:
+        eng.close()
+
 def test_pinned_moments_fall_back_to_pageable_by_budget(monkeypatch):
     slots = [(1 << 20, "bfloat16", "host")] * 4  # per element: 8 B moments, 4 master, 2 staging
     kw = {"can_pin": True, "pinned_size": TorchBackend.pinned_size}
@@ -229,6 +350,35 @@ def test_torch_refuses_before_allocating(monkeypatch):
     with pytest.raises(ValueError, match="host_margin"):
         OffloadAdamW(model.parameters(), host_margin=1.5)
 
+
+
+def test_torch_refuses_bad_parameters_before_the_plan(monkeypatch):
+    """A parameter that registration refuses raises its own error before the host memory
+    is planned or anything allocated: CPU parameters with gpu_state_bytes or a GPU mode
+    (ValueError, not the MemoryError of a plan that leaves the resident state out), and
+    in a later group a float64 parameter (TypeError), leaving the optimizer as it was."""
+    model = _model(torch.float32)
+    calls = []
+    monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(TorchBackend, "host_empty", lambda *a, **k: calls.append(a))
+    _avail(monkeypatch, 1000)  # no plan fits
+    for kw, what in (({"gpu_state_bytes": 4096}, "gpu_state_bytes=4096 keeps state in GPU memory and needs CUDA"),
+                     ({"gpu_state_bytes": 1 << 30}, "gpu_state_bytes=1073741824 keeps state in GPU memory"),
+                     ({"mode": "hybrid", "gpu_state_bytes": 4096}, "mode='hybrid' needs CUDA parameters"),
+                     ({"mode": "gpu"}, "mode='gpu' needs CUDA parameters")):
+        with pytest.raises(ValueError, match=what):
+            OffloadAdamW(model.parameters(), **kw)
+    assert calls == []
+    monkeypatch.undo()
+    opt = OffloadAdamW(list(model.parameters())[:2], threads=1)
+    before = opt.stats()
+    _avail(monkeypatch, 1000)
+    with pytest.raises(TypeError, match="parameter 3 has dtype torch.float64"):
+        opt.add_param_group({"params": [list(model.parameters())[2], torch.nn.Parameter(torch.zeros(3).double())]})
+    after = opt.stats()
+    assert len(opt.param_groups) == 1 and len(opt._params_of_slot) == 2
+    assert all(after[k] == before[k] for k in ("host_plan_needed", "host_state_bytes", "params"))
+    opt.close()
 
 def test_torch_margin_none_skips_the_check_and_a_late_group_is_refused_whole(monkeypatch):
     model = _model(torch.float32)

@@ -526,7 +526,12 @@ class OffloadAdamW(Optimizer):
     def _reserve(self, flat: list[torch.Tensor], last: bool = False) -> list[bool]:
         """Check the host memory that registering ``flat`` takes (:func:`_host_plan`) before
         anything is allocated, fall back to pageable moments where pinned ones would not
-        fit, keep the plan for :meth:`stats`; returns hybrid's split (per parameter: on the GPU)."""
+        fit, keep the plan for :meth:`stats`; returns hybrid's split (per parameter: on the GPU).
+        Each parameter is checked first (:meth:`_check_new`): one that registration would
+        refuse raises its own error, not a plan's."""
+        n = len(self._params_of_slot)
+        for i, p in enumerate(flat):
+            self._check_new(p, n + i, self._device or D.local(flat[0]).device)
         host = self._engine.host if self._engine is not None else None
         pin = host.pin_moments if host is not None else self._engine_args["pin_moments"]
         used = self._engine.device_elems_used if self._engine is not None else 0
@@ -574,10 +579,11 @@ class OffloadAdamW(Optimizer):
         loc = D.local(p)
         return loc.dtype, tuple(loc.shape), loc.device
 
-    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
-        """Give ``p`` a slot (hybrid: on the GPU engine if ``gpu``; ``None``: by fit). For a
-        DTensor (FSDP2) the slot is its local shard, which may have 0 elements."""
-        index = len(self._params_of_slot)
+    def _check_new(self, p: torch.Tensor, index: int, device: torch.device) -> None:
+        """Refuse parameter ``p`` (slot ``index``) where registering it would fail, before
+        anything is planned or allocated: its dtype, layout, FSDP2 setup, a device other
+        than ``device`` (that of the parameters before it), a CPU parameter where ``mode``
+        or ``gpu_state_bytes`` needs CUDA ones."""
         loc = D.local(p)
         if p.dtype not in _DTYPE_NAME:
             raise TypeError(
@@ -595,15 +601,27 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
         if loc is not p:
             self._check_dtensor(p, index)
+        if self.mode != "cpu" and loc.device.type != "cuda":
+            raise ValueError(
+                f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
+            )
+        if self._gpu_state_bytes and loc.device.type != "cuda":
+            raise ValueError(
+                f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
+                f"CUDA parameters; parameter {index} is on {loc.device}")
+        if loc.device != device:
+            raise ValueError(
+                f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
+                f"{loc.device}, earlier ones on {device}"
+            )
+
+    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
+        """Give ``p`` (checked by :meth:`_check_new`) a slot (hybrid: on the GPU engine if
+        ``gpu``; ``None``: by fit). For a DTensor (FSDP2) the slot is its local shard, which
+        may have 0 elements."""
+        index = len(self._params_of_slot)
+        loc = D.local(p)
         if self._device is None:
-            if self.mode != "cpu" and loc.device.type != "cuda":
-                raise ValueError(
-                    f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
-                )
-            if self._gpu_state_bytes and loc.device.type != "cuda":
-                raise ValueError(
-                    f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
-                    f"CUDA parameters; parameter {index} is on {loc.device}")
             tc_code = 0
             if loc.device.type == "cpu" and self._engine_args["convention"] == "torch":
                 tc_code = torch_cpu_code()
@@ -623,11 +641,6 @@ class OffloadAdamW(Optimizer):
                 ) from exc
             self._owned.engine = self._engine
             self._device = loc.device
-        elif loc.device != self._device:
-            raise ValueError(
-                f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
-                f"{loc.device}, earlier ones on {self._device}"
-            )
         platform = "cuda" if loc.device.type == "cuda" else "cpu"
         # The engine writes through loc.data: its own writes advance no _version.
         # hybrid: a frozen parameter takes none of the GPU share.
