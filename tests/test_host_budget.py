@@ -394,6 +394,38 @@ def test_torch_margin_none_skips_the_check_and_a_late_group_is_refused_whole(mon
     opt.close()
 
 
+
+def test_torch_a_group_refused_after_its_plan_leaves_the_plan_as_it_was(monkeypatch):
+    """A later group whose registration fails after its plan passed (here: the host refuses
+    the third buffer of its second parameter, after the first one's slot was built) is
+    left out of ``host_plan_*`` and of the engine's byte counts: they stay equal, and the
+    next group adds its own."""
+    model = _model(torch.float32)
+    w, b = list(model.parameters())[:2]
+    opt = OffloadAdamW([w], threads=1)
+    before = opt.stats()
+    real, calls = TorchBackend.host_empty, []
+
+    def fails_third(self, *a, **k):
+        calls.append(a)
+        if len(calls) == 4 + 3:  # fp32: master, moments, gradient staging
+            raise MemoryError("no pages")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(TorchBackend, "host_empty", fails_third)
+    with pytest.raises(MemoryError, match="no pages"):
+        opt.add_param_group({"params": [b, torch.nn.Parameter(torch.zeros(100))]})
+    monkeypatch.undo()
+    st = opt.stats()
+    for k in ("needed", "pinned", "pageable"):
+        assert st[f"host_plan_{k}"] == before[f"host_plan_{k}"]
+    assert st["host_plan_needed"] == st["host_state_bytes"] == before["host_state_bytes"]
+    assert st["host_plan_pageable"] == st["pageable_state_bytes"] and st["params"] == 1
+    opt.add_param_group({"params": [b]})
+    st = opt.stats()
+    assert st["host_plan_needed"] == st["host_state_bytes"] == before["host_state_bytes"] + 300 * 16
+    opt.close()
+
 def test_torch_hybrid_plan_follows_the_split():
     """hybrid's split by fit, in the order gpu_params says: the GPU share's state mapped,
     the host share's pageable (CPU parameters: the host share pins nothing; the optimizer

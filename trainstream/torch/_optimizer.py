@@ -491,6 +491,7 @@ class OffloadAdamW(Optimizer):
                 "become an error); list each parameter once"
             )
         sizes = None if self._zero is None else list(self._zero.sizes)
+        host_plan, pin = self._host_plan, self._engine_args["pin_moments"]  # as _reserve found them
         try:
             _check_group(self.param_groups[-1])
             if self._zero is not None:
@@ -520,6 +521,9 @@ class OffloadAdamW(Optimizer):
                 self._hooks.pop(sid).remove()
             if self._engine is not None:
                 self._engine.truncate(n_slots)
+            self._host_plan, self._engine_args["pin_moments"] = host_plan, pin
+            if self._engine is not None and self._engine.host is not None:
+                self._engine.host.pin_moments = pin
             raise
         self._wait_sets.clear()  # cached per-module wait lists predate these parameters
 
