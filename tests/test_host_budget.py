@@ -440,6 +440,16 @@ def test_torch_hybrid_plan_follows_the_split():
         assert plan["staging_pageable"] == 2 * host and plan["needed"] == 14 * host + 12 * dev
     with pytest.raises(ValueError, match="mode"):
         OffloadAdamW.host_memory_plan(params, mode="tpu")
+    # the constructor's checks of the placement arguments, not a plan of what it refuses
+    for kw, err, what in (({"gpu_state_bytes": -5}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": 1.5}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": True}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": "auto"}, NotImplementedError, "'auto'.*not built"),
+                          ({"mode": "hybrid", "gpu_share": 2.0}, ValueError, "Invalid gpu_share"),
+                          ({"mode": "hybrid", "gpu_params": "middle"}, ValueError, "Invalid gpu_params"),
+                          ({"gpu_params": "last"}, ValueError, "applies to mode='hybrid' only")):
+        with pytest.raises(err, match=what):
+            OffloadAdamW.host_memory_plan(params, **kw)
 
 
 def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():

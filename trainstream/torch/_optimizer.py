@@ -64,6 +64,27 @@ def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments:
     return plan, on_gpu
 
 
+def _check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> None:
+    """Refuse the placement arguments :class:`OffloadAdamW` (and its ``host_memory_plan``)
+    do not take."""
+    if mode not in ("cpu", "gpu", "hybrid"):
+        raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+    if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
+        raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+    if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
+        raise NotImplementedError(
+            "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
+            "is known only once the state of every parameter has been placed, and moving state between "
+            "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
+            "free after a step, less some headroom)")
+    if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0:
+        raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
+    if gpu_params not in ("first", "last"):
+        raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
+    if gpu_params != "first" and mode != "hybrid":
+        raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
+
+
 class _Owned:
     """What one :class:`OffloadAdamW` releases, once: its hooks and its engine."""
 
@@ -340,28 +361,12 @@ class OffloadAdamW(Optimizer):
             raise NotImplementedError("OffloadAdamW does not implement maximize")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
-        if mode not in ("cpu", "gpu", "hybrid"):
-            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
             raise TypeError(f"overlap_forward must be a torch.nn.Module or None, got {type(overlap_forward).__name__}")
-        if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
-            raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+        _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
-        if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
-            raise NotImplementedError(
-                "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
-                "is known only once the state of every parameter has been placed, and moving state between "
-                "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
-                "free after a step, less some headroom)")
-        if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) \
-                or gpu_state_bytes < 0:
-            raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
         self._gpu_state_bytes = int(gpu_state_bytes)
-        if gpu_params not in ("first", "last"):
-            raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
-        if gpu_params != "first" and mode != "hybrid":
-            raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
         self._gpu_params = gpu_params
         # Registration waits until torch has read every group (add_param_group only checks
         # them): the host memory is checked over all of them, and hybrid's split needs the
@@ -562,8 +567,7 @@ class OffloadAdamW(Optimizer):
         ``needed``, ``available``, ``usable``, ``pin_moments`` and ``fits`` (see
         :func:`trainstream.core._budget.plan`). After construction the same figures are in
         :meth:`stats` as ``host_plan_*``."""
-        if mode not in ("cpu", "gpu", "hybrid"):
-            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+        _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
         groups = list(params)
         flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
             if groups and isinstance(groups[0], dict) else groups
