@@ -568,3 +568,45 @@ def test_gpu_hybrid_plan_equals_the_engine_bytes():
     assert st["gpu_params"] > 0
     assert st["host_plan_pinned"] == st["pinned_state_bytes"] and st["host_plan_needed"] == st["host_state_bytes"]
     opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("resident", ["none", "some", "all"])
+@pytest.mark.parametrize("mode,order", [("cpu", "first"), ("gpu", "first"), ("hybrid", "first"), ("hybrid", "last")])
+def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, dtype):
+    """OffloadAdamW on CUDA: host_memory_plan() = host_plan_* = the engine's host bytes
+    (pinned and pageable), the slots resident in GPU memory are the plan's, for a later
+    group too."""
+    pytest.importorskip("cupy")
+    from trainstream.torch._optimizer import _resident
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to("cuda", dtype)
+    model[1].bias.requires_grad_(False)
+    extra = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in (3000, 10)]
+    params = list(model.parameters())
+    need = [B.state_bytes(p.numel(), str(dtype)[6:]) for p in params + extra if p.requires_grad]
+    budget = {"none": 0, "some": need[1] + need[3] + need[4], "all": sum(need)}[resident]
+    kw = {"mode": mode, "gpu_params": order, "gpu_share": 0.4, "gpu_state_bytes": budget}
+    plan = OffloadAdamW.host_memory_plan(params, **kw)
+    opt = OffloadAdamW(params, lr=1e-2, threads=1, **kw)
+    try:
+        st = opt.stats()
+        assert st["host_plan_needed"] == plan["needed"] == st["host_state_bytes"]
+        assert st["host_plan_pinned"] == plan["pinned"] == st["pinned_state_bytes"]
+        want = _resident(params, budget)
+        assert [opt._engine.resident(s) for s in range(len(params))] == want and (resident == "none") != any(want)
+        later = _resident(extra, budget, opt._engine.resident_bytes_used)
+        opt.add_param_group({"params": extra})
+        st = opt.stats()
+        assert st["host_plan_needed"] == st["host_state_bytes"] and st["host_plan_pinned"] == st["pinned_state_bytes"]
+        assert [opt._engine.resident(s) for s in range(len(params), len(params) + 2)] == later
+        assert st["gpu_state_bytes"] == sum(B.state_bytes(p.numel(), str(dtype)[6:])
+                                            for p, r in zip(params + extra, want + later) if r)
+        x = torch.randn(8, 256, device="cuda", dtype=dtype)
+        (model(x).float().square().mean() + sum(p.float().sum() for p in extra)).backward()
+        opt.step()
+        opt.synchronize()
+    finally:
+        opt.close()
