@@ -156,6 +156,127 @@ def test_plan_equals_what_the_engine_allocates(mapped, placement, chunk, pin_mom
         eng.close()
 
 
+
+class _DeviceMemory:
+    """A resident slot's GPU allocation (trainstream._cuda.DeviceMemory) over a NumPy array."""
+
+    def __init__(self, nbytes, ptr):
+        self.nbytes, self.dev_ptr, self.data = nbytes, ptr, np.zeros(nbytes // 4, np.float32)
+
+    def zero(self, stream):
+        self.data[:] = 0
+
+    def from_host(self, host_ptr, nbytes, stream):
+        pass
+
+    def free(self):
+        pass
+
+
+@pytest.fixture
+def gpu_memory(monkeypatch, mapped):
+    """The GPU allocations of resident state, recorded (bytes each), beside ``mapped``."""
+    sizes, addresses = [], iter(range(1 << 41, 1 << 50, 1 << 30))
+
+    def alloc_device(nbytes, device=None):
+        sizes.append(nbytes)
+        return _DeviceMemory(nbytes, next(addresses))
+
+    monkeypatch.setattr(dk, "alloc_device", alloc_device)
+    monkeypatch.setattr(_Backend, "update_stream", lambda self: 0, raising=False)
+    return sizes
+
+
+# (numel, dtype, trainable): zero-size shards and frozen parameters among them
+_MIXED = [(5000, "float32", True), (3 << 12, "bfloat16", True), (7000, "bfloat16", False), (100, "float16", True),
+          (0, "float32", True), (1 << 14, "float32", True), (0, "bfloat16", True), (12345, "bfloat16", True),
+          (64, "float16", False), (2000, "float16", True)]
+_LATER = [(300, "bfloat16", True), (0, "float16", True), (4000, "float32", True), (50, "float32", False),
+          (6000, "bfloat16", True), (10, "float16", True)]
+
+
+def _host_allocs(be, mapped, slots, dev):
+    """The engine's host allocations by plan key: ``be``'s, and the mapped memory of the
+    device slots that are not resident (moments, fp16/bf16 master), in slot order."""
+    got = {f"{p}_{k}": 0 for p in B.PARTS for k in ("pinned", "pageable")}
+    for part, nbytes, pinned in be.allocs:
+        got[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
+    it = iter(mapped)
+    for (_, dtype, _), d in zip(slots, dev):
+        if d:
+            got["state_pinned"] += next(it) + next(it)
+            got["masters_pinned"] += next(it) if dtype != "float32" else 0
+    assert next(it, None) is None
+    return got
+
+
+@pytest.mark.parametrize("dtypes", ["mixed", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("resident", ["none", "some", "all"])
+@pytest.mark.parametrize("mode,order", [("cpu", "first"), ("gpu", "first"), ("hybrid", "first"), ("hybrid", "last")])
+@pytest.mark.parametrize("pin_moments", [False, True])
+def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, dtypes, resident, mode, order,
+                                                            pin_moments):
+    """OffloadAdamW's placement (``_host_plan``, as ``__init__`` and ``add_param_group``
+    call it on CUDA parameters) against the engine that registers the same parameters:
+    the slots resident in GPU memory, those on the device placement and the host bytes
+    (pinned and pageable, per part) are those the plan predicted, for a first group and a
+    group added later that finds part of both budgets taken. The engine's device
+    placement is the real one over faked CUDA allocations."""
+    from trainstream.torch._optimizer import _host_plan
+    from trainstream.torch._optimizer import _resident as torch_resident
+
+    def params(slots):
+        return [torch.nn.Parameter(torch.zeros(n, dtype=getattr(torch, d if dtypes == "mixed" else dtypes)),
+                                   requires_grad=t) for n, d, t in slots]
+
+    first, later = params(_MIXED), params(_LATER)
+    slots = [(p.numel(), str(p.dtype)[6:], p.requires_grad) for p in first + later]
+    need = [B.state_bytes(n, d) for n, d, t in slots if t]
+    budget_bytes = {"none": 0, "some": sum(need[:len(need) // 2]) - 1, "all": sum(need)}[resident]
+    # __init__: hybrid's share is of the trainable elements that are not resident
+    res = torch_resident(first, budget_bytes)
+    share = round(0.4 * sum(p.numel() for p, r in zip(first, res) if p.requires_grad and not r)) \
+        if mode == "hybrid" else 0
+    be = _Backend(True, TorchBackend.weights_in_grad_stage)
+    eng = E.Engine(be, placement=mode, device_elems=share, resident_bytes=budget_bytes, threads=1, chunk_elems=4096,
+                   pin_moments=pin_moments)
+    cuda = torch.device("cuda")
+    try:
+        want = dict.fromkeys(_host_allocs(be, mapped, [], []), 0.0)
+        placed, dev = [], []
+        for group, last in ((first, order == "last"), (later, False)):  # add_param_group: by fit, in order
+            res = torch_resident(group, budget_bytes, eng.resident_bytes_used)
+            plan, on_gpu = _host_plan(group, mode, share, last, eng.device_elems_used, pin_moments, None, cuda,
+                                      budget_bytes, eng.resident_bytes_used)
+            assert not any(r and g for r, g in zip(res, on_gpu))
+            for p, g in zip(group, on_gpu):
+                eng.add_param(np.zeros(p.numel(), np.float32), p.numel(), str(p.dtype)[6:], "cuda",
+                              trainable=p.requires_grad, on_device=g)
+            n0 = len(placed)
+            placed += group
+            assert [eng.resident(s) for s in range(n0, len(placed))] == res
+            assert [eng.on_device(s) for s in range(n0, len(placed))] == [r or g for r, g in zip(res, on_gpu)]
+            dev += [g for g in on_gpu]
+            for k in want:
+                want[k] += plan[k]
+            assert _host_allocs(be, mapped, slots[:len(placed)], dev) == want
+            st = eng.stats()
+            assert st["host_state_bytes"] == sum(want.values())
+            assert st["pinned_state_bytes"] == sum(v for k, v in want.items() if k.endswith("_pinned"))
+            resident_bytes = sum(B.state_bytes(n, d) for (n, d, _), s in zip(slots, range(len(placed)))
+                                 if eng.resident(s))
+            assert st["gpu_state_bytes"] == sum(gpu_memory) == resident_bytes == eng.resident_bytes_used
+            assert resident_bytes <= budget_bytes
+            assert eng.device_elems_used == sum(n for (n, _, _), g in zip(slots, dev) if g) or mode != "hybrid"
+        n_res = sum(eng.resident(s) for s in range(len(placed)))
+        assert (n_res > 0) == (resident != "none")
+        if resident == "all":  # every trainable parameter, of both groups
+            assert [eng.resident(s) for s in range(len(placed))] == [t for _, _, t in slots]
+        if mode == "hybrid" and resident != "all":
+            assert 0 < eng.device_elems_used <= share
+    finally:
+        eng.close()
+
 def test_pinned_moments_fall_back_to_pageable_by_budget(monkeypatch):
     slots = [(1 << 20, "bfloat16", "host")] * 4  # per element: 8 B moments, 4 master, 2 staging
     kw = {"can_pin": True, "pinned_size": TorchBackend.pinned_size}
@@ -230,6 +351,35 @@ def test_torch_refuses_before_allocating(monkeypatch):
         OffloadAdamW(model.parameters(), host_margin=1.5)
 
 
+
+def test_torch_refuses_bad_parameters_before_the_plan(monkeypatch):
+    """A parameter that registration refuses raises its own error before the host memory
+    is planned or anything allocated: CPU parameters with gpu_state_bytes or a GPU mode
+    (ValueError, not the MemoryError of a plan that leaves the resident state out), and
+    in a later group a float64 parameter (TypeError), leaving the optimizer as it was."""
+    model = _model(torch.float32)
+    calls = []
+    monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(TorchBackend, "host_empty", lambda *a, **k: calls.append(a))
+    _avail(monkeypatch, 1000)  # no plan fits
+    for kw, what in (({"gpu_state_bytes": 4096}, "gpu_state_bytes=4096 keeps state in GPU memory and needs CUDA"),
+                     ({"gpu_state_bytes": 1 << 30}, "gpu_state_bytes=1073741824 keeps state in GPU memory"),
+                     ({"mode": "hybrid", "gpu_state_bytes": 4096}, "mode='hybrid' needs CUDA parameters"),
+                     ({"mode": "gpu"}, "mode='gpu' needs CUDA parameters")):
+        with pytest.raises(ValueError, match=what):
+            OffloadAdamW(model.parameters(), **kw)
+    assert calls == []
+    monkeypatch.undo()
+    opt = OffloadAdamW(list(model.parameters())[:2], threads=1)
+    before = opt.stats()
+    _avail(monkeypatch, 1000)
+    with pytest.raises(TypeError, match="parameter 3 has dtype torch.float64"):
+        opt.add_param_group({"params": [list(model.parameters())[2], torch.nn.Parameter(torch.zeros(3).double())]})
+    after = opt.stats()
+    assert len(opt.param_groups) == 1 and len(opt._params_of_slot) == 2
+    assert all(after[k] == before[k] for k in ("host_plan_needed", "host_state_bytes", "params"))
+    opt.close()
+
 def test_torch_margin_none_skips_the_check_and_a_late_group_is_refused_whole(monkeypatch):
     model = _model(torch.float32)
     _avail(monkeypatch, 1000)
@@ -243,6 +393,38 @@ def test_torch_margin_none_skips_the_check_and_a_late_group_is_refused_whole(mon
     assert len(opt.param_groups) == 1 and opt.stats()["host_state_bytes"] == before["host_state_bytes"]
     opt.close()
 
+
+
+def test_torch_a_group_refused_after_its_plan_leaves_the_plan_as_it_was(monkeypatch):
+    """A later group whose registration fails after its plan passed (here: the host refuses
+    the third buffer of its second parameter, after the first one's slot was built) is
+    left out of ``host_plan_*`` and of the engine's byte counts: they stay equal, and the
+    next group adds its own."""
+    model = _model(torch.float32)
+    w, b = list(model.parameters())[:2]
+    opt = OffloadAdamW([w], threads=1)
+    before = opt.stats()
+    real, calls = TorchBackend.host_empty, []
+
+    def fails_third(self, *a, **k):
+        calls.append(a)
+        if len(calls) == 4 + 3:  # fp32: master, moments, gradient staging
+            raise MemoryError("no pages")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(TorchBackend, "host_empty", fails_third)
+    with pytest.raises(MemoryError, match="no pages"):
+        opt.add_param_group({"params": [b, torch.nn.Parameter(torch.zeros(100))]})
+    monkeypatch.undo()
+    st = opt.stats()
+    for k in ("needed", "pinned", "pageable"):
+        assert st[f"host_plan_{k}"] == before[f"host_plan_{k}"]
+    assert st["host_plan_needed"] == st["host_state_bytes"] == before["host_state_bytes"]
+    assert st["host_plan_pageable"] == st["pageable_state_bytes"] and st["params"] == 1
+    opt.add_param_group({"params": [b]})
+    st = opt.stats()
+    assert st["host_plan_needed"] == st["host_state_bytes"] == before["host_state_bytes"] + 300 * 16
+    opt.close()
 
 def test_torch_hybrid_plan_follows_the_split():
     """hybrid's split by fit, in the order gpu_params says: the GPU share's state mapped,
@@ -258,6 +440,16 @@ def test_torch_hybrid_plan_follows_the_split():
         assert plan["staging_pageable"] == 2 * host and plan["needed"] == 14 * host + 12 * dev
     with pytest.raises(ValueError, match="mode"):
         OffloadAdamW.host_memory_plan(params, mode="tpu")
+    # the constructor's checks of the placement arguments, not a plan of what it refuses
+    for kw, err, what in (({"gpu_state_bytes": -5}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": 1.5}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": True}, ValueError, "Invalid gpu_state_bytes"),
+                          ({"gpu_state_bytes": "auto"}, NotImplementedError, "'auto'.*not built"),
+                          ({"mode": "hybrid", "gpu_share": 2.0}, ValueError, "Invalid gpu_share"),
+                          ({"mode": "hybrid", "gpu_params": "middle"}, ValueError, "Invalid gpu_params"),
+                          ({"gpu_params": "last"}, ValueError, "applies to mode='hybrid' only")):
+        with pytest.raises(err, match=what):
+            OffloadAdamW.host_memory_plan(params, **kw)
 
 
 def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():
@@ -376,3 +568,45 @@ def test_gpu_hybrid_plan_equals_the_engine_bytes():
     assert st["gpu_params"] > 0
     assert st["host_plan_pinned"] == st["pinned_state_bytes"] and st["host_plan_needed"] == st["host_state_bytes"]
     opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("resident", ["none", "some", "all"])
+@pytest.mark.parametrize("mode,order", [("cpu", "first"), ("gpu", "first"), ("hybrid", "first"), ("hybrid", "last")])
+def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, dtype):
+    """OffloadAdamW on CUDA: host_memory_plan() = host_plan_* = the engine's host bytes
+    (pinned and pageable), the slots resident in GPU memory are the plan's, for a later
+    group too."""
+    pytest.importorskip("cupy")
+    from trainstream.torch._optimizer import _resident
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to("cuda", dtype)
+    model[1].bias.requires_grad_(False)
+    extra = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in (3000, 10)]
+    params = list(model.parameters())
+    need = [B.state_bytes(p.numel(), str(dtype)[6:]) for p in params + extra if p.requires_grad]
+    budget = {"none": 0, "some": need[1] + need[3] + need[4], "all": sum(need)}[resident]
+    kw = {"mode": mode, "gpu_params": order, "gpu_share": 0.4, "gpu_state_bytes": budget}
+    plan = OffloadAdamW.host_memory_plan(params, **kw)
+    opt = OffloadAdamW(params, lr=1e-2, threads=1, **kw)
+    try:
+        st = opt.stats()
+        assert st["host_plan_needed"] == plan["needed"] == st["host_state_bytes"]
+        assert st["host_plan_pinned"] == plan["pinned"] == st["pinned_state_bytes"]
+        want = _resident(params, budget)
+        assert [opt._engine.resident(s) for s in range(len(params))] == want and (resident == "none") != any(want)
+        later = _resident(extra, budget, opt._engine.resident_bytes_used)
+        opt.add_param_group({"params": extra})
+        st = opt.stats()
+        assert st["host_plan_needed"] == st["host_state_bytes"] and st["host_plan_pinned"] == st["pinned_state_bytes"]
+        assert [opt._engine.resident(s) for s in range(len(params), len(params) + 2)] == later
+        assert st["gpu_state_bytes"] == sum(B.state_bytes(p.numel(), str(dtype)[6:])
+                                            for p, r in zip(params + extra, want + later) if r)
+        x = torch.randn(8, 256, device="cuda", dtype=dtype)
+        (model(x).float().square().mean() + sum(p.float().sum() for p in extra)).backward()
+        opt.step()
+        opt.synchronize()
+    finally:
+        opt.close()

@@ -435,6 +435,7 @@ class _Slot:
     chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
+    nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
 
 
 class _Stats:
@@ -567,12 +568,13 @@ class HostPlacement:
         size = getattr(self.backend, "pinned_size", None)  # what a pinned buffer really takes
         if buf.pinned and size is not None:
             nbytes = size(nbytes)
-        self._host_bytes += nbytes
-        if buf.pinned:
-            self._pinned_bytes += nbytes
-        else:
-            self._pageable_bytes += nbytes
+        self._count(nbytes if buf.pinned else 0, 0 if buf.pinned else nbytes)
         return buf
+
+    def _count(self, pinned: int, pageable: int) -> None:
+        self._pinned_bytes += pinned
+        self._pageable_bytes += pageable
+        self._host_bytes += pinned + pageable
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -588,30 +590,36 @@ class HostPlacement:
         numel = int(numel)
         sid = len(self._slots)
         pin = self.pin_moments
-        master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
-        self.backend.param_to_host_f32(param, master.array)
-        m = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg")
-        v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
-        m.array[:] = 0
-        v.array[:] = 0
-        nchunks = max(1, -(-numel // self.chunk))
-        slot = _Slot(
-            id=sid,
-            param=param,
-            numel=numel,
-            dtype=dtype,
-            platform=platform,
-            nchunks=nchunks,
-            master=master,
-            exp_avg=m,
-            exp_avg_sq=v,
-        )
-        slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
-        if dtype != "float32":
-            if self._weights_in_grad_stage:
-                slot.param_stage = slot.grad_stage
-            else:
-                slot.param_stage = self._alloc(numel, dtype, pinned=True, what="param.staging")
+        counted = (self._pinned_bytes, self._pageable_bytes)
+        try:  # a failed allocation leaves the counters as they were (its buffers go with it)
+            master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
+            self.backend.param_to_host_f32(param, master.array)
+            m = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg")
+            v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
+            m.array[:] = 0
+            v.array[:] = 0
+            nchunks = max(1, -(-numel // self.chunk))
+            slot = _Slot(
+                id=sid,
+                param=param,
+                numel=numel,
+                dtype=dtype,
+                platform=platform,
+                nchunks=nchunks,
+                master=master,
+                exp_avg=m,
+                exp_avg_sq=v,
+            )
+            slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
+            if dtype != "float32":
+                if self._weights_in_grad_stage:
+                    slot.param_stage = slot.grad_stage
+                else:
+                    slot.param_stage = self._alloc(numel, dtype, pinned=True, what="param.staging")
+        except BaseException:
+            self._count(counted[0] - self._pinned_bytes, counted[1] - self._pageable_bytes)
+            raise
+        slot.nbytes = (self._pinned_bytes - counted[0], self._pageable_bytes - counted[1])
         self._slots.append(slot)
         return sid
 
@@ -622,6 +630,7 @@ class HostPlacement:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         for s in self._slots[n:]:
             self._wait_idle(s)
+            self._count(-s.nbytes[0], -s.nbytes[1])
         del self._slots[n:]
 
     def get_step(self, sid: int) -> int:

@@ -64,6 +64,27 @@ def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments:
     return plan, on_gpu
 
 
+def _check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> None:
+    """Refuse the placement arguments :class:`OffloadAdamW` (and its ``host_memory_plan``)
+    do not take."""
+    if mode not in ("cpu", "gpu", "hybrid"):
+        raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+    if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
+        raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+    if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
+        raise NotImplementedError(
+            "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
+            "is known only once the state of every parameter has been placed, and moving state between "
+            "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
+            "free after a step, less some headroom)")
+    if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0:
+        raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
+    if gpu_params not in ("first", "last"):
+        raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
+    if gpu_params != "first" and mode != "hybrid":
+        raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
+
+
 class _Owned:
     """What one :class:`OffloadAdamW` releases, once: its hooks and its engine."""
 
@@ -340,28 +361,12 @@ class OffloadAdamW(Optimizer):
             raise NotImplementedError("OffloadAdamW does not implement maximize")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
-        if mode not in ("cpu", "gpu", "hybrid"):
-            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
             raise TypeError(f"overlap_forward must be a torch.nn.Module or None, got {type(overlap_forward).__name__}")
-        if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
-            raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+        _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
         self._gpu_share = float(gpu_share)
         self._gpu_budget = 0
-        if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
-            raise NotImplementedError(
-                "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step "
-                "is known only once the state of every parameter has been placed, and moving state between "
-                "placements is not built. Pass a number of bytes (e.g. what torch.cuda.mem_get_info() shows "
-                "free after a step, less some headroom)")
-        if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) \
-                or gpu_state_bytes < 0:
-            raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
         self._gpu_state_bytes = int(gpu_state_bytes)
-        if gpu_params not in ("first", "last"):
-            raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
-        if gpu_params != "first" and mode != "hybrid":
-            raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
         self._gpu_params = gpu_params
         # Registration waits until torch has read every group (add_param_group only checks
         # them): the host memory is checked over all of them, and hybrid's split needs the
@@ -491,6 +496,7 @@ class OffloadAdamW(Optimizer):
                 "become an error); list each parameter once"
             )
         sizes = None if self._zero is None else list(self._zero.sizes)
+        host_plan, pin = self._host_plan, self._engine_args["pin_moments"]  # as _reserve found them
         try:
             _check_group(self.param_groups[-1])
             if self._zero is not None:
@@ -520,13 +526,21 @@ class OffloadAdamW(Optimizer):
                 self._hooks.pop(sid).remove()
             if self._engine is not None:
                 self._engine.truncate(n_slots)
+            self._host_plan, self._engine_args["pin_moments"] = host_plan, pin
+            if self._engine is not None and self._engine.host is not None:
+                self._engine.host.pin_moments = pin
             raise
         self._wait_sets.clear()  # cached per-module wait lists predate these parameters
 
     def _reserve(self, flat: list[torch.Tensor], last: bool = False) -> list[bool]:
         """Check the host memory that registering ``flat`` takes (:func:`_host_plan`) before
         anything is allocated, fall back to pageable moments where pinned ones would not
-        fit, keep the plan for :meth:`stats`; returns hybrid's split (per parameter: on the GPU)."""
+        fit, keep the plan for :meth:`stats`; returns hybrid's split (per parameter: on the GPU).
+        Each parameter is checked first (:meth:`_check_new`): one that registration would
+        refuse raises its own error, not a plan's."""
+        n = len(self._params_of_slot)
+        for i, p in enumerate(flat):
+            self._check_new(p, n + i, self._device or D.local(flat[0]).device)
         host = self._engine.host if self._engine is not None else None
         pin = host.pin_moments if host is not None else self._engine_args["pin_moments"]
         used = self._engine.device_elems_used if self._engine is not None else 0
@@ -553,8 +567,7 @@ class OffloadAdamW(Optimizer):
         ``needed``, ``available``, ``usable``, ``pin_moments`` and ``fits`` (see
         :func:`trainstream.core._budget.plan`). After construction the same figures are in
         :meth:`stats` as ``host_plan_*``."""
-        if mode not in ("cpu", "gpu", "hybrid"):
-            raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+        _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
         groups = list(params)
         flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
             if groups and isinstance(groups[0], dict) else groups
@@ -574,10 +587,11 @@ class OffloadAdamW(Optimizer):
         loc = D.local(p)
         return loc.dtype, tuple(loc.shape), loc.device
 
-    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
-        """Give ``p`` a slot (hybrid: on the GPU engine if ``gpu``; ``None``: by fit). For a
-        DTensor (FSDP2) the slot is its local shard, which may have 0 elements."""
-        index = len(self._params_of_slot)
+    def _check_new(self, p: torch.Tensor, index: int, device: torch.device) -> None:
+        """Refuse parameter ``p`` (slot ``index``) where registering it would fail, before
+        anything is planned or allocated: its dtype, layout, FSDP2 setup, a device other
+        than ``device`` (that of the parameters before it), a CPU parameter where ``mode``
+        or ``gpu_state_bytes`` needs CUDA ones."""
         loc = D.local(p)
         if p.dtype not in _DTYPE_NAME:
             raise TypeError(
@@ -595,15 +609,27 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
         if loc is not p:
             self._check_dtensor(p, index)
+        if self.mode != "cpu" and loc.device.type != "cuda":
+            raise ValueError(
+                f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
+            )
+        if self._gpu_state_bytes and loc.device.type != "cuda":
+            raise ValueError(
+                f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
+                f"CUDA parameters; parameter {index} is on {loc.device}")
+        if loc.device != device:
+            raise ValueError(
+                f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
+                f"{loc.device}, earlier ones on {device}"
+            )
+
+    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
+        """Give ``p`` (checked by :meth:`_check_new`) a slot (hybrid: on the GPU engine if
+        ``gpu``; ``None``: by fit). For a DTensor (FSDP2) the slot is its local shard, which
+        may have 0 elements."""
+        index = len(self._params_of_slot)
+        loc = D.local(p)
         if self._device is None:
-            if self.mode != "cpu" and loc.device.type != "cuda":
-                raise ValueError(
-                    f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on {loc.device}"
-                )
-            if self._gpu_state_bytes and loc.device.type != "cuda":
-                raise ValueError(
-                    f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
-                    f"CUDA parameters; parameter {index} is on {loc.device}")
             tc_code = 0
             if loc.device.type == "cpu" and self._engine_args["convention"] == "torch":
                 tc_code = torch_cpu_code()
@@ -623,11 +649,6 @@ class OffloadAdamW(Optimizer):
                 ) from exc
             self._owned.engine = self._engine
             self._device = loc.device
-        elif loc.device != self._device:
-            raise ValueError(
-                f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
-                f"{loc.device}, earlier ones on {self._device}"
-            )
         platform = "cuda" if loc.device.type == "cuda" else "cpu"
         # The engine writes through loc.data: its own writes advance no _version.
         # hybrid: a frozen parameter takes none of the GPU share.
