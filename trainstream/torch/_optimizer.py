@@ -41,6 +41,13 @@ def _resident(flat, budget: int, used: int = 0) -> list[bool]:
                              for p in flat], budget, used)
 
 
+def _hybrid_elems(flat, share: float, resident_bytes: int) -> int:
+    """hybrid's budget of device elements: ``share`` of the trainable elements whose state is
+    not resident in GPU memory."""
+    res = _resident(flat, resident_bytes)
+    return round(share * sum(D.local(p).numel() for p, r in zip(flat, res) if p.requires_grad and not r))
+
+
 def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None,
                resident_bytes: int = 0, resident_used: int = 0):
     """The host-memory plan of registering ``flat`` (:func:`trainstream.core._budget.plan`) and
@@ -448,10 +455,8 @@ class OffloadAdamW(Optimizer):
         self._deferred = False
         mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
         flat = [p for p, _ in mine]
-        if mode == "hybrid":  # a share of the elements whose state is not resident in GPU memory
-            res = _resident(flat, self._gpu_state_bytes)
-            self._gpu_budget = round(self._gpu_share * sum(D.local(p).numel() for p, r in zip(flat, res)
-                                                           if p.requires_grad and not r))
+        if mode == "hybrid":
+            self._gpu_budget = _hybrid_elems(flat, self._gpu_share, self._gpu_state_bytes)
         on_gpu = self._reserve(flat, last=self._gpu_params == "last")  # raises before anything is allocated
         try:
             for (p, gi), gpu in zip(mine, on_gpu):
@@ -571,9 +576,7 @@ class OffloadAdamW(Optimizer):
         groups = list(params)
         flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
             if groups and isinstance(groups[0], dict) else groups
-        res = _resident(flat, gpu_state_bytes)
-        budget = round(gpu_share * sum(D.local(p).numel() for p, r in zip(flat, res) if p.requires_grad and not r)) \
-            if mode == "hybrid" else 0
+        budget = _hybrid_elems(flat, gpu_share, gpu_state_bytes) if mode == "hybrid" else 0
         return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin,
                           resident_bytes=gpu_state_bytes)[0]
 
