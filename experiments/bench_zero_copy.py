@@ -12,6 +12,11 @@ In one process, on one GPU:
   PCIe (m, v read and written). Target: >= 0.95 of the bidirectional memcpy rate;
 * ``zero-copy bf16+master``: bf16 weights and gradients, fp32 master, m and v in mapped host
   memory: 24 B/element over PCIe. Target: >= 0.90;
+* ``staged``: :func:`benchmark_staged_adamw` (below), the same kernel on GPU-memory state:
+  m and v (and the master) stay in pinned host memory and stream through a ring of
+  ``--depth`` device slots of ``--chunk-mib`` MiB per array, H2D copy -> kernel -> D2H copy
+  on three streams (the copy engines, not the SMs, move the state): the staged gpu mode of
+  issue #22 item 4, measured against zero-copy before anything is built;
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` with everything in GPU memory (28 B/
   element of HBM traffic), the in-GPU speed the offloaded update gives up; skipped without
   torch.
@@ -285,6 +290,116 @@ def benchmark_zero_copy_adamw(
                     free()
 
 
+def benchmark_staged_adamw(
+    numel: int,
+    device: int = 0,
+    *,
+    param_dtype: str = "float32",
+    chunk_mib: int = 32,
+    depth: int = 3,
+    variant: int = C.VARIANT_TORCH_CUDA,
+    iters: int = 5,
+    repeats: int = 7,
+) -> dict:
+    """Time AdamW with the state staged through GPU memory: per chunk of ``chunk_mib`` MiB
+    (of one fp32 array), m, v (and the master for bf16/fp16 weights) are copied host ->
+    ring slot on one stream, updated there by the zero-copy kernel with device pointers on
+    a second, and copied back on a third; a slot is refilled only after its copy-back.
+    Checked against the contract on a sample first, like :func:`benchmark_zero_copy_adamw`;
+    ``pcie_gbps`` counts the same state bytes. ``ring_mib``: the device memory it uses."""
+    cp = dk._cupy()
+    pd = dk._dtype_name(param_dtype)
+    conv, plat = _CONVENTION_OF[variant]
+    scalars = C.step_scalars(C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1, conv, plat)
+    chunk = (int(chunk_mib) << 20) // 4
+    arrays = 2 if pd == "float32" else 3  # m, v (, master)
+    frees = []
+    with cp.cuda.Device(device):
+        try:
+            rng = cp.random.default_rng(1234)
+            p32 = rng.standard_normal(numel, dtype=cp.float32)
+            param = _to_storage_cupy(cp, p32, pd)
+            grad = _to_storage_cupy(cp, rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2), pd)
+            host = []  # m, v (, master): pinned host memory, copied by the copy engines only
+            for _ in range(arrays):
+                h, _, free = dk.alloc_mapped(4 * numel, device)
+                frees.append(free)
+                host.append(h)
+            dk.host_view(host[0], numel).fill(np.float32(1e-3))
+            dk.host_view(host[1], numel).fill(np.float32(1e-6))
+            if arrays == 3:
+                cp.cuda.runtime.memcpy(host[2], p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
+            hrng = np.random.default_rng(5678)
+            idx = np.unique(np.concatenate([np.arange(min(numel, 4096)), hrng.integers(0, numel, 65536)]))
+            m_np, v_np = dk.host_view(host[0], numel), dk.host_view(host[1], numel)
+            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
+            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
+            cidx = cp.asarray(idx)
+            p_before = dk.host_view(host[2], numel)[idx].copy() if arrays == 3 else cp.asnumpy(p32[cidx])
+            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), pd)
+            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
+            del p32
+            ring = [[cp.empty(chunk, cp.float32) for _ in range(arrays)] for _ in range(depth)]
+            h2d, run, d2h = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
+            loaded = [cp.cuda.Event(disable_timing=True) for _ in range(depth)]
+            updated = [cp.cuda.Event(disable_timing=True) for _ in range(depth)]
+            freed = [None] * depth  # the copy-back event of the slot's last chunk
+            rt = cp.cuda.runtime
+            pbytes = 4 if pd == "float32" else 2
+
+            def step():
+                for i, lo in enumerate(range(0, numel, chunk)):
+                    n, k = min(chunk, numel - lo), i % depth
+                    slot = ring[k]
+                    if freed[k] is not None:
+                        h2d.wait_event(freed[k])
+                    for a in range(arrays):
+                        rt.memcpyAsync(slot[a].data.ptr, host[a] + 4 * lo, 4 * n, rt.memcpyHostToDevice, h2d.ptr)
+                    loaded[k].record(h2d)
+                    run.wait_event(loaded[k])
+                    dk.launch_adamw(variant, param.data.ptr + pbytes * lo, pd, grad.data.ptr + pbytes * lo, pd,
+                                    slot[2].data.ptr if arrays == 3 else 0, slot[0].data.ptr, slot[1].data.ptr,
+                                    n, scalars, run.ptr, device=device)
+                    updated[k].record(run)
+                    d2h.wait_event(updated[k])
+                    for a in range(arrays):
+                        rt.memcpyAsync(host[a] + 4 * lo, slot[a].data.ptr, 4 * n, rt.memcpyDeviceToHost, d2h.ptr)
+                    freed[k] = cp.cuda.Event(disable_timing=True)
+                    freed[k].record(d2h)
+
+            step()
+            cp.cuda.Device(device).synchronize()
+            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
+            p_after = dk.host_view(host[2], numel)[idx].copy() if arrays == 3 else param_after
+            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
+                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
+            del m_np, v_np
+            step()  # warm-up
+            cp.cuda.Device(device).synchronize()
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            samples = []
+            for _ in range(max(1, int(repeats))):
+                start.record(h2d)
+                for _ in range(max(1, int(iters))):
+                    step()
+                stop.record(d2h)
+                stop.synchronize()
+                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+            dk.check_stream(d2h.ptr, device)
+            ms = statistics.median(samples)
+            bytes_per_elem = 16 if pd == "float32" else 24
+            return {"ms": ms, "gelems_per_s": numel / (ms * 1e-3) / 1e9,
+                    "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9, "numel": numel,
+                    "bytes_per_elem": bytes_per_elem, "param_dtype": pd, "chunk_mib": chunk_mib, "depth": depth,
+                    "ring_mib": depth * arrays * chunk_mib, "ms_samples": samples}
+        finally:
+            try:
+                cp.cuda.Device(device).synchronize()
+            finally:
+                for free in frees:
+                    free()
+
+
 def _to_storage_cupy(cp, x32, dtype: str):
     """fp32 CuPy array -> storage (float32, float16 bits or bfloat16 bits as uint16)."""
     if dtype == "float32":
@@ -312,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of each memcpy (MiB)")
     ap.add_argument("--out", type=Path, default=Path("experiments/out/bench_zero_copy.json"))
     ap.add_argument("--no-torch", action="store_true", help="skip torch's fused AdamW")
+    ap.add_argument("--staged", default="8x3,32x2,32x3,64x3",
+                    help="staged rings to time, CHUNK_MIBxDEPTH comma-separated ('' for none)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
     args = ap.parse_args(argv)
 
@@ -329,6 +446,14 @@ def main(argv=None) -> int:
             iters=args.iters, repeats=args.repeats,
         )
         cp.get_default_memory_pool().free_all_blocks()
+    staged = {}
+    for pd in ("float32", "bfloat16"):
+        for ring in filter(None, args.staged.split(",")):
+            chunk_mib, depth = map(int, ring.split("x"))
+            staged[f"{pd} {ring}"] = benchmark_staged_adamw(
+                args.numel, args.device, param_dtype=pd, chunk_mib=chunk_mib, depth=depth,
+                iters=args.iters, repeats=args.repeats)
+            cp.get_default_memory_pool().free_all_blocks()
     fused = None if args.no_torch else bench_torch_fused(args.device, args.numel, args.iters, args.repeats)
 
     rows = [
@@ -342,12 +467,15 @@ def main(argv=None) -> int:
         fractions[pd] = r["pcie_gbps"] / bidir
         rows.append((label, r["ms"], r["gelems_per_s"], r["bytes_per_elem"], r["pcie_gbps"],
                      fractions[pd], TARGETS[pd]))
+    for key, r in staged.items():
+        rows.append((f"staged {key}", r["ms"], r["gelems_per_s"], r["bytes_per_elem"], r["pcie_gbps"],
+                     r["pcie_gbps"] / bidir, None))
     if fused is not None:
         rows.append(("torch fused AdamW (HBM)", fused["ms"], fused["gelems_per_s"], 28, fused["hbm_gbps"],
                      None, None))
 
     print(f"{name}, numel {args.numel:,}, CuPy {cp.__version__}")
-    header = f"{'case':<28} {'ms':>9} {'Gelem/s':>9} {'B/elem':>7} {'GB/s':>8} {'of bidir':>9} {'target':>7}  ok"
+    header = f"{'case':<30} {'ms':>9} {'Gelem/s':>9} {'B/elem':>7} {'GB/s':>8} {'of bidir':>9} {'target':>7}  ok"
     print(header)
     print("-" * len(header))
     missed = []
@@ -356,8 +484,11 @@ def main(argv=None) -> int:
         if ok == "NO":
             missed.append(label)
         cell = lambda x, f: (format(x, f) if x is not None else "-")  # noqa: E731
-        print(f"{label:<28} {cell(ms, '9.3f'):>9} {cell(ge, '9.2f'):>9} {cell(bpe, '7d'):>7} "
+        print(f"{label:<30} {cell(ms, '9.3f'):>9} {cell(ge, '9.2f'):>9} {cell(bpe, '7d'):>7} "
               f"{cell(gbps, '8.1f'):>8} {cell(frac, '9.3f'):>9} {cell(target, '7.2f'):>7}  {ok}")
+    for key, r in staged.items():
+        pd = key.split()[0]
+        print(f"staged {key} ({r['ring_mib']} MiB ring) / zero-copy: {r['ms'] / zero_copy[pd]['ms']:.3f}x the time")
     if fused is not None:
         for pd in ("float32", "bfloat16"):
             print(f"zero-copy {pd} step / torch fused step: {zero_copy[pd]['ms'] / fused['ms']:.1f}x")
@@ -369,6 +500,7 @@ def main(argv=None) -> int:
         "numel": args.numel,
         "memcpy": memcpy,
         "zero_copy": zero_copy,
+        "staged": staged,
         "torch_fused": fused,
         "fraction_of_bidirectional": fractions,
         "targets": TARGETS,

@@ -854,3 +854,13 @@ def test_benchmark_checks_then_times(cp, pd):
     assert r["numel"] == 1 << 20 and r["ms"] > 0
     assert r["bytes_per_elem"] == (16 if pd == "float32" else 24)
     assert r["pcie_gbps"] == pytest.approx(r["gelems_per_s"] * r["bytes_per_elem"])
+
+
+@gpu
+@pytest.mark.parametrize("pd", ["float32", "bfloat16"])
+def test_staged_benchmark_checks_then_times(cp, pd):
+    """The staged ring (experiments/bench_zero_copy.py) over several chunks and a partial last
+    one: its update equals the contract's on a sample (it raises otherwise)."""
+    r = load_script("bench_zero_copy").benchmark_staged_adamw((3 << 20) + 12345, device=cp.cuda.runtime.getDevice(),
+                                                              param_dtype=pd, chunk_mib=1, depth=2, iters=2, repeats=2)
+    assert r["ms"] > 0 and r["ring_mib"] == 2 * (2 if pd == "float32" else 3)
