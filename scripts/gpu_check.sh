@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: every GPU test at this commit, then the FSDP2 benchmark at world size 1
-# and the host AdamW benchmark.   bash scripts/gpu_check.sh $OUT   (stages: STAGES="tests fsdp host")
+# and the host AdamW benchmark.   bash scripts/gpu_check.sh $OUT   (stages: STAGES="tests fsdp host";
+# also "zc": bench_zero_copy with its staged rings; "train": bench_train with TRAIN_ARGS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/ts_out}; mkdir -p "$OUT"
@@ -27,4 +28,12 @@ fi
 if has host; then
   timeout "${HT:-80}" python3 experiments/bench_host_adamw.py --numel 134217728 --threads 16 --json "$OUT/bench_host.json" \
     > "$OUT/bench_host.log" 2>&1; tail -n 15 "$OUT/bench_host.log"
+fi
+if has zc; then
+  timeout "${ZT:-150}" python3 experiments/bench_zero_copy.py --out "$OUT/bench_zero_copy.json" > "$OUT/bench_zero_copy.log" 2>&1
+  tail -n 30 "$OUT/bench_zero_copy.log"
+fi
+if has train; then
+  timeout "${TT:-400}" python3 experiments/bench_train.py ${TRAIN_ARGS:?} --json "$OUT/bench_train.json" \
+    > "$OUT/bench_train.log" 2>&1; grep -v '^{' "$OUT/bench_train.log" | tail -n 30
 fi
