@@ -1,11 +1,13 @@
 # Run (GPU machine): torchrun --standalone --nproc_per_node=2 experiments/fsdp_full_state_dict_probe.py --device cuda
 """Where does FSDP2's ``full_state_dict`` round trip crash with 2 gloo ranks on one GPU?
 
-tests/test_torch_dist.py's ``dcp_full_reference`` (torch.optim.AdamW on both sides, no
+A control scenario of tests/test_torch_dist.py (torch.optim.AdamW on both sides, no
 TrainStream) lost a rank to SIGSEGV on the H200. This probe runs that round trip alone in
 fresh processes, printing each stage before it runs, with variants: ``cpu_offload=True``, and
 a model whose last layer has no empty shard. Only torch.optim.AdamW is used unless
-``--ours``. Each rank prints ``rank R: <stage>``; faulthandler prints the stack of a crash.
+``--ours``. Found (H200, torch 2.11, 2026-12-02): the plain variant segfaults in
+``get_optimizer_state_dict`` (``_functional_collectives.all_gather_tensor`` under
+``DTensor.redistribute``) with torch.optim.AdamW alone: torch's crash, not TrainStream's. Each rank prints ``rank R: <stage>``; faulthandler prints the stack of a crash.
 """
 
 from __future__ import annotations

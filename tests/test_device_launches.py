@@ -1,5 +1,6 @@
-"""How ``DevicePlacement.step`` groups its zero-copy launches, on CPU: the kernels' launcher and
-the CUDA backend are replaced by recorders (no CuPy, no GPU). What the launches compute is
+"""How ``DevicePlacement.step`` groups its launches and stages host-memory state through its
+ring, on CPU: the kernels' launcher and the CUDA backend are replaced by recorders, or the
+kernel by the contract's reference on the same pointers (no CuPy, no GPU). What the launches compute is
 tested on the GPU (``tests/test_device_kernels.py``: a launch of many == launches of one ==
 the contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW``)."""
 
@@ -89,6 +90,7 @@ def launches(monkeypatch):
 
 def _engine(dtypes_sizes):
     eng = ge.DevicePlacement(_Backend())
+    eng.staged = False  # the grouping of the launches; the ring has its own tests below
     updates = []
     for k, (dtype, n) in enumerate(dtypes_sizes):
         sid = eng.add_param(1000 + 64 * k, n, dtype, "cuda")
@@ -212,6 +214,7 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     backend = _Backend()
     backend.param_to_host_f32 = lambda param, out: out.__setitem__(slice(None), weights[param])
     eng = ge.DevicePlacement(backend)
+    eng.staged = False  # c's launch reads its mapped state (staged: see the ring's tests)
     a = eng.add_param(1000, 5, "float32", "cuda", resident=True)
     b = eng.add_param(2000, 3, "bfloat16", "cuda", resident=True)
     c = eng.add_param(3000, 4, "float32", "cuda")
@@ -264,4 +267,196 @@ def test_a_refused_gpu_allocation_frees_the_slots_others(launches, device_memory
     assert eng.stats()["gpu_state_bytes"] == 0 and eng.stats()["params"] == 0
     with pytest.raises(ValueError, match="gpu_state_bytes needs CUDA parameters"):
         eng.add_param(1000, 3, "float32", "cpu", resident=True)
+    eng.close()
+
+
+# -- the staging ring: the kernel simulated by the contract on real memory -----------------------
+
+
+def _view(ptr, n, dtype):
+    dtype = np.dtype(dtype)
+    return np.frombuffer((ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr), dtype, count=n)
+
+
+def _as_f32(ptr, n, dt):
+    return _view(ptr, n, np.float32).copy() if dt == "float32" else C.bf16_bits_to_f32(_view(ptr, n, np.uint16))
+
+
+class _FakeCuda:
+    """trainstream._cuda's context and events: copies run at once (ctypes.memmove), every
+    call is logged as (op, stream, ...); events are complete when recorded."""
+
+    def __init__(self):
+        self.log, self.streams, self.events = [], itertools.count(100), itertools.count()
+
+    def context(self, device):
+        return self
+
+    def create_stream(self):
+        return next(self.streams)
+
+    def destroy_stream(self, stream):
+        self.log.append(("destroy", stream))
+
+    def stream_synchronize(self, stream):
+        self.log.append(("sync", stream))
+
+    def stream_wait_event(self, stream, event):
+        self.log.append(("wait", stream, event.id))
+
+    def memcpy_htod_async(self, dst, src, nbytes, stream):
+        self.log.append(("h2d", stream, dst))
+        ctypes.memmove(dst, src, nbytes)
+
+    def memcpy_dtoh_async(self, dst, src, nbytes, stream):
+        self.log.append(("d2h", stream, src))
+        ctypes.memmove(dst, src, nbytes)
+
+    def Event(self, ctx, stream):  # noqa: N802 - stands for the class
+        ev = _Event()
+        self.log.append(("record", stream, ev.id))
+        ev.query = lambda: True
+        return ev
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """Real host memory behind every pointer; the launcher applies the contract's update
+    (torch/cuda) to what the pointers address; GPU allocations and the CUDA layer faked
+    (``fake.refuse = True`` refuses GPU allocations). Returns (fake CUDA, launch log)."""
+    keep, fake, launched = [], _FakeCuda(), []
+    fake.refuse = False
+
+    def alloc_mapped(nbytes, device=None):
+        a = np.zeros(nbytes // 4, np.float32)
+        keep.append(a)
+        return a.ctypes.data, a.ctypes.data, lambda: None
+
+    class Mem:
+        def __init__(self, nbytes):
+            self.data = np.full(nbytes // 4, np.nan, np.float32)
+            self.dev_ptr, self.nbytes, self.freed = self.data.ctypes.data, nbytes, False
+
+        def free(self):
+            self.freed = True
+
+    def alloc_device(nbytes, device=None):
+        if fake.refuse:
+            raise MemoryError(f"could not allocate {nbytes} bytes of GPU memory")
+        fake.mems = getattr(fake, "mems", []) + [Mem(nbytes)]
+        return fake.mems[-1]
+
+    def kernel(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
+        items = list(items)
+        assert len(items) <= dk.MULTI_MAX
+        launched.append((stream, [it[3] for it in items], [it[5] for it in items]))
+        for pp, gp, wp, mp, vp, n, sc in items:
+            p = _view(wp, n, np.float32).copy() if pd != "float32" else _as_f32(pp, n, pd)
+            m, v = _view(mp, n, np.float32), _view(vp, n, np.float32)
+            p2, m2, v2 = C.reference_update(p, m.copy(), v.copy(), _as_f32(gp, n, gd), sc, "torch", "cuda")
+            m[:], v[:] = m2, v2
+            if pd == "float32":
+                _view(pp, n, np.float32)[:] = p2
+            else:
+                _view(wp, n, np.float32)[:] = p2
+                _view(pp, n, np.uint16)[:] = (C.round_to(p2, pd).view(np.uint32) >> 16).astype(np.uint16)
+        return len(items)
+
+    monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
+    monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
+    monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
+    monkeypatch.setattr(dk, "alloc_device", alloc_device)
+    monkeypatch.setattr(dk, "launch_adamw_multi", kernel)
+    monkeypatch.setattr(ge._cuda, "context", fake.context)
+    monkeypatch.setattr(ge._cuda, "Event", fake.Event)
+    monkeypatch.setattr(ge, "RING_ELEMS", 64)  # small buffers: many pieces from small tensors
+    return fake, launched
+
+
+class _MemBackend(_Backend):
+    """Tensors are NumPy arrays (fp32, or bf16 bits as uint16) at real addresses."""
+
+    def data_ptr(self, tensor):
+        return tensor.ctypes.data
+
+    def param_to_host_f32(self, param, out):
+        out[:] = param if param.dtype == np.float32 else C.bf16_bits_to_f32(param)
+
+
+LAYOUT = ([("float32", 150), ("float32", 3), ("float32", 0), ("bfloat16", 17), ("bfloat16", 64), ("bfloat16", 130)]
+          + [("float32", 5)] * 40 + [("float32", 64), ("float32", 1)])
+
+
+def _run_layout(staged: bool, steps: int = 3):
+    rng = np.random.default_rng(0)
+    be = _MemBackend()
+    eng = ge.DevicePlacement(be)
+    eng.staged = staged
+    params, sids = [], []
+    for dt, n in LAYOUT:
+        w = rng.standard_normal(n).astype(np.float32)
+        params.append(w if dt == "float32" else (C.round_to(w, dt).view(np.uint32) >> 16).astype(np.uint16))
+        sids.append(eng.add_param(params[-1], n, dt, "cuda"))
+    for step in range(steps):
+        grads = [(rng.standard_normal(n) * 1e-2).astype(np.float32) for _, n in LAYOUT]
+        grads = [g if dt == "float32" else (C.round_to(g, dt).view(np.uint32) >> 16).astype(np.uint16)
+                 for g, (dt, _) in zip(grads, LAYOUT)]
+        eng.step([(sid, HP, g, dt) for sid, g, (dt, _) in zip(sids, grads, LAYOUT)])
+    return eng, params, [eng.state(sid) for sid in sids]
+
+
+def test_staged_updates_equal_zero_copy_updates_for_every_piece_layout(simulated):
+    """Tensors spanning several ring buffers, many small ones (more than MULTI_MAX pieces per
+    buffer), empty ones, fp32 and bf16 with masters, 3 steps (the ring wraps): the same
+    weights, moments and masters as the kernel reading the mapped state directly."""
+    fake, launched = simulated
+    staged, p_s, st_s = _run_layout(True)
+    launched_staged = list(launched)
+    launched.clear()
+    direct, p_d, st_d = _run_layout(False)
+    assert all(np.array_equal(a, b) for a, b in zip(p_s, p_d))
+    for (ws, ms, vs, ks), (wd, md, vd, kd) in zip(st_s, st_d):
+        assert np.array_equal(ws, wd) and np.array_equal(ms, md) and np.array_equal(vs, vd) and ks == kd == 3
+    assert any(np.abs(m).sum() > 0 for _, m, _, _ in st_s)  # the updates did something
+    ring = staged._ring
+    bases = {m.dev_ptr for m in ring.mem}
+    assert all(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched_staged for ptr in ms)
+    assert all(any((ptr - b) % 64 == 0 <= ptr - b < 4 * 64 for b in bases)  # pieces start 64-byte aligned
+               for _, ms, _ in launched_staged for ptr in ms)
+    assert not any(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched for ptr in ms)
+    assert staged.stats()["staging_ring_bytes"] == 3 * 3 * 4 * 64 and direct.stats()["staging_ring_bytes"] == 0
+    staged.close()
+    assert all(m.freed for m in ring.mem) and [op for op, *_ in fake.log[-2:]] == ["destroy", "destroy"]
+    direct.close()
+
+
+def test_the_ring_orders_its_copies(simulated):
+    """Per buffer: copies in (ring's h2d stream), the kernel waits for them on the update
+    stream, copies back wait for the kernel (d2h stream); a buffer is refilled only after its
+    last copy back, and a slot's state copied in only after its previous copy back."""
+    fake, _ = simulated
+    eng, _, _ = _run_layout(True, steps=2)
+    ring = eng._ring
+    h2d, d2h = ring.h2d, ring.d2h
+    recorded = {ev: st for op, st, *rest in fake.log if op == "record" for ev in rest}
+    waits = [(st, ev) for op, st, *rest in fake.log if op == "wait" for ev in rest]
+    assert (0, next(ev for ev, st in recorded.items() if st == h2d)) in waits  # kernel after its copies in
+    assert any(st == d2h and recorded[ev] == 0 for st, ev in waits)  # copies back after the kernel
+    refills = [ev for st, ev in waits if st == h2d]
+    assert refills and all(recorded[ev] == d2h for ev in refills)  # only ever after copies back
+    ops = [(op, st) for op, st, *_ in fake.log if op in ("h2d", "d2h")]
+    assert {st for op, st in ops if op == "h2d"} == {h2d} and {st for op, st in ops if op == "d2h"} == {d2h}
+    eng.close()
+
+
+def test_no_gpu_memory_for_the_ring_warns_and_reads_over_pcie(simulated):
+    fake, launched = simulated
+    fake.refuse = True
+    with pytest.warns(RuntimeWarning, match="no GPU memory for the staging ring"):
+        eng, params, states = _run_layout(True, steps=1)
+    assert eng._ring is None and not eng.staged and eng.stats()["staging_ring_bytes"] == 0
+    fake.refuse = False
+    launched.clear()
+    _, params_d, states_d = _run_layout(False, steps=1)
+    assert all(np.array_equal(a, b) for a, b in zip(params, params_d))
     eng.close()

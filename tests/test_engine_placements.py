@@ -71,7 +71,8 @@ class FakeDevice:
         slots = [self.e._slot(sid) for sid in self.resident]
         return {**self.e.stats(), "resident_params": float(len(slots)),
                 "resident_numel": float(sum(s.numel for s in slots)),
-                "gpu_state_bytes": float(sum(E.state_bytes(s.numel, s.dtype) for s in slots))}
+                "gpu_state_bytes": float(sum(E.state_bytes(s.numel, s.dtype) for s in slots)),
+                "staging_ring_bytes": 0.0}
 
     def check_grads(self, updates):
         for sid, _, _, gdtype in updates:

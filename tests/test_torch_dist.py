@@ -59,6 +59,8 @@ def _rank_main(rank: int, world: int, port: int, job: str, device: str, out: str
     results: dict[str, dict] = {}
     try:
         for name, fn in JOBS[job]:
+            if device == "cuda" and name in GLOO_CUDA_CRASH:
+                continue
             try:
                 checks = fn(rank, device, out)
             except Exception:  # noqa: BLE001 - reported by the test of this scenario
@@ -379,12 +381,6 @@ def fsdp_resident(rank, device, out):
     return {"refused": False}
 
 
-def dcp_full_reference(rank, device, out):
-    """The same full_state_dict round trip with torch.optim.AdamW on both sides: the control
-    of :func:`dcp_full_state_dict` (on CUDA, 2 gloo ranks on one GPU, a rank crashed there)."""
-    return _full_state_dict_pairs(rank, device, [(torch.optim.AdamW, torch.optim.AdamW)])
-
-
 def dcp_full_state_dict(rank, device, out):
     """get/set_*_state_dict with full_state_dict=True (gathered tensors), the model's weights
     set first: the optimizer's hidden zero-gradient step (lr 0) must use the loaded weights."""
@@ -594,13 +590,19 @@ JOBS = {
     "fsdp": [(f.__name__, f) for f in (fsdp_fp32, fsdp_accumulation, fsdp_clipping, fsdp_param_groups,
                                       fsdp_mixed_precision, fsdp_hsdp, fsdp_eager, fsdp_weight_edits,
                                       fsdp_refusals, dcp_round_trips, dcp_bf16_master, fsdp_resident,
-                                      dcp_full_reference, dcp_full_state_dict)],  # last: on CUDA (2 gloo ranks,
-                                      # one H200) dcp_full_state_dict crashed a rank; its control comes first
+                                      dcp_full_state_dict)],
     "ddp": [(f.__name__, f) for f in (ddp_default, ddp_manual_all_reduce, ddp_last_micro_batch_refused, zero1,
                                      zero1_groups_max_grad_norm, worker_cores_auto)],
 }
 
 FSDP = [name for name, _ in JOBS["fsdp"]]
+
+#: Not run with CUDA tensors: torch's own full_state_dict gather segfaults there over gloo
+#: (2 ranks on one H200, torch 2.11: SIGSEGV in _functional_collectives.all_gather_tensor,
+#: reproduced with torch.optim.AdamW alone, no TrainStream: experiments/fsdp_full_state_dict_probe.py,
+#: experiments/log/2026-12-02_session_c.md). On CPU (gloo) it runs; on CUDA it needs NCCL, 2 GPUs.
+GLOO_CUDA_CRASH = {"dcp_full_state_dict": "torch's FSDP2 full_state_dict gather segfaults with CUDA tensors over "
+                                          "gloo (torch.optim.AdamW alone too); needs NCCL on 2 GPUs"}
 DDP = [name for name, _ in JOBS["ddp"]]
 
 
@@ -621,8 +623,10 @@ def test_fsdp2(fsdp_cpu, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FSDP)
-def test_fsdp2_cuda(fsdp_cuda, name):
-    _check(fsdp_cuda, name)
+def test_fsdp2_cuda(request, name):
+    if name in GLOO_CUDA_CRASH:
+        pytest.skip(GLOO_CUDA_CRASH[name])
+    _check(request.getfixturevalue("fsdp_cuda"), name)
 
 
 @pytest.fixture(scope="module")

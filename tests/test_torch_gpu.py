@@ -598,3 +598,34 @@ def test_resident_share_then_offloaded_gpu_share_in_hybrid():
     assert [eng.resident(s) for s in range(15)] == RESIDENT_MASK
     assert [eng.on_device(s) and not eng.resident(s) for s in range(6)] == [False, False, True, True, False, False]
     ts.close()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_state_spans_ring_buffers_bit_identical(mode, dtype):
+    """A 2.4M-element weight (more than one staging-ring buffer, 2**21 elements) beside
+    small tensors, plain and eager (gradient hooks): the same bits as torch.optim.AdamW
+    (bf16: against fp32 masters); the ring in stats (72 MiB), freed at close."""
+    import trainstream.core._device as ge
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1200, 2000), nn.Tanh(), nn.Linear(2000, 3)).to(DEV, dtype)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    extra = dict(gpu_share=0.9, gpu_params="first") if mode == "hybrid" else {}
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, **extra)
+    assert model[0].weight.numel() > ge.RING_ELEMS
+    for t in range(6):
+        x = torch.randn(8, 1200, device=DEV, dtype=dtype)
+        if t % 2:
+            with ts.last_micro_batch():
+                step_beside_master(model, master, ref, ts, model(x).float().square().mean())
+        else:
+            step_beside_master(model, master, ref, ts, model(x).float().square().mean())
+    ts.synchronize()
+    sd = ts.state_dict()
+    for sid, (p, m) in enumerate(zip(model.parameters(), master)):
+        assert torch.equal(p.detach(), m.detach().to(dtype))
+        assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"].cpu())
+    assert ts.stats()["staging_ring_bytes"] == ge.RING_DEPTH * 3 * 4 * ge.RING_ELEMS
+    ts.close()

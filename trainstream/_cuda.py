@@ -84,6 +84,8 @@ def _declare(lib) -> None:
         ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
         ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
         ("cuStreamSynchronize", [vp]),
+        ("cuStreamCreate", [ctypes.POINTER(vp), ui]),
+        ("cuStreamDestroy_v2", [vp]),
         ("cuCtxSynchronize", []),
         ("cuDeviceGetAttribute", [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]),
         ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
@@ -189,6 +191,16 @@ class Context:
     def stream_wait_event(self, stream: int, event: "Event") -> None:
         """Make ``stream``'s later work wait for ``event`` (on the device; the host goes on)."""
         _check(self.call("cuStreamWaitEvent", stream, event.handle, 0), "cuStreamWaitEvent")
+
+    def create_stream(self) -> int:
+        """A new non-blocking stream of this context (``destroy_stream`` releases it)."""
+        st = ctypes.c_void_p()
+        _check(self.call("cuStreamCreate", ctypes.byref(st), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        return st.value
+
+    def destroy_stream(self, stream: int) -> None:
+        """Release a stream of :meth:`create_stream` (its queued work still completes)."""
+        _check(self.call("cuStreamDestroy_v2", stream), "cuStreamDestroy")
 
     def stream_synchronize(self, stream: int) -> None:
         """Block (GIL released) until ``stream``'s queued work is done."""

@@ -1,14 +1,17 @@
-"""The device placement of the engine: zero-copy kernel launches.
+"""The device placement of the engine: AdamW updated by CUDA kernels.
 
 ``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
 pinned host memory, or for a slot added ``resident`` in GPU memory (the state of
 ``gpu_state_bytes``: no PCIe traffic, the same kernels with other pointers, so the same
-bits; its state I/O copies through :mod:`trainstream._cuda`). CUDA kernels
+bits; its state I/O copies through :mod:`trainstream._cuda`). One kernel
 (``trainstream/kernels/adamw_zero_copy.cu``, via :mod:`trainstream._device_kernels`; at
-``step`` several parameters per launch, from a gradient hook one) read the gradient from
-GPU memory and the state over PCIe, and write the weights in place; the arithmetic is the
-contract's
-(:mod:`trainstream.contract`). Clipping and loss scaling are the framework's, done on the
+``step`` several parameters per launch, from a gradient hook one) reads the gradient from
+GPU memory and writes the weights in place; the arithmetic is the contract's
+(:mod:`trainstream.contract`). Host-memory state reaches it *staged* (:class:`_Ring`): the
+copy engines stream it through a few small GPU buffers, copy in, update, copy back, at
+0.99 of the bidirectional PCIe rate, where the kernel reading it over PCIe itself
+(*zero-copy*, the path without a ring) reaches 0.83 (H200: 0.83-0.85x the time,
+experiments/RESULTS.md). Clipping and loss scaling are the framework's, done on the
 gradients in GPU memory before the update.
 
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
@@ -28,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import _cuda
 from .. import contract as C
 
 __all__ = ["DevicePlacement"]
@@ -42,6 +46,14 @@ EAGER_SM_FRACTION = 0.25
 #: ~20x a launch's host cost), so that launches stop costing the host one call per tensor
 #: while the next forward can still start after the first few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
+
+#: The staging ring (:class:`_Ring`): buffers of this many fp32 elements per state array
+#: (8 MiB), this many buffers: 72 MiB of GPU memory. Measured on the H200 (2**28 elements):
+#: 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate; 32 MiB x 2-3 within 3%,
+#: 64 MiB x 3 7% below (experiments/bench_zero_copy.py).
+RING_ELEMS = 1 << 21
+RING_DEPTH = 3
+_ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's vector path)
 
 
 @dataclass(eq=False)
@@ -66,8 +78,96 @@ class _GpuSlot:
     exp_avg_sq: _Buf
     master: _Buf | None
     step: int = 0
-    ready: Any = None
+    ready: Any = None  # the weights are updated (compute waits on it)
     grad_keep: Any = None
+    copied_back: Any = None  # staged: the state is back in host memory
+
+    def settle(self) -> None:
+        """Block until the slot's last update, and its state's copy back, are done."""
+        for ev in (self.ready, self.copied_back):
+            if ev is not None:
+                ev.synchronize()
+
+
+class _Ring:
+    """Staged updates of host-memory state: per buffer of the ring, the state of a few
+    tensors (or a piece of one) is copied in on one stream, updated by the kernel on the
+    caller's stream (GPU-memory pointers: the same bits as zero-copy) and copied back on a
+    third. A buffer is refilled once its copy back is done, and a slot's state is copied in
+    only once its previous update's copy back is done (``copied_back``), so the host memory
+    is the one copy of the state between updates."""
+
+    def __init__(self, device: int, dk):
+        self.ctx = _cuda.context(device)
+        self.dk, self.device = dk, device
+        self.mem: list = []
+        self.h2d = self.d2h = None
+        try:
+            self.mem = [dk.alloc_device(3 * 4 * RING_ELEMS, device) for _ in range(RING_DEPTH)]
+            self.h2d, self.d2h = self.ctx.create_stream(), self.ctx.create_stream()
+        except BaseException:
+            self.close()
+            raise
+        self.freed: list = [None] * RING_DEPTH  # each buffer's last copy back
+        self.next = 0
+        self.nbytes = sum(m.nbytes for m in self.mem)
+
+    def run(self, variant: int, pd: str, gd: str, updates, stream: int, max_blocks: int | None) -> None:
+        """Queue ``(slot, param_ptr, grad_ptr, scalars)`` updates of one dtype pair, the
+        kernels on ``stream``."""
+        pieces: list = []
+        pos = 0
+        for u in updates:
+            s, lo = u[0], 0
+            while lo < s.numel:
+                n = min(s.numel - lo, RING_ELEMS - pos)
+                pieces.append((u, lo, n, pos))
+                pos = -(-(pos + n) // _ALIGN) * _ALIGN
+                lo += n
+                if pos >= RING_ELEMS or len(pieces) == self.dk.MULTI_MAX:
+                    self._dispatch(variant, pd, gd, pieces, stream, max_blocks)
+                    pieces, pos = [], 0
+        if pieces:
+            self._dispatch(variant, pd, gd, pieces, stream, max_blocks)
+
+    def _dispatch(self, variant, pd, gd, pieces, stream, max_blocks) -> None:
+        ctx, k = self.ctx, self.next
+        self.next = (k + 1) % RING_DEPTH
+        base, pi, gi = self.mem[k].dev_ptr, _ITEMSIZE[pd], _ITEMSIZE[gd]
+        if self.freed[k] is not None:
+            ctx.stream_wait_event(self.h2d, self.freed[k])  # the buffer's last copy back
+        copies, items = [], []
+        for (s, param_ptr, grad_ptr, scalars), lo, n, pos in pieces:
+            if lo == 0 and s.copied_back is not None and not s.copied_back.query():
+                ctx.stream_wait_event(self.h2d, s.copied_back)  # its previous update's state
+            bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if s.master is not None else ())
+            dev = [base + 4 * (a * RING_ELEMS + pos) for a in range(3)]
+            for a, buf in enumerate(bufs):
+                copies.append((dev[a], buf.host.ctypes.data + 4 * lo, 4 * n))
+            items.append((param_ptr + pi * lo, grad_ptr + gi * lo, dev[2] if s.master is not None else 0,
+                          dev[0], dev[1], n, scalars))
+        for d, h, nb in copies:
+            ctx.memcpy_htod_async(d, h, nb, self.h2d)
+        ctx.stream_wait_event(stream, _cuda.Event(ctx, self.h2d))
+        self.dk.launch_adamw_multi(variant, pd, gd, items, stream=stream, device=self.device, max_blocks=max_blocks)
+        ctx.stream_wait_event(self.d2h, _cuda.Event(ctx, stream))
+        for d, h, nb in copies:
+            ctx.memcpy_dtoh_async(h, d, nb, self.d2h)
+        freed = self.freed[k] = _cuda.Event(ctx, self.d2h)
+        for (s, *_), _, _, _ in pieces:
+            s.copied_back = freed
+
+    def close(self) -> None:
+        """Wait for the copies, free the buffers and the streams."""
+        for st in (self.h2d, self.d2h):
+            if st is not None:
+                self.ctx.stream_synchronize(st)
+        for m in self.mem:
+            m.free()
+        for st in (self.h2d, self.d2h):
+            if st is not None:
+                self.ctx.destroy_stream(st)
+        self.mem, self.h2d, self.d2h = [], None, None
 
 
 class DevicePlacement:
@@ -104,6 +204,11 @@ class DevicePlacement:
         self._mapped_bytes = 0
         self._device_bytes = 0  # resident state, in GPU memory
         self._unwaited = False  # launches since the compute stream last waited for all
+        # Host-memory state goes through the staging ring (allocated at the first update);
+        # False: the kernel reads it over PCIe itself (zero-copy). A private tuning knob for
+        # experiments/bench_train.py's A/B (~zc); the ring's allocation failing also falls back.
+        self.staged = True
+        self._ring: _Ring | None = None
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -276,14 +381,21 @@ class DevicePlacement:
             nonlocal group, elems
             if not group:
                 return
-            items = []
+            items, staged = [], []
+            ring = self._staging_ring() if any(s.exp_avg.host is not None for s, *_ in group) else None
             for s, hp, grad, _ in group:
                 scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
-                items.append((be.data_ptr(s.param), be.data_ptr(grad),
-                              s.master.dev_ptr if s.master is not None else 0,
-                              s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
-            dk.launch_adamw_multi(variant, group[0][0].dtype, group[0][3], items, stream=stream,
-                                  device=self.device, max_blocks=max_blocks)
+                if ring is not None and s.exp_avg.host is not None:
+                    staged.append((s, be.data_ptr(s.param), be.data_ptr(grad), scalars))
+                else:
+                    items.append((be.data_ptr(s.param), be.data_ptr(grad),
+                                  s.master.dev_ptr if s.master is not None else 0,
+                                  s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
+            pd, gd = group[0][0].dtype, group[0][3]
+            if items:
+                dk.launch_adamw_multi(variant, pd, gd, items, stream=stream, device=self.device, max_blocks=max_blocks)
+            if staged:
+                ring.run(variant, pd, gd, staged, stream, max_blocks)
             ready = be.record_update()
             for s, _, grad, _ in group:  # counted once the launch is queued
                 s.step += 1
@@ -302,6 +414,21 @@ class DevicePlacement:
             in_group.add(s.id)
             elems += s.numel
         flush()
+
+    def _staging_ring(self) -> _Ring | None:
+        """The ring (allocated on first use), or None: zero-copy (``staged`` off, or its
+        72 MiB of GPU memory refused: a warning, then the same bits at the PCIe-read rate)."""
+        if self._ring is None and self.staged:
+            try:
+                self._ring = _Ring(self.device, self._dk)
+            except MemoryError as exc:
+                import warnings
+
+                warnings.warn(f"TrainStream: no GPU memory for the staging ring ({exc}); the update kernels "
+                              "read the host-memory state over PCIe instead (same results, slower)", RuntimeWarning,
+                              stacklevel=4)
+                self.staged = False
+        return self._ring
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
         """Queue updates whose weights, gradients and scalars another runtime owns (XLA).
@@ -360,8 +487,7 @@ class DevicePlacement:
         """The weights of slot ``sid`` were changed outside (or its parameter replaced by
         ``param``): an fp16/bf16 slot's master follows them (contract ``merge_master``)."""
         s = self._slot(sid)
-        if s.ready is not None:
-            s.ready.synchronize()
+        s.settle()
         if param is not None:
             s.param = param
         if s.master is not None:
@@ -383,16 +509,14 @@ class DevicePlacement:
 
     def synchronize(self) -> None:
         for s in self._slots:
-            if s.ready is not None:
-                s.ready.synchronize()
+            s.settle()
             s.grad_keep = None
 
     # -- state ------------------------------------------------------------------------------
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         s = self._slot(sid)
-        if s.ready is not None:
-            s.ready.synchronize()
+        s.settle()
         if s.master is not None:
             master = self._read(s.master, s.numel)
         else:
@@ -402,8 +526,7 @@ class DevicePlacement:
 
     def load_state(self, sid, exp_avg, exp_avg_sq, step, master=None) -> None:
         s = self._slot(sid)
-        if s.ready is not None:
-            s.ready.synchronize()
+        s.settle()
         for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
             if arr is not None and np.asarray(arr).size != s.numel:
                 raise ValueError(
@@ -422,7 +545,8 @@ class DevicePlacement:
 
     def stats(self) -> dict[str, float]:
         """Counters; ``host_state_bytes``: the mapped state, ``gpu_state_bytes``: the
-        resident state (``resident_params`` slots, ``resident_numel`` elements)."""
+        resident state (``resident_params`` slots, ``resident_numel`` elements),
+        ``staging_ring_bytes``: the staging ring's GPU memory (0 before the first update)."""
         resident = [s for s in self._slots if s.exp_avg.mem is not None]
         return {
             "params": float(len(self._slots)),
@@ -435,6 +559,7 @@ class DevicePlacement:
             "pinned_state_bytes": float(self._mapped_bytes),
             "pageable_state_bytes": 0.0,
             "gpu_state_bytes": float(self._device_bytes),
+            "staging_ring_bytes": float(self._ring.nbytes if self._ring is not None else 0),
             "resident_params": float(len(resident)),
             "resident_numel": float(sum(s.numel for s in resident)),
             "grad_bytes_offloaded": 0.0,
@@ -450,6 +575,8 @@ class DevicePlacement:
             return
         try:
             self.synchronize()
+            if self._ring is not None:
+                self._ring.close()
         finally:
             self._closed = True
             for s in self._slots:

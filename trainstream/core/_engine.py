@@ -6,9 +6,9 @@ memory). Its *placement* says who updates it:
 * ``host`` (:class:`trainstream.core._host.HostPlacement`): each gradient is copied into pinned
   staging as backward produces it, and worker threads run the Numba kernels; the new
   weights are uploaded asynchronously;
-* ``device`` (:class:`trainstream.core._device.DevicePlacement`): a zero-copy CUDA kernel reads
-  the gradient in GPU memory and the state over PCIe (resident slots: in GPU memory), and
-  writes the weights in place.
+* ``device`` (:class:`trainstream.core._device.DevicePlacement`): a CUDA kernel reads the
+  gradient in GPU memory and the state staged through a GPU ring by the copy engines
+  (resident slots: in GPU memory), and writes the weights in place.
 
 The adapters' modes are placement policies: ``cpu`` places every slot on the host,
 ``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
@@ -380,12 +380,14 @@ class Engine:
         only, 0.5 both; with both also ``gpu_params``, ``gpu_numel`` and
         ``gpu_update_launch_ms_total`` (the device share's). ``gpu_state_bytes``: the
         resident state in GPU memory (``resident_params`` slots, ``resident_numel``
-        elements); ``host_state_bytes``: the state in host memory."""
+        elements); ``staging_ring_bytes``: the device placement's staging ring in GPU
+        memory; ``host_state_bytes``: the state in host memory."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())
         if self.device is None:
-            return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0}
+            return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0,
+                    "staging_ring_bytes": 0.0}
         g = self.device.stats()
         st["params"] += g["params"]
         st["numel"] += g["numel"]
@@ -395,7 +397,7 @@ class Engine:
         st["steps"] = max(st["steps"], g["steps"])
         st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
         st["eager_updates"] += g["eager_updates"]
-        for k in ("gpu_state_bytes", "resident_params", "resident_numel"):
+        for k in ("gpu_state_bytes", "resident_params", "resident_numel", "staging_ring_bytes"):
             st[k] = g[k]
         st["gpu_params"] = g["params"]
         st["gpu_numel"] = g["numel"]

@@ -253,10 +253,11 @@ class OffloadAdamW(Optimizer):
         their global norm: :meth:`clip_grad_norm` (``clip_grad_norm_`` over the parameters
         in param-group order, the same bits), without copying the gradients to the host
         again.
-      mode: ``"cpu"`` (update on host threads), ``"gpu"`` (zero-copy GPU kernel) or
-        ``"hybrid"`` (both at once: up to ``gpu_share`` of the trainable elements by
-        the zero-copy kernel, the rest by the host threads; the state of all of them in
-        host memory; CUDA parameters). Each parameter gets the bits of the mode that
+      mode: ``"cpu"`` (update on host threads), ``"gpu"`` (a GPU kernel; the copy engines
+        stream the host-memory state through a 72 MiB ring of GPU buffers,
+        ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (both at once: up to
+        ``gpu_share`` of the trainable elements by the GPU kernel, the rest by the host
+        threads; the state of all of them in host memory; CUDA parameters). Each parameter gets the bits of the mode that
         updates it (both are ``torch.optim.AdamW``'s on CUDA).
       overlap_forward: a module (the model) whose next forward may overlap the update:
         see above. Default ``None``: ``step()`` makes the weights current for every reader.
@@ -1098,7 +1099,8 @@ class OffloadAdamW(Optimizer):
         """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of
         them ``pinned_state_bytes``), the host memory plan checked at construction
         (``host_plan_*``: see :meth:`host_memory_plan`), GPU state bytes (``gpu_state_bytes``,
-        of ``resident_params`` parameters), update and stall times, worker ``threads``, and where
+        of ``resident_params`` parameters; ``staging_ring_bytes``: the GPU buffers through which
+        ``gpu``/``hybrid`` stream the host state, 72 MiB once used), update and stall times, worker ``threads``, and where
         the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
         ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
         them over the ranks itself (e.g. ``all_gather_object``)."""
