@@ -54,8 +54,8 @@ clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U m
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
 ~shareF (hybrid: gpu_share=F), ~resG (TrainStream: gpu_state_bytes of G GiB: the state of the
 first parameters that fit kept in GPU memory and updated there, the rest as the mode says),
-~zc (gpu/hybrid: the update kernels read the host-memory state over PCIe, zero-copy,
-instead of the staging ring's copies: the A/B of the staged update), ~ebN (eager zero-copy kernels capped at N blocks: OffloadAdamW(eager_blocks=N); default: a
+~zc / ~staged (gpu / hybrid: the update kernels read the host-memory state over PCIe,
+zero-copy / through the staging ring: the A/B of the staged update), ~ebN (eager zero-copy kernels capped at N blocks: OffloadAdamW(eager_blocks=N); default: a
 quarter of the multiprocessors' count),
 ~overlap (TrainStream: OffloadAdamW(overlap_forward=model), the next forward overlaps the
 update, each module waiting for its own weights; default: step() makes the current stream
@@ -249,8 +249,8 @@ def build(setup, size, device, batch=8, ckpt=False, vocab=VOCAB, seq=1024):
         if "overlap" in opts_:
             extra["overlap_forward"] = model
         opt = OffloadAdamW(params, mode=mode, threads=threads, chunk_size=chunk, max_grad_norm=clip, **extra, **lr)
-        if "zc" in opts_:  # A/B: the kernels read the host state over PCIe (no staging ring)
-            opt._engine.device.staged = False
+        if "zc" in opts_ or "staged" in opts_:  # A/B: over PCIe (zero-copy) / through the staging ring
+            opt._engine.device.staged = "staged" in opts_
         eager = setup.endswith("_eager")
     elif clip is not None:
         raise ValueError(f"~clip is not implemented for {setup}")

@@ -11,7 +11,8 @@ GPU memory and writes the weights in place; the arithmetic is the contract's
 copy engines stream it through a few small GPU buffers, copy in, update, copy back, at
 0.99 of the bidirectional PCIe rate, where the kernel reading it over PCIe itself
 (*zero-copy*, the path without a ring) reaches 0.83 (H200: 0.83-0.85x the time,
-experiments/RESULTS.md). Clipping and loss scaling are the framework's, done on the
+experiments/RESULTS.md). The engine stages in ``gpu`` mode only: beside ``hybrid``'s host
+share (its copies and workers) zero-copy measured faster. Clipping and loss scaling are the framework's, done on the
 gradients in GPU memory before the update.
 
 Ordering: the update stream waits for the compute stream at ``step`` (the whole
@@ -180,7 +181,7 @@ class DevicePlacement:
     ``record_update() -> event``, ``data_ptr(tensor) -> int`` and ``device_index: int``.
     """
 
-    def __init__(self, backend: Any, *, convention: str = "torch"):
+    def __init__(self, backend: Any, *, convention: str = "torch", staged: bool = True):
         from .. import _device_kernels as dk  # CuPy is imported here, on first use
 
         if convention not in C.CONVENTIONS:
@@ -205,9 +206,10 @@ class DevicePlacement:
         self._device_bytes = 0  # resident state, in GPU memory
         self._unwaited = False  # launches since the compute stream last waited for all
         # Host-memory state goes through the staging ring (allocated at the first update);
-        # False: the kernel reads it over PCIe itself (zero-copy). A private tuning knob for
-        # experiments/bench_train.py's A/B (~zc); the ring's allocation failing also falls back.
-        self.staged = True
+        # False: the kernel reads it over PCIe itself (zero-copy): the engine's choice per
+        # policy (measured, see Engine), experiments/bench_train.py's A/B (~zc), and the
+        # fallback when the ring's GPU memory is refused.
+        self.staged = bool(staged)
         self._ring: _Ring | None = None
 
     # -- parameters -------------------------------------------------------------------------

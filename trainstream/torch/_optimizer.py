@@ -256,8 +256,9 @@ class OffloadAdamW(Optimizer):
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (a GPU kernel; the copy engines
         stream the host-memory state through a 72 MiB ring of GPU buffers,
         ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (both at once: up to
-        ``gpu_share`` of the trainable elements by the GPU kernel, the rest by the host
-        threads; the state of all of them in host memory; CUDA parameters). Each parameter gets the bits of the mode that
+        ``gpu_share`` of the trainable elements by the GPU kernel, reading their state over
+        PCIe, the rest by the host threads; the state of all of them in host memory; CUDA
+        parameters). Each parameter gets the bits of the mode that
         updates it (both are ``torch.optim.AdamW``'s on CUDA).
       overlap_forward: a module (the model) whose next forward may overlap the update:
         see above. Default ``None``: ``step()`` makes the weights current for every reader.
