@@ -42,9 +42,6 @@ class Backend:
     def wait_on_compute(self, event, param):
         pass
 
-    def all_reduce_sum(self, value):
-        return value
-
 
 class FakeDevice:
     """The zero-copy placement's interface over a host placement (step takes the gradients)."""

@@ -114,9 +114,6 @@ class AsyncBackend:
         if event is not None:
             event.synchronize()
 
-    def all_reduce_sum(self, value):
-        return value
-
 
 SCENARIOS = ["plain", "eager", "micro3", "micro2_eager", "clip", "clip_micro2", "discard",
              "eager_then_grad", "no_grads", "eager_then_discard", "eager", "plain"]

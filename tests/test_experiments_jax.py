@@ -117,4 +117,4 @@ def test_bench_jax_offload_runs_on_cpu(tmp_path):
     for name in ("optax_hbm", "jax_pinned", "ts_cpu"):
         assert res[name]["ms"] > 0
         assert res[name]["check_vs_optax_hbm"]["frac_off_by_1pct_lr"] == 0.0, name
-    assert "needs a CUDA GPU" in res["ts_gpu"]["error"]
+    assert "needs a CUDA GPU" in res["ts_gpu"]["error"] and "needs a CUDA GPU" in res["ts_gpu_zc"]["error"]

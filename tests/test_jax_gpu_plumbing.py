@@ -46,9 +46,22 @@ class _Mapped:
 
 class _Context:
     copies = []
+    waits = []  # (stream, event): the staging ring's orders
 
     def alloc_mapped(self, nbytes):
         return _Mapped(nbytes)
+
+    def create_stream(self):
+        return 7
+
+    def destroy_stream(self, stream):
+        pass
+
+    def stream_synchronize(self, stream):
+        pass
+
+    def stream_wait_event(self, stream, event):
+        self.waits.append((stream, event))
 
     def memcpy_dtoh_async(self, dst, src, nbytes, stream):
         ctypes.memmove(dst, src, nbytes)
@@ -61,13 +74,24 @@ class _Context:
 
 class _Event:
     def __init__(self, ctx, stream):
-        pass
+        self.stream = stream
 
     def synchronize(self):
         pass
 
     def query(self):
         return True
+
+
+class _Device:
+    """Device memory of the staging ring: host memory (the simulated copies memmove)."""
+
+    def __init__(self, nbytes):
+        self._a = np.full(nbytes // 4, np.nan, np.float32)
+        self.dev_ptr, self.nbytes = self._a.ctypes.data, nbytes
+
+    def free(self):
+        pass
 
 
 class _Kernels:
@@ -106,6 +130,7 @@ def simulate_gpu(monkeypatch):
     fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
+    from trainstream.core import _device
 
     monkeypatch.setattr(T, "_platform_of", lambda leaves: "cuda")
     monkeypatch.setattr(G, "_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
@@ -113,10 +138,14 @@ def simulate_gpu(monkeypatch):
     monkeypatch.setattr(_cuda, "pointer_device", lambda ptr: 0)
     monkeypatch.setattr(_cuda, "context", lambda device: _Context())
     monkeypatch.setattr(_cuda, "Event", _Event)
+    monkeypatch.setattr(dk, "alloc_device", lambda nbytes, device=None: _Device(nbytes))
+    monkeypatch.setattr(G, "_rings", {})  # a ring of the simulated device, not a real one
+    monkeypatch.setattr(_device, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
     for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
         monkeypatch.setattr(dk, name, getattr(_Kernels, name))
     _Kernels.launches.clear()
     _Context.copies.clear()
+    _Context.waits.clear()
     with T._plans_lock:  # plans of the real platform must not serve the simulated one
         T._plans.clear()
     yield
@@ -212,8 +241,10 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
                 if dtype != "float32":
                     np.testing.assert_array_equal(_bits(p[k]), _bits(np.asarray(s.master[k]).astype(p[k].dtype)))
             assert int(s.count) == len(gs)
-    if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX
+    if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX, their state staged in pieces
         assert {(w, n) for w, _, n in _Kernels.launches} >= {("w", 3), ("w", 2)}
+        assert any(d == "h2d" for d, _ in _Context.copies) and any(d == "d2h" for d, _ in _Context.copies)
+        assert any(st == 0 and ev.stream == 7 for st, ev in _Context.waits)  # XLA's stream: after the copies back
         if dtype == "float32":
             assert ("u", "float32", 3) in _Kernels.launches
     else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf

@@ -87,7 +87,6 @@ def _declare(lib) -> None:
         ("cuStreamCreate", [ctypes.POINTER(vp), ui]),
         ("cuStreamDestroy_v2", [vp]),
         ("cuCtxSynchronize", []),
-        ("cuDeviceGetAttribute", [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]),
         ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
         ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]),
         ("cuMemFreeHost", [vp]),
@@ -209,12 +208,6 @@ class Context:
     def synchronize(self) -> None:
         """Block (GIL released) until all work queued on the device is done."""
         _check(self.call("cuCtxSynchronize", release_gil=True), "cuCtxSynchronize")
-
-    def attribute(self, attr: int) -> int:
-        """``cuDeviceGetAttribute`` of this device."""
-        out = ctypes.c_int()
-        _check(_fast.cuDeviceGetAttribute(ctypes.byref(out), attr, self._dev), "cuDeviceGetAttribute")
-        return out.value
 
     def alloc_mapped(self, nbytes: int) -> "Mapped":
         """``nbytes`` of pinned host memory mapped into the device address space (portable:

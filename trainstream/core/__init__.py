@@ -4,8 +4,9 @@
   state out and in, stats, close; ``cpu``/``gpu``/``hybrid`` are placement policies, and
   a budget of GPU memory keeps the first slots' state resident there (:func:`state_bytes`).
 * host placement (``core/_host.py``): worker pool and the host update pipeline.
-* device placement (``core/_device.py``): zero-copy kernel launches (CuPy on first use),
-  the state in mapped host memory or resident in GPU memory.
+* device placement (``core/_device.py``): kernel launches (CuPy on first use), the state
+  in pinned host memory (staged through a :class:`StagingRing` of GPU buffers, or read
+  over PCIe) or resident in GPU memory.
 """
 
 from ._engine import (
@@ -16,5 +17,7 @@ from ._engine import (
     WorkerError,
     state_bytes,
 )
+from ._device import StagingRing, staging_ring
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "WorkerError", "state_bytes"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "StagingRing", "WorkerError", "staging_ring",
+           "state_bytes"]

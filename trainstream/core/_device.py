@@ -7,7 +7,7 @@ bits; its state I/O copies through :mod:`trainstream._cuda`). One kernel
 (``trainstream/kernels/adamw_zero_copy.cu``, via :mod:`trainstream._device_kernels`; at
 ``step`` several parameters per launch, from a gradient hook one) reads the gradient from
 GPU memory and writes the weights in place; the arithmetic is the contract's
-(:mod:`trainstream.contract`). Host-memory state reaches it *staged* (:class:`_Ring`): the
+(:mod:`trainstream.contract`). Host-memory state reaches it *staged* (:class:`StagingRing`): the
 copy engines stream it through a few small GPU buffers, copy in, update, copy back, at
 0.99 of the bidirectional PCIe rate, where the kernel reading it over PCIe itself
 (*zero-copy*, the path without a ring) reaches 0.83 (H200: 0.83-0.85x the time,
@@ -35,7 +35,7 @@ import numpy as np
 from .. import _cuda
 from .. import contract as C
 
-__all__ = ["DevicePlacement"]
+__all__ = ["DevicePlacement", "StagingRing", "staging_ring"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -48,7 +48,7 @@ EAGER_SM_FRACTION = 0.25
 #: while the next forward can still start after the first few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
 
-#: The staging ring (:class:`_Ring`): buffers of this many fp32 elements per state array
+#: The staging ring (:class:`StagingRing`): buffers of this many fp32 elements per state array
 #: (8 MiB), this many buffers: 72 MiB of GPU memory. Measured on the H200 (2**28 elements):
 #: 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate; 32 MiB x 2-3 within 3%,
 #: 64 MiB x 3 7% below (experiments/bench_zero_copy.py).
@@ -90,13 +90,14 @@ class _GpuSlot:
                 ev.synchronize()
 
 
-class _Ring:
-    """Staged updates of host-memory state: per buffer of the ring, the state of a few
-    tensors (or a piece of one) is copied in on one stream, updated by the kernel on the
-    caller's stream (GPU-memory pointers: the same bits as zero-copy) and copied back on a
-    third. A buffer is refilled once its copy back is done, and a slot's state is copied in
-    only once its previous update's copy back is done (``copied_back``), so the host memory
-    is the one copy of the state between updates."""
+class StagingRing:
+    """Staged AdamW updates of host-memory state (pinned), for both adapters.
+
+    Per buffer of the ring the state of a few tensors, or a piece of one, is copied in on
+    the ring's H2D stream, updated by the kernel on the caller's stream (GPU-memory
+    pointers: the same bits as zero-copy) and copied back on its D2H stream. A buffer is
+    refilled once its copy back is done; an entry's state is copied in after its ``wait``
+    event (its previous update's copy back); every piece starts 64-byte aligned."""
 
     def __init__(self, device: int, dk):
         self.ctx = _cuda.context(device)
@@ -111,52 +112,62 @@ class _Ring:
             raise
         self.freed: list = [None] * RING_DEPTH  # each buffer's last copy back
         self.next = 0
+        self.last = None  # the last copy back queued (the D2H stream is in order: all before it too)
         self.nbytes = sum(m.nbytes for m in self.mem)
+        self.lock = threading.Lock()
 
-    def run(self, variant: int, pd: str, gd: str, updates, stream: int, max_blocks: int | None) -> None:
-        """Queue ``(slot, param_ptr, grad_ptr, scalars)`` updates of one dtype pair, the
-        kernels on ``stream``."""
-        pieces: list = []
-        pos = 0
-        for u in updates:
-            s, lo = u[0], 0
-            while lo < s.numel:
-                n = min(s.numel - lo, RING_ELEMS - pos)
-                pieces.append((u, lo, n, pos))
-                pos = -(-(pos + n) // _ALIGN) * _ALIGN
-                lo += n
-                if pos >= RING_ELEMS or len(pieces) == self.dk.MULTI_MAX:
-                    self._dispatch(variant, pd, gd, pieces, stream, max_blocks)
-                    pieces, pos = [], 0
-        if pieces:
-            self._dispatch(variant, pd, gd, pieces, stream, max_blocks)
+    def run(self, launch: Callable[[list], Any], entries: Sequence, stream: int, after: Any = None) -> list:
+        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host
+        addresses of its fp32 state arrays (m, v[, master]), its element count,
+        ``item(lo, n, dev_ptrs)`` -> the kernel item of elements ``lo:lo+n`` given the
+        staged arrays' device addresses, and an event (or None) to copy in after.
+        ``launch(items)`` queues one kernel launch on ``stream`` (at most ``MULTI_MAX``
+        items); ``after``: an event the first copy in waits for. Returns per entry the
+        event of its last copy back (None for an empty one)."""
+        done: list = [None] * len(entries)
+        with self.lock:
+            if after is not None:
+                self.ctx.stream_wait_event(self.h2d, after)
+            pieces: list = []
+            pos = 0
+            for e, (_, total, _, _) in enumerate(entries):
+                lo = 0
+                while lo < total:
+                    n = min(total - lo, RING_ELEMS - pos)
+                    pieces.append((e, lo, n, pos))
+                    pos = -(-(pos + n) // _ALIGN) * _ALIGN
+                    lo += n
+                    if pos >= RING_ELEMS or len(pieces) == self.dk.MULTI_MAX:
+                        self._dispatch(launch, entries, pieces, stream, done)
+                        pieces, pos = [], 0
+            if pieces:
+                self._dispatch(launch, entries, pieces, stream, done)
+        return done
 
-    def _dispatch(self, variant, pd, gd, pieces, stream, max_blocks) -> None:
+    def _dispatch(self, launch, entries, pieces, stream, done) -> None:
         ctx, k = self.ctx, self.next
         self.next = (k + 1) % RING_DEPTH
-        base, pi, gi = self.mem[k].dev_ptr, _ITEMSIZE[pd], _ITEMSIZE[gd]
+        base = self.mem[k].dev_ptr
         if self.freed[k] is not None:
             ctx.stream_wait_event(self.h2d, self.freed[k])  # the buffer's last copy back
         copies, items = [], []
-        for (s, param_ptr, grad_ptr, scalars), lo, n, pos in pieces:
-            if lo == 0 and s.copied_back is not None and not s.copied_back.query():
-                ctx.stream_wait_event(self.h2d, s.copied_back)  # its previous update's state
-            bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if s.master is not None else ())
+        for e, lo, n, pos in pieces:
+            ptrs, _, item, wait = entries[e]
+            if lo == 0 and wait is not None and not wait.query():
+                ctx.stream_wait_event(self.h2d, wait)  # the entry's previous update's state
             dev = [base + 4 * (a * RING_ELEMS + pos) for a in range(3)]
-            for a, buf in enumerate(bufs):
-                copies.append((dev[a], buf.host.ctypes.data + 4 * lo, 4 * n))
-            items.append((param_ptr + pi * lo, grad_ptr + gi * lo, dev[2] if s.master is not None else 0,
-                          dev[0], dev[1], n, scalars))
+            copies += [(dev[a], ptr + 4 * lo, 4 * n) for a, ptr in enumerate(ptrs)]
+            items.append(item(lo, n, dev))
         for d, h, nb in copies:
             ctx.memcpy_htod_async(d, h, nb, self.h2d)
         ctx.stream_wait_event(stream, _cuda.Event(ctx, self.h2d))
-        self.dk.launch_adamw_multi(variant, pd, gd, items, stream=stream, device=self.device, max_blocks=max_blocks)
+        launch(items)
         ctx.stream_wait_event(self.d2h, _cuda.Event(ctx, stream))
         for d, h, nb in copies:
             ctx.memcpy_dtoh_async(h, d, nb, self.d2h)
-        freed = self.freed[k] = _cuda.Event(ctx, self.d2h)
-        for (s, *_), _, _, _ in pieces:
-            s.copied_back = freed
+        self.last = self.freed[k] = _cuda.Event(ctx, self.d2h)
+        for e, *_ in pieces:
+            done[e] = self.last
 
     def close(self) -> None:
         """Wait for the copies, free the buffers and the streams."""
@@ -169,6 +180,20 @@ class _Ring:
             if st is not None:
                 self.ctx.destroy_stream(st)
         self.mem, self.h2d, self.d2h = [], None, None
+
+
+def staging_ring(device: int, dk, where: str) -> StagingRing | None:
+    """A :class:`StagingRing`, or None with a warning when its 72 MiB of GPU memory are
+    refused (the kernels then read the host state over PCIe: the same bits, slower)."""
+    try:
+        return StagingRing(device, dk)
+    except MemoryError as exc:
+        import warnings
+
+        warnings.warn(f"TrainStream {where}: no GPU memory for the staging ring ({exc}); the update kernels "
+                      "read the host-memory state over PCIe instead (same results, slower)", RuntimeWarning,
+                      stacklevel=5)
+        return None
 
 
 class DevicePlacement:
@@ -210,7 +235,7 @@ class DevicePlacement:
         # policy (measured, see Engine), experiments/bench_train.py's A/B (~zc), and the
         # fallback when the ring's GPU memory is refused.
         self.staged = bool(staged)
-        self._ring: _Ring | None = None
+        self._ring: StagingRing | None = None
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -383,21 +408,32 @@ class DevicePlacement:
             nonlocal group, elems
             if not group:
                 return
-            items, staged = [], []
+            direct, items, staged = [], [], []
             ring = self._staging_ring() if any(s.exp_avg.host is not None for s, *_ in group) else None
+            pd, gd = group[0][0].dtype, group[0][3]
+            pi, gi = _ITEMSIZE[pd], _ITEMSIZE[gd]
             for s, hp, grad, _ in group:
                 scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
+                pp, gp, half = be.data_ptr(s.param), be.data_ptr(grad), s.master is not None
                 if ring is not None and s.exp_avg.host is not None:
-                    staged.append((s, be.data_ptr(s.param), be.data_ptr(grad), scalars))
+                    bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if half else ())
+                    staged.append(s)
+                    items.append(([b.host.ctypes.data for b in bufs], s.numel,
+                                  lambda lo, n, d, pp=pp, gp=gp, half=half, sc=scalars:
+                                  (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc),
+                                  s.copied_back))
                 else:
-                    items.append((be.data_ptr(s.param), be.data_ptr(grad),
-                                  s.master.dev_ptr if s.master is not None else 0,
-                                  s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
-            pd, gd = group[0][0].dtype, group[0][3]
-            if items:
-                dk.launch_adamw_multi(variant, pd, gd, items, stream=stream, device=self.device, max_blocks=max_blocks)
+                    direct.append((pp, gp, s.master.dev_ptr if half else 0,
+                                   s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
+
+            def launch(batch):
+                dk.launch_adamw_multi(variant, pd, gd, batch, stream=stream, device=self.device, max_blocks=max_blocks)
+
+            if direct:
+                launch(direct)
             if staged:
-                ring.run(variant, pd, gd, staged, stream, max_blocks)
+                for s, ev in zip(staged, ring.run(launch, items, stream)):
+                    s.copied_back = ev or s.copied_back
             ready = be.record_update()
             for s, _, grad, _ in group:  # counted once the launch is queued
                 s.step += 1
@@ -417,19 +453,12 @@ class DevicePlacement:
             elems += s.numel
         flush()
 
-    def _staging_ring(self) -> _Ring | None:
+    def _staging_ring(self) -> StagingRing | None:
         """The ring (allocated on first use), or None: zero-copy (``staged`` off, or its
-        72 MiB of GPU memory refused: a warning, then the same bits at the PCIe-read rate)."""
+        GPU memory refused)."""
         if self._ring is None and self.staged:
-            try:
-                self._ring = _Ring(self.device, self._dk)
-            except MemoryError as exc:
-                import warnings
-
-                warnings.warn(f"TrainStream: no GPU memory for the staging ring ({exc}); the update kernels "
-                              "read the host-memory state over PCIe instead (same results, slower)", RuntimeWarning,
-                              stacklevel=4)
-                self.staged = False
+            self._ring = staging_ring(self.device, self._dk, "gpu mode")
+            self.staged = self._ring is not None
         return self._ring
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:

@@ -152,9 +152,6 @@ class Backend(Protocol):
     def wait_on_compute(self, event: Event | None, param: Any) -> None:
         """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
 
-    def all_reduce_sum(self, value: float) -> float:
-        """Sum a float64 over all processes (identity for one process)."""
-
     # Optional (:meth:`HostPlacement.wait_step`; without it the compute stream waits for
     # each slot's last upload event):
 

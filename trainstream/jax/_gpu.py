@@ -17,11 +17,13 @@ update from three ``jax.experimental.buffer_callback`` calls:
 Inside ``update``, on XLA's stream (``ctx.stream``; nothing waits for the GPU in
 ``mode="gpu"``):
 
-* ``mode="gpu"``: the zero-copy kernel, leaves of one dtype in multi-tensor launches
+* ``mode="gpu"``: the kernel, leaves of one dtype in multi-tensor launches
   (:func:`trainstream._device_kernels.launch_adamw_multi`, or
   :func:`~trainstream._device_kernels.launch_adamw_u_multi` for ``update``'s float32 leaves),
-  reading the gradient and weights in GPU memory and the state in host memory over PCIe,
-  with the scalars of the contract's matrix computed in the program;
+  reading the gradient and weights in GPU memory and the state staged from host memory by
+  the copy engines through the device's :class:`trainstream.core.StagingRing` (XLA's
+  stream waits for the copies back before the callback's work is done), with the scalars of
+  the contract's matrix computed in the program;
 * ``mode="cpu"``: each gradient (and float32 weights) is copied to pinned staging with an
   event, the engine's host workers update each leaf as its copy lands
   (:meth:`trainstream.core.Engine.update_external`, the state's host memory in place) and
@@ -49,7 +51,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from .. import _cuda
 from .. import contract as C
-from ..core import ExternalUpdate
+from ..core import ExternalUpdate, staging_ring
 
 __all__ = ["apply", "init"]
 
@@ -114,6 +116,22 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
     k = len(masters)
     return list(firsts), outs[:n], outs[n:2 * n], outs[2 * n:2 * n + k]
+
+
+_rings: dict = {}  # device -> StagingRing (or None: refused), one per device for the process
+_rings_lock = threading.Lock()
+
+
+def _ring(device: int):
+    """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory, allocated at
+    its first update and kept for the process: one for every plan), or None when refused."""
+    if device not in _rings:
+        with _rings_lock:
+            if device not in _rings:
+                from .. import _device_kernels as dk  # noqa: PLC0415
+
+                _rings[device] = staging_ring(device, dk, "JAX mode='gpu'")
+    return _rings[device]
 
 
 def _update_callback(plan) -> "_Update":
@@ -203,8 +221,10 @@ class _Update:
             self._host(device, stream, scal, count, grads, w, weights, mus, nus, masters)
 
     def _launch(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
-        """``mode="gpu"``: the zero-copy kernel over every leaf, leaves of one dtype in
-        launches of up to ``MULTI_MAX`` (each leaf's scalars: its row of the matrix)."""
+        """``mode="gpu"``: the kernel over every leaf, leaves of one dtype in launches of up
+        to ``MULTI_MAX`` (each leaf's scalars: its row of the matrix); the state staged
+        through the device's ring (:func:`_ring`), XLA's stream waiting at the end for its
+        copies back; without a ring the kernel reads it in host memory (zero-copy)."""
         from .. import _device_kernels as dk  # noqa: PLC0415
 
         plan = self.plan
@@ -213,23 +233,34 @@ class _Update:
         groups: dict[tuple, list] = {}
         for i in range(plan.n):
             kind, numel = plan.kinds[i], plan.numels[i]
+            gi, sc, g = _ITEMSIZE[kind], s0 + row * i, _ptr(grads[i])
             if i in masters:  # reads the fp32 master, writes it and the rounded weights into w
-                key, item = ("w", kind), (_ptr(w[i]), _ptr(grads[i]), _ptr(masters[i]), _ptr(mus[i]), _ptr(nus[i]),
-                                          numel, s0 + row * i)
+                key, state, wp = ("w", kind), (_ptr(mus[i]), _ptr(nus[i]), _ptr(masters[i])), _ptr(w[i])
+                item = lambda lo, n, d, wp=wp, g=g, gi=gi, sc=sc: (wp + gi * lo, g + gi * lo, d[2], d[0], d[1], n, sc)  # noqa: E731
             elif plan.emit_u:  # reads the float32 weights, writes u into w
-                key, item = ("u", kind), (_ptr(weights[i]), _ptr(grads[i]), _ptr(w[i]), _ptr(mus[i]), _ptr(nus[i]),
-                                          numel, s0 + row * i)
+                key, state, rp, up = ("u", kind), (_ptr(mus[i]), _ptr(nus[i])), _ptr(weights[i]), _ptr(w[i])
+                item = lambda lo, n, d, rp=rp, up=up, g=g, gi=gi, sc=sc: (rp + 4 * lo, g + gi * lo, up + 4 * lo, d[0], d[1], n, sc)  # noqa: E731
             else:  # the float32 weights in place (w holds the params)
-                key, item = ("w", kind), (_ptr(w[i]), _ptr(grads[i]), 0, _ptr(mus[i]), _ptr(nus[i]), numel,
-                                          s0 + row * i)
-            groups.setdefault(key, []).append(item)
-        for (what, kind), items in groups.items():
-            for k in range(0, len(items), dk.MULTI_MAX):
-                batch = items[k:k + dk.MULTI_MAX]
+                key, state, wp = ("w", kind), (_ptr(mus[i]), _ptr(nus[i])), _ptr(w[i])
+                item = lambda lo, n, d, wp=wp, g=g, gi=gi, sc=sc: (wp + 4 * lo, g + gi * lo, 0, d[0], d[1], n, sc)  # noqa: E731
+            groups.setdefault(key, []).append((state, numel, item, None))
+        ring = _ring(device)
+        after = _cuda.Event(ring.ctx, stream) if ring is not None else None  # XLA's work before: the state's writers
+        for (what, kind), entries in groups.items():
+            def launch(batch, what=what, kind=kind):
                 if what == "u":
                     dk.launch_adamw_u_multi(C.VARIANT_OPTAX_CUDA, kind, batch, stream, device=device)
                 else:
                     dk.launch_adamw_multi(C.VARIANT_OPTAX_CUDA, kind, kind, batch, stream=stream, device=device)
+
+            if ring is not None:
+                ring.run(launch, entries, stream, after)
+                after = None
+            else:
+                for k in range(0, len(entries), dk.MULTI_MAX):
+                    launch([item(0, n, state) for state, n, item, _ in entries[k:k + dk.MULTI_MAX]])
+        if ring is not None and ring.last is not None:
+            ring.ctx.stream_wait_event(stream, ring.last)  # XLA's later readers see the state copied back
 
     def _stage(self, device: int) -> _Staging:
         st = self._staging.get(device)

@@ -6,7 +6,7 @@ user's program (bias corrections through XLA's ``powf``, the schedule, optax's g
 what only XLA reproduces); the update is a kernel of the contract run on XLA's own buffers
 through ``jax.experimental.buffer_callback``: on the CPU backend and in ``mode="cpu"`` by
 the engine's host workers (:meth:`trainstream.core.Engine.update_external`), in
-``mode="gpu"`` by the zero-copy CUDA kernel on XLA's stream (:mod:`trainstream.jax._gpu`).
+``mode="gpu"`` by a CUDA kernel on XLA's stream (:mod:`trainstream.jax._gpu`).
 
 The state is a pytree of arrays shaped as optax's (:class:`OffloadAdamWState`: ``count``,
 ``mu``, ``nu`` as ``optax.ScaleByAdamState``, plus ``master``, the float32 master of each
@@ -128,9 +128,6 @@ class _NoSlots:
 
     host_empty = param_to_host_f32 = record_compute = copy_to_host = copy_to_device = _refuse
     wait_on_compute = _refuse
-
-    def all_reduce_sum(self, value: float) -> float:
-        return value
 
 
 _engines: dict[tuple, Engine] = {}
@@ -682,7 +679,7 @@ def _check_gpu_mode(platform: str, cfg: _Config) -> None:
             has_gpu = False
         if not has_gpu:
             raise RuntimeError(
-                "TrainStream offload_adamw: mode='gpu' (the zero-copy GPU kernel) needs a CUDA GPU "
+                "TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU "
                 f"visible to JAX; this process has none (jax.devices() = {jax.devices()})"
             )
         raise ValueError(
@@ -772,7 +769,7 @@ def offload_adamw(
     gpu_state_bytes: int | None = None,
 ) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in
-    host memory, updated on the host (Numba kernels) or, on a GPU, by a zero-copy kernel.
+    host memory, updated on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
 
     Args:
       learning_rate: a float, an optax schedule (``count -> lr``), or an array (as
@@ -795,9 +792,10 @@ def offload_adamw(
         program fuses the clipping into the moment update, and LLVM pairs the FMAs as it
         does for ``max_grad_norm=M`` (which is the simpler way to write that chain).
       mode: ``"cpu"``: the host updates (on a GPU the gradients are copied to the host and
-        the weights back, on XLA's stream). ``"gpu"``: the zero-copy kernel on XLA's
-        stream, reading and writing the state in pinned host memory over PCIe
-        (parameters on a CUDA device, ``convention="optax"``).
+        the weights back, on XLA's stream). ``"gpu"``: a CUDA kernel on XLA's stream, the
+        state in pinned host memory streamed through a 72 MiB ring of GPU buffers (one per
+        device, kept for the process) by the copy engines (parameters on a CUDA device,
+        ``convention="optax"``).
       convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"``
         (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable; its
         ``update`` is ``new - params``).

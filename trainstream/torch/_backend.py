@@ -164,9 +164,6 @@ class TorchBackend:
         """An event after every weight upload queued so far (CPU: uploads are synchronous)."""
         return _cuda.Event(self.drv, self.h2d.cuda_stream) if self.cuda else None
 
-    def all_reduce_sum(self, value: float) -> float:
-        return value
-
 
 _TC_CODE: int | None = None
 
