@@ -256,16 +256,7 @@ def benchmark_zero_copy_adamw(
                           p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
             del m_np, v_np
 
-            step()  # warm-up
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            samples = []
-            for _ in range(max(1, int(repeats))):
-                start.record(stream)
-                for _ in range(max(1, int(iters))):
-                    step()
-                stop.record(stream)
-                stop.synchronize()
-                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+            samples = _timed(cp, step, stream, stream, iters, repeats)
             dk.check_stream(stream.ptr, device)
             ms = statistics.median(samples)
             bytes_per_elem = 16 if pd == "float32" else 24
@@ -374,17 +365,7 @@ def benchmark_staged_adamw(
             _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
                           p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
             del m_np, v_np
-            step()  # warm-up
-            cp.cuda.Device(device).synchronize()
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            samples = []
-            for _ in range(max(1, int(repeats))):
-                start.record(h2d)
-                for _ in range(max(1, int(iters))):
-                    step()
-                stop.record(d2h)
-                stop.synchronize()
-                samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+            samples = _timed(cp, step, h2d, d2h, iters, repeats)
             dk.check_stream(d2h.ptr, device)
             ms = statistics.median(samples)
             bytes_per_elem = 16 if pd == "float32" else 24
@@ -398,6 +379,23 @@ def benchmark_staged_adamw(
             finally:
                 for free in frees:
                     free()
+
+
+def _timed(cp, step, first, last, iters: int, repeats: int) -> list[float]:
+    """``repeats`` CUDA-event timings (ms per ``step()``) of ``iters`` calls, after a
+    warm-up: from an event on stream ``first`` to one on ``last``."""
+    step()
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for _ in range(max(1, int(repeats))):
+        start.record(first)
+        for _ in range(max(1, int(iters))):
+            step()
+        stop.record(last)
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
+    return samples
 
 
 def _to_storage_cupy(cp, x32, dtype: str):
