@@ -374,8 +374,8 @@ def plot_scaling(paths: list[str], out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=8)
             ax.legend(fontsize=6.5)
-        fig.suptitle("bench_train.py against model size (" + ", ".join(os.path.basename(p) for p in paths) + ")",
-                     fontsize=9)
+        fig.suptitle("bench_train.py against model size, H200 machine\n"
+                     + "\n".join(os.path.basename(p) for p in paths), fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"scaling_{what}.png")
         _save(fig, path)
