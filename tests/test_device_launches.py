@@ -288,6 +288,7 @@ class _FakeCuda:
 
     def __init__(self):
         self.log, self.streams, self.events = [], itertools.count(100), itertools.count()
+        self.complete = True  # what an event's query() answers
 
     def context(self, device):
         return self
@@ -315,7 +316,7 @@ class _FakeCuda:
     def Event(self, ctx, stream):  # noqa: N802 - stands for the class
         ev = _Event()
         self.log.append(("record", stream, ev.id))
-        ev.query = lambda: True
+        ev.query = lambda: self.complete
         return ev
 
 
@@ -446,6 +447,27 @@ def test_the_ring_orders_its_copies(simulated):
     assert refills and all(recorded[ev] == d2h for ev in refills)  # only ever after copies back
     ops = [(op, st) for op, st, *_ in fake.log if op in ("h2d", "d2h")]
     assert {st for op, st in ops if op == "h2d"} == {h2d} and {st for op, st in ops if op == "d2h"} == {d2h}
+    eng.close()
+
+
+def test_a_slots_state_is_copied_in_after_its_last_copy_back(simulated):
+    """With copies still in flight (events not complete), the next step copies each slot's
+    state in only after the ring's H2D stream has waited for that slot's previous copy back
+    (one buffer per step here: the second step fills another buffer, no refill wait)."""
+    fake, _ = simulated
+    fake.complete = False
+    be = _MemBackend()
+    eng = ge.DevicePlacement(be)
+    params = [np.zeros(n, np.float32) for n in (3, 40)]
+    sids = [eng.add_param(p, p.size, "float32", "cuda") for p in params]
+    ups = [(sid, HP, np.ones(p.size, np.float32), "float32") for sid, p in zip(sids, params)]
+    eng.step(ups)
+    before = {eng._slot(sid).copied_back.id for sid in sids}
+    h2d, start = eng._ring.h2d, len(fake.log)
+    eng.step(ups)
+    waited = {ev for op, st, *rest in fake.log[start:] if op == "wait" and st == h2d for ev in rest}
+    assert len(before) == 1 and before <= waited and eng._ring.next == 2
+    assert all(eng._slot(sid).copied_back.id not in before for sid in sids)
     eng.close()
 
 

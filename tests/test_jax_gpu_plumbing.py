@@ -51,8 +51,10 @@ class _Context:
     def alloc_mapped(self, nbytes):
         return _Mapped(nbytes)
 
+    streams = iter(range(7, 1 << 30))
+
     def create_stream(self):
-        return 7
+        return next(_Context.streams)
 
     def destroy_stream(self, stream):
         pass
@@ -244,7 +246,8 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX, their state staged in pieces
         assert {(w, n) for w, _, n in _Kernels.launches} >= {("w", 3), ("w", 2)}
         assert any(d == "h2d" for d, _ in _Context.copies) and any(d == "d2h" for d, _ in _Context.copies)
-        assert any(st == 0 and ev.stream == 7 for st, ev in _Context.waits)  # XLA's stream: after the copies back
+        d2h = G._rings[0].d2h  # XLA's stream waits for an event of the ring's copy-back stream
+        assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != G._rings[0].h2d
         if dtype == "float32":
             assert ("u", "float32", 3) in _Kernels.launches
     else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf

@@ -197,8 +197,10 @@ def staging_ring(device: int, dk, where: str) -> StagingRing | None:
 
 
 class DevicePlacement:
-    """AdamW state in mapped host memory (zero-copy) or resident in GPU memory, updated by
-    GPU kernels.
+    """AdamW state in mapped host memory (staged through a :class:`StagingRing`, or read by
+    the kernels over PCIe: zero-copy) or resident in GPU memory, updated by GPU kernels.
+    ``staged`` is fixed before the first update: a ring once made stays in use (the
+    zero-copy launches do not wait for its copies back).
 
     The backend must provide, besides :class:`trainstream.core._engine.Backend`'s
     ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:

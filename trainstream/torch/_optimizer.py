@@ -1101,7 +1101,7 @@ class OffloadAdamW(Optimizer):
         them ``pinned_state_bytes``), the host memory plan checked at construction
         (``host_plan_*``: see :meth:`host_memory_plan`), GPU state bytes (``gpu_state_bytes``,
         of ``resident_params`` parameters; ``staging_ring_bytes``: the GPU buffers through which
-        ``gpu``/``hybrid`` stream the host state, 72 MiB once used), update and stall times, worker ``threads``, and where
+        ``gpu`` mode streams the host state, 72 MiB once used), update and stall times, worker ``threads``, and where
         the rank sits: ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
         ``worker_cores`` (cores the workers are bound to; 0: unbound). A benchmark sums
         them over the ranks itself (e.g. ``all_gather_object``)."""
