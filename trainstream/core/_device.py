@@ -59,14 +59,16 @@ _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's
 
 @dataclass(eq=False)
 class _Buf:
-    """One fp32 state buffer: mapped host memory (``host``, a view of it), or resident
-    GPU memory (``host`` None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
+    """One fp32 state buffer: mapped host memory (``host``, a view of it at ``host_ptr``,
+    which the staging ring copies), or resident GPU memory (``host`` None; ``mem`` copies to
+    and from it); the kernels take ``dev_ptr``."""
 
     host: np.ndarray | None
     dev_ptr: int
     free: Callable[[], None]
     nbytes: int
     mem: Any = None
+    host_ptr: int = 0
 
 
 @dataclass(eq=False)
@@ -224,7 +226,6 @@ class DevicePlacement:
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
         self._closed = False
-        self._lock = threading.Lock()
         self._steps = 0
         self._eager_updates = 0
         self._launch_s = 0.0
@@ -257,7 +258,7 @@ class DevicePlacement:
                 buf = _Buf(None, mem.dev_ptr, mem.free, nbytes, mem)
             else:
                 host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
-                buf = _Buf(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free, nbytes)
+                buf = _Buf(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free, nbytes, host_ptr=host_ptr)
         except MemoryError as exc:
             where = "GPU-resident state (gpu_state_bytes)" if resident else "gpu mode"
             raise MemoryError(f"TrainStream {where}, {what}: {exc}") from exc
@@ -420,7 +421,7 @@ class DevicePlacement:
                 if ring is not None and s.exp_avg.host is not None:
                     bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if half else ())
                     staged.append(s)
-                    items.append(([b.host.ctypes.data for b in bufs], s.numel,
+                    items.append(([b.host_ptr for b in bufs], s.numel,
                                   lambda lo, n, d, pp=pp, gp=gp, half=half, sc=scalars:
                                   (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc),
                                   s.copied_back))

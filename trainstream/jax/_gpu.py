@@ -233,16 +233,21 @@ class _Update:
         groups: dict[tuple, list] = {}
         for i in range(plan.n):
             kind, numel = plan.kinds[i], plan.numels[i]
-            gi, sc, g = _ITEMSIZE[kind], s0 + row * i, _ptr(grads[i])
+            moments = (_ptr(mus[i]), _ptr(nus[i]))
             if i in masters:  # reads the fp32 master, writes it and the rounded weights into w
-                key, state, wp = ("w", kind), (_ptr(mus[i]), _ptr(nus[i]), _ptr(masters[i])), _ptr(w[i])
-                item = lambda lo, n, d, wp=wp, g=g, gi=gi, sc=sc: (wp + gi * lo, g + gi * lo, d[2], d[0], d[1], n, sc)  # noqa: E731
+                key, state, wp, up = ("w", kind), moments + (_ptr(masters[i]),), _ptr(w[i]), None
             elif plan.emit_u:  # reads the float32 weights, writes u into w
-                key, state, rp, up = ("u", kind), (_ptr(mus[i]), _ptr(nus[i])), _ptr(weights[i]), _ptr(w[i])
-                item = lambda lo, n, d, rp=rp, up=up, g=g, gi=gi, sc=sc: (rp + 4 * lo, g + gi * lo, up + 4 * lo, d[0], d[1], n, sc)  # noqa: E731
+                key, state, wp, up = ("u", kind), moments, _ptr(weights[i]), _ptr(w[i])
             else:  # the float32 weights in place (w holds the params)
-                key, state, wp = ("w", kind), (_ptr(mus[i]), _ptr(nus[i])), _ptr(w[i])
-                item = lambda lo, n, d, wp=wp, g=g, gi=gi, sc=sc: (wp + 4 * lo, g + gi * lo, 0, d[0], d[1], n, sc)  # noqa: E731
+                key, state, wp, up = ("w", kind), moments, _ptr(w[i]), None
+
+            def item(lo, n, d, wp=wp, up=up, gp=_ptr(grads[i]), b=_ITEMSIZE[kind], sc=s0 + row * i,
+                     master=i in masters):
+                """The kernel item of elements lo:lo+n with the state at ``d`` (m, v[, master]):
+                weights and gradient in the leaf's dtype, u and the state float32."""
+                third = d[2] if master else (up + 4 * lo if up else 0)
+                return (wp + b * lo, gp + b * lo, third, d[0], d[1], n, sc)
+
             groups.setdefault(key, []).append((state, numel, item, None))
         ring = _ring(device)
         after = _cuda.Event(ring.ctx, stream) if ring is not None else None  # XLA's work before: the state's writers
