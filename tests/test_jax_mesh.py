@@ -68,8 +68,9 @@ def test_sharded_scenario(scenarios, name):
 
 def test_jax_distributed_two_processes(runs):
     """2 processes x 2 host devices (gloo): each process's callbacks get only its own
-    devices' shards; clipped updates bit for bit against optax on every process across an
-    orbax save and restore of the sharded state; state_dict refuses other processes' shards."""
+    devices' shards; clipped updates against optax on every process (bit for bit chained
+    after clip_by_global_norm, across an orbax save and restore of the sharded state; within
+    1 ULP with max_grad_norm); state_dict refuses other processes' shards."""
     code, out = runs["processes"]
     assert code == 0 and all(f"SCENARIO multi_process[{i}] ok" in out for i in (0, 1)), out[-6000:]
 

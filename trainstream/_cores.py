@@ -1,10 +1,7 @@
-"""Host cores per rank: the default worker count, a disjoint core slice per local rank
-(NUMA-local where ``/sys`` tells the GPU's node), and binding threads to it.
-
-Several processes of one host (torchrun's local ranks) each run an engine with its own
-worker pool; left alone, each would start a worker per core of the whole host. Linux only
-for the binding and NUMA parts; elsewhere every function degrades to "all cores, unbound".
-No torch, no JAX.
+"""Host cores per rank: the default worker count, a disjoint core slice per local rank (NUMA-local
+where ``/sys`` tells the GPU's node; else each of torchrun's local ranks would start a worker per core
+of the host), and binding threads to it. Binding and NUMA: Linux only (elsewhere "all cores,
+unbound"). No torch, no JAX.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ def usable_cores() -> list[int]:
 
 
 def default_threads(local_world: int = 1, cores: list[int] | None = None) -> int:
-    """Worker threads of one rank: its share of the usable cores (or of ``cores``, its
-    slice) less one, which drives the framework; at least 1."""
+    """Worker threads of one rank: its share of the usable cores (or ``cores``) less one; at least 1."""
     n = len(cores) if cores is not None else len(usable_cores()) // max(1, int(local_world))
     return max(1, n - 1)
 
@@ -61,12 +57,9 @@ def _node_cores(node: int) -> list[int]:
 
 
 def rank_cores(local_rank: int, local_world: int, nodes: list[int | None] | None = None) -> list[int]:
-    """A disjoint slice of the usable cores for ``local_rank`` of ``local_world`` ranks.
-
-    ``nodes``: the NUMA node of each local rank's GPU (None where unknown). Where this
-    rank's node is known and has usable cores, the ranks on that node split its cores;
-    otherwise all ranks split the usable cores in rank order. Never empty.
-    """
+    """A disjoint, non-empty slice of the usable cores for ``local_rank`` of ``local_world`` ranks.
+    ``nodes``: the NUMA node of each rank's GPU (None: unknown); the ranks of a known node with
+    usable cores split its cores, otherwise all ranks split the usable cores in rank order."""
     cores = usable_cores()
     local_world = max(1, int(local_world))
     node = nodes[local_rank] if nodes is not None and local_rank < len(nodes) else None
@@ -91,8 +84,8 @@ def bind_current_thread(cores: list[int] | None) -> None:
 
 @contextlib.contextmanager
 def bound(cores: list[int] | None):
-    """Run the block with the calling thread bound to ``cores``, then restore its mask
-    (first-touch of memory allocated in the block lands on those cores' NUMA node)."""
+    """Run the block with the calling thread bound to ``cores`` (memory first touched in it lands on
+    their NUMA node), then restore its mask."""
     if not cores:
         yield
         return

@@ -1,11 +1,10 @@
-"""``Tensor.sqrt()`` of torch on the CPU, reproduced bit for bit (Numba, scalar).
+"""``Tensor.sqrt()`` of torch on the CPU (``msqrt`` of :mod:`trainstream.contract`), bit for bit.
 
-torch's CPU ``sqrt`` of float32 is not IEEE ``sqrt``: ATen calls MKL's ``vsSqrt`` in its
-high-accuracy mode, which refines a hardware reciprocal-square-root estimate and is
-off by one ULP for about 17-20% of inputs. MKL picks the code path from the CPU, and
-the estimate instruction itself differs between CPU vendors, so the bits differ from
-machine to machine. The paths, read from MKL's machine code (x: positive normal float32,
-every operation rounded to float32):
+ATen calls MKL's ``vsSqrt`` in its high-accuracy mode, which refines a hardware
+reciprocal-square-root estimate and is off by one ULP for about 17-20% of inputs. MKL
+picks the path from the CPU, and the estimate instruction differs between CPU vendors.
+The paths, read from MKL's machine code (x: positive normal float32, every operation
+rounded to float32):
 
 ``MKL_SSE`` (``sSqrt_EX``; seen on AMD EPYC)::
 
@@ -25,12 +24,9 @@ here (the correctly rounded root is used: such ``exp_avg_sq`` values are below 1
 
 The estimates are this machine's own instructions (``rsqrtps`` is not specified exactly
 and differs between vendors, ``vrsqrt14ps`` is), so a mode reproduces MKL on the machine
-that runs it. Which mode torch uses here is found by probing (:func:`detect_mode`).
-
-Each mode is its own compiled specialisation (:func:`scalar_sqrt`, :func:`block_sqrt`),
-built only where Numba's target has the mode's instructions (:func:`available_modes`):
-``vrsqrt14ps`` needs AVX-512F, ``rsqrtps`` x86; elsewhere (aarch64, where torch has no
-MKL and its ``sqrt`` is the correctly rounded one) only ``IEEE`` exists.
+that runs it; :func:`detect_mode` finds torch's by probing. Each mode is its own compiled
+specialisation (:func:`scalar_sqrt`, :func:`block_sqrt`), built only where Numba's target
+has its instructions (:func:`available_modes`); on aarch64 only ``IEEE`` exists.
 """
 
 from __future__ import annotations
@@ -44,7 +40,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ._jit import OPTS as _OPTS
-from ._jit import target_features
+from ._jit import bits_f32, f32_bits, fma32, target_features
+from .contract import fma_f32
 
 IEEE = 0
 MKL_SSE = 1
@@ -52,9 +49,8 @@ MKL_FMA14 = 2
 MKL_FMA12 = 3
 MODE_NAMES = {IEEE: "ieee", MKL_SSE: "mkl_sse", MKL_FMA14: "mkl_fma14", MKL_FMA12: "mkl_fma12"}
 
-#: The ISA feature each mode's instructions need (``rsqrtps`` is SSE, baseline on x86-64;
-#: ``vrsqrt14ps`` is AVX-512F). A mode is compiled only where Numba's target has it:
-#: code with a missing instruction aborts the process inside LLVM, it raises nothing.
+#: The ISA feature each mode's instructions need (``rsqrtps``: SSE, baseline on x86-64;
+#: ``vrsqrt14ps``: AVX-512F); code with a missing instruction aborts the process in LLVM.
 _NEEDS = {IEEE: None, MKL_SSE: "x86", MKL_FMA12: "x86", MKL_FMA14: "avx512f"}
 
 
@@ -87,12 +83,10 @@ def rsqrtps(typingctx, x):
     """This CPU's ``rsqrtps`` estimate of ``1/sqrt(x)`` (lane 0)."""
     if x != types.float32:
         return None
-
     def codegen(context, builder, signature, args):
         v4 = ir.VectorType(ir.FloatType(), 4)
         fn = builder.module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
         return _lane0(builder, fn, args[0], 4)
-
     return types.float32(types.float32), codegen
 
 
@@ -101,7 +95,6 @@ def rsqrt14ps(typingctx, x):
     """AVX-512 ``vrsqrt14ps`` (exactly specified; only call on AVX-512 machines)."""
     if x != types.float32:
         return None
-
     def codegen(context, builder, signature, args):
         f32, i16 = ir.FloatType(), ir.IntType(16)
         v16 = ir.VectorType(f32, 16)
@@ -109,40 +102,7 @@ def rsqrt14ps(typingctx, x):
             "llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(v16, [v16, v16, i16])
         )
         return _lane0(builder, fn, args[0], 16, (lambda v: v, lambda v: ir.Constant(i16, 0xFFFF)))
-
     return types.float32(types.float32), codegen
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    if not (a == b == c == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, args)
-
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@intrinsic
-def _bits(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _from_bits(typingctx, u):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
 
 
 @njit(inline="always", **_OPTS)
@@ -150,12 +110,12 @@ def _rare(x, b):
     """MKL's rare path (x <= 0, subnormal, Inf, NaN, huge): see the module docstring."""
     if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
         if (b & np.uint32(0x807FFFFF)) == np.uint32(0x80000000):  # -Inf
-            return _from_bits(np.uint32(0x7FC00000))
+            return f32_bits(np.uint32(0x7FC00000))
         return x + x  # +Inf, NaN
     if x == np.float32(0.0):
         return x
     if (b >> np.uint32(31)) == np.uint32(1):  # negative
-        return _from_bits(np.uint32(0x7FC00000))
+        return f32_bits(np.uint32(0x7FC00000))
     return np.float32(math.sqrt(np.float64(x)))  # subnormal or huge: correctly rounded
 
 
@@ -183,7 +143,7 @@ def scalar_sqrt(mode: int):
 
     @njit(inline="always", **_OPTS)
     def torch_cpu_sqrt(x):
-        b = _bits(x)
+        b = bits_f32(x)
         if _is_rare(b):
             return _rare(x, b)
         half = np.float32(0.5)
@@ -193,7 +153,7 @@ def scalar_sqrt(mode: int):
         if fused:  # MKL_FMA12, MKL_FMA14
             s = r0 * x
             hr = r0 * half
-            return _fma(_fma(-s, s, x), hr, s)
+            return fma32(fma32(-s, s, x), hr, s)
         h = x * r0  # MKL_SSE
         r = r0 * half
         e = half - h * r
@@ -201,21 +161,18 @@ def scalar_sqrt(mode: int):
         r1 = r * e + r
         d = x - h1 * h1
         return d * r1 + h1
-
     return torch_cpu_sqrt
 
 
 @functools.cache
 def _sqrt_array_fn(mode: int):
     sqrt1 = scalar_sqrt(mode)
-
     @njit(**_OPTS)
     def sqrt_array_kernel(x):
         out = np.empty_like(x)
         for i in range(x.size):
             out[i] = sqrt1(x[i])
         return out
-
     return sqrt_array_kernel
 
 
@@ -234,11 +191,8 @@ def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
 
 
 def detect_mode(reference_sqrt) -> int | None:
-    """The mode whose bits equal ``reference_sqrt`` (a float32 array -> array function).
-
-    Only the modes Numba's target can compile are tried (:func:`available_modes`).
-    Returns None when none of them reproduces it on this machine.
-    """
+    """The mode (of :func:`available_modes`) whose bits equal ``reference_sqrt`` (a float32
+    array -> array function), or None when none reproduces it on this machine."""
     x = probe_values()
     want = np.asarray(reference_sqrt(x), np.float32).view(np.uint32)
     for mode in available_modes():
@@ -251,8 +205,6 @@ def detect_lerp_fma(reference_lerp) -> bool | None:
     """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
     is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
     False, the contract's ``TC_NO_FMA``); None when it is neither."""
-    from .contract import fma_f32  # noqa: PLC0415
-
     rng = np.random.default_rng(1)
     a = rng.standard_normal(1 << 14).astype(np.float32)
     b = rng.standard_normal(1 << 14).astype(np.float32)
@@ -266,11 +218,10 @@ def detect_lerp_fma(reference_lerp) -> bool | None:
 
 
 # -- the same, 16 lanes at a time (the AdamW kernel's strips) -----------------------------------
-# ``torch_cpu_sqrt`` calls the estimate instruction on one lane per element, which keeps the
-# loop around it from vectorising (the MKL modes ran 3-5x slower than IEEE). The block form
-# below applies the same operations to whole vectors: the same instructions per lane (the
-# 4-lane ``rsqrtps``, the 16-lane ``vrsqrt14ps``), the same roundings, no FMA contraction
-# (LLVM contracts only with fast-math flags, which are never set here).
+# ``torch_cpu_sqrt`` runs the estimate on one lane per element, which keeps its loop from
+# vectorising (the MKL modes ran 3-5x slower than IEEE). The block form applies the same
+# instructions per lane (4-lane ``rsqrtps``, 16-lane ``vrsqrt14ps``) and the same roundings
+# to whole vectors (no FMA contraction: no fast-math flags are ever set).
 
 _RARE_BIAS = 0x7F800000
 
@@ -319,17 +270,15 @@ def _mkl_vector(builder, x, width: int, mode: int):
             tiny = builder.fcmp_ordered("<", x, _vec_const(f32, width, 8.271806125530277e-25))
             y = builder.select(tiny, ieee, y)
     # MKL's rare path, as torch_cpu_sqrt
+    ci = functools.partial(_vec_const, i32, width)
     b = builder.bitcast(x, vi)
-    u = builder.add(b, _vec_const(i32, width, _RARE_BIAS))
-    rare = builder.or_(builder.icmp_unsigned("<", u, _vec_const(i32, width, 0x80000000)),
-                       builder.icmp_unsigned(">", u, _vec_const(i32, width, 0xFEFFF000)))
-    nan = builder.bitcast(_vec_const(i32, width, 0x7FC00000), vf)
-    allexp = builder.icmp_unsigned("==", builder.and_(b, _vec_const(i32, width, 0x7F800000)),
-                                   _vec_const(i32, width, 0x7F800000))
-    neginf = builder.icmp_unsigned("==", builder.and_(b, _vec_const(i32, width, 0x807FFFFF)),
-                                   _vec_const(i32, width, 0x80000000))
+    u = builder.add(b, ci(_RARE_BIAS))
+    rare = builder.or_(builder.icmp_unsigned("<", u, ci(0x80000000)), builder.icmp_unsigned(">", u, ci(0xFEFFF000)))
+    nan = builder.bitcast(ci(0x7FC00000), vf)
+    allexp = builder.icmp_unsigned("==", builder.and_(b, ci(0x7F800000)), ci(0x7F800000))
+    neginf = builder.icmp_unsigned("==", builder.and_(b, ci(0x807FFFFF)), ci(0x80000000))
     iszero = builder.fcmp_ordered("==", x, _vec_const(f32, width, 0.0))
-    isneg = builder.icmp_unsigned("!=", builder.lshr(b, _vec_const(i32, width, 31)), _vec_const(i32, width, 0))
+    isneg = builder.icmp_unsigned("!=", builder.lshr(b, ci(31)), ci(0))
     finite_rare = builder.select(iszero, x, builder.select(isneg, nan, ieee))
     rare_val = builder.select(allexp, builder.select(neginf, nan, builder.fadd(x, x)), finite_rare)
     return builder.select(rare, rare_val, y)
@@ -341,11 +290,8 @@ def _make_block16(mode: int):
         """``dst[di:di+16] = torch_cpu_sqrt(src[si:si+16], mode)`` (float32 C arrays)."""
         if not (isinstance(src, types.Array) and isinstance(dst, types.Array)):
             return None
-
         def codegen(context, builder, signature, args):
-            f32 = ir.FloatType()
-            vf = ir.VectorType(f32, 16)
-            i64 = ir.IntType(64)
+            vf = ir.VectorType(ir.FloatType(), 16)
             s_arr = context.make_array(signature.args[0])(context, builder, args[0])
             d_arr = context.make_array(signature.args[2])(context, builder, args[2])
             si_v = context.cast(builder, args[1], signature.args[1], types.int64)
@@ -354,11 +300,8 @@ def _make_block16(mode: int):
             dp = builder.bitcast(builder.gep(d_arr.data, [di_v]), vf.as_pointer())
             x = builder.load(sp, align=4)
             builder.store(_mkl_vector(builder, x, 16, mode), dp, align=4)
-            del i64
             return context.get_dummy_value()
-
         return types.void(src, si, dst, di), codegen
-
     return block16
 
 
@@ -367,18 +310,14 @@ def block_sqrt(mode: int):
     """``(src, lo, n, dst) -> dst[k] = sqrt(src[lo + k])`` for ``k < n`` in ``mode``, 16
     lanes at a time (IEEE goes element by element: that loop vectorises by itself)."""
     sqrt1 = scalar_sqrt(mode)
-    vector = mode != IEEE
-
-    if not vector:
+    if mode == IEEE:
         @njit(inline="always", **_OPTS)
         def torch_cpu_sqrt_block(src, lo, n, dst):
             for k in range(n):
                 dst[k] = sqrt1(src[lo + k])
-
         return torch_cpu_sqrt_block
 
     block16 = _make_block16(mode)
-
     @njit(inline="always", **_OPTS)
     def torch_cpu_sqrt_block(src, lo, n, dst):
         k = 0
@@ -388,14 +327,12 @@ def block_sqrt(mode: int):
         while k < n:
             dst[k] = sqrt1(src[lo + k])
             k += 1
-
     return torch_cpu_sqrt_block
 
 
 @functools.cache
 def _sqrt_array_block_fn(mode: int):
     sqrt_block = block_sqrt(mode)
-
     @njit(**_OPTS)
     def sqrt_array_block_kernel(x):
         out = np.empty_like(x)
@@ -408,7 +345,6 @@ def _sqrt_array_block_fn(mode: int):
             out[lo : lo + m] = tmp[:m]
             lo += m
         return out
-
     return sqrt_array_block_kernel
 
 

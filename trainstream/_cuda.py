@@ -1,28 +1,24 @@
-"""The one CUDA layer: the driver calls of both adapters and of the device placement, through
-ctypes (events, asynchronous copies, stream waits, mapped pinned host memory, synchronisation). CuPy only compiles and launches the kernels
-(:mod:`trainstream._device_kernels`); device memory is the framework's, except the optimizer
-state kept resident in GPU memory (:class:`DeviceMemory`).
+"""The one CUDA layer: the driver calls of both adapters and of the device placement
+(events, asynchronous copies, stream waits, mapped pinned host memory, synchronisation)
+through ctypes. CuPy only compiles and launches the kernels (:mod:`trainstream._device_kernels`);
+device memory is the framework's, except optimizer state kept in GPU memory
+(:class:`DeviceMemory`). Imports neither torch nor jax; loads ``libcuda`` on first use.
 
-Why not torch's own ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every
-gradient hook and every finished update issues a copy and records an event, from the
-autograd thread and from up to ``threads`` workers at once. Through torch each of those is
-a dispatcher call with device guards, a stream context and the pinned allocator's global
-lock, all taken with the GIL in between; measured on the H200 machine (1.3B GPT, 15
-workers) a gradient hook took 0.5 ms and an upload launch 0.5-1.6 ms under that
-contention. A ctypes call into ``libcuda`` is a few microseconds.
+Why not torch's ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every gradient
+hook and every finished update issues a copy and records an event, from the autograd thread
+and up to ``threads`` workers at once; through torch each is a dispatcher call with device
+guards, a stream context and the pinned allocator's global lock, with the GIL in between
+(on the H200 machine, 1.3B GPT, 15 workers: a gradient hook took 0.5 ms, an upload launch
+0.5-1.6 ms). A ctypes call into ``libcuda`` takes a few microseconds.
 
-The calls that return at once (record an event, queue a copy from pinned memory, make a
-stream wait, query) go through ``ctypes.PyDLL``, which keeps the GIL: releasing it for a
-call of a few microseconds costs more, since taking it back may wait for another thread
-(under 15 busy workers a gradient hook with a dozen such calls took 0.2-0.6 ms). The calls
-that block (``cuEventSynchronize``, ``cuStreamSynchronize``, ``cuCtxSynchronize``) and the
-allocations go through ``ctypes.CDLL`` and release it.
-
-Streams are the frameworks' (``torch.cuda.Stream.cuda_stream``, XLA's): the runtime and the
-driver share handles and the device's primary context. Every call checks its result and
-raises :class:`CudaDriverError` with the driver's name and text for the error.
-
-Imports neither torch nor jax; loads ``libcuda`` on first use.
+Calls that return at once (record an event, queue a copy from pinned memory, make a stream
+wait, query) go through ``ctypes.PyDLL``, which keeps the GIL: releasing it costs more,
+since taking it back may wait for another thread (under 15 busy workers a gradient hook
+with a dozen such calls took 0.2-0.6 ms). Calls that block (``cuEventSynchronize``,
+``cuStreamSynchronize``, ``cuCtxSynchronize``) and allocations go through ``ctypes.CDLL``,
+which releases it. Streams are the frameworks' (``torch.cuda.Stream.cuda_stream``, XLA's):
+the runtime and the driver share handles and the device's primary context. Every call
+checks its result and raises :class:`CudaDriverError` naming the call and the error.
 """
 
 from __future__ import annotations
@@ -68,33 +64,18 @@ def _load():
 def _declare(lib) -> None:
     vp, u64, sz, ui = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint
     for fn, args in (
-        ("cuInit", [ui]),
-        ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+        ("cuInit", [ui]), ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
         ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
-        ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
-        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
-        ("cuCtxPushCurrent_v2", [vp]),
-        ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
-        ("cuEventCreate", [ctypes.POINTER(vp), ui]),
-        ("cuEventDestroy_v2", [vp]),
-        ("cuEventRecord", [vp, vp]),
-        ("cuEventSynchronize", [vp]),
-        ("cuEventQuery", [vp]),
-        ("cuStreamWaitEvent", [vp, vp, ui]),
-        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
-        ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
-        ("cuStreamSynchronize", [vp]),
-        ("cuStreamCreate", [ctypes.POINTER(vp), ui]),
-        ("cuStreamDestroy_v2", [vp]),
-        ("cuCtxSynchronize", []),
-        ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
-        ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]),
-        ("cuMemFreeHost", [vp]),
-        ("cuMemAlloc_v2", [ctypes.POINTER(u64), sz]),
-        ("cuMemFree_v2", [u64]),
-        ("cuMemsetD32Async", [u64, ui, sz, vp]),
-        ("cuPointerGetAttribute", [vp, ui, u64]),
-        ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]), ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+        ("cuCtxPushCurrent_v2", [vp]), ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
+        ("cuEventCreate", [ctypes.POINTER(vp), ui]), ("cuEventDestroy_v2", [vp]), ("cuEventRecord", [vp, vp]),
+        ("cuEventSynchronize", [vp]), ("cuEventQuery", [vp]), ("cuStreamWaitEvent", [vp, vp, ui]),
+        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]), ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
+        ("cuStreamSynchronize", [vp]), ("cuStreamCreate", [ctypes.POINTER(vp), ui]), ("cuStreamDestroy_v2", [vp]),
+        ("cuCtxSynchronize", []), ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
+        ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]), ("cuMemFreeHost", [vp]),
+        ("cuMemAlloc_v2", [ctypes.POINTER(u64), sz]), ("cuMemFree_v2", [u64]), ("cuMemsetD32Async", [u64, ui, sz, vp]),
+        ("cuPointerGetAttribute", [vp, ui, u64]), ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
         ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
     ):
         f = getattr(lib, fn)
@@ -139,9 +120,9 @@ def pointer_device(ptr: int) -> int:
 
 
 class Context:
-    """The primary context of one device (the one torch's runtime uses). Each driver call
-    runs in it: pushed for the call when the thread's current context is another one
-    (another device), so that torch's current device on that thread is left alone."""
+    """The primary context of one device (torch's runtime's). Each driver call runs in it,
+    pushed for the call when the thread's current context is another device's (so that
+    torch's current device on that thread is left alone)."""
 
     def __init__(self, device: int):
         lib = _load()
@@ -154,9 +135,8 @@ class Context:
         self.handle = ctx.value
 
     def _enter(self) -> bool:
-        """Make this context current on the calling thread if it is not; True if it had
-        to be pushed (:meth:`_leave` pops it, so the thread's own current context, and
-        with it torch's current device, is left as it was)."""
+        """Make this context current on the calling thread; True if it had to be pushed
+        (:meth:`_leave` pops it)."""
         cur = ctypes.c_void_p()
         _check(_fast.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
         if cur.value == self.handle:
@@ -211,8 +191,7 @@ class Context:
 
     def alloc_mapped(self, nbytes: int) -> "Mapped":
         """``nbytes`` of pinned host memory mapped into the device address space (portable:
-        usable from every context). Raises ``MemoryError`` naming the size when the driver
-        refuses; nothing is left allocated then."""
+        usable from every context). ``MemoryError`` naming the size when the driver refuses."""
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
@@ -237,8 +216,7 @@ class Context:
 
     def alloc_device(self, nbytes: int) -> DeviceMemory:
         """``nbytes`` of device memory (``cuMemAlloc``: outside the framework's allocator,
-        which does not count it). Raises ``MemoryError`` naming the size when the driver
-        refuses; nothing is left allocated then."""
+        which does not count it). ``MemoryError`` naming the size when the driver refuses."""
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
@@ -262,14 +240,11 @@ class Context:
 
 
 class Event:
-    """A CUDA event recorded once on a stream; waiters sleep (blocking sync).
-
-    Once seen complete, the event remembers it: every chunk job of a batch waits on the
-    same gradient-copy and upload events, and after the first of them a wait is an
-    attribute check instead of a driver call that releases the GIL (each release costs a
-    re-acquisition against up to ``threads`` busy workers).
+    """A CUDA event recorded once on a stream; waiters sleep (blocking sync). Once seen
+    complete, it remembers it: every chunk job of a batch waits on the same gradient-copy
+    and upload events, and after the first a wait is an attribute check instead of a driver
+    call that releases the GIL (each release costs a re-acquisition against busy workers).
     """
-
     __slots__ = ("handle", "_ctx", "_done")
 
     def __init__(self, ctx: Context, stream: int):
@@ -287,8 +262,8 @@ class Event:
             ctx._leave(pushed)
 
     def synchronize(self) -> None:
-        """Block the calling thread until the event's work is done. A query (GIL kept)
-        comes first; only an event still pending is waited for with the GIL released."""
+        """Block until the event's work is done: a query (GIL kept) first; only an event still
+        pending is waited for with the GIL released."""
         if self.query():
             return
         _check(self._ctx.call("cuEventSynchronize", self.handle, release_gil=True), "cuEventSynchronize")
@@ -316,12 +291,9 @@ class Event:
 
 
 class Mapped:
-    """Pinned host memory mapped into the device address space (:meth:`Context.alloc_mapped`).
-
+    """Pinned host memory mapped into the device address space (:meth:`Context.alloc_mapped`):
     ``host_ptr`` and ``dev_ptr`` address the same bytes (equal under UVA). :meth:`free`
-    (idempotent; also when collected) releases it: drop every view of it first.
-    """
-
+    (idempotent; also when collected) releases it: drop every view of it first."""
     __slots__ = ("host_ptr", "dev_ptr", "nbytes", "_ctx", "_lock", "__weakref__")
 
     def __init__(self, ctx: Context, host_ptr: int, nbytes: int):
@@ -349,7 +321,6 @@ class DeviceMemory:
     copies from and to host memory (pinned or pageable) that block the calling thread,
     GIL released, until they are done: queued on ``stream``, they come after the work
     queued there before. :meth:`free` (idempotent; also when collected) releases it."""
-
     __slots__ = ("__weakref__", "_ctx", "_lock", "dev_ptr", "nbytes")
 
     def __init__(self, ctx: Context, dev_ptr: int, nbytes: int):

@@ -1,40 +1,31 @@
-"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels in
-``trainstream/kernels/*.cu``.
-
-The arithmetic of the update is :mod:`trainstream.contract` (one kernel variant per
-``VARIANT_*`` number); the kernels quote it line by line and this module does not restate
-it. What lives here: compiling ``trainstream/kernels/adamw_zero_copy.cu`` once per device,
-launching its kernels on raw pointers and a raw stream handle (plain ``int``\\ s, so torch,
-JAX and CuPy callers all fit), and the allocations for the state: mapped pinned host memory,
-or GPU memory for state kept resident there (the same kernels, other pointers).
-
-No torch or jax import, and CuPy is imported on first use only: ``import
-trainstream._device_kernels`` works on a machine without CuPy or a GPU; a call that needs
-CuPy raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
+"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels of
+``trainstream/kernels/adamw_zero_copy.cu`` (one per :mod:`trainstream.contract` variant,
+quoting the contract line by line): compiled once per device, launched on raw pointers and
+a raw stream handle (plain ``int``\\ s, so torch, JAX and CuPy callers all fit), and the
+allocations for the state: mapped pinned host memory, or GPU memory (the same kernels,
+other pointers). No torch or jax import; CuPy is imported on first use, and a call that
+needs it raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
 ``trainstream[cuda13]``.
 
-Sources. The ``.cu`` files are package data of ``trainstream`` (a wheel carries them), read
-with :mod:`importlib.resources` (:func:`kernel_source`): from an installed wheel, a
-checkout or a zip alike.
+Sources: package data of ``trainstream``, read with :mod:`importlib.resources`
+(:func:`kernel_source`) from a wheel, a checkout or a zip alike.
 
-Compilation. NVRTC through ``cupy.RawModule`` with ``-std=c++17 --fmad=false --ftz=false
---prec-div=true --prec-sqrt=true``. The kernels do not rely on any of these: every float
+Compilation: NVRTC through ``cupy.RawModule`` with :data:`COMPILE_OPTIONS`. Every float
 operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which
-``-fmad`` and ``-prec-*`` do not touch. ``--ftz=false`` does matter (``ftz`` changes the
-``_rn`` intrinsics too) and is pinned; ``--fmad=false`` is a safety net for any future
-line written without an intrinsic. CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
+``-fmad`` and ``-prec-*`` do not touch; ``--ftz=false`` does matter (``ftz`` changes the
+``_rn`` intrinsics too) and is pinned; ``--fmad=false`` is a safety net for a future line
+written without an intrinsic. CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
 
-Errors. A launch that the driver refuses raises ``RuntimeError`` naming the kernel. A
-fault inside a kernel (a bad pointer, say) is asynchronous: it surfaces at the next
-synchronising CUDA call on that device, from whichever library makes it. Set
-``TRAINSTREAM_SYNC_LAUNCHES=1`` (or call :func:`set_sync_launches`) to synchronise the
-stream after every launch and raise at the launch that faulted; :func:`check_stream`
-does the same once.
+Errors: a launch the driver refuses raises ``RuntimeError`` naming the kernel. A fault
+inside a kernel (a bad pointer, say) is asynchronous: it surfaces at the next synchronising
+CUDA call on that device, from whichever library makes it. ``TRAINSTREAM_SYNC_LAUNCHES=1``
+(or :func:`set_sync_launches`) synchronises the stream after every launch, raising at the
+launch that faulted; :func:`check_stream` does it once.
 
-Streams. ``stream`` is a ``cudaStream_t`` as an ``int``: ``0`` is the legacy default
-stream, ``torch.cuda.current_stream().cuda_stream``, ``cupy.cuda.get_current_stream().ptr``
-or the stream XLA hands an FFI handler. Launches are asynchronous on that stream; the
-caller orders them against the producers of the gradient and the readers of the weights.
+Streams: ``stream`` is a ``cudaStream_t`` as an ``int`` (``0``: the legacy default stream;
+``torch.cuda.current_stream().cuda_stream``, ``cupy.cuda.get_current_stream().ptr``, the
+stream XLA hands an FFI handler). Launches are asynchronous on it; the caller orders them
+against the producers of the gradient and the readers of the weights.
 """
 
 from __future__ import annotations
@@ -52,31 +43,15 @@ import numpy as np
 from . import _cuda
 from . import contract as C
 
-__all__ = [
-    "ADAMW_SOURCE",
-    "kernel_source",
-    "ADAMW_THREADS",
-    "DTYPES",
-    "adamw_kernel_name",
-    "check_kernel_constants",
-    "compile_kernels",
-    "launch_adamw",
-    "launch_adamw_multi",
-    "launch_adamw_u_multi",
-    "U_VARIANTS",
-    "adamw_u_kernel_name",
-    "MULTI_MAX",
-    "alloc_mapped",
-    "alloc_device",
-    "host_view",
-    "check_stream",
-    "set_sync_launches",
-]
+__all__ = ["ADAMW_SOURCE", "kernel_source", "ADAMW_THREADS", "DTYPES", "adamw_kernel_name", "check_kernel_constants",
+           "compile_kernels", "launch_adamw", "launch_adamw_multi", "launch_adamw_u_multi", "U_VARIANTS",
+           "adamw_u_kernel_name", "MULTI_MAX", "alloc_mapped", "alloc_device", "host_view", "check_stream",
+           "set_sync_launches"]
 
 #: The CUDA sources, files of the package folder ``trainstream/kernels/`` (package data).
 ADAMW_SOURCE = "adamw_zero_copy.cu"
 
-#: Block sizes; the .cu files define the same numbers (checked at load time).
+#: Block size; the .cu file defines the same number (checked at load time).
 ADAMW_THREADS = 256
 
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
@@ -89,16 +64,12 @@ _DTYPE_ALIASES = {
     "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
-_VARIANT_NAMES = {
-    C.VARIANT_TORCH_CPU: "torch_cpu",
-    C.VARIANT_TORCH_CUDA: "torch_cuda",
-    C.VARIANT_OPTAX_CPU: "optax_cpu",
-    C.VARIANT_OPTAX_CUDA: "optax_cuda",
-}
+_VARIANT_NAMES = {C.VARIANT_TORCH_CPU: "torch_cpu", C.VARIANT_TORCH_CUDA: "torch_cuda",
+                  C.VARIANT_OPTAX_CPU: "optax_cpu", C.VARIANT_OPTAX_CUDA: "optax_cuda"}
+
 
 class _Scalars(ctypes.Structure):
     """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
-
     _fields_ = [("s", ctypes.c_float * C.N_SCALARS)]
 
 
@@ -108,30 +79,19 @@ MULTI_MAX = 32
 
 class _MultiItem(ctypes.Structure):
     """``struct TsMultiItem``: one tensor of a launch (120 bytes)."""
-
-    _fields_ = [
-        ("param", ctypes.c_void_p),
-        ("grad", ctypes.c_void_p),
-        ("master", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("n", ctypes.c_longlong),
-        ("block_start", ctypes.c_longlong),
-        ("nblocks", ctypes.c_longlong),
-        ("scalars", _Scalars),
-        ("scalars_dev", ctypes.c_void_p),
-    ]
+    _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("master", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("v", ctypes.c_void_p), ("n", ctypes.c_longlong),
+                ("block_start", ctypes.c_longlong), ("nblocks", ctypes.c_longlong), ("scalars", _Scalars),
+                ("scalars_dev", ctypes.c_void_p)]
 
 
 class _MultiBatch(ctypes.Structure):
     """``struct TsMultiBatch``: the AdamW kernel's by-value parameter (3848 bytes,
     under the 4 KiB that every CUDA driver accepts for a launch's parameters)."""
-
     _fields_ = [("count", ctypes.c_longlong), ("items", _MultiItem * MULTI_MAX)]
 
 
 # -- CuPy, lazily --------------------------------------------------------------------------
-
 _cupy_module = None
 
 
@@ -142,12 +102,10 @@ def _cupy():
         try:
             import cupy  # noqa: PLC0415
         except ImportError as e:
-            raise ImportError(
-                "TrainStream's gpu (zero-copy) mode needs CuPy, which is not installed: "
-                "install the extra matching your CUDA driver, `pip install "
-                "trainstream[cuda12]` (cupy-cuda12x) or `pip install trainstream[cuda13]` "
-                f"(cupy-cuda13x). ({e})"
-            ) from e
+            raise ImportError("TrainStream's gpu (zero-copy) mode needs CuPy, which is not installed: "
+                              "install the extra matching your CUDA driver, `pip install "
+                              "trainstream[cuda12]` (cupy-cuda12x) or `pip install trainstream[cuda13]` "
+                              f"(cupy-cuda13x). ({e})") from e
         _cupy_module = cupy
     return _cupy_module
 
@@ -162,14 +120,10 @@ def set_sync_launches(enabled: bool) -> None:
 
 
 # -- the sources and their constants -------------------------------------------------------
-
-
 def kernel_source(name: str) -> str:
-    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`),
-    read from the package data ``trainstream/kernels/``. Needs no CuPy or GPU.
-
-    Raises ``FileNotFoundError`` naming the file when the installed package lacks it.
-    """
+    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`) from the package data
+    ``trainstream/kernels/`` (no CuPy or GPU needed); ``FileNotFoundError`` naming the file
+    when the installed package lacks it."""
     path = resources.files("trainstream") / "kernels" / name
     try:
         return path.read_text(encoding="utf-8")
@@ -185,12 +139,9 @@ _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 
 def check_kernel_constants() -> None:
-    """Check that the ``#define``\\ s of the .cu files match :mod:`trainstream.contract`.
-
-    Scalar indices (``TS_S_*`` = ``S_*``), variant numbers (``TS_VARIANT_*`` =
-    ``VARIANT_*``), optax/cpu code bits (``TS_OX_*`` = ``OX_*``), ``TS_N_SCALARS`` and the block sizes. Raises ``RuntimeError`` listing
-    every difference. Needs no GPU.
-    """
+    """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract`
+    (``TS_S_*``, ``TS_VARIANT_*``, ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`;
+    ``RuntimeError`` listing every difference. Needs no GPU."""
     problems = []
     adamw = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE)))
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
@@ -228,10 +179,8 @@ def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
     """The ``extern "C"`` name of the AdamW kernel for a variant and two dtypes."""
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
-    return (
-        f"adamw_zero_copy_{_VARIANT_NAMES[variant]}_"
-        f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}"
-    )
+    return (f"adamw_zero_copy_{_VARIANT_NAMES[variant]}_"
+            f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}")
 
 
 #: The variants with a kernel that writes optax's ``u`` (:func:`launch_adamw_u_multi`).
@@ -250,11 +199,7 @@ def _all_adamw_names() -> list[str]:
             + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
 
 
-
-
 # -- compilation, once per device ----------------------------------------------------------
-
-
 class _Kernel:
     __slots__ = ("name", "function", "ptr", "max_grid")
 
@@ -281,11 +226,9 @@ def multiprocessor_count(device: int | None = None) -> int:
 
 
 def compile_kernels(device: int | None = None) -> dict[str, int]:
-    """Compile and load every kernel on ``device`` (default: the current one).
-
-    Idempotent and thread-safe; the launch functions call it. Returns ``{name: resident
-    blocks per device}`` (occupancy x multiprocessors), the grid cap of the AdamW launches.
-    """
+    """Compile and load every kernel on ``device`` (default: the current one); idempotent,
+    thread-safe, called by the launchers. Returns ``{name: resident blocks per device}``
+    (occupancy x multiprocessors), the grid cap of the AdamW launches."""
     cp = _cupy()
     dev = _current_device() if device is None else int(device)
     table = _kernels.get(dev)
@@ -331,14 +274,11 @@ def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, str
     with cp.cuda.Device(device):
         _ensure_context(cp, device)
         try:
-            cp.cuda.driver.launchKernel(
-                kernel.ptr, grid, 1, 1, block, 1, 1, 0, int(stream), ctypes.addressof(params), 0
-            )
+            cp.cuda.driver.launchKernel(kernel.ptr, grid, 1, 1, block, 1, 1, 0, int(stream),
+                                        ctypes.addressof(params), 0)
         except cp.cuda.driver.CUDADriverError as e:
-            raise RuntimeError(
-                f"TrainStream: launching {kernel.name} (grid {grid} x {block}) on cuda:{device}, "
-                f"stream {int(stream):#x}, failed: {e}"
-            ) from e
+            raise RuntimeError(f"TrainStream: launching {kernel.name} (grid {grid} x {block}) on cuda:{device}, "
+                               f"stream {int(stream):#x}, failed: {e}") from e
         if _sync_launches:
             _sync_or_raise(device, stream, f"{kernel.name} (grid {grid} x {block})")
 
@@ -373,8 +313,6 @@ def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
 
 
 # -- AdamW ---------------------------------------------------------------------------------
-
-
 def _check_tensor_ptrs(prefix: str, pd: str, gd: str, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr,
                        *, empty: bool) -> tuple[int, int, int, int, int]:
     """One tensor's pointers checked for an AdamW launch (``prefix`` names the tensor in
@@ -400,44 +338,25 @@ def _grid_for(n: int, max_grid: int) -> int:
     return max(1, min(math.ceil(n / (4 * ADAMW_THREADS)), max_grid))
 
 
-def launch_adamw(
-    variant: int,
-    param_ptr: int,
-    param_dtype,
-    grad_ptr: int,
-    grad_dtype,
-    master_ptr: int,
-    m_ptr: int,
-    v_ptr: int,
-    n: int,
-    scalars: np.ndarray | None,
-    stream: int = 0,
-    *,
-    scalars_ptr: int = 0,
-    device: int | None = None,
-    max_blocks: int | None = None,
-) -> None:
+def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_dtype, master_ptr: int, m_ptr: int,
+                 v_ptr: int, n: int, scalars: np.ndarray | None, stream: int = 0, *, scalars_ptr: int = 0,
+                 device: int | None = None, max_blocks: int | None = None) -> None:
     """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous): a
     :func:`launch_adamw_multi` of one tensor.
 
     ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights
     in GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place.
     ``grad_ptr``: the gradient in GPU memory (any of the three dtypes). ``master_ptr``:
-    fp32 master weights in mapped host memory (device pointer), required for fp16/bf16
-    weights and ``0`` for fp32 weights (their own master). ``m_ptr``, ``v_ptr``: fp32
-    moments, device pointers to mapped pinned host memory (see :func:`alloc_mapped`); the
-    master and the moments may be GPU memory instead (:func:`alloc_device`).
-    Any element alignment works; 16-byte-aligned state takes the vector path.
-
-    ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars`,
-    passed by value; or ``scalars_ptr``, a device pointer to those 12 float32 (then
-    ``scalars`` may be ``None``), e.g. a buffer computed inside an XLA program.
-
-    ``scalars[S_CLIP]`` multiplies the gradient (1.0 when the framework has clipped or
-    unscaled it in place).
-
-    ``max_blocks``: a cap on the grid (the kernel is grid-stride, so the bits do not
-    depend on it), e.g. to leave multiprocessors to a backward running at the same time.
+    fp32 master weights, required for fp16/bf16 weights and ``0`` for fp32 weights (their
+    own master). ``m_ptr``, ``v_ptr``: fp32 moments. State pointers are device pointers to
+    mapped pinned host memory (:func:`alloc_mapped`) or GPU memory (:func:`alloc_device`);
+    any element alignment works, 16-byte-aligned state takes the vector path.
+    ``scalars``: :func:`trainstream.contract.step_scalars`' vector, passed by value (its
+    ``S_CLIP`` is 1.0 when the framework has clipped or unscaled the gradient in place);
+    or ``scalars_ptr``, a device pointer to those 12 float32 (then ``scalars`` may be
+    ``None``), e.g. a buffer computed inside an XLA program. ``max_blocks``: a cap on the
+    grid (grid-stride: the bits do not depend on it), e.g. to leave multiprocessors to a
+    backward running at the same time.
     """
     if scalars_ptr:
         s = _check_ptr("scalars_ptr", scalars_ptr, 4)
@@ -449,52 +368,34 @@ def launch_adamw(
                         stream, device, max_blocks, named=False)
 
 
-def launch_adamw_multi(
-    variant: int,
-    param_dtype,
-    grad_dtype,
-    items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]],
-    stream: int = 0,
-    *,
-    device: int | None = None,
-    max_blocks: int | None = None,
-) -> int:
+def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
+                       items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
+                       device: int | None = None, max_blocks: int | None = None) -> int:
     """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one
-    launch (the one launcher: :func:`launch_adamw` is a launch of one).
+    launch, one driver call instead of one per tensor (about 50 us each on the H200, 200 us
+    while the host workers hold the GIL).
 
     ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
-    each as the same arguments of :func:`launch_adamw`; ``scalars`` is the float32 vector
-    (by value) or an ``int``, a device pointer to it. Each tensor gets the blocks of its
-    own size (one 4-element group per thread, capped at the blocks resident on the
-    device, and at ``max_blocks`` if given) and grid-strides over them: the bits do not
-    depend on the grid. One launch costs the host one driver call instead of one per
-    tensor (about 50 us each, measured on the H200, 200 us while the host workers hold
-    the GIL). Tensors of 0 elements are checked, then skipped. Every argument is checked before anything is launched. Returns the number of tensors
-    launched.
+    as :func:`launch_adamw`'s arguments; ``scalars``: the float32 vector (by value) or an
+    ``int``, a device pointer to it. Each tensor gets the blocks of its size (:func:`_grid_for`,
+    also capped at ``max_blocks``) and grid-strides over them. Every argument is checked
+    before anything is launched; tensors of 0 elements are then skipped. Returns the number
+    of tensors launched.
     """
     return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True)
 
 
-def launch_adamw_u_multi(
-    variant: int,
-    grad_dtype,
-    items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]],
-    stream: int = 0,
-    *,
-    device: int | None = None,
-) -> int:
-    """Queue the optax AdamW updates of up to :data:`MULTI_MAX` float32 tensors that write
-    ``u`` instead of the weights, in one launch: ``u`` of the contract, the update before
-    the learning rate (the JAX adapter's ``update``, whose program scales it as optax's
-    ``scale_by_learning_rate`` does, so that ``optax.apply_updates`` gives optax's bits).
+def launch_adamw_u_multi(variant: int, grad_dtype,
+                         items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
+                         device: int | None = None) -> int:
+    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes ``u``
+    of the contract (the JAX adapter's ``update``: its program applies the learning rate).
 
-    ``variant``: one of :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr,
-    m_ptr, v_ptr, n, scalars)`` per tensor, as :func:`launch_adamw_multi`'s, with the
-    float32 weights read only and ``u_ptr`` a float32 output in GPU memory. Returns the
+    ``variant``: one of :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr, m_ptr,
+    v_ptr, n, scalars)`` per tensor, ``u_ptr`` a float32 output in GPU memory. Returns the
     number of tensors launched.
     """
-    return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None,
-                               named=True, emit_u=True)
+    return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None, named=True, emit_u=True)
 
 
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
@@ -559,36 +460,25 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
 
 
 # -- mapped pinned host memory ---------------------------------------------------------------
-
-
 def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Callable[[], None]]:
-    """Allocate ``nbytes`` of pinned host memory mapped into the GPU address space.
-
-    :meth:`trainstream._cuda.Context.alloc_mapped` (portable: usable from every device).
-    Returns ``(host_ptr, dev_ptr, free)``; ``free()`` releases it (idempotent; also when
-    the last reference to ``free`` goes). Under UVA the two pointers are equal. Raises
-    ``MemoryError`` naming the size when the allocation fails; nothing leaks.
-    """
+    """``nbytes`` of pinned host memory mapped into the GPU address space
+    (:meth:`trainstream._cuda.Context.alloc_mapped`) as ``(host_ptr, dev_ptr, free)``;
+    ``free()`` releases it (idempotent; also when the last reference to ``free`` goes)."""
     dev = _current_device() if device is None else int(device)
     buf = _cuda.context(dev).alloc_mapped(nbytes)
     return buf.host_ptr, buf.dev_ptr, buf.free
 
 
 def alloc_device(nbytes: int, device: int | None = None) -> _cuda.DeviceMemory:
-    """Allocate ``nbytes`` of GPU memory for state kept resident there:
-    :meth:`trainstream._cuda.Context.alloc_device` (its ``dev_ptr`` is what the kernels
-    take in place of a mapped pointer; ``to_host``, ``from_host`` and ``zero`` copy).
-    Raises ``MemoryError`` naming the size when the allocation fails; nothing leaks."""
+    """``nbytes`` of GPU memory for state kept resident there
+    (:meth:`trainstream._cuda.Context.alloc_device`; the kernels take its ``dev_ptr``)."""
     dev = _current_device() if device is None else int(device)
     return _cuda.context(dev).alloc_device(nbytes)
 
 
 def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:
-    """A NumPy view (no copy) of ``count`` elements at a host address.
-
-    The view does not keep the memory alive: drop it before calling the ``free``
-    returned by :func:`alloc_mapped`.
-    """
+    """A NumPy view (no copy) of ``count`` elements at a host address; it does not keep the
+    memory alive (drop it before calling :func:`alloc_mapped`'s ``free``)."""
     dtype = np.dtype(dtype)
     count = int(count)
     if count == 0:

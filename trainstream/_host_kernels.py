@@ -1,50 +1,35 @@
 """Numba host kernels: AdamW update, gradient accumulation, sum of squares.
 
-The arithmetic of :func:`adamw_chunk` is the contract of :mod:`trainstream.contract`
-(read it there; it is not restated here). Every kernel works on flat, contiguous 1-D
-buffers over a half-open ``[begin, end)`` range so that worker threads can run disjoint
-chunks of one parameter in parallel; all are compiled with ``nogil=True`` (the GIL is
-released while they run) and cached on disk.
+:func:`adamw_chunk` computes the update of :mod:`trainstream.contract` (not restated here).
+Every kernel works on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range,
+so that worker threads can run disjoint chunks of one parameter in parallel; all release
+the GIL (``nogil``) and are cached on disk.
 
-Element types. Numba has no bfloat16 and its float16 support on the CPU is partial, so
-half-precision buffers are passed as their ``uint16`` bit patterns with a *kind* code:
-
-=====  ==========================
-kind   meaning of a buffer
-=====  ==========================
-0      float32 buffer
-1      IEEE float16 (uint16 bits)
-2      bfloat16 (uint16 bits)
-=====  ==========================
-
-Conversions to float32 are exact; conversions from float32 round to nearest even and
+Numba has no bfloat16 and only partial float16 on the CPU, so half-precision buffers are
+passed as their ``uint16`` bit patterns with a *kind* code: 0 float32, 1 IEEE float16,
+2 bfloat16. Conversions to float32 are exact; from float32 they round to nearest even and
 keep Inf and NaN, bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the
-canonical quiet NaN). No kernel uses fast-math: LLVM may not contract ``a*b + c``; the
-FMA instruction appears only through :func:`fma32`, exactly where the contract has it.
+canonical quiet NaN). No kernel uses fast-math, so LLVM never contracts ``a*b + c``: the
+FMA instruction comes only from :func:`fma32`, exactly where the contract has it.
 
-Specialisation and vectorisation (what the loops need so that LLVM vectorises them):
+What the loops need so that LLVM vectorises them:
 
-* The raw kernels (``adamw_chunk`` ...) are thin Python functions that pick a compiled
-  specialisation from a table keyed by the *kind* codes (and the variant). Each
-  specialisation is a closure whose codes are compile-time constants, so its loop has
-  no per-element branch. (``numba.literally`` did the same job but re-ran Numba's type
-  inference, under Numba's global compile lock, on *every call*: ~50 ms per call.)
-  Specialisations compile on first use and are cached on disk (closures are cached per
-  value of their captured constants).
-* Loops run over unsigned indices: a signed index makes Numba emit a negative-index
-  wrap-around select per access.
+* Each raw kernel (``adamw_chunk`` ...) is a thin Python function that picks a compiled
+  specialisation from a table keyed by the kind codes (and the variant and mode): a
+  closure whose codes are compile-time constants, so that its loop has no per-element
+  branch (``numba.literally`` did the same but re-ran type inference, under Numba's global
+  compile lock, on every call: ~50 ms). Specialisations compile on first use and are
+  cached on disk per value of their captured constants.
+* Loops run over unsigned indices: a signed index costs a wrap-around select per access.
 * Scalars are read into locals before the loops; per-element choices are ``select``
-  instructions (:func:`_select`), never branches: the half-precision conversions are
-  branch-free.
-* A float64 sum is not reassociable without fast-math, so :func:`sumsq_blocks` fixes
-  its summation order to 64 interleaved lanes per block and a pairwise tree over the
-  lanes (see there): that order vectorises and is deterministic.
-* The AdamW loop runs in strips of 64 elements with a software prefetch 512 elements
-  ahead in every stream (see ``_STRIP``): the update is memory-bound with 7 streams,
-  and the prefetch lifts what one core can draw (measured on the 16-core Xeon host).
+  instructions (:func:`_select`), never branches (the half conversions are branch-free).
+* A float64 sum cannot be reassociated without fast-math, so :func:`sumsq_blocks` fixes
+  its order (64 interleaved lanes per block, then a pairwise tree over the lanes), which
+  vectorises and is deterministic.
+* The AdamW loop runs in strips with a software prefetch ahead in every stream (``_STRIP``).
 
-``inspect_asm`` of a specialisation loaded from the on-disk cache is empty; use
-:func:`vectorisation_report`, which compiles uncached copies, to check the machine code.
+``inspect_asm`` of a specialisation loaded from the disk cache is empty: use
+:func:`vectorisation_report`, which compiles uncached copies.
 """
 
 from __future__ import annotations
@@ -60,127 +45,49 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .contract import (
-    N_SCALARS,
-    S_BC1,
-    S_BC2,
-    S_BC2_OPTAX,
-    S_BETA1,
-    S_BETA2,
-    S_CLIP,
-    S_CLIP_DIV,
-    S_DECAY,
-    S_EPS,
-    S_LERP_SMALL,
-    S_LERP_W,
-    S_NEG_LR,
-    S_NEG_STEP,
-    S_OMB1,
-    S_OMB2,
-    S_OX_CODE,
-    S_WD,
-    OX_CLIP,
-    OX_CODES,
-    OX_NO_FMA,
-    TC_CODES,
-    TC_NO_FMA,
-    OX_FORM_R,
-    OX_MU_SWAP,
-    OX_NU_SWAP,
-    VARIANT_OPTAX_CPU,
-    VARIANT_OPTAX_CUDA,
-    VARIANT_TORCH_CPU,
-    VARIANT_TORCH_CUDA,
-    variant_id,
-)
+from ._cpu_sqrt import IEEE as SQRT_IEEE
+from ._cpu_sqrt import block_sqrt, scalar_sqrt  # msqrt of the contract, per mode
+from ._jit import OPTS as _JIT_OPTS
+from ._jit import bits_f32 as _bits_f32
+from ._jit import f32_bits as _f32_bits
+from ._jit import fma32
+from .contract import (N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2,
+                       S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_LERP_W,
+                       S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
+                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, variant_id)
 
-__all__ = [
-    "KIND_F32",
-    "KIND_F16",
-    "KIND_BF16",
-    "OUT_IN_GRAD",
-    "OUT_U",
-    "adamw_chunk",
-    "sumsq_blocks",
-    "convert_to_f32",
-    "round_from_f32",
-    "host_adamw_update",
-    "fma32",
-    "vectorisation_report",
-]
+__all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "convert_to_f32",
+           "round_from_f32", "host_adamw_update", "fma32", "vectorisation_report"]
 
 KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
 _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
-#: ``okind`` code of an AdamW specialisation that writes the rounded weights back into the
-#: gradient buffer (fp16/bf16 gradients only), chosen by :func:`adamw_chunk` when it is
-#: given ``out16 is g``. A kernel of its own: with two array arguments that overlap, LLVM's
-#: run-time alias check fails and it runs the scalar loop (~6x slower, measured).
+#: ``okind`` of the AdamW specialisation that writes the rounded weights back into the
+#: gradient buffer (fp16/bf16 gradients; :func:`adamw_chunk` given ``out16 is g``). A kernel
+#: of its own: with two overlapping array arguments, LLVM's run-time alias check fails and
+#: it runs the scalar loop (~6x slower, measured).
 OUT_IN_GRAD = 3
-#: ``okind`` code of an optax AdamW specialisation that writes optax's update before the
-#: learning rate, ``u`` of the contract (``fma(wd, p, q)``, or ``q``), into a float32
-#: ``out`` and leaves ``p`` unwritten (the JAX adapter's ``update``: ``-lr * u`` is then
-#: computed in the caller's XLA program, where ``apply_updates`` fuses it as optax's does).
+#: ``okind`` of the optax specialisation that writes ``u`` of the contract (the update
+#: before the learning rate) into a float32 ``out`` and leaves ``p`` unwritten (the JAX
+#: adapter's ``update``: the caller's XLA program applies ``-lr`` as optax does).
 OUT_U = 4
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
-
-from ._jit import OPTS as _JIT_OPTS  # noqa: E402
-
 _OPTS = dict(_JIT_OPTS, boundscheck=False)
 
 #: Lanes of the fixed summation order of :func:`sumsq_blocks`.
 SUMSQ_LANES = 64
 
 
-# -- LLVM intrinsics -------------------------------------------------------------------------
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """``a*b + c`` with one rounding (``llvm.fma.f32``), for float32 operands."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, u):
-    """Reinterpret a uint32 as float32."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
+# -- LLVM intrinsics (fma32 and the bit casts are _jit's) --------------------------------------
 @intrinsic
 def _select(typingctx, cond, a, b):
     """``a if cond else b`` as one LLVM ``select`` (no branch); ``a``, ``b`` of one type."""
     if not isinstance(cond, types.Boolean) or a != b:
         return None
     sig = a(cond, a, b)
-
     def codegen(context, builder, signature, args):
         return builder.select(args[0], args[1], args[2])
-
     return sig, codegen
 
 
@@ -203,8 +110,7 @@ def _ftz(x):
 
 @njit(inline="always", **_OPTS)
 def _mul_add_ftz(a, b, c):
-    """``RN(RN(a*b) + c)`` with the product flushed (XLA:CPU without FMA3; the caller
-    flushes the sum)."""
+    """``RN(RN(a*b) + c)``, the product flushed (XLA:CPU without FMA3; the caller flushes the sum)."""
     return _ftz(a * b) + c
 
 
@@ -215,7 +121,6 @@ def _make_prefetch(write: int):
         if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
             return None
         sig = types.none(arr, idx)
-
         def codegen(context, builder, signature, args):
             ary = context.make_array(signature.args[0])(context, builder, args[0])
             i8p = ir.IntType(8).as_pointer()
@@ -226,9 +131,7 @@ def _make_prefetch(write: int):
             # (address, rw: 0 read / 1 write, locality 3: keep in all levels, 1: data)
             builder.call(fn, [ptr, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             return context.get_dummy_value()
-
         return sig, codegen
-
     return prefetch
 
 
@@ -236,16 +139,15 @@ _prefetch_r = _make_prefetch(0)
 _prefetch_w = _make_prefetch(1)
 
 # The AdamW loop runs in strips of _STRIP elements; before each strip it prefetches the
-# lines _AHEAD elements ahead in every stream. Measured on the 16-core H200 host (Xeon,
-# 2**27 elements): +5..10 % at 8 and 16 threads over the plain loop, whose hardware
-# prefetch alone leaves a core short of memory-level parallelism under 7 streams.
+# lines _AHEAD elements ahead in every stream. The update is memory-bound with 7 streams,
+# where hardware prefetch alone leaves a core short of memory-level parallelism: +5..10 %
+# at 8 and 16 threads (measured on the 16-core Xeon host of the H200, 2**27 elements).
 _STRIP = np.uint64(64)
 _AHEAD = np.uint64(512)
 _LINE = np.uint64(16)  # float32 elements per 64-byte line
 
 
 # -- half-precision conversions (on bit patterns, branch-free) ------------------------------
-
 _U16 = np.uint32(16)
 
 
@@ -313,22 +215,16 @@ def _round16(x, kind):
     return f32_to_bf16(x)
 
 
-# -- sqrt of the torch/cpu convention --------------------------------------------------------
-
-
-from ._cpu_sqrt import IEEE as SQRT_IEEE  # noqa: E402
-from ._cpu_sqrt import block_sqrt, scalar_sqrt  # noqa: E402  (msqrt of the contract, per mode)
-
-
 # -- specialisation factories -----------------------------------------------------------------
 # Each returns a Numba dispatcher whose codes (closure constants) are folded at compile time.
 # ``cache=False`` builds an uncached copy (for inspecting the machine code).
+def _opts(cache: bool) -> dict:
+    return dict(_OPTS, cache=cache and _OPTS["cache"])
 
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
-    """``mode``: the ``TC_*`` code of torch/cpu (sqrt mode | TC_NO_FMA), the ``OX_*`` code
-    of optax/cpu, else 0."""
-    opts = dict(_OPTS, cache=cache and _OPTS["cache"])
+    """``mode``: the torch/cpu code (sqrt mode | TC_NO_FMA), the optax/cpu code, else 0."""
+    opts = _opts(cache)
     torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
     cpu = variant == VARIANT_TORCH_CPU
     optax_cpu = variant == VARIANT_OPTAX_CPU
@@ -387,7 +283,6 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         # optax/cuda with optax.clip_by_global_norm: g = (g / norm) * max_norm
         cuda_clip = (np.int64(s[S_OX_CODE]) & OX_CLIP) != 0
         div = s[S_CLIP_DIV]
-
         root = np.empty(strip, np.float32)  # the strip's square roots (blocked only)
         stop = np.uint64(end)
         lo = np.uint64(begin)
@@ -488,12 +383,11 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 elif in_grad:
                     g[i] = _round16(pi, rkind)
             lo = hi
-
     return adamw_kernel
 
 
 def _build_sumsq(gkind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
+    @njit(**_opts(cache))
     def sumsq_kernel(g, begin, end, block, out):
         # Summation order: see sumsq_blocks. The lanes live in a small array so that the
         # j loop is a plain element-wise loop, which LLVM vectorises (a float reduction
@@ -525,34 +419,26 @@ def _build_sumsq(gkind: int, cache: bool = True):
             out[k] = lanes[0]
             k += 1
             start = stop
-
     return sumsq_kernel
 
 
 def _build_convert(kind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
+    @njit(**_opts(cache))
     def convert_kernel(dst, src, begin, end):
         for i in range(np.uint64(begin), np.uint64(end)):
             dst[i] = _load(src[i], kind)
-
     return convert_kernel
 
 
 def _build_round(kind: int, cache: bool = True):
-    @njit(**dict(_OPTS, cache=cache and _OPTS["cache"]))
+    @njit(**_opts(cache))
     def round_kernel(dst, src, begin, end):
         for i in range(np.uint64(begin), np.uint64(end)):
             dst[i] = _round16(src[i], kind)
-
     return round_kernel
 
 
-_BUILDERS = {
-    "adamw": _build_adamw,
-    "sumsq": _build_sumsq,
-    "convert": _build_convert,
-    "round": _build_round,
-}
+_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq, "convert": _build_convert, "round": _build_round}
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
@@ -586,26 +472,19 @@ _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
 
 
 # -- the raw kernels (the engine calls these; no validation beyond the codes) ----------------
-
-
 def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE):
-    """One AdamW update of elements ``[begin, end)``; see :mod:`trainstream.contract`.
+    """One AdamW update of elements ``[begin, end)`` (:mod:`trainstream.contract`).
 
-    ``p`` fp32 master (updated in place), ``m``/``v`` fp32 moments (in place), ``g`` the
-    gradient (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16), ``out16``
-    (uint16, or None: nothing written, whatever ``okind``) receives the new weights
-    rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing written). ``out16`` may be ``g``
-    itself (``okind == gkind``, fp16/bf16): each element's gradient is read before its
-    weight overwrites it (the :data:`OUT_IN_GRAD` specialisation). With ``okind`` =
-    :data:`OUT_U` (optax only) ``out16`` is a float32 array that receives ``u`` of the
-    contract (the update before the learning rate) and ``p`` is read, not written. ``s``
-    the float32 scalars of :func:`~trainstream.contract.step_scalars`. ``tc_code`` (torch/cpu only) is the
-    torch/cpu code of the contract: the :mod:`trainstream._cpu_sqrt` mode of ``msqrt`` |
-    ``TC_NO_FMA`` (ATen's unfused DEFAULT kernels). optax/cpu reads
-    its code (form and FMA pairing) from ``s[S_OX_CODE]`` and runs the specialisation
-    compiled for that code.
-    Unchecked: buffers must be C-contiguous, long enough, and disjoint but for
-    ``out16 is g`` (see :func:`host_adamw_update` for a validating entry point).
+    ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place; ``g`` the gradient
+    (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None:
+    nothing written) receives the new weights rounded to ``okind`` (1 fp16, 2 bf16; 0
+    nothing). ``out16`` may be ``g`` itself (``okind == gkind``): each element's gradient is
+    read before its weight overwrites it (:data:`OUT_IN_GRAD`). With ``okind`` =
+    :data:`OUT_U` (optax only) ``out16`` is a float32 array that receives ``u`` and ``p`` is
+    only read. ``s``: :func:`~trainstream.contract.step_scalars`' vector. ``tc_code``
+    (torch/cpu only): the contract's torch/cpu code; optax/cpu runs the specialisation of
+    the code in ``s[S_OX_CODE]``. Unchecked: buffers must be C-contiguous, long enough, and
+    disjoint but for ``out16 is g`` (:func:`host_adamw_update` validates).
     """
     if okind == OUT_U:
         if out16 is None or out16.dtype != np.float32:
@@ -614,7 +493,8 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
         okind, out16 = KIND_F32, _NO_OUT
     elif out16 is g and okind != KIND_F32:
         if okind != gkind:
-            raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), got {okind}")
+            raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), "
+                             f"got {okind}")
         okind, out16 = OUT_IN_GRAD, _NO_OUT
     if variant == VARIANT_OPTAX_CPU:
         mode = int(s[S_OX_CODE])  # the code travels in the scalars; one specialisation each
@@ -623,9 +503,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     else:
         mode = SQRT_IEEE
     key = (variant, gkind, okind, mode)
-    fn = _TABLE.get(("adamw", key))
-    if fn is None:
-        fn = _specialisation("adamw", key)
+    fn = _TABLE.get(("adamw", key)) or _specialisation("adamw", key)
     fn(p, m, v, g, out16, begin, end, s)
 
 
@@ -637,35 +515,23 @@ def sumsq_blocks(g, gkind, begin, end, block, out):
     within a block starting at ``b``, lane ``j`` (``0 <= j < L``, ``L = SUMSQ_LANES = 64``)
     sums ``g[b + j + L*q]**2`` for ``q = 0, 1, ...`` in order, starting from 0.0; then, for
     ``w = L/2, L/4, ..., 1``: ``l[j] += l[j + w]`` for ``j < w``; the block's sum is
-    ``l[0]``. Blocks are
-    fixed in element space, so the partials (and any sum of them taken in block order) do
-    not depend on how ``[0, n)`` was cut into chunks.
+    ``l[0]``. Blocks are fixed in element space, so the partials (and any sum of them taken
+    in block order) do not depend on how ``[0, n)`` was cut into chunks.
     """
-    fn = _TABLE.get(("sumsq", (gkind,)))
-    if fn is None:
-        fn = _specialisation("sumsq", (gkind,))
-    fn(g, begin, end, block, out)
+    _specialisation("sumsq", (gkind,))(g, begin, end, block, out)
 
 
 def convert_to_f32(dst, src, kind, begin, end):
     """``dst[i] = float32(src[i])`` (exact) over ``[begin, end)``."""
-    fn = _TABLE.get(("convert", (kind,)))
-    if fn is None:
-        fn = _specialisation("convert", (kind,))
-    fn(dst, src, begin, end)
+    _specialisation("convert", (kind,))(dst, src, begin, end)
 
 
 def round_from_f32(dst, src, kind, begin, end):
     """``dst[i] = round(src[i])`` to ``kind`` bits (1 fp16, 2 bf16) over ``[begin, end)``."""
-    fn = _TABLE.get(("round", (kind,)))
-    if fn is None:
-        fn = _specialisation("round", (kind,))
-    fn(dst, src, begin, end)
+    _specialisation("round", (kind,))(dst, src, begin, end)
 
 
 # -- validating public entry point -------------------------------------------------------------
-
-
 def _bf16_dtype():
     try:
         import ml_dtypes  # optional
@@ -686,11 +552,9 @@ def _check_array(name, a, *, writeable):
 
 
 def _buffer_kind(name: str, buf, kind_arg, allow_f32: bool):
-    """The kind code of buffer ``buf`` (argument ``name``) and the array the kernel reads.
-
-    float32 (if ``allow_f32``), float16 and ml_dtypes bfloat16 are recognised by dtype;
-    uint16 bit patterns need ``kind_arg`` ("float16"/"bfloat16") to say what they hold.
-    """
+    """The kind code of buffer ``buf`` (argument ``name``) and the array the kernel reads:
+    float32 (if ``allow_f32``), float16 and ml_dtypes bfloat16 by dtype, uint16 bit
+    patterns by ``kind_arg`` ("float16"/"bfloat16")."""
     kind_name = f"{'grad' if name == 'g' else name}_kind"
     bf16 = _bf16_dtype()
     if allow_f32 and buf.dtype == np.float32:
@@ -701,63 +565,36 @@ def _buffer_kind(name: str, buf, kind_arg, allow_f32: bool):
         kind, buf = KIND_BF16, buf.view(np.uint16)
     elif buf.dtype == np.uint16:
         if kind_arg not in ("float16", "bfloat16"):
-            raise TypeError(
-                f"{name} is a uint16 array: pass {kind_name}='float16' or 'bfloat16' to say "
-                f"what its bit patterns are (got {kind_name}={kind_arg!r})"
-            )
+            raise TypeError(f"{name} is a uint16 array: pass {kind_name}='float16' or 'bfloat16' to say "
+                            f"what its bit patterns are (got {kind_name}={kind_arg!r})")
         return (KIND_F16 if kind_arg == "float16" else KIND_BF16), buf
     else:
         allowed = "float32, float16, bfloat16" if allow_f32 else "float16, bfloat16"
-        raise TypeError(
-            f"{name} must be {allowed} (ml_dtypes) or uint16 bit patterns with {kind_name}, "
-            f"got dtype {buf.dtype}"
-        )
+        raise TypeError(f"{name} must be {allowed} (ml_dtypes) or uint16 bit patterns with {kind_name}, "
+                        f"got dtype {buf.dtype}")
     if kind_arg is not None and kind_arg != ("float32", "float16", "bfloat16")[kind]:
         raise TypeError(f"{kind_name}={kind_arg!r} contradicts {name}'s dtype {buf.dtype}")
     return kind, buf
 
 
-def host_adamw_update(
-    p,
-    m,
-    v,
-    g,
-    scalars,
-    *,
-    convention: str = "torch",
-    platform: str = "cpu",
-    out=None,
-    begin: int = 0,
-    end: int | None = None,
-    grad_kind: str | None = None,
-    out_kind: str | None = None,
-    tc_code: int = SQRT_IEEE,
-) -> None:
-    """One AdamW update of ``p``, ``m``, ``v`` in place over ``[begin, end)``, validated.
-
-    ``tc_code``: for torch/cpu, the contract's torch/cpu code on this machine (sqrt mode
-    | ``TC_NO_FMA``; ``trainstream.torch._optimizer.torch_cpu_code()``); the default, IEEE
-    and fused, is bit-identical to torch only where torch's sqrt is IEEE.
-
-    ``p``, ``m``, ``v``: float32 1-D C-contiguous writeable arrays of one length (master
-    weight and moments). ``g``: the gradient, same length: float32, float16, bfloat16
-    (``ml_dtypes``) or uint16 bit patterns with ``grad_kind`` ("float16"/"bfloat16").
-    ``scalars``: the float32 vector of :func:`trainstream.contract.step_scalars` for the
-    same ``convention``/``platform``. ``out`` (optional): receives the new weights rounded
-    to float16/bfloat16 (or uint16 with ``out_kind``). Raises ``TypeError`` for a wrong
-    type or dtype, ``ValueError`` for a wrong shape, length, layout, range or name.
+def host_adamw_update(p, m, v, g, scalars, *, convention: str = "torch", platform: str = "cpu", out=None,
+                      begin: int = 0, end: int | None = None, grad_kind: str | None = None,
+                      out_kind: str | None = None, tc_code: int = SQRT_IEEE) -> None:
+    """:func:`adamw_chunk` validated: ``p``, ``m``, ``v`` float32 1-D C-contiguous writeable
+    arrays of one length; ``g`` of that length, float32, float16, bfloat16 (``ml_dtypes``) or
+    uint16 bit patterns with ``grad_kind`` ("float16"/"bfloat16"); ``scalars`` for the same
+    ``convention``/``platform``; ``out`` (optional) float16/bfloat16 (or uint16 with
+    ``out_kind``). ``tc_code``: torch/cpu's code on this machine
+    (:func:`trainstream.torch._backend.torch_cpu_code`); the default, IEEE and fused, matches
+    torch only where torch's sqrt is IEEE. Raises ``TypeError`` for a wrong type or dtype,
+    ``ValueError`` for a wrong shape, length, layout, range or name.
     """
     variant = variant_id(convention, platform)
-    _check_array("p", p, writeable=True)
-    _check_array("m", m, writeable=True)
-    _check_array("v", v, writeable=True)
-    _check_array("g", g, writeable=False)
-    _check_array("scalars", scalars, writeable=False)
-    for name, a in (("p", p), ("m", m), ("v", v)):
+    for name, a in (("p", p), ("m", m), ("v", v), ("g", g), ("scalars", scalars)):
+        _check_array(name, a, writeable=name in ("p", "m", "v"))
+    for name, a in (("p", p), ("m", m), ("v", v), ("scalars", scalars)):
         if a.dtype != np.float32:
             raise TypeError(f"{name} must be float32, got dtype {a.dtype}")
-    if scalars.dtype != np.float32:
-        raise TypeError(f"scalars must be float32, got dtype {scalars.dtype}")
     if scalars.shape[0] < N_SCALARS:
         raise ValueError(f"scalars must have {N_SCALARS} entries (step_scalars), got {scalars.shape[0]}")
     gkind, gbuf = _buffer_kind("g", g, grad_kind, allow_f32=True)
@@ -795,19 +632,17 @@ def host_adamw_update(
 
 
 # -- machine-code check ------------------------------------------------------------------------
-
 # A packed arithmetic instruction on a ymm/zmm register (moves and broadcasts excluded).
-_PACKED_OP = re.compile(r"^\s+(v(?!mov|broadcast|zeroupper|extract|insert|perm|shuf|unpck|blend|xor|pxor)\w+)\s[^\n]*%[yz]mm", re.M)
+_PACKED_OP = re.compile(r"^\s+(v(?!mov|broadcast|zeroupper|extract|insert|perm|shuf|unpck|blend|xor|pxor)\w+)"
+                        r"\s[^\n]*%[yz]mm", re.M)
 
 
 def vectorisation_report(specs=None) -> list[dict]:
-    """Compile *uncached* copies of kernel specialisations and summarise their machine code.
-
-    ``specs``: iterable of ``(kernel, key)`` as in the dispatch tables (default: all).
-    Returns one dict per specialisation: ``kernel``, ``key``, ``vector`` (True when the
-    code has packed arithmetic on ymm/zmm registers), ``zmm`` (AVX-512 registers used)
-    and ``packed_ops`` (instruction -> count). Cached specialisations have no
-    inspectable assembly, hence the uncached copies.
+    """Compile *uncached* copies of kernel specialisations (cached ones have no inspectable
+    assembly) and summarise their machine code. ``specs``: iterable of ``(kernel, key)`` as
+    in the dispatch tables (default: all). Returns one dict per specialisation: ``kernel``,
+    ``key``, ``vector`` (packed arithmetic on ymm/zmm registers), ``zmm`` (AVX-512
+    registers used) and ``packed_ops`` (instruction -> count).
     """
     if specs is None:
         specs = [(k, key) for k in _BUILDERS for key in sorted(_VALID_KEYS[k])]
@@ -830,13 +665,6 @@ def vectorisation_report(specs=None) -> list[dict]:
         fn.compile(sig)
         asm = fn.inspect_asm(fn.signatures[0])
         ops = Counter(_PACKED_OP.findall(asm))
-        rows.append(
-            {
-                "kernel": kernel,
-                "key": key,
-                "vector": sum(ops.values()) > 0,
-                "zmm": "%zmm" in asm,
-                "packed_ops": dict(ops.most_common()),
-            }
-        )
+        rows.append({"kernel": kernel, "key": key, "vector": sum(ops.values()) > 0, "zmm": "%zmm" in asm,
+                     "packed_ops": dict(ops.most_common())})
     return rows

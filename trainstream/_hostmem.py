@@ -1,18 +1,14 @@
-"""Pageable host arrays backed by 2 MiB pages (transparent huge pages), where the OS has them.
+"""Pageable host arrays backed by 2 MiB pages (transparent huge pages), where the OS has them,
+and :func:`available`, the host memory this process can still take (the budget of
+:mod:`trainstream.core._budget`). No torch, no JAX.
 
 The host update streams 28 B per element through four arrays at once (master, two moments,
 gradient). With 4 KiB pages that is a TLB miss, and a page walk, every 1024 fp32 elements
-of each array; with 2 MiB pages one every 512 Ki. ``torch.empty`` on the CPU takes its
-memory from glibc with the kernel's default pages, which are 4 KiB unless
-``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``; most distributions ship
-``madvise``, which gives huge pages only to mappings that ask (NumPy asks for its large
-arrays; torch does only under ``THP_MEM_ALLOC_ENABLE=1``). :func:`empty` asks. Measured
-effect: ``experiments/host_pages.py`` and ``experiments/RESULTS.md``.
-
-:func:`available`: the host memory this process can still take (the budget of
-:mod:`trainstream.core._budget`).
-
-No torch, no JAX: the engine core may use it and every backend wraps its arrays.
+of each array; with 2 MiB pages one every 512 Ki. ``torch.empty`` on the CPU gets the
+kernel's default pages, 4 KiB unless ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+``always``; most distributions ship ``madvise``, which gives huge pages only to mappings
+that ask (NumPy asks for its large arrays; torch only under ``THP_MEM_ALLOC_ENABLE=1``).
+:func:`empty` asks. Measured: ``experiments/host_pages.py``, ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -37,14 +33,12 @@ def aligned_empty(numel: int, dtype, align: int = 64) -> np.ndarray:
 
 
 def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
-    """An uninitialised 1-D array of ``numel`` elements.
-
-    At least one huge page long, and where the OS takes the advice: 2 MiB-aligned, its
-    whole 2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (the
-    alignment slack before it, the partial page after it) ``MADV_NOHUGEPAGE``, so that
-    no huge page is faulted in for the slack (up to 2 MiB of resident memory per array
-    otherwise). Else a NumPy array whose data is ``align``-byte aligned. The array owns
-    its memory (freed with its last view).
+    """An uninitialised 1-D array of ``numel`` elements, owning its memory (freed with its
+    last view). At least one huge page long, and where the OS takes the advice: 2 MiB-aligned,
+    its whole 2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (alignment
+    slack before, partial page after) ``MADV_NOHUGEPAGE``, so that no huge page is faulted
+    in for the slack (up to 2 MiB resident per array otherwise). Else a NumPy array whose
+    data is ``align``-byte aligned.
     """
     dt = np.dtype(dtype)
     nbytes = int(numel) * dt.itemsize
@@ -79,14 +73,12 @@ def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None
     The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without
     swapping, reclaimable cache included) and, for this process's cgroup and each ancestor
     visible to it, the memory limit less the usage not counting the inactive file cache
-    (v2: ``memory.max``, ``memory.current``; v1: ``memory.limit_in_bytes``,
-    ``memory.usage_in_bytes``): a container's limit, which ``MemAvailable`` (the whole
-    machine's) does not see. ``proc``, ``cgroup``: where those file systems are mounted.
-
-    Pinned memory is part of this figure, not a budget of its own: CUDA's page-locked
-    allocations (``cudaHostAlloc``: torch's ``pin_memory``, XLA's ``pinned_host``, CuPy's)
-    are not counted against ``RLIMIT_MEMLOCK`` (measured on the H200 machine, 2026-12-02:
-    4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit), so it is not read.
+    (:data:`_CGROUP`): a container's limit, which ``MemAvailable`` (the whole machine's)
+    does not see. ``proc``, ``cgroup``: where those file systems are mounted. Pinned memory
+    is part of this figure, not a budget of its own: CUDA's page-locked allocations (torch's
+    ``pin_memory``, XLA's ``pinned_host``, CuPy's) are not counted against
+    ``RLIMIT_MEMLOCK`` (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by
+    CuPy under a 64 KiB limit), so it is not read.
     """
     best = None
     try:

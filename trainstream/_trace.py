@@ -1,13 +1,9 @@
 """A host-side timeline of the engine, for finding where an offloaded step loses time.
 
-Off by default (one ``is None`` test per recording site). While on, the engine records
-spans (name, thread, start, end, slot) of its worker jobs and of the calls that the
-training thread makes into it; a benchmark adds its own phases (``forward``,
-``backward``) with :func:`span`. :func:`stop` returns the spans; :func:`chrome_trace`
-turns them into a ``chrome://tracing`` / Perfetto file and :func:`summary` into figures
-per phase (worker utilisation, waits, hook latency).
-
-Imports neither torch nor jax.
+Off by default (one ``is None`` test per recording site). While on, the engine records spans of its
+worker jobs and of the training thread's calls into it; a benchmark adds its own phases with
+:func:`span`. :func:`chrome_trace` turns the spans into a ``chrome://tracing`` / Perfetto file,
+:func:`summary` into figures per phase. Imports neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -74,16 +70,11 @@ def chrome_trace(spans: list[Span]) -> dict[str, Any]:
         return {"traceEvents": []}
     origin = min(s.t0 for s in spans)
     tids = {name: i for i, name in enumerate(sorted({s.thread for s in spans}))}
-    events: list[dict[str, Any]] = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
-        for name, i in tids.items()
-    ]
+    events: list[dict[str, Any]] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
+                                    for name, i in tids.items()]
     for s in spans:
-        events.append({
-            "name": s.name, "ph": "X", "pid": 0, "tid": tids[s.thread],
-            "ts": (s.t0 - origin) * 1e6, "dur": max(0.0, (s.t1 - s.t0) * 1e6),
-            "args": {"slot": s.sid},
-        })
+        events.append({"name": s.name, "ph": "X", "pid": 0, "tid": tids[s.thread], "ts": (s.t0 - origin) * 1e6,
+                       "dur": max(0.0, (s.t1 - s.t0) * 1e6), "args": {"slot": s.sid}})
     return {"traceEvents": events}
 
 
@@ -93,23 +84,21 @@ def _overlap(s: Span, a: float, b: float) -> float:
 
 def summary(spans: list[Span], phases: tuple[str, ...] = ("forward", "backward", "step"),
             workers_prefix: str = "trainstream-worker") -> dict[str, Any]:
-    """Figures per phase span (each occurrence of a name in ``phases``), in ms.
-
-    For each phase: its length; the worker threads' time inside it spent in kernels
-    (``update``/``accumulate``/``sumsq``), waiting in a job (``wait.*``) and launching
-    uploads (``upload``), and the workers' utilisation (kernel time / (length x workers));
-    the training threads' time in ``wait_ready`` and ``offload_grad`` (count, total,
-    largest). Also the end of the last worker span after each ``step`` phase ended
-    (how long the host update ran on after ``step()`` returned).
+    """Figures in ms per phase span (each occurrence of a name in ``phases``): its length; the
+    workers' time inside it in kernels, in waits (``wait.*``) and launching uploads, and their
+    utilisation (kernel time / (length x workers)); the training threads' ``wait_ready`` and
+    ``offload_grad`` calls (count, total, largest); for ``step``, how long the workers ran on after it.
     """
-    workers = sorted({s.thread for s in spans if s.thread.startswith(workers_prefix)})
-    out: dict[str, Any] = {"workers": len(workers), "phases": []}
     work = [s for s in spans if s.thread.startswith(workers_prefix)]
+    workers = sorted({s.thread for s in work})
+    out: dict[str, Any] = {"workers": len(workers), "phases": []}
     calls = [s for s in spans if not s.thread.startswith(workers_prefix) and s.name not in phases]
     kernels = ("update", "accumulate", "sumsq")
-    for ph in (s for s in spans if s.name in phases):
+    phase_spans = [s for s in spans if s.name in phases]
+    origin = min((s.t0 for s in phase_spans), default=0.0)
+    for ph in phase_spans:
         a, b = ph.t0, ph.t1
-        row: dict[str, Any] = {"phase": ph.name, "t0_ms": 0.0, "ms": (b - a) * 1e3}
+        row: dict[str, Any] = {"phase": ph.name, "t0_ms": (a - origin) * 1e3, "ms": (b - a) * 1e3}
         k = sum(_overlap(s, a, b) for s in work if s.name in kernels)
         row["worker_kernel_ms"] = k * 1e3
         row["worker_wait_ms"] = sum(_overlap(s, a, b) for s in work if s.name.startswith("wait.")) * 1e3
@@ -123,8 +112,4 @@ def summary(spans: list[Span], phases: tuple[str, ...] = ("forward", "backward",
             later = [s.t1 for s in work if s.t0 >= a]
             row["host_tail_ms"] = (max(later) - b) * 1e3 if later else 0.0
         out["phases"].append(row)
-    if out["phases"]:
-        origin = min(s.t0 for s in spans if s.name in phases)
-        for row, ph in zip(out["phases"], (s for s in spans if s.name in phases)):
-            row["t0_ms"] = (ph.t0 - origin) * 1e3
     return out

@@ -1,13 +1,10 @@
-"""The AdamW arithmetic contract: defined once, here.
+"""The AdamW arithmetic contract, defined once.
 
-Every kernel in TrainStream (the Numba host kernels, the CUDA kernels in
-``trainstream/kernels/``) implements exactly the per-element arithmetic written in this
-module and points here instead of restating it. The NumPy functions at the bottom are the
-executable form of this text; the tests hold every kernel to them and hold them to the
-real references.
+Every kernel (the Numba host kernels, the CUDA kernels in ``trainstream/kernels/``)
+implements the per-element arithmetic written here and points here instead of restating
+it. The NumPy functions below are its executable form; the tests hold every kernel to them
+and them to the real references.
 
-Symbols
--------
 ====================  =====================================================================
 ``p``                 fp32 master weight (the parameter itself when it is fp32)
 ``m``, ``v``          ``exp_avg``, ``exp_avg_sq`` (fp32)
@@ -15,34 +12,28 @@ Symbols
 ``c``                 clip coefficient (fp32; 1 when not clipping)
 ``lr``                ``lr`` / ``learning_rate``
 ``b1``, ``b2``        ``betas`` / ``b1``, ``b2``
-``eps``               ``eps``
-``wd``                ``weight_decay``
+``eps``, ``wd``       ``eps``, ``weight_decay``
 ``t``                 the step number after increment (1 on the first update)
 ``f(x)``              ``x`` rounded to the nearest float32 (a host scalar)
 ``fma(a, b, c)``      ``a*b + c`` rounded once (the FMA instruction)
 ====================  =====================================================================
 
-All element operations are float32 with round-to-nearest-even; ``a*b + c`` written
-without ``fma`` is two roundings and must not be contracted (no fast-math, and CUDA
-code uses ``__fmul_rn``/``__fadd_rn`` where the reference does not fuse).
-
-Per-step scalars are computed once on the host, in float64 (Python floats) exactly as
-the reference computes them, then rounded to float32 where the reference rounds them
-(``optax``: except the inputs that only XLA reproduces, named there).
-They travel to a kernel as a small float32 vector laid out by the ``S_*`` indices below.
+All element operations are float32, round-to-nearest-even; ``a*b + c`` written without
+``fma`` is two roundings and is never contracted (no fast-math; CUDA code uses
+``__fmul_rn``/``__fadd_rn`` where the reference does not fuse). Per-step scalars are
+computed once on the host in float64 (Python floats) as the reference computes them and
+rounded to float32 where it rounds them (optax: but for the inputs only XLA reproduces);
+they reach a kernel as a float32 vector indexed by the ``S_*`` constants below.
 
 Conventions
 -----------
-``torch`` reproduces ``torch.optim.AdamW`` (default, single-tensor/foreach path, which are
-bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
-
-* the gradient, both platforms: ``g = g * c`` in float32, and for an fp16/bf16 gradient
-  rounded back to its format, ``g = r(g * c)``: ``c`` stands for torch's own in-place
-  multiplications of ``param.grad`` before ``step()`` (``clip_grad_norm_``'s
-  ``_foreach_mul_`` by the clip coefficient cast to the gradient's dtype,
-  ``GradScaler.unscale_`` by the float32 inverse scale), which store ``g * c`` in the
-  gradient's dtype. With ``c = 1`` both are ``g``. (The CUDA kernels do not round yet;
-  the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with torch.)
+``torch`` reproduces ``torch.optim.AdamW`` (default single-tensor and foreach paths, bitwise
+equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64. The gradient, both
+platforms: ``g = g * c`` in float32, rounded back for an fp16/bf16 gradient, ``g = r(g * c)``:
+``c`` stands for torch's in-place multiplications of ``param.grad`` before ``step()``
+(``clip_grad_norm_``'s ``_foreach_mul_`` by the coefficient cast to the gradient's dtype,
+``GradScaler.unscale_`` by the float32 inverse scale). (The CUDA kernels do not round yet;
+the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with torch.)
 
 * platform ``cpu`` (ATen's AVX2/AVX512 kernels; measured on torch 2.13)::
 
@@ -54,36 +45,28 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
       d  = msqrt(v) / f(sqrt(bc2)) + f(eps)       # true division by the host scalar
       p  = p1 + (f(-lr/bc1) * m) / d              # param.addcdiv_(m, d, -lr/bc1)
 
-  ``msqrt`` is ``Tensor.sqrt()`` on the CPU, which is *not* IEEE ``sqrt``: ATen calls
-  MKL's ``vsSqrt``, whose result depends on the CPU (vendor and vector width). The three
-  MKL code paths are reproduced exactly in :mod:`trainstream._cpu_sqrt`; which one torch
-  runs on a machine is found by probing ``torch.sqrt`` (the torch adapter does it once).
-
-  ATen's ``DEFAULT`` kernels (a CPU without AVX2, or ``ATEN_CPU_CAPABILITY=default``) do
-  not fuse: with the :data:`TC_NO_FMA` bit of the torch/cpu *code* the two FMAs above are
-  two roundings each (verified bit for bit on torch 2.13 for ``1-b1`` below, at and above
-  0.5; ``mul_``, ``div``, ``add_`` and ``addcdiv_`` are the same at every level)::
+  ATen's ``DEFAULT`` kernels (no AVX2, or ``ATEN_CPU_CAPABILITY=default``; the
+  :data:`TC_NO_FMA` bit) do not fuse: the two FMAs are two roundings each (verified on
+  torch 2.13 for ``1-b1`` below, at and above 0.5; the other lines are the same at every
+  level)::
 
       m  = m + f(1-b1) * (g - m)                  # weight < 0.5
          = g + (f(1-b1) - 1) * (g - m)            #   ... weight >= 0.5 (= g - (g-m)*(1-w))
       v  = v * f(b2) + (f(1-b2) * g) * g
 
-  The torch/cpu code is ``msqrt``'s mode (bits 0-1, :mod:`trainstream._cpu_sqrt`) ``|
-  TC_NO_FMA``; the adapters find it by probing ``torch.sqrt`` and ``Tensor.lerp_``
-  (:func:`trainstream._cpu_sqrt.detect_torch_cpu_code`). MKL chooses its ``vsSqrt`` path
-  by itself (``MKL_ENABLE_INSTRUCTIONS``; on AMD EPYC it kept the SSE path at every
-  setting); ATen's capability does not change it. Where no mode that Numba's target can
-  compile reproduces torch's root (e.g. MKL's AVX-512 path with Numba forced below
-  AVX-512), the correctly rounded root is used with a warning: MKL's high-accuracy root
-  is within :data:`TORCH_CPU_SQRT_MAX_ULP` of it, and so is ``msqrt`` there.
+  ``msqrt`` is ``Tensor.sqrt()``, *not* IEEE ``sqrt``: MKL's ``vsSqrt``, whose path depends
+  on the CPU (vendor, vector width) and on MKL alone (``MKL_ENABLE_INSTRUCTIONS``; AMD EPYC
+  kept the SSE path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt`
+  reproduces the three paths (its modes). The torch/cpu *code* is the mode (bits 0-1)
+  ``| TC_NO_FMA``, probed once from ``torch.sqrt`` and ``Tensor.lerp_``
+  (:func:`trainstream.torch._backend.torch_cpu_code`). Where no mode Numba's target can
+  compile reproduces torch's root (e.g. MKL's AVX-512 path, Numba forced below AVX-512),
+  the correctly rounded one is used with a warning (:data:`TORCH_CPU_SQRT_MAX_ULP`).
+  aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet run): no MKL; NEON
+  ``vsqrtq_f32`` (correctly rounded) and a ``vfmaq_f32`` lerp: the probes select ``IEEE``, fused.
 
-  aarch64 (Grace, Graviton): torch's wheels there have no MKL, and ATen's ``vsqrt`` falls
-  back to ``Vectorized<float>::sqrt`` (NEON ``vsqrtq_f32``, correctly rounded), its lerp
-  to ``vfmaq_f32``: the ``IEEE`` mode, fused, which the same probes select (read from
-  ATen's ``vml.h`` and ``vec128``; not yet run on an aarch64 host).
-
-* platform ``cuda`` (torch's default on CUDA is the *foreach* path, whose kernels
-  nvcc compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
+* platform ``cuda`` (torch's default there is the *foreach* path, whose kernels nvcc
+  compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
 
       g  = g * c
       p1 = p * f(1 - lr*wd)                       # _foreach_mul_
@@ -93,35 +76,32 @@ bitwise equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64:
       d  = sqrt(v) / f(sqrt(bc2)) + f(eps)        # _foreach_div_ (scalar list): true division
       p  = fma(f(-lr/bc1), m / d, p1)             # _foreach_addcdiv_
 
-  torch's single-tensor path on CUDA (``foreach=False``) differs in one line: its
-  ``Tensor / python_scalar`` multiplies by a reciprocal, ``d = sqrt(v) * f(1/sqrt(bc2))
-  + f(eps)``; that path is not a convention (it is not the default anywhere).
+  (``foreach=False`` on CUDA multiplies by a reciprocal, ``d = sqrt(v) * f(1/sqrt(bc2)) +
+  f(eps)``: not a convention, it is the default nowhere.)
 
 ``optax`` reproduces ``optax.adamw`` (optionally ``optax.chain(optax.clip_by_global_norm(M),
 optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates``
-in one program. The per-step inputs are computed by XLA, not by this module: the JAX
-adapter computes them inside the jitted step with the same jnp expressions optax uses and
-passes the float32 results in (see :func:`optax_bias_corrections`):
+in one program. XLA computes the per-step inputs: the JAX adapter computes them inside the
+jitted step with optax's own jnp expressions (:func:`optax_scalar_matrix`) and passes the
+float32 results in:
 
-* ``t`` = ``safe_increment(count)`` (int32), ``d1 = 1 - b1**t``, ``d2 = 1 - b2**t`` in
-  float32 (XLA:CPU calls glibc ``powf``, which is *not* correctly rounded: a NumPy or
-  float64 power differs in the last bit for thousands of ``t``);
+* ``t = safe_increment(count)`` (int32), ``d1 = 1 - b1**t``, ``d2 = 1 - b2**t`` in float32
+  (XLA:CPU calls glibc ``powf``, which is not correctly rounded: a NumPy or float64 power
+  differs in the last bit for thousands of ``t``);
 * ``lr``: the constant ``f(lr)``, or ``schedule(t - 1)`` evaluated by XLA in float32 (XLA's
   constant folding changes a schedule's arithmetic; only XLA reproduces XLA);
 * the global norm ``n`` of ``optax.tree.norm(grads)`` (XLA's reduction order, which on
-  XLA:CPU depends on leaf sizes and even on the thread count for large leaves).
+  XLA:CPU depends on leaf sizes, and for large leaves on the thread count).
 
 platform ``cpu`` (XLA:CPU, jax/jaxlib 0.10.2, optax 0.2.8, x86-64 with FMA3, glibc libm;
-reverse-engineered from the optimized HLO and machine code and verified bit for bit).
-XLA:CPU runs with flush-to-zero and denormals-are-zero: every operand below is read with
-denormals as signed zeros and every result (``RN``, ``fma``) is flushed the same way.
-LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the contract::
+reverse-engineered from the optimized HLO and machine code, verified bit for bit). XLA:CPU
+runs with flush-to-zero and denormals-are-zero: every operand below is read with denormals
+as signed zeros and every result (``RN``, ``fma``) is flushed alike. LLVM contracts
+``a*b + c`` into FMAs, and the pairing it picks is part of the contract::
 
       B1, B2, C1, C2 = f(b1), f(b2), f(1-b1), f(1-b2)   # 1-b in float64, rounded once
       g  = RN(RN(g / s[S_CLIP_DIV]) * s[S_CLIP])            # OX_CLIP: IEEE division, multiply
       g  = RN(g * s[S_CLIP])                                # without OX_CLIP
-           # clip_by_global_norm(M): (S_CLIP_DIV, S_CLIP) = (n, f(M)) unless n < f(M),
-           # else (1, 1); no clipping: (1, 1) (both exact identities on g)
       m  = fma(C1, g, RN(B1*m))                             # default pairing
       m  = fma(B1, m, RN(C1*g))                             # OX_MU_SWAP
       gg = RN(g*g)
@@ -132,57 +112,47 @@ LLVM contracts ``a*b + c`` into FMAs, and the pairing it picks is part of the co
       u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
-  In x64 mode (``jax_enable_x64``) optax's ``1 - b**t`` is a float64 power cast to float32
-  for each leaf, and form R holds for every leaf of more than one element.
+  The pairing and form depend on the program, not on the values; the *code* of a leaf
+  (bits :data:`OX_FORM_R`, :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is
+  :func:`optax_cpu_code`'s. Form R: only for a pytree of one leaf of more than one element
+  (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only when ``1 - b**t`` has one
+  use), but for every leaf of more than one element in x64 mode (``jax_enable_x64``:
+  ``1 - b**t`` is a float64 power cast to float32 per leaf). With ``clip_by_global_norm``
+  in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing of
+  one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's
+  ``(S_CLIP_DIV, S_CLIP)`` is ``(n, f(M))`` unless ``n < f(M)``, else ``(1, 1)``, as
+  without clipping (both exact identities on ``g``); ``RN(g / n)`` is a true division (a
+  multiply by ``1/n`` differs for 60% of elements) and ``* M`` a second rounding (removed
+  by XLA when ``M == 1``, exact anyway).
 
-  Which pairing and form XLA picks depends on the program, not on the values; the
-  :data:`OX_FORM_R`, :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP` and :data:`OX_CLIP` bits of
-  the *code* name them and :func:`optax_cpu_code` gives the code of a leaf: form R only
-  for a pytree of a single leaf with more than one element (XLA's ``A / broadcast(B) ->
-  A * (1/B)`` rewrite fires only when ``1 - b**t`` has one use); with
-  ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing for every leaf, and
-  the ``m`` pairing too for one-element leaves (except in a multi-leaf tree with
-  ``M == 1``). ``RN(g / n)`` is a true division, not a multiply by ``1/n`` (60% of
-  elements differ), and the ``* M`` is a second rounding (removed by XLA when ``M == 1``,
-  which is exact anyway).
+  *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a
+  gradient that reaches the moment-update fusion materialised: always when ``update`` is
+  jitted apart, and in a step jitted whole for gradients of matmuls and multi-element
+  reductions (every leaf of the tests' MLP and transformer). XLA:CPU may instead fuse a
+  gradient's computation into the moment updates (seen for a ``(1,)`` leaf whose gradient
+  is a full reduction, small leaves with a gradient element-wise in the parameter, bf16
+  gradients cast in the update's program); LLVM then contracts the *other* products,
+  ``OX_NU_SWAP | OX_MU_SWAP`` (with clipping nothing changed in the cases probed). A buffer
+  does not say which case it came from: the JAX adapter takes the affected leaves as
+  ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the moment update, e.g.
+  of a loss quadratic in a scalar) match no pairing. Verified (tests/test_jax_compose.py):
+  ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped gradient (``max_norm=M``'s
+  pairing without :data:`OX_CLIP`: ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s
+  accumulated one (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients
+  fused into the update under ``jax.pmap`` (several leaves match no code; reduced in a
+  program of their own they are exact), and in x64 mode float64 gradients cast to float32
+  in the update's program.
 
-  *Fused gradients* (a limit of what any optimizer outside XLA can reproduce): the
-  pairings above are those of a gradient that enters optax's moment-update fusion as a
-  materialised array: always the case when ``update`` is jitted apart from the gradient,
-  and, in a train step jitted as a whole, for gradients made by matmuls and by
-  multi-element reductions (every leaf of the MLP and transformer in the tests). XLA:CPU
-  may instead fuse the computation of a gradient into the moment updates (seen for a
-  ``(1,)``-shaped leaf whose gradient is a full reduction, for small leaves whose
-  gradient is element-wise in the parameter, and for bf16 gradients cast to float32 in
-  the update's program); LLVM then contracts the *other* products,
-  ``OX_NU_SWAP | OX_MU_SWAP`` (without clipping; with clipping nothing changed in the
-  cases probed). TrainStream receives gradients as materialised buffers, so it cannot
-  see which case the user's program is in; the JAX adapter takes the affected leaves
-  as an argument (``xla_fused_grads``). In rarer cases (a gradient XLA simplifies
-  algebraically together with the moment update, e.g. of a loss quadratic in a scalar)
-  no pairing reproduces the fused program. Compositions whose gradient is an expression
-  that XLA fuses into the update (verified bit for bit, tests/test_jax_compose.py):
-  ``optax.chain(optax.clip_by_global_norm(M), adamw)`` written as a chain (the clipped
-  gradient: the pairing of ``max_norm=M`` without :data:`OX_CLIP`, the adapter's
-  ``after_clip_by_global_norm=M``); ``optax.MultiSteps`` (the accumulated gradient:
-  ``OX_NU_SWAP | OX_MU_SWAP`` on every leaf, ``xla_fused_grads=True``). Not reproduced:
-  under ``jax.pmap`` a ``lax.pmean`` of the gradients fused into the update (several
-  leaves match no code; gradients reduced in a program of their own are exact), and in
-  x64 mode gradients computed in float64 and cast to float32 in the update's program.
-  The update alone (``u`` before the learning rate) is what a custom call hands back to
-  the program: optax's ``scale_by_learning_rate`` multiplies it there by ``-lr`` and
-  ``apply_updates`` adds it, which XLA fuses into the same ``fma(f(-lr), u, p)`` as
-  around optax.adamw.
-  ``apply_updates`` jitted *separately* from ``update`` materialises
-  ``RN(-lr*u)`` and then ``p + that``: a different result, not a convention here.
+  ``u`` is what a custom call hands back to the program, where ``scale_by_learning_rate``
+  and ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted
+  *apart* from ``update`` rounds ``RN(-lr*u)`` before ``p + that``: not a convention here.
 
   *Without FMA* (XLA:CPU targeting an ISA without FMA3: ``--xla_cpu_max_isa=SSE4_2`` or
-  ``AVX``, or such a host; the :data:`OX_NO_FMA` bit of the code): LLVM cannot contract,
-  every ``fma(a, b, c)`` above is ``RN(RN(a*b) + c)`` (each result flushed) and the
-  pairing bits change nothing. Verified bit for bit at ``SSE4_2`` and ``AVX`` against
-  jitted optax (3-leaf and 7-leaf MLPs, a single leaf, with and without clipping); at
-  ``AVX2`` and ``AVX512`` the fused lines hold. The adapter finds which by probing XLA:CPU
-  with one jitted ``a*b + c`` (``powf`` and the bias corrections did not change).
+  ``AVX``, or such a host; the :data:`OX_NO_FMA` bit): every ``fma(a, b, c)`` above is
+  ``RN(RN(a*b) + c)`` (each result flushed) and the pairing bits change nothing. Verified
+  bit for bit at ``SSE4_2`` and ``AVX`` (3- and 7-leaf MLPs, a single leaf, with and
+  without clipping); at ``AVX2`` and ``AVX512`` the fused lines hold. The adapter probes
+  XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias corrections did not change).
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
@@ -194,28 +164,15 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
       u  = u + f(wd) * p                           # add_decayed_weights
       p  = p + u * f(-lr)                          # scale_by_learning_rate, apply_updates
 
-  On XLA:GPU ``sqrt`` is the approximate ``sqrt.approx.f32`` instruction (and division
-  ``div.full.f32``), which a host cannot reproduce bit for bit; the host kernels use the
-  IEEE operations there and the tests bound the difference in ULPs (see
-  ``OPTAX_CUDA_MAX_ULP``). The device kernel runs XLA:GPU's instructions and matched
-  ``optax.adamw`` jitted on the H200 bit for bit, per step, with a warmup-cosine
-  schedule, a decay mask, five leaves, fp32 and bf16 (fp32 master), with and without
-  ``clip_by_global_norm`` (tests/test_jax_gpu.py, 2026-11-30). The scalars ``d1``, ``d2``
-  and ``-lr`` come from the user's XLA program (XLA:GPU's ``__nv_powf``/``__nv_cosf``),
-  the global norm too: XLA sums it in a program-dependent order, so with clipping the
-  weights equal optax's when both programs compute the same norm. Known differences from
-  XLA:CPU: XLA:GPU keeps denormals (no FTZ unless ``xla_gpu_ftz``), never applies the
-  CPU-only reciprocal rewrite (form D everywhere) and contracted no FMA here.
-
-Scalar vector of ``optax``: slots 1-9 below; slot ``S_CLIP`` multiplies the gradient
-(``M`` of ``clip_by_global_norm`` when it triggers, else 1.0; on ``cuda`` the clip
-coefficient), ``S_CLIP_DIV`` divides it first (with ``OX_CLIP`` only: ``n`` when
-clipping triggers, else 1.0) and ``S_OX_CODE`` holds the code as a float (on ``cpu`` every
-bit, and the host kernels compile one specialisation per code; on ``cuda`` only
-``OX_CLIP`` is read). The engine's own
-``max_grad_norm`` (torch's ``clip_grad_norm_`` formula, ``g * c``) still works through
-``S_CLIP`` in both conventions, but only the adapter's ``clip_by_global_norm`` inputs
-reproduce optax's clipping.
+  ``sqrt`` is the approximate ``sqrt.approx.f32`` (division ``div.full.f32``), which a host
+  cannot reproduce: the host kernels use IEEE operations (:data:`OPTAX_CUDA_MAX_ULP`). The
+  device kernel runs XLA:GPU's instructions and matched jitted ``optax.adamw`` on the H200
+  bit for bit per step (warmup-cosine schedule, decay mask, five leaves, fp32 and bf16
+  with an fp32 master, with and without clipping; tests/test_jax_gpu.py). ``d1``, ``d2``,
+  ``-lr`` (``__nv_powf``/``__nv_cosf``) and the norm come from the user's program: with
+  clipping the weights equal optax's when both programs compute the same norm. Unlike
+  XLA:CPU, XLA:GPU keeps denormals (no FTZ unless ``xla_gpu_ftz``) and never applies the
+  reciprocal rewrite (form D); ``cuda`` reads only the :data:`OX_CLIP` bit of the code.
 
 Numerical hazards, named where they occur: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to
 float32 once (not per element); ``d`` is never zero for ``eps > 0`` but a gradient of
@@ -227,37 +184,17 @@ precision, far from any practical setting.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 __all__ = [
-    "CONVENTIONS",
-    "PLATFORMS",
-    "AdamWHyperParams",
-    "validate_hyperparams",
-    "variant_id",
-    "torch_step_scalars",
-    "optax_bias_corrections",
-    "optax_clip_scalars",
-    "optax_cpu_code",
-    "optax_step_scalars",
-    "optax_scalar_matrix",
-    "OptaxStepScalars",
-    "master_of_weights",
-    "step_scalars",
-    "clip_coefficient",
-    "merge_master",
-    "fma_f32",
-    "ftz",
-    "f32_to_bf16_bits",
-    "bf16_bits_to_f32",
-    "round_to",
-    "reference_update",
+    "CONVENTIONS", "PLATFORMS", "AdamWHyperParams", "validate_hyperparams", "variant_id", "torch_step_scalars",
+    "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars", "optax_scalar_matrix",
+    "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master", "fma_f32", "ftz",
+    "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
 ]
 
-Convention = Literal["torch", "optax"]
-Platform = Literal["cpu", "cuda"]
 CONVENTIONS: tuple[str, ...] = ("torch", "optax")
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda")
 
@@ -268,6 +205,10 @@ VARIANT_OPTAX_CPU = 2
 VARIANT_OPTAX_CUDA = 3
 
 # -- the per-step scalar vector ------------------------------------------------------------
+# S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of
+# clip_by_global_norm when it triggers (else 1.0). The engine's own max_grad_norm (torch's
+# clip_grad_norm_ formula) works through it in both, but only the JAX adapter's
+# clip_by_global_norm inputs reproduce optax's clipping.
 N_SCALARS = 12
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
 # torch convention
@@ -302,35 +243,27 @@ OX_CODES: tuple[int, ...] = tuple(range(32))
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
 TC_CODES: tuple[int, ...] = tuple(range(8))
 
-#: ``Tensor.sqrt()`` on the CPU (MKL's ``vsSqrt``, high accuracy) against the correctly
-#: rounded root, in float32 ULPs: at most 1 on every path reproduced (measured over
-#: :func:`trainstream._cpu_sqrt.probe_values` and [1, 4) exhaustively; tests/test_contract.py).
-#: Where torch's path is not reproducible the weights may differ from torch.optim.AdamW's by
-#: that much in ``d`` per step.
+#: ``Tensor.sqrt()`` on the CPU (MKL's high-accuracy ``vsSqrt``) against the correctly rounded
+#: root, in float32 ULPs, on every path reproduced (measured over :func:`trainstream._cpu_sqrt.probe_values`
+#: and [1, 4) exhaustively); where torch's path is not reproducible, ``d`` may differ by that much per step.
 TORCH_CPU_SQRT_MAX_ULP = 1
 
-#: Largest distance per step between the optax/cuda kernel (XLA:GPU's approximate
-#: ``sqrt.approx``/``div.full``) and its IEEE host emulation, in float32 ULPs of
-#: ``max(|p|, |update|, |p_new|)`` (plain ULPs of ``p_new`` are unbounded where the update
-#: cancels the weight). Measured on the H200 (2026-11-30): at most 5 over 29 layouts and
-#: dtypes x 10 steps; the bound leaves margin.
+#: Largest distance per step between the optax/cuda kernel (XLA:GPU's ``sqrt.approx``/``div.full``)
+#: and its IEEE host emulation, in float32 ULPs of ``max(|p|, |update|, |p_new|)`` (:func:`update_ulps`).
+#: Measured on the H200: at most 5 over 29 layouts and dtypes x 10 steps; the bound leaves margin.
 OPTAX_CUDA_MAX_ULP = 8
 
-#: The same distance between ``optax.adamw`` jitted on XLA:GPU and TrainStream's host
-#: update of the optax/cuda formula (JAX ``mode="cpu"`` on a GPU: IEEE square root and
-#: division on the host, the clipped gradient ``(g / n) * M`` with an IEEE division where
-#: XLA:GPU uses ``div.full``), per step from the same state, weights and moments.
-#: Measured on the H200 (2026-11-30, tests/test_jax_gpu.py, 30 steps x fp32/bf16 x
-#: clip/no clip): the moments at most 6 ULP; the weights at most 5 ULP without
-#: clipping, but up to 326 ULP with it where Adam's ``m`` nearly cancels (a gradient
-#: flipping sign amplifies the moments' last-bit differences), i.e. well under a
-#: thousandth of the step ``lr * u``: the bound applies to the moments.
+#: The same distance between ``optax.adamw`` jitted on XLA:GPU and the host update of the optax/cuda
+#: formula (JAX ``mode="cpu"`` on a GPU: IEEE root and division, also in ``(g / n) * M``), per step from
+#: the same state. Measured on the H200 (tests/test_jax_gpu.py, 30 steps x fp32/bf16 x clip/no clip):
+#: moments at most 6 ULP, weights 5 without clipping but up to 326 with it where ``m`` nearly cancels (a
+#: gradient flipping sign amplifies the moments' last-bit differences; still under a thousandth of the
+#: step ``lr * u``): the bound applies to the moments.
 OPTAX_CUDA_HOST_MAX_ULP = 16
 
 
 class AdamWHyperParams(NamedTuple):
     """AdamW hyper-parameters of one parameter group (Python floats, float64)."""
-
     lr: float
     beta1: float
     beta2: float
@@ -338,13 +271,8 @@ class AdamWHyperParams(NamedTuple):
     weight_decay: float
 
 
-def validate_hyperparams(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> AdamWHyperParams:
-    """Check AdamW hyper-parameters and return them as an :class:`AdamWHyperParams`.
-
-    Raises ``ValueError`` with the same wording as ``torch.optim.AdamW``.
-    """
+def validate_hyperparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> AdamWHyperParams:
+    """Check AdamW hyper-parameters (``ValueError`` worded as ``torch.optim.AdamW``'s)."""
     if not isinstance(lr, (int, float)) or isinstance(lr, bool):
         raise TypeError(f"Invalid learning rate type: {type(lr).__name__} (expected a float)")
     if not 0.0 <= lr or math.isnan(lr):
@@ -373,18 +301,9 @@ def variant_id(convention: str, platform: str) -> int:
     return CONVENTIONS.index(convention) * 2 + PLATFORMS.index(platform)
 
 
-def _f32(x: float) -> np.float32:
-    return np.float32(x)
-
-
-def torch_step_scalars(
-    hp: AdamWHyperParams, step: int, platform: str, clip: float | np.float32 = 1.0
-) -> np.ndarray:
-    """Per-step scalars of the ``torch`` convention for update number ``step`` (>= 1).
-
-    Mirrors ``torch/optim/adam.py``: ``bias_correction1 = 1 - beta1 ** step`` etc. in
-    Python floats, then each scalar rounded to float32 where ATen casts it.
-    """
+def torch_step_scalars(hp: AdamWHyperParams, step: int, platform: str, clip: float | np.float32 = 1.0) -> np.ndarray:
+    """Per-step scalars of the ``torch`` convention for update number ``step`` (>= 1), as
+    ``torch/optim/adam.py`` forms them in Python floats, rounded where ATen casts them."""
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after increment), got {step}")
     s = np.zeros(N_SCALARS, np.float32)
@@ -394,24 +313,21 @@ def torch_step_scalars(
     bc2 = 1 - b2**t
     bc2_sqrt = bc2**0.5
     s[S_CLIP] = np.float32(clip)
-    s[S_DECAY] = _f32(1 - lr * wd)
-    s[S_LERP_W] = _f32(1 - b1)
-    s[S_LERP_SMALL] = 1.0 if abs(float(_f32(1 - b1))) < 0.5 else 0.0
-    s[S_BETA2] = _f32(b2)
-    s[S_OMB2] = _f32(1 - b2)
-    s[S_BC2] = _f32(bc2_sqrt)
-    s[S_EPS] = _f32(eps)
-    s[S_NEG_STEP] = _f32(-(lr / bc1))
+    s[S_DECAY] = np.float32(1 - lr * wd)
+    s[S_LERP_W] = np.float32(1 - b1)
+    s[S_LERP_SMALL] = 1.0 if abs(float(np.float32(1 - b1))) < 0.5 else 0.0
+    s[S_BETA2] = np.float32(b2)
+    s[S_OMB2] = np.float32(1 - b2)
+    s[S_BC2] = np.float32(bc2_sqrt)
+    s[S_EPS] = np.float32(eps)
+    s[S_NEG_STEP] = np.float32(-(lr / bc1))
     return s
 
 
 def optax_bias_corrections(b1: float, b2: float, count, xp=np):
-    """``(1 - b1**count, 1 - b2**count)`` in float32, written as optax writes it.
-
-    ``count`` is the int32 step count after increment. The JAX adapter calls this with
-    ``xp=jax.numpy`` inside the jitted step so that XLA computes the same bits as optax;
-    with NumPy the power may differ from XLA's in the last bit (a reference only).
-    """
+    """``(1 - b1**count, 1 - b2**count)`` in float32 as optax writes it, ``count`` the int32
+    count after increment; with ``xp=jax.numpy`` in the jitted step XLA computes optax's bits
+    (NumPy's power may differ from XLA's ``powf`` in the last bit: a reference only)."""
     count = xp.asarray(count, dtype=xp.int32)
     one = xp.asarray(1, xp.float32)
     bc1 = one - xp.asarray(b1, xp.float32) ** count.astype(xp.float32)
@@ -421,49 +337,26 @@ def optax_bias_corrections(b1: float, b2: float, count, xp=np):
 
 class OptaxStepScalars(NamedTuple):
     """What :func:`optax_scalar_matrix` returns (arrays of its ``xp``)."""
-
     count_inc: Any  # int32: optax's count after this update (safe_increment)
     scalars: Any  # float32[leaves, N_SCALARS]: every leaf's scalar vector
     step_size: Any  # the factor of scale_by_learning_rate, as optax forms it (-lr)
 
 
-def optax_scalar_matrix(
-    count,
-    codes,
-    decays,
-    *,
-    learning_rate,
-    b1,
-    b2,
-    eps,
-    weight_decay,
-    global_norm=None,
-    max_norm=None,
-    xp=np,
-) -> OptaxStepScalars:
-    """The whole per-step scalar matrix of the ``optax`` convention, one row per leaf.
+def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, weight_decay, global_norm=None,
+                        max_norm=None, xp=np) -> OptaxStepScalars:
+    """The ``optax`` convention's per-step scalar matrix, one row per leaf.
 
-    Every entry is written with the expression optax.adamw (0.2.8) uses for it, so that
-    with ``xp=jax.numpy`` inside the caller's jitted program XLA computes the same bits
-    as in the reference program, whatever the hyper-parameters are (Python floats, or
-    float32 arrays as ``optax.inject_hyperparams`` passes them) and in x64 mode too:
-
-    * ``t = safe_increment(count)``; ``d1 = (1 - b1**t).astype(float32)``, ``d2``
-      likewise (``optax.tree.bias_correction``: the power in the ambient precision);
-    * ``C1 = f32(1 - b1)``, ``B1 = f32(b1)`` (``update_moment``: ``(1 - b1) * g + b1 *
-      m``, weak-typed for a Python float, float32 arithmetic for an array), ``C2``,
-      ``B2`` likewise, ``f32(eps)``, ``f32(weight_decay)``;
-    * ``step_size = -1 * lr`` (``scale_by_learning_rate``), for a schedule
-      ``xp.asarray(-1 * schedule(count), float32)`` (``scale_by_schedule``: the count
-      *before* the increment); ``S_NEG_LR`` is it in float32;
-    * with ``max_norm`` (``clip_by_global_norm``, ``global_norm`` = ``optax.tree.norm``
-      of the float32 gradients): ``(S_CLIP_DIV, S_CLIP) = (n, f32(M))`` unless
-      ``n < M``, else ``(1, 1)``, on the rows whose code has :data:`OX_CLIP`.
-
-    ``codes``: the ``OX_*`` code of each leaf (:func:`optax_cpu_code`; on ``cuda`` only
-    :data:`OX_CLIP` is read); ``decays``: False for a leaf masked out of weight decay.
-    With ``xp=np`` the result is only a reference (NumPy's power is not glibc's
-    ``powf``, see :func:`optax_bias_corrections`).
+    Every entry is written as optax.adamw (0.2.8) writes it, so that with ``xp=jax.numpy``
+    in the caller's jitted program XLA computes the reference's bits for any
+    hyper-parameters (Python floats, or float32 arrays from ``optax.inject_hyperparams``),
+    in x64 mode too: ``d1 = (1 - b1**t).astype(float32)`` (``optax.tree.bias_correction``:
+    the power in the ambient precision); ``f32(1 - b1)``, ``f32(b1)`` (``update_moment``,
+    weak-typed for a Python float) and likewise ``b2``, ``eps``, ``weight_decay``;
+    ``step_size = -1 * lr``, for a schedule ``xp.asarray(-1 * schedule(count), float32)``
+    (``scale_by_schedule``: the count *before* the increment); the clip slots from
+    ``global_norm`` (``optax.tree.norm`` of the float32 gradients) and ``max_norm`` on the
+    rows whose code has :data:`OX_CLIP`. ``codes``: each leaf's ``OX_*`` code
+    (:func:`optax_cpu_code`); ``decays``: False for a leaf masked out of weight decay.
     """
     codes = np.asarray(codes, np.int64).reshape(-1)
     decays = np.asarray(decays, bool).reshape(-1)
@@ -507,14 +400,8 @@ def optax_scalar_matrix(
 
 def master_of_weights(master, weights, xp=np):
     """The fp32 master an update of fp16/bf16 ``weights`` starts from: ``master`` where it
-    rounds to ``weights`` (float comparison after rounding to their dtype), else the
-    weights upcast to float32.
-
-    The adapters keep a master per fp16/bf16 weight; a weight replaced outside the
-    optimizer (parameters edited, restored or passed in anew) no longer matches its
-    master and is taken as it is, as a float32 parameter would be. ``xp``: NumPy, or
-    ``jax.numpy`` inside a program.
-    """
+    rounds to ``weights``, else the weights upcast (a weight replaced outside the optimizer
+    is taken as it is, as a float32 parameter would be). ``xp``: NumPy or ``jax.numpy``."""
     master = xp.asarray(master)
     weights = xp.asarray(weights)
     return xp.where(master.astype(weights.dtype) == weights, master, weights.astype(np.float32))
@@ -522,16 +409,14 @@ def master_of_weights(master, weights, xp=np):
 
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
                    fma: bool = True, x64: bool = False) -> int:
-    """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw.
+    """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw
+    (jax/jaxlib 0.10.2, x86-64; the rules are the module docstring's).
 
     ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
     ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None;
-    ``fused_grad``: XLA fuses the computation of this leaf's gradient into the moment
-    update (see "Fused gradients" in the module docstring; no effect with clipping);
-    ``fma``: whether XLA:CPU's target has FMA3 (else :data:`OX_NO_FMA`); ``x64``: JAX's
-    ``jax_enable_x64`` is on (the bias corrections are float64 powers cast to float32 per
-    leaf: XLA's reciprocal rewrite then fires for every leaf, form R).
-    Determined empirically for jax/jaxlib 0.10.2 on x86-64 (see the module docstring).
+    ``fused_grad``: XLA fuses this leaf's gradient into the moment update ("Fused
+    gradients"; no effect with clipping); ``fma``: XLA:CPU's target has FMA3; ``x64``:
+    ``jax_enable_x64`` is on.
     """
     code = OX_FORM_R if (numel > 1 and (n_leaves == 1 or x64)) else 0
     if not fma:
@@ -546,35 +431,23 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
 
 
 def optax_clip_scalars(g_norm, max_norm) -> tuple[np.float32, np.float32]:
-    """``(S_CLIP_DIV, S_CLIP)`` of ``clip_by_global_norm(max_norm)`` for global norm ``g_norm``.
-
-    optax: ``select(g_norm < M, g, (g / g_norm) * M)`` with an float32 compare: a NaN norm,
-    or ``g_norm == M``, takes the clipping branch. The JAX adapter does the same in-graph.
-    """
+    """``(S_CLIP_DIV, S_CLIP)`` of ``clip_by_global_norm(max_norm)`` for global norm ``g_norm``:
+    optax's ``select(g_norm < M, g, (g / g_norm) * M)``, a float32 compare (a NaN norm, or
+    ``g_norm == M``, clips). The JAX adapter does the same in-graph."""
     n, m = np.float32(g_norm), np.float32(max_norm)
     if n < m:
         return np.float32(1.0), np.float32(1.0)
     return n, m
 
 
-def optax_step_scalars(
-    hp: AdamWHyperParams,
-    bc1: float | np.float32,
-    bc2: float | np.float32,
-    clip: float | np.float32 = 1.0,
-    *,
-    neg_lr: float | np.float32 | None = None,
-    clip_div: float | np.float32 = 1.0,
-    code: int = 0,
-    decay: bool = True,
-) -> np.ndarray:
+def optax_step_scalars(hp: AdamWHyperParams, bc1: float | np.float32, bc2: float | np.float32,
+                       clip: float | np.float32 = 1.0, *, neg_lr: float | np.float32 | None = None,
+                       clip_div: float | np.float32 = 1.0, code: int = 0, decay: bool = True) -> np.ndarray:
     """Per-step scalars of the ``optax`` convention, given XLA's float32 bias corrections.
 
-    ``bc1``, ``bc2``: ``d1``, ``d2`` as XLA computed them. ``clip`` (``S_CLIP``) and
-    ``clip_div`` (``S_CLIP_DIV``): see :func:`optax_clip_scalars`. ``neg_lr``: ``-lr`` as
-    float32 when XLA computed the learning rate (a schedule); default ``f(-hp.lr)``.
-    ``code``: the optax/cpu code (:func:`optax_cpu_code`). ``decay=False``: a leaf masked
-    out of weight decay (``S_WD`` = 0).
+    ``bc1``, ``bc2``: ``d1``, ``d2``. ``clip``, ``clip_div``: :func:`optax_clip_scalars`.
+    ``neg_lr``: ``-lr`` in float32 as XLA computed it (a schedule); default ``f(-hp.lr)``.
+    ``code``: :func:`optax_cpu_code`. ``decay=False``: a leaf masked out of weight decay.
     """
     if code not in OX_CODES:
         raise ValueError(f"optax code must be one of 0..{OX_CODES[-1]}, got {code!r}")
@@ -583,31 +456,22 @@ def optax_step_scalars(
     s[S_CLIP] = np.float32(clip)
     s[S_CLIP_DIV] = np.float32(clip_div)
     s[S_OX_CODE] = np.float32(code)
-    s[S_WD] = _f32(wd) if decay else np.float32(0.0)
-    s[S_OMB1] = _f32(1 - b1)
-    s[S_BETA1] = _f32(b1)
-    s[S_BETA2] = _f32(b2)
-    s[S_OMB2] = _f32(1 - b2)
+    s[S_WD] = np.float32(wd) if decay else np.float32(0.0)
+    s[S_OMB1] = np.float32(1 - b1)
+    s[S_BETA1] = np.float32(b1)
+    s[S_BETA2] = np.float32(b2)
+    s[S_OMB2] = np.float32(1 - b2)
     s[S_BC1] = np.float32(bc1)
-    s[S_EPS] = _f32(eps)
-    s[S_NEG_LR] = _f32(-lr) if neg_lr is None else np.float32(neg_lr)
+    s[S_EPS] = np.float32(eps)
+    s[S_NEG_LR] = np.float32(-lr) if neg_lr is None else np.float32(neg_lr)
     s[S_BC2_OPTAX] = np.float32(bc2)
     return s
 
 
-def step_scalars(
-    hp: AdamWHyperParams,
-    step: int,
-    convention: str,
-    platform: str,
-    clip: float | np.float32 = 1.0,
-) -> np.ndarray:
-    """The float32 scalar vector for ``step`` in ``convention`` on ``platform``.
-
-    For ``optax`` the bias corrections come from :func:`optax_bias_corrections` with
-    NumPy; the JAX adapter computes them with XLA instead and calls
-    :func:`optax_step_scalars` directly.
-    """
+def step_scalars(hp: AdamWHyperParams, step: int, convention: str, platform: str,
+                 clip: float | np.float32 = 1.0) -> np.ndarray:
+    """The float32 scalar vector for ``step`` in ``convention`` on ``platform`` (optax: the
+    bias corrections from NumPy; the JAX adapter calls :func:`optax_step_scalars` with XLA's)."""
     variant_id(convention, platform)
     if convention == "torch":
         return torch_step_scalars(hp, step, platform, clip)
@@ -619,11 +483,9 @@ def clip_coefficient(norm: float, max_norm: float) -> np.float32:
     """``min(1, max_norm / (norm + 1e-6))`` in float32, as ``clip_grad_norm_`` computes it
     on a float32 norm: ``max_norm / tensor`` is ``tensor.reciprocal() * max_norm`` (two
     roundings; a true division differs in the last bit for about a quarter of the inputs).
-
-    ``norm``: the global L2 norm of all gradients, rounded to float32 (torch sums float32
-    norms; the engine's float64 partials may differ in the last bits). A non-finite norm
-    gives a non-finite coefficient, which poisons the update exactly as torch's does.
-    """
+    ``norm``: the global L2 norm rounded to float32 (torch sums float32 norms; the engine's
+    float64 partials may differ in the last bits). A non-finite norm gives a non-finite
+    coefficient, which poisons the update exactly as torch's does."""
     with np.errstate(all="ignore"):
         recip = np.float32(1.0) / (np.float32(norm) + np.float32(1e-6))
         coef = np.float32(recip * np.float32(max_norm))
@@ -631,12 +493,9 @@ def clip_coefficient(norm: float, max_norm: float) -> np.float32:
 
 
 def merge_master(master: np.ndarray, weights: np.ndarray, dtype: str) -> None:
-    """Take weights changed outside the optimizer as its fp32 master, in place.
-
-    float32: ``master = weights``. fp16/bf16 (``weights`` upcast): an element whose master
-    still rounds to its weight keeps the master (the weight is unchanged, or was set to
-    what it was); any other takes the weight.
-    """
+    """Take weights changed outside the optimizer as its fp32 master, in place: float32
+    ``master = weights``; fp16/bf16 (``weights`` upcast): an element whose master still
+    rounds to its weight keeps the master, any other takes the weight."""
     weights = np.asarray(weights, np.float32).reshape(-1)
     if dtype == "float32":
         master[:] = weights
@@ -646,15 +505,11 @@ def merge_master(master: np.ndarray, weights: np.ndarray, dtype: str) -> None:
 
 
 # -- exact float32 helpers for the NumPy reference ------------------------------------------
-
-
 def fma_f32(a, b, c) -> np.ndarray:
-    """``a*b + c`` rounded once to float32 (the FMA instruction), exactly, in NumPy.
-
-    The float32 product is exact in float64; the float64 sum ``s`` is rounded once and
-    its rounding error ``e`` recovered exactly (TwoSum). ``f32(s)`` equals the correctly
-    rounded result unless ``s`` sits exactly on a float32 tie, which ``e`` then breaks.
-    """
+    """``a*b + c`` rounded once to float32 (the FMA instruction), exactly, in NumPy: the
+    float32 product is exact in float64; the float64 sum ``s`` is rounded once and its error
+    ``e`` recovered exactly (TwoSum); ``f32(s)`` is correctly rounded unless ``s`` sits
+    exactly on a float32 tie, which ``e`` then breaks."""
     a64 = np.asarray(a, np.float32).astype(np.float64)
     b64 = np.asarray(b, np.float32).astype(np.float64)
     c64 = np.asarray(c, np.float32).astype(np.float64)
@@ -676,10 +531,8 @@ def fma_f32(a, b, c) -> np.ndarray:
 
 
 def f32_to_bf16_bits(x) -> np.ndarray:
-    """float32 -> bfloat16 bit pattern (uint16), round to nearest even, as c10::BFloat16.
-
-    NaN becomes the quiet NaN 0x7FC0 (sign dropped), Inf stays Inf.
-    """
+    """float32 -> bfloat16 bits (uint16), round to nearest even, as c10::BFloat16 (NaN ->
+    the quiet NaN 0x7FC0, sign dropped; Inf stays Inf)."""
     u = np.asarray(x, np.float32).view(np.uint32)
     rounded = ((u + (((u >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
     return np.where(np.isnan(np.asarray(x, np.float32)), np.uint16(0x7FC0), rounded)
@@ -702,27 +555,17 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"Unsupported dtype {dtype!r}")
 
 
-def reference_update(
-    p: np.ndarray,
-    m: np.ndarray,
-    v: np.ndarray,
-    g: np.ndarray,
-    scalars: np.ndarray,
-    convention: str,
-    platform: str,
-    sqrt=np.sqrt,
-    fma: bool = True,
-    grad_dtype: str = "float32",
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, scalars: np.ndarray,
+                     convention: str, platform: str, sqrt=np.sqrt, fma: bool = True,
+                     grad_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One AdamW update in NumPy float32: the executable statement of the contract.
 
-    ``p``, ``m``, ``v`` are float32 master weight and moments, ``g`` the fp32 (upcast)
-    gradient, ``scalars`` the vector of :func:`step_scalars`. Returns new arrays.
-    ``grad_dtype``: the gradient's format (torch: an fp16/bf16 ``g * c`` is rounded to it).
-    ``sqrt`` is ``msqrt`` of the torch/cpu convention (default: IEEE; pass the sqrt the
-    reference really uses, e.g. torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode);
-    ``fma=False`` is torch/cpu with :data:`TC_NO_FMA` (ATen's DEFAULT kernels). optax/cpu
-    reads its code, :data:`OX_NO_FMA` included, from the scalars.
+    ``p``, ``m``, ``v``: float32 master weight and moments; ``g``: the fp32 (upcast) gradient;
+    ``scalars``: :func:`step_scalars`' vector. Returns new arrays. ``grad_dtype``: the
+    gradient's format (torch rounds an fp16/bf16 ``g * c`` to it). ``sqrt``: ``msqrt`` of
+    torch/cpu (default IEEE; pass the reference's, e.g. torch's, or ``_cpu_sqrt.sqrt_array``
+    in a detected mode); ``fma=False``: torch/cpu with :data:`TC_NO_FMA`. optax/cpu reads its
+    code, :data:`OX_NO_FMA` included, from the scalars.
     """
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
@@ -737,10 +580,7 @@ def reference_update(
             p1 = p * s[S_DECAY]
             fused = fma or variant != VARIANT_TORCH_CPU
             mad = fma_f32 if fused else (lambda a, b, c: a * b + c)
-            if s[S_LERP_SMALL]:
-                m = mad(s[S_LERP_W], g - m, m)
-            else:
-                m = mad(s[S_LERP_W] - np.float32(1), g - m, g)
+            m = mad(s[S_LERP_W], g - m, m) if s[S_LERP_SMALL] else mad(s[S_LERP_W] - np.float32(1), g - m, g)
             if variant == VARIANT_TORCH_CPU:
                 v = mad(s[S_OMB2] * g, g, v * s[S_BETA2])
                 d = np.asarray(sqrt(v), np.float32) / s[S_BC2] + s[S_EPS]
@@ -761,7 +601,6 @@ def reference_update(
 
 
 # -- optax/cpu: XLA:CPU arithmetic (flush-to-zero, FMA pairings, forms) -----------------------
-
 _F32_TINY = np.float32(2.0**-126)
 
 
@@ -783,19 +622,10 @@ def _reference_optax_cpu(p, m, v, g, s):
     fma = (lambda a, b, c: z(a * b) + c) if code & OX_NO_FMA else fma_f32
     with np.errstate(all="ignore"):
         p, m, v, g = z(p), z(m), z(v), z(g)
-        if code & OX_CLIP:
-            g = z(z(g / div) * mul)
-        else:
-            g = z(g * mul)
-        if code & OX_MU_SWAP:
-            m = z(fma(B1, m, z(C1 * g)))
-        else:
-            m = z(fma(C1, g, z(B1 * m)))
+        g = z(z(g / div) * mul) if code & OX_CLIP else z(g * mul)
+        m = z(fma(B1, m, z(C1 * g))) if code & OX_MU_SWAP else z(fma(C1, g, z(B1 * m)))
         gg = z(g * g)
-        if code & OX_NU_SWAP:
-            v = z(fma(B2, v, z(C2 * gg)))
-        else:
-            v = z(fma(C2, gg, z(B2 * v)))
+        v = z(fma(B2, v, z(C2 * gg))) if code & OX_NU_SWAP else z(fma(C2, gg, z(B2 * v)))
         if code & OX_FORM_R:
             r1, r2 = z(np.float32(1.0) / d1), z(np.float32(1.0) / d2)
             q = z(z(m * r1) / z(np.sqrt(z(v * r2)) + eps))

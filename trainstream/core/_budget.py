@@ -1,23 +1,21 @@
 """Host memory as a budget: the bytes an optimizer will allocate, checked before it does.
 
-:func:`host_bytes` counts, per slot, the buffers of its *layout* as they are allocated,
-pinned and pageable, in three parts: ``state`` (``exp_avg``, ``exp_avg_sq``), ``masters``
-(fp32 weights) and ``staging`` (gradient and weight transfers). The layouts:
+:func:`host_bytes` counts each slot's buffers as its *layout* allocates them, pinned and pageable, in
+three parts: ``state`` (moments), ``masters`` (fp32 weights) and ``staging`` (transfers). Layouts:
 
-* ``"host"``: the engine's host placement (:meth:`~trainstream.core._host.HostPlacement.add_param`):
-  pageable moments (pinned with ``pin_moments``), an fp32 master (pinned for a float32
-  parameter, whose upload it is), the gradient's pinned staging, and for fp16/bf16 a pinned
-  weight staging unless the backend rounds the weights into the gradient's;
-* ``"device"``: the device placement (:meth:`~trainstream.core._device.DevicePlacement.add_param`),
-  and the JAX adapter's state on a GPU in ``mode="gpu"``: moments and the fp32 master of
-  fp16/bf16 weights in pinned (mapped) memory;
+* ``"host"``: :meth:`~trainstream.core._host.HostPlacement.add_param`: pageable moments (pinned with
+  ``pin_moments``), an fp32 master (pinned for a float32 parameter, whose upload it is), the pinned
+  gradient staging, and for fp16/bf16 a pinned weight staging unless the backend rounds the weights
+  into the gradient's;
+* ``"device"``: :meth:`~trainstream.core._device.DevicePlacement.add_param` and JAX ``mode="gpu"``:
+  moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
 * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
-* ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf,
-  of its weights and its update (JAX ``mode="cpu"`` on a GPU, as ``update`` allocates it).
+* ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
+  weights and update (JAX ``mode="cpu"`` on a GPU).
 
-:func:`plan` sets that against what the host can give (:func:`trainstream._hostmem.available`)
-and picks pinned or pageable moments; :func:`check` raises ``MemoryError`` where it does
-not fit. The adapters call both before they allocate any state. Imports neither torch nor jax.
+:func:`plan` sets that against what the host can give (:func:`trainstream._hostmem.available`) and
+picks pinned or pageable moments; :func:`check` raises ``MemoryError`` where it does not fit. The
+adapters call both before they allocate any state. Imports neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -31,27 +29,25 @@ __all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes
 
 LAYOUTS = ("host", "device", "arrays", "staged")
 PARTS = ("state", "masters", "staging")
-#: The default ``host_margin``: the fraction of the available host memory left to the rest
-#: of the process and the host (the framework, data loading, a checkpoint being written).
+#: The default ``host_margin``: the fraction of the available host memory left to the rest of the
+#: process and the host (the framework, data loading, a checkpoint being written).
 MARGIN = 0.1
-#: ``pin_moments`` pins the moments only while all pinned memory stays within this fraction
-#: of the available memory (pinned pages are never reclaimed or swapped); else pageable.
+#: ``pin_moments`` pins the moments only while all pinned memory stays within this fraction of the
+#: available memory (pinned pages are never reclaimed or swapped); else pageable.
 PINNED_FRACTION = 0.5
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def state_bytes(numel: int, dtype: str) -> int:
-    """The bytes of a slot's state on the device placement: two fp32 moments, and an fp32
-    master for fp16/bf16 weights (each buffer at least 4 bytes). What a resident slot
-    takes of the engine's ``resident_bytes``."""
+    """A device slot's state bytes (what a resident slot takes of ``resident_bytes``): two fp32
+    moments and, for fp16/bf16 weights, an fp32 master, each buffer at least 4 bytes."""
     return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
 
 
 def resident(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0) -> list[bool]:
-    """Which ``(numel, dtype, trainable)`` slots keep their state in GPU memory
-    (:class:`~trainstream.core._engine.Engine`'s rule, before the policy's): a trainable
-    slot whose :func:`state_bytes` fit in what ``used`` leaves of ``budget``, in order
-    (first fit)."""
+    """Which ``(numel, dtype, trainable)`` slots keep their state in GPU memory (the engine's rule,
+    before the policy's): in order, each trainable slot whose :func:`state_bytes` fit in what
+    ``used`` leaves of ``budget``."""
     out = []
     for numel, dtype, trainable in slots:
         need = state_bytes(numel, dtype)
@@ -62,10 +58,9 @@ def resident(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0)
 
 def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device_elems: int = 0,
           used: int = 0) -> list[bool]:
-    """Which ``(numel, trainable, on_device)`` slots the policy ``placement`` puts on the
-    device (:class:`~trainstream.core._engine.Engine`'s rule): ``cpu`` none, ``gpu`` all,
-    ``hybrid`` a trainable slot where ``on_device`` says, or (None) while it fits in what
-    ``used`` leaves of ``device_elems``, in order."""
+    """Which ``(numel, trainable, on_device)`` slots the policy ``placement`` puts on the device:
+    ``cpu`` none, ``gpu`` all, ``hybrid`` a trainable slot where ``on_device`` says or, where it is
+    None, while it fits in what ``used`` leaves of ``device_elems``, in order."""
     out = []
     for numel, trainable, on_device in slots:
         if placement != "hybrid":
@@ -79,17 +74,11 @@ def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device
 
 def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = False, can_pin: bool = True,
                weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None) -> dict[str, int]:
-    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and
-    ``{part}_pageable`` for each part of :data:`PARTS` (see the module docstring).
-
-    Args:
-      pin_moments: the ``host`` layout's moments pinned.
-      can_pin: False where the backend cannot pin (torch with CPU parameters): the ``host``
-        layout all pageable.
-      weights_in_grad_stage: the backend's (``Backend.weights_in_grad_stage``).
-      pinned_size: what one pinned buffer of the ``host`` layout takes for ``n`` bytes
-        (the backend's ``pinned_size``: torch rounds up to a power of two); None: ``n``.
-    """
+    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and ``{part}_pageable``
+    per part of :data:`PARTS`. The ``host`` layout's options: ``pin_moments``; ``can_pin`` False
+    where the backend cannot pin (torch with CPU parameters: all pageable); the backend's
+    ``weights_in_grad_stage`` and ``pinned_size`` (bytes a pinned buffer of ``n`` takes; torch
+    rounds up to a power of two; None: ``n``)."""
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
@@ -122,15 +111,11 @@ def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = Fal
 
 def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN, pin_moments: bool = False,
          **kwargs) -> dict[str, float]:
-    """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has.
-
-    Returns the parts and ``pinned``, ``pageable``, ``needed`` (their totals, bytes),
-    ``available`` (:func:`trainstream._hostmem.available`; -1: unknown), ``usable``
-    (``available`` less ``margin`` of it; -1: not checked), ``margin``, ``pin_moments``
-    (1: pinned; 0: pageable, also where pinning them would take more than
-    :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked, 0).
-    ``margin=None``: no check.
-    """
+    """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has: the parts
+    and ``pinned``, ``pageable``, ``needed`` (totals, bytes), ``available`` (-1: unknown), ``usable``
+    (``available`` less ``margin`` of it; -1: not checked, as with ``margin=None``), ``margin``,
+    ``pin_moments`` (0 also where pinning would take more than :data:`PINNED_FRACTION` of
+    ``available``) and ``fits`` (1: fits or not checked)."""
     if margin is not None and not 0.0 <= margin < 1.0:
         raise ValueError(f"host_margin must be a fraction in [0, 1) or None, got {margin!r}")
     slots = list(slots)
@@ -150,9 +135,8 @@ def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN
 
 
 def check(p: dict[str, float], hint: str) -> None:
-    """Raise ``MemoryError`` where plan ``p`` (:func:`plan`) does not fit: the bytes needed
-    (per part, pinned and pageable), available and usable, and ``hint`` (the adapter's
-    ways to fit)."""
+    """Raise ``MemoryError`` where plan ``p`` does not fit, with its figures and ``hint`` (the
+    adapter's ways to fit)."""
     if p["fits"]:
         return
     parts = "; ".join(f"{k} {p[k + '_pinned']:,.0f} pinned + {p[k + '_pageable']:,.0f} pageable" for k in PARTS)

@@ -1,32 +1,26 @@
 """The device placement of the engine: AdamW updated by CUDA kernels.
 
-``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped,
-pinned host memory, or for a slot added ``resident`` in GPU memory (the state of
-``gpu_state_bytes``: no PCIe traffic, the same kernels with other pointers, so the same
-bits; its state I/O copies through :mod:`trainstream._cuda`). One kernel
-(``trainstream/kernels/adamw_zero_copy.cu``, via :mod:`trainstream._device_kernels`; at
-``step`` several parameters per launch, from a gradient hook one) reads the gradient from
-GPU memory and writes the weights in place; the arithmetic is the contract's
-(:mod:`trainstream.contract`). Host-memory state reaches it *staged* (:class:`StagingRing`): the
-copy engines stream it through a few small GPU buffers, copy in, update, copy back, at
-0.99 of the bidirectional PCIe rate, where the kernel reading it over PCIe itself
-(*zero-copy*, the path without a ring) reaches 0.83 (H200: 0.83-0.85x the time,
-experiments/RESULTS.md). The engine stages in ``gpu`` mode only: beside ``hybrid``'s host
-share (its copies and workers) zero-copy measured faster. Clipping and loss scaling are the framework's, done on the
-gradients in GPU memory before the update.
+``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped, pinned host
+memory, or for a slot added ``resident`` in GPU memory (``gpu_state_bytes``: no PCIe traffic, the
+same kernels with other pointers, so the same bits). One kernel (``trainstream/kernels/adamw_zero_copy.cu``
+via :mod:`trainstream._device_kernels`; several parameters per launch at ``step``, one from a gradient
+hook) reads the gradient in GPU memory and writes the weights in place, with the contract's arithmetic.
+Host-memory state is *staged* (:class:`StagingRing`: the copy engines stream it through a few GPU
+buffers at 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe (*zero-copy*: 0.83;
+H200, experiments/RESULTS.md). The engine stages in ``gpu`` mode only: beside ``hybrid``'s host
+share zero-copy measured faster.
 
-Ordering: the update stream waits for the compute stream at ``step`` (the whole
-backward; with ``eager``, from a gradient hook, the part of backward that produced that
-gradient), each launch records a *ready* event that the next forward waits on (shared
-by the parameters of a multi-tensor launch), and each gradient is kept alive until that
-wait (its memory cannot be reused before the kernel that reads it has run). Like :class:`trainstream.core._engine.Engine`, which owns this placement, this module imports
-neither torch nor jax: the backend supplies streams and events.
+Ordering: the update stream waits for the compute stream at ``step`` (with ``eager``, for the part
+of backward that produced the gradient); each launch records a *ready* event that the next forward
+waits on (one per multi-tensor launch); each gradient is kept alive until that wait. Like the
+:class:`~trainstream.core._engine.Engine` that owns it, this module imports neither torch nor jax.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -34,24 +28,20 @@ import numpy as np
 
 from .. import _cuda
 from .. import contract as C
+from ._budget import _ITEMSIZE
 
 __all__ = ["DevicePlacement", "StagingRing", "staging_ring"]
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 #: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor.
 EAGER_SM_FRACTION = 0.25
 
-#: ``step()`` puts consecutive tensors into one multi-tensor launch of at most this many
-#: elements (a larger tensor goes alone; 2**22: ~1 ms of PCIe traffic for bf16 weights,
-#: ~20x a launch's host cost), so that launches stop costing the host one call per tensor
-#: while the next forward can still start after the first few tensors.
+#: Elements of one multi-tensor launch of ``step()`` (a larger tensor goes alone): ~1 ms of PCIe
+#: traffic for bf16 weights, ~20x a launch's host cost, and the next forward starts after a few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
 
-#: The staging ring (:class:`StagingRing`): buffers of this many fp32 elements per state array
-#: (8 MiB), this many buffers: 72 MiB of GPU memory. Measured on the H200 (2**28 elements):
-#: 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate; 32 MiB x 2-3 within 3%,
-#: 64 MiB x 3 7% below (experiments/bench_zero_copy.py).
+#: :class:`StagingRing`: fp32 elements per state array per buffer (8 MiB), and buffers: 72 MiB of GPU
+#: memory. H200, 2**28 elements: 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate; 32 MiB
+#: x 2-3 within 3%, 64 MiB x 3 7% below (experiments/bench_zero_copy.py).
 RING_ELEMS = 1 << 21
 RING_DEPTH = 3
 _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's vector path)
@@ -59,9 +49,8 @@ _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's
 
 @dataclass(eq=False)
 class _Buf:
-    """One fp32 state buffer: mapped host memory (``host``, a view of it at ``host_ptr``,
-    which the staging ring copies), or resident GPU memory (``host`` None; ``mem`` copies to
-    and from it); the kernels take ``dev_ptr``."""
+    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU
+    memory (``host`` None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
 
     host: np.ndarray | None
     dev_ptr: int
@@ -93,12 +82,10 @@ class _GpuSlot:
 
 
 class StagingRing:
-    """Staged AdamW updates of host-memory state (pinned), for both adapters.
-
-    Per buffer of the ring the state of a few tensors, or a piece of one, is copied in on
-    the ring's H2D stream, updated by the kernel on the caller's stream (GPU-memory
-    pointers: the same bits as zero-copy) and copied back on its D2H stream. A buffer is
-    refilled once its copy back is done; an entry's state is copied in after its ``wait``
+    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the
+    state of a few tensors, or a piece of one, is copied in on the ring's H2D stream, updated by the
+    kernel on the caller's stream (the same bits as zero-copy) and copied back on its D2H stream. A
+    buffer is refilled once its copy back is done; an entry's state is copied in after its ``wait``
     event (its previous update's copy back); every piece starts 64-byte aligned."""
 
     def __init__(self, device: int, dk):
@@ -119,13 +106,12 @@ class StagingRing:
         self.lock = threading.Lock()
 
     def run(self, launch: Callable[[list], Any], entries: Sequence, stream: int, after: Any = None) -> list:
-        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host
-        addresses of its fp32 state arrays (m, v[, master]), its element count,
-        ``item(lo, n, dev_ptrs)`` -> the kernel item of elements ``lo:lo+n`` given the
-        staged arrays' device addresses, and an event (or None) to copy in after.
-        ``launch(items)`` queues one kernel launch on ``stream`` (at most ``MULTI_MAX``
-        items); ``after``: an event the first copy in waits for. Returns per entry the
-        event of its last copy back (None for an empty one)."""
+        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses
+        of its fp32 state arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the
+        kernel item of elements ``lo:lo+n`` at the staged arrays' device addresses, and an event (or
+        None) to copy in after. ``launch(items)`` queues one launch (at most ``MULTI_MAX`` items) on
+        ``stream``; ``after``: an event the first copy in waits for. Returns per entry the event of
+        its last copy back (None for an empty one)."""
         done: list = [None] * len(entries)
         with self.lock:
             if after is not None:
@@ -190,8 +176,6 @@ def staging_ring(device: int, dk, where: str) -> StagingRing | None:
     try:
         return StagingRing(device, dk)
     except MemoryError as exc:
-        import warnings
-
         warnings.warn(f"TrainStream {where}: no GPU memory for the staging ring ({exc}); the update kernels "
                       "read the host-memory state over PCIe instead (same results, slower)", RuntimeWarning,
                       stacklevel=5)
@@ -199,30 +183,26 @@ def staging_ring(device: int, dk, where: str) -> StagingRing | None:
 
 
 class DevicePlacement:
-    """AdamW state in mapped host memory (staged through a :class:`StagingRing`, or read by
-    the kernels over PCIe: zero-copy) or resident in GPU memory, updated by GPU kernels.
-    ``staged`` is fixed before the first update: a ring once made stays in use (the
-    zero-copy launches do not wait for its copies back).
+    """The device slots (module docstring). ``staged``: host-memory state goes through the staging
+    ring, allocated at the first update (False: zero-copy, also once the ring's GPU memory was refused);
+    fixed before the first update, as a ring once made stays in use (zero-copy launches do not wait for
+    its copies back).
 
-    The backend must provide, besides :class:`trainstream.core._engine.Backend`'s
-    ``param_to_host_f32``, ``record_compute`` and ``wait_on_compute``:
-    ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
-    ``record_update() -> event``, ``data_ptr(tensor) -> int`` and ``device_index: int``.
+    The backend provides, besides :class:`~trainstream.core._host.Backend`'s ``param_to_host_f32``,
+    ``record_compute`` and ``wait_on_compute``: ``update_stream() -> int`` (a ``cudaStream_t``),
+    ``update_wait(event)``, ``record_update() -> event``, ``data_ptr(tensor) -> int``, ``device_index``.
     """
 
     def __init__(self, backend: Any, *, convention: str = "torch", staged: bool = True):
         from .. import _device_kernels as dk  # CuPy is imported here, on first use
-
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        # step()'s launches: several tensors per launch, up to about this many elements.
         self._multi_elems = MULTI_LAUNCH_ELEMS
         self._dk = dk
         self.backend = backend
         self.convention = convention
         self.device = backend.device_index
         dk.compile_kernels(self.device)
-        # The grid of an eager launch without its own cap (EAGER_SM_FRACTION).
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
         self._closed = False
@@ -233,14 +213,8 @@ class DevicePlacement:
         self._mapped_bytes = 0
         self._device_bytes = 0  # resident state, in GPU memory
         self._unwaited = False  # launches since the compute stream last waited for all
-        # Host-memory state goes through the staging ring (allocated at the first update);
-        # False: the kernel reads it over PCIe itself (zero-copy): the engine's choice per
-        # policy (measured, see Engine), experiments/bench_train.py's A/B (~zc), and the
-        # fallback when the ring's GPU memory is refused.
         self.staged = bool(staged)
         self._ring: StagingRing | None = None
-
-    # -- parameters -------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -280,8 +254,7 @@ class DevicePlacement:
                     self._mapped_bytes -= buf.nbytes
 
     def _read(self, buf: _Buf, numel: int) -> np.ndarray:
-        """A copy of a state buffer's ``numel`` floats (resident: once the update stream's
-        work queued so far is done)."""
+        """A copy of a state buffer (resident: after the update stream's work queued so far)."""
         if buf.host is not None:
             return buf.host.copy()
         out = np.empty(numel, np.float32)
@@ -289,8 +262,7 @@ class DevicePlacement:
         return out
 
     def _write(self, buf: _Buf, values) -> None:
-        """Set a state buffer to ``values`` (resident: after the update stream's work
-        queued so far, before what is queued next)."""
+        """Set a state buffer (resident: after the update stream's work queued so far)."""
         if buf.host is not None:
             buf.host[:] = values
             return
@@ -298,8 +270,7 @@ class DevicePlacement:
         buf.mem.from_host(a.ctypes.data, a.nbytes, self.backend.update_stream())
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False) -> int:
-        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU
-        memory, else in mapped host memory."""
+        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory."""
         self._check_open()
         if platform != "cuda":
             raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
@@ -346,8 +317,6 @@ class DevicePlacement:
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
 
-    # -- the update -------------------------------------------------------------------------
-
     def check_grads(self, updates: Sequence[tuple[int, Any, Any, str]]) -> None:
         """Raise for an unknown slot or a gradient dtype the kernels do not take."""
         for sid, _, _, gdtype in updates:
@@ -355,29 +324,16 @@ class DevicePlacement:
             if gdtype not in _ITEMSIZE:
                 raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
 
-    def step(
-        self,
-        updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]],
-        *,
-        eager: bool = False,
-        max_blocks: int | None = None,
-    ) -> None:
-        """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``.
-
-        Gradients must be contiguous device tensors with the parameter's element count.
-        Asynchronous: returns once the kernels are queued on the update stream, after
-        what the compute stream has queued so far (the whole backward, or with ``eager``
-        the part that produced these gradients). Clipping and loss scaling are the
-        framework's, in place on the gradients before this call.
-        ``eager``: called from a gradient hook during backward for some parameters of
-        the step (counted as eager updates, not as a step).
-        ``max_blocks``: grid cap of the update kernels (see
-        :func:`trainstream._device_kernels.launch_adamw`; with a cap every tensor gets a
-        launch of its own, else ``step`` puts several tensors into one launch, see
-        :data:`MULTI_LAUNCH_ELEMS`); an eager launch without one
-        takes :data:`EAGER_SM_FRACTION` of the multiprocessors' count in blocks, so
-        that backward keeps most of the GPU (measured on the H200, GPT 350M: 131 ms
-        per step with 16-33 blocks against 156 ms with the full grid).
+    def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]], *, eager: bool = False,
+             max_blocks: int | None = None) -> None:
+        """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``; the
+        gradients are contiguous device tensors of the parameter's size, already clipped and scaled
+        in place by the framework. Returns once the kernels are queued on the update stream, after
+        what the compute stream has queued so far. ``eager``: from a gradient hook during backward
+        (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels
+        (:func:`trainstream._device_kernels.launch_adamw`); eager launches default to
+        :data:`EAGER_SM_FRACTION` of the multiprocessors so that backward keeps most of the GPU
+        (H200, GPT 350M: 131 ms per step with 16-33 blocks, 156 ms with the full grid).
         """
         self._check_open()
         be = self.backend
@@ -395,12 +351,9 @@ class DevicePlacement:
         self._launch_s += time.perf_counter() - t0
 
     def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None) -> None:
-        """The launches: consecutive updates of one dtype pair, up to ``MULTI_MAX`` tensors
-        and ``_multi_elems`` elements per launch (a larger tensor alone), so that the next
-        forward still waits for the first tensors only, not the whole share; one ready
-        event per launch. A slot listed twice goes into the next launch (the stream orders
-        the two updates). With a grid cap (``max_blocks``) every tensor is a launch of its
-        own, capped."""
+        """Launch consecutive updates of one dtype pair together, up to ``MULTI_MAX`` tensors and
+        ``_multi_elems`` elements (a larger tensor alone; with ``max_blocks`` one tensor per launch),
+        one ready event per launch. A slot listed twice goes into the next launch."""
         dk, be = self._dk, self.backend
         variant = C.variant_id(self.convention, "cuda")
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
@@ -457,23 +410,17 @@ class DevicePlacement:
         flush()
 
     def _staging_ring(self) -> StagingRing | None:
-        """The ring (allocated on first use), or None: zero-copy (``staged`` off, or its
-        GPU memory refused)."""
+        """The ring (allocated on first use), or None: zero-copy."""
         if self._ring is None and self.staged:
             self._ring = staging_ring(self.device, self._dk, "gpu mode")
             self.staged = self._ring is not None
         return self._ring
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
-        """Queue updates whose weights, gradients and scalars another runtime owns (XLA).
-
-        ``items``: ``(slot, weights pointer, gradient pointer, gradient dtype, scalars
-        pointer)``, every pointer in device memory: the weights are updated in place, the
-        scalars are the slot's :func:`trainstream.contract.step_scalars` vector (e.g.
-        computed inside the caller's XLA program). Kernels go on ``stream``, the caller's:
-        nothing is awaited and no event is recorded, the caller's stream orders the
-        update with what comes before and after (the JAX adapter's FFI handler).
-        """
+        """Queue updates whose weights, gradients and scalars another runtime owns (XLA): ``items``
+        are ``(slot, weights ptr, gradient ptr, gradient dtype, scalars ptr)`` in device memory (the
+        scalars: the slot's :func:`trainstream.contract.step_scalars`). The kernels go on the
+        caller's ``stream``, which orders them: nothing is awaited, no event recorded."""
         self._check_open()
         dk = self._dk
         t0 = time.perf_counter()
@@ -504,9 +451,7 @@ class DevicePlacement:
             if s.ready is not None and s.ready is not waited:
                 self.backend.wait_on_compute(s.ready, s.param)
                 waited = s.ready
-            # The compute stream now runs after the kernel: the gradient's memory may be
-            # reused by it from here on.
-            s.grad_keep = None
+            s.grad_keep = None  # the compute stream now runs after the kernel that reads it
         self._ready_stall_s += time.perf_counter() - t0
 
     def wait_all(self) -> None:
@@ -518,8 +463,7 @@ class DevicePlacement:
                 s.grad_keep = None
 
     def reload_param(self, sid: int, param: Any = None) -> None:
-        """The weights of slot ``sid`` were changed outside (or its parameter replaced by
-        ``param``): an fp16/bf16 slot's master follows them (contract ``merge_master``)."""
+        """As :meth:`trainstream.core._host.HostPlacement.reload_param` (fp16/bf16 masters only)."""
         s = self._slot(sid)
         s.settle()
         if param is not None:
@@ -532,12 +476,6 @@ class DevicePlacement:
             if s.master.host is None:
                 self._write(s.master, master)
 
-    def check_error(self) -> None:
-        """Kernel faults surface from CUDA itself; there are no worker threads here."""
-
-    def clear_error(self) -> None:
-        pass
-
     def drain(self) -> None:
         self.synchronize()
 
@@ -545,8 +483,6 @@ class DevicePlacement:
         for s in self._slots:
             s.settle()
             s.grad_keep = None
-
-    # -- state ------------------------------------------------------------------------------
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         s = self._slot(sid)
@@ -563,10 +499,8 @@ class DevicePlacement:
         s.settle()
         for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
             if arr is not None and np.asarray(arr).size != s.numel:
-                raise ValueError(
-                    f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
-                    f"elements, expected {s.numel}"
-                )
+                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+                                 f"elements, expected {s.numel}")
         self._write(s.exp_avg, np.asarray(exp_avg, np.float32).reshape(-1))
         self._write(s.exp_avg_sq, np.asarray(exp_avg_sq, np.float32).reshape(-1))
         if s.master is not None:
@@ -578,29 +512,20 @@ class DevicePlacement:
         s.step = int(step)
 
     def stats(self) -> dict[str, float]:
-        """Counters; ``host_state_bytes``: the mapped state, ``gpu_state_bytes``: the
-        resident state (``resident_params`` slots, ``resident_numel`` elements),
-        ``staging_ring_bytes``: the staging ring's GPU memory (0 before the first update)."""
+        """Counters (:meth:`trainstream.core._engine.Engine.stats`); ``host_state_bytes``: the mapped
+        state; ``staging_ring_bytes`` is 0 before the first update."""
         resident = [s for s in self._slots if s.exp_avg.mem is not None]
         return {
-            "params": float(len(self._slots)),
-            "numel": float(sum(s.numel for s in self._slots)),
-            "threads": 0.0,
-            "gpu_mode": 1.0,
-            "steps": float(self._steps),
-            "eager_updates": float(self._eager_updates),
-            "host_state_bytes": float(self._mapped_bytes),
-            "pinned_state_bytes": float(self._mapped_bytes),
-            "pageable_state_bytes": 0.0,
+            "params": float(len(self._slots)), "numel": float(sum(s.numel for s in self._slots)),
+            "threads": 0.0, "gpu_mode": 1.0, "steps": float(self._steps),
+            "eager_updates": float(self._eager_updates), "host_state_bytes": float(self._mapped_bytes),
+            "pinned_state_bytes": float(self._mapped_bytes), "pageable_state_bytes": 0.0,
             "gpu_state_bytes": float(self._device_bytes),
             "staging_ring_bytes": float(self._ring.nbytes if self._ring is not None else 0),
-            "resident_params": float(len(resident)),
-            "resident_numel": float(sum(s.numel for s in resident)),
-            "grad_bytes_offloaded": 0.0,
-            "param_bytes_uploaded": 0.0,
+            "resident_params": float(len(resident)), "resident_numel": float(sum(s.numel for s in resident)),
+            "grad_bytes_offloaded": 0.0, "param_bytes_uploaded": 0.0,
             "update_ms_total": self._launch_s * 1e3,  # host launch time; device time is async
-            "ready_stall_ms_total": self._ready_stall_s * 1e3,
-            "grad_stall_ms_total": 0.0,
+            "ready_stall_ms_total": self._ready_stall_s * 1e3, "grad_stall_ms_total": 0.0,
             "last_step_wall_ms": 0.0,
         }
 

@@ -1,33 +1,13 @@
-"""The engine: the one API of the adapters, over slots that each have a placement.
+"""The engine: the adapters' one API, over slots (flat parameters), each updated by its placement.
 
-A *slot* is one flat parameter with its AdamW state in host memory (or, resident, in GPU
-memory). Its *placement* says who updates it:
-
-* ``host`` (:class:`trainstream.core._host.HostPlacement`): each gradient is copied into pinned
-  staging as backward produces it, and worker threads run the Numba kernels; the new
-  weights are uploaded asynchronously;
-* ``device`` (:class:`trainstream.core._device.DevicePlacement`): a CUDA kernel reads the
-  gradient in GPU memory and the state staged through a GPU ring by the copy engines
-  (``gpu``; ``hybrid``: over PCIe, zero-copy; resident slots: in GPU memory), and writes
-  the weights in place.
-
-The adapters' modes are placement policies: ``cpu`` places every slot on the host,
-``gpu`` every slot on the device, ``hybrid`` the first slots that fit in a budget of
-elements (or those the adapter names) on the device and the rest on the host. Before the
-mode's policy, in any mode, a budget of GPU memory (``resident_bytes``) keeps the state of
-the first trainable slots that fit in it *resident*: device slots whose state is in GPU
-memory (no PCIe traffic; the same kernels, so the same bits), the rest as the mode says. One
-mechanism each, whatever the placements: readiness (:meth:`Engine.wait_step`: the
-compute stream waits on the device for every update queued; :meth:`Engine.wait_ready`:
-for single slots), errors (one :class:`~trainstream.core._host.StickyError`), stats (one
-dict), state I/O (:meth:`Engine.state`, :meth:`Engine.load_state`,
-:meth:`Engine.reload_param` for weights changed outside the engine).
-
-Clipping and loss scaling are the framework's: the torch adapter computes the norm with
-torch's own code and hands host slots their multiplier (``coefs``); the JAX adapter computes
-optax's norm in the program.
-
-Imports neither torch nor jax; no arithmetic lives here.
+A slot's placement is ``host`` (:class:`~trainstream.core._host.HostPlacement`) or ``device``
+(:class:`~trainstream.core._device.DevicePlacement`); the adapters' modes ``cpu``, ``gpu`` and
+``hybrid`` are placement policies (:func:`~trainstream.core._budget.place`). Before the policy, in any
+mode, ``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU
+memory (no PCIe traffic; the same kernels, so the same bits). One mechanism each, whatever the
+placements: readiness, errors (one :class:`~trainstream.core._host.StickyError`), stats (one dict),
+state I/O. Imports neither torch nor jax; no arithmetic lives here (clipping and loss scaling are the
+framework's).
 """
 
 from __future__ import annotations
@@ -52,38 +32,18 @@ PLACEMENTS = ("cpu", "gpu", "hybrid")
 class Engine:
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
-    Args:
-      backend: the framework adapter (:class:`trainstream.core._host.Backend`; with device slots
-        also what :class:`trainstream.core._device.DevicePlacement` names).
-      placement: ``"cpu"``, ``"gpu"`` or ``"hybrid"`` (see the module docstring).
-      device_elems: ``hybrid``: the budget of elements placed on the device by fit.
-      resident_bytes: any placement: the budget of GPU memory (bytes, :func:`state_bytes`
-        per slot) for the state of the trainable slots that fit in it, in registration
-        order; a slot that does not fit is placed by the policy (0: none resident).
-      threads, chunk_elems, pin_moments, worker_nice, tc_code, cores: of the host placement
-        (see :class:`~trainstream.core._host.HostPlacement`).
-      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
-      eager_blocks: grid cap of device updates launched from gradient hooks
-        (:meth:`launch_eager`); None: a quarter of the multiprocessors.
+    Args: ``backend``: the framework adapter (:class:`~trainstream.core._host.Backend`, and for device
+    slots what :class:`~trainstream.core._device.DevicePlacement` names); ``placement``: ``"cpu"``,
+    ``"gpu"`` or ``"hybrid"``; ``device_elems``: ``hybrid``'s budget of elements on the device;
+    ``resident_bytes``: the GPU memory for resident state (:func:`state_bytes` per slot; 0: none);
+    ``eager_blocks``: grid cap of :meth:`launch_eager` (None: a quarter of the multiprocessors); the
+    others are :class:`~trainstream.core._host.HostPlacement`'s.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        placement: str = "cpu",
-        device_elems: int = 0,
-        resident_bytes: int = 0,
-        threads: int | None = None,
-        chunk_elems: int = 1 << 20,
-        convention: str = "torch",
-        pin_moments: bool = False,
-        tc_code: int = 0,
-        worker_nice: int = 5,
-        eager_blocks: int | None = None,
-        cores: Sequence[int] | None = None,
-        _device: Callable[[], Any] | None = None,
-    ):
+    def __init__(self, backend: Backend, *, placement: str = "cpu", device_elems: int = 0, resident_bytes: int = 0,
+                 threads: int | None = None, chunk_elems: int = 1 << 20, convention: str = "torch",
+                 pin_moments: bool = False, tc_code: int = 0, worker_nice: int = 5, eager_blocks: int | None = None,
+                 cores: Sequence[int] | None = None, _device: Callable[[], Any] | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
         if convention not in C.CONVENTIONS:
@@ -95,24 +55,20 @@ class Engine:
         self.convention = convention
         self.errors = StickyError()
         self.eager_blocks = eager_blocks
-        self.device = None
-        self.host = None
+        self.device = self.host = None
         if placement != "cpu" or resident_bytes > 0:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
-
-                # Staged state in gpu mode; hybrid's device share reads it zero-copy: beside the
-                # host share's copies and workers staging measured 1.10-1.15x slower (H200,
-                # 350M x 8 and 1.3B x 24), alone 0.84-0.91x the step (experiments/RESULTS.md).
+                # Staged in gpu mode only: beside hybrid's host share staging measured 1.10-1.15x slower,
+                # alone 0.84-0.91x the step (H200, 350M x 8 and 1.3B x 24, experiments/RESULTS.md).
                 self.device = DevicePlacement(backend, convention=convention, staged=placement == "gpu")
             else:  # tests: a stand-in
                 self.device = _device()
         if placement != "gpu":
             try:
-                self.host = HostPlacement(backend, threads=threads, chunk_elems=chunk_elems,
-                                          convention=convention, pin_moments=pin_moments,
-                                          tc_code=tc_code, worker_nice=worker_nice, errors=self.errors,
-                                          cores=cores)
+                self.host = HostPlacement(backend, threads=threads, chunk_elems=chunk_elems, convention=convention,
+                                          pin_moments=pin_moments, tc_code=tc_code, worker_nice=worker_nice,
+                                          errors=self.errors, cores=cores)
             except BaseException:
                 if self.device is not None:
                     self.device.close()
@@ -124,8 +80,6 @@ class Engine:
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
         self._resident: list[int] = []  # slot -> bytes of its resident state (0: not resident)
-
-    # -- slots ------------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -150,10 +104,9 @@ class Engine:
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
                   trainable: bool = True, on_device: bool | None = None) -> int:
-        """Register a flat parameter; returns its slot id. Its placement: resident on the
-        device where :func:`~trainstream.core._budget.resident` says (its state fits in
-        what is left of ``resident_bytes``), else the policy's
-        (:func:`~trainstream.core._budget.place`)."""
+        """Register a flat parameter; returns its slot id. Resident where its state fits in what is
+        left of ``resident_bytes`` (:func:`~trainstream.core._budget.resident`), else placed by the
+        policy (:func:`~trainstream.core._budget.place`)."""
         need = state_bytes(numel, dtype)
         res = _resident([(numel, dtype, trainable)], self._resident_budget, self._resident_used)[0]
         if res:
@@ -189,16 +142,12 @@ class Engine:
         dev, local = self._where[self._check_sid(sid)]
         return (self.device if dev else self.host), local
 
-    def _host_local(self, sid: int) -> int:
+    def _local_on(self, sid: int, device: bool) -> int:
+        """Slot ``sid``'s id in its placement, which must be the device's if ``device``, else the host's."""
         dev, local = self._where[self._check_sid(sid)]
-        if dev:
-            raise RuntimeError(f"TrainStream engine: slot {sid} is updated on the device, not on the host")
-        return local
-
-    def _device_local(self, sid: int) -> int:
-        dev, local = self._where[self._check_sid(sid)]
-        if not dev:
-            raise RuntimeError(f"TrainStream engine: slot {sid} is updated on the host, not on the device")
+        if dev != device:
+            on, off = ("device", "host") if dev else ("host", "device")
+            raise RuntimeError(f"TrainStream engine: slot {sid} is updated on the {on}, not on the {off}")
         return local
 
     def truncate(self, n: int) -> None:
@@ -218,38 +167,29 @@ class Engine:
         placement, local = self._local(sid)
         return placement.get_step(local)
 
-    # -- gradients (host slots) -------------------------------------------------------------
-
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
-        """Take the gradient of host slot ``sid``; with ``update`` (the eager path: last
-        micro-batch, no clipping) its AdamW update is queued right behind the copy."""
-        self.host.offload_grad(self._host_local(sid), grad, grad_dtype, update)
+        """Take the gradient of host slot ``sid``; with ``update`` (the eager path: last micro-batch,
+        no clipping) queue its update right behind the copy."""
+        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update)
 
     def discard_grads(self) -> None:
         """Forget the gradients offloaded since the last step (``zero_grad``)."""
         if self.host is not None:
             self.host.discard_grads()
 
-    # -- steps ------------------------------------------------------------------------------
-
     def launch_eager(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
-        """Launch the update of device slots whose gradients backward has just produced
-        (from a gradient hook: no clipping); :meth:`step` then leaves them out."""
-        self.device.step([(self._device_local(sid), hp, g, gd) for sid, hp, g, gd in updates],
+        """Launch the update of device slots whose gradients backward has just produced (from a
+        gradient hook: no clipping); :meth:`step` then leaves them out."""
+        self.device.step([(self._local_on(sid, True), hp, g, gd) for sid, hp, g, gd in updates],
                          eager=True, max_blocks=self.eager_blocks)
 
     def step(self, updates: Sequence[tuple], coefs: dict[int, float] | None = None) -> None:
-        """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without
-        a gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)``
-        (device slots; a host slot ignores the last two).
-
-        ``coefs``: per host slot, the multiplier ``c`` of its staged gradient (see
-        :meth:`HostPlacement.step`; device slots' gradients are scaled in place by the
-        framework). With both placements the share that holds the lowest slot (the
-        parameter the next forward needs first) is queued first; if the second share fails
-        to queue after the first did, the error is raised and left sticky (reload a
-        checkpoint).
-        """
+        """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a
+        gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots;
+        a host slot ignores the last two). ``coefs``: per host slot, the multiplier of its staged
+        gradient (:meth:`~trainstream.core._host.HostPlacement.step`). With both placements the share
+        holding the lowest slot (needed first by the next forward) is queued first; if the second
+        share then fails to queue, the error is raised and left sticky (reload a checkpoint)."""
         self.errors.check()  # raise before anything is queued, not between the shares
         for u in updates:
             self._check_sid(u[0])
@@ -264,8 +204,7 @@ class Engine:
             self.host.step(hst, coefs)
             return
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
-        # The host share's first slot this step updates (frozen, unused and eagerly updated
-        # parameters hold no gradient and do not count).
+        # Host slots this step updates (frozen, unused and eagerly updated parameters hold no gradient).
         host_sids = [u[0] for u in updates if not self._where[u[0]][0] and self.host.has_grad(self._where[u[0]][1])]
         dev_sids = [u[0] for u in updates if self._where[u[0]][0]]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
@@ -276,9 +215,8 @@ class Engine:
         try:
             self._step_device(dev)
         except BaseException as exc:
-            self.errors.record(RuntimeError(
-                "hybrid step: the device share's update failed after the host share's was "
-                f"queued ({type(exc).__name__}: {exc})"))
+            self.errors.record(RuntimeError("hybrid step: the device share's update failed after the host share's "
+                                            f"was queued ({type(exc).__name__}: {exc})"))
             raise
 
     def _step_device(self, dev) -> None:
@@ -288,25 +226,21 @@ class Engine:
             _trace.add("step.device_share", t0, time.perf_counter(), -1)
 
     def _step_host(self, hst, coefs) -> None:
-        # No second error check: a worker error that came after the first one raises at the
-        # next call, instead of leaving one share stepped and the other not.
+        # No second error check: a later worker error raises at the next call, not between the shares.
         t0 = time.perf_counter()
         self.host.step(hst, coefs, check_errors=False)
         _trace.add("step.host_share", t0, time.perf_counter(), -1)
 
     def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
-        """Device slots whose weights, gradients and scalars another runtime owns (XLA):
-        see :meth:`trainstream.core._device.DevicePlacement.step_external`."""
-        self.device.step_external(stream, [(self._device_local(i[0]), *i[1:]) for i in items])
+        """:meth:`trainstream.core._device.DevicePlacement.step_external` (XLA's buffers)."""
+        self.device.step_external(stream, [(self._local_on(i[0], True), *i[1:]) for i in items])
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """Host updates of buffers the caller owns (no slots), on the host placement's
-        workers; blocks until done: see :meth:`trainstream.core._host.HostPlacement.update_external`."""
+        """:meth:`trainstream.core._host.HostPlacement.update_external` (buffers the caller owns)."""
         self._host_only("update_external").update_external(items, platform)
 
     def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
-        """Float64 sum of squares of gradients the caller owns (fixed block order): see
-        :meth:`trainstream.core._host.HostPlacement.sumsq_external`."""
+        """:meth:`trainstream.core._host.HostPlacement.sumsq_external` (buffers the caller owns)."""
         return self._host_only("sumsq_external").sumsq_external(grads)
 
     def _host_only(self, what: str):
@@ -314,8 +248,6 @@ class Engine:
             raise RuntimeError(f"TrainStream engine: {what} runs on the host placement, and this engine has none "
                                f"(placement={self.placement!r})")
         return self.host
-
-    # -- readiness and errors ---------------------------------------------------------------
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
@@ -352,25 +284,20 @@ class Engine:
 
     def wait_step(self) -> None:
         """Make the compute stream wait until every update queued so far has landed in the
-        parameters, on the device where it can (the host goes on), else by blocking."""
+        parameters (no host block where the backend can wait on the device)."""
         if self.host is not None:
             self.host.wait_step()
         if self.device is not None:
             self.device.wait_all()
 
-    # -- state ------------------------------------------------------------------------------
-
     def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work
-        is done: copies, or with ``copy=False`` the host slots' buffers themselves (device
-        slots: copies, their mapped memory goes with the engine)."""
+        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work is done:
+        copies, or with ``copy=False`` a host slot's buffers themselves (a device slot's: copies)."""
         placement, local = self._local(sid)
         return placement.state(local) if placement is self.device else placement.state(local, copy)
 
     def reload_param(self, sid: int, param: Any = None) -> None:
-        """Slot ``sid``'s weights were changed outside the engine, or its parameter replaced
-        by ``param`` (same size and dtype): its master follows them (see
-        :meth:`trainstream.core._host.HostPlacement.reload_param`)."""
+        """:meth:`trainstream.core._host.HostPlacement.reload_param`: weights changed outside."""
         placement, local = self._local(sid)
         placement.reload_param(local, param)
 
@@ -380,12 +307,11 @@ class Engine:
         placement.load_state(local, exp_avg, exp_avg_sq, step, master)
 
     def stats(self) -> dict[str, float]:
-        """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device
-        only, 0.5 both; with both also ``gpu_params``, ``gpu_numel`` and
-        ``gpu_update_launch_ms_total`` (the device share's). ``gpu_state_bytes``: the
-        resident state in GPU memory (``resident_params`` slots, ``resident_numel``
-        elements); ``staging_ring_bytes``: the device placement's staging ring in GPU
-        memory; ``host_state_bytes``: the state in host memory."""
+        """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5
+        both; with both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device
+        share's). ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident
+        state (``resident_params`` slots, ``resident_numel`` elements); ``staging_ring_bytes``: the
+        staging ring's GPU memory."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())
@@ -393,19 +319,13 @@ class Engine:
             return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0,
                     "staging_ring_bytes": 0.0}
         g = self.device.stats()
-        st["params"] += g["params"]
-        st["numel"] += g["numel"]
-        st["gpu_mode"] = 0.5
-        for k in ("host_state_bytes", "pinned_state_bytes"):
+        for k in ("params", "numel", "host_state_bytes", "pinned_state_bytes", "ready_stall_ms_total", "eager_updates"):
             st[k] += g[k]
+        st["gpu_mode"] = 0.5
         st["steps"] = max(st["steps"], g["steps"])
-        st["ready_stall_ms_total"] += g["ready_stall_ms_total"]
-        st["eager_updates"] += g["eager_updates"]
         for k in ("gpu_state_bytes", "resident_params", "resident_numel", "staging_ring_bytes"):
             st[k] = g[k]
-        st["gpu_params"] = g["params"]
-        st["gpu_numel"] = g["numel"]
-        st["gpu_update_launch_ms_total"] = g["update_ms_total"]
+        st.update(gpu_params=g["params"], gpu_numel=g["numel"], gpu_update_launch_ms_total=g["update_ms_total"])
         return st
 
     def close(self) -> None:

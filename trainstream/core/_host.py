@@ -1,46 +1,29 @@
-"""The host placement of the engine: worker pool, the host update pipeline, its stats.
-
-Slots placed on the host are updated by Numba kernels on worker threads; the engine
-(:class:`trainstream.core._engine.Engine`) owns this placement and is the adapters' API.
-Like it, this module imports neither torch nor jax. It speaks to a framework through a
-:class:`Backend` (pinned host buffers, asynchronous copies, events, the compute stream);
-``trainstream.torch`` and ``trainstream.jax`` implement one each. The arithmetic is the contract's
-(:mod:`trainstream.contract`), run by the Numba kernels of :mod:`trainstream._host_kernels`.
+"""The host placement: slots updated by Numba kernels (:mod:`trainstream._host_kernels`, the
+contract's arithmetic) on worker threads. No torch or jax import: a :class:`Backend` supplies pinned
+buffers, asynchronous copies, events and the compute stream.
 
 Pipeline, per parameter ("slot"):
 
-1. ``offload_grad``: the gradient is copied (asynchronously, on the backend's D2H
-   stream) into the slot's pinned staging buffer, replacing what was staged there. If
-   the update may start now (the *eager* path) it is queued right behind the copy.
-   Micro-batches are summed by the framework (torch sums ``param.grad`` in the
-   parameter's dtype): each copy simply replaces the staged one.
-2. ``step``: each slot's update is queued, with a multiplier of the staged gradient per
-   slot where the adapter asks for one (``coefs``: torch's clip coefficient or inverse
-   loss scale, applied as torch applies it to ``param.grad``).
-3. An update batch runs over the slot's chunks; its last chunk uploads the new weights
-   (the fp32 master, or the rounded fp16/bf16 staging) and records the slot's *ready*
-   event. For fp16/bf16 parameters the rounded weights go into the gradient's own staging
-   buffer when the backend allows it (``weights_in_grad_stage``: the next gradient copy
-   into it then waits for that upload): each element's gradient is read just before its
-   weight overwrites it, which saves the host memory traffic of a separate buffer (2 B
-   read-for-ownership + 2 B write per element, ~6 % of the update's) and its pinned memory.
-4. Readiness: :meth:`HostPlacement.wait_step` blocks the host until the workers have run
-   every queued update (so every upload is queued), then makes the framework's compute
-   stream wait, on the device, for an event after those uploads: the host does not wait
-   for the transfers, and the device never waits for work the host has not queued yet (a
-   stream waiting on a flag that later host work sets deadlocked the H200 at the first
-   launch of a lazily loaded kernel, which synchronises the context).
-   :meth:`wait_ready` makes the compute stream wait for single slots instead (the
-   adapters' forward gate).
+1. ``offload_grad``: the gradient is copied asynchronously into the slot's pinned staging buffer,
+   replacing what was staged (the framework sums micro-batches). On the *eager* path the update is
+   queued right behind the copy.
+2. ``step``: each slot's update is queued, with the multiplier ``coefs`` of the staged gradient
+   where the adapter gives one (torch's clip coefficient or inverse loss scale).
+3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32
+   master, or the rounded fp16/bf16 staging) and records the slot's *ready* event. With the
+   backend's ``weights_in_grad_stage`` the rounded weights go into the gradient's own staging (each
+   gradient element is read just before its weight overwrites it; the next gradient copy waits for
+   the upload): this saves a pinned buffer and ~6 % of the update's memory traffic.
+4. Readiness: :meth:`HostPlacement.wait_step` blocks the host until the workers have queued every
+   upload, then makes the compute stream wait on the device for an event after them. The device
+   never waits for work the host has not queued yet: a stream waiting on a flag set by later host
+   work deadlocked the H200 at the first launch of a lazily loaded kernel (which synchronises the
+   context). :meth:`~HostPlacement.wait_ready` gates single slots (the adapters' forward gate).
 
-The batches of one slot run one after another: a batch submitted while another of its
-slot is queued or running is chained behind it (two batches never overlap on a chunk),
-and the chunks of one batch are independent. They go to a queue
-shared by all workers (any idle worker takes the next job; the queue orders slots for
-the next forward and passes over copies that have not landed, see :class:`_WorkQueue`).
-A failure in a worker is kept and raised, with its message, at the next call into the
-engine; batches always finish their bookkeeping, so a failure never leaves a waiter
-hanging.
+A slot's batches run one after another (one submitted while another is in flight is chained
+behind it); the chunks of a batch are independent and go to one queue shared by all workers
+(:class:`_WorkQueue`). A worker's failure is kept and raised at the next call into the engine;
+batches always finish their bookkeeping, so a failure never leaves a waiter hanging.
 """
 
 from __future__ import annotations
@@ -62,6 +45,7 @@ from .. import _host_kernels as K
 from .. import _trace
 from .._cores import bind_current_thread, default_threads
 from .. import contract as C
+from ._budget import _ITEMSIZE
 
 __all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
 
@@ -69,7 +53,6 @@ __all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyEr
 NORM_BLOCK = 4096
 
 _KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class WorkerError(RuntimeError):
@@ -77,9 +60,9 @@ class WorkerError(RuntimeError):
 
 
 class StickyError:
-    """The engine's one error record: the first failure of a worker (or of a step that left
-    one placement updated and the other not), raised at every later call until the whole
-    state has been reloaded (after a failure the state of that step is partly updated)."""
+    """The engine's one error record: the first failure of a worker (or of a step that left one
+    placement updated and the other not), raised at every later call until the whole state has
+    been reloaded (that step's state may be partly updated)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -96,11 +79,9 @@ class StickyError:
         with self._lock:
             msg = self._text
         if msg is not None:
-            raise WorkerError(
-                f"TrainStream optimizer worker failed: {msg}. The optimizer state of the "
-                "parameters updated in that step may be partly updated; reload a checkpoint "
-                "(load_state_dict) to continue from a consistent state."
-            )
+            raise WorkerError(f"TrainStream optimizer worker failed: {msg}. The optimizer state of the parameters "
+                              "updated in that step may be partly updated; reload a checkpoint (load_state_dict) to "
+                              "continue from a consistent state.")
 
     def clear(self) -> None:
         with self._lock:
@@ -108,11 +89,8 @@ class StickyError:
 
 
 class HostBuffer(Protocol):
-    """A flat host buffer owned by a backend.
-
-    ``array`` is a writable NumPy view (float32, or uint16 bit patterns for fp16/bf16);
-    ``handle`` is the framework object (e.g. a pinned torch tensor) for copies.
-    """
+    """A flat host buffer of a backend: ``array`` is a writable NumPy view (float32, or the uint16
+    bits of fp16/bf16), ``handle`` the framework object for copies (e.g. a pinned torch tensor)."""
 
     array: np.ndarray
     handle: Any
@@ -135,16 +113,12 @@ class Backend(Protocol):
     def record_compute(self, param: Any) -> Event | None:
         """An event marking the current point of the compute stream of ``param``."""
 
-    def copy_to_host(
-        self, dst: HostBuffer, src: Any, after: Event | None, *, free: Event | None = None,
-    ) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion.
-
-        ``free``: an upload that reads ``dst`` (given only to a backend whose
-        ``weights_in_grad_stage`` is True); the copy must not start before it completed.
-        A backend whose ``copy_keeps_source_alive`` is True guarantees that ``src``'s
-        memory is not reused before the copy completed, so the engine drops it at once.
-        """
+    def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None, *,
+                     free: Event | None = None) -> Event | None:
+        """Start ``dst <- src`` (device tensor) after ``after``; return its completion event.
+        ``free`` (only with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy
+        must follow. With ``copy_keeps_source_alive`` True the backend keeps ``src``'s memory from
+        reuse until the copy completed (the engine drops it at once)."""
 
     def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
         """Start ``dst (param) <- src`` after ``after``; return its completion event."""
@@ -152,73 +126,49 @@ class Backend(Protocol):
     def wait_on_compute(self, event: Event | None, param: Any) -> None:
         """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
 
-    # Optional (:meth:`HostPlacement.wait_step`; without it the compute stream waits for
-    # each slot's last upload event):
-
     def record_uploads(self) -> Event | None:
-        """An event after every weight upload queued so far (None: nothing to wait for)."""
-
-    # Optional (the host bytes of ``stats()`` and :mod:`trainstream.core._budget`; without it n):
+        """Optional: an event after every weight upload queued so far (None: nothing to wait for);
+        without it :meth:`HostPlacement.wait_step` waits for each slot's last upload event."""
 
     def pinned_size(self, nbytes: int) -> int:
-        """The bytes a pinned ``host_empty`` buffer of ``nbytes`` takes."""
+        """Optional: the bytes a pinned ``host_empty`` buffer of ``nbytes`` takes (default ``nbytes``)."""
 
 
 class ExternalUpdate(NamedTuple):
-    """One tensor's AdamW update over buffers the caller owns (:meth:`HostPlacement.update_external`).
+    """One tensor's AdamW update over flat NumPy views of buffers the caller owns (e.g. XLA's), run by
+    :meth:`HostPlacement.update_external` with :func:`trainstream._host_kernels.adamw_chunk`."""
 
-    The arrays are flat NumPy views (e.g. of XLA's buffers); the kernel is
-    :func:`trainstream._host_kernels.adamw_chunk`, with the arithmetic of the contract.
-    ``p``: float32 weights (a float32 parameter) or fp32 master, updated in place (read
-    only when ``out_kind`` is ``"u"``); ``m``, ``v``: float32 moments, in place; ``g``: the
-    gradient, float32 or the uint16 bits of ``gdtype`` ``"float16"``/``"bfloat16"``;
-    ``out``: None, or the new weights rounded to ``out_kind`` (``"float16"``/``"bfloat16"``,
-    uint16 bits; it may be ``g`` itself: each gradient element is read before its weight
-    overwrites it), or with ``out_kind="u"`` (optax only) the float32 update before the
-    learning rate, ``u`` of the contract; ``scalars``: float32[N_SCALARS], read when the
-    first chunk runs (so it may be filled by the copy ``landed`` waits for); ``landed``: an
-    event (``synchronize()``, optionally ``query()``) to wait for before reading ``g``,
-    ``p`` and ``scalars``, or None; ``finished``: called once, by the worker that finished
-    the item's last chunk (e.g. to queue the upload of ``out``), or None.
-    """
-
-    p: np.ndarray
-    m: np.ndarray
+    p: np.ndarray  # float32 weights or fp32 master, updated in place (read-only with out_kind "u")
+    m: np.ndarray  # float32 moments, in place
     v: np.ndarray
-    g: np.ndarray
+    g: np.ndarray  # the gradient: float32, or the uint16 bits of gdtype "float16"/"bfloat16"
     gdtype: str
+    # None, or the new weights rounded to out_kind "float16"/"bfloat16" (uint16 bits; may be g itself:
+    # each gradient element is read before its weight overwrites it), or with out_kind "u" (optax
+    # only) the contract's float32 update u before the learning rate
     out: np.ndarray | None
     out_kind: str | None
-    scalars: np.ndarray
-    landed: Any = None
-    finished: Callable[[], None] | None = None
+    scalars: np.ndarray  # float32[N_SCALARS], read at the first chunk (the copy `landed` waits for may fill it)
+    landed: Any = None  # None, or an event (synchronize(), optionally query()) to wait for before reading g, p, scalars
+    finished: Callable[[], None] | None = None  # None, or called once after the last chunk (e.g. to upload out)
 
-
-# -- worker pool ----------------------------------------------------------------------------
 
 #: The workers' default nice value (see :class:`HostPlacement`'s ``worker_nice``).
 WORKER_NICE = 5
 
 
 class _WorkQueue:
-    """A queue of worker jobs in *forward order* (slot id, then submission order).
+    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters),
+    then submission order. Eager updates arrive in backward order; taking the lowest slot first
+    lets the next forward start once its first layers are updated (a FIFO would update them last).
 
-    Slots are registered in the parameters' order, which is the order the next forward
-    needs them in. In the eager path updates arrive in backward order (last layer
-    first); taking the lowest slot first lets the next forward start as soon as its
-    first layers are updated instead of after the whole queue (a FIFO would update the
-    first layer last). Two rules keep it safe and busy:
+    * Within a slot only the oldest queued job is eligible (submission order).
+    * A job whose gradient copy has not landed (``ready()`` False) is passed over for the lowest
+      slot among the first :attr:`_SCAN` whose oldest job can run; if none can, the oldest job of
+      all is taken (copies land in submission order) and its body waits for its copy.
 
-    * within a slot, jobs are taken in submission order: only the oldest queued job of a
-      slot is eligible;
-    * a job whose gradient copy has not landed yet (``ready()`` False) is passed over
-      for the lowest slot (among the first :attr:`_SCAN`) whose oldest job can run now;
-      if none can, the oldest job of all is taken (copies land in submission order, so
-      it is the next to land) and its body waits for its copy.
-
-    Each get costs O(_SCAN) readiness checks at most (cached per batch by
-    :class:`_Landed`); the stop marker (``job=None``) is handed out only once no job is
-    left.
+    A get costs at most O(_SCAN) readiness checks (cached per batch by :class:`_Landed`); the stop
+    marker (``job=None``) is handed out only once no job is left.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -233,7 +183,8 @@ class _WorkQueue:
         self._closed = False
         self._seq = itertools.count()
 
-    def put(self, job: Callable[[], None] | None, priority: float = 0.0, ready: Callable[[], bool] | None = None) -> None:
+    def put(self, job: Callable[[], None] | None, priority: float = 0.0,
+            ready: Callable[[], bool] | None = None) -> None:
         if job is None:
             with self._cond:
                 self._stops += 1
@@ -250,10 +201,8 @@ class _WorkQueue:
 
     def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
                  ready: Callable[[], bool] | None = None) -> None:
-        """Queue ``jobs`` (one batch: same slot) under one lock; ``ready``: one predicate
-        for all of them. Raises once the queue is closed: no worker would run them (a
-        caller waiting for them would hang, e.g. an XLA callback at interpreter exit,
-        after the pool's ``atexit`` shutdown)."""
+        """Queue one batch's ``jobs`` (one slot, one ``ready`` predicate). Raises once closed: no
+        worker would run them, and a waiter (e.g. an XLA callback at interpreter exit) would hang."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("TrainStream: the host workers have stopped (the engine was closed, or the "
@@ -303,8 +252,7 @@ def _is_ready(ready: Callable[[], bool]) -> bool:
 
 
 class _Landed:
-    """``ready()`` of a batch: queries its event until it has completed, then answers
-    without a call (every chunk of the batch, on every worker, shares it)."""
+    """A batch's ``ready()``, shared by its chunks: queries its event until it has completed."""
 
     __slots__ = ("_query", "_done")
 
@@ -318,21 +266,10 @@ class _Landed:
         return self._done
 
 
-def _wait_landed(landed: Any) -> None:
-    """Wait for a gradient copy (``None``: a synchronous backend, nothing to wait for)."""
-    if landed is not None:
-        landed.synchronize()
-
-
 class _WorkerPool:
-    """``threads`` workers pulling from one shared queue (:class:`_WorkQueue`): a gradient
-    that lands is taken up by every idle worker (measured on the H200 machine, 1.3B GPT:
-    with a queue per worker the workers were busy only 55% of backward while updates piled
-    up for the next forward).
-
-    ``nice``: the workers' nice value (see :class:`HostPlacement`); ``cores``: the CPU ids
-    each worker is bound to (None: unbound).
-    """
+    """``threads`` workers on one shared :class:`_WorkQueue`, bound to ``cores`` (None: unbound) at
+    nice value ``nice``. (With a queue per worker they were busy only 55% of backward while updates
+    piled up for the next forward: H200, 1.3B GPT.)"""
 
     def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
         # Holds nothing of the engine: running threads keep the pool alive, and the
@@ -340,10 +277,8 @@ class _WorkerPool:
         self._queue = _WorkQueue()
         self._nice = int(nice)
         self._cores = list(cores) if cores else None
-        self._threads = [
-            threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
-            for i in range(threads)
-        ]
+        self._threads = [threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
+                         for i in range(threads)]
         for t in self._threads:
             t.start()
 
@@ -351,10 +286,7 @@ class _WorkerPool:
         return len(self._threads)
 
     def _run(self) -> None:
-        # Workers yield the CPU to the threads that drive the GPU (the training loop and
-        # autograd launch kernels; a delayed launch idles the GPU). Linux applies nice
-        # values per thread; elsewhere this is a no-op.
-        try:
+        try:  # Linux applies nice values per thread; elsewhere a no-op
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (AttributeError, OSError):
             pass
@@ -367,7 +299,6 @@ class _WorkerPool:
 
     def submit_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
                     ready: Callable[[], bool] | None = None) -> None:
-        """Queue ``jobs`` (one batch), as :meth:`_WorkQueue.put_many`."""
         self._queue.put_many(jobs, priority, ready)
 
     def owns_current_thread(self) -> bool:
@@ -380,14 +311,8 @@ class _WorkerPool:
                 t.join()
 
 
-def _shutdown_pool(pool: _WorkerPool) -> None:
-    pool.shutdown()
-
-
-# -- fork ----------------------------------------------------------------------------------
 #: The host placements of this process. A child of ``os.fork()`` inherits them without their
-#: worker threads (and maybe with a lock a worker held): there they refuse all work with a
-#: clear error and close without waiting, instead of hanging.
+#: workers (maybe with a lock a worker held): there they refuse work and close without waiting.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 _FORKED = ("TrainStream: this optimizer was built in the parent process before os.fork(); its "
@@ -404,8 +329,6 @@ def _orphan_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_orphan_after_fork)
 
-
-# -- slots ----------------------------------------------------------------------------------
 
 _NO_GRAD, _STAGED = 0, 1
 
@@ -436,12 +359,10 @@ class _Slot:
 
 
 class _Stats:
-    """Counters, added to without a lock: each thread adds into its own dict (a contended
-    lock would make a worker give up the GIL and wait to take it back) and readers sum
-    them. ``step_start``/``last_finalize`` are plain timestamps."""
+    """Counters without a lock (a contended lock makes a worker give up the GIL): each thread adds
+    into its own dict, readers sum them. ``step_start``/``last_finalize`` are plain timestamps."""
 
-    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s",
-              "grad_stall_s")
+    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -465,39 +386,21 @@ class _Stats:
 class HostPlacement:
     """The slots updated on the host: their state, staging buffers and the worker pool.
 
-    Args (the engine passes its own; see :class:`trainstream.core._engine.Engine`):
-      backend: the framework adapter (:class:`Backend`).
-      threads: worker threads (default: the usable cores, or ``cores``, but one; at least 1).
-      cores: CPU ids the workers are bound to (None: unbound; Linux).
-      chunk_elems: elements per chunk (rounded up to a multiple of :data:`NORM_BLOCK`).
-      convention: ``"torch"`` or ``"optax"`` (see :mod:`trainstream.contract`).
-      pin_moments: keep ``exp_avg``/``exp_avg_sq`` in page-locked memory (``cpu`` mode
-        only needs the gradient and weight staging pinned; the moments only feed host
-        threads, so pageable memory keeps the page-locked footprint small).
-      tc_code: the torch/cpu code of the contract (``msqrt``'s mode | ``TC_NO_FMA``; the
-        adapter probes its framework on this machine).
-      worker_nice: the workers' nice value (Linux applies it per thread; elsewhere
-        ignored). The default, 5, lets the workers yield the CPU to the threads that
-        drive the GPU (the training loop and autograd launch kernels; a delayed launch
-        idles the GPU). For ``mode="hybrid"`` with ``last_micro_batch()`` 19 is faster
-        (measured on the H200 machine, 350M GPT: 103-120 ms per step back to back, 0.62x
-        torchao, against 161 ms at nice 5); for the other paths 19 measured no different,
-        and it would starve the workers beside a busy data loader at nice 0.
+    Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at
+    least 1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_elems``: elements per
+    chunk (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
+    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (only host threads read them, so pageable
+    by default); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed
+    by the adapter); ``worker_nice``: the workers' nice value (Linux, per thread). Its default, 5,
+    yields the CPU to the threads that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with
+    ``last_micro_batch()`` (H200, 350M GPT: 103-120 against 161 ms per step), else no different, and
+    starves the workers beside a busy data loader.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        threads: int | None = None,
-        chunk_elems: int = 1 << 20,
-        convention: str = "torch",
-        pin_moments: bool = False,
-        tc_code: int = 0,
-        worker_nice: int = WORKER_NICE,
-        errors: StickyError | None = None,
-        cores: Sequence[int] | None = None,
-    ):
+    def __init__(self, backend: Backend, *, threads: int | None = None, chunk_elems: int = 1 << 20,
+                 convention: str = "torch", pin_moments: bool = False, tc_code: int = 0,
+                 worker_nice: int = WORKER_NICE, errors: StickyError | None = None,
+                 cores: Sequence[int] | None = None):
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
         if threads is None:  # every core but one, which drives the framework
@@ -516,7 +419,6 @@ class HostPlacement:
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
         self._stats = _Stats()
-        self._host_bytes = 0
         self._pinned_bytes = 0
         self._pageable_bytes = 0
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
@@ -524,10 +426,8 @@ class HostPlacement:
         self._forked = False
         self._unwaited = False  # updates queued since the last wait_step
         self._pool = _WorkerPool(threads, worker_nice, cores)
-        self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
+        self._finalizer = weakref.finalize(self, self._pool.shutdown)  # holds the pool, not self
         _LIVE.add(self)
-
-    # -- bookkeeping ------------------------------------------------------------------------
 
     @property
     def threads(self) -> int:
@@ -542,9 +442,6 @@ class HostPlacement:
             raise RuntimeError(_FORKED)
         if self._closed:
             raise RuntimeError("TrainStream engine is closed")
-
-    def _record_error(self, exc: BaseException) -> None:
-        self.errors.record(exc)
 
     def check_error(self) -> None:
         """Raise :class:`WorkerError` if a worker has failed (see :class:`StickyError`)."""
@@ -571,42 +468,27 @@ class HostPlacement:
     def _count(self, pinned: int, pageable: int) -> None:
         self._pinned_bytes += pinned
         self._pageable_bytes += pageable
-        self._host_bytes += pinned + pageable
-
-    # -- parameters -------------------------------------------------------------------------
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
         """Register a flat parameter; returns its slot id. Copies its value to the master."""
         self._check_open()
         if dtype not in _KIND:
-            raise TypeError(
-                f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}"
-            )
+            raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
         if platform not in C.PLATFORMS:
             raise ValueError(f"Unknown platform {platform!r}; expected one of {C.PLATFORMS}")
         numel = int(numel)
         sid = len(self._slots)
-        pin = self.pin_moments
         counted = (self._pinned_bytes, self._pageable_bytes)
         try:  # a failed allocation leaves the counters as they were (its buffers go with it)
             master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
             self.backend.param_to_host_f32(param, master.array)
-            m = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg")
-            v = self._alloc(numel, "float32", pinned=pin, what="adamw.exp_avg_sq")
+            m = self._alloc(numel, "float32", pinned=self.pin_moments, what="adamw.exp_avg")
+            v = self._alloc(numel, "float32", pinned=self.pin_moments, what="adamw.exp_avg_sq")
             m.array[:] = 0
             v.array[:] = 0
             nchunks = max(1, -(-numel // self.chunk))
-            slot = _Slot(
-                id=sid,
-                param=param,
-                numel=numel,
-                dtype=dtype,
-                platform=platform,
-                nchunks=nchunks,
-                master=master,
-                exp_avg=m,
-                exp_avg_sq=v,
-            )
+            slot = _Slot(id=sid, param=param, numel=numel, dtype=dtype, platform=platform, nchunks=nchunks,
+                         master=master, exp_avg=m, exp_avg_sq=v)
             slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
             if dtype != "float32":
                 if self._weights_in_grad_stage:
@@ -636,21 +518,11 @@ class HostPlacement:
     def has_grad(self, sid: int) -> bool:
         return self._slot(sid).grad_state != _NO_GRAD
 
-    # -- batches ----------------------------------------------------------------------------
-
-    def _run_batch(
-        self,
-        s: _Slot,
-        body: Callable[[int, int, int], None],
-        finalize: Callable[[], None] | None = None,
-        landed: Any = None,
-    ) -> None:
-        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``
-        (after the slot's batch in flight, if any: see the module docstring).
-
-        ``landed``: the event the body waits for first (a gradient copy), if any; its
-        ``query()`` lets a worker run another slot's job while the copy is in flight.
-        """
+    def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None], finalize: Callable[[], None] | None = None,
+                   landed: Any = None) -> None:
+        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``, after the
+        slot's batch in flight if any. ``landed``: the gradient copy the body waits for first, if
+        any; its ``query()`` lets a worker run another slot's job while the copy is in flight."""
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
@@ -675,13 +547,13 @@ class HostPlacement:
                 body(c, b, e)
             except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
                 s.chunk_failed = True
-                self._record_error(exc)
+                self.errors.record(exc)
             if next(finished) == s.nchunks:  # the batch's last chunk to finish
                 try:
                     if finalize is not None:
                         finalize()
                 except BaseException as exc:  # noqa: BLE001
-                    self._record_error(exc)
+                    self.errors.record(exc)
                 finally:
                     with s.cond:
                         s.inflight -= 1
@@ -690,20 +562,17 @@ class HostPlacement:
                     if nxt is not None:
                         self._submit_chained(s, nxt)
 
-        jobs = [
-            (lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
-            for c in range(s.nchunks)
-        ]
+        jobs = [(lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
+                for c in range(s.nchunks)]
         self._pool.submit_many(jobs, s.id, ready)
 
     def _submit_chained(self, s: _Slot, batch: tuple) -> None:
-        """Submit a slot's next chained batch (from the worker that finished the one
-        before). If that fails, the error is kept and the batch and those chained after it
-        are dropped from ``inflight``: waiters must not hang on work that will never run."""
+        """Submit a slot's next chained batch (from the worker that finished the one before). On
+        failure the error is kept, and it and the batches chained after it leave ``inflight``."""
         try:
             self._submit_batch(s, *batch)
         except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
-            self._record_error(exc)
+            self.errors.record(exc)
             with s.cond:
                 s.inflight -= 1 + len(s.chain)
                 s.chain.clear()
@@ -716,37 +585,30 @@ class HostPlacement:
             while s.inflight:
                 s.cond.wait()
 
-    # -- gradients ----------------------------------------------------------------------------
+    def _settle(self, s: _Slot) -> None:
+        """Wait for the slot's batches and its last upload."""
+        self._wait_idle(s)
+        if s.ready is not None:
+            s.ready.synchronize()
 
-    def offload_grad(
-        self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None
-    ) -> None:
-        """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing
-        the one staged before (micro-batches are summed by the framework).
-
-        With ``update`` (the eager path) the AdamW update with those hyper-parameters is
-        queued right behind the copy.
-        """
+    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
+        """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one
+        staged before; with ``update`` (the eager path) queue its update right behind the copy."""
         self._check_open()
         self.check_error()
         t_call = time.perf_counter()
         s = self._slot(sid)
         if grad_dtype != s.dtype:
-            raise TypeError(
-                f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}"
-            )
-        # The staging buffer may still be read by the previous batch of this slot.
+            raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         t0 = time.perf_counter()
-        self._wait_idle(s)
+        self._wait_idle(s)  # the previous batch may still read the staging buffer
         self._stats.add("grad_stall_s", time.perf_counter() - t0)
         self.check_error()
         after = self.backend.record_compute(s.param)
         # The last upload may still read the staging buffer (weights in grad staging).
         free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
         s.landed = self.backend.copy_to_host(s.grad_stage, grad, after, **free)
-        # Keep the device gradient alive until its copy ran, unless the backend already
-        # guarantees that (torch: record_stream, so the memory goes back to the pool once
-        # the copy has completed even if the gradient is dropped before).
+        # Keep the device gradient alive until its copy ran, unless the backend does (torch: record_stream).
         s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
         s.grad_state = _STAGED
@@ -765,15 +627,7 @@ class HostPlacement:
                 s.grad_keep = None
         self.check_error()
 
-    # -- the update -------------------------------------------------------------------------
-
-    def _enqueue_update(
-        self,
-        s: _Slot,
-        hp: C.AdamWHyperParams,
-        clip: np.float32,
-        after: Any,
-    ) -> None:
+    def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any) -> None:
         s.step += 1
         scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         variant = C.variant_id(self.convention, s.platform)
@@ -792,7 +646,7 @@ class HostPlacement:
                 prev_ready.synchronize()
                 _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
             if landed is not None:  # the gradient copy must have landed in staging
-                _wait_landed(landed)
+                landed.synchronize()
                 _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
             K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code)
             t1 = time.perf_counter()
@@ -803,9 +657,8 @@ class HostPlacement:
             t = time.perf_counter()
             s.grad_keep = None
             if s.chunk_failed:
-                # The error is raised at the next call; a failed chunk left its range of
-                # the staging buffer unwritten (with weights in grad staging: gradient
-                # bits), so nothing is uploaded and the device keeps its old weights.
+                # Raised at the next call; the failed chunk's range of the staging is unwritten (with
+                # weights in grad staging: gradient bits), so nothing is uploaded: old weights stay.
                 return
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
@@ -817,10 +670,8 @@ class HostPlacement:
         self._run_batch(s, body, finalize, landed)
 
     def wait_step(self) -> None:
-        """Make the compute stream wait until every update queued so far has landed in the
-        parameters (module docstring, 4.): blocks the host until the workers have queued
-        every upload, not until the transfers are done. Raises nothing (a failure is
-        raised at the next call)."""
+        """Make the compute stream wait for every update queued so far (module docstring, 4.);
+        raises nothing (a failure is raised at the next call)."""
         if not self._unwaited:
             return
         self._unwaited = False
@@ -838,21 +689,12 @@ class HostPlacement:
         self._stats.add("ready_stall_s", t1 - t0)
         _trace.add("wait_step", t0, t1, -1)
 
-    def step(
-        self,
-        updates: Sequence[tuple[int, C.AdamWHyperParams]],
-        coefs: dict[int, float] | None = None,
-        check_errors: bool = True,
-    ) -> None:
-        """Queue the update of every slot in ``updates`` that holds a gradient (slots
-        updated eagerly hold none: their update was queued by :meth:`offload_grad`).
-
-        ``coefs``: per slot, the multiplier of its staged gradient (the contract's ``c``:
-        torch's clip coefficient or inverse loss scale, as torch multiplies ``param.grad``
-        by it; 1.0 where absent). ``check_errors=False``: a worker error recorded since the
-        caller's own check is left for the next call to raise (``hybrid`` mode has already
-        queued the GPU share's update by then).
-        """
+    def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams]], coefs: dict[int, float] | None = None,
+             check_errors: bool = True) -> None:
+        """Queue the update of every slot in ``updates`` that holds a gradient (an eagerly updated
+        slot holds none). ``coefs``: per slot, the contract's ``c`` multiplying its staged gradient
+        (1.0 where absent). ``check_errors=False``: an error recorded since the caller's own check
+        is left for the next call (``hybrid`` has queued the device share by then)."""
         self._check_open()
         if check_errors:
             self.check_error()
@@ -865,8 +707,6 @@ class HostPlacement:
                 continue
             after = self.backend.record_compute(s.param)
             self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), after)
-
-    # -- readiness ----------------------------------------------------------------------------
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
@@ -883,11 +723,8 @@ class HostPlacement:
         self.check_error()
 
     def wait_host(self) -> None:
-        """Block until every queued batch has run on the host; raise worker errors.
-
-        Unlike :meth:`synchronize` it does not wait for the uploads the batches started
-        (for a caller whose stream orders them, e.g. XLA's in the JAX adapter).
-        """
+        """Block until every queued batch has run on the host, not the uploads it started (for a
+        caller whose stream orders them, e.g. XLA's); raise worker errors."""
         for s in self._slots:
             self._wait_idle(s)
         self.check_error()
@@ -895,25 +732,17 @@ class HostPlacement:
     def drain(self) -> None:
         """Block until every queued batch and upload has completed (raises nothing)."""
         for s in self._slots:
-            self._wait_idle(s)
-            if s.ready is not None:
-                s.ready.synchronize()
+            self._settle(s)
 
     def synchronize(self) -> None:
         """Block until every queued batch and upload has completed; raise worker errors."""
         self.drain()
         self.check_error()
 
-
-    # -- updates over buffers the caller owns (the JAX adapter: XLA's buffers) -------------------
-
     def _run_external(self, batches: list, what: str) -> None:
-        """Run ``batches`` (``(priority, landed, [job(c, b, e)...], numel, finished)``) on the
-        workers in chunks and wait for all of them; raise the first failure.
-
-        Nothing of this placement's slots is touched, so a failure is raised to the caller
-        (whose buffers it concerns) and not kept as the sticky error.
-        """
+        """Run ``batches`` (``(priority, landed, [job(c, b, e)...], numel, finished)``) in chunks on
+        the workers; wait for all and raise the first failure to the caller (not sticky: no slot of
+        this placement is touched)."""
         self._check_open()
         self.check_error()
         if not batches:
@@ -941,7 +770,7 @@ class HostPlacement:
             def job(c, b, e, body=body, nchunks=nchunks, count=count, finished=finished, landed=landed):
                 try:
                     if landed is not None:
-                        _wait_landed(landed)
+                        landed.synchronize()
                     body(c, b, e)
                 except BaseException as exc:  # noqa: BLE001 - raised by the caller below
                     record(exc)
@@ -971,14 +800,10 @@ class HostPlacement:
             raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """The AdamW update of each item (:class:`ExternalUpdate`: buffers the caller owns),
-        in this placement's convention on ``platform`` (``"cpu"`` or ``"cuda"``: whose
-        arithmetic the contract reproduces), on the workers; blocks until every item and
-        its ``finished`` callback have run. A failure raises :class:`WorkerError`.
-
-        The slots and their steps are not involved: the caller keeps the state (e.g. as
-        arrays of its framework) and supplies each update's scalars.
-        """
+        """The AdamW update of each :class:`ExternalUpdate` in this placement's convention on
+        ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
+        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
+        No slot is involved: the caller keeps the state and supplies each update's scalars."""
         variant = C.variant_id(self.convention, platform)
         tc_code = self.tc_code
         batches = []
@@ -1013,10 +838,9 @@ class HostPlacement:
         self._run_external(batches, "update_external")
 
     def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
-        """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the
-        caller owns, from partials over fixed blocks of :data:`NORM_BLOCK` elements summed
-        in item order, then block order (independent of threads and chunking); blocks until
-        done."""
+        """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the caller
+        owns, from partials over blocks of :data:`NORM_BLOCK` elements summed in item, then block
+        order (independent of threads and chunking); blocks until done."""
         partials = []
         batches = []
         for k, (g, gdtype, landed) in enumerate(grads):
@@ -1033,16 +857,13 @@ class HostPlacement:
         self._run_external(batches, "sumsq_external")
         total = 0.0
         for out in partials:
-            for x in out.tolist():
+            for x in out.tolist():  # sequential: sum() of floats compensates (Python >= 3.12)
                 total += x
         return total
 
-    # -- state ------------------------------------------------------------------------------
-
     def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work
-        has run: copies, or with ``copy=False`` the buffers themselves (views that keep
-        them alive; changing them changes the state)."""
+        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work has run:
+        copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
         self._wait_idle(s)
@@ -1051,43 +872,28 @@ class HostPlacement:
         return (*(b.copy() if copy else b for b in bufs), s.step)
 
     def reload_param(self, sid: int, param: Any = None) -> None:
-        """The weights of slot ``sid`` were changed outside the engine (or its parameter
-        replaced by ``param``, of the same size and dtype): read them into the master, as
-        the next update's starting point. An fp16/bf16 element keeps its fp32 master where
-        the master still rounds to the weight (:func:`trainstream.contract.merge_master`)."""
+        """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
+        ``param``, same size and dtype): read them into the master, keeping an fp16/bf16 element's
+        fp32 master where it still rounds to the weight (:func:`trainstream.contract.merge_master`)."""
         self._check_open()
         s = self._slot(sid)
-        self._wait_idle(s)
-        if s.ready is not None:
-            s.ready.synchronize()
+        self._settle(s)
         if param is not None:
             s.param = param
         weights = np.empty(s.numel, np.float32)
         self.backend.param_to_host_f32(s.param, weights)
         C.merge_master(s.master.array, weights, s.dtype)
 
-    def load_state(
-        self,
-        sid: int,
-        exp_avg: np.ndarray,
-        exp_avg_sq: np.ndarray,
-        step: int,
-        master: np.ndarray | None = None,
-    ) -> None:
+    def load_state(self, sid: int, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: int,
+                   master: np.ndarray | None = None) -> None:
         """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""
         self._check_open()
         s = self._slot(sid)
-        self._wait_idle(s)
-        if s.ready is not None:
-            s.ready.synchronize()
+        self._settle(s)
         for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
-            if arr is None:
-                continue
-            if np.asarray(arr).size != s.numel:
-                raise ValueError(
-                    f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
-                    f"elements, expected {s.numel}"
-                )
+            if arr is not None and np.asarray(arr).size != s.numel:
+                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+                                 f"elements, expected {s.numel}")
         if not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
         s.exp_avg.array[:] = np.asarray(exp_avg, np.float32).reshape(-1)
@@ -1105,24 +911,15 @@ class HostPlacement:
         st = self._stats
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
         return {
-            "params": float(len(self._slots)),
-            "numel": float(sum(s.numel for s in self._slots)),
-            "threads": float(self.threads),
-            "gpu_mode": 0.0,
-            "steps": float(st.steps),
+            "params": float(len(self._slots)), "numel": float(sum(s.numel for s in self._slots)),
+            "threads": float(self.threads), "gpu_mode": 0.0, "steps": float(st.steps),
             "eager_updates": float(st.eager_updates),
-            "host_state_bytes": float(self._host_bytes),
-            "pinned_state_bytes": float(self._pinned_bytes),
-            "pageable_state_bytes": float(self._pageable_bytes),
-            "grad_bytes_offloaded": float(st.grad_bytes),
-            "param_bytes_uploaded": float(st.param_bytes),
-            "update_ms_total": st.update_s * 1e3,
-            "ready_stall_ms_total": st.ready_stall_s * 1e3,
-            "grad_stall_ms_total": st.grad_stall_s * 1e3,
-            "last_step_wall_ms": last_wall * 1e3,
+            "host_state_bytes": float(self._pinned_bytes + self._pageable_bytes),
+            "pinned_state_bytes": float(self._pinned_bytes), "pageable_state_bytes": float(self._pageable_bytes),
+            "grad_bytes_offloaded": float(st.grad_bytes), "param_bytes_uploaded": float(st.param_bytes),
+            "update_ms_total": st.update_s * 1e3, "ready_stall_ms_total": st.ready_stall_s * 1e3,
+            "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
         }
-
-    # -- shutdown ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Drain the queued work, join the workers and release the host buffers."""
@@ -1133,8 +930,8 @@ class HostPlacement:
             self._slots = []
             return
         if self._pool.owns_current_thread():
-            # Called from a worker (e.g. a finalizer run by the garbage collector inside a
-            # job): waiting would wait for this very thread. Let the workers drain and stop.
+            # From a worker (e.g. a finalizer run by the garbage collector inside a job): waiting
+            # would wait for this very thread. Let the workers drain and stop.
             self._closed = True
             self._finalizer()
             return
@@ -1154,4 +951,3 @@ class HostPlacement:
                 s.grad_stage = s.param_stage = None
                 s.grad_keep = s.ready = s.landed = s.param = None
             self._slots = []
-

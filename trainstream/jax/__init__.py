@@ -1,23 +1,7 @@
-"""JAX API: ``trainstream.jax.offload_adamw`` (an optax ``GradientTransformation``).
+"""JAX API: ``trainstream.jax.offload_adamw``, an optax ``GradientTransformation`` (see
+:func:`trainstream.jax._transform.offload_adamw`). Needs optax and jax 0.10 or newer (its
+``jax.experimental.buffer_callback`` and memory kinds)."""
 
-See :func:`trainstream.jax._transform.offload_adamw`. Needs jax (0.10 or newer: its
-``jax.experimental.buffer_callback`` and memory kinds) and optax.
-"""
+from ._transform import OffloadAdamW, OffloadAdamWState, close, load_state_dict, offload_adamw, state_dict
 
-from ._transform import (
-    OffloadAdamW,
-    OffloadAdamWState,
-    close,
-    load_state_dict,
-    offload_adamw,
-    state_dict,
-)
-
-__all__ = [
-    "OffloadAdamW",
-    "OffloadAdamWState",
-    "close",
-    "load_state_dict",
-    "offload_adamw",
-    "state_dict",
-]
+__all__ = ["OffloadAdamW", "OffloadAdamWState", "close", "load_state_dict", "offload_adamw", "state_dict"]

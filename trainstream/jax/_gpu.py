@@ -1,43 +1,26 @@
 """The JAX adapter on XLA:GPU: the state in pinned host memory, three callbacks per update.
 
 The moments and masters are ``memory_kind="pinned_host"`` arrays of the parameters' device
-(:func:`init`): host memory whose address the GPU uses directly (UVA). XLA refuses one
-custom call whose outputs mix that host memory and GPU memory (its host offloader follows
-an aliased host operand through all the outputs: ``E1200``), so :func:`apply` builds the
-update from three ``jax.experimental.buffer_callback`` calls:
+(:func:`init`), host memory the GPU addresses directly (UVA). XLA refuses one custom call whose
+outputs mix that host memory and GPU memory (its host offloader follows an aliased host operand
+through all the outputs: ``E1200``, measured with jax 0.11.2,
+``experiments/data/2026-12-02_h200_jax_state_flow.md``), so :func:`apply` makes each update of
+three ``jax.experimental.buffer_callback`` calls:
 
-* ``own(params) -> w`` (device only; aliased for ``step``; for ``update`` fresh buffers,
-  with the gradients as operands so that XLA cannot hoist it out of a loop): the buffers
-  that receive the new weights (or the updates);
-* ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters',
-  token')`` (host only, the state aliased in place): runs the update, writes ``w``;
-* ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes
-  after ``update``.
+* ``own(params) -> w`` (device only): the buffers of the new weights (``step``: aliased to the
+  params) or of the updates (fresh, the gradients as operands so that XLA cannot hoist it);
+* ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters', token')``
+  (host only, the state aliased in place): runs the update (:class:`_Update`), writes ``w``;
+* ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes after
+  ``update``.
 
-Inside ``update``, on XLA's stream (``ctx.stream``; nothing waits for the GPU in
-``mode="gpu"``):
-
-* ``mode="gpu"``: the kernel, leaves of one dtype in multi-tensor launches
-  (:func:`trainstream._device_kernels.launch_adamw_multi`, or
-  :func:`~trainstream._device_kernels.launch_adamw_u_multi` for ``update``'s float32 leaves),
-  reading the gradient and weights in GPU memory and the state staged from host memory by
-  the copy engines through the device's :class:`trainstream.core.StagingRing` (XLA's
-  stream waits for the copies back before the callback's work is done), with the scalars of
-  the contract's matrix computed in the program;
-* ``mode="cpu"``: each gradient (and float32 weights) is copied to pinned staging with an
-  event, the engine's host workers update each leaf as its copy lands
-  (:meth:`trainstream.core.Engine.update_external`, the state's host memory in place) and
-  queue its upload into ``w``; the callback returns once the host work is done (the
-  uploads run before XLA's next work on the stream).
-
-``update`` writes into ``w``, an operand XLA treats as read only: what makes that safe is
-that ``w`` is a buffer of this update alone (``own``'s output, never the caller's arrays)
-and that its only uses are ``update`` and then ``order``, ordered by ``update``'s token.
-Verified with jax 0.10.2 (XLA:CPU, the CUDA calls simulated: tests/test_jax_gpu_plumbing.py,
-``lax.scan`` included) and 0.11.2 (H200: tests/test_jax_gpu.py).
-
+``update`` writes into ``w``, an operand XLA treats as read only: safe because ``w`` is this
+update's own buffer (``own``'s output, never the caller's arrays) whose only uses are
+``update`` and then ``order``, ordered by the token (verified with jax 0.10.2 on XLA:CPU with
+the CUDA calls simulated, ``lax.scan`` included, and 0.11.2 on an H200). The state arrives
+``pinned_host`` (checked at trace time) and the outputs stay in host memory by their avals.
 CUDA calls go through :mod:`trainstream._cuda`; CuPy only compiles and launches kernels
-(:mod:`trainstream._device_kernels`), imported on first use. No arithmetic lives here.
+(:mod:`trainstream._device_kernels`, imported on first use). No arithmetic lives here.
 """
 
 from __future__ import annotations
@@ -58,23 +41,19 @@ __all__ = ["apply", "init"]
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _host_sharding(dev):
-    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-
-
 def init(params, leaves):
-    """The state of ``params`` (on one CUDA device): the count on the device, the moments
-    and fp16/bf16 masters in its pinned host memory (never in GPU memory)."""
+    """The state of ``params`` on one CUDA device: the count on the device, the moments and
+    fp16/bf16 masters in its pinned host memory (never in GPU memory)."""
     from ._transform import OffloadAdamWState  # noqa: PLC0415
-
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # init inside a program
         host = jax.memory.Space.Host
         zeros = lambda x: jax.device_put(jnp.zeros(jnp.shape(x), jnp.float32), host)  # noqa: E731
-        master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(x.astype(jnp.float32), host)  # noqa: E731
+        master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
+                            else jax.device_put(x.astype(jnp.float32), host))
         count = jnp.zeros([], jnp.int32)
     else:
         dev = next(iter(leaves[0].devices())) if leaves else jax.local_devices(backend="gpu")[0]
-        host = _host_sharding(dev)
+        host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         zeros = lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), host)  # noqa: E731
         master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
                             else jax.device_put(np.asarray(jax.device_get(x)).astype(np.float32), host))
@@ -88,17 +67,15 @@ def _noop(ctx, outs, *ins) -> None:
 
 
 def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
-    """The update of ``plan`` (``trainstream.jax._transform._Plan``) inside a program on a
-    GPU, over the leaves given (one device's); returns ``(firsts, mu', nu', masters')``:
-    ``firsts`` the new weights, or with ``plan.emit_u`` the float32 ``u`` of float32 leaves
-    and the rounded new weights of fp16/bf16 leaves."""
+    """The update of ``plan`` (``trainstream.jax._transform._Plan``) on a GPU over one device's
+    leaves: ``(firsts, mu', nu', masters')``, ``firsts`` the new weights or, with
+    ``plan.emit_u``, ``u`` of float32 leaves and the rounded new weights of fp16/bf16 ones."""
     n = plan.n
-    sds = jax.ShapeDtypeStruct
-    f32 = jnp.float32
+    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
     if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
         like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
-        # the gradients as operands: buffers of this update (without operands XLA may hoist
-        # the call out of a loop, and every iteration would write into the same buffers)
+        # the gradients as operands: without them XLA may hoist the call out of a loop, and
+        # every iteration would write into the same buffers
         w = buffer_callback(_noop, like)(*g_leaves) if n else []
         reads = [p for i, p in enumerate(p_leaves) if i not in plan.halves]  # the kernel reads them
     else:
@@ -123,13 +100,12 @@ _rings_lock = threading.Lock()
 
 
 def _ring(device: int):
-    """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory, allocated at
-    its first update and kept for the process: one for every plan), or None when refused."""
+    """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory from its first
+    update on, shared by every plan), or None when refused."""
     if device not in _rings:
         with _rings_lock:
             if device not in _rings:
                 from .. import _device_kernels as dk  # noqa: PLC0415
-
                 _rings[device] = staging_ring(device, dk, "JAX mode='gpu'")
     return _rings[device]
 
@@ -157,7 +133,6 @@ class _Staging:
 
     def __init__(self, plan, device: int):
         from .. import _device_kernels as dk  # noqa: PLC0415
-
         self.ctx = _cuda.context(device)
         self.lock = threading.Lock()
         self._buffers: list = []  # _cuda.Mapped, freed when collected (with the plan)
@@ -210,9 +185,7 @@ class _Update:
         reads = ins[2 * n:]  # float32 weights read by update (emit_u); the state is in outs
         mus, nus = outs[:n], outs[n:2 * n]
         masters = dict(zip(plan.halves, outs[2 * n:2 * n + len(plan.halves)]))
-        weights = {}
-        if plan.emit_u:
-            weights = dict(zip([i for i in range(n) if i not in plan.halves], reads))
+        weights = dict(zip([i for i in range(n) if i not in plan.halves], reads)) if plan.emit_u else {}
         stream = _stream(ctx)
         device = _cuda.pointer_device(_ptr(grads[0]))
         if plan.mode == "gpu":
@@ -221,12 +194,13 @@ class _Update:
             self._host(device, stream, scal, count, grads, w, weights, mus, nus, masters)
 
     def _launch(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
-        """``mode="gpu"``: the kernel over every leaf, leaves of one dtype in launches of up
-        to ``MULTI_MAX`` (each leaf's scalars: its row of the matrix); the state staged
-        through the device's ring (:func:`_ring`), XLA's stream waiting at the end for its
-        copies back; without a ring the kernel reads it in host memory (zero-copy)."""
+        """``mode="gpu"``: the kernel (:func:`trainstream._device_kernels.launch_adamw_multi`,
+        ``launch_adamw_u_multi`` for ``update``'s float32 leaves) over every leaf, leaves of
+        one dtype in launches of up to ``MULTI_MAX``, each leaf's scalars its row of the
+        matrix; the state staged by the copy engines through the device's
+        :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's stream waiting at the
+        end for its copies back; without a ring the kernel reads it in host memory."""
         from .. import _device_kernels as dk  # noqa: PLC0415
-
         plan = self.plan
         row = 4 * C.N_SCALARS
         s0 = _ptr(scal)
@@ -243,8 +217,7 @@ class _Update:
 
             def item(lo, n, d, wp=wp, up=up, gp=_ptr(grads[i]), b=_ITEMSIZE[kind], sc=s0 + row * i,
                      master=i in masters):
-                """The kernel item of elements lo:lo+n with the state at ``d`` (m, v[, master]):
-                weights and gradient in the leaf's dtype, u and the state float32."""
+                """The kernel item of elements lo:lo+n, the state at ``d`` (m, v[, master])."""
                 third = d[2] if master else (up + 4 * lo if up else 0)
                 return (wp + b * lo, gp + b * lo, third, d[0], d[1], n, sc)
 
@@ -277,8 +250,11 @@ class _Update:
         return st
 
     def _host(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
+        """``mode="cpu"``: each gradient (and float32 weights) copied to pinned staging with an
+        event; the engine's host workers update each leaf as its copy lands (the state's host
+        memory in place) and queue its upload into ``w``. Returns once the host work is done
+        (the uploads run before XLA's next work on the stream)."""
         from .. import _device_kernels as dk  # noqa: PLC0415
-
         plan = self.plan
         st = self._stage(device)
         with st.lock:  # one update of this plan on this device at a time (its staging)
@@ -313,9 +289,8 @@ class _Update:
                     out_kind, up_src, up_bytes = "u", st.weight_ptrs[i][1], 4 * numel
                 else:
                     p, out, out_kind, up_src, up_bytes = st.weights[i], None, None, st.weight_ptrs[i], 4 * numel
-                dst = _ptr(w[i])
 
-                def upload(dst=dst, src=up_src, nbytes=up_bytes):
+                def upload(dst=_ptr(w[i]), src=up_src, nbytes=up_bytes):
                     cx.memcpy_htod_async(dst, src, nbytes, stream)
 
                 items.append(ExternalUpdate(p, m, v, g, kind, out, out_kind, scalars[i], events[i], upload))

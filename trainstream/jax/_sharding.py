@@ -1,34 +1,23 @@
 """The JAX adapter over a device mesh: parameters sharded with ``NamedSharding``.
 
-``init`` reads each leaf's ``NamedSharding`` from the concrete parameters (inside a traced
-function an array of a mesh in Auto axis mode carries no PartitionSpec) and keeps the mesh
-and the specs as the transformation's *layout* of that pytree; the moments and masters are
-created with the same shardings (on a GPU the same specs in ``memory_kind="pinned_host"``)
-and ``count`` as a committed replicated array, so orbax saves and restores them as it does
-optax.adamw's state.
+``init`` reads each leaf's ``NamedSharding`` from the concrete parameters (a traced array of a
+mesh in Auto axis mode carries no PartitionSpec) and keeps mesh and specs as the *layout* of
+that pytree; the moments and masters get the same shardings (on a GPU in ``pinned_host``
+memory), ``count`` a committed replicated one, so orbax handles them as optax.adamw's state.
 
-In the user's program (``jax.jit`` over the global arrays) everything that is not
-elementwise stays in the global view, written as optax writes it: the contract's scalar
-matrix and ``optax.tree.norm`` of the gradients, which GSPMD partitions as it partitions
-optax's own ``clip_by_global_norm`` in the reference program. The update itself is
-elementwise and runs per shard: :func:`per_device` wraps the adapter's callbacks in a
-``shard_map`` over the layout's mesh, so that each device's callback (XLA calls it once per
-addressable device, on the device's own thread) gets that device's local shards and no
-array is gathered. Replicated leaves are updated on every device, each on its own copy.
-The per-leaf code of the optax/cpu convention comes from the local element count (XLA
-compiles the per-device program for the local shapes: :func:`local_numel`).
+The scalar matrix and ``optax.tree.norm`` of the gradients stay in the user's program in the
+global view, which GSPMD partitions as it does optax's ``clip_by_global_norm``. The
+elementwise update runs per shard: :func:`per_device` wraps the callbacks in a ``shard_map``
+over the layout's mesh, so each device's callback (XLA calls one per addressable device, on
+that device's thread) gets its local shards and nothing is gathered; replicated leaves are
+updated on every device's copy. The per-leaf convention code comes from the local element
+count (:func:`local_numel`): XLA compiles the per-device program for the local shapes.
+Inside the user's own ``shard_map`` (every axis manual) no ``shard_map`` is added and, as
+optax's there, the norm is of the local shards.
 
-Called inside the user's own ``shard_map`` (every mesh axis manual, as under ``pmap``), the
-adapter adds no ``shard_map``: the arrays are local already and the program is the
-per-device one, where optax's ``clip_by_global_norm`` takes the norm of the local shards
-(no collective); the adapter does exactly that.
-
-The engine: one per configuration and process, whose host worker pool serves every local
-device (XLA's threads of the devices wait in their callbacks while the workers run the
-updates, so a shared pool keeps every worker busy whichever device's update comes first).
-Per-device resources of a GPU (pinned staging, the CUDA context) are keyed by the CUDA
-device of the buffers XLA passes, never by ``device.id`` (ids differ between processes).
-No arithmetic lives here.
+One engine per configuration and process serves every local device (XLA's device threads wait
+in their callbacks while the shared workers run the updates). Per-device GPU resources are keyed
+by the CUDA device of the buffers, never by ``device.id`` (ids differ between processes).
 """
 
 from __future__ import annotations
@@ -54,13 +43,12 @@ class Layout(NamedTuple):
 
 
 def layout_of(leaves, paths) -> Layout | None:
-    """The layout of concrete parameter leaves: None for single-device arrays (and
-    tracers); every leaf ``NamedSharding`` over one mesh otherwise (else a clear error)."""
+    """The layout of concrete leaves: None for single-device arrays (and tracers), else every
+    leaf must be a ``NamedSharding`` over one mesh."""
     if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
     shardings = [getattr(x, "sharding", None) for x in leaves]
-    named = [isinstance(s, NamedSharding) for s in shardings]
-    if not any(named):
+    if not any(isinstance(s, NamedSharding) for s in shardings):
         for s, path in zip(shardings, paths):
             if s is not None and not isinstance(s, SingleDeviceSharding) and len(s.device_set) > 1:
                 raise NotImplementedError(
@@ -87,9 +75,9 @@ def layout_of(leaves, paths) -> Layout | None:
 
 
 def in_manual_mesh() -> bool:
-    """Whether the caller traces inside its own ``shard_map`` (or ``pmap``): every axis of
-    the abstract mesh manual. A partly manual mesh is refused (the arrays would still be
-    partitioned over the other axes, which a per-shard callback cannot see)."""
+    """Whether the caller traces inside its own ``shard_map`` (or ``pmap``), every mesh axis
+    manual. A partly manual mesh is refused: the arrays would still be partitioned over the
+    other axes, which a per-shard callback cannot see."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     if not manual:
@@ -105,8 +93,7 @@ def in_manual_mesh() -> bool:
 
 
 def check_traced(leaves, paths) -> None:
-    """Traced arrays of a multi-device mesh whose layout is unknown (init never saw them
-    concretely) are refused: inside a traced function their PartitionSpecs are not visible."""
+    """Refuses traced arrays of a multi-device mesh whose layout init never saw concretely."""
     for x, path in zip(leaves, paths):
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
@@ -118,33 +105,25 @@ def check_traced(leaves, paths) -> None:
             )
 
 
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def local_shape(shape, spec, mesh) -> tuple:
     """The shape of one shard of an array of ``shape`` sharded by ``spec`` over ``mesh``."""
     out = list(shape)
     for d, entry in enumerate(tuple(spec)[:len(out)]):
-        parts = math.prod(mesh.shape[a] for a in _axes(entry))
-        out[d] //= parts
+        axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+        out[d] //= math.prod(mesh.shape[a] for a in axes)
     return tuple(out)
 
 
 def local_numel(shape, spec, mesh) -> int:
-    """Elements of one shard (JAX shards evenly: it refuses uneven NamedShardings)."""
+    """Elements of one shard (JAX refuses uneven NamedShardings)."""
     return int(math.prod(local_shape(shape, spec, mesh)))
 
 
 def init_state(params, leaves, layout: Layout, host_memory: bool):
     """``OffloadAdamWState`` of sharded ``params``: moments and fp16/bf16 masters with the
-    parameters' shardings (``host_memory``: in ``pinned_host`` memory, on a GPU), put shard
-    by shard from host memory (this process's shards only; nothing touches GPU memory);
-    ``count`` a committed replicated array."""
+    parameters' shardings (``host_memory``: in ``pinned_host``), put shard by shard from host
+    memory (this process's shards only, never through GPU memory); ``count`` replicated."""
     from ._transform import OffloadAdamWState  # noqa: PLC0415
-
     mesh = layout.mesh
     kind = "pinned_host" if host_memory else None
 
@@ -156,8 +135,8 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
     def master(x, spec):
         if np.dtype(x.dtype) == np.float32:
             return None
-        shards = [jax.device_put(np.asarray(s.data).astype(np.float32), SingleDeviceSharding(s.device, memory_kind=kind))
-                  for s in x.addressable_shards]
+        shards = [jax.device_put(np.asarray(s.data).astype(np.float32),
+                                 SingleDeviceSharding(s.device, memory_kind=kind)) for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
                                                         shards)
 
@@ -169,9 +148,8 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
 
 def per_device(fn, layout: Layout, first_specs, halves):
     """``fn(scalars, count, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')``
-    (lists of leaves) run on each device's local shards: a ``shard_map`` over the layout's
-    mesh; the scalars and the count replicated. ``first_specs``: the specs of ``firsts``;
-    ``halves``: the leaf of each master."""
+    (lists of leaves) in a ``shard_map`` over the layout's mesh, scalars and count replicated;
+    ``first_specs``: the specs of ``firsts``; ``halves``: the leaf of each master."""
     specs = list(layout.specs)
     mspecs = [specs[i] for i in halves]
     rep = PartitionSpec()
@@ -184,15 +162,13 @@ def per_device(fn, layout: Layout, first_specs, halves):
 
 
 def default_threads() -> int:
-    """Host worker threads of this process by default: its share of the usable cores among
-    the JAX processes of this host, less one (:func:`trainstream._cores.default_threads`,
-    as a torch rank's). The local devices share these workers (one pool per process)."""
+    """Host workers of this process by default: its share of the usable cores among the JAX
+    processes of this host, less one (:func:`trainstream._cores.default_threads`)."""
     return _cores.default_threads(_local_processes())
 
 
 def _local_processes() -> int:
-    """The JAX processes on this host (XLA gives the devices of one host, by boot id, one
-    ``slice_index``); 1 without ``jax.distributed``."""
+    """The JAX processes on this host (XLA gives one host's devices one ``slice_index``)."""
     if jax.process_count() == 1:
         return 1
     mine = {getattr(d, "slice_index", 0) for d in jax.local_devices()}

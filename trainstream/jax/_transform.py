@@ -1,55 +1,26 @@
 """JAX adapter: ``offload_adamw``, optax.adamw whose state lives in host memory.
 
-No arithmetic lives here. The per-step scalars come from one contract function,
-:func:`trainstream.contract.optax_scalar_matrix`, evaluated with ``jax.numpy`` inside the
-user's program (bias corrections through XLA's ``powf``, the schedule, optax's global norm:
-what only XLA reproduces); the update is a kernel of the contract run on XLA's own buffers
-through ``jax.experimental.buffer_callback``: on the CPU backend and in ``mode="cpu"`` by
-the engine's host workers (:meth:`trainstream.core.Engine.update_external`), in
-``mode="gpu"`` by a CUDA kernel on XLA's stream (:mod:`trainstream.jax._gpu`).
-
-The state is a pytree of arrays shaped as optax's (:class:`OffloadAdamWState`: ``count``,
-``mu``, ``nu`` as ``optax.ScaleByAdamState``, plus ``master``, the float32 master of each
-fp16/bf16 leaf, None for float32 leaves), so optax's wrappers, flax's ``nnx.Optimizer`` and
-orbax handle it as they handle optax.adamw's. On a GPU the moments and masters are
-``memory_kind="pinned_host"`` arrays of the parameters' device: host memory that the GPU
-reads and writes through its device address. The callbacks are pure (outputs are functions
-of inputs): the state goes in aliased to the outputs, updated in place when the caller
-donates it (else XLA copies it first, host memory to host memory), and nothing is kept
-between calls.
-
-Parameters sharded over a mesh: the same program, with the callbacks in a ``shard_map``
-so that each device updates its own shards (:mod:`trainstream.jax._sharding`).
-
-Data path on XLA:CPU (all buffers are host memory)::
+No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix`
+evaluated with ``jax.numpy`` in the user's program (XLA's bias corrections, schedule and global norm,
+which only XLA reproduces); the update is a contract kernel run on XLA's own buffers through
+``jax.experimental.buffer_callback``, by the engine's host workers
+(:meth:`trainstream.core.Engine.update_external`) or, in ``mode="gpu"``, by a CUDA kernel on XLA's
+stream. XLA:GPU: :mod:`trainstream.jax._gpu`; sharded parameters: :mod:`trainstream.jax._sharding`.
+The callbacks are pure: the state goes in aliased to the outputs (updated in place where the caller
+donates it, else XLA copies it first) and nothing is kept between calls. On XLA:CPU::
 
     program:   t, S, step_size = optax_scalar_matrix(count, ...)          # jnp, float32[n, 12]
     update:    u, mu', nu', master' = callback(S, t, grads, params, mu, nu, master)
                updates = step_size * u   # optax's scale_by_learning_rate, in the program
     step:      params', mu', nu', master' = callback(...)                 # params aliased
-
-``update`` returns exactly optax.adamw's update (the kernel writes ``u`` of the contract,
-the update before the learning rate, and the program scales it as optax does), so
-``optax.apply_updates`` and every optax wrapper around it see optax's bits; ``step``
-writes the new weights in place, one pass less.
-
-On XLA:GPU one callback cannot output both the weights (GPU memory) and the state (host
-memory): XLA's host offloader follows an aliased host operand through all the outputs of a
-custom call and refuses a device output among them (``E1200``, measured with jax 0.11.2,
-``experiments/data/2026-12-02_h200_jax_state_flow.md``). The update is three callbacks
-there (:func:`trainstream.jax._gpu.apply`): ``own`` gives the output buffers of the weights
-(or of the updates), device only; ``update``, whose operands include those buffers and
-whose outputs are only the state (host memory, aliased), runs the update and writes the
-weights into ``own``'s buffers; ``order`` (device only, aliased) takes the weights and a
-token of ``update``, so that every use of the new weights comes after it. Nothing ever
-places the state in GPU memory: its arrays are ``pinned_host`` on the way in (checked at
-trace time) and the program's outputs are placed in host memory by their avals.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
+import importlib
 import math
 import os
 import threading
@@ -67,28 +38,18 @@ from .. import contract as C
 from ..core import Engine, ExternalUpdate, _budget
 from . import _sharding
 
-__all__ = [
-    "OffloadAdamW",
-    "OffloadAdamWState",
-    "close",
-    "load_state_dict",
-    "offload_adamw",
-    "state_dict",
-]
+__all__ = ["OffloadAdamW", "OffloadAdamWState", "close", "load_state_dict", "offload_adamw", "state_dict"]
 
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 
 class OffloadAdamWState(NamedTuple):
-    """The state of :func:`offload_adamw`: arrays only, shaped as optax's ``ScaleByAdamState``.
-
-    ``count``: int32 scalar, the updates so far. ``mu``, ``nu``: float32 trees shaped like
-    the parameters (optax's first and second moments). ``master``: like the parameters,
-    the float32 master weights of fp16/bf16 leaves and None for float32 leaves (a float32
-    parameter is its own master). On a GPU the moments and masters are host-memory arrays
-    (``memory_kind="pinned_host"`` of the parameters' device).
-    """
+    """The state of :func:`offload_adamw`: arrays shaped as optax's ``ScaleByAdamState`` (so optax's
+    wrappers, flax's ``nnx.Optimizer`` and orbax handle it as optax.adamw's). ``count``: int32, the
+    updates so far. ``mu``, ``nu``: float32 trees shaped like the parameters. ``master``: the float32
+    master of each fp16/bf16 leaf, None for float32 leaves. On a GPU the moments and masters are
+    ``memory_kind="pinned_host"`` arrays of the parameters' device."""
 
     count: Any
     mu: Any
@@ -96,38 +57,21 @@ class OffloadAdamWState(NamedTuple):
     master: Any
 
 
-class _Config(NamedTuple):
-    learning_rate: Any  # float, array (inject_hyperparams) or schedule
-    b1: Any
-    b2: Any
-    eps: Any
-    weight_decay: Any
-    max_grad_norm: float | None
-    mask: Any
-    xla_fused_grads: Any
-    after_clip: float | None
-    mode: str
-    convention: str
-    threads: int | None  # None: _sharding.default_threads(), when the first update is traced
-    chunk_elems: int
-    worker_nice: int
-    host_margin: float | None
-
-
-# -- the engine of the host updates (one per configuration and process) ---------------------
+# offload_adamw's checked arguments; learning_rate: a float, an array or a schedule; threads None:
+# _sharding.default_threads(), when the first update is traced
+_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
+                                 "after_clip mode convention threads chunk_elems worker_nice host_margin")
 
 
 class _NoSlots:
-    """The engine backend of the JAX adapter, which registers no slots: every update
-    passes its buffers (XLA's) to :meth:`~trainstream.core.Engine.update_external`."""
+    """The engine backend of the JAX adapter: no slots, every update passes XLA's buffers to
+    :meth:`~trainstream.core.Engine.update_external`."""
 
-    def _refuse(self, *args, **kwargs):
-        raise NotImplementedError(
-            "TrainStream JAX adapter: its engine updates buffers that XLA owns "
-            "(Engine.update_external) and registers no parameter slots")
+    def _refuse(self, *_, **__):
+        raise NotImplementedError("TrainStream JAX adapter: its engine updates buffers that XLA owns "
+                                  "(Engine.update_external) and registers no parameter slots")
 
-    host_empty = param_to_host_f32 = record_compute = copy_to_host = copy_to_device = _refuse
-    wait_on_compute = _refuse
+    host_empty = param_to_host_f32 = record_compute = copy_to_host = copy_to_device = wait_on_compute = _refuse
 
 
 _engines: dict[tuple, Engine] = {}
@@ -142,188 +86,175 @@ def _finish_in_flight() -> None:
 
 
 def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) -> Engine:
-    """The host engine of a configuration, shared by every transformation of it in this
-    process (its workers live as long as the process; a child of ``os.fork`` gets its own)."""
+    """The host engine of a configuration, shared in this process (a child of ``os.fork``
+    gets its own); its workers live as long as the process."""
     key = (os.getpid(), convention, tc_code, threads, chunk, nice)
-    eng = _engines.get(key)
-    if eng is None:
-        with _engines_lock:
-            eng = _engines.get(key)
-            if eng is None:
-                eng = _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
-                                             convention=convention, tc_code=tc_code, worker_nice=nice)
-                # After the engine's finalizer (atexit runs the later registration first):
-                # at exit, XLA's programs still in flight run their callbacks while the
-                # workers are alive (JAX's own exit hook waits for them after ours)
-                atexit.unregister(_finish_in_flight)
-                atexit.register(_finish_in_flight)
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None:
+            eng = _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
+                                         convention=convention, tc_code=tc_code, worker_nice=nice)
+            # registered after the engine's finalizer, so it runs first at exit: XLA's programs
+            # still in flight run their callbacks while the workers live
+            atexit.unregister(_finish_in_flight)
+            atexit.register(_finish_in_flight)
     return eng
-
-
-# -- probes of the references on this host ----------------------------------------------------
 
 
 def _torch_cpu_code() -> int:
     """The contract's torch/cpu code (torch's sqrt path and lerp fusing, probed once)."""
     try:
-        import torch  # noqa: F401, PLC0415 (even where the adapter was imported before)
-
+        importlib.import_module("torch")  # torch itself, even where trainstream.torch was imported before
         from ..torch._backend import torch_cpu_code  # noqa: PLC0415
     except ImportError:
-        raise RuntimeError(
-            "convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt is MKL's "
-            "and differs from CPU to CPU; TrainStream finds which one by probing torch.sqrt, "
-            "so torch must be importable (pip install torch), or use convention='optax'"
-        ) from None
+        raise RuntimeError("convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt is MKL's and "
+                           "differs from CPU to CPU; TrainStream finds which one by probing torch.sqrt, so torch "
+                           "must be importable (pip install torch), or use convention='optax'") from None
     return torch_cpu_code()
 
 
-_XLA_CPU_FMA: bool | None = None
-
-
+@functools.cache
 def _xla_cpu_fma() -> bool:
-    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (its target ISA has FMA3; not with
-    ``--xla_cpu_max_isa=SSE4_2``/``AVX``): probed once with one jitted expression."""
-    global _XLA_CPU_FMA
-    if _XLA_CPU_FMA is None:
-        rng = np.random.default_rng(5)
-        a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
-        cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
-        out = []
+    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (not with ``--xla_cpu_max_isa=SSE4_2``
+    or ``AVX``): probed once with one jitted expression."""
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
+    out = []
 
-        def probe():  # in a thread of its own: none of the caller's trace or mesh context
-            try:
-                f = jax.jit(lambda a, b, c: a * b + c)
-                out.append(np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32))
-            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-                out.append(exc)
+    def probe():  # in a thread of its own: none of the caller's trace or mesh context
+        try:
+            f = jax.jit(lambda a, b, c: a * b + c)
+            out.append(np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            out.append(exc)
 
-        t = threading.Thread(target=probe, name="trainstream-xla-probe")
-        t.start()
-        t.join()
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        got = out[0]
-        if np.array_equal(got, C.fma_f32(a, b, c).view(np.uint32)):
-            _XLA_CPU_FMA = True
-        elif np.array_equal(got, (a * b + c).view(np.uint32)):
-            _XLA_CPU_FMA = False
-        else:
-            warnings.warn(
-                "TrainStream: XLA:CPU's a*b + c is neither fused nor two roundings on this "
-                "host; convention='optax' on the CPU may differ from optax.adamw in the last bit",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            _XLA_CPU_FMA = True
-    return _XLA_CPU_FMA
-
-
-# -- pytree helpers -----------------------------------------------------------------------------
+    t = threading.Thread(target=probe, name="trainstream-xla-probe")
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    if np.array_equal(out[0], C.fma_f32(a, b, c).view(np.uint32)):
+        return True
+    if np.array_equal(out[0], (a * b + c).view(np.uint32)):
+        return False
+    warnings.warn("TrainStream: XLA:CPU's a*b + c is neither fused nor two roundings on this host; "
+                  "convention='optax' on the CPU may differ from optax.adamw in the last bit",
+                  RuntimeWarning, stacklevel=4)
+    return True
 
 
 def _is_none(x) -> bool:
     return x is None
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _paths(tree) -> list[str]:
     return [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _layout_key(params, leaves) -> tuple:
+    return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
 
 
 def _leaf_dtype_name(x, path: str) -> str:
     dt = np.dtype(x.dtype)
     if dt not in _DTYPES:
-        raise TypeError(
-            f"TrainStream offload_adamw supports float32, float16 and bfloat16 parameters; "
-            f"leaf {path} has dtype {dt}"
-        )
+        raise TypeError(f"TrainStream offload_adamw supports float32, float16 and bfloat16 parameters; "
+                        f"leaf {path} has dtype {dt}")
     return _DTYPES[dt]
 
 
 def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
     """optax's ``mask=``: a pytree (prefix) of bools or a callable params -> such a tree."""
-    n = treedef.num_leaves
     if mask is None:
-        return [default] * n
+        return [default] * treedef.num_leaves
     m = mask(params) if callable(mask) else mask
     try:
-        full = jax.tree.map(lambda mk, sub: jax.tree.map(lambda _: bool(mk), sub), m, params)
-        flags = treedef.flatten_up_to(full)
+        flags = treedef.flatten_up_to(jax.tree.map(lambda mk, sub: jax.tree.map(lambda _: bool(mk), sub), m, params))
     except (ValueError, TypeError) as exc:
-        raise ValueError(
-            f"TrainStream offload_adamw: {name} must be a pytree prefix of the parameters with "
-            f"bool leaves (or a callable returning one): {exc}"
-        ) from None
+        raise ValueError(f"TrainStream offload_adamw: {name} must be a pytree prefix of the parameters with "
+                         f"bool leaves (or a callable returning one): {exc}") from None
     return [bool(f) for f in flags]
 
 
 def _platform_of(leaves) -> str:
     """``"cpu"`` or ``"cuda"``: where the arrays live (for tracers: the default backend)."""
-    plats = set()
-    for x in leaves:
-        if isinstance(x, jax.core.Tracer):
-            continue
-        devs = getattr(x, "devices", None)
-        if devs is None:
-            continue
-        plats.update(d.platform for d in devs())
-    if not plats:
-        plats = {jax.default_backend()}
+    concrete = [x for x in leaves if not isinstance(x, jax.core.Tracer) and getattr(x, "devices", None) is not None]
+    plats = {d.platform for x in concrete for d in x.devices()} or {jax.default_backend()}
     if len(plats) > 1:
         raise ValueError(f"TrainStream offload_adamw: the arrays are on several platforms {sorted(plats)}")
-    p = plats.pop()
-    if p == "cpu":
-        return "cpu"
-    if p in ("gpu", "cuda"):
-        return "cuda"
-    raise NotImplementedError(f"TrainStream offload_adamw: platform {p!r}; supported are the CPU and CUDA GPUs")
+    (p,) = plats
+    if p not in ("cpu", "gpu", "cuda"):
+        raise NotImplementedError(f"TrainStream offload_adamw: platform {p!r}; supported are the CPU and CUDA GPUs")
+    return "cpu" if p == "cpu" else "cuda"
+
+
+def _host_numel(x) -> int:
+    """Elements of leaf ``x`` whose state this process holds (its devices' shards)."""
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if sharding is None:
+        return _numel(np.shape(x))
+    return len(sharding.addressable_devices) * _numel(sharding.shard_shape(np.shape(x)))
 
 
 def _check_not_batched(*trees) -> None:
     """A clear error for vmap (the kernels update whole arrays, not a batch of them)."""
     from jax._src.interpreters import batching  # noqa: PLC0415
-
-    for t in trees:
-        for x in jax.tree.leaves(t):
-            if isinstance(x, batching.BatchTracer):
-                raise NotImplementedError(
-                    "TrainStream offload_adamw under jax.vmap: its update runs outside XLA on "
-                    "whole arrays and has no batching rule; vmap a model's loss, not its "
-                    "optimizer (for several models: one optimizer state each)"
-                )
-
-
-def _is_host_memory(x) -> bool:
-    space = getattr(jax.typeof(x), "memory_space", None)
-    return space == jax.memory.Space.Host
+    if any(isinstance(x, batching.BatchTracer) for t in trees for x in jax.tree.leaves(t)):
+        raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update runs outside XLA on whole "
+                                  "arrays and has no batching rule; vmap a model's loss, not its optimizer (for "
+                                  "several models: one optimizer state each)")
 
 
 def _check_host_state(mu, nu, master, paths) -> None:
-    """On a GPU the moments and masters must arrive in host memory: XLA would otherwise
-    hand the kernels GPU memory, and the state would silently live there."""
+    """On a GPU the moments and masters must arrive in host memory: XLA would otherwise hand
+    the kernels GPU memory, and the state would silently live there."""
     for what, leaves in (("mu", mu), ("nu", nu), ("master", master)):
         for x, path in zip(leaves, paths):
-            if x is not None and not _is_host_memory(x):
+            if x is not None and getattr(jax.typeof(x), "memory_space", None) != jax.memory.Space.Host:
                 raise ValueError(
-                    f"TrainStream offload_adamw: the optimizer state's {what} of leaf {path} is "
-                    f"{jax.typeof(x)} in GPU memory; its moments and masters live in pinned host "
-                    "memory (memory_kind='pinned_host', as tx.init places them). Pass the state "
-                    "returned by init or update, or restore a checkpoint to the shardings of "
-                    "tx.init(params) (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))"
-                )
+                    f"TrainStream offload_adamw: the optimizer state's {what} of leaf {path} is {jax.typeof(x)} "
+                    "in GPU memory; its moments and masters live in pinned host memory (memory_kind='pinned_host', "
+                    "as tx.init places them). Pass the state returned by init or update, or restore a checkpoint "
+                    "to the shardings of tx.init(params) (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
 
 
-# -- the callback plan of one traced update ---------------------------------------------------
+def _check_gpu_mode(platform: str, cfg: _Config) -> None:
+    """``mode="gpu"``: a CUDA GPU, parameters on it, the optax convention."""
+    if platform != "cuda":
+        try:
+            has_gpu = bool(jax.devices("gpu"))
+        except RuntimeError:
+            has_gpu = False
+        if not has_gpu:
+            raise RuntimeError("TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU visible to "
+                               f"JAX; this process has none (jax.devices() = {jax.devices()})")
+        raise ValueError("TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the parameters "
+                         "are on the CPU: put them on the GPU first (jax.device_put(params, jax.devices('gpu')[0])), "
+                         "or use mode='cpu'")
+    if cfg.convention != "optax":
+        raise NotImplementedError(
+            "TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its scalars are computed "
+            "inside the XLA program; the torch convention's are host float64 values per step). Use mode='cpu' "
+            "for convention='torch'")
 
 
 class _Plan:
-    """What the callbacks of one traced update need: static (kept by the compiled program
+    """What the callbacks of one traced update need: static (the compiled program keeps it
     through its callbacks, so it holds no array), shared by equal configurations."""
 
-    __slots__ = ("n", "kinds", "numels", "halves", "emit_u", "convention", "max_grad_norm", "hps",
-                 "schedule", "platform", "mode", "engine_key", "gpu", "__weakref__")
+    __slots__ = ("n", "kinds", "numels", "halves", "emit_u", "convention", "max_grad_norm", "hps", "schedule", "mode",
+                 "engine_key", "gpu", "__weakref__")
 
-    def __init__(self, cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str):
+    def __init__(self, cfg: _Config, kinds, numels, decay, emit_u: bool):
         self.n = len(kinds)
         self.kinds = tuple(kinds)
         self.numels = tuple(numels)
@@ -332,7 +263,6 @@ class _Plan:
         self.convention = cfg.convention
         self.max_grad_norm = cfg.max_grad_norm
         self.schedule = callable(cfg.learning_rate)
-        self.platform = platform
         self.mode = cfg.mode
         tc_code = _torch_cpu_code() if cfg.convention == "torch" else 0
         threads = cfg.threads or _sharding.default_threads()
@@ -349,14 +279,12 @@ class _Plan:
         return _engine(*self.engine_key)
 
     def torch_scalars(self, s_optax: np.ndarray, count_inc: int, grads: list) -> np.ndarray:
-        """The torch convention's scalar matrix (host float64, from the contract), from the
-        count after increment and, with ``max_grad_norm``, the engine's float64 norm of
-        ``grads`` (``(array, dtype, landed)``); a schedule's learning rate is XLA's, read
-        from the optax matrix's ``S_NEG_LR`` column."""
+        """The torch convention's scalar matrix (host float64, from the contract) for the count
+        after increment; with ``max_grad_norm`` the engine's float64 norm of ``grads`` (``(array,
+        dtype, landed)``); a schedule's learning rate is XLA's, the optax matrix's ``S_NEG_LR``."""
         clip = np.float32(1.0)
         if self.max_grad_norm is not None:
-            norm = math.sqrt(self.engine.sumsq_external(grads))
-            clip = C.clip_coefficient(norm, self.max_grad_norm)
+            clip = C.clip_coefficient(math.sqrt(self.engine.sumsq_external(grads)), self.max_grad_norm)
         rows = np.empty((self.n, C.N_SCALARS), np.float32)
         for i, hp in enumerate(self.hps):
             if self.schedule:
@@ -364,12 +292,10 @@ class _Plan:
             rows[i] = C.torch_step_scalars(hp, count_inc, "cpu", clip)
         return rows
 
-    # -- XLA:CPU: every buffer is host memory (NumPy views) -----------------------------------
-
     def __call__(self, ctx, outs, scal, count, *ins) -> None:
-        """``(S, t, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` on
-        XLA:CPU, where ``firsts`` are the new weights (``step``: aliased to the params) or
-        ``u`` (``update``; a placeholder for fp16/bf16 leaves, whose master is the result)."""
+        """``(S, t, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` on XLA:CPU
+        (every buffer host memory), ``firsts`` the new weights (``step``: aliased to the params)
+        or ``u`` (``update``; a placeholder for fp16/bf16 leaves, whose master is the result)."""
         n = self.n
         grads, params = ins[:n], ins[n:2 * n]
         mus, nus = outs[n:2 * n], outs[2 * n:3 * n]
@@ -406,35 +332,59 @@ _plans_lock = threading.Lock()
 
 
 def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _Plan:
-    """The plan of a layout, shared by equal configurations: XLA's compile cache keys
-    programs by their callbacks, so a new ``offload_adamw`` (or a new jit) of an equal
-    configuration compiles nothing new; the most recent ones are kept."""
+    """The plan of a layout, shared by equal configurations (the most recent ones kept): XLA's
+    compile cache keys programs by their callbacks, so a new ``offload_adamw`` or jit of an
+    equal configuration compiles nothing new."""
     static = tuple(v if _is_number(v) or v is None or isinstance(v, str) else
                    (("callable", v) if callable(v) else "array") for v in cfg)
     key = (static, tuple(kinds), tuple(numels), tuple(decay), emit_u, platform)
     with _plans_lock:
         plan = _plans.pop(key, None)
         if plan is None:
-            plan = _Plan(cfg, kinds, numels, decay, emit_u, platform)
+            plan = _Plan(cfg, kinds, numels, decay, emit_u)
         _plans[key] = plan  # most recent last
         while len(_plans) > _PLANS_KEPT:
             _plans.pop(next(iter(_plans)))
     return plan
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
+    """The update of ``plan`` on XLA:CPU: one callback over the leaves given (one device's);
+    returns ``(firsts, mu', nu', masters')`` as :meth:`_Plan.__call__` writes them."""
+    n = plan.n
+    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+    if plan.emit_u:
+        first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, plan.kinds)]
+    else:
+        first = [sds(np.shape(p), p.dtype) for p in p_leaves]
+    result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
+    base = 2 + 2 * n  # index of the first moment in the operands
+    aliases = {base + j: n + j for j in range(2 * n + len(masters))}
+    if not plan.emit_u:
+        aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place
+    outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(
+        scalars, count_inc, *g_leaves, *p_leaves, *mu, *nu, *masters)
+    return outs[:n], outs[n:2 * n], outs[2 * n:3 * n], outs[3 * n:]
 
 
-# -- the transformation ---------------------------------------------------------------------------
+def _scale_by_learning_rate(step_size, u, learning_rate):
+    """``optax.scale_by_learning_rate``'s multiply as optax writes it (``scale``: ``step_size *
+    g``; ``scale_by_schedule``: ``jnp.array(step_size, dtype=g.dtype) * g``)."""
+    if callable(learning_rate):
+        return jnp.array(step_size, dtype=u.dtype) * u
+    return step_size * u
+
+
+_HINT = ("fewer parameters' state per process (shard the parameters over the devices of more "
+         "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
 
 
 class _Impl:
     def __init__(self, cfg: _Config):
         self.cfg = cfg
         self._eager: dict = {}  # emit_u -> the jitted update for calls outside jit
-        # the layout (mesh, specs; None: single-device arrays) of each concrete parameter
-        # pytree passed to init, by structure, shapes and dtypes (the last init wins)
+        # the layout (None: single-device arrays) of each concrete parameter pytree passed to
+        # init, by structure, shapes and dtypes (the last init wins)
         self._layouts: dict = {}
 
     def _remember_layout(self, params, leaves, paths) -> _sharding.Layout | None:
@@ -458,7 +408,6 @@ class _Impl:
             return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
         if platform == "cuda":
             from . import _gpu  # noqa: PLC0415
-
             return _gpu.init(params, leaves)
         f32 = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)  # noqa: E731
         master = jax.tree.map(lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32),
@@ -473,9 +422,8 @@ class _Impl:
         slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]
         return _budget.plan(slots, margin=self.cfg.host_margin)
 
-    # -- checks -----------------------------------------------------------------------------
-
     def _flatten(self, grads, state, params):
+        """The leaves of one update, checked against each other and against the state."""
         if params is None:
             raise ValueError("TrainStream offload_adamw: update needs params (update(grads, state, params))")
         if not isinstance(state, OffloadAdamWState):
@@ -483,48 +431,37 @@ class _Impl:
         p_leaves, p_def = jax.tree.flatten(params)
         g_leaves, g_def = jax.tree.flatten(grads)
         if g_def != p_def:
-            raise ValueError(
-                f"TrainStream offload_adamw: gradients and parameters have different pytree "
-                f"structures:\n  grads:  {g_def}\n  params: {p_def}"
-            )
+            raise ValueError(f"TrainStream offload_adamw: gradients and parameters have different pytree "
+                             f"structures:\n  grads:  {g_def}\n  params: {p_def}")
         paths = _paths(params)
         mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
         master = jax.tree.leaves(state.master, is_leaf=_is_none)
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
-            raise ValueError(
-                f"TrainStream offload_adamw: the parameter pytree differs from the one passed to init: "
-                f"{len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} (nu), "
-                f"{len(master)} (master)"
-            )
+            raise ValueError(f"TrainStream offload_adamw: the parameter pytree differs from the one passed to init: "
+                             f"{len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} (nu), "
+                             f"{len(master)} (master)")
         kinds = []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
-            kind = _leaf_dtype_name(p, path)
-            kinds.append(kind)
+            kinds.append(_leaf_dtype_name(p, path))
             if tuple(np.shape(g)) != tuple(np.shape(p)) or np.dtype(g.dtype) != np.dtype(p.dtype):
-                raise ValueError(
-                    f"TrainStream offload_adamw: gradient {path} has shape {tuple(np.shape(g))} and "
-                    f"dtype {g.dtype}, its parameter {tuple(np.shape(p))} {p.dtype} (the gradient "
-                    "must have the parameter's shape and dtype)"
-                )
-            want_master = kind != "float32"
+                raise ValueError(f"TrainStream offload_adamw: gradient {path} has shape {tuple(np.shape(g))} and "
+                                 f"dtype {g.dtype}, its parameter {tuple(np.shape(p))} {p.dtype} (the gradient "
+                                 "must have the parameter's shape and dtype)")
+            want_master = kinds[i] != "float32"
             for what, a in (("mu", mu[i]), ("nu", nu[i])) + ((("master", master[i]),) if want_master else ()):
                 if a is None or tuple(np.shape(a)) != tuple(np.shape(p)) or np.dtype(a.dtype) != np.float32:
                     raise ValueError(
-                        f"TrainStream offload_adamw: the parameter pytree (structure, shapes or dtypes) "
-                        f"differs from the one passed to init: {what} of leaf {path} is "
-                        f"{None if a is None else (tuple(np.shape(a)), str(a.dtype))}, the parameter "
-                        f"is {tuple(np.shape(p))} {p.dtype}"
-                    )
+                        f"TrainStream offload_adamw: the parameter pytree (structure, shapes or dtypes) differs from "
+                        f"the one passed to init: {what} of leaf {path} is "
+                        f"{None if a is None else (tuple(np.shape(a)), str(a.dtype))}, the parameter is "
+                        f"{tuple(np.shape(p))} {p.dtype}")
             if not want_master and master[i] is not None:
-                raise ValueError(
-                    f"TrainStream offload_adamw: the parameter pytree differs from the one passed to "
-                    f"init: leaf {path} is float32 now but has an fp32 master in the state"
-                )
+                raise ValueError(f"TrainStream offload_adamw: the parameter pytree differs from the one passed to "
+                                 f"init: leaf {path} is float32 now but has an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master
 
-    # -- one update --------------------------------------------------------------------------
-
     def _apply(self, grads, state, params, emit_u: bool):
+        """One traced update: ``(updates or new params, new state)``."""
         cfg = self.cfg
         _check_not_batched(grads, state, params)
         p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
@@ -541,19 +478,19 @@ class _Impl:
             _check_gpu_mode(platform, cfg)
         halves = [i for i, k in enumerate(kinds) if k != "float32"]
         if platform == "cuda":
-            _check_host_state(mu, nu, [master[i] if i in halves else None for i in range(n)], paths)
+            _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
         if layout is None:
-            numels = [int(np.prod(np.shape(p), dtype=np.int64)) for p in p_leaves]
+            numels = [_numel(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
             numels = [_sharding.local_numel(np.shape(p), spec, layout.mesh) for p, spec in zip(p_leaves, layout.specs)]
             if cfg.convention == "torch" and cfg.max_grad_norm is not None:
                 raise NotImplementedError(
-                    "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 "
-                    "norm on the host, per device; sharded parameters would need it across devices. "
-                    "Use convention='optax' (optax's norm, in the program) or clip in the program"
-                )
+                    "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 norm on the "
+                    "host, per device; sharded parameters would need it across devices. Use convention='optax' "
+                    "(optax's norm, in the program) or clip in the program")
+        optax_clip = cfg.max_grad_norm is not None and cfg.convention == "optax"
         if cfg.convention == "optax" and platform == "cpu":
             fma = _xla_cpu_fma()
             x64 = bool(jax.config.jax_enable_x64)
@@ -563,26 +500,20 @@ class _Impl:
                 codes = [C.optax_cpu_code(n, k, cfg.max_grad_norm, fused_grad=f, fma=fma, x64=x64)
                          for k, f in zip(numels, fused)]
         else:  # optax/cuda reads only the clip bit; the torch convention none
-            clip = cfg.max_grad_norm is not None and cfg.convention == "optax"
-            codes = [C.OX_CLIP if clip else 0] * n
-        norm = None
-        if cfg.max_grad_norm is not None and cfg.convention == "optax":
-            # clip_by_global_norm's, in the global view (GSPMD partitions it as optax's)
-            norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])
-        sc = C.optax_scalar_matrix(
-            state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-            weight_decay=cfg.weight_decay, global_norm=norm,
-            max_norm=cfg.max_grad_norm if cfg.convention == "optax" else None, xp=jnp,
-        )
-        masters = [master[i] for i in halves]
-        if platform == "cpu" and halves:  # the weights passed in win over a master they no longer match
+            codes = [C.OX_CLIP if optax_clip else 0] * n
+        # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
+        norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves]) if optax_clip else None
+        sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
+                                   eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
+                                   max_norm=cfg.max_grad_norm if cfg.convention == "optax" else None, xp=jnp)
+        if platform == "cpu":  # the weights passed in win over a master they no longer match
             masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) for i in halves]
+        else:
+            masters = [master[i] for i in halves]
         u_kernel = emit_u and cfg.convention == "optax"  # the torch convention has no u: new - params
         plan = _plan(cfg, kinds, numels, decay, u_kernel, platform)
-        f32 = jnp.float32
         if platform == "cuda":
             from . import _gpu  # noqa: PLC0415
-
             run = functools.partial(_gpu.apply, plan)
         else:
             run = functools.partial(_cpu_apply, plan)
@@ -593,27 +524,20 @@ class _Impl:
         firsts, mu_new, nu_new, m_new = run(sc.scalars, sc.count_inc, list(g_leaves), list(p_leaves), list(mu),
                                             list(nu), masters)
         m_new = dict(zip(halves, m_new))
-        if u_kernel:
-            ups = []
-            for i, p in enumerate(p_leaves):
-                if i in m_new:  # apply_updates(p, u) gives the master's rounding exactly
-                    w = firsts[i] if platform == "cuda" else m_new[i].astype(p.dtype)
-                    ups.append(w.astype(f32) - p.astype(f32))
-                else:  # optax's scale_by_learning_rate, in the program
-                    ups.append(_scale_by_learning_rate(sc.step_size, firsts[i], self.cfg.learning_rate))
-            first_tree = jax.tree.unflatten(p_def, ups)
-        elif emit_u:  # the torch convention: no kernel output of u, new - params
-            first_tree = jax.tree.unflatten(p_def, [a.astype(f32) - p.astype(f32) for a, p in zip(firsts, p_leaves)])
-        else:
-            first_tree = jax.tree.unflatten(p_def, list(firsts))
-        master_leaves = [m_new.get(i) for i in range(n)]
-        new_state = OffloadAdamWState(
-            sc.count_inc,
-            jax.tree.unflatten(p_def, list(mu_new)),
-            jax.tree.unflatten(p_def, list(nu_new)),
-            jax.tree.unflatten(p_def, master_leaves),
-        )
-        return first_tree, new_state
+
+        def first(i, p):
+            if not emit_u:
+                return firsts[i]
+            if u_kernel and i not in m_new:  # optax's scale_by_learning_rate, in the program
+                return _scale_by_learning_rate(sc.step_size, firsts[i], cfg.learning_rate)
+            # new - params (for a master: apply_updates(p, u) gives its rounding exactly)
+            w = m_new[i].astype(p.dtype) if u_kernel and platform == "cpu" else firsts[i]
+            return w.astype(jnp.float32) - p.astype(jnp.float32)
+
+        unflatten = functools.partial(jax.tree.unflatten, p_def)
+        new_state = OffloadAdamWState(sc.count_inc, unflatten(list(mu_new)), unflatten(list(nu_new)),
+                                      unflatten([m_new.get(i) for i in range(n)]))
+        return unflatten([first(i, p) for i, p in enumerate(p_leaves)]), new_state
 
     def _run(self, grads, state, params, emit_u: bool):
         if any(isinstance(x, jax.core.Tracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
@@ -628,93 +552,95 @@ class _Impl:
         return fn(grads, state, params)
 
     def step(self, grads, state, params):
-        """One update; returns ``(new_params, new_state)`` (the new weights, written in place
-        where the caller donates the params)."""
         return self._run(grads, state, params, emit_u=False)
 
     def update(self, updates, state, params=None):
-        """optax API: ``(updates, new_state)`` with ``updates`` exactly optax.adamw's."""
         return self._run(updates, state, params, emit_u=True)
 
 
-def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
-    """The update of ``plan`` on XLA:CPU (every buffer host memory): one callback over all
-    the leaves given (one device's); returns ``(firsts, mu', nu', masters')``: ``firsts``
-    the new weights (aliased to the params), or with ``plan.emit_u`` ``u`` of the float32
-    leaves and a placeholder for the fp16/bf16 ones (their master is the result)."""
-    n = plan.n
-    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
-    if plan.emit_u:
-        first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, plan.kinds)]
-    else:
-        first = [sds(np.shape(p), p.dtype) for p in p_leaves]
-    result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
-    base = 2 + 2 * n  # index of the first moment in the operands
-    aliases = {base + j: n + j for j in range(2 * n + len(masters))}
-    if not plan.emit_u:
-        aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place
-    outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(
-        scalars, count_inc, *g_leaves, *p_leaves, *mu, *nu, *masters)
-    return outs[:n], outs[n:2 * n], outs[2 * n:3 * n], outs[3 * n:]
+def state_dict(state: OffloadAdamWState, params=None) -> dict:
+    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (copies), checkpoints
+    in ``torch.optim.AdamW``'s names; ``master``: the float32 master of each leaf, for float32
+    leaves the weights themselves (so ``params`` is needed when there are any). Whole arrays
+    only: the state of several processes (``jax.distributed``) raises ``ValueError``; save
+    the state itself with orbax."""
+    for x in jax.tree.leaves(state):
+        if not getattr(x, "is_fully_addressable", True):
+            raise ValueError("TrainStream state_dict gathers the whole state into this process, and part of it lives "
+                             "on other processes' devices (jax.distributed): save the state itself with orbax, which "
+                             "writes every process's shards")
+    # copies: a NumPy view of a state array would keep XLA from donating it afterwards
+    to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
+    masters = jax.tree.leaves(state.master, is_leaf=_is_none)
+    p_leaves = [None] * len(masters)
+    if any(m is None for m in masters):
+        if params is None:
+            raise ValueError("TrainStream state_dict: the float32 leaves are their own master: pass params")
+        p_leaves = jax.tree.leaves(params)
+        if len(p_leaves) != len(masters):
+            raise ValueError(f"TrainStream state_dict: params have {len(p_leaves)} leaves, the state {len(masters)}")
+    masters = [np.array(jax.device_get(p), np.float32, copy=True) if m is None else to_np(m)
+               for m, p in zip(masters, p_leaves)]
+    return {"count": to_np(state.count), "exp_avg": jax.tree.map(to_np, state.mu),
+            "exp_avg_sq": jax.tree.map(to_np, state.nu),
+            "master": jax.tree.unflatten(jax.tree.structure(state.mu), masters)}
 
 
-def _layout_key(params, leaves) -> tuple:
-    return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
+def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
+    """The state of a :func:`state_dict` checkpoint, placed like ``state`` (e.g. from
+    ``tx.init``: host memory on a GPU); ``ValueError`` where the checkpoint's keys, structure
+    or shapes do not match ``state``. Float32 leaves take their weights from the params
+    (restore those too): their ``master`` entries are ignored."""
+    missing = {"count", "exp_avg", "exp_avg_sq"} - set(sd)
+    if missing:
+        raise ValueError(f"TrainStream load_state_dict: checkpoint lacks {sorted(missing)}")
+    count = int(np.asarray(sd["count"]))
+    if not 0 <= count <= _I32_MAX:
+        raise ValueError(f"TrainStream load_state_dict: count {count} out of range")
+    treedef = jax.tree.structure(state.mu)
+    like = jax.tree.leaves(state.mu)
+    cols = {}
+    for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in sd else ()):
+        leaves, td = jax.tree.flatten(sd[k])
+        if td != treedef:
+            raise ValueError(f"TrainStream load_state_dict: checkpoint {k!r} has pytree structure {td}, the "
+                             f"optimizer was initialised for {treedef}")
+        for i, a in enumerate(leaves):
+            if tuple(np.shape(a)) != tuple(np.shape(like[i])):
+                raise ValueError(f"TrainStream load_state_dict: checkpoint {k!r} leaf {i} has shape "
+                                 f"{tuple(np.shape(a))}, the parameter has {tuple(np.shape(like[i]))}")
+        cols[k] = leaves
+
+    def put(a, ref, dtype=np.float32):
+        a = np.asarray(a, dtype)
+        sh = getattr(ref, "sharding", None)
+        return jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
+
+    old_m = jax.tree.leaves(state.master, is_leaf=_is_none)
+    if any(m is not None for m in old_m) and "master" not in cols:
+        raise ValueError("TrainStream load_state_dict: checkpoint lacks 'master' (fp16/bf16 leaves)")
+    mu = [put(a, r) for a, r in zip(cols["exp_avg"], like)]
+    nu = [put(a, r) for a, r in zip(cols["exp_avg_sq"], jax.tree.leaves(state.nu))]
+    master = [None if m is None else put(cols["master"][i], m) for i, m in enumerate(old_m)]
+    return OffloadAdamWState(put(count, state.count, np.int32), jax.tree.unflatten(treedef, mu),
+                             jax.tree.unflatten(treedef, nu), jax.tree.unflatten(treedef, master))
 
 
-def _scale_by_learning_rate(step_size, u, learning_rate):
-    """``optax.scale_by_learning_rate``'s multiply, as optax writes it (``scale``: ``step_size
-    * g``; ``scale_by_schedule``: ``jnp.array(step_size, dtype=g.dtype) * g``)."""
-    if callable(learning_rate):
-        return jnp.array(step_size, dtype=u.dtype) * u
-    return step_size * u
-
-
-def _check_gpu_mode(platform: str, cfg: _Config) -> None:
-    """``mode="gpu"``: a CUDA GPU, parameters on it, the optax convention."""
-    if platform != "cuda":
-        try:
-            has_gpu = bool(jax.devices("gpu"))
-        except RuntimeError:
-            has_gpu = False
-        if not has_gpu:
-            raise RuntimeError(
-                "TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU "
-                f"visible to JAX; this process has none (jax.devices() = {jax.devices()})"
-            )
-        raise ValueError(
-            "TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the "
-            "parameters are on the CPU: put them on the GPU first (jax.device_put(params, "
-            "jax.devices('gpu')[0])), or use mode='cpu'"
-        )
-    if cfg.convention != "optax":
-        raise NotImplementedError(
-            "TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its scalars "
-            "are computed inside the XLA program; the torch convention's are host float64 "
-            "values per step). Use mode='cpu' for convention='torch'"
-        )
-
-
-_HINT = ("fewer parameters' state per process (shard the parameters over the devices of more "
-         "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
-
-
-def _host_numel(x) -> int:
-    """Elements of leaf ``x`` whose state this process holds (its devices' shards)."""
-    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
-    if sharding is None:
-        return int(np.prod(np.shape(x), dtype=np.int64))
-    return len(sharding.addressable_devices) * int(np.prod(sharding.shard_shape(np.shape(x)), dtype=np.int64))
+def close(state: OffloadAdamWState) -> None:
+    """Release the state's memory now (host memory on a GPU) instead of when its arrays are
+    collected: every array of ``state`` is deleted and the state unusable. Idempotent. (The
+    host workers are shared by the process and stay.)"""
+    for x in jax.tree.leaves(state):
+        delete = getattr(x, "delete", None)
+        if delete is not None and not (hasattr(x, "is_deleted") and x.is_deleted()):
+            delete()
 
 
 class OffloadAdamW(optax.GradientTransformation):
-    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`.
-
-    ``init`` / ``update`` as optax (``update`` is exactly optax.adamw's); in addition
-    ``step(grads, state, params) -> (new_params, new_state)``, the new weights in one
-    pass (no update array), :meth:`host_memory_plan`, and the module functions :func:`state_dict`,
-    :func:`load_state_dict` and :func:`close`.
-    """
+    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`: ``init`` and
+    ``update`` as optax's (``update(updates, state, params)`` is exactly optax.adamw's; params
+    are required), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
+    :func:`state_dict`, :func:`load_state_dict` and :func:`close` as static methods."""
 
     __slots__ = ()
 
@@ -726,19 +652,13 @@ class OffloadAdamW(optax.GradientTransformation):
         return self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
 
     def step(self, grads, state, params):
+        """One update: ``(new_params, new_state)``, the new weights in one pass (no update
+        array), written in place where the caller donates the params."""
         return self.update.__self__.step(grads, state, params)
 
-    @staticmethod
-    def state_dict(state, params=None) -> dict:
-        return state_dict(state, params)
-
-    @staticmethod
-    def load_state_dict(state, sd: dict) -> OffloadAdamWState:
-        return load_state_dict(state, sd)
-
-    @staticmethod
-    def close(state) -> None:
-        close(state)
+    state_dict = staticmethod(state_dict)
+    load_state_dict = staticmethod(load_state_dict)
+    close = staticmethod(close)
 
 
 def _static_int(x, default):
@@ -749,132 +669,109 @@ def _static_int(x, default):
     return x
 
 
-def offload_adamw(
-    learning_rate: float | Callable,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    *,
-    max_grad_norm: float | None = None,
-    mask: Any = None,
-    xla_fused_grads: Any = None,
-    after_clip_by_global_norm: float | None = None,
-    mode: str = "cpu",
-    convention: str = "optax",
-    threads: int | None = None,
-    chunk_elems: int = 1 << 20,
-    worker_nice: int = 5,
-    host_margin: float | None = _budget.MARGIN,
-    gpu_state_bytes: int | None = None,
-) -> OffloadAdamW:
-    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in
-    host memory, updated on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
+def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  weight_decay: float = 1e-4, *, max_grad_norm: float | None = None, mask: Any = None,
+                  xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
+                  convention: str = "optax", threads: int | None = None, chunk_elems: int = 1 << 20,
+                  worker_nice: int = 5, host_margin: float | None = _budget.MARGIN,
+                  gpu_state_bytes: int | None = None) -> OffloadAdamW:
+    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host
+    memory, updated on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
 
     Args:
-      learning_rate: a float, an optax schedule (``count -> lr``), or an array (as
-        ``optax.inject_hyperparams`` passes it), as ``optax.adamw``.
-      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats
-        or arrays (``optax.inject_hyperparams``).
-      max_grad_norm: if given, the result is that of
-        ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
-        (the norm of the float32-upcast gradients, computed in the program by optax's
-        function). With ``convention="torch"``: ``clip_grad_norm_``'s coefficient of a
-        float64 norm (as ``trainstream.torch``).
-      mask: as ``optax.adamw``'s ``mask`` (leaves with False get no weight decay).
-      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses
-        into optax's moment update in the reference program (see "Fused gradients" in
-        :mod:`trainstream.contract`: LLVM then pairs the FMAs differently); e.g. True for
-        every leaf under ``optax.MultiSteps``. Default none: gradients materialised before
-        the update. XLA:CPU only (nothing is contracted on XLA:GPU).
-      after_clip_by_global_norm: ``M`` when this transformation follows
-        ``optax.clip_by_global_norm(M)`` in an ``optax.chain`` on XLA:CPU: the reference
-        program fuses the clipping into the moment update, and LLVM pairs the FMAs as it
-        does for ``max_grad_norm=M`` (which is the simpler way to write that chain).
-      mode: ``"cpu"``: the host updates (on a GPU the gradients are copied to the host and
-        the weights back, on XLA's stream). ``"gpu"``: a CUDA kernel on XLA's stream, the
-        state in pinned host memory streamed through a 72 MiB ring of GPU buffers (one per
-        device, kept for the process) by the copy engines (parameters on a CUDA device,
-        ``convention="optax"``).
+      learning_rate: a float, an optax schedule (``count -> lr``) or an array (as
+        ``optax.inject_hyperparams`` passes it).
+      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or
+        arrays.
+      max_grad_norm: if given, the result of ``optax.chain(optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(...))`` (optax's norm of the float32-upcast gradients, in the program). With
+        ``convention="torch"``: ``clip_grad_norm_``'s coefficient of a float64 norm (not for
+        sharded parameters). Over several processes on an AVX2 host, XLA:CPU's program of that
+        chain was seen to clip in other roundings (1 weight in 190 off by 1 ULP after 3 steps);
+        ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(..., after_clip_by_global_norm=M))``
+        stayed bit-identical there.
+      mask: as ``optax.adamw``'s (leaves with False get no weight decay).
+      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into
+        optax's moment update in the reference program, where LLVM pairs the FMAs differently
+        ("Fused gradients" in :mod:`trainstream.contract`), e.g. every leaf under
+        ``optax.MultiSteps``. Default: none. XLA:CPU only.
+      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an
+        ``optax.chain`` on XLA:CPU (the FMA pairing of ``max_grad_norm=M``, the simpler way to
+        write that chain; the two exclude each other).
+      mode: ``"cpu"``: the host updates (on a GPU the gradients go to the host and the weights
+        back, on XLA's stream). ``"gpu"``: a CUDA kernel on XLA's stream, the state in pinned
+        host memory streamed through a 72 MiB ring of GPU buffers per device, kept for the
+        process; needs the parameters on a CUDA device and ``convention="optax"``.
       convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"``
-        (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch importable; its
-        ``update`` is ``new - params``).
+        (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch and float hyper-parameters;
+        ``update`` returns ``new - params``).
       threads, chunk_elems: host worker threads of this process, shared by its devices
-        (default: its share of the cores it may run on among the JAX processes of this
-        host, less one) and the elements of one job.
+        (default: its share of the usable cores among this host's JAX processes, less one),
+        and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
-      host_margin: ``init`` first checks the host memory the state (and on a GPU in
-        ``mode="cpu"`` the pinned staging of the first ``update``) will take
-        (:meth:`OffloadAdamW.host_memory_plan`) against what the host has less this
-        fraction of it: ``MemoryError`` naming the bytes where it does not fit, before any
-        array is made. None: no check.
-      gpu_state_bytes: not built for JAX (``trainstream.torch.OffloadAdamW`` has it): any
-        value but None or 0 raises ``NotImplementedError``. Keeping a share of the state in
-        GPU memory is ``optax.adamw`` on those leaves (e.g. through
-        ``optax.multi_transform``; for float32 leaves the bits of ``mode="gpu"``).
+      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"``
+        also the pinned staging) will take (:meth:`OffloadAdamW.host_memory_plan`) against what
+        the host has less this fraction, raising ``MemoryError`` before any array is made.
+        None: no check.
+      gpu_state_bytes: not built for JAX: anything but None or 0 raises
+        ``NotImplementedError``; for state in GPU memory give those leaves ``optax.adamw``
+        (``optax.multi_transform``; float32 leaves get the bits of ``mode="gpu"``).
 
-    Exactness. On the CPU backend (under ``jax.jit`` and eagerly) ``update`` returns the
-    bits of optax.adamw's update, so ``optax.apply_updates`` and the optax wrappers around
-    it give the bits of the same program around optax.adamw; ``step`` returns the same
-    new weights directly. fp16/bf16 leaves keep an fp32 master (in the state) that equals
-    what optax computes on fp32 parameters fed the upcast gradients; the weights are its
-    rounding (``update`` returns, in float32, the difference that ``apply_updates`` turns
-    into that rounding). On the CPU backend a master that does not round to the weights
-    passed in is replaced by them (:func:`trainstream.contract.master_of_weights`); on a
-    GPU the master in host memory is used as it is. On a GPU ``mode="gpu"`` runs
-    XLA:GPU's instructions and gives optax's bits; ``mode="cpu"`` computes the same
-    formula in IEEE arithmetic on the host, within the contract's bound
-    (``OPTAX_CUDA_HOST_MAX_ULP``).
+    Invalid arguments raise ``ValueError`` or ``TypeError``, unsupported uses (``jax.vmap``
+    included) ``NotImplementedError``.
 
-    The state (:class:`OffloadAdamWState`) is arrays; donate it to the step
-    (``jax.jit(..., donate_argnums=...)``) to update it in place, else XLA copies it
-    first (host memory to host memory). Donating, pass and return the params and the
-    state in the same order (``step(params, state, ...) -> (params, state)``): where an
-    argument's memory kind is unknown (an uncommitted array) JAX pairs donated inputs with
-    outputs by shape and dtype alone, and could pair a moment in host memory with a weight
-    in GPU memory. On a GPU a NumPy view of a state array (``np.asarray(state.mu[...])``)
-    is an external reference to its host buffer, which XLA then refuses to donate: copy it.
+    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits
+    (so ``optax.apply_updates`` and optax's wrappers give the reference program's bits) and
+    ``step`` the same new weights directly. An fp16/bf16 leaf's fp32 master equals optax's on
+    fp32 parameters fed the upcast gradients and the weights are its rounding (``update``
+    returns, in float32, the difference ``apply_updates`` turns into it). On the CPU a master
+    that does not round to the weights passed in is replaced by them
+    (:func:`trainstream.contract.master_of_weights`); on a GPU it is used as it is. On a GPU
+    ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the
+    host, within the contract's ``OPTAX_CUDA_HOST_MAX_ULP``.
+
+    Donation: donate the state (``jax.jit(..., donate_argnums=...)``) to update it in place,
+    else XLA copies it first. Then pass and return params and state in the same order
+    (``step(params, state, ...) -> (params, state)``): JAX pairs donated inputs of unknown memory
+    kind (uncommitted arrays) with outputs by shape and dtype alone, and could pair a moment in
+    host memory with a weight in GPU memory. On a GPU a NumPy view of a state array keeps XLA
+    from donating it: copy it.
 
     Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``):
-    ``init`` takes the specs from the concrete arrays (call it outside jit) and shards the
-    state likewise; each device updates its own shards, with the scalars and the global
-    norm of the whole program, as optax.adamw's on the same sharded params (see
-    :mod:`trainstream.jax._sharding`). Inside the caller's own ``shard_map`` the update is
-    that device's, as optax's there.
+    call ``init`` outside jit (it reads the specs from the concrete arrays); each device updates
+    its own shards with the whole program's scalars and global norm, as optax.adamw does. Inside
+    the caller's own ``shard_map`` the update is that device's, as optax's there.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
     if gpu_state_bytes not in (None, 0):
         raise NotImplementedError(
-            f"TrainStream offload_adamw(gpu_state_bytes={gpu_state_bytes!r}) is not built for JAX: its state is "
-            "arrays of the program in pinned host memory, and XLA refuses one custom call whose outputs mix host "
-            "and GPU memory, so a resident share needs a second update call and plan of its own. State kept in "
-            "GPU memory is optax.adamw's: give those leaves optax.adamw (optax.multi_transform; float32 leaves "
-            "get the bits of mode='gpu') and the rest offload_adamw")
+            f"TrainStream offload_adamw(gpu_state_bytes={gpu_state_bytes!r}) is not built for JAX (XLA refuses one "
+            "custom call whose outputs mix host and GPU memory). State kept in GPU memory is optax.adamw's: give "
+            "those leaves optax.adamw (optax.multi_transform; float32 leaves get the bits of mode='gpu') and the "
+            "rest offload_adamw")
     if convention not in C.CONVENTIONS:
         raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
     hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if all(_is_number(v) or (k == "lr" and callable(v)) for k, v in hyper.items()):
         C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps, weight_decay)
     elif convention == "torch":
-        raise NotImplementedError(
-            "TrainStream offload_adamw: convention='torch' computes its scalars on the host in "
-            "float64 from Python floats; array hyper-parameters (inject_hyperparams) are the optax "
-            "convention's only"
-        )
+        raise NotImplementedError("TrainStream offload_adamw: convention='torch' computes its scalars on the host in "
+                                  "float64 from Python floats; array hyper-parameters (inject_hyperparams) are the "
+                                  "optax convention's only")
     else:
         for k, v in hyper.items():
             if not (_is_number(v) or callable(v) or hasattr(v, "dtype")):
                 raise TypeError(f"TrainStream offload_adamw: {k} must be a float or an array, got {type(v).__name__}")
     if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+        if not _is_number(max_grad_norm):
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
         max_grad_norm = float(max_grad_norm)
     after_clip = after_clip_by_global_norm
     if after_clip is not None:
-        if isinstance(after_clip, bool) or not _is_number(after_clip) or not after_clip > 0:
+        if not _is_number(after_clip) or not after_clip > 0:
             raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
         if max_grad_norm is not None:
             raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
@@ -885,7 +782,7 @@ def offload_adamw(
     threads = _static_int(threads, None)
     chunk_elems = _static_int(chunk_elems, 1 << 20)
     worker_nice = _static_int(worker_nice, 5)
-    if isinstance(host_margin, jax.core.Tracer):  # likewise (it changes no bit either)
+    if isinstance(host_margin, jax.core.Tracer):
         host_margin = _budget.MARGIN
     elif hasattr(host_margin, "dtype") and np.ndim(host_margin) == 0:
         host_margin = float(host_margin)
@@ -899,105 +796,6 @@ def offload_adamw(
         _torch_cpu_code()  # refuse early without torch
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    cfg = _Config(
-        fl(learning_rate), fl(b1), fl(b2), fl(eps), fl(weight_decay), max_grad_norm, mask, xla_fused_grads,
-        after_clip, mode, convention, threads, chunk_elems, worker_nice, host_margin,
-    )
-    impl = _Impl(cfg)
+    impl = _Impl(_Config(fl(learning_rate), fl(b1), fl(b2), fl(eps), fl(weight_decay), max_grad_norm, mask,
+                         xla_fused_grads, after_clip, mode, convention, threads, chunk_elems, worker_nice, host_margin))
     return OffloadAdamW(impl.init, impl.update)
-
-
-# -- checkpoints in torch.optim.AdamW's vocabulary; close -------------------------------------------
-
-
-def state_dict(state: OffloadAdamWState, params=None) -> dict:
-    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (``master``: the
-    float32 master of each leaf, the weights themselves for float32 leaves, which needs
-    ``params`` when there are any). The state itself is arrays that orbax saves as they
-    are; this is for checkpoints in the names of ``torch.optim.AdamW`` (whole arrays:
-    sharded state of several processes goes through orbax)."""
-    for x in jax.tree.leaves(state):
-        if not getattr(x, "is_fully_addressable", True):
-            raise ValueError(
-                "TrainStream state_dict gathers the whole state into this process, and part of it "
-                "lives on other processes' devices (jax.distributed): save the state itself with "
-                "orbax, which writes every process's shards"
-            )
-    # copies: a NumPy view of a state array would keep XLA from donating it afterwards
-    to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
-    out = {"count": to_np(state.count), "exp_avg": jax.tree.map(to_np, state.mu),
-           "exp_avg_sq": jax.tree.map(to_np, state.nu)}
-    masters = jax.tree.leaves(state.master, is_leaf=_is_none)
-    treedef = jax.tree.structure(state.mu)
-    if any(m is None for m in masters):
-        if params is None:
-            raise ValueError("TrainStream state_dict: the float32 leaves are their own master: pass params")
-        p_leaves = jax.tree.leaves(params)
-        if len(p_leaves) != len(masters):
-            raise ValueError(f"TrainStream state_dict: params have {len(p_leaves)} leaves, the state {len(masters)}")
-        masters = [np.array(jax.device_get(p), np.float32, copy=True) if m is None else to_np(m)
-                   for m, p in zip(masters, p_leaves)]
-    else:
-        masters = [to_np(m) for m in masters]
-    out["master"] = jax.tree.unflatten(treedef, masters)
-    return out
-
-
-def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
-    """The state of a :func:`state_dict` checkpoint, placed like ``state`` (e.g. from
-    ``tx.init``: host memory on a GPU).
-
-    Checks the structure and shapes against ``state``. Float32 leaves take their weights
-    from the params (restore those too); their ``master`` entries are ignored.
-    """
-    missing = {"count", "exp_avg", "exp_avg_sq"} - set(sd)
-    if missing:
-        raise ValueError(f"TrainStream load_state_dict: checkpoint lacks {sorted(missing)}")
-    count = int(np.asarray(sd["count"]))
-    if not 0 <= count <= _I32_MAX:
-        raise ValueError(f"TrainStream load_state_dict: count {count} out of range")
-    treedef = jax.tree.structure(state.mu)
-    like = jax.tree.leaves(state.mu)
-    cols = {}
-    for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in sd else ()):
-        leaves, td = jax.tree.flatten(sd[k])
-        if td != treedef:
-            raise ValueError(
-                f"TrainStream load_state_dict: checkpoint {k!r} has pytree structure {td}, the "
-                f"optimizer was initialised for {treedef}"
-            )
-        for i, a in enumerate(leaves):
-            if tuple(np.shape(a)) != tuple(np.shape(like[i])):
-                raise ValueError(
-                    f"TrainStream load_state_dict: checkpoint {k!r} leaf {i} has shape "
-                    f"{tuple(np.shape(a))}, the parameter has {tuple(np.shape(like[i]))}"
-                )
-        cols[k] = leaves
-
-    def put(a, ref):
-        a = np.asarray(a, np.float32)
-        sh = getattr(ref, "sharding", None)
-        return jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
-
-    mu = [put(a, r) for a, r in zip(cols["exp_avg"], like)]
-    nu = [put(a, r) for a, r in zip(cols["exp_avg_sq"], jax.tree.leaves(state.nu))]
-    old_m = jax.tree.leaves(state.master, is_leaf=_is_none)
-    if any(m is not None for m in old_m) and "master" not in cols:
-        raise ValueError("TrainStream load_state_dict: checkpoint lacks 'master' (fp16/bf16 leaves)")
-    master = [None if m is None else put(cols["master"][i], m) for i, m in enumerate(old_m)]
-    cnt = getattr(state.count, "sharding", None)
-    count_a = jnp.asarray(count, jnp.int32)
-    return OffloadAdamWState(
-        jax.device_put(count_a, cnt) if cnt is not None else count_a,
-        jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu), jax.tree.unflatten(treedef, master),
-    )
-
-
-def close(state: OffloadAdamWState) -> None:
-    """Release the state's memory now (host memory on a GPU) instead of when its arrays
-    are collected: every array of ``state`` is deleted, and the state cannot be used
-    afterwards. Idempotent. (The host workers are shared by the process and stay.)"""
-    for x in jax.tree.leaves(state):
-        delete = getattr(x, "delete", None)
-        if delete is not None and not (hasattr(x, "is_deleted") and x.is_deleted()):
-            delete()

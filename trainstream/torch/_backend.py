@@ -1,8 +1,5 @@
-"""The torch side of the engine's :class:`~trainstream.core.Backend`: pinned host buffers,
-side streams, events and copies for one device (CUDA or CPU), and the probe of torch's CPU
-arithmetic (:func:`torch_cpu_code`).
-
-No arithmetic lives here.
+"""The torch side of the engine's :class:`~trainstream.core.Backend` (host buffers, side streams, events and
+copies for one device, CUDA or CPU) and the probe of torch's CPU arithmetic (:func:`torch_cpu_code`).
 """
 
 from __future__ import annotations
@@ -29,27 +26,19 @@ class _TorchHostBuffer:
     def __init__(self, tensor: torch.Tensor):
         self.handle = tensor
         self.pinned = tensor.is_pinned() if tensor.device.type == "cpu" else False
-        if tensor.dtype == torch.float32:
-            self.array = tensor.numpy()
-        else:
-            self.array = tensor.view(torch.int16).numpy().view(np.uint16)
+        self.array = (tensor.numpy() if tensor.dtype == torch.float32
+                      else tensor.view(torch.int16).numpy().view(np.uint16))
 
 
 class TorchBackend:
-    """Pinned buffers, side streams and events for one device (CUDA or CPU).
+    """Pinned buffers, side streams and events for one device. On CUDA every event, copy and stream wait goes
+    through :mod:`trainstream._cuda`; streams and device memory are torch's. On the CPU every copy is synchronous
+    and there are no events (how everything is tested where no GPU exists)."""
 
-    On CUDA every event, copy and stream wait goes through :mod:`trainstream._cuda` (the
-    one CUDA layer); streams and device memory are torch's. With CPU parameters every copy
-    is a plain synchronous copy and there are no events; that is how everything is tested
-    where no GPU exists.
-    """
-
-    # Gradients may be dropped as soon as their copy is queued: on the CPU the copy is
-    # synchronous; on CUDA copy_to_host marks them with record_stream (see there).
+    # Gradients may be dropped once their copy is queued: on the CPU it is synchronous, on CUDA see copy_to_host.
     copy_keeps_source_alive = True
-    # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded
-    # from there (6% less host memory traffic than a buffer of their own);
-    # copy_to_host orders the next gradient copy after that upload.
+    # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded from there (6% less host
+    # memory traffic); copy_to_host orders the next gradient copy after that upload.
     weights_in_grad_stage = True
 
     def __init__(self, device: torch.device):
@@ -57,9 +46,7 @@ class TorchBackend:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-            self.d2h = torch.cuda.Stream(device=device)
-            self.h2d = torch.cuda.Stream(device=device)
-            self.upd = torch.cuda.Stream(device=device)
+            self.d2h, self.h2d, self.upd = (torch.cuda.Stream(device=device) for _ in range(3))
             self.drv = _cuda.context(self.device_index)
 
     def _compute_stream(self) -> int:
@@ -87,24 +74,20 @@ class TorchBackend:
         pin = pinned and self.cuda
         try:
             if not pin:  # pageable host state on 2 MiB pages (trainstream._hostmem)
-                arr = _hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16)
-                t = torch.from_numpy(arr)
+                t = torch.from_numpy(_hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16))
                 if tdtype != torch.float32:
                     t = t.view(tdtype)
             else:
                 t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
         except (RuntimeError, OSError, MemoryError) as exc:  # cudaHostAlloc: RuntimeError; mmap: OSError
             nbytes = numel * t_itemsize(tdtype)
-            raise MemoryError(
-                f"TrainStream could not allocate {nbytes} bytes of "
-                f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}"
-            ) from exc
+            raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of {'pinned' if pin else 'pageable'} "
+                              f"host memory for {what}: {exc}") from exc
         return _TorchHostBuffer(t)
 
     @staticmethod
     def pinned_size(nbytes: int) -> int:
-        """What a pinned buffer of ``nbytes`` takes: torch's CachingHostAllocator rounds each
-        block up to a power of two (its default ``pinned_max_round_threshold``)."""
+        """What a pinned buffer of ``nbytes`` takes: torch's CachingHostAllocator rounds it up to a power of two."""
         return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
@@ -119,10 +102,8 @@ class TorchBackend:
         if not host.pinned:  # the driver would copy synchronously, holding the GIL
             raise ValueError(f"TrainStream {what}: the host buffer is not pinned")
         if not dev.is_contiguous() or host.handle.numel() * host.handle.element_size() != nbytes:
-            raise ValueError(
-                f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
-                f"{dev.is_contiguous()}) does not match its host buffer of {host.handle.numel()} elements"
-            )
+            raise ValueError(f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
+                             f"{dev.is_contiguous()}) does not match its host buffer of {host.handle.numel()} elements")
         return nbytes
 
     def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
@@ -138,8 +119,8 @@ class TorchBackend:
         if free is not None:  # the last upload from dst (see weights_in_grad_stage)
             self.drv.stream_wait_event(stream, free)
         self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
-        # The caching allocator reuses src's memory only after the work queued on d2h
-        # when src is freed (this copy): the engine drops the gradient right away.
+        # The engine drops src at once: the caching allocator reuses its memory only after the work queued on d2h
+        # when it is freed (this copy).
         src.record_stream(self.d2h)
         return _cuda.Event(self.drv, stream)
 
@@ -169,14 +150,10 @@ _TC_CODE: int | None = None
 
 
 def torch_cpu_code() -> int:
-    """The contract's torch/cpu code on this machine: which MKL sqrt path ``torch.sqrt``
-    takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused.
-
-    Probed once per process. Where no sqrt mode that Numba's target can compile reproduces
-    torch's, the correctly rounded root is used and one warning gives the bound (the
-    contract's ``TORCH_CPU_SQRT_MAX_ULP``); where the lerp is neither fused nor two
-    roundings, the fused form is used with a warning.
-    """
+    """The contract's torch/cpu code on this machine, probed once per process: which MKL sqrt path
+    ``torch.sqrt`` takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused. Where no path
+    Numba compiles matches, the correctly rounded root (within the contract's ``TORCH_CPU_SQRT_MAX_ULP``) or, for a
+    lerp neither fused nor two roundings, the fused form is used, with one warning."""
     global _TC_CODE
     if _TC_CODE is None:
         mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
@@ -184,22 +161,18 @@ def torch_cpu_code() -> int:
             lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
         problems = []
         if mode is None:
-            problems.append(
-                f"torch.sqrt matches none of the MKL paths Numba can compile here (it may "
-                f"use instructions Numba's target lacks); the correctly rounded root is used, "
-                f"within {C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
+            problems.append(f"torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
+                            f"Numba's target lacks); the correctly rounded root is used, within "
+                            f"{C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
             mode = _cpu_sqrt.IEEE
         if fused is None:
             problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
             fused = True
         if problems:
-            warnings.warn(
-                "TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in "
-                "the last bit on this host (torch " + torch.__version__ + ", CPU capability "
-                + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn("TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in the last bit on "
+                          "this host (torch " + torch.__version__ + ", CPU capability "
+                          + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
+                          RuntimeWarning, stacklevel=3)
         _TC_CODE = mode | (0 if fused else C.TC_NO_FMA)
     return _TC_CODE
 

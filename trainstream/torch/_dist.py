@@ -1,9 +1,6 @@
-"""What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's
-DTensor parameters (each rank offloads its local shard), the process's place among the
-ranks of its host (worker threads and cores), and ZeRO-1's partition, broadcast and state
-consolidation. No arithmetic lives here.
-
-``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
+"""What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's DTensor parameters,
+the process's place among its host's ranks (worker threads and cores), and ZeRO-1's partition, broadcast and
+state consolidation. ``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
 """
 
 from __future__ import annotations
@@ -29,14 +26,12 @@ def is_dtensor(t: Any) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (FSDP2: this rank's shard, maybe uneven or of 0
-    elements, whose storage FSDP's all-gather reads), else ``t`` itself."""
+    """The local tensor of a DTensor (FSDP2: this rank's shard, maybe empty, which the all-gather reads), else ``t``."""
     return t._local_tensor if is_dtensor(t) else t
 
 
 def version(t: torch.Tensor) -> Any:
-    """What torch's version counters say of in-place changes to ``t``: for a DTensor its own
-    counter and its local tensor's (FSDP2's ``load_state_dict`` and
+    """``t``'s version counter; for a DTensor also its local tensor's (FSDP2's ``load_state_dict`` and
     ``set_model_state_dict`` move only the first, an edit of ``to_local()`` only the second)."""
     return (t._version, t._local_tensor._version) if is_dtensor(t) else t._version
 
@@ -45,14 +40,12 @@ _FOREACH_VERSIONS: bool | None = None
 
 
 def foreach_moves_versions(mesh: Any) -> bool:
-    """Whether an in-place ``torch._foreach_*`` op on DTensors (``clip_grad_norm_``'s)
-    moves a version counter. In torch 2.13 it moves none (pytorch/pytorch PR #197502, open
-    then): a gradient changed that way looks unchanged. Probed once per process on a
-    1-element replicated DTensor of ``mesh`` (no communication)."""
+    """Whether an in-place ``torch._foreach_*`` op on DTensors (``clip_grad_norm_``'s) moves a version counter
+    (in torch 2.13 none: pytorch/pytorch#197502). Probed once per process on a 1-element replicated DTensor of
+    ``mesh`` (no communication)."""
     global _FOREACH_VERSIONS
     if _FOREACH_VERSIONS is None:
         from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415 (imported by then)
-
         with torch.no_grad():
             t = DTensor.from_local(torch.zeros(1, device=mesh.device_type), mesh,
                                    [Replicate()] * mesh.ndim, run_check=False)
@@ -63,14 +56,11 @@ def foreach_moves_versions(mesh: Any) -> bool:
 
 
 def state_view(param: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """``host`` (this rank's shard of a state tensor, in host memory) as a DTensor laid out
-    as the DTensor ``param`` (mesh, placements, global shape and stride): a view, so that
-    torch.distributed.checkpoint saves every rank's shard and loads in place. Built as FSDP2
-    builds its CPU-offloaded shards (``DTensor.from_local`` would copy it to the mesh's
-    device)."""
+    """``host`` (this rank's shard of a state tensor, in host memory) as a DTensor view laid out as ``param``
+    (mesh, placements, global shape and stride), which torch.distributed.checkpoint saves and loads in place.
+    Built as FSDP2 builds its CPU-offloaded shards (``DTensor.from_local`` would copy it to the mesh's device)."""
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: PLC0415
-
     meta = TensorMeta(param.shape, param.stride(), host.dtype)
     return DTensor(host, DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta),
                    requires_grad=False)
@@ -87,9 +77,8 @@ def world() -> tuple[int, int]:
 
 
 def local_world() -> tuple[int, int]:
-    """``(local rank, local world size)``: the processes of this host. torchrun's
-    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; without them, with torch.distributed initialised,
-    the rank and world size (all ranks counted as local: never more threads than cores)."""
+    """``(local rank, local world size)`` on this host: torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, else
+    :func:`world` (all ranks counted as local: never more threads than cores)."""
     try:
         return int(os.environ["LOCAL_RANK"]), max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
     except (KeyError, ValueError):
@@ -105,10 +94,8 @@ def _gpu_numa_node(index: int) -> int | None:
 
 
 def worker_cores(spec: Any, device: torch.device) -> list[int] | None:
-    """The cores ``OffloadAdamW(worker_cores=spec)`` binds its workers to: None (unbound),
-    ``"auto"`` (this local rank's slice, see :func:`trainstream._cores.rank_cores`; NUMA-
-    local where every local rank r drives GPU r, torchrun's convention, and ``/sys`` gives
-    their nodes) or a list of CPU ids."""
+    """The cores ``OffloadAdamW(worker_cores=spec)`` binds its workers to (see its docstring and
+    :func:`trainstream._cores.rank_cores`); raises ``ValueError`` for a bad ``spec``."""
     if spec is None:
         return None
     if isinstance(spec, str):
@@ -132,10 +119,9 @@ def worker_cores(spec: Any, device: torch.device) -> list[int] | None:
 # -- ZeRO-1 ----------------------------------------------------------------------------------
 
 class ZeroPartition:
-    """ZeroRedundancyOptimizer's partition of the parameters between the ranks: per param
-    group in order, its parameters largest first (a stable sort), each to the rank that
-    holds the fewest elements so far (the lowest such rank). A group added later continues
-    from the counts so far, as ZeroRedundancyOptimizer's repartition from scratch gives."""
+    """ZeroRedundancyOptimizer's partition: per param group in order, its parameters largest first (a stable
+    sort), each to the lowest rank holding the fewest elements so far. A group added later continues from the
+    counts so far, as ZeroRedundancyOptimizer's repartition from scratch gives."""
 
     def __init__(self, world_size: int):
         self.sizes = [0] * world_size
@@ -149,8 +135,8 @@ class ZeroPartition:
 
 
 def broadcast_from_owners(params: Iterable[torch.Tensor], owner: dict[torch.Tensor, int]) -> None:
-    """Every parameter from the rank that owns it to all (``p.data``: no version counter
-    moves), issued together, then waited for (NCCL: the current stream waits)."""
+    """Every parameter from its owner to all (``p.data``: no version counter moves), issued together, then
+    waited for (NCCL: the current stream waits)."""
     dist = torch.distributed
     works = [dist.broadcast(p.data, src=owner[p], async_op=True) for p in params]
     for w in works:
