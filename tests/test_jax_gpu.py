@@ -165,14 +165,15 @@ def test_cpu_mode_within_the_contract_bound(dtype, clip):
     for t in range(10):
         g = _grads(rng, params, dev, exact_norm=clip is not None)
         master = _f32(s.master if dtype != "float32" else p)
-        master = jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), master)
-        adam = _adam_state(sr)._replace(mu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.mu),
-                                        nu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.nu))
+        # copies: a NumPy view of a pinned_host array is an external reference to its buffer
+        # (held by an asynchronous device_put until its transfer ends), and XLA refuses to
+        # donate a buffer that has one
+        to_dev = lambda a: jax.device_put(np.array(a, copy=True), dev)  # noqa: E731
+        master = jax.tree.map(to_dev, master)
+        adam = _adam_state(sr)._replace(mu=jax.tree.map(to_dev, s.mu), nu=jax.tree.map(to_dev, s.nu))
         sr = jax.tree.map(lambda x: adam if isinstance(x, optax.ScaleByAdamState) else x, sr,
                           is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
         want, sr = theirs(master, sr, _f32(g))
-        # copies: a NumPy view of a pinned_host array is an external reference to its
-        # buffer, and XLA refuses to donate a buffer that has one
         prev_m, prev_v = jax.tree.map(lambda a: np.array(a, copy=True), (s.mu, s.nu))
         p, s = step(p, s, g)
         got = _f32(s.master if dtype != "float32" else p)

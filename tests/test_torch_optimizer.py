@@ -336,6 +336,11 @@ def test_mismatched_state_dict():
     with pytest.raises(ValueError, match="shape"):
         ts2.load_state_dict(bad)
     assert ts2.state_dict()["state"] == before["state"]  # nothing half-loaded
+    for step in (-1.0, 1.5, float("inf"), float("nan")):
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["step"] = torch.tensor(step)
+        with pytest.raises(ValueError, match="invalid step"):
+            ts2.load_state_dict(bad)
     for o in (ts, other, ts2):
         o.close()
 

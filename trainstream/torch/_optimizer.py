@@ -5,6 +5,7 @@ contract's (``trainstream.contract``). No arithmetic lives here; buffers, stream
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Mapping
 import threading
@@ -1024,7 +1025,7 @@ class OffloadAdamW(Optimizer):
                                      f"{tuple(entry[key].shape)}, the parameter has {tuple(p.shape)}")
             step = entry["step"]
             step = float(step.item() if isinstance(step, torch.Tensor) else step)
-            if step < 0 or step != int(step):
+            if not math.isfinite(step) or step < 0 or step != int(step):
                 raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
 
             def f32(t, p=p):
