@@ -484,9 +484,10 @@ def multi_process():
     """4 global devices over 2 processes: each process's callbacks get only its own
     devices' shards; clipped updates against optax on every process, across an orbax save
     and restore: bit for bit as ``chain(clip_by_global_norm(M), offload_adamw(
-    after_clip_by_global_norm=M))``; with ``max_grad_norm=M`` within 1 ULP (on an AVX2
-    host XLA:CPU's program of optax.chain clips one leaf's gradient in other roundings than
-    the contract's, over processes only: 1 weight of 190 differs by 1 ULP after 3 steps)."""
+    after_clip_by_global_norm=M))``; with ``max_grad_norm=M`` within 1 ULP: on an AVX2 host,
+    over processes only, XLA:CPU computes w2's gradient for our callback in other roundings
+    than in optax's program (w2's moments after one step: optax's equal C1 * the gradient
+    jitted alone, ours differ in 5 of 32), and 1 weight of 190 ends 1 ULP off after 3 steps."""
     from jax.experimental import multihost_utils
 
     import orbax.checkpoint as ocp

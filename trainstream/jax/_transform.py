@@ -686,10 +686,11 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       max_grad_norm: if given, the result of ``optax.chain(optax.clip_by_global_norm(max_grad_norm),
         optax.adamw(...))`` (optax's norm of the float32-upcast gradients, in the program). With
         ``convention="torch"``: ``clip_grad_norm_``'s coefficient of a float64 norm (not for
-        sharded parameters). Over several processes on an AVX2 host, XLA:CPU's program of that
-        chain was seen to clip in other roundings (1 weight in 190 off by 1 ULP after 3 steps);
-        ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(..., after_clip_by_global_norm=M))``
-        stayed bit-identical there.
+        sharded parameters). Over several processes on an AVX2 host, XLA:CPU was seen to compute a
+        small matmul's gradient for our callback in other roundings than in optax's program (1
+        weight in 190 off by 1 ULP after 3 steps); ``optax.chain(optax.clip_by_global_norm(M),
+        offload_adamw(..., after_clip_by_global_norm=M))`` (the gradient consumed by optax's clip
+        first, as in optax's program) stayed bit-identical there.
       mask: as ``optax.adamw``'s (leaves with False get no weight decay).
       xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into
         optax's moment update in the reference program, where LLVM pairs the FMAs differently
