@@ -11,6 +11,7 @@ and the CPU conventions must stay bit-identical to torch.optim.AdamW and jitted 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -32,12 +33,23 @@ LEVELS = {
 }
 
 
-def _host_has(feature: str) -> bool:
-    """On the host itself, not on a target forced by this process's environment."""
+@functools.cache
+def _host_features() -> frozenset[str]:
+    """The host's own Numba target features, not a target forced by this process's environment."""
     code = "from trainstream._jit import target_features as f; print(' '.join(sorted(f())))"
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return feature in out.stdout.split()
+    return frozenset(out.stdout.split())
+
+
+def _not_forced(level: str) -> str | None:
+    """Why ``level`` is not forced on this host, or None."""
+    need = LEVELS[level][0]
+    if need not in _host_features():
+        return f"the host lacks {need!r}: level {level} cannot be forced here"
+    if level == "avx2" and "avx512f" not in _host_features():
+        return "AVX2 is this host's own level (no avx512f): the rest of the suite runs at it"
+    return None
 
 
 def _isa_files() -> list[str]:
@@ -55,9 +67,8 @@ def levels():
         pytest.skip("this process already runs under a forced level")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "isa", *_isa_files()]
     procs = {}
-    own_avx2 = not _host_has("avx512f")  # an AVX2 host's own level: the rest of the suite runs it
-    for level, (need, env) in LEVELS.items():
-        if _host_has(need) and not (level == "avx2" and own_avx2):
+    for level, (_, env) in LEVELS.items():
+        if _not_forced(level) is None:
             # JAX on XLA:CPU (what --xla_cpu_max_isa narrows), also on a machine with a GPU
             procs[level] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -69,11 +80,9 @@ def levels():
 
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_forced_isa_level(level, levels):
-    need, env = LEVELS[level]
-    if level == "avx2" and level not in levels and _host_has(need):
-        pytest.skip("AVX2 is this host's own level (no avx512f): the rest of the suite runs at it")
+    _, env = LEVELS[level]
     if level not in levels:
-        pytest.skip(f"the host lacks {need!r}: level {level} cannot be forced here")
+        pytest.skip(_not_forced(level))
     try:
         out, err = levels[level].communicate(timeout=900)
     except subprocess.TimeoutExpired:

@@ -89,6 +89,9 @@ def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) 
     """The host engine of a configuration, shared in this process (a child of ``os.fork``
     gets its own); its workers live as long as the process."""
     key = (os.getpid(), convention, tc_code, threads, chunk, nice)
+    eng = _engines.get(key)  # every callback asks: no lock once it exists
+    if eng is not None:
+        return eng
     with _engines_lock:
         eng = _engines.get(key)
         if eng is None:
