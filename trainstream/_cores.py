@@ -26,16 +26,6 @@ def default_threads(local_world: int = 1, cores: list[int] | None = None) -> int
     return max(1, n - 1)
 
 
-def _cpulist(text: str) -> list[int]:
-    """Parse a kernel cpulist (``"0-3,8,10-11"``)."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def pci_numa_node(bus_id: str | None) -> int | None:
     """The NUMA node of a PCI device (``"0000:3b:00.0"``) from ``/sys``; None if unknown."""
     if not bus_id:
@@ -49,11 +39,17 @@ def pci_numa_node(bus_id: str | None) -> int | None:
 
 
 def _node_cores(node: int) -> list[int]:
+    """The CPU ids of NUMA node ``node``, from its kernel cpulist (``"0-3,8,10-11"``); [] if unknown."""
+    out: list[int] = []
     try:
         with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
-            return _cpulist(f.read())
+            for part in f.read().strip().split(","):
+                if part:
+                    lo, _, hi = part.partition("-")
+                    out.extend(range(int(lo), int(hi or lo) + 1))
     except (OSError, ValueError):
         return []
+    return out
 
 
 def rank_cores(local_rank: int, local_world: int, nodes: list[int | None] | None = None) -> list[int]:

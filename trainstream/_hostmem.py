@@ -23,15 +23,6 @@ _MADV = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
-def aligned_empty(numel: int, dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised 1-D NumPy array whose data is ``align``-byte aligned."""
-    dt = np.dtype(dtype)
-    nbytes = int(numel) * dt.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + nbytes].view(dt)
-
-
 def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
     """An uninitialised 1-D array of ``numel`` elements, owning its memory (freed with its
     last view). At least one huge page long, and where the OS takes the advice: 2 MiB-aligned,
@@ -43,7 +34,9 @@ def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
     dt = np.dtype(dtype)
     nbytes = int(numel) * dt.itemsize
     if _MADV is None or nbytes < HUGE_PAGE:
-        return aligned_empty(numel, dt, align)
+        raw = np.empty(nbytes + align, np.uint8)
+        off = (-raw.ctypes.data) % align
+        return raw[off:off + nbytes].view(dt)
     # Over-map by one huge page to place the data on a 2 MiB boundary: the kernel backs
     # only whole, aligned 2 MiB ranges with huge pages.
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -66,9 +66,7 @@ def span(name: str, sid: int = -1) -> Iterator[None]:
 
 def chrome_trace(spans: list[Span]) -> dict[str, Any]:
     """The spans as a Chrome trace-event document (``json.dump`` it to a file)."""
-    if not spans:
-        return {"traceEvents": []}
-    origin = min(s.t0 for s in spans)
+    origin = min((s.t0 for s in spans), default=0.0)
     tids = {name: i for i, name in enumerate(sorted({s.thread for s in spans}))}
     events: list[dict[str, Any]] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
                                     for name, i in tids.items()]

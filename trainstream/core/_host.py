@@ -53,6 +53,7 @@ __all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyEr
 NORM_BLOCK = 4096
 
 _KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
+_OUT_KIND = {"u": K.OUT_U, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}  # ExternalUpdate.out_kind
 
 
 class WorkerError(RuntimeError):
@@ -150,7 +151,7 @@ class ExternalUpdate(NamedTuple):
     out_kind: str | None
     scalars: np.ndarray  # float32[N_SCALARS], read at the first chunk (the copy `landed` waits for may fill it)
     landed: Any = None  # None, or an event (synchronize(), optionally query()) to wait for before reading g, p, scalars
-    finished: Callable[[], None] | None = None  # None, or called once after the last chunk (e.g. to upload out)
+    finished: Callable[[], None] | None = None  # None, or called after the last chunk if none failed (e.g. upload out)
 
 
 #: The workers' default nice value (see :class:`HostPlacement`'s ``worker_nice``).
@@ -167,8 +168,8 @@ class _WorkQueue:
       slot among the first :attr:`_SCAN` whose oldest job can run; if none can, the oldest job of
       all is taken (copies land in submission order) and its body waits for its copy.
 
-    A get costs at most O(_SCAN) readiness checks (cached per batch by :class:`_Landed`); the stop
-    marker (``job=None``) is handed out only once no job is left.
+    A get costs at most O(_SCAN) readiness checks (cached per batch by :class:`_Landed`; ``ready``
+    must not raise); the stop marker (``job=None``) is handed out only once no job is left.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -239,20 +240,14 @@ class _WorkQueue:
                 return None
             for priority in self._order[: self._SCAN]:
                 head = self._slots[priority][0]
-                if head[3] is None or _is_ready(head[3]):
+                if head[3] is None or head[3]():
                     return self._take(head)
             return self._take(self._all[0])  # the oldest job left (taken ones are dropped)
 
 
-def _is_ready(ready: Callable[[], bool]) -> bool:
-    try:
-        return bool(ready())
-    except Exception:  # noqa: BLE001 - a failed query: let the body wait (and raise)
-        return True
-
-
 class _Landed:
-    """A batch's ``ready()``, shared by its chunks: queries its event until it has completed."""
+    """A batch's ``ready()``, shared by its chunks: queries its event until it has completed (a failed
+    query answers True: the body waits, and raises)."""
 
     __slots__ = ("_query", "_done")
 
@@ -262,28 +257,28 @@ class _Landed:
 
     def __call__(self) -> bool:
         if not self._done:
-            self._done = bool(self._query())
+            try:
+                self._done = bool(self._query())
+            except Exception:  # noqa: BLE001
+                return True
         return self._done
 
 
-class _WorkerPool:
-    """``threads`` workers on one shared :class:`_WorkQueue`, bound to ``cores`` (None: unbound) at
+class _WorkerPool(_WorkQueue):
+    """The one :class:`_WorkQueue` shared by ``threads`` workers, bound to ``cores`` (None: unbound) at
     nice value ``nice``. (With a queue per worker they were busy only 55% of backward while updates
     piled up for the next forward: H200, 1.3B GPT.)"""
 
     def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
         # Holds nothing of the engine: running threads keep the pool alive, and the
         # engine must stay collectable so that its finalizer can stop them.
-        self._queue = _WorkQueue()
+        super().__init__()
         self._nice = int(nice)
         self._cores = list(cores) if cores else None
         self._threads = [threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
-
-    def __len__(self) -> int:
-        return len(self._threads)
 
     def _run(self) -> None:
         try:  # Linux applies nice values per thread; elsewhere a no-op
@@ -292,20 +287,13 @@ class _WorkerPool:
             pass
         bind_current_thread(self._cores)
         while True:
-            job = self._queue.get()
+            job = self.get()
             if job is None:
                 return
             job()
 
-    def submit_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                    ready: Callable[[], bool] | None = None) -> None:
-        self._queue.put_many(jobs, priority, ready)
-
-    def owns_current_thread(self) -> bool:
-        return threading.current_thread() in self._threads
-
     def shutdown(self) -> None:
-        self._queue.close(len(self._threads))  # each worker stops after every queued job
+        self.close(len(self._threads))  # each worker stops after every queued job
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
@@ -330,9 +318,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_orphan_after_fork)
 
 
-_NO_GRAD, _STAGED = 0, 1
-
-
 @dataclass(eq=False)
 class _Slot:
     id: int
@@ -340,19 +325,17 @@ class _Slot:
     numel: int
     dtype: str
     platform: str
-    nchunks: int
     master: HostBuffer
     exp_avg: HostBuffer
     exp_avg_sq: HostBuffer
     grad_stage: HostBuffer | None = None
     param_stage: HostBuffer | None = None  # fp16/bf16 weights to upload; may be grad_stage
     step: int = 0
-    grad_state: int = _NO_GRAD
+    staged: bool = False  # a gradient is staged, its update not yet queued
     landed: Any = None  # completion event of the last gradient copy
     grad_keep: Any = None  # the device gradient, alive until its copy completed
     ready: Any = None  # completion event of the last weight upload
     inflight: int = 0  # batches queued, running or chained
-    chunk_failed: bool = False  # a chunk of the running batch raised (its finalize sees it)
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
     nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
@@ -431,7 +414,7 @@ class HostPlacement:
 
     @property
     def threads(self) -> int:
-        return len(self._pool)
+        return len(self._pool._threads)
 
     @property
     def closed(self) -> bool:
@@ -456,18 +439,15 @@ class HostPlacement:
             raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
         return self._slots[sid]
 
-    def _alloc(self, numel: int, dtype: str, pinned: bool, what: str) -> HostBuffer:
+    def _alloc(self, numel: int, dtype: str, pinned: bool, what: str, tally: list[int]) -> HostBuffer:
+        """A backend buffer; adds its bytes to ``tally`` (``[pinned, pageable]``)."""
         buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
         nbytes = numel * _ITEMSIZE[dtype]
         size = getattr(self.backend, "pinned_size", None)  # what a pinned buffer really takes
         if buf.pinned and size is not None:
             nbytes = size(nbytes)
-        self._count(nbytes if buf.pinned else 0, 0 if buf.pinned else nbytes)
+        tally[0 if buf.pinned else 1] += nbytes
         return buf
-
-    def _count(self, pinned: int, pageable: int) -> None:
-        self._pinned_bytes += pinned
-        self._pageable_bytes += pageable
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
         """Register a flat parameter; returns its slot id. Copies its value to the master."""
@@ -477,30 +457,26 @@ class HostPlacement:
         if platform not in C.PLATFORMS:
             raise ValueError(f"Unknown platform {platform!r}; expected one of {C.PLATFORMS}")
         numel = int(numel)
-        sid = len(self._slots)
-        counted = (self._pinned_bytes, self._pageable_bytes)
-        try:  # a failed allocation leaves the counters as they were (its buffers go with it)
-            master = self._alloc(numel, "float32", pinned=dtype == "float32", what="adamw.master_fp32")
-            self.backend.param_to_host_f32(param, master.array)
-            m = self._alloc(numel, "float32", pinned=self.pin_moments, what="adamw.exp_avg")
-            v = self._alloc(numel, "float32", pinned=self.pin_moments, what="adamw.exp_avg_sq")
-            m.array[:] = 0
-            v.array[:] = 0
-            nchunks = max(1, -(-numel // self.chunk))
-            slot = _Slot(id=sid, param=param, numel=numel, dtype=dtype, platform=platform, nchunks=nchunks,
-                         master=master, exp_avg=m, exp_avg_sq=v)
-            slot.grad_stage = self._alloc(numel, dtype, pinned=True, what="grad.staging")
-            if dtype != "float32":
-                if self._weights_in_grad_stage:
-                    slot.param_stage = slot.grad_stage
-                else:
-                    slot.param_stage = self._alloc(numel, dtype, pinned=True, what="param.staging")
-        except BaseException:
-            self._count(counted[0] - self._pinned_bytes, counted[1] - self._pageable_bytes)
-            raise
-        slot.nbytes = (self._pinned_bytes - counted[0], self._pageable_bytes - counted[1])
+        tally = [0, 0]  # counted once all are allocated (a failure drops them)
+        master = self._alloc(numel, "float32", dtype == "float32", "adamw.master_fp32", tally)
+        self.backend.param_to_host_f32(param, master.array)
+        m = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg", tally)
+        v = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg_sq", tally)
+        m.array[:] = 0
+        v.array[:] = 0
+        slot = _Slot(id=len(self._slots), param=param, numel=numel, dtype=dtype, platform=platform,
+                     master=master, exp_avg=m, exp_avg_sq=v)
+        slot.grad_stage = self._alloc(numel, dtype, True, "grad.staging", tally)
+        if dtype != "float32":
+            if self._weights_in_grad_stage:
+                slot.param_stage = slot.grad_stage
+            else:
+                slot.param_stage = self._alloc(numel, dtype, True, "param.staging", tally)
+        slot.nbytes = (tally[0], tally[1])
+        self._pinned_bytes += tally[0]
+        self._pageable_bytes += tally[1]
         self._slots.append(slot)
-        return sid
+        return slot.id
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -509,20 +485,50 @@ class HostPlacement:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         for s in self._slots[n:]:
             self._wait_idle(s)
-            self._count(-s.nbytes[0], -s.nbytes[1])
+            self._pinned_bytes -= s.nbytes[0]
+            self._pageable_bytes -= s.nbytes[1]
         del self._slots[n:]
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
 
     def has_grad(self, sid: int) -> bool:
-        return self._slot(sid).grad_state != _NO_GRAD
+        return self._slot(sid).staged
 
-    def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None], finalize: Callable[[], None] | None = None,
-                   landed: Any = None) -> None:
-        """Queue ``body(chunk, begin, end)`` over the slot's chunks, then ``finalize``, after the
-        slot's batch in flight if any. ``landed``: the gradient copy the body waits for first, if
-        any; its ``query()`` lets a worker run another slot's job while the copy is in flight."""
+    def _submit(self, numel: int, priority: float, landed: Any, body: Callable[[int, int, int], None],
+                finalize: Callable[[bool], None] | None, record: Callable[[BaseException], None],
+                done: Callable[[], None]) -> None:
+        """Queue one batch: ``body(chunk, begin, end)`` over the chunks of ``numel`` elements. The last
+        chunk to finish calls ``finalize(failed)`` (``failed``: a chunk raised), then ``done()`` whatever
+        happened; every exception goes to ``record``. ``landed``: the copy the body waits for, if any;
+        its ``query()`` lets a worker run another batch's job while the copy is in flight."""
+        nchunks = max(1, -(-numel // self.chunk))
+        finished = itertools.count(1)  # next() is atomic: no lock between the workers
+        failed: list[BaseException] = []
+        query = getattr(landed, "query", None)
+
+        def job(c: int, b: int, e: int) -> None:
+            try:
+                body(c, b, e)
+            except BaseException as exc:  # noqa: BLE001 - recorded, raised later
+                failed.append(exc)
+                record(exc)
+            if next(finished) == nchunks:  # the batch's last chunk to finish
+                try:
+                    if finalize is not None:
+                        finalize(bool(failed))
+                except BaseException as exc:  # noqa: BLE001
+                    record(exc)
+                finally:
+                    done()
+
+        jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk): job(c, b, e))
+                for c in range(nchunks)]
+        self._pool.put_many(jobs, priority, _Landed(query) if query is not None else None)
+
+    def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None],
+                   finalize: Callable[[bool], None] | None = None, landed: Any = None) -> None:
+        """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky), after its batch in flight if any."""
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
@@ -537,46 +543,23 @@ class HostPlacement:
             raise
 
     def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
-        finished = itertools.count(1)  # next() is atomic: no lock between the workers
-        query = getattr(landed, "query", None)
-        ready = _Landed(query) if query is not None else None
-        s.chunk_failed = False  # the slot's batches run one after another
-
-        def job(c: int, b: int, e: int) -> None:
-            try:
-                body(c, b, e)
-            except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
-                s.chunk_failed = True
-                self.errors.record(exc)
-            if next(finished) == s.nchunks:  # the batch's last chunk to finish
-                try:
-                    if finalize is not None:
-                        finalize()
-                except BaseException as exc:  # noqa: BLE001
-                    self.errors.record(exc)
-                finally:
-                    with s.cond:
-                        s.inflight -= 1
-                        nxt = s.chain.popleft() if s.chain else None
-                        s.cond.notify_all()
-                    if nxt is not None:
-                        self._submit_chained(s, nxt)
-
-        jobs = [(lambda c=c, b=c * self.chunk, e=min(s.numel, (c + 1) * self.chunk): job(c, b, e))
-                for c in range(s.nchunks)]
-        self._pool.submit_many(jobs, s.id, ready)
-
-    def _submit_chained(self, s: _Slot, batch: tuple) -> None:
-        """Submit a slot's next chained batch (from the worker that finished the one before). On
-        failure the error is kept, and it and the batches chained after it leave ``inflight``."""
-        try:
-            self._submit_batch(s, *batch)
-        except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
-            self.errors.record(exc)
+        def done() -> None:  # then submit the slot's next chained batch, if any
             with s.cond:
-                s.inflight -= 1 + len(s.chain)
-                s.chain.clear()
+                s.inflight -= 1
+                nxt = s.chain.popleft() if s.chain else None
                 s.cond.notify_all()
+            if nxt is None:
+                return
+            try:
+                self._submit_batch(s, *nxt)
+            except BaseException as exc:  # noqa: BLE001 - kept and raised at the next call
+                self.errors.record(exc)
+                with s.cond:  # it and the batches chained after it leave ``inflight``
+                    s.inflight -= 1 + len(s.chain)
+                    s.chain.clear()
+                    s.cond.notify_all()
+
+        self._submit(s.numel, s.id, landed, body, finalize, self.errors.record, done)
 
     def _wait_idle(self, s: _Slot) -> None:
         if self._forked:  # before the lock: a worker of the parent may have held it
@@ -611,7 +594,7 @@ class HostPlacement:
         # Keep the device gradient alive until its copy ran, unless the backend does (torch: record_stream).
         s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
-        s.grad_state = _STAGED
+        s.staged = True
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
@@ -621,9 +604,9 @@ class HostPlacement:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
         self._check_open()
         for s in self._slots:
-            if s.grad_state != _NO_GRAD:
+            if s.staged:
                 self._wait_idle(s)
-                s.grad_state = _NO_GRAD
+                s.staged = False
                 s.grad_keep = None
         self.check_error()
 
@@ -653,10 +636,10 @@ class HostPlacement:
             self._stats.add("update_s", t1 - t)
             _trace.add("update", t, t1, s.id)
 
-        def finalize() -> None:
+        def finalize(failed: bool) -> None:
             t = time.perf_counter()
             s.grad_keep = None
-            if s.chunk_failed:
+            if failed:
                 # Raised at the next call; the failed chunk's range of the staging is unwritten (with
                 # weights in grad staging: gradient bits), so nothing is uploaded: old weights stay.
                 return
@@ -665,7 +648,7 @@ class HostPlacement:
             self._stats.last_finalize = t1 = time.perf_counter()
             _trace.add("upload", t, t1, s.id)
 
-        s.grad_state = _NO_GRAD
+        s.staged = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)
 
@@ -703,7 +686,7 @@ class HostPlacement:
         coefs = coefs or {}
         for sid, hp in updates:
             s = self._slot(sid)
-            if s.grad_state == _NO_GRAD:
+            if not s.staged:
                 continue
             after = self.backend.record_compute(s.param)
             self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), after)
@@ -740,13 +723,11 @@ class HostPlacement:
         self.check_error()
 
     def _run_external(self, batches: list, what: str) -> None:
-        """Run ``batches`` (``(priority, landed, [job(c, b, e)...], numel, finished)``) in chunks on
-        the workers; wait for all and raise the first failure to the caller (not sticky: no slot of
-        this placement is touched)."""
+        """Run ``batches`` (``(landed, body, numel, finished)``: :meth:`_submit`'s, priority their
+        index, ``finished()`` after a batch whose chunks all ran) on the workers; wait for all and raise
+        the first failure to the caller (not sticky: no slot of this placement is touched)."""
         self._check_open()
         self.check_error()
-        if not batches:
-            return
         cond = threading.Condition()
         left = [len(batches)]
         errors: list[BaseException] = []
@@ -755,42 +736,21 @@ class HostPlacement:
             with cond:
                 errors.append(exc)
 
-        def batch_done() -> None:
+        def done(n: int = 1) -> None:
             with cond:
-                left[0] -= 1
-                if left[0] == 0:
-                    cond.notify_all()
+                left[0] -= n
+                cond.notify_all()
 
-        for k, (priority, landed, body, numel, finished) in enumerate(batches):
-            nchunks = max(1, -(-numel // self.chunk))
-            count = itertools.count(1)
-            query = getattr(landed, "query", None)
-            ready = _Landed(query) if query is not None else None
+        for k, (landed, body, numel, finished) in enumerate(batches):
+            def finalize(failed: bool, finished=finished) -> None:
+                if finished is not None and not failed:
+                    finished()
 
-            def job(c, b, e, body=body, nchunks=nchunks, count=count, finished=finished, landed=landed):
-                try:
-                    if landed is not None:
-                        landed.synchronize()
-                    body(c, b, e)
-                except BaseException as exc:  # noqa: BLE001 - raised by the caller below
-                    record(exc)
-                if next(count) == nchunks:  # the item's last chunk to finish
-                    try:
-                        if finished is not None and not errors:
-                            finished()
-                    except BaseException as exc:  # noqa: BLE001
-                        record(exc)
-                    finally:
-                        batch_done()
-
-            jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk), job=job: job(c, b, e))
-                    for c in range(nchunks)]
             try:
-                self._pool.submit_many(jobs, priority, ready)
+                self._submit(numel, k, landed, body, finalize, record, done)
             except RuntimeError as exc:  # the pool has stopped: wait only for what it took
-                with cond:
-                    left[0] -= len(batches) - k
-                    errors.append(exc)
+                record(exc)
+                done(len(batches) - k)
                 break
         with cond:
             while left[0]:
@@ -805,7 +765,7 @@ class HostPlacement:
         until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
         No slot is involved: the caller keeps the state and supplies each update's scalars."""
         variant = C.variant_id(self.convention, platform)
-        tc_code = self.tc_code
+        tc_code, stats = self.tc_code, self._stats
         batches = []
         for k, it in enumerate(items):
             if it.gdtype not in _KIND:
@@ -814,26 +774,22 @@ class HostPlacement:
             for name, a in (("p", it.p), ("v", it.v)):
                 if a.size != numel:
                     raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
-            gkind = _KIND[it.gdtype]
-            if it.out_kind is None or it.out is None:
-                out, okind = None, K.KIND_F32
-            elif it.out_kind == "u":
-                out, okind = it.out, K.OUT_U
-            elif it.out_kind in ("float16", "bfloat16"):
-                out, okind = it.out, _KIND[it.out_kind]
-            else:
-                raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
-            p, m, v, g, s = it.p, it.m, it.v, it.g, it.scalars
-            stats, sid = self._stats, -1 - k
+            out, okind = None, K.KIND_F32
+            if it.out_kind is not None and it.out is not None:
+                if it.out_kind not in _OUT_KIND:
+                    raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
+                out, okind = it.out, _OUT_KIND[it.out_kind]
 
-            def body(c, b, e, p=p, m=m, v=v, g=g, gkind=gkind, out=out, okind=okind, s=s, sid=sid):
+            def body(c, b, e, it=it, gkind=_KIND[it.gdtype], out=out, okind=okind, sid=-1 - k):
+                if it.landed is not None:  # g, p and scalars may still be in flight
+                    it.landed.synchronize()
                 t = time.perf_counter()
-                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, s, tc_code)
+                K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
                 t1 = time.perf_counter()
                 stats.add("update_s", t1 - t)
                 _trace.add("update", t, t1, sid)
 
-            batches.append((k, it.landed, body, numel, it.finished))
+            batches.append((it.landed, body, numel, it.finished))
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
 
@@ -841,19 +797,19 @@ class HostPlacement:
         """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the caller
         owns, from partials over blocks of :data:`NORM_BLOCK` elements summed in item, then block
         order (independent of threads and chunking); blocks until done."""
-        partials = []
-        batches = []
-        for k, (g, gdtype, landed) in enumerate(grads):
+        partials, batches = [], []
+        for g, gdtype, landed in grads:
             if gdtype not in _KIND:
                 raise TypeError(f"sumsq_external: gradient dtype {gdtype!r} is not float32, float16 or bfloat16")
             out = np.zeros(-(-int(g.size) // NORM_BLOCK), np.float64)
             partials.append(out)
-            kind = _KIND[gdtype]
 
-            def body(c, b, e, g=g, kind=kind, out=out):
+            def body(c, b, e, g=g, kind=_KIND[gdtype], out=out, landed=landed):
+                if landed is not None:
+                    landed.synchronize()
                 K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK:])
 
-            batches.append((k, landed, body, int(g.size), None))
+            batches.append((landed, body, int(g.size), None))
         self._run_external(batches, "sumsq_external")
         total = 0.0
         for out in partials:
@@ -903,7 +859,7 @@ class HostPlacement:
         else:
             self.backend.param_to_host_f32(s.param, s.master.array)
         s.step = int(step)
-        s.grad_state = _NO_GRAD
+        s.staged = False
         s.grad_keep = None
 
     def stats(self) -> dict[str, float]:
@@ -929,7 +885,7 @@ class HostPlacement:
             self._closed = True
             self._slots = []
             return
-        if self._pool.owns_current_thread():
+        if threading.current_thread() in self._pool._threads:
             # From a worker (e.g. a finalizer run by the garbage collector inside a job): waiting
             # would wait for this very thread. Let the workers drain and stop.
             self._closed = True
