@@ -34,6 +34,7 @@ _CU_EVENT_DISABLE_TIMING = 0x2  # cheaper record/query
 _CUDA_ERROR_NOT_READY = 600
 _CU_MEMHOSTALLOC_PORTABLE = 0x1  # usable from every context
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x2  # mapped into the device address space
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 _lib = None  # CDLL: releases the GIL during the call (blocking calls)
 _fast = None  # PyDLL: keeps the GIL (calls that return at once)
@@ -106,9 +107,6 @@ def available() -> bool:
         return False
 
 
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-
-
 def pointer_device(ptr: int) -> int:
     """The ordinal of the device that ``ptr`` belongs to: device memory, or host memory
     registered with a device's context (e.g. a buffer XLA hands to a callback)."""
@@ -158,56 +156,65 @@ class Context:
         finally:
             self._leave(pushed)
 
+    def call_checked(self, name: str, *args, release_gil: bool = False) -> None:
+        """:meth:`call`, raising :class:`CudaDriverError` (naming ``name`` less ``_v2``) for an error."""
+        _check(self.call(name, *args, release_gil=release_gil), name.removesuffix("_v2"))
+
     def memcpy_dtoh_async(self, dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
         """Queue ``nbytes`` from device memory to pinned host memory on ``stream``."""
-        _check(self.call("cuMemcpyDtoHAsync_v2", dst_host, src_device, nbytes, stream), "cuMemcpyDtoHAsync")
+        self.call_checked("cuMemcpyDtoHAsync_v2", dst_host, src_device, nbytes, stream)
 
     def memcpy_htod_async(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
         """Queue ``nbytes`` from pinned host memory to device memory on ``stream``
         (pinned only: from pageable memory the driver would block with the GIL held)."""
-        _check(self.call("cuMemcpyHtoDAsync_v2", dst_device, src_host, nbytes, stream), "cuMemcpyHtoDAsync")
+        self.call_checked("cuMemcpyHtoDAsync_v2", dst_device, src_host, nbytes, stream)
 
     def stream_wait_event(self, stream: int, event: "Event") -> None:
         """Make ``stream``'s later work wait for ``event`` (on the device; the host goes on)."""
-        _check(self.call("cuStreamWaitEvent", stream, event.handle, 0), "cuStreamWaitEvent")
+        self.call_checked("cuStreamWaitEvent", stream, event.handle, 0)
 
     def create_stream(self) -> int:
         """A new non-blocking stream of this context (``destroy_stream`` releases it)."""
         st = ctypes.c_void_p()
-        _check(self.call("cuStreamCreate", ctypes.byref(st), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        self.call_checked("cuStreamCreate", ctypes.byref(st), 1)  # CU_STREAM_NON_BLOCKING
         return st.value
 
     def destroy_stream(self, stream: int) -> None:
         """Release a stream of :meth:`create_stream` (its queued work still completes)."""
-        _check(self.call("cuStreamDestroy_v2", stream), "cuStreamDestroy")
+        self.call_checked("cuStreamDestroy_v2", stream)
 
     def stream_synchronize(self, stream: int) -> None:
         """Block (GIL released) until ``stream``'s queued work is done."""
-        _check(self.call("cuStreamSynchronize", stream, release_gil=True), "cuStreamSynchronize")
+        self.call_checked("cuStreamSynchronize", stream, release_gil=True)
 
     def synchronize(self) -> None:
         """Block (GIL released) until all work queued on the device is done."""
-        _check(self.call("cuCtxSynchronize", release_gil=True), "cuCtxSynchronize")
+        self.call_checked("cuCtxSynchronize", release_gil=True)
+
+    def _alloc(self, name: str, out, nbytes: int, what: str, *flags) -> int:
+        """Allocate ``nbytes`` (returned as an int) into ``out`` through driver function ``name``
+        (GIL released); ``MemoryError`` naming the size and ``what`` when the driver refuses."""
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        res = self.call(name, ctypes.byref(out), nbytes, *flags, release_gil=True)
+        if res != 0:
+            try:
+                _check(res, name.removesuffix("_v2"))
+            except CudaDriverError as exc:
+                raise MemoryError(f"could not allocate {nbytes} bytes of {what}: {exc}") from None
+        return nbytes
 
     def alloc_mapped(self, nbytes: int) -> "Mapped":
         """``nbytes`` of pinned host memory mapped into the device address space (portable:
         usable from every context). ``MemoryError`` naming the size when the driver refuses."""
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
         host = ctypes.c_void_p()
-        res = self.call("cuMemHostAlloc", ctypes.byref(host), nbytes,
-                        _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP, release_gil=True)
-        if res != 0:
-            try:
-                _check(res, "cuMemHostAlloc")
-            except CudaDriverError as exc:
-                raise MemoryError(f"could not allocate {nbytes} bytes of mapped pinned host memory: {exc}") from None
+        nbytes = self._alloc("cuMemHostAlloc", host, nbytes, "mapped pinned host memory",
+                             _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP)
         buf = Mapped(self, host.value, nbytes)
         dev = ctypes.c_uint64()
         try:
-            _check(self.call("cuMemHostGetDevicePointer_v2", ctypes.byref(dev), host.value, 0),
-                   "cuMemHostGetDevicePointer")
+            self.call_checked("cuMemHostGetDevicePointer_v2", ctypes.byref(dev), host.value, 0)
         except BaseException:
             buf.free()
             raise
@@ -217,17 +224,8 @@ class Context:
     def alloc_device(self, nbytes: int) -> DeviceMemory:
         """``nbytes`` of device memory (``cuMemAlloc``: outside the framework's allocator,
         which does not count it). ``MemoryError`` naming the size when the driver refuses."""
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
         ptr = ctypes.c_uint64()
-        res = self.call("cuMemAlloc_v2", ctypes.byref(ptr), nbytes, release_gil=True)
-        if res != 0:
-            try:
-                _check(res, "cuMemAlloc")
-            except CudaDriverError as exc:
-                raise MemoryError(f"could not allocate {nbytes} bytes of GPU memory on cuda:{self.device}: "
-                                  f"{exc}") from None
+        nbytes = self._alloc("cuMemAlloc_v2", ptr, nbytes, f"GPU memory on cuda:{self.device}")
         return DeviceMemory(self, ptr.value, nbytes)
 
     def __del__(self):
@@ -337,28 +335,26 @@ class DeviceMemory:
             raise ValueError(f"a copy of {nbytes} bytes does not fit a device buffer of {self.nbytes}")
         return nbytes
 
-    def to_host(self, host_ptr: int, nbytes: int, stream: int) -> None:
-        """Copy the first ``nbytes`` into host memory at ``host_ptr``; returns once done."""
+    def _copy(self, name: str, dst: int, src: int, nbytes: int, stream: int) -> None:
         nbytes = self._span(nbytes)
         if nbytes:
-            _check(self._ctx.call("cuMemcpyDtoHAsync_v2", host_ptr, self.dev_ptr, nbytes, stream, release_gil=True),
-                   "cuMemcpyDtoHAsync")
+            self._ctx.call_checked(name, dst, src, nbytes, stream, release_gil=True)
             self._ctx.stream_synchronize(stream)
+
+    def to_host(self, host_ptr: int, nbytes: int, stream: int) -> None:
+        """Copy the first ``nbytes`` into host memory at ``host_ptr``; returns once done."""
+        self._copy("cuMemcpyDtoHAsync_v2", host_ptr, self.dev_ptr, nbytes, stream)
 
     def from_host(self, host_ptr: int, nbytes: int, stream: int) -> None:
         """Copy ``nbytes`` of host memory at ``host_ptr`` into the first bytes; returns once done."""
-        nbytes = self._span(nbytes)
-        if nbytes:
-            _check(self._ctx.call("cuMemcpyHtoDAsync_v2", self.dev_ptr, host_ptr, nbytes, stream, release_gil=True),
-                   "cuMemcpyHtoDAsync")
-            self._ctx.stream_synchronize(stream)
+        self._copy("cuMemcpyHtoDAsync_v2", self.dev_ptr, host_ptr, nbytes, stream)
 
     def zero(self, stream: int) -> None:
         """Set every byte to zero; returns once done."""
         self._span(0)
         if self.nbytes % 4:
             raise ValueError(f"zero() needs a multiple of 4 bytes, the buffer has {self.nbytes}")
-        _check(self._ctx.call("cuMemsetD32Async", self.dev_ptr, 0, self.nbytes // 4, stream), "cuMemsetD32Async")
+        self._ctx.call_checked("cuMemsetD32Async", self.dev_ptr, 0, self.nbytes // 4, stream)
         self._ctx.stream_synchronize(stream)
 
     def free(self) -> None:

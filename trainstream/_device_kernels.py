@@ -5,10 +5,7 @@ a raw stream handle (plain ``int``\\ s, so torch, JAX and CuPy callers all fit),
 allocations for the state: mapped pinned host memory, or GPU memory (the same kernels,
 other pointers). No torch or jax import; CuPy is imported on first use, and a call that
 needs it raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
-``trainstream[cuda13]``.
-
-Sources: package data of ``trainstream``, read with :mod:`importlib.resources`
-(:func:`kernel_source`) from a wheel, a checkout or a zip alike.
+``trainstream[cuda13]``. The sources are package data (:func:`kernel_source`).
 
 Compilation: NVRTC through ``cupy.RawModule`` with :data:`COMPILE_OPTIONS`. Every float
 operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which
@@ -36,7 +33,7 @@ import os
 import re
 import threading
 from importlib import resources
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -142,19 +139,14 @@ def check_kernel_constants() -> None:
     """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract`
     (``TS_S_*``, ``TS_VARIANT_*``, ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`;
     ``RuntimeError`` listing every difference. Needs no GPU."""
-    problems = []
-    adamw = dict((k, int(v)) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE)))
+    adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
-    for name in dir(C):
-        if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int):
-            expected["TS_" + name] = getattr(C, name)
-    for key, want in sorted(expected.items()):
-        got = adamw.get(key)
-        if got != want:
-            problems.append(f"{ADAMW_SOURCE}: {key} is {got}, the contract says {want}")
-    for key in sorted(adamw):
-        if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected:
-            problems.append(f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract")
+    expected.update({"TS_" + name: getattr(C, name) for name in dir(C)
+                     if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int)})
+    problems = [f"{ADAMW_SOURCE}: {key} is {adamw.get(key)}, the contract says {want}"
+                for key, want in sorted(expected.items()) if adamw.get(key) != want]
+    problems += [f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract" for key in sorted(adamw)
+                 if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected]
     if problems:
         raise RuntimeError("TrainStream kernels out of sync with the contract:\n  " + "\n  ".join(problems))
 
@@ -194,20 +186,12 @@ def adamw_u_kernel_name(variant: int, grad_dtype) -> str:
     return f"adamw_zero_copy_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
 
 
-def _all_adamw_names() -> list[str]:
-    return ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
-            + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
-
-
 # -- compilation, once per device ----------------------------------------------------------
-class _Kernel:
-    __slots__ = ("name", "function", "ptr", "max_grid")
-
-    def __init__(self, name, function, ptr, max_grid):
-        self.name = name
-        self.function = function  # keeps the CUmodule loaded
-        self.ptr = ptr
-        self.max_grid = max_grid  # blocks resident at once on the whole device
+class _Kernel(NamedTuple):
+    name: str
+    function: object  # keeps the CUmodule loaded
+    ptr: int
+    max_grid: int  # blocks resident at once on the whole device
 
 
 _lock = threading.Lock()
@@ -215,14 +199,14 @@ _modules: dict[str, object] = {}
 _kernels: dict[int, dict[str, _Kernel]] = {}
 
 
-def _current_device() -> int:
-    return int(_cupy().cuda.runtime.getDevice())
+def _device_index(device: int | None) -> int:
+    """``device`` as an int; None: CuPy's current device."""
+    return int(_cupy().cuda.runtime.getDevice()) if device is None else int(device)
 
 
 def multiprocessor_count(device: int | None = None) -> int:
     """The number of streaming multiprocessors of ``device`` (default: the current one)."""
-    dev = _current_device() if device is None else int(device)
-    return int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    return int(_cupy().cuda.Device(_device_index(device)).attributes["MultiProcessorCount"])
 
 
 def compile_kernels(device: int | None = None) -> dict[str, int]:
@@ -230,7 +214,7 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
     thread-safe, called by the launchers. Returns ``{name: resident blocks per device}``
     (occupancy x multiprocessors), the grid cap of the AdamW launches."""
     cp = _cupy()
-    dev = _current_device() if device is None else int(device)
+    dev = _device_index(device)
     table = _kernels.get(dev)
     if table is not None:
         return {k: v.max_grid for k, v in table.items()}
@@ -239,12 +223,13 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
         if table is None:
             check_kernel_constants()
             if not _modules:
-                opts = COMPILE_OPTIONS
-                _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=opts)
+                _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=COMPILE_OPTIONS)
+            names = ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
+                     + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
             table = {}
             with cp.cuda.Device(dev):
                 sm_count = multiprocessor_count(dev)
-                for name in _all_adamw_names():
+                for name in names:
                     function = _modules["adamw"].get_function(name).kernel  # compiles once
                     per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, ADAMW_THREADS, 0)
                     table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
@@ -260,27 +245,24 @@ def _kernel(device: int, name: str) -> _Kernel:
     return table[name]
 
 
-def _ensure_context(cp, device: int) -> None:
-    """Bind the device's primary context to this thread if none is (a thread that never
-    made a CUDA runtime call, e.g. one of XLA's); the driver launch needs one."""
-    if cp.cuda.driver.ctxGetCurrent() == 0:
-        cp.cuda.runtime.setDevice(device)
-        cp.cuda.runtime.free(0)  # any runtime call makes the primary context current
-
-
 def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, stream: int) -> None:
     cp = _cupy()
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    what = f"{kernel.name} (grid {grid} x {block})"
     with cp.cuda.Device(device):
-        _ensure_context(cp, device)
+        # A thread that never made a CUDA runtime call (e.g. one of XLA's) has no current context;
+        # the driver launch needs one: any runtime call makes the device's primary context current.
+        if cp.cuda.driver.ctxGetCurrent() == 0:
+            cp.cuda.runtime.setDevice(device)
+            cp.cuda.runtime.free(0)
         try:
             cp.cuda.driver.launchKernel(kernel.ptr, grid, 1, 1, block, 1, 1, 0, int(stream),
                                         ctypes.addressof(params), 0)
         except cp.cuda.driver.CUDADriverError as e:
-            raise RuntimeError(f"TrainStream: launching {kernel.name} (grid {grid} x {block}) on cuda:{device}, "
-                               f"stream {int(stream):#x}, failed: {e}") from e
+            raise RuntimeError(f"TrainStream: launching {what} on cuda:{device}, stream {int(stream):#x}, "
+                               f"failed: {e}") from e
         if _sync_launches:
-            _sync_or_raise(device, stream, f"{kernel.name} (grid {grid} x {block})")
+            _sync_or_raise(device, stream, what)
 
 
 def _sync_or_raise(device: int, stream: int, what: str) -> None:
@@ -294,7 +276,7 @@ def _sync_or_raise(device: int, stream: int, what: str) -> None:
 def check_stream(stream: int = 0, device: int | None = None) -> None:
     """Synchronise ``stream`` and raise ``RuntimeError`` for an asynchronous kernel fault."""
     cp = _cupy()
-    dev = _current_device() if device is None else int(device)
+    dev = _device_index(device)
     with cp.cuda.Device(dev):
         _sync_or_raise(dev, stream, "the launches queued on this stream")
 
@@ -313,25 +295,6 @@ def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
 
 
 # -- AdamW ---------------------------------------------------------------------------------
-def _check_tensor_ptrs(prefix: str, pd: str, gd: str, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr,
-                       *, empty: bool) -> tuple[int, int, int, int, int]:
-    """One tensor's pointers checked for an AdamW launch (``prefix`` names the tensor in
-    the messages, e.g. ``"items[3]."``); null pointers only where it is ``empty``."""
-    param_ptr = _check_ptr(f"{prefix}param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
-    grad_ptr = _check_ptr(f"{prefix}grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
-    m_ptr = _check_ptr(f"{prefix}m_ptr", m_ptr, 4, allow_null=empty)
-    v_ptr = _check_ptr(f"{prefix}v_ptr", v_ptr, 4, allow_null=empty)
-    if pd == "float32":
-        if master_ptr:
-            raise ValueError(f"{prefix.rstrip('.') + ': ' if prefix else ''}fp32 weights are their own "
-                             "master: pass master_ptr=0")
-        master_ptr = 0
-    else:
-        master_ptr = _check_ptr(f"{prefix}master_ptr (required for {pd} weights)", master_ptr, 4,
-                                allow_null=empty)
-    return param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr
-
-
 def _grid_for(n: int, max_grid: int) -> int:
     """Grid of an AdamW launch: one 4-element group per thread, capped at the blocks
     resident on the device (grid-stride beyond that), so no block waits for a second wave."""
@@ -358,12 +321,9 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
     grid (grid-stride: the bits do not depend on it), e.g. to leave multiprocessors to a
     backward running at the same time.
     """
-    if scalars_ptr:
-        s = _check_ptr("scalars_ptr", scalars_ptr, 4)
-    elif scalars is None:
+    if not scalars_ptr and scalars is None:
         raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
-    else:
-        s = scalars
+    s = _check_ptr("scalars_ptr", scalars_ptr, 4) if scalars_ptr else scalars
     _launch_adamw_items(variant, param_dtype, grad_dtype, [(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, s)],
                         stream, device, max_blocks, named=False)
 
@@ -401,7 +361,8 @@ def launch_adamw_u_multi(variant: int, grad_dtype,
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
                         named: bool, emit_u: bool = False) -> int:
     """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``:
-    the kernels that write ``u`` into each item's third pointer, see :func:`launch_adamw_u_multi`)."""
+    the kernels that write ``u`` into each item's third pointer, see :func:`launch_adamw_u_multi`).
+    Null pointers pass only in an empty item."""
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
@@ -413,7 +374,7 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
         raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
     checked = []
     for k, item in enumerate(items):
-        pre = f"items[{k}]: " if named else ""
+        pre, dot = (f"items[{k}]: ", f"items[{k}].") if named else ("", "")
         if len(item) != 7:
             raise ValueError(f"{pre}expected (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)")
         param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars = item
@@ -422,23 +383,26 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
             raise ValueError(f"{pre}n must be >= 0, got {n}")
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
         if emit_u:  # the u output takes the master's place (float32 weights have none)
-            u_ptr = _check_ptr(f"items[{k}].u_ptr" if named else "u_ptr", master_ptr, 4, allow_null=empty)
-            master_ptr = 0
-        ptrs = _check_tensor_ptrs(f"items[{k}]." if named else "", pd, gd, param_ptr, grad_ptr,
-                                  master_ptr, m_ptr, v_ptr, empty=empty)
-        if emit_u:
-            ptrs = (ptrs[0], ptrs[1], u_ptr, ptrs[3], ptrs[4])
+            master_ptr = _check_ptr(f"{dot}u_ptr", master_ptr, 4, allow_null=empty)
+        param_ptr = _check_ptr(f"{dot}param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
+        grad_ptr = _check_ptr(f"{dot}grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
+        m_ptr = _check_ptr(f"{dot}m_ptr", m_ptr, 4, allow_null=empty)
+        v_ptr = _check_ptr(f"{dot}v_ptr", v_ptr, 4, allow_null=empty)
+        if pd != "float32":
+            master_ptr = _check_ptr(f"{dot}master_ptr (required for {pd} weights)", master_ptr, 4, allow_null=empty)
+        elif master_ptr and not emit_u:
+            raise ValueError(f"{pre}fp32 weights are their own master: pass master_ptr=0")
         if isinstance(scalars, (int, np.integer)):
-            sc = _check_ptr(f"items[{k}].scalars_ptr" if named else "scalars_ptr", scalars, 4)
+            sc = _check_ptr(f"{dot}scalars_ptr", scalars, 4)
         else:
             sc = np.ascontiguousarray(scalars, dtype=np.float32)
             if sc.shape != (C.N_SCALARS,):
                 raise ValueError(f"{pre}scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
         if not empty:
-            checked.append((*ptrs, n, sc))
+            checked.append((param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc))
     if not checked:
         return 0
-    dev = _current_device() if device is None else int(device)
+    dev = _device_index(device)
     kernel = _kernel(dev, kernel_name)
     cap = kernel.max_grid if max_blocks is None else min(kernel.max_grid, int(max_blocks))
     batch = _MultiBatch()
@@ -464,16 +428,14 @@ def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Call
     """``nbytes`` of pinned host memory mapped into the GPU address space
     (:meth:`trainstream._cuda.Context.alloc_mapped`) as ``(host_ptr, dev_ptr, free)``;
     ``free()`` releases it (idempotent; also when the last reference to ``free`` goes)."""
-    dev = _current_device() if device is None else int(device)
-    buf = _cuda.context(dev).alloc_mapped(nbytes)
+    buf = _cuda.context(_device_index(device)).alloc_mapped(nbytes)
     return buf.host_ptr, buf.dev_ptr, buf.free
 
 
 def alloc_device(nbytes: int, device: int | None = None) -> _cuda.DeviceMemory:
     """``nbytes`` of GPU memory for state kept resident there
     (:meth:`trainstream._cuda.Context.alloc_device`; the kernels take its ``dev_ptr``)."""
-    dev = _current_device() if device is None else int(device)
-    return _cuda.context(dev).alloc_device(nbytes)
+    return _cuda.context(_device_index(device)).alloc_device(nbytes)
 
 
 def host_view(host_ptr: int, count: int, dtype=np.float32) -> np.ndarray:

@@ -32,7 +32,8 @@ from ._budget import _ITEMSIZE
 
 __all__ = ["DevicePlacement", "StagingRing", "staging_ring"]
 
-#: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor.
+#: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor: backward keeps
+#: most of the GPU (H200, GPT 350M: 131 ms per step with 16-33 blocks, 156 ms with the full grid).
 EAGER_SM_FRACTION = 0.25
 
 #: Elements of one multi-tensor launch of ``step()`` (a larger tensor goes alone): ~1 ms of PCIe
@@ -159,14 +160,13 @@ class StagingRing:
 
     def close(self) -> None:
         """Wait for the copies, free the buffers and the streams."""
-        for st in (self.h2d, self.d2h):
-            if st is not None:
-                self.ctx.stream_synchronize(st)
+        streams = [st for st in (self.h2d, self.d2h) if st is not None]
+        for st in streams:
+            self.ctx.stream_synchronize(st)
         for m in self.mem:
             m.free()
-        for st in (self.h2d, self.d2h):
-            if st is not None:
-                self.ctx.destroy_stream(st)
+        for st in streams:
+            self.ctx.destroy_stream(st)
         self.mem, self.h2d, self.d2h = [], None, None
 
 
@@ -206,12 +206,8 @@ class DevicePlacement:
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
         self._closed = False
-        self._steps = 0
-        self._eager_updates = 0
-        self._launch_s = 0.0
-        self._ready_stall_s = 0.0
-        self._mapped_bytes = 0
-        self._device_bytes = 0  # resident state, in GPU memory
+        self._steps = self._eager_updates = 0
+        self._launch_s = self._ready_stall_s = 0.0
         self._unwaited = False  # launches since the compute stream last waited for all
         self.staged = bool(staged)
         self._ring: StagingRing | None = None
@@ -237,21 +233,14 @@ class DevicePlacement:
             where = "GPU-resident state (gpu_state_bytes)" if resident else "gpu mode"
             raise MemoryError(f"TrainStream {where}, {what}: {exc}") from exc
         owned.append(buf)
-        if resident:
-            self._device_bytes += nbytes
-        else:
-            self._mapped_bytes += nbytes
         return buf
 
-    def _release(self, bufs) -> None:
+    @staticmethod
+    def _release(bufs) -> None:
         for buf in bufs:
             if buf is not None:
                 buf.host = None  # drop the view before the memory goes
                 buf.free()
-                if buf.mem is not None:
-                    self._device_bytes -= buf.nbytes
-                else:
-                    self._mapped_bytes -= buf.nbytes
 
     def _read(self, buf: _Buf, numel: int) -> np.ndarray:
         """A copy of a state buffer (resident: after the update stream's work queued so far)."""
@@ -331,9 +320,7 @@ class DevicePlacement:
         in place by the framework. Returns once the kernels are queued on the update stream, after
         what the compute stream has queued so far. ``eager``: from a gradient hook during backward
         (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels
-        (:func:`trainstream._device_kernels.launch_adamw`); eager launches default to
-        :data:`EAGER_SM_FRACTION` of the multiprocessors so that backward keeps most of the GPU
-        (H200, GPT 350M: 131 ms per step with 16-33 blocks, 156 ms with the full grid).
+        (:func:`trainstream._device_kernels.launch_adamw`; eager default: :data:`EAGER_SM_FRACTION`).
         """
         self._check_open()
         be = self.backend
@@ -354,60 +341,57 @@ class DevicePlacement:
         """Launch consecutive updates of one dtype pair together, up to ``MULTI_MAX`` tensors and
         ``_multi_elems`` elements (a larger tensor alone; with ``max_blocks`` one tensor per launch),
         one ready event per launch. A slot listed twice goes into the next launch."""
-        dk, be = self._dk, self.backend
-        variant = C.variant_id(self.convention, "cuda")
+        cap = self._dk.MULTI_MAX if max_blocks is None else 1
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
         in_group: set[int] = set()
         elems = 0
-
-        def flush() -> None:
-            nonlocal group, elems
-            if not group:
-                return
-            direct, items, staged = [], [], []
-            ring = self._staging_ring() if any(s.exp_avg.host is not None for s, *_ in group) else None
-            pd, gd = group[0][0].dtype, group[0][3]
-            pi, gi = _ITEMSIZE[pd], _ITEMSIZE[gd]
-            for s, hp, grad, _ in group:
-                scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
-                pp, gp, half = be.data_ptr(s.param), be.data_ptr(grad), s.master is not None
-                if ring is not None and s.exp_avg.host is not None:
-                    bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if half else ())
-                    staged.append(s)
-                    items.append(([b.host_ptr for b in bufs], s.numel,
-                                  lambda lo, n, d, pp=pp, gp=gp, half=half, sc=scalars:
-                                  (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc),
-                                  s.copied_back))
-                else:
-                    direct.append((pp, gp, s.master.dev_ptr if half else 0,
-                                   s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, scalars))
-
-            def launch(batch):
-                dk.launch_adamw_multi(variant, pd, gd, batch, stream=stream, device=self.device, max_blocks=max_blocks)
-
-            if direct:
-                launch(direct)
-            if staged:
-                for s, ev in zip(staged, ring.run(launch, items, stream)):
-                    s.copied_back = ev or s.copied_back
-            ready = be.record_update()
-            for s, _, grad, _ in group:  # counted once the launch is queued
-                s.step += 1
-                s.grad_keep = grad  # alive until the compute stream has waited on `ready`
-                s.ready = ready
-            group, elems = [], 0
-            in_group.clear()
-
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
-            if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3])
-                          or len(group) == (dk.MULTI_MAX if max_blocks is None else 1)
+            if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3]) or len(group) == cap
                           or elems + s.numel > self._multi_elems or s.id in in_group):
-                flush()
+                self._launch_group(group, stream, max_blocks)
+                group, in_group, elems = [], set(), 0
             group.append((s, hp, grad, gdtype))
             in_group.add(s.id)
             elems += s.numel
-        flush()
+        if group:
+            self._launch_group(group, stream, max_blocks)
+
+    def _launch_group(self, group, stream: int, max_blocks: int | None) -> None:
+        """One launch of ``group`` (its staged slots through the ring: one or more) and its ready event."""
+        be, variant = self.backend, C.variant_id(self.convention, "cuda")
+        pd, gd = group[0][0].dtype, group[0][3]
+        pi, gi = _ITEMSIZE[pd], _ITEMSIZE[gd]
+        ring = self._staging_ring() if any(s.exp_avg.host is not None for s, *_ in group) else None
+        direct, entries, staged = [], [], []
+        for s, hp, grad, _ in group:
+            scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
+            pp, gp, half = be.data_ptr(s.param), be.data_ptr(grad), s.master is not None
+            if ring is None or s.exp_avg.host is None:
+                direct.append((pp, gp, s.master.dev_ptr if half else 0, s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr,
+                               s.numel, scalars))
+                continue
+            bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if half else ())
+            staged.append(s)
+            entries.append(([b.host_ptr for b in bufs], s.numel,
+                            lambda lo, n, d, pp=pp, gp=gp, half=half, sc=scalars:
+                            (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc),
+                            s.copied_back))
+
+        def launch(batch):
+            self._dk.launch_adamw_multi(variant, pd, gd, batch, stream=stream, device=self.device,
+                                        max_blocks=max_blocks)
+
+        if direct:
+            launch(direct)
+        if staged:
+            for s, ev in zip(staged, ring.run(launch, entries, stream)):
+                s.copied_back = ev or s.copied_back
+        ready = be.record_update()
+        for s, _, grad, _ in group:  # counted once the launch is queued
+            s.step += 1
+            s.grad_keep = grad  # alive until the compute stream has waited on `ready`
+            s.ready = ready
 
     def _staging_ring(self) -> StagingRing | None:
         """The ring (allocated on first use), or None: zero-copy."""
@@ -415,33 +399,6 @@ class DevicePlacement:
             self._ring = staging_ring(self.device, self._dk, "gpu mode")
             self.staged = self._ring is not None
         return self._ring
-
-    def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
-        """Queue updates whose weights, gradients and scalars another runtime owns (XLA): ``items``
-        are ``(slot, weights ptr, gradient ptr, gradient dtype, scalars ptr)`` in device memory (the
-        scalars: the slot's :func:`trainstream.contract.step_scalars`). The kernels go on the
-        caller's ``stream``, which orders them: nothing is awaited, no event recorded."""
-        self._check_open()
-        dk = self._dk
-        t0 = time.perf_counter()
-        variant = C.variant_id(self.convention, "cuda")
-        groups: dict[tuple[str, str], list] = {}  # one launch per dtype pair and MULTI_MAX leaves
-        for sid, param_ptr, grad_ptr, gdtype, scalars_ptr in items:
-            s = self._slot(sid)
-            if gdtype not in _ITEMSIZE:
-                raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
-            groups.setdefault((s.dtype, gdtype), []).append(
-                (s, (param_ptr, grad_ptr, s.master.dev_ptr if s.master is not None else 0,
-                     s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr, s.numel, int(scalars_ptr))))
-        for (pd, gd), group in groups.items():
-            for k in range(0, len(group), dk.MULTI_MAX):
-                chunk = group[k:k + dk.MULTI_MAX]
-                dk.launch_adamw_multi(variant, pd, gd, [item for _, item in chunk], stream=stream,
-                                      device=self.device)
-                for s, _ in chunk:
-                    s.step += 1
-        self._steps += 1
-        self._launch_s += time.perf_counter() - t0
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         t0 = time.perf_counter()
@@ -476,13 +433,12 @@ class DevicePlacement:
             if s.master.host is None:
                 self._write(s.master, master)
 
-    def drain(self) -> None:
-        self.synchronize()
-
     def synchronize(self) -> None:
         for s in self._slots:
             s.settle()
             s.grad_keep = None
+
+    drain = synchronize
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         s = self._slot(sid)
@@ -515,12 +471,14 @@ class DevicePlacement:
         """Counters (:meth:`trainstream.core._engine.Engine.stats`); ``host_state_bytes``: the mapped
         state; ``staging_ring_bytes`` is 0 before the first update."""
         resident = [s for s in self._slots if s.exp_avg.mem is not None]
+        bufs = [b for s in self._slots for b in (s.exp_avg, s.exp_avg_sq, s.master) if b is not None]
+        mapped = float(sum(b.nbytes for b in bufs if b.mem is None))
         return {
             "params": float(len(self._slots)), "numel": float(sum(s.numel for s in self._slots)),
             "threads": 0.0, "gpu_mode": 1.0, "steps": float(self._steps),
-            "eager_updates": float(self._eager_updates), "host_state_bytes": float(self._mapped_bytes),
-            "pinned_state_bytes": float(self._mapped_bytes), "pageable_state_bytes": 0.0,
-            "gpu_state_bytes": float(self._device_bytes),
+            "eager_updates": float(self._eager_updates), "host_state_bytes": mapped,
+            "pinned_state_bytes": mapped, "pageable_state_bytes": 0.0,
+            "gpu_state_bytes": float(sum(b.nbytes for b in bufs if b.mem is not None)),
             "staging_ring_bytes": float(self._ring.nbytes if self._ring is not None else 0),
             "resident_params": float(len(resident)), "resident_numel": float(sum(s.numel for s in resident)),
             "grad_bytes_offloaded": 0.0, "param_bytes_uploaded": 0.0,

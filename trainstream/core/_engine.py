@@ -109,21 +109,17 @@ class Engine:
         policy (:func:`~trainstream.core._budget.place`)."""
         need = state_bytes(numel, dtype)
         res = _resident([(numel, dtype, trainable)], self._resident_budget, self._resident_used)[0]
+        dev = res or place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
         if res:
             local = self.device.add_param(param, numel, dtype, platform, resident=True)
             self._resident_used += need
-            dev = True
         else:
-            dev = place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
             local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
             self._device_used += int(numel) if dev else 0
         self._where.append((dev, local))
         self._numel.append(int(numel))
         self._resident.append(need if res else 0)
         return len(self._where) - 1
-
-    def __len__(self) -> int:
-        return len(self._where)
 
     def on_device(self, sid: int) -> bool:
         """Whether slot ``sid`` is updated by the device placement (resident or not)."""
@@ -231,10 +227,6 @@ class Engine:
         self.host.step(hst, coefs, check_errors=False)
         _trace.add("step.host_share", t0, time.perf_counter(), -1)
 
-    def step_external(self, stream: int, items: Sequence[tuple[int, int, int, str, int]]) -> None:
-        """:meth:`trainstream.core._device.DevicePlacement.step_external` (XLA's buffers)."""
-        self.device.step_external(stream, [(self._local_on(i[0], True), *i[1:]) for i in items])
-
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
         """:meth:`trainstream.core._host.HostPlacement.update_external` (buffers the caller owns)."""
         self._host_only("update_external").update_external(items, platform)
@@ -257,12 +249,6 @@ class Engine:
             self.device.wait_ready(dev)
         if hst:
             self.host.wait_ready(hst)
-
-    def wait_host(self) -> None:
-        """Block until every queued host batch has run (not the uploads they started)."""
-        if self.host is not None:
-            self.host.wait_host()
-        self.errors.check()
 
     def check_error(self) -> None:
         """Raise the sticky :class:`~trainstream.core._host.WorkerError`, if any."""

@@ -705,13 +705,6 @@ class HostPlacement:
         _trace.add("wait_ready", t0, t1, sids[0] if len(sids) else -1)
         self.check_error()
 
-    def wait_host(self) -> None:
-        """Block until every queued batch has run on the host, not the uploads it started (for a
-        caller whose stream orders them, e.g. XLA's); raise worker errors."""
-        for s in self._slots:
-            self._wait_idle(s)
-        self.check_error()
-
     def drain(self) -> None:
         """Block until every queued batch and upload has completed (raises nothing)."""
         for s in self._slots:
