@@ -12,7 +12,7 @@ import torch
 from .. import _cpu_sqrt, _cuda, _hostmem
 from .. import contract as C
 
-__all__ = ["TorchBackend", "torch_cpu_code", "t_itemsize"]
+__all__ = ["TorchBackend", "torch_cpu_code"]
 
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TORCH_DTYPE = {v: k for k, v in _DTYPE_NAME.items()}
@@ -73,16 +73,14 @@ class TorchBackend:
         tdtype = _TORCH_DTYPE[dtype]
         pin = pinned and self.cuda
         try:
-            if not pin:  # pageable host state on 2 MiB pages (trainstream._hostmem)
+            if pin:
+                t = torch.empty(numel, dtype=tdtype, pin_memory=True)
+            else:  # pageable host state on 2 MiB pages (trainstream._hostmem)
                 t = torch.from_numpy(_hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16))
-                if tdtype != torch.float32:
-                    t = t.view(tdtype)
-            else:
-                t = torch.empty(numel, dtype=tdtype, pin_memory=pin)
+                t = t.view(tdtype)
         except (RuntimeError, OSError, MemoryError) as exc:  # cudaHostAlloc: RuntimeError; mmap: OSError
-            nbytes = numel * t_itemsize(tdtype)
-            raise MemoryError(f"TrainStream could not allocate {nbytes} bytes of {'pinned' if pin else 'pageable'} "
-                              f"host memory for {what}: {exc}") from exc
+            raise MemoryError(f"TrainStream could not allocate {numel * tdtype.itemsize} bytes of "
+                              f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}") from exc
         return _TorchHostBuffer(t)
 
     @staticmethod
@@ -175,9 +173,3 @@ def torch_cpu_code() -> int:
                           RuntimeWarning, stacklevel=3)
         _TC_CODE = mode | (0 if fused else C.TC_NO_FMA)
     return _TC_CODE
-
-
-def t_itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-

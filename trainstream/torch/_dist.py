@@ -1,27 +1,26 @@
 """What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's DTensor parameters,
-the process's place among its host's ranks (worker threads and cores), and ZeRO-1's partition, broadcast and
-state consolidation. ``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
+the process's place among its host's ranks (worker threads and cores), and ZeRO-1's partition.
+``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .. import _cores
 
 __all__ = ["is_dtensor", "local", "version", "foreach_moves_versions", "state_view", "world",
-           "local_world", "worker_cores", "ZeroPartition", "broadcast_from_owners", "gather_to"]
+           "local_world", "worker_cores", "ZeroPartition"]
 
 
 # -- FSDP2: DTensor parameters ---------------------------------------------------------------
 
 def is_dtensor(t: Any) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(t, cls)
 
 
@@ -133,19 +132,3 @@ class ZeroPartition:
             self.owner[p] = r
             self.sizes[r] += p.numel()
 
-
-def broadcast_from_owners(params: Iterable[torch.Tensor], owner: dict[torch.Tensor, int]) -> None:
-    """Every parameter from its owner to all (``p.data``: no version counter moves), issued together, then
-    waited for (NCCL: the current stream waits)."""
-    dist = torch.distributed
-    works = [dist.broadcast(p.data, src=owner[p], async_op=True) for p in params]
-    for w in works:
-        w.wait()
-
-
-def gather_to(obj: Any, to: int) -> list | None:
-    """``obj`` of every rank, on rank ``to`` (None on the others): a collective."""
-    rank, size = world()
-    out = [None] * size if rank == to else None
-    torch.distributed.gather_object(obj, out, dst=to)
-    return out

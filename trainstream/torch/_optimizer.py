@@ -105,14 +105,14 @@ class _Owned:
 
 
 def _local_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a loaded state tensor ``t`` of parameter ``p`` (for a DTensor ``p``, the local tensor
-    of a DTensor ``t``, as torch.distributed.checkpoint's ``set_optimizer_state_dict`` passes it)."""
+    """This rank's part of a loaded state tensor ``t`` of parameter ``p``, float32 on the CPU (for a DTensor ``p``,
+    the local tensor of a DTensor ``t``, as torch.distributed.checkpoint's ``set_optimizer_state_dict`` passes it)."""
     if D.is_dtensor(p) and not D.is_dtensor(t):
         raise ValueError(
             "OffloadAdamW.load_state_dict: the state of a DTensor (FSDP2) parameter must be a DTensor laid out "
             "as the parameter (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from "
             f"a full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
-    return D.local(t.detach())
+    return D.local(t.detach()).to("cpu", torch.float32)
 
 
 _GROUP_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -138,30 +138,28 @@ class _State(Mapping):
     def __init__(self, opt: "OffloadAdamW"):
         self._opt = weakref.ref(opt)  # no cycle: the optimizer stays collectable
 
-    def _slots(self) -> list[int]:
+    def _sid(self, param: object) -> tuple["OffloadAdamW", int | None]:
         opt = self._opt()
-        if opt is None or opt._closed or opt._engine is None:
-            return []
-        return [sid for sid in range(len(opt._params_of_slot)) if opt._engine.get_step(sid) > 0]
+        return opt, (None if opt is None or opt._closed else opt._slot_of.get(param))  # type: ignore[call-overload]
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        opt = self._opt()
-        sid = None if opt is None or opt._closed else opt._slot_of.get(param)
+        opt, sid = self._sid(param)
         if sid is None:
             raise KeyError(param)
         return opt._state_of(sid)
 
     def __iter__(self):
         opt = self._opt()
-        return iter([opt._params_of_slot[sid] for sid in self._slots()])
+        if opt is None or opt._closed or opt._engine is None:
+            return iter(())
+        return iter([p for sid, p in enumerate(opt._params_of_slot) if opt._engine.get_step(sid) > 0])
 
     def __len__(self) -> int:
-        return len(self._slots())
+        return sum(1 for _ in self)
 
     def __contains__(self, param: object) -> bool:
-        opt = self._opt()
-        sid = None if opt is None else opt._slot_of.get(param)  # type: ignore[call-overload]
-        return sid is not None and not opt._closed and opt._engine.get_step(sid) > 0
+        opt, sid = self._sid(param)
+        return sid is not None and opt._engine.get_step(sid) > 0
 
 
 class OffloadAdamW(Optimizer):
@@ -198,8 +196,8 @@ class OffloadAdamW(Optimizer):
       gradients move no version counter (torch 2.13), the hook copies nothing unless ``max_grad_norm`` is set,
       and ``step()`` copies each shard's gradient. ``state`` and ``state_dict()`` hold DTensor views of the
       host state, laid out as the parameters: torch.distributed.checkpoint saves and loads them (also to and
-      from ``torch.optim.AdamW``). HSDP and ``MixedPrecisionPolicy`` need nothing more. Not with
-      ``CPUOffloadPolicy``, ``overlap_forward`` or ``gpu_state_bytes``.
+      from ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local
+      shards that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
     * DDP, or any reduction of the gradients after backward: the gradients of plain parameters are taken at
       ``step()``, after it, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
       partition. Not with :meth:`last_micro_batch`.
@@ -283,8 +281,7 @@ class OffloadAdamW(Optimizer):
         self._gpu_budget = 0  # hybrid's device elements (_hybrid_elems)
         # Registration waits until torch has read every group (add_param_group only checks them): the host
         # memory is checked over all of them, and hybrid's split needs the total of the elements.
-        self._deferred = True
-        self._host_margin, self._host_plan = host_margin, {}
+        self._deferred, self._host_margin, self._host_plan = True, host_margin, {}
         _budget.plan([], margin=host_margin)  # a bad margin raises here
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"Invalid worker_nice: {worker_nice!r} (must be an int)")
@@ -312,13 +309,15 @@ class OffloadAdamW(Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
         self._engine: Engine | None = None
+        self._device: torch.device | None = None
         self._engine_args = dict(threads=threads, chunk_elems=chunk_size, convention=convention,
                                  pin_moments=pin_moments, worker_nice=worker_nice)
         self._slot_of: dict[torch.Tensor, int] = {}
+        # Per slot: its parameter, the index of its param group and what the engine last saw of the parameter
+        # (see _check_param): the storage it writes, its _version (the engine's own writes leave it alone), and
+        # (dtype, shape, device).
         self._params_of_slot: list[torch.Tensor] = []
-        self._group_of: list[int] = []  # slot -> index of its param group
-        # Per slot, what the engine last saw of its parameter (see _check_param): the storage it writes, the
-        # parameter's _version (the engine's own writes leave it alone), and (dtype, shape, device).
+        self._group_of: list[int] = []
         self._engine_param_ptr: list[int] = []
         self._param_version: list[int] = []
         self._param_meta: list[tuple] = []
@@ -326,26 +325,23 @@ class OffloadAdamW(Optimizer):
         # torch applied to it since (None: none)]; step() uses the copy only while it is param.grad as it was.
         self._staged: dict[int, list] = {}
         self._last_norm: torch.Tensor | None = None
-        self._hooks: dict[int, Any] = {}  # host-engine slot -> its gradient hook's handle
-        self._gpu_hooks: dict[int, Any] = {}  # GPU-engine slot -> its eager hook's handle (_hook_gpu_slots)
-        self._eager_blocks = eager_blocks
+        # Slot -> its gradient hook's handle (_hook): host slots', GPU slots' eager ones.
+        self._hooks: dict[int, Any] = {}
+        self._gpu_hooks: dict[int, Any] = {}
+        self._eager_blocks, self._eager = eager_blocks, False
         self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
-        self._eager = False
         # overlap_forward: slots whose update the gated forward has not waited for yet, modules seen running
         # forward, and per module the slots its forward waits for (_module_slots).
-        self._gated = overlap_forward is not None
+        self._gated, self._closed = overlap_forward is not None, False
         self._pending: set[int] = set()
         self._pending_lock = threading.Lock()
         self._called: weakref.WeakSet = weakref.WeakSet()
         self._wait_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._device: torch.device | None = None
-        self._closed = False
         # Released once, by close() or when this optimizer itself is collected: never by a wrapper that copies
         # its attributes (Lightning's LightningOptimizer).
         self._owned = _Owned(self._hooks, self._gpu_hooks)
         self._release = weakref.finalize(self, self._owned.release)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS))
         self.state = _State(self)  # type: ignore[assignment]  # the engine's, per parameter
         self._deferred = False
         mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
@@ -355,8 +351,7 @@ class OffloadAdamW(Optimizer):
         on_gpu = self._reserve(flat, last=self._gpu_params == "last")  # raises before anything is allocated
         try:
             for (p, gi), gpu in zip(mine, on_gpu):
-                self._register(p, gpu)
-                self._group_of.append(gi)
+                self._register(p, gi, gpu)
         except BaseException:
             if self._engine is not None:
                 self._engine.close()
@@ -377,7 +372,11 @@ class OffloadAdamW(Optimizer):
                 opt._called.add(module)
                 opt._wait_sets.clear()
             if opt._pending:
-                opt._wait_module(module)
+                sids = [sid for sid in opt._module_slots(module) if sid in opt._pending]
+                if sids:
+                    opt._engine.wait_ready(sids)
+                    with opt._pending_lock:
+                        opt._pending.difference_update(sids)
         for m in model.modules():
             self._owned.handles.append(m.register_forward_pre_hook(pre_hook))
 
@@ -392,7 +391,7 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
                              "(torch.optim.AdamW would update it once per listing, and warns that this will "
                              "become an error); list each parameter once")
-        sizes = None if self._zero is None else list(self._zero.sizes)
+        zero = None if self._zero is None else (list(self._zero.sizes), dict(self._zero.owner))
         host_plan, pin = self._host_plan, self._engine_args["pin_moments"]  # as _reserve found them
         try:
             _check_group(self.param_groups[-1])
@@ -405,14 +404,11 @@ class OffloadAdamW(Optimizer):
                 return
             mine = [p for p in listed if self._mine(p)]
             for p, gpu in zip(mine, self._reserve(mine)):
-                self._register(p, gpu)
-                self._group_of.append(len(self.param_groups) - 1)
+                self._register(p, n_groups, gpu)
         except BaseException:  # leave the optimizer exactly as it was
             del self.param_groups[n_groups:]
-            if sizes is not None:
-                self._zero.sizes[:] = sizes
-                for p in listed:
-                    self._zero.owner.pop(p, None)
+            if zero is not None:
+                self._zero.sizes, self._zero.owner = zero
             for p in self._params_of_slot[n_slots:]:
                 self._slot_of.pop(p, None)
             for lst in (self._params_of_slot, self._group_of, self._engine_param_ptr,
@@ -491,21 +487,18 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
         if loc is not p:
             self._check_dtensor(p, index)
-        if self.mode != "cpu" and loc.device.type != "cuda":
-            raise ValueError(f"OffloadAdamW mode={self.mode!r} needs CUDA parameters; parameter {index} is on "
-                             f"{loc.device}")
-        if self._gpu_state_bytes and loc.device.type != "cuda":
-            raise ValueError(
-                f"OffloadAdamW gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and needs "
-                f"CUDA parameters; parameter {index} is on {loc.device}")
+        if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes):
+            what = (f"mode={self.mode!r}" if self.mode != "cpu"
+                    else f"gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and")
+            raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; parameter {index} is on {loc.device}")
         if loc.device != device:
             raise ValueError(f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
                              f"{loc.device}, earlier ones on {device}")
 
-    def _register(self, p: torch.Tensor, gpu: bool | None = None) -> None:
-        """Give ``p`` (checked by :meth:`_check_new`) a slot (hybrid: on the GPU engine if ``gpu``; ``None``:
-        by fit); for a DTensor (FSDP2) its local shard, maybe of 0 elements. The first one builds the engine."""
-        index = len(self._params_of_slot)
+    def _register(self, p: torch.Tensor, group: int, gpu: bool | None = None) -> None:
+        """Give ``p`` (checked by :meth:`_check_new`), of param group ``group``, a slot (hybrid: on the GPU engine
+        if ``gpu``; ``None``: by fit); for a DTensor (FSDP2) its local shard, maybe of 0 elements. The first one
+        builds the engine."""
         loc = D.local(p)
         if self._device is None:
             tc_code = torch_cpu_code() if loc.device.type == "cpu" and self._engine_args["convention"] == "torch" else 0
@@ -523,19 +516,19 @@ class OffloadAdamW(Optimizer):
                     f"needs CuPy: pip install 'trainstream[cuda12]' or 'trainstream[cuda13]' ({exc})") from exc
             self._owned.engine = self._engine
             self._device = loc.device
-        platform = "cuda" if loc.device.type == "cuda" else "cpu"
         # The engine writes through loc.data: its own writes advance no _version. hybrid: a frozen parameter
-        # takes none of the GPU share.
+        # takes none of the GPU share. loc.device.type is "cuda" or "cpu" (_check_new).
         with _cores.bound(self._cores):  # the host state's first touch: on the workers' cores
-            sid = self._engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], platform,
+            sid = self._engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
                                          trainable=p.requires_grad, on_device=gpu)
-        assert sid == index
+        assert sid == len(self._params_of_slot)
         self._engine_param_ptr.append(loc.data_ptr())
         self._param_version.append(D.version(p))
         self._param_meta.append(self._meta(p))
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
-        self._hook_if_trainable(sid)
+        self._group_of.append(group)
+        self._hook(sid)
 
     def _check_dtensor(self, p: torch.Tensor, index: int) -> None:
         """What OffloadAdamW does not take of an FSDP2 (DTensor) parameter."""
@@ -544,10 +537,6 @@ class OffloadAdamW(Optimizer):
                 f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
                 f"shard lives on {D.local(p).device.type} (FSDP2's CPUOffloadPolicy?): use either "
                 "CPUOffloadPolicy or OffloadAdamW, not both")
-        if self._gpu_state_bytes:
-            raise NotImplementedError(
-                "OffloadAdamW: gpu_state_bytes with FSDP2 (DTensor) parameters is not built: the GPU-resident "
-                "state of local shards has not passed its GPU tests yet. Leave gpu_state_bytes=0 under FSDP2.")
         if self._gated:
             raise NotImplementedError(
                 "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built: FSDP's all-gather reads "
@@ -579,10 +568,20 @@ class OffloadAdamW(Optimizer):
         self._engine_param_ptr[sid] = ptr
         self._param_version[sid] = D.version(p)
 
-    def _hook_if_trainable(self, sid: int) -> None:
-        p = self._params_of_slot[sid]
-        if not self._engine.on_device(sid) and p.requires_grad and sid not in self._hooks:  # a host slot
-            self._hooks[sid] = p.register_post_accumulate_grad_hook(self._make_hook(sid))
+    def _hook(self, sid: int, gpu: bool = False) -> None:
+        """Give trainable slot ``sid`` its gradient hook, once: a host slot's (:meth:`_host_grad_ready`), or with
+        ``gpu`` a GPU slot's eager one (:meth:`_gpu_grad_ready`). The hook holds the optimizer weakly."""
+        p, hooks = self._params_of_slot[sid], (self._gpu_hooks if gpu else self._hooks)
+        if self._engine.on_device(sid) != gpu or not p.requires_grad or sid in hooks:
+            return
+        ref = weakref.ref(self)
+        on_grad = OffloadAdamW._gpu_grad_ready if gpu else OffloadAdamW._host_grad_ready
+
+        def hook(param: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None and not opt._closed and param.grad is not None:
+                on_grad(opt, sid, param)
+        hooks[sid] = p.register_post_accumulate_grad_hook(hook)
 
     @staticmethod
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
@@ -603,26 +602,18 @@ class OffloadAdamW(Optimizer):
             with self._pending_lock:
                 self._pending.update(sids)
 
-    def _make_hook(self, sid: int):
-        """The gradient hook of host slot ``sid``: copies its gradient to the host (:meth:`_offload_grad`)."""
-        ref = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            opt = ref()
-            if opt is None or opt._closed or p.grad is None:
-                return
-            if D.local(p).data_ptr() != opt._engine_param_ptr[sid]:
-                opt._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
-            if opt._eager and opt.max_grad_norm is None:
-                opt._staged.pop(sid, None)
-                opt._offload_grad(sid, p, opt._take_eager(sid))
-                return
-            if not opt._hook_copies(p):
-                return  # step() copies it
+    def _host_grad_ready(self, sid: int, p: torch.Tensor) -> None:
+        """Host slot ``sid``'s hook: copy its gradient to the host for ``step()`` or, under ``last_micro_batch()``,
+        take it and queue its update."""
+        if D.local(p).data_ptr() != self._engine_param_ptr[sid]:
+            self._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
+        if self._eager and self.max_grad_norm is None:
+            self._staged.pop(sid, None)
+            self._offload_grad(sid, p, self._take_eager(sid))
+        elif self._hook_copies(p):  # else step() copies it
             grad = p.grad
-            opt._offload_grad(sid, p)
-            opt._staged[sid] = [weakref.ref(grad), D.version(grad), None]
-        return hook
+            self._offload_grad(sid, p)
+            self._staged[sid] = [weakref.ref(grad), D.version(grad), None]
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
         """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter in a run of several
@@ -639,57 +630,60 @@ class OffloadAdamW(Optimizer):
             return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_device(sid)]
         return []
 
-    def _hook_gpu_slots(self) -> None:
-        """Give each trainable :meth:`_gpu_slots` slot its eager hook, once: a hook firing proves that its own
-        parameter's gradient is complete (these gradients stay in ``param.grad`` across micro-batches)."""
-        for sid in self._gpu_slots():
-            p = self._params_of_slot[sid]
-            if p.requires_grad and sid not in self._gpu_hooks:
-                self._gpu_hooks[sid] = p.register_post_accumulate_grad_hook(self._make_gpu_hook(sid))
-
-    def _make_gpu_hook(self, sid: int):
-        """Under ``last_micro_batch()`` (no clipping): launch slot ``sid``'s kernel behind its gradient's backward."""
-        ref = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            opt = ref()
-            if opt is None or opt._closed or p.grad is None or not opt._eager or opt.max_grad_norm is not None:
-                return
-            hp = opt._take_eager(sid)
-            opt._engine.launch_eager([(sid, hp, *opt._device_grad(sid))])
-            opt._mark_pending([sid])
+    def _gpu_grad_ready(self, sid: int, p: torch.Tensor) -> None:
+        """GPU slot ``sid``'s hook under ``last_micro_batch()`` (no clipping): launch its kernel behind its gradient's
+        backward."""
+        if self._eager and self.max_grad_norm is None:
+            hp = self._take_eager(sid)
+            self._engine.launch_eager([(sid, hp, *self._local_grad(sid, p, host=False))])
+            self._mark_pending([sid])
             # Taken, as on the host path: an in-place change would race the kernel, which the engine keeps it alive for.
             p.grad = None
-        return hook
 
-    def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
-        """Copy ``p.grad`` to slot ``sid``'s host staging (``update``: the eager path, the update queued behind)."""
+    def _local_grad(self, sid: int, p: torch.Tensor, host: bool = True) -> tuple[torch.Tensor, str]:
+        """``p.grad``'s local tensor, detached and contiguous (flat for the GPU engine: ``host=False``), and its
+        dtype's name; refuses a sparse gradient, one on another device than ``p`` and for a host slot one of
+        another dtype or shape."""
         grad, loc = D.local(p.grad), D.local(p)
         if grad.is_sparse:
             raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if grad.dtype != loc.dtype or grad.shape != loc.shape:
+        if host and (grad.dtype != loc.dtype or grad.shape != loc.shape):
             raise TypeError(
                 f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, "
                 f"the parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
         if grad.device != loc.device:
             raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on "
                              f"{loc.device}")
+        if grad.dtype not in _DTYPE_NAME:
+            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
+        if not host:
+            return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
         # Only the torch calls needed: each releases and retakes the GIL, which under busy workers costs far more
         # than the call. A non-contiguous gradient is made contiguous on the compute stream, before the copy.
         if grad.requires_grad:
             grad = grad.detach()
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        self._engine.offload_grad(sid, grad, _DTYPE_NAME[grad.dtype], update)
+        return grad, _DTYPE_NAME[grad.dtype]
+
+    def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
+        """Copy ``p.grad`` to slot ``sid``'s host staging (``update``: the eager path, the update queued behind)."""
+        self._engine.offload_grad(sid, *self._local_grad(sid, p), update)
         if update is not None:
             self._mark_pending([sid])
             p.grad = None  # taken: the engine keeps it alive until its copy landed
 
     # -- the user API -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str | None = None) -> None:
+        """Refuse any call once closed; with ``what`` (a checkpoint method) also between a ``last_micro_batch()``
+        backward and ``step()``, where only some slots are updated."""
         if self._closed:
             raise RuntimeError("OffloadAdamW is closed")
+        if what is not None and self._eager_done:
+            raise RuntimeError(f"OffloadAdamW.{what}() between a last_micro_batch() backward and step(): "
+                               f"{len(self._eager_done)} parameters are already updated for this step; call "
+                               "step() first")
 
     @contextlib.contextmanager
     def last_micro_batch(self):
@@ -712,7 +706,10 @@ class OffloadAdamW(Optimizer):
                 "is not built: their gradient hooks run before DDP's all-reduce (or any reduction after backward), "
                 "so the updates would use this rank's unreduced gradients. Leave it out (FSDP2 may use it).")
         if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
-            self._hook_gpu_slots()  # parameters added since the last time included
+            # Parameters added since the last time included. A hook firing proves that its own parameter's
+            # gradient is complete (these gradients stay in param.grad across micro-batches).
+            for sid in self._gpu_slots():
+                self._hook(sid, gpu=True)
         self._eager = True
         try:
             yield self
@@ -819,7 +816,7 @@ class OffloadAdamW(Optimizer):
         self._consolidated = None
         for sid in range(len(self._params_of_slot)):
             self._check_param(sid)
-            self._hook_if_trainable(sid)  # a host slot unfrozen after construction
+            self._hook(sid)  # a host slot unfrozen after construction
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
         eager_done, self._eager_done = self._eager_done, set()
@@ -832,7 +829,7 @@ class OffloadAdamW(Optimizer):
                 if sid is None or p.grad is None or sid in eager_done:
                     continue  # no gradient: no update, as torch's
                 if self._engine.on_device(sid):
-                    updates.append((sid, hp, *self._device_grad(sid)))
+                    updates.append((sid, hp, *self._local_grad(sid, p, host=False)))
                     continue
                 rec = staged.get(sid)
                 if rec is not None and self._trusted(p, rec):
@@ -851,20 +848,13 @@ class OffloadAdamW(Optimizer):
                 if not self._gated:
                     self._engine.wait_step()  # every reader on the current stream sees the new weights
         if self._zero is not None:  # after the uploads (the current stream waits for them)
-            D.broadcast_from_owners([p for g in self.param_groups for p in g["params"]], self._zero.owner)
+            # Every parameter from its owner to all (p.data: no version counter moves), issued together, then
+            # waited for (NCCL: the current stream waits).
+            works = [torch.distributed.broadcast(p.data, src=self._zero.owner[p], async_op=True)
+                     for g in self.param_groups for p in g["params"]]
+            for work in works:
+                work.wait()
         return loss
-
-    def _device_grad(self, sid: int) -> tuple[torch.Tensor, str]:
-        p = self._params_of_slot[sid]
-        grad, loc = D.local(p.grad), D.local(p)
-        if grad.is_sparse:
-            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if grad.device != loc.device:
-            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on "
-                             f"{loc.device}")
-        if grad.dtype not in _DTYPE_NAME:
-            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
-        return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; the host copies of the gradients are forgotten too."""
@@ -890,13 +880,6 @@ class OffloadAdamW(Optimizer):
             self._wait_sets[module] = sids
         return sids
 
-    def _wait_module(self, module: torch.nn.Module) -> None:
-        sids = [sid for sid in self._module_slots(module) if sid in self._pending]
-        if sids:
-            self._engine.wait_ready(sids)
-            with self._pending_lock:
-                self._pending.difference_update(sids)
-
     def synchronize(self) -> None:
         """Block until every queued update has landed in the parameters (only needed with ``overlap_forward``,
         before reading weights outside that model's forward)."""
@@ -917,21 +900,12 @@ class OffloadAdamW(Optimizer):
         update and stall times, worker ``threads``, and where the rank sits: ``rank``, ``world_size``,
         ``local_rank``, ``local_world_size``, ``worker_cores`` (cores the workers are bound to; 0: unbound)."""
         self._check_open()
-        (rank, world), (lrank, lworld) = D.world(), D.local_world()
-        where = dict(rank=rank, world_size=world, local_rank=lrank, local_world_size=lworld,
-                     worker_cores=len(self._cores or ()))
-        plan = {f"host_plan_{k}": v for k, v in self._host_plan.items()}
-        return {**({} if self._engine is None else self._engine.stats()), **plan,
-                **{k: float(v) for k, v in where.items()}}
+        where = dict(zip(("rank", "world_size", "local_rank", "local_world_size", "worker_cores"),
+                         (*D.world(), *D.local_world(), len(self._cores or ()))))
+        return {**({} if self._engine is None else self._engine.stats()),
+                **{f"host_plan_{k}": v for k, v in self._host_plan.items()}, **{k: float(v) for k, v in where.items()}}
 
     # -- checkpoints ------------------------------------------------------------------------
-
-    def _check_no_eager_in_flight(self, what: str) -> None:
-        """Refuse ``what`` between a ``last_micro_batch()`` backward and ``step()``: only some slots are updated."""
-        if self._eager_done:
-            raise RuntimeError(f"OffloadAdamW.{what}() between a last_micro_batch() backward and step(): "
-                               f"{len(self._eager_done)} parameters are already updated for this step; call "
-                               "step() first")
 
     def _state_of(self, sid: int) -> dict[str, torch.Tensor]:
         """Slot ``sid``'s :meth:`state_dict` entry once its queued work has run (gpu-resident slots: copies);
@@ -957,8 +931,7 @@ class OffloadAdamW(Optimizer):
         fp16/bf16 parameters, ``master_param`` (the fp32 master, so that resuming is bit-exact). With
         ``zero_stage=1``: the whole state gathered to this rank by the last :meth:`consolidate_state_dict`
         (copies; a ``step()`` since discards them, and ``RuntimeError`` without them)."""
-        self._check_open()
-        self._check_no_eager_in_flight("state_dict")
+        self._check_open("state_dict")
         if self._zero is None:
             return self._own_state_dict()
         if self._consolidated is None:
@@ -980,12 +953,13 @@ class OffloadAdamW(Optimizer):
         """``zero_stage=1``: gather every rank's partition of the state on rank ``to``, whose :meth:`state_dict`
         then returns all of it in ``torch.optim.AdamW``'s format (ZeroRedundancyOptimizer's protocol; Lightning
         calls it wherever it exists). A collective: every rank calls it. Otherwise a no-op."""
-        self._check_open()
-        self._check_no_eager_in_flight("consolidate_state_dict")
+        self._check_open("consolidate_state_dict")
         if self._zero is None:
             return
         own = self._own_state_dict()
-        shares = D.gather_to(own["state"], to)  # pickled: copies of the views
+        rank, world = D.world()
+        shares = [None] * world if rank == to else None
+        torch.distributed.gather_object(own["state"], shares, dst=to)  # pickled: copies of the views
         self._consolidated = None
         if shares is not None:
             state = {i: entry for share in shares for i, entry in share.items()}
@@ -995,8 +969,7 @@ class OffloadAdamW(Optimizer):
         """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW`` (DTensor values included:
         torch.distributed.checkpoint passes it by keyword). Every entry is checked before anything changes
         (``ValueError``). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
-        self._check_open()
-        self._check_no_eager_in_flight("load_state_dict")
+        self._check_open("load_state_dict")
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
@@ -1009,7 +982,7 @@ class OffloadAdamW(Optimizer):
                                  f"the optimizer's has {len(g['params'])}")
         id_map = {saved_id: p for g, sg in zip(self.param_groups, saved_groups)
                   for p, saved_id in zip(g["params"], sg["params"])}
-        loads = []
+        loads = {}  # slot -> (exp_avg, exp_avg_sq, step, master or None)
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in id_map:
                 raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
@@ -1027,12 +1000,9 @@ class OffloadAdamW(Optimizer):
             step = float(step.item() if isinstance(step, torch.Tensor) else step)
             if not math.isfinite(step) or step < 0 or step != int(step):
                 raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
-
-            def f32(t, p=p):
-                return _local_value(t, p).to("cpu", torch.float32).contiguous().view(-1).numpy()
             master = None
             if "master_param" in entry and p.dtype != torch.float32:
-                saved = _local_value(entry["master_param"], p).to("cpu", torch.float32)
+                saved = _local_value(entry["master_param"], p)
                 # Kept only if it still rounds to the live weights: one through torch.optim.AdamW is stale.
                 if torch.equal(saved.to(p.dtype), D.local(p).detach().to("cpu")):
                     master = saved.contiguous().view(-1).numpy()
@@ -1040,7 +1010,8 @@ class OffloadAdamW(Optimizer):
                     warnings.warn(f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter {saved_id} "
                                   "does not round to the current weights (the checkpoint was trained further "
                                   "without it); the master is re-read from the weights", RuntimeWarning, stacklevel=2)
-            loads.append((self._slot_of[p], f32(entry["exp_avg"]), f32(entry["exp_avg_sq"]), int(step), master))
+            m, v = (_local_value(entry[k], p).contiguous().view(-1).numpy() for k in ("exp_avg", "exp_avg_sq"))
+            loads[self._slot_of[p]] = (m, v, int(step), master)
         for sg in saved_groups:
             _check_group({**self.defaults, **sg})
         for sid in range(len(self._params_of_slot)):
@@ -1048,11 +1019,10 @@ class OffloadAdamW(Optimizer):
         self._consolidated = None
         if self._engine is not None:
             self._engine.drain()
-            loaded = {sid for sid, *_ in loads}
-            for sid, m, v, step, master in loads:
-                self._engine.load_state(sid, m, v, step, master)
             for sid, p in enumerate(self._params_of_slot):
-                if sid not in loaded:  # no saved state: a fresh parameter, as in torch
+                if sid in loads:
+                    self._engine.load_state(sid, *loads[sid])
+                else:  # no saved state: a fresh parameter, as in torch
                     zeros = np.zeros(D.local(p).numel(), np.float32)
                     self._engine.load_state(sid, zeros, zeros, 0, None)
             self._engine.clear_error()  # every slot is consistent again
