@@ -64,45 +64,52 @@ def _require(mode: int) -> None:
     if mode not in _NEEDS:
         raise ValueError(f"unknown sqrt mode {mode!r}; expected one of {sorted(MODE_NAMES)}")
     if mode not in available_modes():
-        raise ValueError(
-            f"sqrt mode {MODE_NAMES[mode]!r} needs the {_NEEDS[mode]!r} instructions, which "
-            f"Numba's target lacks here (it has {sorted(target_features())})"
-        )
+        raise ValueError(f"sqrt mode {MODE_NAMES[mode]!r} needs the {_NEEDS[mode]!r} instructions, which "
+                         f"Numba's target lacks here (it has {sorted(target_features())})")
 
 
-def _lane0(builder, fn, x, width, extra=()):
-    f32 = ir.FloatType()
-    vec = ir.Constant(ir.VectorType(f32, width), [ir.Constant(f32, 1.0)] * width)
-    vec = builder.insert_element(vec, x, ir.Constant(ir.IntType(32), 0))
-    r = builder.call(fn, [vec, *[e(vec) for e in extra]])
-    return builder.extract_element(r, ir.Constant(ir.IntType(32), 0))
+def _vec_const(ty, width, value):
+    return ir.Constant(ir.VectorType(ty, width), [ir.Constant(ty, value)] * width)
 
 
-@intrinsic
-def rsqrtps(typingctx, x):
-    """This CPU's ``rsqrtps`` estimate of ``1/sqrt(x)`` (lane 0)."""
-    if x != types.float32:
-        return None
-    def codegen(context, builder, signature, args):
-        v4 = ir.VectorType(ir.FloatType(), 4)
-        fn = builder.module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
-        return _lane0(builder, fn, args[0], 4)
-    return types.float32(types.float32), codegen
+def _estimate(builder, x, mode: int):
+    """IR: this CPU's estimate of ``1/sqrt`` on each lane of ``x`` (``<4 x float>`` or
+    ``<16 x float>``): one 16-lane AVX-512 ``vrsqrt14ps`` (``MKL_FMA14``), else the 4-lane
+    ``rsqrtps`` on each quarter."""
+    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    vf = x.type
+    module = builder.module
+    if mode == MKL_FMA14:
+        fn = module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
+        return builder.call(fn, [x, x, ir.Constant(i16, 0xFFFF)])
+    v4 = ir.VectorType(f32, 4)
+    fn = module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
+    if vf.count == 4:
+        return builder.call(fn, [x])
+    r0 = ir.Constant(vf, None)
+    for q in range(vf.count // 4):
+        part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [4 * q + k for k in range(4)]))
+        est = builder.call(fn, [part])
+        for k in range(4):
+            r0 = builder.insert_element(r0, builder.extract_element(est, ir.Constant(i32, k)),
+                                        ir.Constant(i32, 4 * q + k))
+    return r0
 
 
-@intrinsic
-def rsqrt14ps(typingctx, x):
-    """AVX-512 ``vrsqrt14ps`` (exactly specified; only call on AVX-512 machines)."""
-    if x != types.float32:
-        return None
-    def codegen(context, builder, signature, args):
-        f32, i16 = ir.FloatType(), ir.IntType(16)
-        v16 = ir.VectorType(f32, 16)
-        fn = builder.module.declare_intrinsic(
-            "llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(v16, [v16, v16, i16])
-        )
-        return _lane0(builder, fn, args[0], 16, (lambda v: v, lambda v: ir.Constant(i16, 0xFFFF)))
-    return types.float32(types.float32), codegen
+def _scalar_estimate(mode: int):
+    """Numba intrinsic: :func:`_estimate` of one float32 ``x``, lane 0 of ``[x, 1, 1, ...]`` (4
+    lanes for ``rsqrtps``, 16 for ``vrsqrt14ps``)."""
+    width = 16 if mode == MKL_FMA14 else 4
+    @intrinsic
+    def estimate(typingctx, x):
+        if x != types.float32:
+            return None
+        def codegen(context, builder, signature, args):
+            lane0 = ir.Constant(ir.IntType(32), 0)
+            vec = builder.insert_element(_vec_const(ir.FloatType(), width, 1.0), args[0], lane0)
+            return builder.extract_element(_estimate(builder, vec, mode), lane0)
+        return types.float32(types.float32), codegen
+    return estimate
 
 
 @njit(inline="always", **_OPTS)
@@ -137,7 +144,7 @@ def scalar_sqrt(mode: int):
     _require(mode)
     if mode == IEEE:
         return _ieee_sqrt
-    estimate = rsqrt14ps if mode == MKL_FMA14 else rsqrtps
+    estimate = _scalar_estimate(mode)
     fused = mode != MKL_SSE
     tiny_ieee = mode == MKL_FMA14  # below 2^-80: MKL rescales; the correctly rounded root
 
@@ -162,23 +169,6 @@ def scalar_sqrt(mode: int):
         d = x - h1 * h1
         return d * r1 + h1
     return torch_cpu_sqrt
-
-
-@functools.cache
-def _sqrt_array_fn(mode: int):
-    sqrt1 = scalar_sqrt(mode)
-    @njit(**_OPTS)
-    def sqrt_array_kernel(x):
-        out = np.empty_like(x)
-        for i in range(x.size):
-            out[i] = sqrt1(x[i])
-        return out
-    return sqrt_array_kernel
-
-
-def sqrt_array(x: np.ndarray, mode: int) -> np.ndarray:
-    """:func:`scalar_sqrt` of ``mode`` over a float32 array."""
-    return _sqrt_array_fn(mode)(np.ascontiguousarray(x, np.float32))
 
 
 def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
@@ -226,32 +216,15 @@ def detect_lerp_fma(reference_lerp) -> bool | None:
 _RARE_BIAS = 0x7F800000
 
 
-def _vec_const(ty, width, value):
-    return ir.Constant(ir.VectorType(ty, width), [ir.Constant(ty, value)] * width)
-
-
 def _mkl_vector(builder, x, width: int, mode: int):
     """IR for ``torch_cpu_sqrt(x, mode)`` on a ``<width x float>`` (width 16)."""
-    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    f32, i32 = ir.FloatType(), ir.IntType(32)
     vf, vi = ir.VectorType(f32, width), ir.VectorType(i32, width)
     module = builder.module
     half = _vec_const(f32, width, 0.5)
     vname = f"v{width}f32"
     ieee = builder.call(module.declare_intrinsic(f"llvm.sqrt.{vname}", fnty=ir.FunctionType(vf, [vf])), [x])
-    # the estimate: 4-lane rsqrtps on each quarter, or one 16-lane vrsqrt14ps
-    if mode == MKL_FMA14:
-        fn = module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
-        r0 = builder.call(fn, [x, x, ir.Constant(i16, 0xFFFF)])
-    else:
-        v4 = ir.VectorType(f32, 4)
-        fn = module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
-        r0 = ir.Constant(vf, None)
-        for q in range(width // 4):
-            part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [4 * q + k for k in range(4)]))
-            est = builder.call(fn, [part])
-            for k in range(4):
-                r0 = builder.insert_element(r0, builder.extract_element(est, ir.Constant(i32, k)),
-                                            ir.Constant(i32, 4 * q + k))
+    r0 = _estimate(builder, x, mode)
     if mode == MKL_SSE:
         h = builder.fmul(x, r0)
         r = builder.fmul(r0, half)
@@ -331,7 +304,18 @@ def block_sqrt(mode: int):
 
 
 @functools.cache
-def _sqrt_array_block_fn(mode: int):
+def _array_kernel(mode: int, blocked: bool):
+    """``x -> sqrt(x)`` over a float32 array in ``mode``: :func:`scalar_sqrt` element by element,
+    or (``blocked``) :func:`block_sqrt` in strips of 64, as the AdamW kernel takes it."""
+    if not blocked:
+        sqrt1 = scalar_sqrt(mode)
+        @njit(**_OPTS)
+        def sqrt_array_kernel(x):
+            out = np.empty_like(x)
+            for i in range(x.size):
+                out[i] = sqrt1(x[i])
+            return out
+        return sqrt_array_kernel
     sqrt_block = block_sqrt(mode)
     @njit(**_OPTS)
     def sqrt_array_block_kernel(x):
@@ -348,6 +332,11 @@ def _sqrt_array_block_fn(mode: int):
     return sqrt_array_block_kernel
 
 
+def sqrt_array(x: np.ndarray, mode: int) -> np.ndarray:
+    """:func:`scalar_sqrt` of ``mode`` over a float32 array."""
+    return _array_kernel(mode, False)(np.ascontiguousarray(x, np.float32))
+
+
 def sqrt_array_block(x: np.ndarray, mode: int) -> np.ndarray:
     """:func:`block_sqrt` over a float32 array (the kernels' form, for tests)."""
-    return _sqrt_array_block_fn(mode)(np.ascontiguousarray(x, np.float32))
+    return _array_kernel(mode, True)(np.ascontiguousarray(x, np.float32))

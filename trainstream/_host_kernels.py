@@ -1,4 +1,4 @@
-"""Numba host kernels: AdamW update, gradient accumulation, sum of squares.
+"""Numba host kernels: AdamW update, half-precision conversions, sum of squares.
 
 :func:`adamw_chunk` computes the update of :mod:`trainstream.contract` (not restated here).
 Every kernel works on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range,
@@ -15,11 +15,10 @@ FMA instruction comes only from :func:`fma32`, exactly where the contract has it
 What the loops need so that LLVM vectorises them:
 
 * Each raw kernel (``adamw_chunk`` ...) is a thin Python function that picks a compiled
-  specialisation from a table keyed by the kind codes (and the variant and mode): a
-  closure whose codes are compile-time constants, so that its loop has no per-element
-  branch (``numba.literally`` did the same but re-ran type inference, under Numba's global
-  compile lock, on every call: ~50 ms). Specialisations compile on first use and are
-  cached on disk per value of their captured constants.
+  specialisation from a table keyed by the kind codes (and the variant and mode): a closure
+  whose codes are compile-time constants, so that its loop has no per-element branch
+  (``numba.literally`` re-ran type inference, under Numba's global compile lock, on every
+  call: ~50 ms). Specialisations compile on first use.
 * Loops run over unsigned indices: a signed index costs a wrap-around select per access.
 * Scalars are read into locals before the loops; per-element choices are ``select``
   instructions (:func:`_select`), never branches (the half conversions are branch-free).
@@ -34,6 +33,8 @@ What the loops need so that LLVM vectorises them:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 import threading
@@ -171,9 +172,8 @@ def f16_to_f32(h):
     w = np.uint32(h) << _U16
     sign = w & np.uint32(0x80000000)
     two_w = np.uint32(w + w)  # Numba widens integer arithmetic: wrap to 32 bits
-    normalized = _f32_bits(np.uint32((two_w >> np.uint32(4)) + np.uint32(0xE0 << 23))) * np.float32(
-        1.925929944387236e-34
-    )  # 2**-112
+    exp_scale = np.float32(1.925929944387236e-34)  # 2**-112
+    normalized = _f32_bits(np.uint32((two_w >> np.uint32(4)) + np.uint32(0xE0 << 23))) * exp_scale
     denormalized = _f32_bits((two_w >> np.uint32(17)) | np.uint32(126 << 23)) - np.float32(0.5)
     r = _select(two_w < np.uint32(1 << 27), _bits_f32(denormalized), _bits_f32(normalized))
     return _f32_bits(np.uint32(sign | r))
@@ -234,10 +234,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     ox = mode if optax_cpu else 0
     # XLA:CPU without FMA3: every contracted line as two roundings, each flushed
     omad = _mul_add_ftz if (ox & OX_NO_FMA) else fma32
-    ox_form_r = (ox & OX_FORM_R) != 0
-    ox_clip = (ox & OX_CLIP) != 0
-    ox_mu_swap = (ox & OX_MU_SWAP) != 0
-    ox_nu_swap = (ox & OX_NU_SWAP) != 0
+    ox_form_r, ox_clip, ox_mu_swap, ox_nu_swap = ((ox & b) != 0 for b in (OX_FORM_R, OX_CLIP, OX_MU_SWAP, OX_NU_SWAP))
     in_grad = okind == OUT_IN_GRAD  # the rounded weights overwrite g[i] (read just before)
     emit_u = okind == OUT_U  # optax: u into out (float32), p read only
     write16 = okind == KIND_F16 or okind == KIND_BF16
@@ -422,23 +419,20 @@ def _build_sumsq(gkind: int, cache: bool = True):
     return sumsq_kernel
 
 
-def _build_convert(kind: int, cache: bool = True):
+def _build_cast(widen: bool, kind: int, cache: bool = True):
+    """``convert`` (``widen``: ``kind`` -> float32) or ``round`` (float32 -> ``kind`` bits)."""
     @njit(**_opts(cache))
-    def convert_kernel(dst, src, begin, end):
+    def cast_kernel(dst, src, begin, end):
         for i in range(np.uint64(begin), np.uint64(end)):
-            dst[i] = _load(src[i], kind)
-    return convert_kernel
+            if widen:
+                dst[i] = _load(src[i], kind)
+            else:
+                dst[i] = _round16(src[i], kind)
+    return cast_kernel
 
 
-def _build_round(kind: int, cache: bool = True):
-    @njit(**_opts(cache))
-    def round_kernel(dst, src, begin, end):
-        for i in range(np.uint64(begin), np.uint64(end)):
-            dst[i] = _round16(src[i], kind)
-    return round_kernel
-
-
-_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq, "convert": _build_convert, "round": _build_round}
+_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq, "convert": functools.partial(_build_cast, True),
+             "round": functools.partial(_build_cast, False)}
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
@@ -496,12 +490,8 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
             raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), "
                              f"got {okind}")
         okind, out16 = OUT_IN_GRAD, _NO_OUT
-    if variant == VARIANT_OPTAX_CPU:
-        mode = int(s[S_OX_CODE])  # the code travels in the scalars; one specialisation each
-    elif variant == VARIANT_TORCH_CPU:
-        mode = tc_code
-    else:
-        mode = SQRT_IEEE
+    # optax/cpu's code travels in the scalars (one specialisation per code), torch/cpu's in tc_code
+    mode = int(s[S_OX_CODE]) if variant == VARIANT_OPTAX_CPU else tc_code if variant == VARIANT_TORCH_CPU else SQRT_IEEE
     key = (variant, gkind, okind, mode)
     fn = _TABLE.get(("adamw", key)) or _specialisation("adamw", key)
     fn(p, m, v, g, out16, begin, end, s)
@@ -618,12 +608,9 @@ def host_adamw_update(p, m, v, g, scalars, *, convention: str = "torch", platfor
     begin, end = int(begin), int(end)
     if not 0 <= begin <= end <= n:
         raise ValueError(f"need 0 <= begin <= end <= len(p) = {n}, got begin={begin}, end={end}")
-    bufs = [p, m, v, g] + ([out] if out is not None else [])
-    names = ["p", "m", "v", "g", "out"]
-    for i in range(len(bufs)):
-        for j in range(i + 1, len(bufs)):
-            if np.shares_memory(bufs[i], bufs[j]):
-                raise ValueError(f"{names[i]} and {names[j]} share memory; buffers must be distinct")
+    for (name_a, a), (name_b, b) in itertools.combinations({"p": p, "m": m, "v": v, "g": g, "out": out}.items(), 2):
+        if b is not None and np.shares_memory(a, b):
+            raise ValueError(f"{name_a} and {name_b} share memory; buffers must be distinct")
     if begin == end:
         return
     if tc_code not in TC_CODES:
@@ -653,15 +640,9 @@ def vectorisation_report(specs=None) -> list[dict]:
     rows = []
     for kernel, key in specs:
         fn = _BUILDERS[kernel](*key, cache=False)
-        if kernel == "adamw":
-            gt = f32 if key[1] == KIND_F32 else u16
-            sig = (f32, f32, f32, gt, u16, i64, i64, f32)
-        elif kernel == "sumsq":
-            sig = (f32 if key[0] == KIND_F32 else u16, i64, i64, i64, f64)
-        elif kernel == "convert":
-            sig = (f32, f32 if key[0] == KIND_F32 else u16, i64, i64)
-        else:
-            sig = (u16, f32, i64, i64)
+        src = f32 if key[1 if kernel == "adamw" else 0] == KIND_F32 else u16  # g, or convert's source
+        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64),
+               "convert": (f32, src, i64, i64), "round": (u16, f32, i64, i64)}[kernel]
         fn.compile(sig)
         asm = fn.inspect_asm(fn.signatures[0])
         ops = Counter(_PACKED_OP.findall(asm))

@@ -34,13 +34,9 @@ def _cache_available() -> bool:
     try:
         numba.njit(cache=True)(_probe)
     except RuntimeError as e:  # "cannot cache function ...: no locator available for file ..."
-        warnings.warn(
-            f"TrainStream: Numba cannot cache its kernels here ({e}); they compile in memory "
-            "in every process (a few seconds each). Set NUMBA_CACHE_DIR to a writable "
-            "directory to cache them.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"TrainStream: Numba cannot cache its kernels here ({e}); they compile in memory in every "
+                      "process (a few seconds each). Set NUMBA_CACHE_DIR to a writable directory to cache them.",
+                      RuntimeWarning, stacklevel=2)
         return False
     return True
 

@@ -253,12 +253,12 @@ TORCH_CPU_SQRT_MAX_ULP = 1
 #: Measured on the H200: at most 5 over 29 layouts and dtypes x 10 steps; the bound leaves margin.
 OPTAX_CUDA_MAX_ULP = 8
 
-#: The same distance between ``optax.adamw`` jitted on XLA:GPU and the host update of the optax/cuda
-#: formula (JAX ``mode="cpu"`` on a GPU: IEEE root and division, also in ``(g / n) * M``), per step from
-#: the same state. Measured on the H200 (tests/test_jax_gpu.py, 30 steps x fp32/bf16 x clip/no clip):
-#: moments at most 6 ULP, weights 5 without clipping but up to 326 with it where ``m`` nearly cancels (a
-#: gradient flipping sign amplifies the moments' last-bit differences; still under a thousandth of the
-#: step ``lr * u``): the bound applies to the moments.
+#: The same distance between ``optax.adamw`` jitted on XLA:GPU and the host update of the optax/cuda formula
+#: (JAX ``mode="cpu"`` on a GPU: IEEE root and division, also in ``(g / n) * M``), per step from the same state.
+#: Measured on the H200 (tests/test_jax_gpu.py, 30 steps x fp32/bf16 x clip/no clip): moments at most 6 ULP,
+#: weights 5 without clipping but up to 326 with it where ``m`` nearly cancels (a gradient flipping sign
+#: amplifies the moments' last-bit differences; still under a thousandth of the step ``lr * u``): the bound
+#: applies to the moments.
 OPTAX_CUDA_HOST_MAX_ULP = 16
 
 
@@ -301,38 +301,35 @@ def variant_id(convention: str, platform: str) -> int:
     return CONVENTIONS.index(convention) * 2 + PLATFORMS.index(platform)
 
 
+def _scalar_vector(slots: dict[int, Any]) -> np.ndarray:
+    """The scalar vector holding ``slots`` (index -> value, rounded once to float32), zeros elsewhere."""
+    s = np.zeros(N_SCALARS, np.float32)
+    for index, value in slots.items():
+        s[index] = np.float32(value)
+    return s
+
+
 def torch_step_scalars(hp: AdamWHyperParams, step: int, platform: str, clip: float | np.float32 = 1.0) -> np.ndarray:
     """Per-step scalars of the ``torch`` convention for update number ``step`` (>= 1), as
     ``torch/optim/adam.py`` forms them in Python floats, rounded where ATen casts them."""
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after increment), got {step}")
-    s = np.zeros(N_SCALARS, np.float32)
     lr, b1, b2, eps, wd = hp
     t = float(step)  # torch keeps `step` as a float tensor and calls .item()
     bc1 = 1 - b1**t
     bc2 = 1 - b2**t
-    bc2_sqrt = bc2**0.5
-    s[S_CLIP] = np.float32(clip)
-    s[S_DECAY] = np.float32(1 - lr * wd)
-    s[S_LERP_W] = np.float32(1 - b1)
-    s[S_LERP_SMALL] = 1.0 if abs(float(np.float32(1 - b1))) < 0.5 else 0.0
-    s[S_BETA2] = np.float32(b2)
-    s[S_OMB2] = np.float32(1 - b2)
-    s[S_BC2] = np.float32(bc2_sqrt)
-    s[S_EPS] = np.float32(eps)
-    s[S_NEG_STEP] = np.float32(-(lr / bc1))
-    return s
+    lerp_small = 1.0 if abs(float(np.float32(1 - b1))) < 0.5 else 0.0
+    return _scalar_vector({S_CLIP: clip, S_DECAY: 1 - lr * wd, S_LERP_W: 1 - b1, S_LERP_SMALL: lerp_small,
+                           S_BETA2: b2, S_OMB2: 1 - b2, S_BC2: bc2**0.5, S_EPS: eps, S_NEG_STEP: -(lr / bc1)})
 
 
 def optax_bias_corrections(b1: float, b2: float, count, xp=np):
     """``(1 - b1**count, 1 - b2**count)`` in float32 as optax writes it, ``count`` the int32
     count after increment; with ``xp=jax.numpy`` in the jitted step XLA computes optax's bits
     (NumPy's power may differ from XLA's ``powf`` in the last bit: a reference only)."""
-    count = xp.asarray(count, dtype=xp.int32)
+    t = xp.asarray(count, dtype=xp.int32).astype(xp.float32)
     one = xp.asarray(1, xp.float32)
-    bc1 = one - xp.asarray(b1, xp.float32) ** count.astype(xp.float32)
-    bc2 = one - xp.asarray(b2, xp.float32) ** count.astype(xp.float32)
-    return bc1, bc2
+    return one - xp.asarray(b1, xp.float32) ** t, one - xp.asarray(b2, xp.float32) ** t
 
 
 class OptaxStepScalars(NamedTuple):
@@ -344,19 +341,16 @@ class OptaxStepScalars(NamedTuple):
 
 def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, weight_decay, global_norm=None,
                         max_norm=None, xp=np) -> OptaxStepScalars:
-    """The ``optax`` convention's per-step scalar matrix, one row per leaf.
+    """The ``optax`` convention's per-step scalar matrix, one row per leaf (``codes``: each
+    leaf's :func:`optax_cpu_code`; ``decays``: False for a leaf masked out of weight decay).
 
-    Every entry is written as optax.adamw (0.2.8) writes it, so that with ``xp=jax.numpy``
-    in the caller's jitted program XLA computes the reference's bits for any
-    hyper-parameters (Python floats, or float32 arrays from ``optax.inject_hyperparams``),
-    in x64 mode too: ``d1 = (1 - b1**t).astype(float32)`` (``optax.tree.bias_correction``:
-    the power in the ambient precision); ``f32(1 - b1)``, ``f32(b1)`` (``update_moment``,
-    weak-typed for a Python float) and likewise ``b2``, ``eps``, ``weight_decay``;
-    ``step_size = -1 * lr``, for a schedule ``xp.asarray(-1 * schedule(count), float32)``
-    (``scale_by_schedule``: the count *before* the increment); the clip slots from
-    ``global_norm`` (``optax.tree.norm`` of the float32 gradients) and ``max_norm`` on the
-    rows whose code has :data:`OX_CLIP`. ``codes``: each leaf's ``OX_*`` code
-    (:func:`optax_cpu_code`); ``decays``: False for a leaf masked out of weight decay.
+    Every entry is written as optax.adamw (0.2.8) writes it, so that with ``xp=jax.numpy`` in
+    the caller's jitted program XLA computes the reference's bits for any hyper-parameters
+    (Python floats, or float32 arrays from ``optax.inject_hyperparams``), in x64 mode too:
+    ``d1 = (1 - b1**t).astype(float32)`` (the power in the ambient precision); ``f32(1 - b1)``,
+    ``f32(b1)`` (weak-typed for a Python float), likewise ``b2``, ``eps``, ``weight_decay``;
+    ``step_size = -1 * lr``, a schedule taken at the count *before* the increment; the clip
+    slots from ``global_norm`` and ``max_norm`` on the rows whose code has :data:`OX_CLIP`.
     """
     codes = np.asarray(codes, np.int64).reshape(-1)
     decays = np.asarray(decays, bool).reshape(-1)
@@ -409,15 +403,11 @@ def master_of_weights(master, weights, xp=np):
 
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
                    fma: bool = True, x64: bool = False) -> int:
-    """The optax/cpu code (``OX_*`` bits) of one leaf, as XLA:CPU compiles optax.adamw
-    (jax/jaxlib 0.10.2, x86-64; the rules are the module docstring's).
-
-    ``n_leaves``: leaves of the optimised pytree; ``numel``: elements of this leaf;
-    ``max_norm``: ``M`` of a ``clip_by_global_norm`` chained before adamw, or None;
-    ``fused_grad``: XLA fuses this leaf's gradient into the moment update ("Fused
-    gradients"; no effect with clipping); ``fma``: XLA:CPU's target has FMA3; ``x64``:
-    ``jax_enable_x64`` is on.
-    """
+    """The optax/cpu code (``OX_*`` bits) of one leaf, by the module docstring's rules: ``n_leaves``
+    leaves in the optimised pytree, ``numel`` elements in this leaf; ``max_norm``: ``M`` of a
+    ``clip_by_global_norm`` chained before adamw, or None; ``fused_grad``: XLA fuses this leaf's
+    gradient into the moment update ("Fused gradients"; no effect with clipping); ``fma``: XLA:CPU's
+    target has FMA3; ``x64``: ``jax_enable_x64`` is on."""
     code = OX_FORM_R if (numel > 1 and (n_leaves == 1 or x64)) else 0
     if not fma:
         code |= OX_NO_FMA
@@ -451,21 +441,10 @@ def optax_step_scalars(hp: AdamWHyperParams, bc1: float | np.float32, bc2: float
     """
     if code not in OX_CODES:
         raise ValueError(f"optax code must be one of 0..{OX_CODES[-1]}, got {code!r}")
-    s = np.zeros(N_SCALARS, np.float32)
     lr, b1, b2, eps, wd = hp
-    s[S_CLIP] = np.float32(clip)
-    s[S_CLIP_DIV] = np.float32(clip_div)
-    s[S_OX_CODE] = np.float32(code)
-    s[S_WD] = np.float32(wd) if decay else np.float32(0.0)
-    s[S_OMB1] = np.float32(1 - b1)
-    s[S_BETA1] = np.float32(b1)
-    s[S_BETA2] = np.float32(b2)
-    s[S_OMB2] = np.float32(1 - b2)
-    s[S_BC1] = np.float32(bc1)
-    s[S_EPS] = np.float32(eps)
-    s[S_NEG_LR] = np.float32(-lr) if neg_lr is None else np.float32(neg_lr)
-    s[S_BC2_OPTAX] = np.float32(bc2)
-    return s
+    return _scalar_vector({S_CLIP: clip, S_CLIP_DIV: clip_div, S_OX_CODE: code, S_WD: wd if decay else 0.0,
+                           S_OMB1: 1 - b1, S_BETA1: b1, S_BETA2: b2, S_OMB2: 1 - b2, S_BC1: bc1, S_EPS: eps,
+                           S_NEG_LR: -lr if neg_lr is None else neg_lr, S_BC2_OPTAX: bc2})
 
 
 def step_scalars(hp: AdamWHyperParams, step: int, convention: str, platform: str,
@@ -558,12 +537,11 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, scalars: np.ndarray,
                      convention: str, platform: str, sqrt=np.sqrt, fma: bool = True,
                      grad_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One AdamW update in NumPy float32: the executable statement of the contract.
+    """One AdamW update in NumPy float32 (the module docstring's lines); returns new arrays.
 
-    ``p``, ``m``, ``v``: float32 master weight and moments; ``g``: the fp32 (upcast) gradient;
-    ``scalars``: :func:`step_scalars`' vector. Returns new arrays. ``grad_dtype``: the
-    gradient's format (torch rounds an fp16/bf16 ``g * c`` to it). ``sqrt``: ``msqrt`` of
-    torch/cpu (default IEEE; pass the reference's, e.g. torch's, or ``_cpu_sqrt.sqrt_array``
+    ``g``: the fp32 (upcast) gradient; ``scalars``: :func:`step_scalars`' vector;
+    ``grad_dtype``: the gradient's format (torch rounds an fp16/bf16 ``g * c`` to it).
+    ``sqrt``: ``msqrt`` of torch/cpu (default IEEE; pass torch's, or ``_cpu_sqrt.sqrt_array``
     in a detected mode); ``fma=False``: torch/cpu with :data:`TC_NO_FMA`. optax/cpu reads its
     code, :data:`OX_NO_FMA` included, from the scalars.
     """
