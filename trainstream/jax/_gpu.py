@@ -25,6 +25,7 @@ CUDA calls go through :mod:`trainstream._cuda`; CuPy only compiles and launches 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -42,22 +43,18 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def init(params, leaves):
-    """The state of ``params`` on one CUDA device: the count on the device, the moments and
-    fp16/bf16 masters in its pinned host memory (never in GPU memory)."""
+    """The state of ``params`` on one CUDA device (the count on it, the rest in its pinned host memory)."""
     from ._transform import OffloadAdamWState  # noqa: PLC0415
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # init inside a program
-        host = jax.memory.Space.Host
-        zeros = lambda x: jax.device_put(jnp.zeros(jnp.shape(x), jnp.float32), host)  # noqa: E731
-        master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
-                            else jax.device_put(x.astype(jnp.float32), host))
-        count = jnp.zeros([], jnp.int32)
+        host, xp, count = jax.memory.Space.Host, jnp, jnp.zeros([], jnp.int32)
+        to_f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     else:
         dev = next(iter(leaves[0].devices())) if leaves else jax.local_devices(backend="gpu")[0]
-        host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        zeros = lambda x: jax.device_put(np.zeros(np.shape(x), np.float32), host)  # noqa: E731
-        master = lambda x: (None if np.dtype(x.dtype) == np.float32  # noqa: E731
-                            else jax.device_put(np.asarray(jax.device_get(x)).astype(np.float32), host))
+        host, xp = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"), np
+        to_f32 = lambda x: np.asarray(jax.device_get(x)).astype(np.float32)  # noqa: E731
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
+    zeros = lambda x: jax.device_put(xp.zeros(xp.shape(x), xp.float32), host)  # noqa: E731
+    master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(to_f32(x), host)  # noqa: E731
     return OffloadAdamWState(count, jax.tree.map(zeros, params), jax.tree.map(zeros, params),
                              jax.tree.map(master, params))
 
@@ -87,12 +84,12 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     ops = [scalars, count_inc, *g_leaves, *w, *reads, *state_in]
     base = len(ops) - len(state_in)
     res = [sds(np.shape(x), f32) for x in state_in]
-    upd = _update_callback(plan)
-    outs = buffer_callback(upd, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
+    if plan.gpu is None:  # one update callback per plan (XLA's caches key programs by it)
+        plan.gpu = _Update(plan)
+    outs = buffer_callback(plan.gpu, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
     outs = [jax.device_put(x, jax.memory.Space.Host) for x in outs]  # host avals: the outputs stay there
     firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
-    k = len(masters)
-    return list(firsts), outs[:n], outs[n:2 * n], outs[2 * n:2 * n + k]
+    return list(firsts), outs[:n], outs[n:2 * n], outs[2 * n:-1]  # the last: the token
 
 
 _rings: dict = {}  # device -> StagingRing (or None: refused), one per device for the process
@@ -110,13 +107,6 @@ def _ring(device: int):
     return _rings[device]
 
 
-def _update_callback(plan) -> "_Update":
-    """The plan's update callback: one object per plan (XLA's caches key programs by it)."""
-    if plan.gpu is None:
-        plan.gpu = _Update(plan)
-    return plan.gpu
-
-
 def _ptr(buf) -> int:
     """The device address of a buffer XLA hands to a callback (host memory: its UVA address)."""
     return int(buf.__cuda_array_interface__["data"][0])
@@ -129,7 +119,8 @@ def _stream(ctx) -> int:
 
 class _Staging:
     """Pinned host buffers of one device for ``mode="cpu"``: the scalars and count, and per
-    leaf the gradient and (float32 leaves) the weights or the update. Freed with the plan."""
+    leaf the gradient and (float32 leaves) the weights and, for ``update``, the update, each as
+    ``(address, flat NumPy view)``. Freed with the plan."""
 
     def __init__(self, plan, device: int):
         from .. import _device_kernels as dk  # noqa: PLC0415
@@ -137,35 +128,27 @@ class _Staging:
         self.lock = threading.Lock()
         self._buffers: list = []  # _cuda.Mapped, freed when collected (with the plan)
 
-        def alloc(nbytes: int, what: str) -> int:
+        def alloc(numel: int, dtype, what: str, extra: int = 0) -> tuple:
+            nbytes = numel * np.dtype(dtype).itemsize
             try:
-                buf = self.ctx.alloc_mapped(max(64, int(nbytes)))
+                buf = self.ctx.alloc_mapped(max(64, int(nbytes + extra)))
             except MemoryError as exc:
                 raise MemoryError(f"TrainStream JAX mode='cpu': pinned staging for {what}: {exc}") from exc
             self._buffers.append(buf)
-            return buf.host_ptr
+            return buf.host_ptr, dk.host_view(buf.host_ptr, numel, dtype)
 
-        n = plan.n
-        self.scalars_ptr = alloc(4 * C.N_SCALARS * max(n, 1) + 64, "the scalars")
-        self.scalars = dk.host_view(self.scalars_ptr, C.N_SCALARS * max(n, 1), np.float32).reshape(-1, C.N_SCALARS)
-        self.count_ptr = self.scalars_ptr + 4 * C.N_SCALARS * max(n, 1)
+        rows = C.N_SCALARS * max(plan.n, 1)
+        self.scalars_ptr, scalars = alloc(rows, np.float32, "the scalars", extra=64)  # the count after them
+        self.scalars = scalars.reshape(-1, C.N_SCALARS)
+        self.count_ptr = self.scalars_ptr + 4 * rows
         self.count = dk.host_view(self.count_ptr, 1, np.int32)
-        self.grads, self.grad_ptrs, self.weights, self.weight_ptrs = [], [], [], []
+        self.grads, self.weights, self.updates = [], {}, {}  # weights, updates: of the float32 leaves
         for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
-            gptr = alloc(numel * _ITEMSIZE[kind], f"gradient {i}")
-            self.grad_ptrs.append(gptr)
-            self.grads.append(dk.host_view(gptr, numel, np.float32 if kind == "float32" else np.uint16))
+            self.grads.append(alloc(numel, np.float32 if kind == "float32" else np.uint16, f"gradient {i}"))
             if kind == "float32":
-                wptr = alloc(4 * numel, f"weights {i}")
-                self.weight_ptrs.append(wptr)
-                self.weights.append(dk.host_view(wptr, numel, np.float32))
+                self.weights[i] = alloc(numel, np.float32, f"weights {i}")
                 if plan.emit_u:  # the update goes to a buffer of its own, the weights are read
-                    uptr = alloc(4 * numel, f"update {i}")
-                    self.weight_ptrs[-1] = (wptr, uptr)
-                    self.weights[-1] = (self.weights[-1], dk.host_view(uptr, numel, np.float32))
-            else:
-                self.weight_ptrs.append(None)
-                self.weights.append(None)
+                    self.updates[i] = alloc(numel, np.float32, f"update {i}")
 
 
 class _Update:
@@ -177,8 +160,7 @@ class _Update:
         self._lock = threading.Lock()
 
     def __call__(self, ctx, outs, scal, count, *ins) -> None:
-        plan = self.plan
-        n = plan.n
+        plan, n = self.plan, self.plan.n
         if n == 0:
             return
         grads, w = ins[:n], ins[n:2 * n]
@@ -188,18 +170,17 @@ class _Update:
         weights = dict(zip([i for i in range(n) if i not in plan.halves], reads)) if plan.emit_u else {}
         stream = _stream(ctx)
         device = _cuda.pointer_device(_ptr(grads[0]))
-        if plan.mode == "gpu":
-            self._launch(device, stream, scal, grads, w, weights, mus, nus, masters)
-        else:
-            self._host(device, stream, scal, count, grads, w, weights, mus, nus, masters)
+        run = self._launch if plan.mode == "gpu" else self._host
+        run(device, stream, scal, count, grads, w, weights, mus, nus, masters)
 
-    def _launch(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
+    def _launch(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
         """``mode="gpu"``: the kernel (:func:`trainstream._device_kernels.launch_adamw_multi`,
         ``launch_adamw_u_multi`` for ``update``'s float32 leaves) over every leaf, leaves of
         one dtype in launches of up to ``MULTI_MAX``, each leaf's scalars its row of the
         matrix; the state staged by the copy engines through the device's
         :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's stream waiting at the
-        end for its copies back; without a ring the kernel reads it in host memory."""
+        end for its copies back; without a ring the kernel reads it in host memory. (``count``:
+        unused, the scalars are the program's.)"""
         from .. import _device_kernels as dk  # noqa: PLC0415
         plan = self.plan
         row = 4 * C.N_SCALARS
@@ -225,12 +206,9 @@ class _Update:
         ring = _ring(device)
         after = _cuda.Event(ring.ctx, stream) if ring is not None else None  # XLA's work before: the state's writers
         for (what, kind), entries in groups.items():
-            def launch(batch, what=what, kind=kind):
-                if what == "u":
-                    dk.launch_adamw_u_multi(C.VARIANT_OPTAX_CUDA, kind, batch, stream, device=device)
-                else:
-                    dk.launch_adamw_multi(C.VARIANT_OPTAX_CUDA, kind, kind, batch, stream=stream, device=device)
-
+            dtypes = (kind,) if what == "u" else (kind, kind)  # u: the gradient's; w: the weights' and gradient's
+            launch = functools.partial(dk.launch_adamw_u_multi if what == "u" else dk.launch_adamw_multi,
+                                       C.VARIANT_OPTAX_CUDA, *dtypes, stream=stream, device=device)
             if ring is not None:
                 ring.run(launch, entries, stream, after)
                 after = None
@@ -264,31 +242,30 @@ class _Update:
             events = []
             for i in range(plan.n):
                 kind, numel = plan.kinds[i], plan.numels[i]
-                cx.memcpy_dtoh_async(st.grad_ptrs[i], _ptr(grads[i]), numel * _ITEMSIZE[kind], stream)
+                cx.memcpy_dtoh_async(st.grads[i][0], _ptr(grads[i]), numel * _ITEMSIZE[kind], stream)
                 if kind == "float32":  # the weights: w holds the params (step), or read them (update)
                     src = weights[i] if plan.emit_u else w[i]
-                    dst = st.weight_ptrs[i][0] if plan.emit_u else st.weight_ptrs[i]
-                    cx.memcpy_dtoh_async(dst, _ptr(src), 4 * numel, stream)
+                    cx.memcpy_dtoh_async(st.weights[i][0], _ptr(src), 4 * numel, stream)
                 events.append(_cuda.Event(cx, stream))
             scalars = st.scalars
             if plan.convention == "torch":  # host float64 scalars from the count and the norm
                 events[-1].synchronize()
                 scalars = plan.torch_scalars(st.scalars[:plan.n].copy(), int(st.count[0]),
-                                             [(st.grads[i], plan.kinds[i], None) for i in range(plan.n)])
+                                             [(g, kind, None) for (_, g), kind in zip(st.grads, plan.kinds)])
             items = []
             for i in range(plan.n):
                 kind, numel = plan.kinds[i], plan.numels[i]
                 m = dk.host_view(_ptr(mus[i]), numel, np.float32)
                 v = dk.host_view(_ptr(nus[i]), numel, np.float32)
-                g = st.grads[i]
+                g_ptr, g = st.grads[i]
                 if i in masters:  # the rounded weights overwrite the staged gradient, then go up
                     p = dk.host_view(_ptr(masters[i]), numel, np.float32)
-                    out, out_kind, up_src, up_bytes = g, kind, st.grad_ptrs[i], numel * _ITEMSIZE[kind]
-                elif plan.emit_u:
-                    p, out = st.weights[i]
-                    out_kind, up_src, up_bytes = "u", st.weight_ptrs[i][1], 4 * numel
-                else:
-                    p, out, out_kind, up_src, up_bytes = st.weights[i], None, None, st.weight_ptrs[i], 4 * numel
+                    out, out_kind, up_src, up_bytes = g, kind, g_ptr, numel * _ITEMSIZE[kind]
+                elif plan.emit_u:  # u goes up from its own buffer
+                    p, (up_src, out) = st.weights[i][1], st.updates[i]
+                    out_kind, up_bytes = "u", 4 * numel
+                else:  # the new weights go up from the staged weights
+                    (up_src, p), out, out_kind, up_bytes = st.weights[i], None, None, 4 * numel
 
                 def upload(dst=_ptr(w[i]), src=up_src, nbytes=up_bytes):
                     cx.memcpy_htod_async(dst, src, nbytes, stream)

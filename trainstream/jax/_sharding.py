@@ -11,7 +11,7 @@ elementwise update runs per shard: :func:`per_device` wraps the callbacks in a `
 over the layout's mesh, so each device's callback (XLA calls one per addressable device, on
 that device's thread) gets its local shards and nothing is gathered; replicated leaves are
 updated on every device's copy. The per-leaf convention code comes from the local element
-count (:func:`local_numel`): XLA compiles the per-device program for the local shapes.
+count (:func:`local_shape`): XLA compiles the per-device program for the local shapes.
 Inside the user's own ``shard_map`` (every axis manual) no ``shard_map`` is added and, as
 optax's there, the norm is of the local shards.
 
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .. import _cores
 
-__all__ = ["Layout", "check_traced", "default_threads", "in_manual_mesh", "init_state", "layout_of", "local_numel",
+__all__ = ["Layout", "check_traced", "default_threads", "in_manual_mesh", "init_state", "layout_of", "local_shape",
            "per_device"]
 
 
@@ -54,8 +54,7 @@ def layout_of(leaves, paths) -> Layout | None:
                 raise NotImplementedError(
                     f"TrainStream offload_adamw: leaf {path} has a {type(s).__name__} over "
                     f"{len(s.device_set)} devices; sharded parameters must be NamedSharding arrays "
-                    "(jax.device_put(params, NamedSharding(mesh, spec)))"
-                )
+                    "(jax.device_put(params, NamedSharding(mesh, spec)))")
         return None
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding))
     for s, path in zip(shardings, paths):
@@ -63,14 +62,12 @@ def layout_of(leaves, paths) -> Layout | None:
             raise ValueError(
                 f"TrainStream offload_adamw: leaf {path} is a {type(s).__name__} array while other "
                 f"leaves are sharded over the mesh {dict(mesh.shape)}: place every leaf on that mesh "
-                "(NamedSharding(mesh, PartitionSpec()) replicates one)"
-            )
+                "(NamedSharding(mesh, PartitionSpec()) replicates one)")
         if s.mesh != mesh:
             raise ValueError(
                 f"TrainStream offload_adamw: leaf {path} is sharded over the mesh {dict(s.mesh.shape)} "
                 f"{s.mesh.devices.ravel().tolist()}, other leaves over {dict(mesh.shape)} "
-                f"{mesh.devices.ravel().tolist()}: every leaf must be on one mesh"
-            )
+                f"{mesh.devices.ravel().tolist()}: every leaf must be on one mesh")
     return Layout(mesh, tuple(s.spec for s in shardings))
 
 
@@ -87,8 +84,7 @@ def in_manual_mesh() -> bool:
         raise NotImplementedError(
             f"TrainStream offload_adamw inside a shard_map that leaves the mesh axes {auto} automatic: "
             "its per-device update needs whole local shards; make every axis manual "
-            "(shard_map(..., axis_names=all of them)) or call it outside the shard_map"
-        )
+            "(shard_map(..., axis_names=all of them)) or call it outside the shard_map")
     return True
 
 
@@ -101,12 +97,12 @@ def check_traced(leaves, paths) -> None:
                 f"TrainStream offload_adamw: leaf {path} lives on a mesh of {dict(mesh.shape)} devices, "
                 "and this transformation never saw these parameters as arrays: offload_adamw takes the "
                 "PartitionSpecs of sharded parameters from the concrete arrays passed to tx.init (a traced "
-                "array carries none); call tx.init(params) outside jit, before the update"
-            )
+                "array carries none); call tx.init(params) outside jit, before the update")
 
 
 def local_shape(shape, spec, mesh) -> tuple:
-    """The shape of one shard of an array of ``shape`` sharded by ``spec`` over ``mesh``."""
+    """The shape of one shard of an array of ``shape`` sharded by ``spec`` over ``mesh`` (JAX
+    refuses uneven NamedShardings)."""
     out = list(shape)
     for d, entry in enumerate(tuple(spec)[:len(out)]):
         axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -114,15 +110,9 @@ def local_shape(shape, spec, mesh) -> tuple:
     return tuple(out)
 
 
-def local_numel(shape, spec, mesh) -> int:
-    """Elements of one shard (JAX refuses uneven NamedShardings)."""
-    return int(math.prod(local_shape(shape, spec, mesh)))
-
-
 def init_state(params, leaves, layout: Layout, host_memory: bool):
-    """``OffloadAdamWState`` of sharded ``params``: moments and fp16/bf16 masters with the
-    parameters' shardings (``host_memory``: in ``pinned_host``), put shard by shard from host
-    memory (this process's shards only, never through GPU memory); ``count`` replicated."""
+    """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this
+    process's shards only, never through GPU memory)."""
     from ._transform import OffloadAdamWState  # noqa: PLC0415
     mesh = layout.mesh
     kind = "pinned_host" if host_memory else None
@@ -153,17 +143,13 @@ def per_device(fn, layout: Layout, first_specs, halves):
     specs = list(layout.specs)
     mspecs = [specs[i] for i in halves]
     rep = PartitionSpec()
-    return jax.shard_map(
-        fn, mesh=layout.mesh,
-        in_specs=(rep, rep, specs, specs, specs, specs, mspecs),
-        out_specs=(list(first_specs), specs, specs, mspecs),
-        check_vma=False,  # the callbacks' outputs carry no varying-axes types
-    )
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=(rep, rep, specs, specs, specs, specs, mspecs),
+                         out_specs=(list(first_specs), specs, specs, mspecs),
+                         check_vma=False)  # the callbacks' outputs carry no varying-axes types
 
 
 def default_threads() -> int:
-    """Host workers of this process by default: its share of the usable cores among the JAX
-    processes of this host, less one (:func:`trainstream._cores.default_threads`)."""
+    """:func:`trainstream._cores.default_threads` for this process's share of this host."""
     return _cores.default_threads(_local_processes())
 
 

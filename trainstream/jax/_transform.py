@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
 from ..core import Engine, ExternalUpdate, _budget
-from . import _sharding
+from . import _gpu, _sharding
 
 __all__ = ["OffloadAdamW", "OffloadAdamWState", "close", "load_state_dict", "offload_adamw", "state_dict"]
 
@@ -64,8 +64,7 @@ _Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_deca
 
 
 class _NoSlots:
-    """The engine backend of the JAX adapter: no slots, every update passes XLA's buffers to
-    :meth:`~trainstream.core.Engine.update_external`."""
+    """The engine backend of the JAX adapter: no slots, XLA's buffers go to ``Engine.update_external``."""
 
     def _refuse(self, *_, **__):
         raise NotImplementedError("TrainStream JAX adapter: its engine updates buffers that XLA owns "
@@ -208,15 +207,6 @@ def _host_numel(x) -> int:
     return len(sharding.addressable_devices) * _numel(sharding.shard_shape(np.shape(x)))
 
 
-def _check_not_batched(*trees) -> None:
-    """A clear error for vmap (the kernels update whole arrays, not a batch of them)."""
-    from jax._src.interpreters import batching  # noqa: PLC0415
-    if any(isinstance(x, batching.BatchTracer) for t in trees for x in jax.tree.leaves(t)):
-        raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update runs outside XLA on whole "
-                                  "arrays and has no batching rule; vmap a model's loss, not its optimizer (for "
-                                  "several models: one optimizer state each)")
-
-
 def _check_host_state(mu, nu, master, paths) -> None:
     """On a GPU the moments and masters must arrive in host memory: XLA would otherwise hand
     the kernels GPU memory, and the state would silently live there."""
@@ -258,15 +248,10 @@ class _Plan:
                  "engine_key", "gpu", "__weakref__")
 
     def __init__(self, cfg: _Config, kinds, numels, decay, emit_u: bool):
-        self.n = len(kinds)
-        self.kinds = tuple(kinds)
-        self.numels = tuple(numels)
+        self.n, self.kinds, self.numels, self.emit_u = len(kinds), tuple(kinds), tuple(numels), emit_u
         self.halves = tuple(i for i, k in enumerate(kinds) if k != "float32")
-        self.emit_u = emit_u
-        self.convention = cfg.convention
-        self.max_grad_norm = cfg.max_grad_norm
+        self.convention, self.max_grad_norm, self.mode = cfg.convention, cfg.max_grad_norm, cfg.mode
         self.schedule = callable(cfg.learning_rate)
-        self.mode = cfg.mode
         tc_code = _torch_cpu_code() if cfg.convention == "torch" else 0
         threads = cfg.threads or _sharding.default_threads()
         self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_elems, cfg.worker_nice)
@@ -299,27 +284,24 @@ class _Plan:
         """``(S, t, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` on XLA:CPU
         (every buffer host memory), ``firsts`` the new weights (``step``: aliased to the params)
         or ``u`` (``update``; a placeholder for fp16/bf16 leaves, whose master is the result)."""
-        n = self.n
-        grads, params = ins[:n], ins[n:2 * n]
-        mus, nus = outs[n:2 * n], outs[2 * n:3 * n]
+        n, view = self.n, _flat_view
+        params, mus, nus = ins[n:2 * n], outs[n:2 * n], outs[2 * n:3 * n]
         master_of = dict(zip(self.halves, outs[3 * n:]))
-        view = _flat_view
         s = np.asarray(scal)
-        g = [view(x, self.kinds[i]) for i, x in enumerate(grads)]
+        g = [view(x, kind) for x, kind in zip(ins[:n], self.kinds)]
         if self.convention == "torch":
             s = self.torch_scalars(s, int(np.asarray(count)), [(a, k, None) for a, k in zip(g, self.kinds)])
         items = []
-        for i in range(n):
-            if i in master_of:
+        for i, kind in enumerate(self.kinds):
+            if i in master_of:  # step: the master's rounding into the params' buffer
                 p = view(master_of[i], "float32")
-                out = None if self.emit_u else view(outs[i], self.kinds[i])
-                out_kind = None if self.emit_u else self.kinds[i]
+                out, out_kind = (None, None) if self.emit_u else (view(outs[i], kind), kind)
             elif self.emit_u:
                 p, out, out_kind = view(params[i], "float32"), view(outs[i], "float32"), "u"
             else:
                 p, out, out_kind = view(outs[i], "float32"), None, None  # aliased to the params
-            items.append(ExternalUpdate(p, view(mus[i], "float32"), view(nus[i], "float32"), g[i],
-                                        self.kinds[i], out, out_kind, s[i]))
+            items.append(ExternalUpdate(p, view(mus[i], "float32"), view(nus[i], "float32"), g[i], kind, out,
+                                        out_kind, s[i]))
         self.engine.update_external(items, "cpu")
 
 
@@ -352,8 +334,7 @@ def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _P
 
 
 def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
-    """The update of ``plan`` on XLA:CPU: one callback over the leaves given (one device's);
-    returns ``(firsts, mu', nu', masters')`` as :meth:`_Plan.__call__` writes them."""
+    """``plan``'s update on XLA:CPU: one callback (:meth:`_Plan.__call__`) over one device's leaves."""
     n = plan.n
     sds, f32 = jax.ShapeDtypeStruct, jnp.float32
     if plan.emit_u:
@@ -368,18 +349,6 @@ def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, mast
     outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(
         scalars, count_inc, *g_leaves, *p_leaves, *mu, *nu, *masters)
     return outs[:n], outs[n:2 * n], outs[2 * n:3 * n], outs[3 * n:]
-
-
-def _scale_by_learning_rate(step_size, u, learning_rate):
-    """``optax.scale_by_learning_rate``'s multiply as optax writes it (``scale``: ``step_size *
-    g``; ``scale_by_schedule``: ``jnp.array(step_size, dtype=g.dtype) * g``)."""
-    if callable(learning_rate):
-        return jnp.array(step_size, dtype=u.dtype) * u
-    return step_size * u
-
-
-_HINT = ("fewer parameters' state per process (shard the parameters over the devices of more "
-         "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
 
 
 class _Impl:
@@ -405,12 +374,13 @@ class _Impl:
         platform = _platform_of(leaves)
         if self.cfg.mode == "gpu":
             _check_gpu_mode(platform, self.cfg)
-        _budget.check(self.host_plan(leaves, paths, platform), _HINT)  # before any array is made
+        _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
+                      "fewer parameters' state per process (shard the parameters over the devices of more "
+                      "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
         layout = self._remember_layout(params, leaves, paths)
         if layout is not None:
             return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
         if platform == "cuda":
-            from . import _gpu  # noqa: PLC0415
             return _gpu.init(params, leaves)
         f32 = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)  # noqa: E731
         master = jax.tree.map(lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32),
@@ -439,44 +409,45 @@ class _Impl:
         paths = _paths(params)
         mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
         master = jax.tree.leaves(state.master, is_leaf=_is_none)
+        differs = "TrainStream offload_adamw: the parameter pytree differs from the one passed to init"
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
-            raise ValueError(f"TrainStream offload_adamw: the parameter pytree differs from the one passed to init: "
-                             f"{len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} (nu), "
-                             f"{len(master)} (master)")
+            raise ValueError(f"{differs}: {len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} "
+                             f"(nu), {len(master)} (master)")
         kinds = []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
             kinds.append(_leaf_dtype_name(p, path))
-            if tuple(np.shape(g)) != tuple(np.shape(p)) or np.dtype(g.dtype) != np.dtype(p.dtype):
+            shape = tuple(np.shape(p))
+            if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != np.dtype(p.dtype):
                 raise ValueError(f"TrainStream offload_adamw: gradient {path} has shape {tuple(np.shape(g))} and "
-                                 f"dtype {g.dtype}, its parameter {tuple(np.shape(p))} {p.dtype} (the gradient "
-                                 "must have the parameter's shape and dtype)")
-            want_master = kinds[i] != "float32"
-            for what, a in (("mu", mu[i]), ("nu", nu[i])) + ((("master", master[i]),) if want_master else ()):
-                if a is None or tuple(np.shape(a)) != tuple(np.shape(p)) or np.dtype(a.dtype) != np.float32:
-                    raise ValueError(
-                        f"TrainStream offload_adamw: the parameter pytree (structure, shapes or dtypes) differs from "
-                        f"the one passed to init: {what} of leaf {path} is "
-                        f"{None if a is None else (tuple(np.shape(a)), str(a.dtype))}, the parameter is "
-                        f"{tuple(np.shape(p))} {p.dtype}")
-            if not want_master and master[i] is not None:
-                raise ValueError(f"TrainStream offload_adamw: the parameter pytree differs from the one passed to "
-                                 f"init: leaf {path} is float32 now but has an fp32 master in the state")
+                                 f"dtype {g.dtype}, its parameter {shape} {p.dtype} (the gradient must have the "
+                                 "parameter's shape and dtype)")
+            checked = [("mu", mu[i]), ("nu", nu[i])] + ([("master", master[i])] if kinds[i] != "float32" else [])
+            for what, a in checked:
+                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.float32:
+                    raise ValueError(f"{differs} (structure, shapes or dtypes): {what} of leaf {path} is "
+                                     f"{None if a is None else (tuple(np.shape(a)), str(a.dtype))}, the parameter "
+                                     f"is {shape} {p.dtype}")
+            if kinds[i] == "float32" and master[i] is not None:
+                raise ValueError(f"{differs}: leaf {path} is float32 now but has an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master
 
     def _apply(self, grads, state, params, emit_u: bool):
         """One traced update: ``(updates or new params, new state)``."""
+        from jax._src.interpreters import batching  # noqa: PLC0415
         cfg = self.cfg
-        _check_not_batched(grads, state, params)
+        if any(isinstance(x, batching.BatchTracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
+            raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update runs outside XLA on whole "
+                                      "arrays and has no batching rule; vmap a model's loss, not its optimizer (for "
+                                      "several models: one optimizer state each)")
         p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
         n = len(p_leaves)
         platform = _platform_of(p_leaves + g_leaves)
         layout = None
         if not _sharding.in_manual_mesh():  # inside the user's shard_map: the arrays are local
             key = _layout_key(params, p_leaves)
-            if key in self._layouts:
-                layout = self._layouts[key]
-            else:
+            if key not in self._layouts:
                 _sharding.check_traced(p_leaves, paths)
+            layout = self._layouts.get(key)
         if cfg.mode == "gpu":
             _check_gpu_mode(platform, cfg)
         halves = [i for i, k in enumerate(kinds) if k != "float32"]
@@ -487,7 +458,8 @@ class _Impl:
         if layout is None:
             numels = [_numel(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
-            numels = [_sharding.local_numel(np.shape(p), spec, layout.mesh) for p, spec in zip(p_leaves, layout.specs)]
+            numels = [_numel(_sharding.local_shape(np.shape(p), spec, layout.mesh))
+                      for p, spec in zip(p_leaves, layout.specs)]
             if cfg.convention == "torch" and cfg.max_grad_norm is not None:
                 raise NotImplementedError(
                     "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 norm on the "
@@ -495,8 +467,7 @@ class _Impl:
                     "(optax's norm, in the program) or clip in the program")
         optax_clip = cfg.max_grad_norm is not None and cfg.convention == "optax"
         if cfg.convention == "optax" and platform == "cpu":
-            fma = _xla_cpu_fma()
-            x64 = bool(jax.config.jax_enable_x64)
+            fma, x64 = _xla_cpu_fma(), bool(jax.config.jax_enable_x64)
             if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
                 codes = [C.optax_cpu_code(n, k, cfg.after_clip, fma=fma, x64=x64) & ~C.OX_CLIP for k in numels]
             else:
@@ -509,17 +480,12 @@ class _Impl:
         sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
                                    eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
                                    max_norm=cfg.max_grad_norm if cfg.convention == "optax" else None, xp=jnp)
-        if platform == "cpu":  # the weights passed in win over a master they no longer match
-            masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) for i in halves]
-        else:
-            masters = [master[i] for i in halves]
+        # on the CPU the weights passed in win over a master they no longer match
+        masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) if platform == "cpu" else master[i]
+                   for i in halves]
         u_kernel = emit_u and cfg.convention == "optax"  # the torch convention has no u: new - params
         plan = _plan(cfg, kinds, numels, decay, u_kernel, platform)
-        if platform == "cuda":
-            from . import _gpu  # noqa: PLC0415
-            run = functools.partial(_gpu.apply, plan)
-        else:
-            run = functools.partial(_cpu_apply, plan)
+        run = functools.partial(_gpu.apply if platform == "cuda" else _cpu_apply, plan)
         if layout is not None:  # each device's callback on its own shards
             placeholder = platform == "cpu" and u_kernel  # update's fp16/bf16 leaves: no first output
             first_specs = [P() if placeholder and i in halves else spec for i, spec in enumerate(layout.specs)]
@@ -531,8 +497,9 @@ class _Impl:
         def first(i, p):
             if not emit_u:
                 return firsts[i]
-            if u_kernel and i not in m_new:  # optax's scale_by_learning_rate, in the program
-                return _scale_by_learning_rate(sc.step_size, firsts[i], cfg.learning_rate)
+            if u_kernel and i not in m_new:  # optax's scale_by_learning_rate in the program, written as optax's
+                u = firsts[i]  # scale (step_size * u) or scale_by_schedule (step_size an array of u's dtype first)
+                return (jnp.array(sc.step_size, dtype=u.dtype) if callable(cfg.learning_rate) else sc.step_size) * u
             # new - params (for a master: apply_updates(p, u) gives its rounding exactly)
             w = m_new[i].astype(p.dtype) if u_kernel and platform == "cpu" else firsts[i]
             return w.astype(jnp.float32) - p.astype(jnp.float32)
@@ -575,15 +542,14 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
     # copies: a NumPy view of a state array would keep XLA from donating it afterwards
     to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
     masters = jax.tree.leaves(state.master, is_leaf=_is_none)
-    p_leaves = [None] * len(masters)
     if any(m is None for m in masters):
         if params is None:
             raise ValueError("TrainStream state_dict: the float32 leaves are their own master: pass params")
         p_leaves = jax.tree.leaves(params)
         if len(p_leaves) != len(masters):
             raise ValueError(f"TrainStream state_dict: params have {len(p_leaves)} leaves, the state {len(masters)}")
-    masters = [np.array(jax.device_get(p), np.float32, copy=True) if m is None else to_np(m)
-               for m, p in zip(masters, p_leaves)]
+        masters = [p if m is None else m for m, p in zip(masters, p_leaves)]
+    masters = [np.array(jax.device_get(m), np.float32, copy=True) for m in masters]
     return {"count": to_np(state.count), "exp_avg": jax.tree.map(to_np, state.mu),
             "exp_avg_sq": jax.tree.map(to_np, state.nu),
             "master": jax.tree.unflatten(jax.tree.structure(state.mu), masters)}
@@ -664,11 +630,19 @@ class OffloadAdamW(optax.GradientTransformation):
     close = staticmethod(close)
 
 
-def _static_int(x, default):
+def _static_int(name: str, x, default, positive: bool = True):
+    """A checked int argument that changes no bit. optax.inject_hyperparams passes every number as
+    an array too (a tracer in the update): a traced one falls back to its default (name it in
+    static_args to keep another value there)."""
     if isinstance(x, jax.core.Tracer):
-        return default
-    if hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.integer) and np.ndim(x) == 0:
-        return int(x)
+        x = default
+    elif hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.integer) and np.ndim(x) == 0:
+        x = int(x)
+    if x is None and default is None:  # threads: decided at the first update
+        return x
+    if isinstance(x, bool) or not isinstance(x, int) or (positive and x < 1):
+        what = "a positive int" if positive else "an int"
+        raise ValueError(f"{name} must be {what}{' or None' if default is None else ''}, got {x!r}")
     return x
 
 
@@ -780,22 +754,13 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         if max_grad_norm is not None:
             raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
         after_clip = float(after_clip)
-    # optax.inject_hyperparams passes every number as an array too (a tracer in the update):
-    # these four change no bit, so a traced one falls back to its default (name them in
-    # static_args to keep other values there)
-    threads = _static_int(threads, None)
-    chunk_elems = _static_int(chunk_elems, 1 << 20)
-    worker_nice = _static_int(worker_nice, 5)
-    if isinstance(host_margin, jax.core.Tracer):
+    threads = _static_int("threads", threads, None)
+    chunk_elems = _static_int("chunk_elems", chunk_elems, 1 << 20)
+    worker_nice = _static_int("worker_nice", worker_nice, 5, positive=False)
+    if isinstance(host_margin, jax.core.Tracer):  # as _static_int's
         host_margin = _budget.MARGIN
     elif hasattr(host_margin, "dtype") and np.ndim(host_margin) == 0:
         host_margin = float(host_margin)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-    if isinstance(chunk_elems, bool) or not isinstance(chunk_elems, int) or chunk_elems < 1:
-        raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
-        raise ValueError(f"worker_nice must be an int, got {worker_nice!r}")
     if convention == "torch":
         _torch_cpu_code()  # refuse early without torch
     _budget.plan([], margin=host_margin)  # a bad margin raises here
