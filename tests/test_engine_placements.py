@@ -405,6 +405,11 @@ def test_resident_share_in_every_mode_equals_one_engine(placement):
     assert split.resident(3)
     with pytest.raises(IndexError, match="no parameter slot"):
         split.resident(7)
+    for bad in (-1, 7):  # a negative id does not wrap around to the last slot
+        with pytest.raises(IndexError, match="no parameter slot"):
+            split.wait_ready([bad])
+        with pytest.raises(IndexError, match="no parameter slot"):
+            split.step([], coefs={bad: 1.0})
     whole.close()
     split.close()
 

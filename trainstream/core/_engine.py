@@ -192,7 +192,7 @@ class Engine:
         dev = [(self._where[u[0]][1], *u[1:]) for u in updates if self._where[u[0]][0]]
         hst = [(self._where[u[0]][1], u[1]) for u in updates if not self._where[u[0]][0]]
         if coefs is not None:
-            coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[sid][0]}
+            coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
         if self.host is None:
             self.device.step(dev)
             return
@@ -243,8 +243,9 @@ class Engine:
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
-        dev = [self._where[s][1] for s in sids if self._where[s][0]]
-        hst = [self._where[s][1] for s in sids if not self._where[s][0]]
+        where = [self._where[self._check_sid(s)] for s in sids]
+        dev = [local for on_dev, local in where if on_dev]
+        hst = [local for on_dev, local in where if not on_dev]
         if dev:
             self.device.wait_ready(dev)
         if hst:
