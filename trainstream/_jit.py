@@ -6,15 +6,6 @@ target can run.
   is writable (a read-only container with an unwritable HOME), Numba refuses
   ``cache=True`` at decoration time; then every kernel compiles in memory (:data:`CACHE`
   is False) and one warning says how to set a cache directory.
-* **The cache key.** Numba files a compiled kernel under its signature, the target (triple,
-  CPU name and features: ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` included), its bytecode
-  and a hash of its pickled closure; an entry is dropped when the kernel's own source file
-  changes. So a kernel's closure holds plain numbers and flags only: a Numba function in it
-  pickles with a fresh uuid in every process, and the cache would never hit. The kernels
-  reach their helpers as module globals and pass the codes that pick a helper's form as
-  compile-time constants (the closure's numbers). Numba does not notice a change in a
-  global helper of *another* file: each kernel's closure therefore holds
-  :func:`source_stamp` of the modules its helpers come from.
 * **The instruction set.** Code that uses an instruction the target lacks aborts the whole
   process inside LLVM (no Python exception). :func:`target_features` reads the features of
   the target Numba compiles for (the host's, or what ``NUMBA_CPU_NAME`` /
@@ -25,7 +16,6 @@ target can run.
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 
 import numba
@@ -33,7 +23,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["CACHE", "OPTS", "source_stamp", "target_features", "fma32", "bits_f32", "f32_bits"]
+__all__ = ["CACHE", "OPTS", "target_features", "fma32", "bits_f32", "f32_bits"]
 
 
 def _probe():  # pragma: no cover - never called; only decorated
@@ -56,15 +46,6 @@ CACHE: bool = _cache_available()
 
 #: Options of every host kernel: the GIL released, NumPy's error model, the disk cache.
 OPTS = dict(nogil=True, cache=CACHE, error_model="numpy")
-
-def source_stamp(*modules) -> int:
-    """A 60-bit hash of the source code of ``modules``, for a kernel's closure: its disk-cache
-    entries then go stale when any of them changes (an empty source where none is found)."""
-    h = hashlib.sha256()
-    for mod in modules:
-        h.update((mod.__spec__.loader.get_source(mod.__name__) or "").encode())
-    return int(h.hexdigest()[:15], 16)
-
 
 _PROBES = {
     # AVX-512F has a native unsigned 64-bit -> float conversion; without it LLVM expands it.
