@@ -24,9 +24,12 @@ here (the correctly rounded root is used: such ``exp_avg_sq`` values are below 1
 
 The estimates are this machine's own instructions (``rsqrtps`` is not specified exactly
 and differs between vendors, ``vrsqrt14ps`` is), so a mode reproduces MKL on the machine
-that runs it; :func:`detect_mode` finds torch's by probing. Each mode is its own compiled
-specialisation (:func:`scalar_sqrt`, :func:`block_sqrt`), built only where Numba's target
-has its instructions (:func:`available_modes`); on aarch64 only ``IEEE`` exists.
+that runs it; :func:`detect_mode` finds torch's by probing. Numba code calls
+:func:`torch_cpu_sqrt` and :func:`torch_cpu_sqrt_block` with the mode as a compile-time
+constant: each mode is its own implementation (:func:`scalar_sqrt`, :func:`block_sqrt`),
+typed only for that mode and only where Numba's target has its instructions
+(:func:`available_modes`); on aarch64 only ``IEEE`` exists. The kernels reach them as
+module globals, never through a closure (see :mod:`trainstream._jit`, the disk cache).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import types
+from numba.extending import intrinsic, overload
 
+from . import _jit
 from ._jit import OPTS as _OPTS
-from ._jit import bits_f32, f32_bits, fma32, target_features
+from ._jit import bits_f32, f32_bits, fma32, njit, source_stamp, target_features
 from .contract import fma_f32
 
 IEEE = 0
@@ -60,7 +64,8 @@ def available_modes() -> tuple[int, ...]:
     return tuple(m for m, need in _NEEDS.items() if need is None or need in have)
 
 
-def _require(mode: int) -> None:
+def require_mode(mode: int) -> None:
+    """``ValueError`` unless ``mode`` is one of :func:`available_modes`."""
     if mode not in _NEEDS:
         raise ValueError(f"unknown sqrt mode {mode!r}; expected one of {sorted(MODE_NAMES)}")
     if mode not in available_modes():
@@ -141,7 +146,7 @@ def _ieee_sqrt(x):
 def scalar_sqrt(mode: int):
     """``x -> sqrt(x)`` as torch computes it on this CPU in ``mode``: a Numba function
     (inlined where it is called) holding only that mode's instructions."""
-    _require(mode)
+    require_mode(mode)
     if mode == IEEE:
         return _ieee_sqrt
     estimate = _scalar_estimate(mode)
@@ -149,7 +154,7 @@ def scalar_sqrt(mode: int):
     tiny_ieee = mode == MKL_FMA14  # below 2^-80: MKL rescales; the correctly rounded root
 
     @njit(inline="always", **_OPTS)
-    def torch_cpu_sqrt(x):
+    def mkl_sqrt(x):
         b = bits_f32(x)
         if _is_rare(b):
             return _rare(x, b)
@@ -168,7 +173,7 @@ def scalar_sqrt(mode: int):
         r1 = r * e + r
         d = x - h1 * h1
         return d * r1 + h1
-    return torch_cpu_sqrt
+    return mkl_sqrt
 
 
 def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
@@ -208,7 +213,7 @@ def detect_lerp_fma(reference_lerp) -> bool | None:
 
 
 # -- the same, 16 lanes at a time (the AdamW kernel's strips) -----------------------------------
-# ``torch_cpu_sqrt`` runs the estimate on one lane per element, which keeps its loop from
+# ``scalar_sqrt`` runs the estimate on one lane per element, which keeps its loop from
 # vectorising (the MKL modes ran 3-5x slower than IEEE). The block form applies the same
 # instructions per lane (4-lane ``rsqrtps``, 16-lane ``vrsqrt14ps``) and the same roundings
 # to whole vectors (no FMA contraction: no fast-math flags are ever set).
@@ -217,7 +222,7 @@ _RARE_BIAS = 0x7F800000
 
 
 def _mkl_vector(builder, x, width: int, mode: int):
-    """IR for ``torch_cpu_sqrt(x, mode)`` on a ``<width x float>`` (width 16)."""
+    """IR for ``scalar_sqrt(mode)(x)`` on a ``<width x float>`` (width 16)."""
     f32, i32 = ir.FloatType(), ir.IntType(32)
     vf, vi = ir.VectorType(f32, width), ir.VectorType(i32, width)
     module = builder.module
@@ -242,7 +247,7 @@ def _mkl_vector(builder, x, width: int, mode: int):
         if mode == MKL_FMA14:  # below 2^-80: the correctly rounded root
             tiny = builder.fcmp_ordered("<", x, _vec_const(f32, width, 8.271806125530277e-25))
             y = builder.select(tiny, ieee, y)
-    # MKL's rare path, as torch_cpu_sqrt
+    # MKL's rare path, as scalar_sqrt
     ci = functools.partial(_vec_const, i32, width)
     b = builder.bitcast(x, vi)
     u = builder.add(b, ci(_RARE_BIAS))
@@ -260,7 +265,7 @@ def _mkl_vector(builder, x, width: int, mode: int):
 def _make_block16(mode: int):
     @intrinsic
     def block16(typingctx, src, si, dst, di):
-        """``dst[di:di+16] = torch_cpu_sqrt(src[si:si+16], mode)`` (float32 C arrays)."""
+        """``dst[di:di+16] = scalar_sqrt(mode)(src[si:si+16])`` (float32 C arrays)."""
         if not (isinstance(src, types.Array) and isinstance(dst, types.Array)):
             return None
         def codegen(context, builder, signature, args):
@@ -285,14 +290,14 @@ def block_sqrt(mode: int):
     sqrt1 = scalar_sqrt(mode)
     if mode == IEEE:
         @njit(inline="always", **_OPTS)
-        def torch_cpu_sqrt_block(src, lo, n, dst):
+        def ieee_block(src, lo, n, dst):
             for k in range(n):
                 dst[k] = sqrt1(src[lo + k])
-        return torch_cpu_sqrt_block
+        return ieee_block
 
     block16 = _make_block16(mode)
     @njit(inline="always", **_OPTS)
-    def torch_cpu_sqrt_block(src, lo, n, dst):
+    def mkl_block(src, lo, n, dst):
         k = 0
         while k + 16 <= n:
             block16(src, lo + k, dst, k)
@@ -300,32 +305,84 @@ def block_sqrt(mode: int):
         while k < n:
             dst[k] = sqrt1(src[lo + k])
             k += 1
-    return torch_cpu_sqrt_block
+    return mkl_block
+
+
+# -- what Numba code calls: the mode a compile-time constant ----------------------------------
+def torch_cpu_sqrt(x, mode):
+    """``sqrt(x)`` of a float32 as torch computes it on this CPU in ``mode`` (Numba code
+    only, inlined; ``mode`` a compile-time constant, e.g. a closure's int)."""
+    raise TypeError("torch_cpu_sqrt is called from Numba code (sqrt_array: the same from Python)")
+
+
+def torch_cpu_sqrt_block(src, lo, n, dst, mode):
+    """``dst[k] = torch_cpu_sqrt(src[lo + k], mode)`` for ``k < n``, 16 lanes at a time
+    (Numba code only, inlined; ``mode`` a compile-time constant)."""
+    raise TypeError("torch_cpu_sqrt_block is called from Numba code (sqrt_array_block: the same from Python)")
+
+
+def _mode_of(mode) -> int | None:
+    """The value of a literal ``mode`` argument type (typing only the mode's own code), else None."""
+    if not isinstance(mode, types.IntegerLiteral):
+        return None
+    require_mode(mode.literal_value)
+    return mode.literal_value
+
+
+@overload(torch_cpu_sqrt, inline="always", prefer_literal=True)
+def _torch_cpu_sqrt(x, mode):
+    m = _mode_of(mode)
+    if m is None or x != types.float32:
+        return None
+    sqrt1 = scalar_sqrt(m)
+    def impl(x, mode):
+        return sqrt1(x)
+    return impl
+
+
+@overload(torch_cpu_sqrt_block, inline="always", prefer_literal=True)
+def _torch_cpu_sqrt_block(src, lo, n, dst, mode):
+    m = _mode_of(mode)
+    if m is None:
+        return None
+    sqrt_block = block_sqrt(m)
+    def impl(src, lo, n, dst, mode):
+        sqrt_block(src, lo, n, dst)
+    return impl
+
+
+#: In the array kernels' closures, so that their disk-cache key changes with ``_jit``'s
+#: code (Numba checks only the source file that defines a cached function).
+_DEPS = source_stamp(_jit)
 
 
 @functools.cache
 def _array_kernel(mode: int, blocked: bool):
-    """``x -> sqrt(x)`` over a float32 array in ``mode``: :func:`scalar_sqrt` element by element,
-    or (``blocked``) :func:`block_sqrt` in strips of 64, as the AdamW kernel takes it."""
+    """``x -> sqrt(x)`` over a float32 array in ``mode``: :func:`torch_cpu_sqrt` element by
+    element, or (``blocked``) :func:`torch_cpu_sqrt_block` in strips of 64, as the AdamW
+    kernel takes it. The closure holds plain numbers only (the disk cache's key hashes it)."""
+    require_mode(mode)
+    deps = _DEPS
     if not blocked:
-        sqrt1 = scalar_sqrt(mode)
         @njit(**_OPTS)
         def sqrt_array_kernel(x):
+            deps  # noqa: B018 (in the closure: the cache key)
             out = np.empty_like(x)
             for i in range(x.size):
-                out[i] = sqrt1(x[i])
+                out[i] = torch_cpu_sqrt(x[i], mode)
             return out
         return sqrt_array_kernel
-    sqrt_block = block_sqrt(mode)
+
     @njit(**_OPTS)
     def sqrt_array_block_kernel(x):
+        deps  # noqa: B018 (in the closure: the cache key)
         out = np.empty_like(x)
         n = x.size
         lo = 0
         tmp = np.empty(64, np.float32)
         while lo < n:
             m = min(64, n - lo)
-            sqrt_block(x, lo, m, tmp)
+            torch_cpu_sqrt_block(x, lo, m, tmp, mode)
             out[lo : lo + m] = tmp[:m]
             lo += m
         return out

@@ -3,7 +3,8 @@
 :func:`adamw_chunk` computes the update of :mod:`trainstream.contract` (not restated here).
 Every kernel works on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range,
 so that worker threads can run disjoint chunks of one parameter in parallel; all release
-the GIL (``nogil``) and are cached on disk.
+the GIL (``nogil``) and are cached on disk: a later process loads each in ~0.01 s (after
+Numba's one-time start, ~0.5 s) instead of compiling it (3-7 s).
 
 Numba has no bfloat16 and only partial float16 on the CPU, so half-precision buffers are
 passed as their ``uint16`` bit patterns with a *kind* code: 0 float32, 1 IEEE float16,
@@ -18,7 +19,11 @@ What the loops need so that LLVM vectorises them:
   specialisation from a table keyed by the kind codes (and the variant and mode): a closure
   whose codes are compile-time constants, so that its loop has no per-element branch
   (``numba.literally`` re-ran type inference, under Numba's global compile lock, on every
-  call: ~50 ms). Specialisations compile on first use.
+  call: ~50 ms). Specialisations compile on first use, or load from the disk cache. The
+  closure holds plain numbers and flags only, so that the cache's key is the same in every
+  process (see :mod:`trainstream._jit`); helpers are module globals, their form picked by
+  a closure constant (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)``), and
+  ``_DEPS`` in the closure makes an entry stale when a helper's module changes.
 * Loops run over unsigned indices: a signed index costs a wrap-around select per access.
 * Scalars are read into locals before the loops; per-element choices are ``select``
   instructions (:func:`_select`), never branches (the half conversions are branch-free).
@@ -42,16 +47,17 @@ from collections import Counter
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import _cpu_sqrt, _jit, contract
 from ._cpu_sqrt import IEEE as SQRT_IEEE
-from ._cpu_sqrt import block_sqrt, scalar_sqrt  # msqrt of the contract, per mode
+from ._cpu_sqrt import require_mode, torch_cpu_sqrt, torch_cpu_sqrt_block  # msqrt of the contract
 from ._jit import OPTS as _JIT_OPTS
 from ._jit import bits_f32 as _bits_f32
 from ._jit import f32_bits as _f32_bits
-from ._jit import fma32
+from ._jit import fma32, njit, source_stamp
 from .contract import (N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2,
                        S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_LERP_W,
                        S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
@@ -97,9 +103,12 @@ _SIGN_MASK = np.uint32(0x80000000)
 
 
 @njit(inline="always", **_OPTS)
-def _mul_add(a, b, c):
-    """``a*b + c`` with two roundings (never contracted: no fast-math flags)."""
-    return a * b + c
+def _mad(unfused, a, b, c):
+    """``a*b + c`` with one rounding (:func:`fma32`), or with two where ``unfused`` (a
+    compile-time constant; never contracted: no fast-math flags)."""
+    if unfused:
+        return a * b + c
+    return fma32(a, b, c)
 
 
 @njit(inline="always", **_OPTS)
@@ -110,9 +119,12 @@ def _ftz(x):
 
 
 @njit(inline="always", **_OPTS)
-def _mul_add_ftz(a, b, c):
-    """``RN(RN(a*b) + c)``, the product flushed (XLA:CPU without FMA3; the caller flushes the sum)."""
-    return _ftz(a * b) + c
+def _mad_xla(unfused, a, b, c):
+    """XLA:CPU's ``a*b + c``: :func:`fma32`, or where ``unfused`` (without FMA3; a
+    compile-time constant) ``RN(RN(a*b) + c)``, the product flushed (the caller flushes the sum)."""
+    if unfused:
+        return _ftz(a * b) + c
+    return fma32(a, b, c)
 
 
 def _make_prefetch(write: int):
@@ -217,7 +229,14 @@ def _round16(x, kind):
 
 # -- specialisation factories -----------------------------------------------------------------
 # Each returns a Numba dispatcher whose codes (closure constants) are folded at compile time.
-# ``cache=False`` builds an uncached copy (for inspecting the machine code).
+# The closures hold plain numbers only (the disk cache's key hashes them; see the module
+# docstring), ``deps`` among them. ``cache=False`` builds an uncached copy (for inspecting
+# the machine code).
+
+#: The source stamp of the modules whose globals the kernels use (this file is Numba's own check).
+_DEPS = source_stamp(_jit, _cpu_sqrt, contract)
+
+
 def _opts(cache: bool) -> dict:
     return dict(_OPTS, cache=cache and _OPTS["cache"])
 
@@ -229,24 +248,25 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     cpu = variant == VARIANT_TORCH_CPU
     optax_cpu = variant == VARIANT_OPTAX_CPU
     sqrt_mode = (mode & ~TC_NO_FMA) if cpu else SQRT_IEEE
+    require_mode(sqrt_mode)  # only this mode's instructions reach LLVM
     # ATen's DEFAULT kernels: lerp and addcmul as two roundings (torch/cpu with TC_NO_FMA)
-    mad = _mul_add if cpu and (mode & TC_NO_FMA) else fma32
+    unfused = cpu and (mode & TC_NO_FMA) != 0
     ox = mode if optax_cpu else 0
     # XLA:CPU without FMA3: every contracted line as two roundings, each flushed
-    omad = _mul_add_ftz if (ox & OX_NO_FMA) else fma32
+    ox_unfused = (ox & OX_NO_FMA) != 0
     ox_form_r, ox_clip, ox_mu_swap, ox_nu_swap = ((ox & b) != 0 for b in (OX_FORM_R, OX_CLIP, OX_MU_SWAP, OX_NU_SWAP))
     in_grad = okind == OUT_IN_GRAD  # the rounded weights overwrite g[i] (read just before)
     emit_u = okind == OUT_U  # optax: u into out (float32), p read only
     write16 = okind == KIND_F16 or okind == KIND_BF16
     rkind = gkind if in_grad else okind  # the format the weights are rounded to
     blocked = cpu and sqrt_mode != SQRT_IEEE  # MKL's root, taken 16 lanes at a time
-    torch_cpu_sqrt = scalar_sqrt(sqrt_mode)  # only this mode's instructions reach LLVM
-    torch_cpu_sqrt_block = block_sqrt(sqrt_mode)
     strip = int(_STRIP)
     grad16 = torch_conv and gkind != KIND_F32  # torch: g * c rounded to the gradient's format
+    deps = _DEPS
 
     @njit(**opts)
     def adamw_kernel(p, m, v, g, out16, begin, end, s):
+        deps  # noqa: B018 (in the closure: the cache key)
         # Every scalar into a local before the loop (no reload per element). Slots that a
         # convention does not use are read too (harmless: the vector has N_SCALARS).
         c = s[S_CLIP]
@@ -304,9 +324,9 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     if round_g:
                         gi = _load(_round16(gi, gkind), gkind)
                     mi = m[i]
-                    m[i] = mad(w, gi - mi, _select(small, mi, gi))  # lerp
-                    v[i] = mad(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root)
+                    m[i] = _mad(unfused, w, gi - mi, _select(small, mi, gi))  # lerp
+                    v[i] = _mad(unfused, omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root, sqrt_mode)
                 for i in range(lo, hi):
                     d = root[i - lo] / bc2 + eps
                     pi = p[i] * decay + (neg_step * m[i]) / d  # p1 + addcdiv on the CPU
@@ -324,10 +344,10 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                         gi = _load(_round16(gi, gkind), gkind)
                     mi = m[i]
                     pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
-                    mi = mad(w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
+                    mi = _mad(unfused, w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
                     if cpu:
-                        vi = mad(omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                        d = torch_cpu_sqrt(vi) / bc2 + eps
+                        vi = _mad(unfused, omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
+                        d = torch_cpu_sqrt(vi, sqrt_mode) / bc2 + eps
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
                     else:
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
@@ -344,22 +364,22 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mo = _ftz(m[i])
                     vo = _ftz(v[i])
                     if ox_mu_swap:
-                        mi = _ftz(omad(z_b1, mo, _ftz(z_omb1 * gi)))
+                        mi = _ftz(_mad_xla(ox_unfused, z_b1, mo, _ftz(z_omb1 * gi)))
                     else:
-                        mi = _ftz(omad(z_omb1, gi, _ftz(z_b1 * mo)))
+                        mi = _ftz(_mad_xla(ox_unfused, z_omb1, gi, _ftz(z_b1 * mo)))
                     gg = _ftz(gi * gi)
                     if ox_nu_swap:
-                        vi = _ftz(omad(z_b2, vo, _ftz(z_omb2 * gg)))
+                        vi = _ftz(_mad_xla(ox_unfused, z_b2, vo, _ftz(z_omb2 * gg)))
                     else:
-                        vi = _ftz(omad(z_omb2, gg, _ftz(z_b2 * vo)))
+                        vi = _ftz(_mad_xla(ox_unfused, z_omb2, gg, _ftz(z_b2 * vo)))
                     if ox_form_r:
                         den = _ftz(np.float32(math.sqrt(_ftz(vi * z_r2))) + z_eps)
                         q = _ftz(_ftz(mi * z_r1) / den)
                     else:
                         den = _ftz(np.float32(math.sqrt(_ftz(vi / z_d2))) + z_eps)
                         q = _ftz(mi / _ftz(z_d1 * den))
-                    u = _select(decays, _ftz(omad(z_wd, pi, q)), q)
-                    pi = _ftz(omad(z_neg_lr, u, pi))
+                    u = _select(decays, _ftz(_mad_xla(ox_unfused, z_wd, pi, q)), q)
+                    pi = _ftz(_mad_xla(ox_unfused, z_neg_lr, u, pi))
                 else:  # optax/cuda (host emulation with IEEE sqrt and division)
                     graw = _load(g[i], gkind)
                     gi = _select(cuda_clip, (graw / div) * c, graw * c)
@@ -384,8 +404,11 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
 
 
 def _build_sumsq(gkind: int, cache: bool = True):
+    deps = _DEPS
+
     @njit(**_opts(cache))
     def sumsq_kernel(g, begin, end, block, out):
+        deps  # noqa: B018 (in the closure: the cache key)
         # Summation order: see sumsq_blocks. The lanes live in a small array so that the
         # j loop is a plain element-wise loop, which LLVM vectorises (a float reduction
         # into scalars it cannot reorder without fast-math). x*x is exact in float64
@@ -421,8 +444,11 @@ def _build_sumsq(gkind: int, cache: bool = True):
 
 def _build_cast(widen: bool, kind: int, cache: bool = True):
     """``convert`` (``widen``: ``kind`` -> float32) or ``round`` (float32 -> ``kind`` bits)."""
+    deps = _DEPS
+
     @njit(**_opts(cache))
     def cast_kernel(dst, src, begin, end):
+        deps  # noqa: B018 (in the closure: the cache key)
         for i in range(np.uint64(begin), np.uint64(end)):
             if widen:
                 dst[i] = _load(src[i], kind)

@@ -6,6 +6,24 @@ target can run.
   is writable (a read-only container with an unwritable HOME), Numba refuses
   ``cache=True`` at decoration time; then every kernel compiles in memory (:data:`CACHE`
   is False) and one warning says how to set a cache directory.
+* **The cache key.** Numba files a compiled kernel under its signature, the target (triple,
+  CPU name and features: ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` included), its bytecode
+  and a hash of its pickled closure; an entry is dropped when the kernel's own source file
+  changes. So a kernel's closure holds plain numbers and flags only: a Numba function in it
+  pickles with a fresh uuid in every process, and the cache would never hit. The kernels
+  reach their helpers as module globals and pass the codes that pick a helper's form as
+  compile-time constants (the closure's numbers). Numba does not notice a change in a
+  global helper of *another* file: each kernel's closure therefore holds
+  :func:`source_stamp` of the modules its helpers come from.
+* **Processes that compile at once** (pytest-xdist, torchrun's ranks, a cold cache). Numba
+  keeps one index file per function for all its specialisations and names a new entry's
+  data file by the first number its index does not list yet: two processes saving
+  different specialisations at once both take ``.1.nbc``, and the index can then send one
+  key to the other's machine code (a clean clone's suite failed with "descr is NULL").
+  :func:`njit` caches through :class:`_KeyedCache`, which names the data file by a hash of
+  its key and writes it before the index: a lost index update costs a recompile, never the
+  wrong code. Where Numba's cache internals differ from what it expects, kernels compile
+  in memory (:data:`CACHE` is False) and one warning says so.
 * **The instruction set.** Code that uses an instruction the target lacks aborts the whole
   process inside LLVM (no Python exception). :func:`target_features` reads the features of
   the target Numba compiles for (the host's, or what ``NUMBA_CPU_NAME`` /
@@ -16,6 +34,7 @@ target can run.
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
 
 import numba
@@ -23,16 +42,60 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["CACHE", "OPTS", "target_features", "fma32", "bits_f32", "f32_bits"]
+__all__ = ["CACHE", "OPTS", "njit", "source_stamp", "target_features", "fma32", "bits_f32", "f32_bits"]
 
 
 def _probe():  # pragma: no cover - never called; only decorated
     pass
 
 
-def _cache_available() -> bool:
+def _keyed_cache():
+    """Numba's per-function cache with data files named by key (module docstring); None where
+    Numba's internals are not the ones this builds on."""
     try:
-        numba.njit(cache=True)(_probe)
+        from numba.core.caching import FunctionCache, IndexDataCacheFile
+    except ImportError:
+        return None
+
+    class _KeyedCacheFile(IndexDataCacheFile):
+        def save(self, key, data):
+            # the data first, under a name no other key has; then the index (re-read: a
+            # concurrent writer's entries survive unless it writes in between, then a recompile)
+            name = self._data_name(int(hashlib.sha256(self._dump(key)).hexdigest()[:15], 16))
+            self._save_data(name, data)
+            overloads = self._load_index()
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)
+
+    class _KeyedCache(FunctionCache):
+        def __init__(self, py_func):
+            super().__init__(py_func)
+            old = self._cache_file
+            self._cache_file = _KeyedCacheFile(old._cache_path, old._index_name[:-len(".nbi")], old._source_stamp)
+
+    _KeyedCache.file_class = _KeyedCacheFile
+
+    try:  # what the class reaches of Numba's, checked once
+        _KeyedCache(_probe)._cache_file._data_name(1)
+    except RuntimeError:  # "no locator available": no writable cache directory (``_cache_available``)
+        pass
+    except Exception as e:  # noqa: BLE001 - another Numba: compile in memory, say so
+        warnings.warn(f"TrainStream: this Numba's cache internals are not the ones TrainStream's concurrency-safe "
+                      f"disk cache builds on ({type(e).__name__}: {e}); kernels compile in memory in every process",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return _KeyedCache
+
+
+_KEYED_CACHE = _keyed_cache()
+
+
+def _cache_available() -> bool:
+    if _KEYED_CACHE is None:
+        return False
+    try:
+        _KEYED_CACHE(_probe)
     except RuntimeError as e:  # "cannot cache function ...: no locator available for file ..."
         warnings.warn(f"TrainStream: Numba cannot cache its kernels here ({e}); they compile in memory in every "
                       "process (a few seconds each). Set NUMBA_CACHE_DIR to a writable directory to cache them.",
@@ -46,6 +109,26 @@ CACHE: bool = _cache_available()
 
 #: Options of every host kernel: the GIL released, NumPy's error model, the disk cache.
 OPTS = dict(nogil=True, cache=CACHE, error_model="numpy")
+
+
+def njit(*, cache: bool = CACHE, **options):
+    """``numba.njit(**options)``, with ``cache`` through the keyed disk cache (module docstring)."""
+    def wrap(fn):
+        disp = numba.njit(**options)(fn)
+        if cache and CACHE:
+            disp._cache = _KEYED_CACHE(fn)  # what numba.njit(cache=True) sets, keyed
+        return disp
+    return wrap
+
+
+def source_stamp(*modules) -> int:
+    """A 60-bit hash of the source code of ``modules``, for a kernel's closure: its disk-cache
+    entries then go stale when any of them changes (an empty source where none is found)."""
+    h = hashlib.sha256()
+    for mod in modules:
+        h.update((mod.__spec__.loader.get_source(mod.__name__) or "").encode())
+    return int(h.hexdigest()[:15], 16)
+
 
 _PROBES = {
     # AVX-512F has a native unsigned 64-bit -> float conversion; without it LLVM expands it.
