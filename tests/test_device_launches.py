@@ -247,8 +247,6 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)[0], want)
     eng.load_state(b, np.zeros(3), np.zeros(3), 0)  # no master: re-read from the weights
     assert np.array_equal(allocs[4].data, weights[2000])
-    with pytest.raises(ValueError, match="exp_avg of parameter slot 0 has 4 elements, expected 5"):
-        eng.load_state(a, np.zeros(4), np.zeros(5), 0)
     eng.truncate(1)
     assert [x.freed for x in allocs] == [False, False, True, True, True]
     st = eng.stats()
@@ -482,3 +480,35 @@ def test_no_gpu_memory_for_the_ring_warns_and_reads_over_pcie(simulated):
     _, params_d, states_d = _run_layout(False, steps=1)
     assert all(np.array_equal(a, b) for a, b in zip(params, params_d))
     eng.close()
+
+
+def test_the_ring_frees_what_it_made_when_a_cuda_call_fails(simulated):
+    """A second stream refused: the buffers and the first stream are released before the
+    error reaches the caller. A failed wait in close(): buffers and streams released anyway;
+    the placement's close() after its own failed wait still releases the ring and the slots."""
+    fake, _ = simulated
+    streams = iter([100])
+
+    def create_stream():
+        for st in streams:
+            return st
+        raise RuntimeError("cuStreamCreate failed: CUDA_ERROR_OUT_OF_MEMORY")
+
+    fake.create_stream = create_stream
+    with pytest.raises(RuntimeError, match="cuStreamCreate failed"):
+        ge.StagingRing(0, dk)
+    assert len(fake.mems) == ge.RING_DEPTH and all(m.freed for m in fake.mems) and ("destroy", 100) in fake.log
+    del fake.create_stream
+
+    def failed_wait(stream):
+        raise RuntimeError("cuStreamSynchronize failed: CUDA_ERROR_LAUNCH_FAILED")
+
+    eng, _, _ = _run_layout(True, steps=1)
+    ring = eng._ring
+    bufs, streams, fake.log = list(ring.mem), (ring.h2d, ring.d2h), []
+    fake.stream_synchronize = failed_wait
+    eng._slots[0].settle = lambda: failed_wait(0)  # the placement's own wait fails first
+    with pytest.raises(RuntimeError, match="cuStreamSynchronize failed"):
+        eng.close()
+    assert eng.closed and eng._ring is None and eng._slots == [] and ring.mem == []
+    assert all(m.freed for m in bufs) and [st for op, st in fake.log if op == "destroy"] == list(streams)

@@ -414,6 +414,31 @@ def test_resident_share_in_every_mode_equals_one_engine(placement):
     split.close()
 
 
+@pytest.mark.parametrize("placement", ["cpu", "hybrid"], ids=lambda p: f"{p}-mode")
+def test_load_state_is_checked_before_either_placement_changes(placement):
+    """Bad sizes and steps are refused by the engine for a host and a device slot alike, the
+    state left as it was; after close() the stats count no host state."""
+    gpu = FakeDevice()
+    eng = E.Engine(Backend(), placement=placement, device_elems=5, threads=1, _device=lambda: gpu)
+    sids = [eng.add_param(np.ones(5, np.float32), 5, "float32", "cpu"),
+            eng.add_param(np.ones(3, np.float32), 3, "float32", "cpu")]
+    assert [eng.on_device(s) for s in sids] == [placement == "hybrid", False]
+    for sid, n in zip(sids, (5, 3)):
+        eng.load_state(sid, np.full(n, 2.0), np.full(n, 3.0), 4)
+        for args, match in (((np.zeros(n + 1), np.zeros(n), 1), f"exp_avg of parameter slot {sid} has {n + 1} elem"),
+                            ((np.zeros(n), np.zeros(n - 1), 1), f"exp_avg_sq of parameter slot {sid} has {n - 1}"),
+                            ((np.zeros(n), np.zeros(n), 1, np.zeros(2)), f"master of parameter slot {sid} has 2"),
+                            ((np.zeros(n), np.zeros(n), -1), "step must be a non-negative integer, got -1"),
+                            ((np.zeros(n), np.zeros(n), True), "step must be a non-negative integer, got True"),
+                            ((np.zeros(n), np.zeros(n), 1.5), "step must be a non-negative integer, got 1.5")):
+            with pytest.raises(ValueError, match=match):
+                eng.load_state(sid, *args)
+        _, m, v, step = eng.state(sid)
+        assert (m == 2).all() and (v == 3).all() and step == 4
+    eng.close()
+    assert eng.stats()["host_state_bytes"] == 0 and eng.stats()["params"] == 0
+
+
 def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device():
     """fp16/bf16 slots hold a master too (12 bytes an element); ``resident_bytes=0`` in cpu
     mode builds no device placement; bad budgets are refused."""

@@ -607,6 +607,8 @@ BAD_INPUTS = [
     ("out read-only", {}, dict(out=_readonly(np.zeros(16, np.float16))), ValueError, "out is read-only"),
     ("out uint16 no kind", {}, dict(out=np.zeros(16, np.uint16)), TypeError, "out_kind"),
     ("out_kind without out", {}, dict(out_kind="float16"), ValueError, "without out"),
+    ("bad tc_code", {}, dict(tc_code=12345), ValueError, "tc_code (a torch/cpu code) must be one of"),
+    ("bad tc_code, empty range", {}, dict(tc_code=12345, begin=3, end=3), ValueError, "tc_code (a torch/cpu"),
 ]
 
 

@@ -191,6 +191,36 @@ def test_several_processes_take_plain_gradients_at_step(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_construction_failing_partway_leaves_nothing_on_the_parameters(monkeypatch):
+    """A failure while registering the second parameter (here a refused allocation): the first
+    one's gradient hook is removed before the error reaches the caller, even while the error
+    (its traceback, holding the half-built optimizer) is kept, and the model trains on."""
+    from trainstream.core import Engine
+
+    model, ref = _pair()
+    add, calls = Engine.add_param, []
+
+    def failing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("could not allocate the state of parameter 1")
+        return add(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "add_param", failing)
+    with pytest.raises(MemoryError, match="parameter 1") as caught:
+        OffloadAdamW(model.parameters())
+    assert caught.value.__traceback__ is not None  # the half-built optimizer is still referenced
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    monkeypatch.undo()
+    opt, ref_opt = OffloadAdamW(model.parameters(), threads=1), torch.optim.AdamW(ref.parameters())
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        _step(model, opt, x)
+        _step(ref, ref_opt, x)
+    _assert_same(model, ref, opt)
+    opt.close()
+
+
 def test_a_parameter_listed_twice_is_refused():
     model, _ = _pair()
     w = model[0].weight

@@ -55,7 +55,6 @@ COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true
 
 DTYPES = ("float32", "float16", "bfloat16")
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {
     "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
     "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
@@ -384,8 +383,8 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
         if emit_u:  # the u output takes the master's place (float32 weights have none)
             master_ptr = _check_ptr(f"{dot}u_ptr", master_ptr, 4, allow_null=empty)
-        param_ptr = _check_ptr(f"{dot}param_ptr", param_ptr, _ITEMSIZE[pd], allow_null=empty)
-        grad_ptr = _check_ptr(f"{dot}grad_ptr", grad_ptr, _ITEMSIZE[gd], allow_null=empty)
+        param_ptr = _check_ptr(f"{dot}param_ptr", param_ptr, C.ITEMSIZE[pd], allow_null=empty)
+        grad_ptr = _check_ptr(f"{dot}grad_ptr", grad_ptr, C.ITEMSIZE[gd], allow_null=empty)
         m_ptr = _check_ptr(f"{dot}m_ptr", m_ptr, 4, allow_null=empty)
         v_ptr = _check_ptr(f"{dot}v_ptr", v_ptr, 4, allow_null=empty)
         if pd != "float32":

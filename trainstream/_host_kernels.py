@@ -637,10 +637,10 @@ def host_adamw_update(p, m, v, g, scalars, *, convention: str = "torch", platfor
     for (name_a, a), (name_b, b) in itertools.combinations({"p": p, "m": m, "v": v, "g": g, "out": out}.items(), 2):
         if b is not None and np.shares_memory(a, b):
             raise ValueError(f"{name_a} and {name_b} share memory; buffers must be distinct")
-    if begin == end:
-        return
     if tc_code not in TC_CODES:
         raise ValueError(f"tc_code (a torch/cpu code) must be one of {list(TC_CODES)}, got {tc_code!r}")
+    if begin == end:
+        return
     adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars, tc_code)
 
 

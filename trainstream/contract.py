@@ -189,7 +189,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
-    "CONVENTIONS", "PLATFORMS", "AdamWHyperParams", "validate_hyperparams", "variant_id", "torch_step_scalars",
+    "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id", "torch_step_scalars",
     "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars", "optax_scalar_matrix",
     "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master", "fma_f32", "ftz",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
@@ -197,6 +197,8 @@ __all__ = [
 
 CONVENTIONS: tuple[str, ...] = ("torch", "optax")
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda")
+#: Bytes per element of the weight and gradient dtypes the contract covers.
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # -- kernel variants: (convention, platform) -> small integer ------------------------------
 VARIANT_TORCH_CPU = 0
@@ -309,7 +311,7 @@ def _scalar_vector(slots: dict[int, Any]) -> np.ndarray:
     return s
 
 
-def torch_step_scalars(hp: AdamWHyperParams, step: int, platform: str, clip: float | np.float32 = 1.0) -> np.ndarray:
+def torch_step_scalars(hp: AdamWHyperParams, step: int, clip: float | np.float32 = 1.0) -> np.ndarray:
     """Per-step scalars of the ``torch`` convention for update number ``step`` (>= 1), as
     ``torch/optim/adam.py`` forms them in Python floats, rounded where ATen casts them."""
     if step < 1:
@@ -453,7 +455,7 @@ def step_scalars(hp: AdamWHyperParams, step: int, convention: str, platform: str
     bias corrections from NumPy; the JAX adapter calls :func:`optax_step_scalars` with XLA's)."""
     variant_id(convention, platform)
     if convention == "torch":
-        return torch_step_scalars(hp, step, platform, clip)
+        return torch_step_scalars(hp, step, clip)
     bc1, bc2 = optax_bias_corrections(hp.beta1, hp.beta2, step)
     return optax_step_scalars(hp, bc1, bc2, clip)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from .. import _hostmem
+from ..contract import ITEMSIZE as _ITEMSIZE
 
 __all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan", "resident",
            "state_bytes"]
@@ -35,7 +36,6 @@ MARGIN = 0.1
 #: ``pin_moments`` pins the moments only while all pinned memory stays within this fraction of the
 #: available memory (pinned pages are never reclaimed or swapped); else pageable.
 PINNED_FRACTION = 0.5
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def state_bytes(numel: int, dtype: str) -> int:

@@ -96,7 +96,8 @@ class StagingRing:
         self.h2d = self.d2h = None
         try:
             self.mem = [dk.alloc_device(3 * 4 * RING_ELEMS, device) for _ in range(RING_DEPTH)]
-            self.h2d, self.d2h = self.ctx.create_stream(), self.ctx.create_stream()
+            self.h2d = self.ctx.create_stream()
+            self.d2h = self.ctx.create_stream()  # a failure here: close() destroys h2d
         except BaseException:
             self.close()
             raise
@@ -159,15 +160,17 @@ class StagingRing:
             done[e] = self.last
 
     def close(self) -> None:
-        """Wait for the copies, free the buffers and the streams."""
+        """Wait for the copies, free the buffers and the streams (also where the wait raises)."""
         streams = [st for st in (self.h2d, self.d2h) if st is not None]
-        for st in streams:
-            self.ctx.stream_synchronize(st)
-        for m in self.mem:
-            m.free()
-        for st in streams:
-            self.ctx.destroy_stream(st)
-        self.mem, self.h2d, self.d2h = [], None, None
+        try:
+            for st in streams:
+                self.ctx.stream_synchronize(st)
+        finally:
+            mem, self.mem, self.h2d, self.d2h = self.mem, [], None, None
+            for m in mem:
+                m.free()
+            for st in streams:
+                self.ctx.destroy_stream(st)
 
 
 def staging_ring(device: int, dk, where: str) -> StagingRing | None:
@@ -453,10 +456,6 @@ class DevicePlacement:
     def load_state(self, sid, exp_avg, exp_avg_sq, step, master=None) -> None:
         s = self._slot(sid)
         s.settle()
-        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
-            if arr is not None and np.asarray(arr).size != s.numel:
-                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
-                                 f"elements, expected {s.numel}")
         self._write(s.exp_avg, np.asarray(exp_avg, np.float32).reshape(-1))
         self._write(s.exp_avg_sq, np.asarray(exp_avg_sq, np.float32).reshape(-1))
         if s.master is not None:
@@ -492,11 +491,14 @@ class DevicePlacement:
             return
         try:
             self.synchronize()
-            if self._ring is not None:
-                self._ring.close()
         finally:
             self._closed = True
-            for s in self._slots:
-                self._release((s.exp_avg, s.exp_avg_sq, s.master))
-                s.param = s.grad_keep = s.ready = None
-            self._slots = []
+            ring, self._ring = self._ring, None
+            try:
+                if ring is not None:
+                    ring.close()
+            finally:
+                for s in self._slots:
+                    self._release((s.exp_avg, s.exp_avg_sq, s.master))
+                    s.param = s.grad_keep = s.ready = None
+                self._slots = []

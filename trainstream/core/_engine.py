@@ -289,8 +289,15 @@ class Engine:
         placement.reload_param(local, param)
 
     def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
-        """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""
+        """Replace the state of slot ``sid``; without ``master`` it is re-read from the param. Checked
+        here, before either placement changes anything: the sizes and ``step``."""
         placement, local = self._local(sid)
+        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
+            if arr is not None and np.asarray(arr).size != self._numel[sid]:
+                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+                                 f"elements, expected {self._numel[sid]}")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
         placement.load_state(local, exp_avg, exp_avg_sq, step, master)
 
     def stats(self) -> dict[str, float]:

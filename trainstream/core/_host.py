@@ -835,16 +835,11 @@ class HostPlacement:
 
     def load_state(self, sid: int, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: int,
                    master: np.ndarray | None = None) -> None:
-        """Replace the state of slot ``sid``; without ``master`` it is re-read from the param."""
+        """Replace the state of slot ``sid`` (checked by :meth:`Engine.load_state`); without ``master``
+        it is re-read from the param."""
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
-        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
-            if arr is not None and np.asarray(arr).size != s.numel:
-                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
-                                 f"elements, expected {s.numel}")
-        if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
         s.exp_avg.array[:] = np.asarray(exp_avg, np.float32).reshape(-1)
         s.exp_avg_sq.array[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
         if master is not None:
@@ -877,6 +872,7 @@ class HostPlacement:
         if self._forked:  # a child of os.fork(): nothing of the parent's work to wait for
             self._closed = True
             self._slots = []
+            self._pinned_bytes = self._pageable_bytes = 0
             return
         if threading.current_thread() in self._pool._threads:
             # From a worker (e.g. a finalizer run by the garbage collector inside a job): waiting
@@ -900,3 +896,4 @@ class HostPlacement:
                 s.grad_stage = s.param_stage = None
                 s.grad_keep = s.ready = s.landed = s.param = None
             self._slots = []
+            self._pinned_bytes = self._pageable_bytes = 0

@@ -85,7 +85,9 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     base = len(ops) - len(state_in)
     res = [sds(np.shape(x), f32) for x in state_in]
     if plan.gpu is None:  # one update callback per plan (XLA's caches key programs by it)
-        plan.gpu = _Update(plan)
+        with _lock:  # also where threads trace one plan at once
+            if plan.gpu is None:
+                plan.gpu = _Update(plan)
     outs = buffer_callback(plan.gpu, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
     outs = [jax.device_put(x, jax.memory.Space.Host) for x in outs]  # host avals: the outputs stay there
     firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
@@ -93,14 +95,14 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
 
 
 _rings: dict = {}  # device -> StagingRing (or None: refused), one per device for the process
-_rings_lock = threading.Lock()
+_lock = threading.Lock()  # creates the rings and the plans' update callbacks
 
 
 def _ring(device: int):
     """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory from its first
     update on, shared by every plan), or None when refused."""
     if device not in _rings:
-        with _rings_lock:
+        with _lock:
             if device not in _rings:
                 from .. import _device_kernels as dk  # noqa: PLC0415
                 _rings[device] = staging_ring(device, dk, "JAX mode='gpu'")

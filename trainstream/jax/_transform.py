@@ -277,7 +277,7 @@ class _Plan:
         for i, hp in enumerate(self.hps):
             if self.schedule:
                 hp = hp._replace(lr=-float(s_optax[i, C.S_NEG_LR]))
-            rows[i] = C.torch_step_scalars(hp, count_inc, "cpu", clip)
+            rows[i] = C.torch_step_scalars(hp, count_inc, clip)
         return rows
 
     def __call__(self, ctx, outs, scal, count, *ins) -> None:

@@ -352,9 +352,9 @@ class OffloadAdamW(Optimizer):
         try:
             for (p, gi), gpu in zip(mine, on_gpu):
                 self._register(p, gi, gpu)
-        except BaseException:
-            if self._engine is not None:
-                self._engine.close()
+        except BaseException:  # nothing of a half-built optimizer stays on the parameters
+            self._closed = True
+            self._owned.release()
             raise
         if overlap_forward is not None:
             self._gate(overlap_forward)
