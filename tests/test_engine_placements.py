@@ -439,6 +439,86 @@ def test_load_state_is_checked_before_either_placement_changes(placement):
     assert eng.stats()["host_state_bytes"] == 0 and eng.stats()["params"] == 0
 
 
+def _train(whole, split, whole_p, rng, hp, steps=2):
+    for _ in range(steps):
+        grads = [rng.standard_normal(p.size).astype(np.float32) for p in whole_p]
+        for sid, g in enumerate(grads):
+            whole.offload_grad(sid, g, "float32")
+            if not split.on_device(sid):
+                split.offload_grad(sid, g, "float32")
+        whole.step([(sid, hp) for sid in range(len(grads))])
+        split.step([(sid, hp, grads[sid], "float32") if split.on_device(sid) else (sid, hp)
+                    for sid in range(len(grads))])
+        whole.synchronize()
+        split.synchronize()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "hybrid"], ids=lambda p: f"{p}-mode")
+def test_make_resident_moves_state_mid_training_and_keeps_the_bits(placement):
+    """After 2 steps ``make_resident(65000)`` moves slots 0 (40000 bytes), 1 (24000) and 3 (800)
+    into resident state, from the host or (hybrid: slots 0 and 3) the device share; slot 2 (56000)
+    stays. 2 more steps: the bits of one host placement doing everything. The host buffers are
+    freed, hybrid's device budget given back; a later slot takes what is left of the budget."""
+    hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    whole_p, split_p = _params(), _params()
+    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    gpu = FakeDevice()
+    split = E.Engine(Backend(), placement=placement, device_elems=7100, threads=2, chunk_elems=4096,
+                     resident_later=True, _device=lambda: gpu)
+    for a, b in zip(whole_p, split_p):
+        whole.add_param(a, a.size, "float32", "cpu")
+        split.add_param(b, b.size, "float32", "cpu")
+    frozen = split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False)
+    assert [split.on_device(s) for s in range(4)] == [placement == "hybrid", False, False, placement == "hybrid"]
+    rng = np.random.default_rng(3)
+    _train(whole, split, whole_p, rng, hp)
+    host_before = split.host.stats()["host_state_bytes"]  # (the fake device's state is host memory too)
+    assert split.make_resident(65000) == [0, 1, 3]
+    assert [split.resident(s) for s in range(5)] == [True, True, False, True, False] and not split.on_device(frozen)
+    assert gpu.resident == [2, 3, 4] if placement == "hybrid" else gpu.resident == [0, 1, 2]
+    assert split.device_elems_used == 0 and split.resident_bytes_used == 64800
+    st = split.stats()
+    assert st["resident_params"] == 3 and split.host.stats()["host_state_bytes"] < host_before
+    assert split.host.stats()["params"] == 2  # slot 2 and the frozen one
+    _train(whole, split, whole_p, rng, hp)
+    for sid, (a, b) in enumerate(zip(whole_p, split_p)):
+        assert np.array_equal(a, b), sid
+        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+        assert split.get_step(sid) == 4
+    assert split.make_resident(0) == []  # nothing more fits
+    assert split.resident(split.add_param(np.zeros(25, np.float32), 25, "float32", "cpu"))  # 200 bytes left
+    split.truncate(5)
+    assert not split.resident(split.add_param(np.zeros(26, np.float32), 26, "float32", "cpu"))
+    whole.close()
+    split.close()
+
+
+def test_make_resident_stops_where_gpu_memory_is_refused():
+    gpu = FakeDevice()
+    add = gpu.add_param
+
+    def refusing(param, numel, dtype, platform, *, resident=False):
+        if resident and gpu.resident:
+            raise MemoryError("could not allocate 24000 bytes of GPU memory")
+        return add(param, numel, dtype, platform, resident=resident)
+
+    gpu.add_param = refusing
+    eng = E.Engine(Backend(), placement="cpu", threads=1, resident_later=True, _device=lambda: gpu)
+    for p in _params():
+        eng.add_param(p, p.size, "float32", "cpu")
+    with pytest.warns(RuntimeWarning, match="GPU memory for the state of slot 1 was refused"):
+        assert eng.make_resident(10**6) == [0]
+    assert [eng.resident(s) for s in range(4)] == [True, False, False, False]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+            eng.make_resident(bad)
+    eng.close()
+    no_device = E.Engine(Backend(), placement="cpu", threads=1)
+    with pytest.raises(RuntimeError, match="resident_later=True"):
+        no_device.make_resident(100)
+    no_device.close()
+
+
 def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device():
     """fp16/bf16 slots hold a master too (12 bytes an element); ``resident_bytes=0`` in cpu
     mode builds no device placement; bad budgets are refused."""
@@ -465,8 +545,9 @@ def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device()
 
 
 def test_gpu_state_bytes_argument_checks():
-    """OffloadAdamW(gpu_state_bytes=...): an int >= 0; "auto" is not built; a budget needs
-    CUDA parameters (checked before any GPU code runs); 0 leaves CPU parameters alone."""
+    """OffloadAdamW(gpu_state_bytes=...): an int >= 0 or "auto"; a budget needs CUDA parameters
+    (checked before any GPU code runs); 0 leaves CPU parameters alone; host_memory_plan counts
+    "auto" as all offloaded (as it is until the first step)."""
     torch = pytest.importorskip("torch")
     from trainstream.torch import OffloadAdamW
 
@@ -474,8 +555,10 @@ def test_gpu_state_bytes_argument_checks():
     for bad in (-1, 1.5, True, "half", None):
         with pytest.raises(ValueError, match="Invalid gpu_state_bytes"):
             OffloadAdamW(model.parameters(), gpu_state_bytes=bad)
-    with pytest.raises(NotImplementedError, match="gpu_state_bytes='auto'.*not built"):
+    with pytest.raises(ValueError, match="gpu_state_bytes='auto' keeps state in GPU memory and needs CUDA"):
         OffloadAdamW(model.parameters(), gpu_state_bytes="auto")
+    assert OffloadAdamW.host_memory_plan(model.parameters(), gpu_state_bytes="auto") == \
+        OffloadAdamW.host_memory_plan(model.parameters())
     for mode in ("cpu", "hybrid"):
         with pytest.raises(ValueError, match="needs CUDA"):
             OffloadAdamW(model.parameters(), mode=mode, gpu_state_bytes=1 << 20)

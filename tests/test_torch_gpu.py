@@ -516,6 +516,51 @@ def test_resident_half_params_against_fp32_master(mode, dtype):
     ts.close()
 
 
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "hybrid"])
+@pytest.mark.parametrize("kw", [{}, {"max_norm": 0.5}, {"micro": 2, "eager": True}], ids=["groups", "clip", "eager"])
+def test_auto_resident_state_bit_identical(kw, mode, monkeypatch):
+    """gpu_state_bytes="auto" on a GPU that has RESIDENT bytes free beyond the tenth left free
+    (mem_get_info reports that): after the first step the same parameters move into GPU memory
+    as with gpu_state_bytes=RESIDENT, and all along the bits are torch.optim.AdamW's."""
+    total = torch.cuda.mem_get_info(DEV)[1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (RESIDENT + int(0.1 * total) + 1, total))
+    ref_model, ts_model, ref, ts = train_pair_cuda(steps=20, gpu_state_bytes="auto", mode=mode, **kw)
+    assert_same(ref_model, ts_model)
+    params = [p for g in ts.param_groups for p in g["params"]]
+    assert [ts._engine.resident(sid) for sid in range(len(params))] == RESIDENT_MASK
+    st = ts.stats()
+    assert st["resident_params"] == 11 and st["gpu_state_bytes"] == 35840
+    for p, q in zip(params, [p for g in ref.param_groups for p in g["params"]]):
+        assert torch.equal(ts.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"].cpu())
+    ts.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "hybrid"])
+def test_auto_resident_takes_the_free_gpu_memory_and_frees_the_host_state(mode):
+    """gpu_state_bytes="auto" on the real GPU: offloaded until the first step, then all of this
+    small model's state (bf16 weights: masters too) moves into GPU memory and its host memory is
+    freed; the bits of torch.optim.AdamW on an fp32 master before and after, and in state_dict."""
+    model = make_model(dtype=torch.bfloat16).to(DEV)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
+                      gpu_state_bytes="auto")
+    st = ts.stats()
+    assert st["resident_params"] == 0 and st["gpu_state_bytes"] == 0 and st["host_state_bytes"] > 0
+    for i, x in enumerate(batches(10)):
+        step_beside_master(model, master, ref, ts, loss_of(model, x.to(DEV)))
+        if i == 0:
+            st = ts.stats()
+            assert st["resident_params"] == len(master) and st["host_state_bytes"] == 0
+            assert st["gpu_state_bytes"] == sum(12 * p.numel() for p in master)
+    sd = ts.state_dict()
+    for sid, (p, m) in enumerate(zip(model.parameters(), master)):
+        assert torch.equal(sd["state"][sid]["master_param"], m.detach().cpu())
+        assert torch.equal(sd["state"][sid]["exp_avg"], ref.state[m]["exp_avg"].cpu())
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+    ts.close()
+
+
 def _run_any(m, opt, xs):
     for x in xs:
         opt.zero_grad()

@@ -306,6 +306,16 @@ class DevicePlacement:
             self._release((s.exp_avg, s.exp_avg_sq, s.master))
         del self._slots[n:]
 
+    def release(self, sid: int) -> None:
+        """Free slot ``sid``'s state once its work is done (moved into resident state:
+        :meth:`Engine.make_resident`); the id stays taken, by an empty slot."""
+        self._check_open()
+        s = self._slot(sid)
+        s.settle()
+        self._release((s.exp_avg, s.exp_avg_sq, s.master))
+        s.exp_avg = s.exp_avg_sq = s.master = None  # type: ignore[assignment]
+        s.grad_keep = s.ready = s.copied_back = None
+
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
 
@@ -469,11 +479,12 @@ class DevicePlacement:
     def stats(self) -> dict[str, float]:
         """Counters (:meth:`trainstream.core._engine.Engine.stats`); ``host_state_bytes``: the mapped
         state; ``staging_ring_bytes`` is 0 before the first update."""
-        resident = [s for s in self._slots if s.exp_avg.mem is not None]
-        bufs = [b for s in self._slots for b in (s.exp_avg, s.exp_avg_sq, s.master) if b is not None]
+        live = [s for s in self._slots if s.exp_avg is not None]  # not released
+        resident = [s for s in live if s.exp_avg.mem is not None]
+        bufs = [b for s in live for b in (s.exp_avg, s.exp_avg_sq, s.master) if b is not None]
         mapped = float(sum(b.nbytes for b in bufs if b.mem is None))
         return {
-            "params": float(len(self._slots)), "numel": float(sum(s.numel for s in self._slots)),
+            "params": float(len(live)), "numel": float(sum(s.numel for s in live)),
             "threads": 0.0, "gpu_mode": 1.0, "steps": float(self._steps),
             "eager_updates": float(self._eager_updates), "host_state_bytes": mapped,
             "pinned_state_bytes": mapped, "pageable_state_bytes": 0.0,

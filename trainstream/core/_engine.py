@@ -13,6 +13,7 @@ framework's).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ class Engine:
     slots what :class:`~trainstream.core._device.DevicePlacement` names); ``placement``: ``"cpu"``,
     ``"gpu"`` or ``"hybrid"``; ``device_elems``: ``hybrid``'s budget of elements on the device;
     ``resident_bytes``: the GPU memory for resident state (:func:`state_bytes` per slot; 0: none);
+    ``resident_later``: build the device placement now, for :meth:`make_resident` later (any mode);
     ``eager_blocks``: grid cap of :meth:`launch_eager` (None: a quarter of the multiprocessors); the
     others are :class:`~trainstream.core._host.HostPlacement`'s.
     """
@@ -43,7 +45,8 @@ class Engine:
     def __init__(self, backend: Backend, *, placement: str = "cpu", device_elems: int = 0, resident_bytes: int = 0,
                  threads: int | None = None, chunk_elems: int = 1 << 20, convention: str = "torch",
                  pin_moments: bool = False, tc_code: int = 0, worker_nice: int = 5, eager_blocks: int | None = None,
-                 cores: Sequence[int] | None = None, _device: Callable[[], Any] | None = None):
+                 cores: Sequence[int] | None = None, resident_later: bool = False,
+                 _device: Callable[[], Any] | None = None):
         if placement not in PLACEMENTS:
             raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
         if convention not in C.CONVENTIONS:
@@ -56,7 +59,7 @@ class Engine:
         self.errors = StickyError()
         self.eager_blocks = eager_blocks
         self.device = self.host = None
-        if placement != "cpu" or resident_bytes > 0:
+        if placement != "cpu" or resident_bytes > 0 or resident_later:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
                 # Staged in gpu mode only: beside hybrid's host share staging measured 1.10-1.15x slower,
@@ -79,6 +82,7 @@ class Engine:
         self._resident_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
+        self._args: list[list] = []  # slot -> [param, dtype, platform, trainable] (make_resident)
         self._resident: list[int] = []  # slot -> bytes of its resident state (0: not resident)
 
     @property
@@ -118,6 +122,7 @@ class Engine:
             self._device_used += int(numel) if dev else 0
         self._where.append((dev, local))
         self._numel.append(int(numel))
+        self._args.append([param, dtype, platform, trainable])
         self._resident.append(need if res else 0)
         return len(self._where) - 1
 
@@ -150,14 +155,57 @@ class Engine:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         keep = self._where[:n]
         for placement, dev in ((self.host, False), (self.device, True)):
-            if placement is not None:
-                placement.truncate(sum(1 for d, _ in keep if d == dev))
+            if placement is not None:  # kept slots' local ids come first (slots released by make_resident too)
+                placement.truncate(1 + max((local for d, local in keep if d == dev), default=-1))
         self._device_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
                                  if d and not r)
         self._resident_used -= sum(self._resident[n:])
         del self._where[n:]
         del self._numel[n:]
+        del self._args[n:]
         del self._resident[n:]
+
+    def make_resident(self, nbytes: int) -> list[int]:
+        """Raise the resident budget by ``nbytes`` and move into GPU memory the state of the trainable
+        slots not resident yet that fits in what is left of it, in slot order
+        (:func:`~trainstream.core._budget.resident`), from either placement;
+        each keeps its id, its state and its bits (host and device placements compute one platform's
+        bits). Slots registered later take what is left. Where an allocation is refused, the slots
+        moved so far stay moved and the rest stay where they were, with a warning. Returns the slots
+        moved."""
+        if self.device is None:
+            raise RuntimeError("TrainStream engine: make_resident needs the device placement (resident_later=True)")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ValueError(f"make_resident: nbytes must be an int >= 0, got {nbytes!r}")
+        self.errors.check()
+        todo = [sid for sid, (r, a) in enumerate(zip(self._resident, self._args)) if not r and a[3]]
+        self._resident_budget += int(nbytes)
+        fits = _resident([(self._numel[sid], self._args[sid][1], True) for sid in todo], self._resident_budget,
+                         self._resident_used)
+        moved: list[int] = []
+        for sid in (s for s, fit in zip(todo, fits) if fit):
+            placement, local = self._local(sid)
+            param, dtype, platform, _ = self._args[sid]
+            master, m, v, step = self.state(sid)  # once its queued work has run
+            try:
+                new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True)
+            except MemoryError as exc:
+                warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
+                              "slots after it stay where they were", RuntimeWarning, stacklevel=2)
+                break
+            try:
+                self.device.load_state(new, m, v, step, master)
+            except BaseException:
+                self.device.truncate(new)
+                raise
+            placement.release(local)
+            if placement is self.device:
+                self._device_used -= self._numel[sid]
+            self._where[sid] = (True, new)
+            self._resident[sid] = state_bytes(self._numel[sid], dtype)
+            self._resident_used += self._resident[sid]
+            moved.append(sid)
+        return moved
 
     def get_step(self, sid: int) -> int:
         placement, local = self._local(sid)
@@ -287,6 +335,8 @@ class Engine:
         """:meth:`trainstream.core._host.HostPlacement.reload_param`: weights changed outside."""
         placement, local = self._local(sid)
         placement.reload_param(local, param)
+        if param is not None:
+            self._args[sid][0] = param
 
     def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
         """Replace the state of slot ``sid``; without ``master`` it is re-read from the param. Checked

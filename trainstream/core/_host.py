@@ -489,6 +489,18 @@ class HostPlacement:
             self._pageable_bytes -= s.nbytes[1]
         del self._slots[n:]
 
+    def release(self, sid: int) -> None:
+        """Free slot ``sid``'s buffers once its queued work has run (its state moved to the device
+        placement: :meth:`Engine.make_resident`); the id stays taken, by an empty slot."""
+        self._check_open()
+        s = self._slot(sid)
+        self._settle(s)
+        self._pinned_bytes -= s.nbytes[0]
+        self._pageable_bytes -= s.nbytes[1]
+        s.nbytes, s.staged = (0, 0), False
+        s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
+        s.grad_stage = s.param_stage = s.grad_keep = s.ready = s.landed = s.param = None
+
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
 
@@ -853,9 +865,10 @@ class HostPlacement:
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
+        live = [s for s in self._slots if s.master is not None]  # not released
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
         return {
-            "params": float(len(self._slots)), "numel": float(sum(s.numel for s in self._slots)),
+            "params": float(len(live)), "numel": float(sum(s.numel for s in live)),
             "threads": float(self.threads), "gpu_mode": 0.0, "steps": float(st.steps),
             "eager_updates": float(st.eager_updates),
             "host_state_bytes": float(self._pinned_bytes + self._pageable_bytes),

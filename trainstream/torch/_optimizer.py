@@ -26,6 +26,10 @@ from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 __all__ = ["OffloadAdamW"]
 
 
+#: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for later growth of the
+#: caching allocator's pool, other processes, and fragmentation).
+AUTO_GPU_HEADROOM = 0.1
+
 _HINT = ("fewer parameters' state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), "
          "mode='gpu' or 'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, "
          "8 instead of 16 per float32 one)")
@@ -73,12 +77,9 @@ def _check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> 
     if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
     if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
-        raise NotImplementedError(
-            "OffloadAdamW(gpu_state_bytes='auto') is not built: the GPU memory free after the first step is known "
-            "only once every parameter's state is placed, and moving state between placements is not built. Pass "
-            "a number of bytes (e.g. what torch.cuda.mem_get_info() shows free after a step, less some headroom)")
+        return
     if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0:
-        raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes)")
+        raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes, or 'auto')")
     if gpu_params not in ("first", "last"):
         raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
     if gpu_params != "first" and mode != "hybrid":
@@ -219,7 +220,10 @@ class OffloadAdamW(Optimizer):
         at ``step()`` or, under :meth:`last_micro_batch`, from their hooks (``gpu`` mode; ``hybrid`` with
         ``gpu_params="last"``). ``state``/``state_dict()`` hold host copies; ``load_state_dict`` copies back.
         Allocated at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed
-        by :meth:`close`. Default 0. ``"auto"`` raises ``NotImplementedError``.
+        by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
+        all of it); at the end of the first ``step()`` that updates, the state that fits in the GPU memory
+        then free (torch's pool holds the step's peak), less ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's
+        memory, moves there with its bits and its host memory is freed; the first step is not overlapped.
       gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel
         updates; each parameter, in ``gpu_params`` order (also one added later), goes to it while it fits, else
         to the host. The default, 0.3, was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores
@@ -277,7 +281,10 @@ class OffloadAdamW(Optimizer):
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
             raise TypeError(f"overlap_forward must be a torch.nn.Module or None, got {type(overlap_forward).__name__}")
         _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
-        self._gpu_share, self._gpu_state_bytes, self._gpu_params = float(gpu_share), int(gpu_state_bytes), gpu_params
+        # "auto": none at first; after the first step, what the GPU has free (_place_auto)
+        self._auto_resident = gpu_state_bytes == "auto"
+        self._gpu_state_bytes = 0 if self._auto_resident else int(gpu_state_bytes)
+        self._gpu_share, self._gpu_params = float(gpu_share), gpu_params
         self._gpu_budget = 0  # hybrid's device elements (_hybrid_elems)
         # Registration waits until torch has read every group (add_param_group only checks them): the host
         # memory is checked over all of them, and hybrid's split needs the total of the elements.
@@ -458,9 +465,10 @@ class OffloadAdamW(Optimizer):
         groups = list(params)
         flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
             if groups and isinstance(groups[0], dict) else groups
-        budget = _hybrid_elems(flat, gpu_share, gpu_state_bytes) if mode == "hybrid" else 0
+        resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
+        budget = _hybrid_elems(flat, gpu_share, resident) if mode == "hybrid" else 0
         return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin,
-                          resident_bytes=gpu_state_bytes)[0]
+                          resident_bytes=resident)[0]
 
     def _mine(self, p: torch.Tensor) -> bool:
         """Whether this rank holds ``p``'s state (all but zero_stage=1's parameters of other ranks)."""
@@ -487,9 +495,10 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
         if loc is not p:
             self._check_dtensor(p, index)
-        if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes):
+        if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes or self._auto_resident):
+            budget = "'auto'" if self._auto_resident else self._gpu_state_bytes
             what = (f"mode={self.mode!r}" if self.mode != "cpu"
-                    else f"gpu_state_bytes={self._gpu_state_bytes} keeps state in GPU memory and")
+                    else f"gpu_state_bytes={budget} keeps state in GPU memory and")
             raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; parameter {index} is on {loc.device}")
         if loc.device != device:
             raise ValueError(f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
@@ -508,11 +517,13 @@ class OffloadAdamW(Optimizer):
                 args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
                 self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      resident_bytes=self._gpu_state_bytes, tc_code=tc_code,
+                                      resident_bytes=self._gpu_state_bytes, resident_later=self._auto_resident,
+                                      tc_code=tc_code,
                                       eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
-                    f"OffloadAdamW mode={self.mode!r}{' with gpu_state_bytes' if self._gpu_state_bytes else ''} "
+                    f"OffloadAdamW mode={self.mode!r}"
+                    f"{' with gpu_state_bytes' if self._gpu_state_bytes or self._auto_resident else ''} "
                     f"needs CuPy: pip install 'trainstream[cuda12]' or 'trainstream[cuda13]' ({exc})") from exc
             self._owned.engine = self._engine
             self._device = loc.device
@@ -854,7 +865,23 @@ class OffloadAdamW(Optimizer):
                      for g in self.param_groups for p in g["params"]]
             for work in works:
                 work.wait()
+        if self._auto_resident and self._engine is not None:
+            self._place_auto()
         return loss
+
+    def _place_auto(self) -> None:
+        """``gpu_state_bytes="auto"``, once, at the end of the first step that updated: the GPU memory free
+        now (torch's caching allocator holds the step's peak) less :data:`AUTO_GPU_HEADROOM` of the total
+        becomes the resident budget; the state that fits moves there (:meth:`Engine.make_resident`)."""
+        self._auto_resident = False
+        free, total = torch.cuda.mem_get_info(self._device)
+        self._gpu_state_bytes = max(0, int(free - AUTO_GPU_HEADROOM * total))  # parameters added later too
+        moved = self._engine.make_resident(self._gpu_state_bytes)
+        for sid in moved:  # now updated at step() from param.grad, as any GPU-resident slot
+            hook = self._hooks.pop(sid, None)
+            if hook is not None:
+                hook.remove()
+            self._staged.pop(sid, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; the host copies of the gradients are forgotten too."""
