@@ -54,6 +54,7 @@ clip_grad_norm_; not for torchao/DeepSpeed), ~swiU (sys.setswitchinterval of U m
 while this setup runs; Python's default is 5000), ~last (hybrid: gpu_params="last"),
 ~shareF (hybrid: gpu_share=F), ~resG (TrainStream: gpu_state_bytes of G GiB: the state of the
 first parameters that fit kept in GPU memory and updated there, the rest as the mode says),
+~auto (TrainStream: gpu_state_bytes="auto": what fits in the GPU memory free after the first step),
 ~zc / ~staged (gpu / hybrid: the update kernels read the host-memory state over PCIe,
 zero-copy / through the staging ring: the A/B of the staged update), ~ebN (eager zero-copy kernels capped at N blocks: OffloadAdamW(eager_blocks=N); default: a
 quarter of the multiprocessors' count),
@@ -240,6 +241,8 @@ def build(setup, size, device, batch=8, ckpt=False, vocab=VOCAB, seq=1024):
         resident = next((float(o[3:]) for o in opts_ if o.startswith("res")), None)
         if resident is not None:  # ~resG: gpu_state_bytes of G GiB
             extra["gpu_state_bytes"] = int(resident * 2**30)
+        if "auto" in opts_:  # ~auto: gpu_state_bytes="auto"
+            extra["gpu_state_bytes"] = "auto"
         if mode == "hybrid":
             share = next((float(o[5:]) for o in opts_ if o.startswith("share")), None)
             if share is not None:
@@ -532,7 +535,8 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         peak += st.get("gpu_state_bytes", 0.0) / 2**30  # ~res: GPU memory outside torch's allocator
         extra["threads"] = st.get("threads", 0.0)
         extra["host_update_wall_ms_last"] = st.get("last_step_wall_ms", 0.0)
-        for k in ("host_state_bytes", "pinned_state_bytes", "pageable_state_bytes"):
+        extra["resident_params"] = st.get("resident_params", 0.0)
+        for k in ("host_state_bytes", "pinned_state_bytes", "pageable_state_bytes", "gpu_state_bytes"):
             if k in st:
                 extra[k.replace("_bytes", "_gib")] = st[k] / 2**30
         if stats0 is not None:
