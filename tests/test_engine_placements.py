@@ -54,7 +54,7 @@ class FakeDevice:
     def __getattr__(self, name):
         return getattr(self.e, name)
 
-    def add_param(self, param, numel, dtype, platform, *, resident=False):
+    def add_param(self, param, numel, dtype, platform, *, resident=False, init=True):
         sid = self.e.add_param(param, numel, dtype, platform)
         if resident:
             self.resident.append(sid)
@@ -497,10 +497,10 @@ def test_make_resident_stops_where_gpu_memory_is_refused():
     gpu = FakeDevice()
     add = gpu.add_param
 
-    def refusing(param, numel, dtype, platform, *, resident=False):
+    def refusing(param, numel, dtype, platform, *, resident=False, init=True):
         if resident and gpu.resident:
             raise MemoryError("could not allocate 24000 bytes of GPU memory")
-        return add(param, numel, dtype, platform, resident=resident)
+        return add(param, numel, dtype, platform, resident=resident, init=init)
 
     gpu.add_param = refusing
     eng = E.Engine(Backend(), placement="cpu", threads=1, resident_later=True, _device=lambda: gpu)

@@ -261,8 +261,10 @@ class DevicePlacement:
         a = np.ascontiguousarray(values, np.float32).reshape(-1)
         buf.mem.from_host(a.ctypes.data, a.nbytes, self.backend.update_stream())
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False) -> int:
-        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory."""
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False,
+                  init: bool = True) -> int:
+        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory. With
+        ``init`` False the state is left unset: the caller loads it next (:meth:`load_state`)."""
         self._check_open()
         if platform != "cuda":
             raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
@@ -274,12 +276,12 @@ class DevicePlacement:
             m = self._alloc(numel, "adamw.exp_avg", owned, resident)
             v = self._alloc(numel, "adamw.exp_avg_sq", owned, resident)
             master = self._alloc(numel, "adamw.master_fp32", owned, resident) if dtype != "float32" else None
-            for buf in (m, v):
+            for buf in (m, v) if init else ():
                 if resident:
                     buf.mem.zero(self.backend.update_stream())
                 else:
                     buf.host[:] = 0
-            if master is not None:
+            if master is not None and init:
                 weights = master.host if not resident else np.empty(numel, np.float32)
                 self.backend.param_to_host_f32(param, weights)
                 if resident:

@@ -186,9 +186,9 @@ class Engine:
         for sid in (s for s, fit in zip(todo, fits) if fit):
             placement, local = self._local(sid)
             param, dtype, platform, _ = self._args[sid]
-            master, m, v, step = self.state(sid)  # once its queued work has run
+            master, m, v, step = self.state(sid, copy=False)  # once its queued work has run
             try:
-                new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True)
+                new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True, init=False)
             except MemoryError as exc:
                 warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
