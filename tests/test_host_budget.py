@@ -444,12 +444,14 @@ def test_torch_hybrid_plan_follows_the_split():
     for kw, err, what in (({"gpu_state_bytes": -5}, ValueError, "Invalid gpu_state_bytes"),
                           ({"gpu_state_bytes": 1.5}, ValueError, "Invalid gpu_state_bytes"),
                           ({"gpu_state_bytes": True}, ValueError, "Invalid gpu_state_bytes"),
-                          ({"gpu_state_bytes": "auto"}, NotImplementedError, "'auto'.*not built"),
+                          ({"gpu_state_bytes": "half"}, ValueError, "Invalid gpu_state_bytes"),
                           ({"mode": "hybrid", "gpu_share": 2.0}, ValueError, "Invalid gpu_share"),
                           ({"mode": "hybrid", "gpu_params": "middle"}, ValueError, "Invalid gpu_params"),
                           ({"gpu_params": "last"}, ValueError, "applies to mode='hybrid' only")):
         with pytest.raises(err, match=what):
             OffloadAdamW.host_memory_plan(params, **kw)
+    # "auto": everything offloaded until the first step, so the plan of no GPU state
+    assert OffloadAdamW.host_memory_plan(params, gpu_state_bytes="auto") == OffloadAdamW.host_memory_plan(params)
 
 
 def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():

@@ -89,7 +89,9 @@ def test_kernel_closures_hold_plain_distinct_values():
             assert all(type(c) in (bool, int) for c in cells), (kernel, key, cells)
             ident = (kernel, fn.__code__.co_code, tuple(map(repr, cells)))
             assert ident not in seen, f"{kernel} {key} and {seen[ident]} share a cache key"
-            seen[ident] = key
+            # Numba's symbol and environment names and the cache's files follow the qualname
+            assert fn.__qualname__ not in seen, f"{kernel} {key} and {seen[fn.__qualname__]} share a name"
+            seen[ident] = seen[fn.__qualname__] = key
 
 
 # -- processes that fill one cold cache at once -------------------------------------------------
@@ -185,3 +187,34 @@ def test_processes_filling_a_cold_cache_at_once_load_their_own_kernels(tmp_path)
     assert {k: bits for k, (bits, _) in loaded.items()} == {k: bits for k, (bits, _) in fresh.items()}
     # each entry is a hit unless a concurrent index write dropped it (then a recompile, same bits)
     assert sum(hit for _, hit in loaded.values()) >= 1, loaded
+
+
+_SQRT = """
+import json, sys
+import numpy as np
+from trainstream import _cpu_sqrt as S
+x = np.abs(np.random.default_rng(0).standard_normal(1000)).astype(np.float32)
+out = {}
+for mode in map(int, sys.argv[1:]):
+    fn = S._array_kernel(mode, False)
+    r = fn(x)
+    (res,) = fn.overloads.values()
+    out[mode] = [int(r.view(np.uint32).sum(dtype=np.uint64)), sum(fn.stats.cache_hits.values()), res.fndesc.env_name]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _jit.CACHE or len(available_modes()) < 2, reason="needs the disk cache and two sqrt modes")
+def test_a_kernel_loaded_beside_another_specialisation_keeps_its_own_environment(tmp_path):
+    """A process compiles one sqrt mode's array kernel; another compiles a second mode's first
+    and then loads the first from the cache. Numba names a kernel's environment (its constants:
+    the returned array's dtype) after its qualname; two closures of one factory shared it, and
+    the loaded kernel could take the other's ("descr is NULL" in a clean clone's suite)."""
+    first, other = available_modes()[1], available_modes()[0]
+    run = lambda *modes: _out(subprocess.run([sys.executable, "-c", _SQRT, *map(str, modes)], env=_env(tmp_path),  # noqa: E731
+                                             cwd=ROOT, capture_output=True, text=True, timeout=120))
+    alone = run(first)
+    both = run(other, first)
+    assert both[str(first)][1] == 1 and both[str(other)][1] == 0  # loaded; compiled
+    assert both[str(first)][0] == alone[str(first)][0]
+    assert both[str(first)][2] != both[str(other)][2]

@@ -364,7 +364,7 @@ def _array_kernel(mode: int, blocked: bool):
     require_mode(mode)
     deps = _DEPS
     if not blocked:
-        @njit(**_OPTS)
+        @njit(key=(mode,), **_OPTS)
         def sqrt_array_kernel(x):
             deps  # noqa: B018 (in the closure: the cache key)
             out = np.empty_like(x)
@@ -373,7 +373,7 @@ def _array_kernel(mode: int, blocked: bool):
             return out
         return sqrt_array_kernel
 
-    @njit(**_OPTS)
+    @njit(key=(mode,), **_OPTS)
     def sqrt_array_block_kernel(x):
         deps  # noqa: B018 (in the closure: the cache key)
         out = np.empty_like(x)

@@ -264,7 +264,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     grad16 = torch_conv and gkind != KIND_F32  # torch: g * c rounded to the gradient's format
     deps = _DEPS
 
-    @njit(**opts)
+    @njit(key=(variant, gkind, okind, mode), **opts)
     def adamw_kernel(p, m, v, g, out16, begin, end, s):
         deps  # noqa: B018 (in the closure: the cache key)
         # Every scalar into a local before the loop (no reload per element). Slots that a
@@ -406,7 +406,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
 def _build_sumsq(gkind: int, cache: bool = True):
     deps = _DEPS
 
-    @njit(**_opts(cache))
+    @njit(key=(gkind,), **_opts(cache))
     def sumsq_kernel(g, begin, end, block, out):
         deps  # noqa: B018 (in the closure: the cache key)
         # Summation order: see sumsq_blocks. The lanes live in a small array so that the
@@ -446,7 +446,7 @@ def _build_cast(widen: bool, kind: int, cache: bool = True):
     """``convert`` (``widen``: ``kind`` -> float32) or ``round`` (float32 -> ``kind`` bits)."""
     deps = _DEPS
 
-    @njit(**_opts(cache))
+    @njit(key=(widen, kind), **_opts(cache))
     def cast_kernel(dst, src, begin, end):
         deps  # noqa: B018 (in the closure: the cache key)
         for i in range(np.uint64(begin), np.uint64(end)):

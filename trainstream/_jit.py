@@ -24,6 +24,14 @@ target can run.
   its key and writes it before the index: a lost index update costs a recompile, never the
   wrong code. Where Numba's cache internals differ from what it expects, kernels compile
   in memory (:data:`CACHE` is False) and one warning says so.
+* **One name per specialisation.** Numba names a compiled function, and the environment that
+  holds its constants (a returned array's dtype, say), after its ``__qualname__``, argument
+  types and a per-process counter; the closures of one factory share the qualname, and two
+  processes that run the same code number them alike. A kernel loaded from the cache could
+  then take the environment of another specialisation compiled in this process ("descr is
+  NULL" when the constants differ). A factory's kernels therefore pass their ``key`` to
+  :func:`njit`, which adds it to the qualname: one name, index and environment per
+  specialisation.
 * **The instruction set.** Code that uses an instruction the target lacks aborts the whole
   process inside LLVM (no Python exception). :func:`target_features` reads the features of
   the target Numba compiles for (the host's, or what ``NUMBA_CPU_NAME`` /
@@ -111,9 +119,13 @@ CACHE: bool = _cache_available()
 OPTS = dict(nogil=True, cache=CACHE, error_model="numpy")
 
 
-def njit(*, cache: bool = CACHE, **options):
-    """``numba.njit(**options)``, with ``cache`` through the keyed disk cache (module docstring)."""
+def njit(*, cache: bool = CACHE, key: tuple = (), **options):
+    """``numba.njit(**options)``, with ``cache`` through the keyed disk cache (module docstring).
+    ``key``: the values that make this function one specialisation of a factory; they join its
+    ``__qualname__`` (module docstring: names must differ between specialisations)."""
     def wrap(fn):
+        if key:
+            fn.__qualname__ = "__".join([fn.__qualname__, *(str(int(k)) for k in key)])
         disp = numba.njit(**options)(fn)
         if cache and CACHE:
             disp._cache = _KEYED_CACHE(fn)  # what numba.njit(cache=True) sets, keyed
