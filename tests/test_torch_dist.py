@@ -375,14 +375,17 @@ def fsdp_resident(rank, device, out):
     local shards that fit, in order (8 bytes an element, at least 8 a shard: rank 0 the 20 + 4 +
     5 + 1 elements of weight and bias shards, rank 1 15 + 3 + 4 and its two empty shards), the
     rest in host memory; it trains bitwise like torch.optim.AdamW, and DCP round trips both ways
-    with torch.optim.AdamW resume bit-identically. Without CUDA: refused, naming it."""
+    with torch.optim.AdamW resume bit-identically. ``gpu_state_bytes="auto"``: every shard's
+    state moves to GPU memory after the first step, bitwise the same. Without CUDA: refused."""
     if device != "cuda":
-        m = _fsdp(device)
-        try:
-            OffloadAdamW(m.parameters(), gpu_state_bytes=256).close()
-        except ValueError as e:
-            return {"refused without CUDA": "needs CUDA parameters" in str(e)}
-        return {"refused without CUDA": False}
+        m, got = _fsdp(device), {}
+        for budget in (256, "auto"):
+            try:
+                OffloadAdamW(m.parameters(), gpu_state_bytes=budget).close()
+                got[f"{budget!r} refused without CUDA"] = False
+            except ValueError as e:
+                got[f"{budget!r} refused without CUDA"] = "needs CUDA parameters" in str(e)
+        return got
 
     def resident(params, **kw):
         return OffloadAdamW(params, gpu_state_bytes=256, **kw)
@@ -397,6 +400,12 @@ def fsdp_resident(rank, device, out):
     mr, o = _make(resident, device)
     _train(mr, o, 4, 0, rank, device)
     got["trains bitwise like torch.optim.AdamW"] = _same(ma, mr)
+    _close(o)
+    mu, o = _make(lambda params, **kw: OffloadAdamW(params, gpu_state_bytes="auto", **kw), device)
+    _train(mu, o, 4, 0, rank, device)
+    got["'auto' trains bitwise like torch.optim.AdamW"] = _same(ma, mu)
+    st = o.stats()  # all of this rank's shards moved after the first step
+    got["'auto': every shard's state in GPU memory"] = st["resident_params"] == st["params"] and not st["host_state_bytes"]
     _close(o)
     for src, dst, name in ((torch.optim.AdamW, resident, "AdamW -> resident"),
                            (resident, torch.optim.AdamW, "resident -> AdamW")):
