@@ -268,6 +268,34 @@ def test_a_refused_gpu_allocation_frees_the_slots_others(launches, device_memory
     eng.close()
 
 
+def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memory):
+    """add_param(init=False) allocates a resident slot without writing it (no zeroing, no read
+    of the weights): load_state writes moments and master. release() frees a slot's buffers
+    (resident or mapped); its id stays taken and stats leave it out."""
+    allocs, _ = device_memory
+    backend = _Backend()
+    reads = []
+    backend.param_to_host_f32 = lambda param, out: reads.append(param) or out.__setitem__(slice(None), 7.0)
+    eng = ge.DevicePlacement(backend)
+    a = eng.add_param(1000, 4, "bfloat16", "cuda", resident=True, init=False)
+    b = eng.add_param(2000, 3, "float32", "cuda")  # mapped
+    assert reads == [] and all(np.isnan(x.data).all() for x in allocs)  # m, v, master: unwritten
+    eng.load_state(a, np.full(4, 2.0), np.full(4, 3.0), 6, master=np.arange(4, dtype=np.float32))
+    master, m, v, step = eng.state(a)
+    assert (m == 2).all() and (v == 3).all() and step == 6 and np.array_equal(master, np.arange(4))
+    before = eng.stats()
+    eng.release(a)
+    assert all(x.freed for x in allocs)
+    st = eng.stats()
+    assert (st["params"], st["gpu_state_bytes"], st["resident_params"]) == (1, 0, 0)
+    assert st["host_state_bytes"] == before["host_state_bytes"] == 24
+    eng.release(b)
+    assert eng.stats()["params"] == 0 and eng.stats()["host_state_bytes"] == 0
+    assert eng.add_param(3000, 2, "float32", "cuda") == 2  # the released ids stay taken
+    eng.truncate(0)
+    eng.close()
+
+
 # -- the staging ring: the kernel simulated by the contract on real memory -----------------------
 
 

@@ -493,6 +493,46 @@ def test_make_resident_moves_state_mid_training_and_keeps_the_bits(placement):
     split.close()
 
 
+def test_make_resident_then_truncate_frees_what_it_drops():
+    """hybrid: slots 0 and 2 on the device, 1 on the host; 1 moves (device id 2), then
+    truncate(2) drops slot 2 (device id 1, before the kept id 2): freed, not left behind."""
+    gpu = FakeDevice()
+    eng = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=1, resident_later=True,
+                   _device=lambda: gpu)
+    for n, dev in ((3000, True), (100, False), (3000, True)):
+        eng.add_param(np.zeros(n, np.float32), n, "float32", "cpu", on_device=dev)
+    assert eng.make_resident(800) == [1]
+    eng.truncate(2)
+    assert gpu.e.stats()["params"] == 2 and eng.host.stats()["params"] == 0
+    assert [eng.on_device(s) for s in range(2)] == [True, True] and eng.device_elems_used == 3000
+    eng.close()
+
+
+def test_make_resident_failing_partway_leaves_every_slot_consistent():
+    """A failure loading the second slot's state: the first stays moved (resident, its host slot
+    freed), the second where it was with its state, the device slot made for it dropped."""
+    gpu = FakeDevice()
+    eng = E.Engine(Backend(), placement="cpu", threads=1, resident_later=True, _device=lambda: gpu)
+    for p in _params():
+        eng.add_param(p, p.size, "float32", "cpu")
+    eng.load_state(1, np.full(3000, 2.0), np.full(3000, 3.0), 5)
+    load = gpu.load_state
+
+    def failing(sid, *a):
+        if sid == 1:
+            raise RuntimeError("copy failed")
+        return load(sid, *a)
+
+    gpu.load_state = failing
+    with pytest.raises(RuntimeError, match="copy failed"):
+        eng.make_resident(10**6)
+    assert [eng.resident(s) for s in range(4)] == [True, False, False, False]
+    assert gpu.e.stats()["params"] == 1 and eng.host.stats()["params"] == 3
+    _, m, v, step = eng.state(1)
+    assert (m == 2).all() and (v == 3).all() and step == 5
+    eng.close()
+
+
 def test_make_resident_stops_where_gpu_memory_is_refused():
     gpu = FakeDevice()
     add = gpu.add_param
@@ -509,6 +549,8 @@ def test_make_resident_stops_where_gpu_memory_is_refused():
     with pytest.warns(RuntimeWarning, match="GPU memory for the state of slot 1 was refused"):
         assert eng.make_resident(10**6) == [0]
     assert [eng.resident(s) for s in range(4)] == [True, False, False, False]
+    assert eng.resident_budget == eng.resident_bytes_used == 40000  # nothing more is tried
+    assert not eng.resident(eng.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
             eng.make_resident(bad)

@@ -173,8 +173,10 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not _jit.CACHE, reason="no writable Numba cache directory here")
 def test_processes_filling_a_cold_cache_at_once_load_their_own_kernels(tmp_path):
-    """Three processes compile three specialisations of one kernel (one index file) into a cold
-    cache at once; a fourth loads all three from it, with the bits each compiled."""
+    """Three processes compile three specialisations of one kernel factory into a cold cache at
+    once; a fourth loads all three from it, with the bits each compiled. (Each specialisation
+    has its own index file since the key joins the qualname; a shared index's race is the
+    interleaving test's above.)"""
     kinds = [H.KIND_F32, H.KIND_F16, H.KIND_BF16]
     procs = [subprocess.Popen([sys.executable, "-c", _ONE_KIND, str(k)], env=_env(tmp_path), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k in kinds]

@@ -153,10 +153,13 @@ class Engine:
 
     def truncate(self, n: int) -> None:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
-        keep = self._where[:n]
+        keep, drop = self._where[:n], self._where[n:]
         for placement, dev in ((self.host, False), (self.device, True)):
-            if placement is not None:  # kept slots' local ids come first (slots released by make_resident too)
-                placement.truncate(1 + max((local for d, local in keep if d == dev), default=-1))
+            if placement is not None:  # after make_resident a dropped slot's local id may precede a kept one's
+                end = 1 + max((local for d, local in keep if d == dev), default=-1)
+                for local in sorted(local for d, local in drop if d == dev and local < end):
+                    placement.release(local)
+                placement.truncate(end)
         self._device_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
                                  if d and not r)
         self._resident_used -= sum(self._resident[n:])
@@ -190,6 +193,7 @@ class Engine:
             try:
                 new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True, init=False)
             except MemoryError as exc:
+                self._resident_budget = self._resident_used  # later slots are not resident either
                 warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
                 break
@@ -198,14 +202,20 @@ class Engine:
             except BaseException:
                 self.device.truncate(new)
                 raise
-            placement.release(local)
+            # moved: the bookkeeping first, so that a failure to free the old buffers leaves it right
             if placement is self.device:
                 self._device_used -= self._numel[sid]
             self._where[sid] = (True, new)
             self._resident[sid] = state_bytes(self._numel[sid], dtype)
             self._resident_used += self._resident[sid]
             moved.append(sid)
+            placement.release(local)
         return moved
+
+    @property
+    def resident_budget(self) -> int:
+        """The bytes of resident state allowed (``resident_bytes``, raised by :meth:`make_resident`)."""
+        return self._resident_budget
 
     def get_step(self, sid: int) -> int:
         placement, local = self._local(sid)

@@ -223,7 +223,8 @@ class OffloadAdamW(Optimizer):
         by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
         all of it); at the end of the first ``step()`` that updates, the state that fits in the GPU memory
         then free (torch's pool holds the step's peak), less ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's
-        memory, moves there with its bits and its host memory is freed; the first step is not overlapped.
+        memory, moves there with its bits and its host memory is freed (pinned buffers to torch's pinned-memory
+        cache, which reuses them); the first step is not overlapped.
       gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel
         updates; each parameter, in ``gpu_params`` order (also one added later), goes to it while it fits, else
         to the host. The default, 0.3, was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores
@@ -865,8 +866,8 @@ class OffloadAdamW(Optimizer):
                      for g in self.param_groups for p in g["params"]]
             for work in works:
                 work.wait()
-        if self._auto_resident and self._engine is not None:
-            self._place_auto()
+        if self._auto_resident and self._engine is not None and (updates or eager_done):
+            self._place_auto()  # after a step that updated: torch's pool holds its peak
         return loss
 
     def _place_auto(self) -> None:
@@ -875,13 +876,13 @@ class OffloadAdamW(Optimizer):
         becomes the resident budget; the state that fits moves there (:meth:`Engine.make_resident`)."""
         self._auto_resident = False
         free, total = torch.cuda.mem_get_info(self._device)
-        self._gpu_state_bytes = max(0, int(free - AUTO_GPU_HEADROOM * total))  # parameters added later too
-        moved = self._engine.make_resident(self._gpu_state_bytes)
-        for sid in moved:  # now updated at step() from param.grad, as any GPU-resident slot
-            hook = self._hooks.pop(sid, None)
-            if hook is not None:
-                hook.remove()
-            self._staged.pop(sid, None)
+        try:
+            self._engine.make_resident(max(0, int(free - AUTO_GPU_HEADROOM * total)))
+        finally:  # also the slots moved before a failure: updated at step() from param.grad from now on
+            self._gpu_state_bytes = self._engine.resident_budget  # what parameters added later may take
+            for sid in [sid for sid in self._hooks if self._engine.on_device(sid)]:
+                self._hooks.pop(sid).remove()
+                self._staged.pop(sid, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; the host copies of the gradients are forgotten too."""
