@@ -221,7 +221,7 @@ class OffloadAdamW(Optimizer):
         ``gpu_params="last"``). ``state``/``state_dict()`` hold host copies; ``load_state_dict`` copies back.
         Allocated at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed
         by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
-        all of it); at the end of the first ``step()`` that updates, the state that fits in the GPU memory
+        all of it: for the largest model pass bytes); at the end of the first ``step()`` that updates, the state that fits in the GPU memory
         then free (torch's pool holds the step's peak), less ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's
         memory, moves there with its bits and its host memory is freed (pinned buffers to torch's pinned-memory
         cache, which reuses them); the first step is not overlapped.
