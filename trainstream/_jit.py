@@ -16,10 +16,10 @@ target can run.
   global helper of *another* file: each kernel's closure therefore holds
   :func:`source_stamp` of the modules its helpers come from.
 * **Processes that compile at once** (pytest-xdist, torchrun's ranks, a cold cache). Numba
-  keeps one index file per function for all its specialisations and names a new entry's
-  data file by the first number its index does not list yet: two processes saving
-  different specialisations at once both take ``.1.nbc``, and the index can then send one
-  key to the other's machine code (a clean clone's suite failed with "descr is NULL").
+  keeps one index file per function for all its signatures and compile targets and names a
+  new entry's data file by the first number its index does not list yet: two processes
+  saving different keys at once both take ``.1.nbc``, and the index can then send one key
+  to the other's machine code.
   :func:`njit` caches through :class:`_KeyedCache`, which names the data file by a hash of
   its key and writes it before the index: a lost index update costs a recompile, never the
   wrong code. Where Numba's cache internals differ from what it expects, kernels compile
@@ -83,16 +83,6 @@ def _keyed_cache():
             self._cache_file = _KeyedCacheFile(old._cache_path, old._index_name[:-len(".nbi")], old._source_stamp)
 
     _KeyedCache.file_class = _KeyedCacheFile
-
-    try:  # what the class reaches of Numba's, checked once
-        _KeyedCache(_probe)._cache_file._data_name(1)
-    except RuntimeError:  # "no locator available": no writable cache directory (``_cache_available``)
-        pass
-    except Exception as e:  # noqa: BLE001 - another Numba: compile in memory, say so
-        warnings.warn(f"TrainStream: this Numba's cache internals are not the ones TrainStream's concurrency-safe "
-                      f"disk cache builds on ({type(e).__name__}: {e}); kernels compile in memory in every process",
-                      RuntimeWarning, stacklevel=3)
-        return None
     return _KeyedCache
 
 
@@ -100,13 +90,17 @@ _KEYED_CACHE = _keyed_cache()
 
 
 def _cache_available() -> bool:
-    if _KEYED_CACHE is None:
-        return False
+    """Whether :data:`_KEYED_CACHE` works here, checked once on a probe function (else one warning)."""
     try:
-        _KEYED_CACHE(_probe)
+        _KEYED_CACHE(_probe)._cache_file._data_name(1)
     except RuntimeError as e:  # "cannot cache function ...: no locator available for file ..."
         warnings.warn(f"TrainStream: Numba cannot cache its kernels here ({e}); they compile in memory in every "
                       "process (a few seconds each). Set NUMBA_CACHE_DIR to a writable directory to cache them.",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    except Exception as e:  # noqa: BLE001 - another Numba (or none of its cache classes): compile in memory
+        warnings.warn(f"TrainStream: this Numba's cache internals are not the ones TrainStream's concurrency-safe "
+                      f"disk cache builds on ({type(e).__name__}: {e}); kernels compile in memory in every process",
                       RuntimeWarning, stacklevel=2)
         return False
     return True
