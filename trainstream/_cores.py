@@ -40,16 +40,12 @@ def pci_numa_node(bus_id: str | None) -> int | None:
 
 def _node_cores(node: int) -> list[int]:
     """The CPU ids of NUMA node ``node``, from its kernel cpulist (``"0-3,8,10-11"``); [] if unknown."""
-    out: list[int] = []
     try:
         with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
-            for part in f.read().strip().split(","):
-                if part:
-                    lo, _, hi = part.partition("-")
-                    out.extend(range(int(lo), int(hi or lo) + 1))
+            spans = [part.partition("-") for part in f.read().strip().split(",") if part]
+        return [c for lo, _, hi in spans for c in range(int(lo), int(hi or lo) + 1)]
     except (OSError, ValueError):
         return []
-    return out
 
 
 def rank_cores(local_rank: int, local_world: int, nodes: list[int | None] | None = None) -> list[int]:
@@ -82,16 +78,12 @@ def bind_current_thread(cores: list[int] | None) -> None:
 def bound(cores: list[int] | None):
     """Run the block with the calling thread bound to ``cores`` (memory first touched in it lands on
     their NUMA node), then restore its mask."""
-    if not cores:
-        yield
-        return
     try:
-        before = os.sched_getaffinity(0)
+        before = sorted(os.sched_getaffinity(0)) if cores else None
     except (AttributeError, OSError):
-        yield
-        return
-    bind_current_thread(cores)
+        before = None  # nothing to restore: left unbound
+    bind_current_thread(cores if before else None)
     try:
         yield
     finally:
-        bind_current_thread(sorted(before))
+        bind_current_thread(before)

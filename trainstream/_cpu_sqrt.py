@@ -22,14 +22,13 @@ subnormals/huge values the correctly rounded root; ``IEEE`` is the correctly rou
 root everywhere. ``MKL_FMA14`` rescales inputs below 2^-80 on a path not reproduced
 here (the correctly rounded root is used: such ``exp_avg_sq`` values are below 1e-24).
 
-The estimates are this machine's own instructions (``rsqrtps`` is not specified exactly
-and differs between vendors, ``vrsqrt14ps`` is), so a mode reproduces MKL on the machine
-that runs it; :func:`detect_mode` finds torch's by probing. Numba code calls
-:func:`torch_cpu_sqrt` and :func:`torch_cpu_sqrt_block` with the mode as a compile-time
-constant: each mode is its own implementation (:func:`scalar_sqrt`, :func:`block_sqrt`),
-typed only for that mode and only where Numba's target has its instructions
-(:func:`available_modes`); on aarch64 only ``IEEE`` exists. The kernels reach them as
-module globals, never through a closure (see :mod:`trainstream._jit`, the disk cache).
+The estimates are this machine's own instructions (``rsqrtps`` differs between vendors,
+``vrsqrt14ps`` is specified exactly), so a mode reproduces MKL on the machine that runs it;
+:func:`detect_mode` finds torch's by probing. Numba code calls :func:`torch_cpu_sqrt` and
+:func:`torch_cpu_sqrt_block` with the mode a compile-time constant, which types only that
+mode's code, and only where Numba's target has its instructions (:func:`available_modes`;
+on aarch64 only ``IEEE``). Kernels reach them as module globals, never through a closure
+(the disk cache: :mod:`trainstream._jit`).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from numba.extending import intrinsic, overload
 
 from . import _jit
 from ._jit import OPTS as _OPTS
-from ._jit import bits_f32, f32_bits, fma32, njit, source_stamp, target_features
+from ._jit import njit, source_stamp, target_features
 from .contract import fma_f32
 
 IEEE = 0
@@ -77,156 +76,36 @@ def _vec_const(ty, width, value):
     return ir.Constant(ir.VectorType(ty, width), [ir.Constant(ty, value)] * width)
 
 
+def _lanes(idx) -> ir.Constant:
+    """A shuffle mask: the lanes ``idx``."""
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), list(idx))
+
+
 def _estimate(builder, x, mode: int):
     """IR: this CPU's estimate of ``1/sqrt`` on each lane of ``x`` (``<4 x float>`` or
     ``<16 x float>``): one 16-lane AVX-512 ``vrsqrt14ps`` (``MKL_FMA14``), else the 4-lane
     ``rsqrtps`` on each quarter."""
-    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
-    vf = x.type
-    module = builder.module
+    vf, i16 = x.type, ir.IntType(16)
     if mode == MKL_FMA14:
-        fn = module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
+        fn = builder.module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
         return builder.call(fn, [x, x, ir.Constant(i16, 0xFFFF)])
-    v4 = ir.VectorType(f32, 4)
-    fn = module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
-    if vf.count == 4:
-        return builder.call(fn, [x])
-    r0 = ir.Constant(vf, None)
-    for q in range(vf.count // 4):
-        part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 4), [4 * q + k for k in range(4)]))
-        est = builder.call(fn, [part])
-        for k in range(4):
-            r0 = builder.insert_element(r0, builder.extract_element(est, ir.Constant(i32, k)),
-                                        ir.Constant(i32, 4 * q + k))
-    return r0
+    v4 = ir.VectorType(ir.FloatType(), 4)
+    fn = builder.module.declare_intrinsic("llvm.x86.sse.rsqrt.ps", fnty=ir.FunctionType(v4, [v4]))
+    parts = [builder.call(fn, [builder.shuffle_vector(x, x, _lanes(range(q, q + 4)))]) for q in range(0, vf.count, 4)]
+    while len(parts) > 1:  # concatenated pairwise: 4 -> 8 -> 16 lanes
+        parts = [builder.shuffle_vector(a, b, _lanes(range(2 * a.type.count))) for a, b in zip(parts[::2], parts[1::2])]
+    return parts[0]
 
 
-def _scalar_estimate(mode: int):
-    """Numba intrinsic: :func:`_estimate` of one float32 ``x``, lane 0 of ``[x, 1, 1, ...]`` (4
-    lanes for ``rsqrtps``, 16 for ``vrsqrt14ps``)."""
-    width = 16 if mode == MKL_FMA14 else 4
-    @intrinsic
-    def estimate(typingctx, x):
-        if x != types.float32:
-            return None
-        def codegen(context, builder, signature, args):
-            lane0 = ir.Constant(ir.IntType(32), 0)
-            vec = builder.insert_element(_vec_const(ir.FloatType(), width, 1.0), args[0], lane0)
-            return builder.extract_element(_estimate(builder, vec, mode), lane0)
-        return types.float32(types.float32), codegen
-    return estimate
-
-
-@njit(inline="always", **_OPTS)
-def _rare(x, b):
-    """MKL's rare path (x <= 0, subnormal, Inf, NaN, huge): see the module docstring."""
-    if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
-        if (b & np.uint32(0x807FFFFF)) == np.uint32(0x80000000):  # -Inf
-            return f32_bits(np.uint32(0x7FC00000))
-        return x + x  # +Inf, NaN
-    if x == np.float32(0.0):
-        return x
-    if (b >> np.uint32(31)) == np.uint32(1):  # negative
-        return f32_bits(np.uint32(0x7FC00000))
-    return np.float32(math.sqrt(np.float64(x)))  # subnormal or huge: correctly rounded
-
-
-@njit(inline="always", **_OPTS)
-def _is_rare(b):
-    u = np.uint32((np.uint64(b) + np.uint64(0x7F800000)) & np.uint64(0xFFFFFFFF))
-    return u < np.uint32(0x80000000) or u > np.uint32(0xFEFFF000)
-
-
-@njit(inline="always", **_OPTS)
-def _ieee_sqrt(x):
-    return np.float32(math.sqrt(x))
-
-
-@functools.cache
-def scalar_sqrt(mode: int):
-    """``x -> sqrt(x)`` as torch computes it on this CPU in ``mode``: a Numba function
-    (inlined where it is called) holding only that mode's instructions."""
-    require_mode(mode)
-    if mode == IEEE:
-        return _ieee_sqrt
-    estimate = _scalar_estimate(mode)
-    fused = mode != MKL_SSE
-    tiny_ieee = mode == MKL_FMA14  # below 2^-80: MKL rescales; the correctly rounded root
-
-    @njit(inline="always", **_OPTS)
-    def mkl_sqrt(x):
-        b = bits_f32(x)
-        if _is_rare(b):
-            return _rare(x, b)
-        half = np.float32(0.5)
-        if tiny_ieee and x < np.float32(8.271806125530277e-25):
-            return np.float32(math.sqrt(x))
-        r0 = estimate(x)
-        if fused:  # MKL_FMA12, MKL_FMA14
-            s = r0 * x
-            hr = r0 * half
-            return fma32(fma32(-s, s, x), hr, s)
-        h = x * r0  # MKL_SSE
-        r = r0 * half
-        e = half - h * r
-        h1 = h * e + h
-        r1 = r * e + r
-        d = x - h1 * h1
-        return d * r1 + h1
-    return mkl_sqrt
-
-
-def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
-    """Inputs that tell the modes apart: [1, 4) densely, wide exponents, specials."""
-    rng = np.random.default_rng(seed)
-    dense = rng.uniform(1.0, 4.0, n).astype(np.float32)
-    wide = (rng.uniform(1.0, 2.0, n) * 2.0 ** rng.integers(-70, 70, n)).astype(np.float32)
-    special = np.array([0.0, -0.0, 1.0, 4.0, np.inf, 1e-30, 1e30, 3.4e38], np.float32)
-    return np.concatenate([dense, wide, special])
-
-
-def detect_mode(reference_sqrt) -> int | None:
-    """The mode (of :func:`available_modes`) whose bits equal ``reference_sqrt`` (a float32
-    array -> array function), or None when none reproduces it on this machine."""
-    x = probe_values()
-    want = np.asarray(reference_sqrt(x), np.float32).view(np.uint32)
-    for mode in available_modes():
-        if np.array_equal(sqrt_array(x, mode).view(np.uint32), want):
-            return mode
-    return None
-
-
-def detect_lerp_fma(reference_lerp) -> bool | None:
-    """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
-    is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
-    False, the contract's ``TC_NO_FMA``); None when it is neither."""
-    rng = np.random.default_rng(1)
-    a = rng.standard_normal(1 << 14).astype(np.float32)
-    b = rng.standard_normal(1 << 14).astype(np.float32)
-    w = np.float32(0.1)
-    got = np.asarray(reference_lerp(a, b, 0.1), np.float32).view(np.uint32)
-    if np.array_equal(got, fma_f32(w, b - a, a).view(np.uint32)):
-        return True
-    if np.array_equal(got, (a + w * (b - a)).view(np.uint32)):
-        return False
-    return None
-
-
-# -- the same, 16 lanes at a time (the AdamW kernel's strips) -----------------------------------
-# ``scalar_sqrt`` runs the estimate on one lane per element, which keeps its loop from
-# vectorising (the MKL modes ran 3-5x slower than IEEE). The block form applies the same
-# instructions per lane (4-lane ``rsqrtps``, 16-lane ``vrsqrt14ps``) and the same roundings
-# to whole vectors (no FMA contraction: no fast-math flags are ever set).
-
-_RARE_BIAS = 0x7F800000
-
-
-def _mkl_vector(builder, x, width: int, mode: int):
-    """IR for ``scalar_sqrt(mode)(x)`` on a ``<width x float>`` (width 16)."""
+def _mkl_vector(builder, x, mode: int):
+    """IR: the root of MKL ``mode`` (module docstring) on each lane of ``x`` (``<4 x float>``
+    or ``<16 x float>``); the rare path and the tiny inputs by ``select``, no branch."""
+    width = x.type.count
     f32, i32 = ir.FloatType(), ir.IntType(32)
-    vf, vi = ir.VectorType(f32, width), ir.VectorType(i32, width)
+    vf, vi = x.type, ir.VectorType(i32, width)
+    cf, ci = functools.partial(_vec_const, f32, width), functools.partial(_vec_const, i32, width)
     module = builder.module
-    half = _vec_const(f32, width, 0.5)
+    half = cf(0.5)
     vname = f"v{width}f32"
     ieee = builder.call(module.declare_intrinsic(f"llvm.sqrt.{vname}", fnty=ir.FunctionType(vf, [vf])), [x])
     r0 = _estimate(builder, x, mode)
@@ -245,27 +124,98 @@ def _mkl_vector(builder, x, width: int, mode: int):
         inner = builder.call(fma, [builder.fneg(s), s, x])
         y = builder.call(fma, [inner, hr, s])
         if mode == MKL_FMA14:  # below 2^-80: the correctly rounded root
-            tiny = builder.fcmp_ordered("<", x, _vec_const(f32, width, 8.271806125530277e-25))
-            y = builder.select(tiny, ieee, y)
-    # MKL's rare path, as scalar_sqrt
-    ci = functools.partial(_vec_const, i32, width)
+            y = builder.select(builder.fcmp_ordered("<", x, cf(8.271806125530277e-25)), ieee, y)
+    # MKL's rare path: x <= 0, subnormal, Inf, NaN, huge (bits + 0x7F800000 outside [2^31, 0xFEFFF000])
     b = builder.bitcast(x, vi)
-    u = builder.add(b, ci(_RARE_BIAS))
+    u = builder.add(b, ci(0x7F800000))
     rare = builder.or_(builder.icmp_unsigned("<", u, ci(0x80000000)), builder.icmp_unsigned(">", u, ci(0xFEFFF000)))
     nan = builder.bitcast(ci(0x7FC00000), vf)
     allexp = builder.icmp_unsigned("==", builder.and_(b, ci(0x7F800000)), ci(0x7F800000))
     neginf = builder.icmp_unsigned("==", builder.and_(b, ci(0x807FFFFF)), ci(0x80000000))
-    iszero = builder.fcmp_ordered("==", x, _vec_const(f32, width, 0.0))
+    iszero = builder.fcmp_ordered("==", x, cf(0.0))
     isneg = builder.icmp_unsigned("!=", builder.lshr(b, ci(31)), ci(0))
     finite_rare = builder.select(iszero, x, builder.select(isneg, nan, ieee))
     rare_val = builder.select(allexp, builder.select(neginf, nan, builder.fadd(x, x)), finite_rare)
     return builder.select(rare, rare_val, y)
 
 
-def _make_block16(mode: int):
+@njit(inline="always", **_OPTS)
+def _ieee_sqrt(x):
+    return np.float32(math.sqrt(x))
+
+
+@functools.cache
+def scalar_sqrt(mode: int):
+    """``x -> sqrt(x)`` of a float32 as torch computes it on this CPU in ``mode``, for Numba code
+    (inlined): IEEE's root, or lane 0 of :func:`_mkl_vector` on ``[x, 1, 1, ...]`` (4 lanes;
+    16 for ``vrsqrt14ps``). Only that mode's instructions reach LLVM."""
+    require_mode(mode)
+    if mode == IEEE:
+        return _ieee_sqrt
+    width = 16 if mode == MKL_FMA14 else 4
+
+    @intrinsic
+    def mkl_sqrt(typingctx, x):
+        if x != types.float32:
+            return None
+        def codegen(context, builder, signature, args):
+            lane0 = ir.Constant(ir.IntType(32), 0)
+            vec = builder.insert_element(_vec_const(ir.FloatType(), width, 1.0), args[0], lane0)
+            return builder.extract_element(_mkl_vector(builder, vec, mode), lane0)
+        return types.float32(types.float32), codegen
+    return mkl_sqrt
+
+
+def probe_values(n: int = 1 << 14, seed: int = 0) -> np.ndarray:
+    """Inputs that tell the modes apart: [1, 4) densely, wide exponents, specials."""
+    rng = np.random.default_rng(seed)
+    dense = rng.uniform(1.0, 4.0, n).astype(np.float32)
+    wide = (rng.uniform(1.0, 2.0, n) * 2.0 ** rng.integers(-70, 70, n)).astype(np.float32)
+    special = np.array([0.0, -0.0, 1.0, 4.0, np.inf, 1e-30, 1e30, 3.4e38], np.float32)
+    return np.concatenate([dense, wide, special])
+
+
+def detect_mode(reference_sqrt) -> int | None:
+    """The mode (of :func:`available_modes`) whose bits equal ``reference_sqrt`` (a float32
+    array -> array function), or None when none reproduces it on this machine."""
+    x = probe_values()
+    want = np.asarray(reference_sqrt(x), np.float32).view(np.uint32)
+    return next((mode for mode in available_modes() if np.array_equal(sqrt_array(x, mode).view(np.uint32), want)),
+                None)
+
+
+def detect_lerp_fma(reference_lerp) -> bool | None:
+    """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
+    is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
+    False, the contract's ``TC_NO_FMA``); None when it is neither."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(1 << 14).astype(np.float32)
+    b = rng.standard_normal(1 << 14).astype(np.float32)
+    w = np.float32(0.1)
+    got = np.asarray(reference_lerp(a, b, 0.1), np.float32).view(np.uint32)
+    if np.array_equal(got, fma_f32(w, b - a, a).view(np.uint32)):
+        return True
+    if np.array_equal(got, (a + w * (b - a)).view(np.uint32)):
+        return False
+    return None
+
+
+@functools.cache
+def block_sqrt(mode: int):
+    """``(src, lo, n, dst) -> dst[k] = sqrt(src[lo + k])`` for ``k < n`` in ``mode``, 16 lanes
+    at a time: a loop of :func:`scalar_sqrt` does not vectorise (the MKL modes ran 3-5x slower
+    than IEEE). IEEE goes element by element: that loop vectorises by itself."""
+    sqrt1 = scalar_sqrt(mode)
+    if mode == IEEE:
+        @njit(inline="always", **_OPTS)
+        def ieee_block(src, lo, n, dst):
+            for k in range(n):
+                dst[k] = sqrt1(src[lo + k])
+        return ieee_block
+
     @intrinsic
     def block16(typingctx, src, si, dst, di):
-        """``dst[di:di+16] = scalar_sqrt(mode)(src[si:si+16])`` (float32 C arrays)."""
+        """``dst[di:di+16] = sqrt1(src[si:si+16])`` (float32 C arrays)."""
         if not (isinstance(src, types.Array) and isinstance(dst, types.Array)):
             return None
         def codegen(context, builder, signature, args):
@@ -276,26 +226,10 @@ def _make_block16(mode: int):
             di_v = context.cast(builder, args[3], signature.args[3], types.int64)
             sp = builder.bitcast(builder.gep(s_arr.data, [si_v]), vf.as_pointer())
             dp = builder.bitcast(builder.gep(d_arr.data, [di_v]), vf.as_pointer())
-            x = builder.load(sp, align=4)
-            builder.store(_mkl_vector(builder, x, 16, mode), dp, align=4)
+            builder.store(_mkl_vector(builder, builder.load(sp, align=4), mode), dp, align=4)
             return context.get_dummy_value()
         return types.void(src, si, dst, di), codegen
-    return block16
 
-
-@functools.cache
-def block_sqrt(mode: int):
-    """``(src, lo, n, dst) -> dst[k] = sqrt(src[lo + k])`` for ``k < n`` in ``mode``, 16
-    lanes at a time (IEEE goes element by element: that loop vectorises by itself)."""
-    sqrt1 = scalar_sqrt(mode)
-    if mode == IEEE:
-        @njit(inline="always", **_OPTS)
-        def ieee_block(src, lo, n, dst):
-            for k in range(n):
-                dst[k] = sqrt1(src[lo + k])
-        return ieee_block
-
-    block16 = _make_block16(mode)
     @njit(inline="always", **_OPTS)
     def mkl_block(src, lo, n, dst):
         k = 0
@@ -363,30 +297,22 @@ def _array_kernel(mode: int, blocked: bool):
     kernel takes it. The closure holds plain numbers only (the disk cache's key hashes it)."""
     require_mode(mode)
     deps = _DEPS
-    if not blocked:
-        @njit(key=(mode,), **_OPTS)
-        def sqrt_array_kernel(x):
-            deps  # noqa: B018 (in the closure: the cache key)
-            out = np.empty_like(x)
-            for i in range(x.size):
-                out[i] = torch_cpu_sqrt(x[i], mode)
-            return out
-        return sqrt_array_kernel
 
-    @njit(key=(mode,), **_OPTS)
-    def sqrt_array_block_kernel(x):
+    @njit(key=(mode, blocked), **_OPTS)
+    def sqrt_array_kernel(x):
         deps  # noqa: B018 (in the closure: the cache key)
         out = np.empty_like(x)
-        n = x.size
-        lo = 0
         tmp = np.empty(64, np.float32)
-        while lo < n:
-            m = min(64, n - lo)
-            torch_cpu_sqrt_block(x, lo, m, tmp, mode)
-            out[lo : lo + m] = tmp[:m]
-            lo += m
+        for lo in range(0, x.size, 64):
+            m = min(64, x.size - lo)
+            if blocked:
+                torch_cpu_sqrt_block(x, lo, m, tmp, mode)
+                out[lo : lo + m] = tmp[:m]
+            else:
+                for i in range(lo, lo + m):
+                    out[i] = torch_cpu_sqrt(x[i], mode)
         return out
-    return sqrt_array_block_kernel
+    return sqrt_array_kernel
 
 
 def sqrt_array(x: np.ndarray, mode: int) -> np.ndarray:

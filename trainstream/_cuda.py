@@ -1,24 +1,16 @@
-"""The one CUDA layer: the driver calls of both adapters and of the device placement
-(events, asynchronous copies, stream waits, mapped pinned host memory, synchronisation)
-through ctypes. CuPy only compiles and launches the kernels (:mod:`trainstream._device_kernels`);
-device memory is the framework's, except optimizer state kept in GPU memory
-(:class:`DeviceMemory`). Imports neither torch nor jax; loads ``libcuda`` on first use.
+"""The one CUDA layer, through ctypes: the driver calls of both adapters and of the device placement
+(events, asynchronous copies, stream waits, mapped pinned host memory, GPU memory, synchronisation).
+CuPy only compiles and launches the kernels (:mod:`trainstream._device_kernels`). Imports neither
+torch nor jax; loads ``libcuda`` on first use.
 
-Why not torch's ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every gradient
-hook and every finished update issues a copy and records an event, from the autograd thread
-and up to ``threads`` workers at once; through torch each is a dispatcher call with device
-guards, a stream context and the pinned allocator's global lock, with the GIL in between
-(on the H200 machine, 1.3B GPT, 15 workers: a gradient hook took 0.5 ms, an upload launch
-0.5-1.6 ms). A ctypes call into ``libcuda`` takes a few microseconds.
-
-Calls that return at once (record an event, queue a copy from pinned memory, make a stream
-wait, query) go through ``ctypes.PyDLL``, which keeps the GIL: releasing it costs more,
-since taking it back may wait for another thread (under 15 busy workers a gradient hook
-with a dozen such calls took 0.2-0.6 ms). Calls that block (``cuEventSynchronize``,
-``cuStreamSynchronize``, ``cuCtxSynchronize``) and allocations go through ``ctypes.CDLL``,
-which releases it. Streams are the frameworks' (``torch.cuda.Stream.cuda_stream``, XLA's):
-the runtime and the driver share handles and the device's primary context. Every call
-checks its result and raises :class:`CudaDriverError` naming the call and the error.
+Why not torch's ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every gradient hook and
+finished update issues a copy and records an event, from the autograd thread and many workers at once;
+through torch each is a dispatcher call with device guards and the pinned allocator's global lock (H200,
+1.3B GPT, 15 workers: 0.5 ms a gradient hook, 0.5-1.6 ms an upload launch). A ctypes call takes a few
+microseconds. Calls that return at once go through ``ctypes.PyDLL``, which keeps the GIL (taking it back
+may wait for a busy worker: with it released, 0.2-0.6 ms a hook); blocking calls and allocations through
+``ctypes.CDLL``, which releases it. Streams are the frameworks' (the runtime and the driver share handles
+and the device's primary context). A failed call raises :class:`CudaDriverError` naming it and the error.
 """
 
 from __future__ import annotations
@@ -51,8 +43,7 @@ def _load():
         if _lib is None:
             name = ctypes.util.find_library("cuda") or "libcuda.so.1"
             try:
-                lib = ctypes.CDLL(name)
-                fast = ctypes.PyDLL(name)
+                lib, fast = ctypes.CDLL(name), ctypes.PyDLL(name)
             except OSError as exc:
                 raise CudaDriverError(f"cannot load the CUDA driver library ({name}): {exc}") from exc
             _declare(lib)
@@ -94,8 +85,7 @@ def _check(res: int, what: str, lib=None) -> None:
         lib.cuGetErrorString(res, ctypes.byref(text))
     except Exception:  # noqa: BLE001 - describing the error must not hide it
         pass
-    label = (name.value or b"?").decode()
-    raise CudaDriverError(f"{what} failed: {label} ({res}): {(text.value or b'').decode()}")
+    raise CudaDriverError(f"{what} failed: {(name.value or b'?').decode()} ({res}): {(text.value or b'').decode()}")
 
 
 def available() -> bool:
@@ -118,9 +108,8 @@ def pointer_device(ptr: int) -> int:
 
 
 class Context:
-    """The primary context of one device (torch's runtime's). Each driver call runs in it,
-    pushed for the call when the thread's current context is another device's (so that
-    torch's current device on that thread is left alone)."""
+    """The primary context of one device (torch's runtime's). Each driver call runs in it, pushed for
+    the call when the thread's current context is another device's (torch's current device stays)."""
 
     def __init__(self, device: int):
         lib = _load()
@@ -128,13 +117,10 @@ class Context:
         _check(lib.cuDeviceGet(ctypes.byref(dev), int(device)), f"cuDeviceGet({device})")
         ctx = ctypes.c_void_p()
         _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        self.device = int(device)
-        self._dev = dev.value
-        self.handle = ctx.value
+        self.device, self._dev, self.handle = int(device), dev.value, ctx.value
 
     def _enter(self) -> bool:
-        """Make this context current on the calling thread; True if it had to be pushed
-        (:meth:`_leave` pops it)."""
+        """Make this context current on the calling thread; True if pushed (:meth:`_leave` pops it)."""
         cur = ctypes.c_void_p()
         _check(_fast.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
         if cur.value == self.handle:
@@ -198,16 +184,15 @@ class Context:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         res = self.call(name, ctypes.byref(out), nbytes, *flags, release_gil=True)
-        if res != 0:
-            try:
-                _check(res, name.removesuffix("_v2"))
-            except CudaDriverError as exc:
-                raise MemoryError(f"could not allocate {nbytes} bytes of {what}: {exc}") from None
+        try:
+            _check(res, name.removesuffix("_v2"))
+        except CudaDriverError as exc:
+            raise MemoryError(f"could not allocate {nbytes} bytes of {what}: {exc}") from None
         return nbytes
 
     def alloc_mapped(self, nbytes: int) -> "Mapped":
-        """``nbytes`` of pinned host memory mapped into the device address space (portable:
-        usable from every context). ``MemoryError`` naming the size when the driver refuses."""
+        """``nbytes`` of pinned host memory mapped into the device address space (portable: usable
+        from every context). ``MemoryError`` naming the size when the driver refuses."""
         host = ctypes.c_void_p()
         nbytes = self._alloc("cuMemHostAlloc", host, nbytes, "mapped pinned host memory",
                              _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP)
@@ -222,8 +207,8 @@ class Context:
         return buf
 
     def alloc_device(self, nbytes: int) -> DeviceMemory:
-        """``nbytes`` of device memory (``cuMemAlloc``: outside the framework's allocator,
-        which does not count it). ``MemoryError`` naming the size when the driver refuses."""
+        """``nbytes`` of device memory (``cuMemAlloc``: outside the framework's allocator, which
+        does not count it). ``MemoryError`` naming the size when the driver refuses."""
         ptr = ctypes.c_uint64()
         nbytes = self._alloc("cuMemAlloc_v2", ptr, nbytes, f"GPU memory on cuda:{self.device}")
         return DeviceMemory(self, ptr.value, nbytes)
@@ -238,17 +223,13 @@ class Context:
 
 
 class Event:
-    """A CUDA event recorded once on a stream; waiters sleep (blocking sync). Once seen
-    complete, it remembers it: every chunk job of a batch waits on the same gradient-copy
-    and upload events, and after the first a wait is an attribute check instead of a driver
-    call that releases the GIL (each release costs a re-acquisition against busy workers).
-    """
+    """A CUDA event recorded once on a stream; waiters sleep (blocking sync). Once seen complete it
+    remembers it: the chunk jobs of a batch wait on the same events, and after the first a wait is an
+    attribute check, not a driver call releasing the GIL (to re-acquire against busy workers)."""
     __slots__ = ("handle", "_ctx", "_done")
 
     def __init__(self, ctx: Context, stream: int):
-        self._ctx = ctx
-        self.handle = None
-        self._done = False
+        self._ctx, self.handle, self._done = ctx, None, False
         pushed = ctx._enter()
         try:
             ev = ctypes.c_void_p()
@@ -260,8 +241,7 @@ class Event:
             ctx._leave(pushed)
 
     def synchronize(self) -> None:
-        """Block until the event's work is done: a query (GIL kept) first; only an event still
-        pending is waited for with the GIL released."""
+        """Block until the event's work is done: a query (GIL kept) first, then the GIL-releasing wait."""
         if self.query():
             return
         _check(self._ctx.call("cuEventSynchronize", self.handle, release_gil=True), "cuEventSynchronize")
@@ -288,24 +268,21 @@ class Event:
                 pass
 
 
-class Mapped:
-    """Pinned host memory mapped into the device address space (:meth:`Context.alloc_mapped`):
-    ``host_ptr`` and ``dev_ptr`` address the same bytes (equal under UVA). :meth:`free`
-    (idempotent; also when collected) releases it: drop every view of it first."""
-    __slots__ = ("host_ptr", "dev_ptr", "nbytes", "_ctx", "_lock", "__weakref__")
+class _Memory:
+    """Memory of one context; :meth:`free` (idempotent; also when collected) releases the pointer
+    in attribute ``_PTR`` through driver function ``_FREE``."""
+    __slots__ = ("__weakref__", "_ctx", "_lock", "dev_ptr", "nbytes")
+    _PTR = _FREE = ""
 
-    def __init__(self, ctx: Context, host_ptr: int, nbytes: int):
-        self._ctx = ctx
-        self.host_ptr = host_ptr
-        self.dev_ptr = 0
-        self.nbytes = nbytes
-        self._lock = threading.Lock()
+    def __init__(self, ctx: Context, dev_ptr: int, nbytes: int):
+        self._ctx, self.dev_ptr, self.nbytes, self._lock = ctx, dev_ptr, nbytes, threading.Lock()
 
     def free(self) -> None:
         with self._lock:
-            ptr, self.host_ptr = self.host_ptr, None
+            ptr = getattr(self, self._PTR)
+            setattr(self, self._PTR, None)
         if ptr is not None and _lib is not None:
-            self._ctx.call("cuMemFreeHost", ptr, release_gil=True)
+            self._ctx.call(self._FREE, ptr, release_gil=True)
 
     def __del__(self):
         try:
@@ -314,18 +291,23 @@ class Mapped:
             pass
 
 
-class DeviceMemory:
-    """Device memory of one context (:meth:`Context.alloc_device`), read and written by
-    copies from and to host memory (pinned or pageable) that block the calling thread,
-    GIL released, until they are done: queued on ``stream``, they come after the work
-    queued there before. :meth:`free` (idempotent; also when collected) releases it."""
-    __slots__ = ("__weakref__", "_ctx", "_lock", "dev_ptr", "nbytes")
+class Mapped(_Memory):
+    """Pinned host memory mapped into the device address space (:meth:`Context.alloc_mapped`): ``host_ptr`` and
+    ``dev_ptr`` address the same bytes (equal under UVA). Drop every view of it before :meth:`free`."""
+    __slots__ = ("host_ptr",)
+    _PTR, _FREE = "host_ptr", "cuMemFreeHost"
 
-    def __init__(self, ctx: Context, dev_ptr: int, nbytes: int):
-        self._ctx = ctx
-        self.dev_ptr = dev_ptr
-        self.nbytes = nbytes
-        self._lock = threading.Lock()
+    def __init__(self, ctx: Context, host_ptr: int, nbytes: int):
+        super().__init__(ctx, 0, nbytes)
+        self.host_ptr = host_ptr
+
+
+class DeviceMemory(_Memory):
+    """Device memory of one context (:meth:`Context.alloc_device`), read and written by copies from
+    and to host memory (pinned or pageable) that block the calling thread, GIL released, until done:
+    queued on ``stream``, they come after the work queued there before."""
+    __slots__ = ()
+    _PTR, _FREE = "dev_ptr", "cuMemFree_v2"
 
     def _span(self, nbytes: int) -> int:
         nbytes = int(nbytes)
@@ -357,18 +339,6 @@ class DeviceMemory:
         self._ctx.call_checked("cuMemsetD32Async", self.dev_ptr, 0, self.nbytes // 4, stream)
         self._ctx.stream_synchronize(stream)
 
-    def free(self) -> None:
-        with self._lock:
-            ptr, self.dev_ptr = self.dev_ptr, None
-        if ptr is not None and _lib is not None:
-            self._ctx.call("cuMemFree_v2", ptr, release_gil=True)
-
-    def __del__(self):
-        try:
-            self.free()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
-            pass
-
 
 _contexts: dict[int, Context] = {}
 _contexts_lock = threading.Lock()
@@ -376,10 +346,7 @@ _contexts_lock = threading.Lock()
 
 def context(device: int) -> Context:
     """The (cached) :class:`Context` of ``device``: its primary context, retained once."""
-    ctx = _contexts.get(int(device))
-    if ctx is None:
-        with _contexts_lock:
-            ctx = _contexts.get(int(device))
-            if ctx is None:
-                ctx = _contexts[int(device)] = Context(int(device))
-    return ctx
+    with _contexts_lock:
+        if int(device) not in _contexts:
+            _contexts[int(device)] = Context(int(device))
+        return _contexts[int(device)]

@@ -1,33 +1,25 @@
-"""CuPy loader and launcher for the ``gpu`` (zero-copy) mode kernels of
-``trainstream/kernels/adamw_zero_copy.cu`` (one per :mod:`trainstream.contract` variant,
-quoting the contract line by line): compiled once per device, launched on raw pointers and
-a raw stream handle (plain ``int``\\ s, so torch, JAX and CuPy callers all fit), and the
-allocations for the state: mapped pinned host memory, or GPU memory (the same kernels,
-other pointers). No torch or jax import; CuPy is imported on first use, and a call that
-needs it raises an ``ImportError`` naming the extras ``trainstream[cuda12]`` /
-``trainstream[cuda13]``. The sources are package data (:func:`kernel_source`).
+"""CuPy loader and launcher of the ``gpu`` mode kernels (``trainstream/kernels/adamw_zero_copy.cu``, package data; one
+per :mod:`trainstream.contract` variant, quoting the contract line by line): compiled once per device, launched
+asynchronously on raw pointers and a raw ``cudaStream_t`` (plain ``int``\\ s: ``0`` the legacy default stream, torch's
+``cuda_stream``, CuPy's ``ptr``, the stream XLA hands an FFI handler); the caller orders the launches against the
+gradient's producers and the weights' readers. State pointers address mapped pinned host memory or GPU memory (the same
+kernels). No torch or jax import; CuPy is imported on first use (an ``ImportError`` names the extras
+``trainstream[cuda12]`` / ``trainstream[cuda13]``).
 
-Compilation: NVRTC through ``cupy.RawModule`` with :data:`COMPILE_OPTIONS`. Every float
-operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which
-``-fmad`` and ``-prec-*`` do not touch; ``--ftz=false`` does matter (``ftz`` changes the
-``_rn`` intrinsics too) and is pinned; ``--fmad=false`` is a safety net for a future line
-written without an intrinsic. CuPy caches the binary on disk (``~/.cupy/kernel_cache``).
+Compilation: NVRTC (``cupy.RawModule``, :data:`COMPILE_OPTIONS`; CuPy caches the binary in ``~/.cupy/kernel_cache``).
+Every float operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which ``-fmad`` and
+``-prec-*`` do not touch; ``--ftz=false`` does matter (``ftz`` changes the ``_rn`` intrinsics too) and is pinned;
+``--fmad=false`` guards a future line written without an intrinsic.
 
-Errors: a launch the driver refuses raises ``RuntimeError`` naming the kernel. A fault
-inside a kernel (a bad pointer, say) is asynchronous: it surfaces at the next synchronising
-CUDA call on that device, from whichever library makes it. ``TRAINSTREAM_SYNC_LAUNCHES=1``
-(or :func:`set_sync_launches`) synchronises the stream after every launch, raising at the
-launch that faulted; :func:`check_stream` does it once.
-
-Streams: ``stream`` is a ``cudaStream_t`` as an ``int`` (``0``: the legacy default stream;
-``torch.cuda.current_stream().cuda_stream``, ``cupy.cuda.get_current_stream().ptr``, the
-stream XLA hands an FFI handler). Launches are asynchronous on it; the caller orders them
-against the producers of the gradient and the readers of the weights.
+Errors: a refused launch raises ``RuntimeError`` naming the kernel. A fault inside a kernel surfaces asynchronously, at
+the next synchronising CUDA call on that device, from whichever library makes it; ``TRAINSTREAM_SYNC_LAUNCHES=1`` (or
+:func:`set_sync_launches`) synchronises after every launch, raising at the one that faulted; :func:`check_stream` once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import re
@@ -45,7 +37,7 @@ __all__ = ["ADAMW_SOURCE", "kernel_source", "ADAMW_THREADS", "DTYPES", "adamw_ke
            "adamw_u_kernel_name", "MULTI_MAX", "alloc_mapped", "alloc_device", "host_view", "check_stream",
            "set_sync_launches"]
 
-#: The CUDA sources, files of the package folder ``trainstream/kernels/`` (package data).
+#: The CUDA source, a file of the package folder ``trainstream/kernels/`` (package data).
 ADAMW_SOURCE = "adamw_zero_copy.cu"
 
 #: Block size; the .cu file defines the same number (checked at load time).
@@ -55,11 +47,8 @@ COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true
 
 DTYPES = ("float32", "float16", "bfloat16")
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-_DTYPE_ALIASES = {
-    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
-    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
+_DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float": "float32", "fp32": "float32", "f32": "float32",
+                  "half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16"}
 _VARIANT_NAMES = {C.VARIANT_TORCH_CPU: "torch_cpu", C.VARIANT_TORCH_CUDA: "torch_cuda",
                   C.VARIANT_OPTAX_CPU: "optax_cpu", C.VARIANT_OPTAX_CUDA: "optax_cuda"}
 
@@ -82,28 +71,22 @@ class _MultiItem(ctypes.Structure):
 
 
 class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the AdamW kernel's by-value parameter (3848 bytes,
-    under the 4 KiB that every CUDA driver accepts for a launch's parameters)."""
+    """``struct TsMultiBatch``: the kernel's by-value parameter (3848 bytes, under the 4 KiB that
+    every CUDA driver accepts for a launch's parameters)."""
     _fields_ = [("count", ctypes.c_longlong), ("items", _MultiItem * MULTI_MAX)]
 
 
 # -- CuPy, lazily --------------------------------------------------------------------------
-_cupy_module = None
-
-
+@functools.cache
 def _cupy():
     """Import CuPy on first use, with an actionable message when it is missing."""
-    global _cupy_module
-    if _cupy_module is None:
-        try:
-            import cupy  # noqa: PLC0415
-        except ImportError as e:
-            raise ImportError("TrainStream's gpu (zero-copy) mode needs CuPy, which is not installed: "
-                              "install the extra matching your CUDA driver, `pip install "
-                              "trainstream[cuda12]` (cupy-cuda12x) or `pip install trainstream[cuda13]` "
-                              f"(cupy-cuda13x). ({e})") from e
-        _cupy_module = cupy
-    return _cupy_module
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError("TrainStream's gpu (zero-copy) mode needs CuPy, which is not installed: install the "
+                          "extra matching your CUDA driver, `pip install trainstream[cuda12]` (cupy-cuda12x) or "
+                          f"`pip install trainstream[cuda13]` (cupy-cuda13x). ({e})") from e
+    return cupy
 
 
 _sync_launches = os.environ.get("TRAINSTREAM_SYNC_LAUNCHES", "") not in ("", "0")
@@ -118,26 +101,22 @@ def set_sync_launches(enabled: bool) -> None:
 # -- the sources and their constants -------------------------------------------------------
 def kernel_source(name: str) -> str:
     """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`) from the package data
-    ``trainstream/kernels/`` (no CuPy or GPU needed); ``FileNotFoundError`` naming the file
-    when the installed package lacks it."""
+    ``trainstream/kernels/`` (no GPU needed); ``FileNotFoundError`` naming the file if absent."""
     path = resources.files("trainstream") / "kernels" / name
     try:
         return path.read_text(encoding="utf-8")
     except OSError as e:
-        raise FileNotFoundError(
-            f"TrainStream CUDA source {path} not found: the trainstream package must carry "
-            f"trainstream/kernels/{name} as package data (an install built without its "
-            f"package data is incomplete; reinstall from the wheel or the checkout): {e}"
-        ) from e
+        raise FileNotFoundError(f"TrainStream CUDA source {path} not found: the package must carry "
+                                f"trainstream/kernels/{name} as package data (an install without it is "
+                                f"incomplete; reinstall from the wheel or the checkout): {e}") from e
 
 
 _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 
 def check_kernel_constants() -> None:
-    """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract`
-    (``TS_S_*``, ``TS_VARIANT_*``, ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`;
-    ``RuntimeError`` listing every difference. Needs no GPU."""
+    """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract` (``TS_S_*``, ``TS_VARIANT_*``,
+    ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`; ``RuntimeError`` listing every difference. No GPU needed."""
     adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
     expected.update({"TS_" + name: getattr(C, name) for name in dir(C)
@@ -152,9 +131,8 @@ def check_kernel_constants() -> None:
 
 def _dtype_name(dtype) -> str:
     """'float32' / 'float16' / 'bfloat16' from a string, NumPy, ml_dtypes, torch or JAX dtype."""
-    if isinstance(dtype, str):
-        s = dtype
-    else:
+    s = dtype
+    if not isinstance(dtype, str):
         try:
             s = np.dtype(dtype).name
         except TypeError:
@@ -209,17 +187,13 @@ def multiprocessor_count(device: int | None = None) -> int:
 
 
 def compile_kernels(device: int | None = None) -> dict[str, int]:
-    """Compile and load every kernel on ``device`` (default: the current one); idempotent,
-    thread-safe, called by the launchers. Returns ``{name: resident blocks per device}``
-    (occupancy x multiprocessors), the grid cap of the AdamW launches."""
+    """Compile and load every kernel on ``device`` (default: the current one); idempotent, thread-safe,
+    called by the launchers. Returns ``{name: resident blocks per device}`` (occupancy x
+    multiprocessors), the grid cap of the AdamW launches."""
     cp = _cupy()
     dev = _device_index(device)
-    table = _kernels.get(dev)
-    if table is not None:
-        return {k: v.max_grid for k, v in table.items()}
     with _lock:
-        table = _kernels.get(dev)
-        if table is None:
+        if dev not in _kernels:
             check_kernel_constants()
             if not _modules:
                 _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=COMPILE_OPTIONS)
@@ -233,15 +207,13 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
                     per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, ADAMW_THREADS, 0)
                     table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
             _kernels[dev] = table
-    return {k: v.max_grid for k, v in table.items()}
+    return {k: v.max_grid for k, v in _kernels[dev].items()}
 
 
 def _kernel(device: int, name: str) -> _Kernel:
-    table = _kernels.get(device)
-    if table is None:
+    if device not in _kernels:
         compile_kernels(device)
-        table = _kernels[device]
-    return table[name]
+    return _kernels[device][name]
 
 
 def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, stream: int) -> None:
@@ -282,9 +254,7 @@ def check_stream(stream: int = 0, device: int | None = None) -> None:
 
 def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
     ptr = int(ptr or 0)
-    if ptr == 0:
-        if allow_null:
-            return 0
+    if ptr == 0 and not allow_null:
         raise ValueError(f"{name} is a null pointer")
     if ptr < 0:
         raise ValueError(f"{name} = {ptr} is not a pointer")
@@ -295,29 +265,26 @@ def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
 
 # -- AdamW ---------------------------------------------------------------------------------
 def _grid_for(n: int, max_grid: int) -> int:
-    """Grid of an AdamW launch: one 4-element group per thread, capped at the blocks
-    resident on the device (grid-stride beyond that), so no block waits for a second wave."""
+    """One 4-element group per thread, capped at the blocks resident on the device (grid-stride
+    beyond that), so no block waits for a second wave."""
     return max(1, min(math.ceil(n / (4 * ADAMW_THREADS)), max_grid))
 
 
 def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_dtype, master_ptr: int, m_ptr: int,
                  v_ptr: int, n: int, scalars: np.ndarray | None, stream: int = 0, *, scalars_ptr: int = 0,
                  device: int | None = None, max_blocks: int | None = None) -> None:
-    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous): a
-    :func:`launch_adamw_multi` of one tensor.
+    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous): a :func:`launch_adamw_multi` of one
+    tensor.
 
-    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights
-    in GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place.
-    ``grad_ptr``: the gradient in GPU memory (any of the three dtypes). ``master_ptr``:
-    fp32 master weights, required for fp16/bf16 weights and ``0`` for fp32 weights (their
-    own master). ``m_ptr``, ``v_ptr``: fp32 moments. State pointers are device pointers to
-    mapped pinned host memory (:func:`alloc_mapped`) or GPU memory (:func:`alloc_device`);
-    any element alignment works, 16-byte-aligned state takes the vector path.
-    ``scalars``: :func:`trainstream.contract.step_scalars`' vector, passed by value (its
-    ``S_CLIP`` is 1.0 when the framework has clipped or unscaled the gradient in place);
-    or ``scalars_ptr``, a device pointer to those 12 float32 (then ``scalars`` may be
-    ``None``), e.g. a buffer computed inside an XLA program. ``max_blocks``: a cap on the
-    grid (grid-stride: the bits do not depend on it), e.g. to leave multiprocessors to a
+    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights in GPU memory
+    (``param_dtype`` float32/float16/bfloat16), updated in place. ``grad_ptr``: the gradient in GPU memory (any of the
+    three dtypes). ``master_ptr``: fp32 master weights, required for fp16/bf16 weights and ``0`` for fp32 weights
+    (their own master). ``m_ptr``, ``v_ptr``: fp32 moments. State pointers are device pointers to mapped pinned host
+    memory (:func:`alloc_mapped`) or GPU memory (:func:`alloc_device`); any element alignment works, 16-byte-aligned
+    state takes the vector path. ``scalars``: :func:`trainstream.contract.step_scalars`' vector, passed by value (its
+    ``S_CLIP`` is 1.0 when the framework has clipped or unscaled the gradient in place); or ``scalars_ptr``, a device
+    pointer to those 12 float32 (then ``scalars`` may be ``None``), e.g. a buffer computed inside an XLA program.
+    ``max_blocks``: a cap on the grid (grid-stride: the bits do not depend on it), e.g. to leave multiprocessors to a
     backward running at the same time.
     """
     if not scalars_ptr and scalars is None:
@@ -330,16 +297,14 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
 def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
                        items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
                        device: int | None = None, max_blocks: int | None = None) -> int:
-    """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one
-    launch, one driver call instead of one per tensor (about 50 us each on the H200, 200 us
-    while the host workers hold the GIL).
+    """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one launch, one driver call
+    instead of one per tensor (about 50 us each on the H200, 200 us while the host workers hold the GIL).
 
-    ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
-    as :func:`launch_adamw`'s arguments; ``scalars``: the float32 vector (by value) or an
-    ``int``, a device pointer to it. Each tensor gets the blocks of its size (:func:`_grid_for`,
-    also capped at ``max_blocks``) and grid-strides over them. Every argument is checked
-    before anything is launched; tensors of 0 elements are then skipped. Returns the number
-    of tensors launched.
+    ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor, as :func:`launch_adamw`'s
+    arguments; ``scalars``: the float32 vector (by value) or an ``int``, a device pointer to it. Each tensor gets the
+    blocks of its size (:func:`_grid_for`, also capped at ``max_blocks``) and grid-strides over them. Every argument
+    is checked before anything is launched; tensors of 0 elements are then skipped. Returns the number of tensors
+    launched.
     """
     return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True)
 
@@ -347,21 +312,17 @@ def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
 def launch_adamw_u_multi(variant: int, grad_dtype,
                          items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
                          device: int | None = None) -> int:
-    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes ``u``
-    of the contract (the JAX adapter's ``update``: its program applies the learning rate).
-
-    ``variant``: one of :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr, m_ptr,
-    v_ptr, n, scalars)`` per tensor, ``u_ptr`` a float32 output in GPU memory. Returns the
-    number of tensors launched.
-    """
+    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes ``u`` of the
+    contract (the JAX adapter's ``update``: its program applies the learning rate). ``variant``: one of
+    :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
+    ``u_ptr`` a float32 output in GPU memory. Returns the number of tensors launched."""
     return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None, named=True, emit_u=True)
 
 
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
                         named: bool, emit_u: bool = False) -> int:
-    """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``:
-    the kernels that write ``u`` into each item's third pointer, see :func:`launch_adamw_u_multi`).
-    Null pointers pass only in an empty item."""
+    """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``: the kernels that
+    write ``u`` into each item's third pointer). Null pointers pass only in an empty item."""
     if variant not in _VARIANT_NAMES:
         raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
@@ -409,9 +370,7 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
     for k, (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc) in enumerate(checked):
         it = batch.items[k]
         it.param, it.grad, it.master, it.m, it.v = param_ptr, grad_ptr, master_ptr or None, m_ptr, v_ptr
-        it.n = n
-        it.nblocks = _grid_for(n, cap)
-        it.block_start = start
+        it.n, it.nblocks, it.block_start = n, _grid_for(n, cap), start
         start += it.nblocks
         if isinstance(sc, int):
             it.scalars_dev = sc
@@ -424,16 +383,14 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
 
 # -- mapped pinned host memory ---------------------------------------------------------------
 def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Callable[[], None]]:
-    """``nbytes`` of pinned host memory mapped into the GPU address space
-    (:meth:`trainstream._cuda.Context.alloc_mapped`) as ``(host_ptr, dev_ptr, free)``;
-    ``free()`` releases it (idempotent; also when the last reference to ``free`` goes)."""
+    """:meth:`trainstream._cuda.Context.alloc_mapped` as ``(host_ptr, dev_ptr, free)``; ``free()``
+    releases it (idempotent; also when the last reference to ``free`` goes)."""
     buf = _cuda.context(_device_index(device)).alloc_mapped(nbytes)
     return buf.host_ptr, buf.dev_ptr, buf.free
 
 
 def alloc_device(nbytes: int, device: int | None = None) -> _cuda.DeviceMemory:
-    """``nbytes`` of GPU memory for state kept resident there
-    (:meth:`trainstream._cuda.Context.alloc_device`; the kernels take its ``dev_ptr``)."""
+    """:meth:`trainstream._cuda.Context.alloc_device` (the kernels take its ``dev_ptr``)."""
     return _cuda.context(_device_index(device)).alloc_device(nbytes)
 
 

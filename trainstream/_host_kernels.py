@@ -1,39 +1,24 @@
-"""Numba host kernels: AdamW update, half-precision conversions, sum of squares.
+"""Numba host kernels: the AdamW update of :mod:`trainstream.contract` (:func:`adamw_chunk`),
+half-precision conversions, sums of squares.
 
-:func:`adamw_chunk` computes the update of :mod:`trainstream.contract` (not restated here).
-Every kernel works on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range,
-so that worker threads can run disjoint chunks of one parameter in parallel; all release
-the GIL (``nogil``) and are cached on disk: a later process loads each in ~0.01 s (after
-Numba's one-time start, ~0.5 s) instead of compiling it (3-7 s).
+Kernels work on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range (worker threads
+run disjoint chunks of one parameter), release the GIL and are cached on disk (a later process
+loads each in ~0.01 s instead of compiling it in 3-7 s). Half-precision buffers travel as their
+``uint16`` bits with a *kind* code (0 float32, 1 IEEE float16, 2 bfloat16; Numba has no bfloat16):
+conversions to float32 are exact; from float32 they round to nearest even and keep Inf and NaN,
+bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the canonical quiet NaN). No kernel
+uses fast-math, so LLVM never contracts ``a*b + c``: FMA comes only from :func:`fma32`, where the
+contract has it.
 
-Numba has no bfloat16 and only partial float16 on the CPU, so half-precision buffers are
-passed as their ``uint16`` bit patterns with a *kind* code: 0 float32, 1 IEEE float16,
-2 bfloat16. Conversions to float32 are exact; from float32 they round to nearest even and
-keep Inf and NaN, bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the
-canonical quiet NaN). No kernel uses fast-math, so LLVM never contracts ``a*b + c``: the
-FMA instruction comes only from :func:`fma32`, exactly where the contract has it.
-
-What the loops need so that LLVM vectorises them:
-
-* Each raw kernel (``adamw_chunk`` ...) is a thin Python function that picks a compiled
-  specialisation from a table keyed by the kind codes (and the variant and mode): a closure
-  whose codes are compile-time constants, so that its loop has no per-element branch
-  (``numba.literally`` re-ran type inference, under Numba's global compile lock, on every
-  call: ~50 ms). Specialisations compile on first use, or load from the disk cache. The
-  closure holds plain numbers and flags only, so that the cache's key is the same in every
-  process (see :mod:`trainstream._jit`); helpers are module globals, their form picked by
-  a closure constant (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)``), and
-  ``_DEPS`` in the closure makes an entry stale when a helper's module changes.
-* Loops run over unsigned indices: a signed index costs a wrap-around select per access.
-* Scalars are read into locals before the loops; per-element choices are ``select``
-  instructions (:func:`_select`), never branches (the half conversions are branch-free).
-* A float64 sum cannot be reassociated without fast-math, so :func:`sumsq_blocks` fixes
-  its order (64 interleaved lanes per block, then a pairwise tree over the lanes), which
-  vectorises and is deterministic.
-* The AdamW loop runs in strips with a software prefetch ahead in every stream (``_STRIP``).
-
-``inspect_asm`` of a specialisation loaded from the disk cache is empty: use
-:func:`vectorisation_report`, which compiles uncached copies.
+So that the loops vectorise, each raw kernel picks a compiled specialisation from a table keyed by
+its codes (kinds, variant, mode): a closure whose codes are compile-time constants, so its loop has
+no per-element branch (``numba.literally`` re-typed on every call: ~50 ms). Closures hold plain
+numbers only (the disk cache's key: :mod:`trainstream._jit`); helpers are module globals whose form
+a closure constant picks (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)``), and ``_DEPS``
+in the closure makes an entry stale when a helper's module changes. Loops run over unsigned indices
+(a signed one costs a wrap-around select per access), read scalars into locals first and choose per
+element by ``select`` (:func:`_select`), never by branch. ``inspect_asm`` of a cached specialisation
+is empty: see :func:`vectorisation_report`.
 """
 
 from __future__ import annotations
@@ -70,14 +55,12 @@ KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
 _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
-#: ``okind`` of the AdamW specialisation that writes the rounded weights back into the
-#: gradient buffer (fp16/bf16 gradients; :func:`adamw_chunk` given ``out16 is g``). A kernel
-#: of its own: with two overlapping array arguments, LLVM's run-time alias check fails and
-#: it runs the scalar loop (~6x slower, measured).
+#: ``okind`` that writes the rounded weights back into the fp16/bf16 gradient buffer (``out16 is g``):
+#: a kernel of its own, as with two overlapping array arguments LLVM's run-time alias check fails
+#: and it runs the scalar loop (~6x slower, measured).
 OUT_IN_GRAD = 3
-#: ``okind`` of the optax specialisation that writes ``u`` of the contract (the update
-#: before the learning rate) into a float32 ``out`` and leaves ``p`` unwritten (the JAX
-#: adapter's ``update``: the caller's XLA program applies ``-lr`` as optax does).
+#: ``okind`` (optax) that writes the contract's ``u`` (the update before the learning rate) into a float32
+#: ``out``, ``p`` unwritten (the JAX adapter's ``update``: its XLA program applies ``-lr`` as optax does).
 OUT_U = 4
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 _OPTS = dict(_JIT_OPTS, boundscheck=False)
@@ -92,10 +75,9 @@ def _select(typingctx, cond, a, b):
     """``a if cond else b`` as one LLVM ``select`` (no branch); ``a``, ``b`` of one type."""
     if not isinstance(cond, types.Boolean) or a != b:
         return None
-    sig = a(cond, a, b)
     def codegen(context, builder, signature, args):
-        return builder.select(args[0], args[1], args[2])
-    return sig, codegen
+        return builder.select(*args)
+    return a(cond, a, b), codegen
 
 
 _EXP_MASK = np.uint32(0x7F800000)
@@ -133,18 +115,16 @@ def _make_prefetch(write: int):
         """Hint: bring the cache line of ``arr[idx]`` in (``llvm.prefetch``); never faults."""
         if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
             return None
-        sig = types.none(arr, idx)
         def codegen(context, builder, signature, args):
             ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
             fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
             # (address, rw: 0 read / 1 write, locality 3: keep in all levels, 1: data)
             builder.call(fn, [ptr, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             return context.get_dummy_value()
-        return sig, codegen
+        return types.none(arr, idx), codegen
     return prefetch
 
 
@@ -227,11 +207,8 @@ def _round16(x, kind):
     return f32_to_bf16(x)
 
 
-# -- specialisation factories -----------------------------------------------------------------
-# Each returns a Numba dispatcher whose codes (closure constants) are folded at compile time.
-# The closures hold plain numbers only (the disk cache's key hashes them; see the module
-# docstring), ``deps`` among them. ``cache=False`` builds an uncached copy (for inspecting
-# the machine code).
+# -- specialisation factories: a Numba dispatcher each, its codes closure constants (module
+# docstring); ``cache=False`` builds an uncached copy (for inspecting the machine code).
 
 #: The source stamp of the modules whose globals the kernels use (this file is Numba's own check).
 _DEPS = source_stamp(_jit, _cpu_sqrt, contract)
@@ -269,37 +246,23 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         deps  # noqa: B018 (in the closure: the cache key)
         # Every scalar into a local before the loop (no reload per element). Slots that a
         # convention does not use are read too (harmless: the vector has N_SCALARS).
-        c = s[S_CLIP]
+        c, div = s[S_CLIP], s[S_CLIP_DIV]
         round_g = grad16 and c != np.float32(1.0)  # g * 1 is exact: nothing to round
-        # torch
-        decay = s[S_DECAY]
+        # torch; lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g)
+        decay, b2, omb2, bc2, eps, neg_step = s[S_DECAY], s[S_BETA2], s[S_OMB2], s[S_BC2], s[S_EPS], s[S_NEG_STEP]
         small = s[S_LERP_SMALL] != np.float32(0.0)
-        # lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g)
         w = s[S_LERP_W] if small else s[S_LERP_W] - np.float32(1.0)
-        b2 = s[S_BETA2]
-        omb2 = s[S_OMB2]
-        bc2 = s[S_BC2]
-        eps = s[S_EPS]
-        neg_step = s[S_NEG_STEP]
         # optax (cpu and cuda: the host uses the IEEE sqrt, see the contract)
-        omb1 = s[S_OMB1]
-        b1 = s[S_BETA1]
-        bc1 = s[S_BC1]
-        bc2_ox = s[S_BC2_OPTAX]
-        wd = s[S_WD]
-        neg_lr = s[S_NEG_LR]
+        omb1, b1, bc1, bc2_ox, wd, neg_lr = s[S_OMB1], s[S_BETA1], s[S_BC1], s[S_BC2_OPTAX], s[S_WD], s[S_NEG_LR]
         # optax/cpu: every scalar read with DAZ, as XLA:CPU reads it
-        z_c = _ftz(c)
-        z_div = _ftz(s[S_CLIP_DIV])
+        z_c, z_div = _ftz(c), _ftz(div)
         z_b1, z_omb1, z_b2, z_omb2 = _ftz(b1), _ftz(omb1), _ftz(b2), _ftz(omb2)
-        z_d1, z_d2, z_eps = _ftz(bc1), _ftz(bc2_ox), _ftz(s[S_EPS])
+        z_d1, z_d2, z_eps = _ftz(bc1), _ftz(bc2_ox), _ftz(eps)
         z_wd, z_neg_lr = _ftz(wd), _ftz(neg_lr)
-        z_r1 = _ftz(np.float32(1.0) / z_d1)  # form R: XLA's divide(1, 1 - b**t)
-        z_r2 = _ftz(np.float32(1.0) / z_d2)
+        z_r1, z_r2 = _ftz(np.float32(1.0) / z_d1), _ftz(np.float32(1.0) / z_d2)  # form R: XLA's divide(1, 1 - b**t)
         decays = z_wd != np.float32(0.0)
         # optax/cuda with optax.clip_by_global_norm: g = (g / norm) * max_norm
         cuda_clip = (np.int64(s[S_OX_CODE]) & OX_CLIP) != 0
-        div = s[S_CLIP_DIV]
         root = np.empty(strip, np.float32)  # the strip's square roots (blocked only)
         stop = np.uint64(end)
         lo = np.uint64(begin)
@@ -345,7 +308,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mi = m[i]
                     pi = p[i] * decay  # p1 = p * f(1 - lr*wd)
                     mi = _mad(unfused, w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
-                    if cpu:
+                    if cpu:  # (IEEE root: MKL's take the blocked path)
                         vi = _mad(unfused, omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
                         d = torch_cpu_sqrt(vi, sqrt_mode) / bc2 + eps
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
@@ -356,10 +319,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     u = pi  # (no OUT_U specialisation of the torch convention)
                 elif optax_cpu:  # XLA:CPU: FTZ/DAZ on every operation, FMA where LLVM fused
                     gi = _ftz(_load(g[i], gkind))
-                    if ox_clip:
-                        gi = _ftz(_ftz(gi / z_div) * z_c)
-                    else:
-                        gi = _ftz(gi * z_c)
+                    gi = _ftz(_ftz(gi / z_div) * z_c) if ox_clip else _ftz(gi * z_c)
                     pi = _ftz(p[i])
                     mo = _ftz(m[i])
                     vo = _ftz(v[i])
@@ -409,20 +369,15 @@ def _build_sumsq(gkind: int, cache: bool = True):
     @njit(key=(gkind,), **_opts(cache))
     def sumsq_kernel(g, begin, end, block, out):
         deps  # noqa: B018 (in the closure: the cache key)
-        # Summation order: see sumsq_blocks. The lanes live in a small array so that the
-        # j loop is a plain element-wise loop, which LLVM vectorises (a float reduction
-        # into scalars it cannot reorder without fast-math). x*x is exact in float64
-        # (24-bit significands), so only the adds round.
+        # The order of sumsq_blocks, fixed: without fast-math LLVM cannot reorder a float reduction
+        # into scalars, but vectorises the j loop over the lanes' array. x*x is exact in float64.
         lanes = np.zeros(SUMSQ_LANES)
         ulanes = np.uint64(SUMSQ_LANES)
         k = 0
-        start = np.uint64(begin)
-        stop_all = np.uint64(end)
-        ublock = np.uint64(block)
+        start, stop_all, ublock = np.uint64(begin), np.uint64(end), np.uint64(block)
         while start < stop_all:
             stop = min(start + ublock, stop_all)
-            for j in range(ulanes):
-                lanes[j] = 0.0
+            lanes[:] = 0.0
             full = start + ((stop - start) // ulanes) * ulanes
             for i in range(start, full, ulanes):
                 for j in range(ulanes):
@@ -481,11 +436,9 @@ def _specialisation(kernel: str, key: tuple):
     if key not in _VALID_KEYS[kernel]:
         raise ValueError(f"{kernel}: no specialisation for codes {key}")
     with _TABLE_LOCK:
-        fn = _TABLE.get((kernel, key))
-        if fn is None:
-            fn = _BUILDERS[kernel](*key)
-            _TABLE[(kernel, key)] = fn
-    return fn
+        if (kernel, key) not in _TABLE:
+            _TABLE[kernel, key] = _BUILDERS[kernel](*key)
+        return _TABLE[kernel, key]
 
 
 _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
@@ -626,8 +579,7 @@ def host_adamw_update(p, m, v, g, scalars, *, convention: str = "torch", platfor
             raise ValueError(f"out has {out.shape[0]} elements but p has {n}")
     elif out_kind is not None:
         raise ValueError(f"out_kind={out_kind!r} given without out")
-    if end is None:
-        end = n
+    end = n if end is None else end
     for name, x in (("begin", begin), ("end", end)):
         if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
             raise TypeError(f"{name} must be an int, got {type(x).__name__}")
@@ -659,10 +611,7 @@ def vectorisation_report(specs=None) -> list[dict]:
     """
     if specs is None:
         specs = [(k, key) for k in _BUILDERS for key in sorted(_VALID_KEYS[k])]
-    f32 = types.float32[::1]
-    u16 = types.uint16[::1]
-    f64 = types.float64[::1]
-    i64 = types.int64
+    f32, u16, f64, i64 = types.float32[::1], types.uint16[::1], types.float64[::1], types.int64
     rows = []
     for kernel, key in specs:
         fn = _BUILDERS[kernel](*key, cache=False)

@@ -1,14 +1,13 @@
-"""Pageable host arrays backed by 2 MiB pages (transparent huge pages), where the OS has them,
-and :func:`available`, the host memory this process can still take (the budget of
-:mod:`trainstream.core._budget`). No torch, no JAX.
+"""Pageable host arrays on 2 MiB pages (transparent huge pages) where the OS has them, and
+:func:`available`, the host memory this process can still take (:mod:`trainstream.core._budget`).
+No torch, no JAX.
 
-The host update streams 28 B per element through four arrays at once (master, two moments,
-gradient). With 4 KiB pages that is a TLB miss, and a page walk, every 1024 fp32 elements
-of each array; with 2 MiB pages one every 512 Ki. ``torch.empty`` on the CPU gets the
-kernel's default pages, 4 KiB unless ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``always``; most distributions ship ``madvise``, which gives huge pages only to mappings
-that ask (NumPy asks for its large arrays; torch only under ``THP_MEM_ALLOC_ENABLE=1``).
-:func:`empty` asks. Measured: ``experiments/host_pages.py``, ``experiments/RESULTS.md``.
+The host update streams 28 B per element through four arrays at once: with 4 KiB pages that is a
+TLB miss, and a page walk, every 1024 fp32 elements of each; with 2 MiB pages one every 512 Ki.
+``torch.empty`` gets 4 KiB pages unless THP is ``always``; under the usual ``madvise`` only mappings
+that ask get huge pages (NumPy asks for its large arrays; torch only under
+``THP_MEM_ALLOC_ENABLE=1``): :func:`empty` asks. Measured: ``experiments/host_pages.py``,
+``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ _NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
-    """An uninitialised 1-D array of ``numel`` elements, owning its memory (freed with its
-    last view). At least one huge page long, and where the OS takes the advice: 2 MiB-aligned,
-    its whole 2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (alignment
-    slack before, partial page after) ``MADV_NOHUGEPAGE``, so that no huge page is faulted
-    in for the slack (up to 2 MiB resident per array otherwise). Else a NumPy array whose
-    data is ``align``-byte aligned.
+    """An uninitialised 1-D array of ``numel`` elements, owning its memory (freed with its last
+    view). At least one huge page long, and where the OS takes the advice: 2 MiB-aligned, its whole
+    2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (alignment slack before,
+    partial page after) ``MADV_NOHUGEPAGE``, so that no huge page is faulted in for the slack (up
+    to 2 MiB resident per array otherwise). Else a NumPy array whose data is ``align``-byte aligned.
     """
     dt = np.dtype(dtype)
     nbytes = int(numel) * dt.itemsize
@@ -63,20 +61,19 @@ _CGROUP = {"v2": ("memory.max", "memory.current", "inactive_file"),
 def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process can still allocate; None where unknown (not Linux).
 
-    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without
-    swapping, reclaimable cache included) and, for this process's cgroup and each ancestor
-    visible to it, the memory limit less the usage not counting the inactive file cache
-    (:data:`_CGROUP`): a container's limit, which ``MemAvailable`` (the whole machine's)
-    does not see. ``proc``, ``cgroup``: where those file systems are mounted. Pinned memory
-    is part of this figure, not a budget of its own: CUDA's page-locked allocations (torch's
-    ``pin_memory``, XLA's ``pinned_host``, CuPy's) are not counted against
-    ``RLIMIT_MEMLOCK`` (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by
-    CuPy under a 64 KiB limit), so it is not read.
+    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping,
+    reclaimable cache included) and, for this process's cgroup and each ancestor visible to it, the
+    limit less the usage not counting the inactive file cache: a container's limit, which
+    ``MemAvailable`` does not see. ``proc``, ``cgroup``: where those file systems are mounted. Pinned
+    memory is part of this figure, not a budget of its own: CUDA's page-locked allocations (torch's
+    ``pin_memory``, XLA's ``pinned_host``, CuPy's) are not counted against ``RLIMIT_MEMLOCK``
+    (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit), so
+    it is not read.
     """
-    best = None
+    left = []
     try:
         with open(os.path.join(proc, "meminfo")) as f:
-            best = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+            left.append(next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None))
     except (OSError, ValueError):
         pass
     try:
@@ -94,13 +91,11 @@ def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None
             continue
         d = os.path.normpath(base + path)
         while True:  # its own group (absent in a container's namespace: the mount is its own) up to the mount
-            left = _cgroup_left(d, *names)
-            if left is not None and (best is None or left < best):
-                best = left
+            left.append(_cgroup_left(d, *names))
             if len(d) <= len(base):
                 break
             d = os.path.dirname(d)
-    return best
+    return min((x for x in left if x is not None), default=None)
 
 
 def _cgroup_left(d: str, limit: str, usage: str, inactive: str) -> int | None:

@@ -1,42 +1,28 @@
-"""Numba compile options and LLVM intrinsics shared by the host kernels, and what Numba's
-target can run.
+"""Numba compile options and LLVM intrinsics shared by the host kernels, and what Numba's target can run.
 
-* **The on-disk cache.** Kernels are cached on disk (``__pycache__`` beside the package,
-  else Numba's user-wide cache, or ``NUMBA_CACHE_DIR`` where the user sets it). Where none
-  is writable (a read-only container with an unwritable HOME), Numba refuses
-  ``cache=True`` at decoration time; then every kernel compiles in memory (:data:`CACHE`
-  is False) and one warning says how to set a cache directory.
-* **The cache key.** Numba files a compiled kernel under its signature, the target (triple,
-  CPU name and features: ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` included), its bytecode
-  and a hash of its pickled closure; an entry is dropped when the kernel's own source file
-  changes. So a kernel's closure holds plain numbers and flags only: a Numba function in it
-  pickles with a fresh uuid in every process, and the cache would never hit. The kernels
-  reach their helpers as module globals and pass the codes that pick a helper's form as
-  compile-time constants (the closure's numbers). Numba does not notice a change in a
-  global helper of *another* file: each kernel's closure therefore holds
-  :func:`source_stamp` of the modules its helpers come from.
-* **Processes that compile at once** (pytest-xdist, torchrun's ranks, a cold cache). Numba
-  keeps one index file per function for all its signatures and compile targets and names a
-  new entry's data file by the first number its index does not list yet: two processes
-  saving different keys at once both take ``.1.nbc``, and the index can then send one key
-  to the other's machine code.
-  :func:`njit` caches through :class:`_KeyedCache`, which names the data file by a hash of
-  its key and writes it before the index: a lost index update costs a recompile, never the
-  wrong code. Where Numba's cache internals differ from what it expects, kernels compile
-  in memory (:data:`CACHE` is False) and one warning says so.
-* **One name per specialisation.** Numba names a compiled function, and the environment that
-  holds its constants (a returned array's dtype, say), after its ``__qualname__``, argument
-  types and a per-process counter; the closures of one factory share the qualname, and two
-  processes that run the same code number them alike. A kernel loaded from the cache could
-  then take the environment of another specialisation compiled in this process ("descr is
-  NULL" when the constants differ). A factory's kernels therefore pass their ``key`` to
-  :func:`njit`, which adds it to the qualname: one name, index and environment per
-  specialisation.
-* **The instruction set.** Code that uses an instruction the target lacks aborts the whole
-  process inside LLVM (no Python exception). :func:`target_features` reads the features of
-  the target Numba compiles for (the host's, or what ``NUMBA_CPU_NAME`` /
-  ``NUMBA_CPU_FEATURES`` force) by asking LLVM to lower two probe functions; kernels that
-  need an ISA-specific instruction are built only when that feature is present.
+* **The disk cache** (``__pycache__`` beside the package, else Numba's user-wide cache, or
+  ``NUMBA_CACHE_DIR``). Where none is writable, Numba refuses ``cache=True``: every kernel then
+  compiles in memory (:data:`CACHE` is False) and one warning says how to set a cache directory.
+* **The cache key.** Numba files a kernel under its signature, the target (CPU name and features,
+  ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` included), its bytecode and a hash of its pickled
+  closure, and drops an entry when the kernel's own source file changes. A Numba function in a
+  closure pickles with a fresh uuid in every process (the cache would never hit), so closures hold
+  plain numbers and flags only: kernels reach helpers as module globals, their form picked by the
+  closure's compile-time constants, and hold :func:`source_stamp` of the helpers' modules (Numba
+  does not notice a change in another file).
+* **Processes that compile at once** (pytest-xdist, torchrun's ranks). Numba keeps one index file
+  per function and names a new entry's data file by the first number its index lacks: two processes
+  saving different keys at once both take ``.1.nbc``, and the index can send one key to the other's
+  machine code. :func:`njit` caches through :class:`_KeyedCache`, which names the data file by a
+  hash of its key and writes it before the index: a lost index update costs a recompile, never the
+  wrong code. Where Numba's cache internals differ, kernels compile in memory, with one warning.
+* **One name per specialisation.** Numba names a compiled function, and the environment holding its
+  constants (a returned array's dtype), after its ``__qualname__``, argument types and a
+  per-process counter; one factory's closures share the qualname and two processes number them
+  alike, so a kernel loaded from the cache could take another specialisation's environment ("descr
+  is NULL"). Hence :func:`njit`'s ``key``, added to the qualname: one name, index and environment each.
+* **The instruction set.** An instruction the target lacks aborts the process inside LLVM (no
+  Python exception): kernels that need one are built only where :func:`target_features` has it.
 """
 
 from __future__ import annotations
@@ -114,9 +100,8 @@ OPTS = dict(nogil=True, cache=CACHE, error_model="numpy")
 
 
 def njit(*, cache: bool = CACHE, key: tuple = (), **options):
-    """``numba.njit(**options)``, with ``cache`` through the keyed disk cache (module docstring).
-    ``key``: the values that make this function one specialisation of a factory; they join its
-    ``__qualname__`` (module docstring: names must differ between specialisations)."""
+    """``numba.njit(**options)``, with ``cache`` through the keyed disk cache; ``key``: the values that
+    make this function one specialisation of a factory, joined to its ``__qualname__`` (module docstring)."""
     def wrap(fn):
         if key:
             fn.__qualname__ = "__".join([fn.__qualname__, *(str(int(k)) for k in key)])
@@ -150,13 +135,13 @@ _PROBES = {
 
 @functools.cache
 def target_features() -> frozenset[str]:
-    """The ISA features of Numba's compile target that the kernels care about: ``"x86"``
-    (x86-64: SSE's ``rsqrtps`` is baseline), ``"fma"`` (FMA3) and ``"avx512f"``; empty on
-    other architectures (aarch64), where no x86 intrinsic may be emitted."""
+    """The ISA features of Numba's compile target (the host's, or what ``NUMBA_CPU_NAME`` /
+    ``NUMBA_CPU_FEATURES`` force) that the kernels care about, found by lowering :data:`_PROBES`:
+    ``"x86"`` (x86-64: SSE's ``rsqrtps`` is baseline), ``"fma"`` (FMA3) and ``"avx512f"``; empty
+    on other architectures (aarch64), where no x86 intrinsic may be emitted."""
     import llvmlite.binding as llvm
     from numba.core.registry import cpu_target
-    codegen = cpu_target.target_context.codegen()
-    tm = codegen._tm  # the TargetMachine Numba compiles with (CPU name and features applied)
+    tm = cpu_target.target_context.codegen()._tm  # the TargetMachine Numba compiles with (CPU and features applied)
     triple = tm.triple
     if not triple.startswith(("x86_64", "i386", "i686", "x86")):
         return frozenset()

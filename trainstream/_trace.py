@@ -68,12 +68,10 @@ def chrome_trace(spans: list[Span]) -> dict[str, Any]:
     """The spans as a Chrome trace-event document (``json.dump`` it to a file)."""
     origin = min((s.t0 for s in spans), default=0.0)
     tids = {name: i for i, name in enumerate(sorted({s.thread for s in spans}))}
-    events: list[dict[str, Any]] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}}
-                                    for name, i in tids.items()]
-    for s in spans:
-        events.append({"name": s.name, "ph": "X", "pid": 0, "tid": tids[s.thread], "ts": (s.t0 - origin) * 1e6,
-                       "dur": max(0.0, (s.t1 - s.t0) * 1e6), "args": {"slot": s.sid}})
-    return {"traceEvents": events}
+    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": name}} for name, i in tids.items()]
+    return {"traceEvents": meta + [{"name": s.name, "ph": "X", "pid": 0, "tid": tids[s.thread],
+                                    "ts": (s.t0 - origin) * 1e6, "dur": max(0.0, (s.t1 - s.t0) * 1e6),
+                                    "args": {"slot": s.sid}} for s in spans]}
 
 
 def _overlap(s: Span, a: float, b: float) -> float:
@@ -96,12 +94,12 @@ def summary(spans: list[Span], phases: tuple[str, ...] = ("forward", "backward",
     origin = min((s.t0 for s in phase_spans), default=0.0)
     for ph in phase_spans:
         a, b = ph.t0, ph.t1
-        row: dict[str, Any] = {"phase": ph.name, "t0_ms": (a - origin) * 1e3, "ms": (b - a) * 1e3}
         k = sum(_overlap(s, a, b) for s in work if s.name in kernels)
-        row["worker_kernel_ms"] = k * 1e3
-        row["worker_wait_ms"] = sum(_overlap(s, a, b) for s in work if s.name.startswith("wait.")) * 1e3
-        row["worker_upload_ms"] = sum(_overlap(s, a, b) for s in work if s.name == "upload") * 1e3
-        row["worker_util"] = k / ((b - a) * len(workers)) if workers and b > a else 0.0
+        row: dict[str, Any] = {
+            "phase": ph.name, "t0_ms": (a - origin) * 1e3, "ms": (b - a) * 1e3, "worker_kernel_ms": k * 1e3,
+            "worker_wait_ms": sum(_overlap(s, a, b) for s in work if s.name.startswith("wait.")) * 1e3,
+            "worker_upload_ms": sum(_overlap(s, a, b) for s in work if s.name == "upload") * 1e3,
+            "worker_util": k / ((b - a) * len(workers)) if workers and b > a else 0.0}
         for name in ("wait_ready", "offload_grad"):
             inside = [s for s in calls if s.name == name and a <= s.t0 < b]
             row[name] = {"n": len(inside), "total_ms": sum(s.t1 - s.t0 for s in inside) * 1e3,

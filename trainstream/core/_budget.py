@@ -1,21 +1,7 @@
-"""Host memory as a budget: the bytes an optimizer will allocate, checked before it does.
-
-:func:`host_bytes` counts each slot's buffers as its *layout* allocates them, pinned and pageable, in
-three parts: ``state`` (moments), ``masters`` (fp32 weights) and ``staging`` (transfers). Layouts:
-
-* ``"host"``: :meth:`~trainstream.core._host.HostPlacement.add_param`: pageable moments (pinned with
-  ``pin_moments``), an fp32 master (pinned for a float32 parameter, whose upload it is), the pinned
-  gradient staging, and for fp16/bf16 a pinned weight staging unless the backend rounds the weights
-  into the gradient's;
-* ``"device"``: :meth:`~trainstream.core._device.DevicePlacement.add_param` and JAX ``mode="gpu"``:
-  moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
-* ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
-* ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
-  weights and update (JAX ``mode="cpu"`` on a GPU).
-
-:func:`plan` sets that against what the host can give (:func:`trainstream._hostmem.available`) and
-picks pinned or pageable moments; :func:`check` raises ``MemoryError`` where it does not fit. The
-adapters call both before they allocate any state. Imports neither torch nor jax.
+"""Memory as a budget: which slots keep their state in GPU memory (:func:`resident`, :func:`place`), and
+the host bytes an optimizer will allocate (:func:`host_bytes`), set against what the host can give
+(:func:`plan`) and checked (:func:`check`) before the adapters allocate any state. Imports neither torch
+nor jax.
 """
 
 from __future__ import annotations
@@ -74,11 +60,19 @@ def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device
 
 def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = False, can_pin: bool = True,
                weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None) -> dict[str, int]:
-    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and ``{part}_pageable``
-    per part of :data:`PARTS`. The ``host`` layout's options: ``pin_moments``; ``can_pin`` False
-    where the backend cannot pin (torch with CPU parameters: all pageable); the backend's
-    ``weights_in_grad_stage`` and ``pinned_size`` (bytes a pinned buffer of ``n`` takes; torch
-    rounds up to a power of two; None: ``n``)."""
+    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and ``{part}_pageable`` per part
+    of :data:`PARTS`: ``state`` (moments), ``masters`` (fp32 weights), ``staging`` (transfers). Layouts:
+
+    * ``"host"`` (:meth:`~trainstream.core._host.HostPlacement.add_param`): pageable moments (pinned with
+      ``pin_moments``; all pageable with ``can_pin`` False: torch with CPU parameters), an fp32 master
+      (pinned for a float32 parameter, whose upload it is), the pinned gradient staging, and for
+      fp16/bf16 a pinned weight staging unless the backend has ``weights_in_grad_stage``; each pinned
+      buffer as the backend's ``pinned_size`` counts it (torch: a power of two; None: its bytes);
+    * ``"device"`` (:meth:`~trainstream.core._device.DevicePlacement.add_param`, JAX ``mode="gpu"``):
+      moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
+    * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
+    * ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
+      weights and update (JAX ``mode="cpu"`` on a GPU)."""
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
@@ -111,11 +105,11 @@ def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = Fal
 
 def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN, pin_moments: bool = False,
          **kwargs) -> dict[str, float]:
-    """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has: the parts
-    and ``pinned``, ``pageable``, ``needed`` (totals, bytes), ``available`` (-1: unknown), ``usable``
-    (``available`` less ``margin`` of it; -1: not checked, as with ``margin=None``), ``margin``,
-    ``pin_moments`` (0 also where pinning would take more than :data:`PINNED_FRACTION` of
-    ``available``) and ``fits`` (1: fits or not checked)."""
+    """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has
+    (:func:`trainstream._hostmem.available`): the parts and ``pinned``, ``pageable``, ``needed`` (totals,
+    bytes), ``available`` (-1: unknown), ``usable`` (``available`` less ``margin`` of it; -1: not checked,
+    as with ``margin=None``), ``margin``, ``pin_moments`` (0 also where pinning would take more than
+    :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked)."""
     if margin is not None and not 0.0 <= margin < 1.0:
         raise ValueError(f"host_margin must be a fraction in [0, 1) or None, got {margin!r}")
     slots = list(slots)

@@ -1,19 +1,16 @@
-"""The device placement of the engine: AdamW updated by CUDA kernels.
+"""The device placement of the engine: AdamW updated by CUDA kernels (:mod:`trainstream._device_kernels`; several
+parameters per launch at ``step``, one from a gradient hook) that read the gradient in GPU memory and write the weights
+in place, with the contract's arithmetic.
 
-``exp_avg``, ``exp_avg_sq`` (and the fp32 master of fp16/bf16 weights) live in mapped, pinned host
-memory, or for a slot added ``resident`` in GPU memory (``gpu_state_bytes``: no PCIe traffic, the
-same kernels with other pointers, so the same bits). One kernel (``trainstream/kernels/adamw_zero_copy.cu``
-via :mod:`trainstream._device_kernels`; several parameters per launch at ``step``, one from a gradient
-hook) reads the gradient in GPU memory and writes the weights in place, with the contract's arithmetic.
-Host-memory state is *staged* (:class:`StagingRing`: the copy engines stream it through a few GPU
-buffers at 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe (*zero-copy*: 0.83;
-H200, experiments/RESULTS.md). The engine stages in ``gpu`` mode only: beside ``hybrid``'s host
-share zero-copy measured faster.
+The state (``exp_avg``, ``exp_avg_sq``, the fp32 master of fp16/bf16 weights) lives in mapped pinned host memory, or for
+a slot added ``resident`` in GPU memory (``gpu_state_bytes``: no PCIe traffic; the same kernels, so the same bits). Host
+state is *staged* (:class:`StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe
+(*zero-copy*: 0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only (beside ``hybrid``'s host
+share zero-copy measured faster).
 
-Ordering: the update stream waits for the compute stream at ``step`` (with ``eager``, for the part
-of backward that produced the gradient); each launch records a *ready* event that the next forward
-waits on (one per multi-tensor launch); each gradient is kept alive until that wait. Like the
-:class:`~trainstream.core._engine.Engine` that owns it, this module imports neither torch nor jax.
+Ordering: the update stream waits for the compute stream at ``step`` (with ``eager``, for the part of backward that
+produced the gradient); each launch records a *ready* event that the next forward waits on; each gradient is kept alive
+until that wait. Like the :class:`~trainstream.core._engine.Engine` that owns it, imports neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -50,8 +47,8 @@ _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's
 
 @dataclass(eq=False)
 class _Buf:
-    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU
-    memory (``host`` None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
+    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU memory (``host``
+    None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
 
     host: np.ndarray | None
     dev_ptr: int
@@ -83,15 +80,13 @@ class _GpuSlot:
 
 
 class StagingRing:
-    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the
-    state of a few tensors, or a piece of one, is copied in on the ring's H2D stream, updated by the
-    kernel on the caller's stream (the same bits as zero-copy) and copied back on its D2H stream. A
-    buffer is refilled once its copy back is done; an entry's state is copied in after its ``wait``
-    event (its previous update's copy back); every piece starts 64-byte aligned."""
+    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the state of a few
+    tensors, or a piece of one (64-byte aligned), is copied in on the H2D stream after the buffer's last copy back and
+    the entry's ``wait`` event, updated by the kernel on the caller's stream (the same bits as zero-copy), and copied
+    back on the D2H stream."""
 
     def __init__(self, device: int, dk):
-        self.ctx = _cuda.context(device)
-        self.dk, self.device = dk, device
+        self.ctx, self.dk = _cuda.context(device), dk
         self.mem: list = []
         self.h2d = self.d2h = None
         try:
@@ -108,12 +103,11 @@ class StagingRing:
         self.lock = threading.Lock()
 
     def run(self, launch: Callable[[list], Any], entries: Sequence, stream: int, after: Any = None) -> list:
-        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses
-        of its fp32 state arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the
-        kernel item of elements ``lo:lo+n`` at the staged arrays' device addresses, and an event (or
-        None) to copy in after. ``launch(items)`` queues one launch (at most ``MULTI_MAX`` items) on
-        ``stream``; ``after``: an event the first copy in waits for. Returns per entry the event of
-        its last copy back (None for an empty one)."""
+        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses of its fp32 state
+        arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the kernel item of elements
+        ``lo:lo+n`` at the staged arrays' device addresses, and an event (or None) to copy in after. ``launch(items)``
+        queues one launch (at most ``MULTI_MAX`` items) on ``stream``; ``after``: an event the first copy in waits
+        for. Returns per entry the event of its last copy back (None for an empty one)."""
         done: list = [None] * len(entries)
         with self.lock:
             if after is not None:
@@ -174,8 +168,7 @@ class StagingRing:
 
 
 def staging_ring(device: int, dk, where: str) -> StagingRing | None:
-    """A :class:`StagingRing`, or None with a warning when its 72 MiB of GPU memory are
-    refused (the kernels then read the host state over PCIe: the same bits, slower)."""
+    """A :class:`StagingRing`, or None with a warning when its 72 MiB of GPU memory are refused (zero-copy then)."""
     try:
         return StagingRing(device, dk)
     except MemoryError as exc:
@@ -186,41 +179,33 @@ def staging_ring(device: int, dk, where: str) -> StagingRing | None:
 
 
 class DevicePlacement:
-    """The device slots (module docstring). ``staged``: host-memory state goes through the staging
-    ring, allocated at the first update (False: zero-copy, also once the ring's GPU memory was refused);
-    fixed before the first update, as a ring once made stays in use (zero-copy launches do not wait for
-    its copies back).
+    """The device slots (module docstring). ``staged``: host-memory state goes through the staging ring, allocated at
+    the first update (False: zero-copy, also once the ring's memory was refused); fixed before the first update, as a
+    ring once made stays in use (zero-copy launches do not wait for its copies back).
 
-    The backend provides, besides :class:`~trainstream.core._host.Backend`'s ``param_to_host_f32``,
-    ``record_compute`` and ``wait_on_compute``: ``update_stream() -> int`` (a ``cudaStream_t``),
-    ``update_wait(event)``, ``record_update() -> event``, ``data_ptr(tensor) -> int``, ``device_index``.
+    The backend provides, besides :class:`~trainstream.core._host.Backend`'s ``param_to_host_f32``, ``record_compute``
+    and ``wait_on_compute``: ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
+    ``record_update() -> event``, ``data_ptr(tensor) -> int``, ``device_index``.
     """
 
     def __init__(self, backend: Any, *, convention: str = "torch", staged: bool = True):
         from .. import _device_kernels as dk  # CuPy is imported here, on first use
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        self._multi_elems = MULTI_LAUNCH_ELEMS
-        self._dk = dk
-        self.backend = backend
-        self.convention = convention
+        self._dk, self.backend, self.convention = dk, backend, convention
         self.device = backend.device_index
         dk.compile_kernels(self.device)
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
-        self._closed = False
+        self.closed = False
         self._steps = self._eager_updates = 0
         self._launch_s = self._ready_stall_s = 0.0
         self._unwaited = False  # launches since the compute stream last waited for all
         self.staged = bool(staged)
         self._ring: StagingRing | None = None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise RuntimeError("TrainStream engine is closed")
 
     def _alloc(self, numel: int, what: str, owned: list, resident: bool) -> _Buf:
@@ -263,8 +248,8 @@ class DevicePlacement:
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False,
                   init: bool = True) -> int:
-        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory. With
-        ``init`` False the state is left unset: the caller loads it next (:meth:`load_state`)."""
+        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory. ``init`` False:
+        the state is left unset, for the caller's :meth:`load_state`."""
         self._check_open()
         if platform != "cuda":
             raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
@@ -309,8 +294,8 @@ class DevicePlacement:
         del self._slots[n:]
 
     def release(self, sid: int) -> None:
-        """Free slot ``sid``'s state once its work is done (moved into resident state:
-        :meth:`Engine.make_resident`); the id stays taken, by an empty slot."""
+        """Free slot ``sid``'s state once its work is done (made resident by :meth:`Engine.make_resident`); the id
+        stays taken, by an empty slot."""
         self._check_open()
         s = self._slot(sid)
         s.settle()
@@ -330,13 +315,11 @@ class DevicePlacement:
 
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]], *, eager: bool = False,
              max_blocks: int | None = None) -> None:
-        """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``; the
-        gradients are contiguous device tensors of the parameter's size, already clipped and scaled
-        in place by the framework. Returns once the kernels are queued on the update stream, after
-        what the compute stream has queued so far. ``eager``: from a gradient hook during backward
-        (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels
-        (:func:`trainstream._device_kernels.launch_adamw`; eager default: :data:`EAGER_SM_FRACTION`).
-        """
+        """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``; the gradients are contiguous
+        device tensors of the parameter's size, already clipped and scaled in place by the framework. Returns once the
+        kernels are queued on the update stream, after what the compute stream has queued so far. ``eager``: from a
+        gradient hook during backward (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels
+        (:func:`trainstream._device_kernels.launch_adamw`; eager default: :data:`EAGER_SM_FRACTION`)."""
         self._check_open()
         be = self.backend
         t0 = time.perf_counter()
@@ -354,8 +337,8 @@ class DevicePlacement:
 
     def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None) -> None:
         """Launch consecutive updates of one dtype pair together, up to ``MULTI_MAX`` tensors and
-        ``_multi_elems`` elements (a larger tensor alone; with ``max_blocks`` one tensor per launch),
-        one ready event per launch. A slot listed twice goes into the next launch."""
+        :data:`MULTI_LAUNCH_ELEMS` elements (a larger tensor alone; with ``max_blocks`` one tensor per launch), one
+        ready event per launch. A slot listed twice goes into the next launch."""
         cap = self._dk.MULTI_MAX if max_blocks is None else 1
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
         in_group: set[int] = set()
@@ -363,7 +346,7 @@ class DevicePlacement:
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3]) or len(group) == cap
-                          or elems + s.numel > self._multi_elems or s.id in in_group):
+                          or elems + s.numel > MULTI_LAUNCH_ELEMS or s.id in in_group):
                 self._launch_group(group, stream, max_blocks)
                 group, in_group, elems = [], set(), 0
             group.append((s, hp, grad, gdtype))
@@ -479,8 +462,8 @@ class DevicePlacement:
         s.step = int(step)
 
     def stats(self) -> dict[str, float]:
-        """Counters (:meth:`trainstream.core._engine.Engine.stats`); ``host_state_bytes``: the mapped
-        state; ``staging_ring_bytes`` is 0 before the first update."""
+        """:meth:`trainstream.core._engine.Engine.stats`; ``host_state_bytes``: the mapped state;
+        ``staging_ring_bytes`` is 0 before the first update."""
         live = [s for s in self._slots if s.exp_avg is not None]  # not released
         resident = [s for s in live if s.exp_avg.mem is not None]
         bufs = [b for s in live for b in (s.exp_avg, s.exp_avg_sq, s.master) if b is not None]
@@ -500,18 +483,15 @@ class DevicePlacement:
         }
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         try:
             self.synchronize()
         finally:
-            self._closed = True
+            self.closed = True
             ring, self._ring = self._ring, None
             try:
                 if ring is not None:
                     ring.close()
             finally:
-                for s in self._slots:
-                    self._release((s.exp_avg, s.exp_avg_sq, s.master))
-                    s.param = s.grad_keep = s.ready = None
-                self._slots = []
+                self.truncate(0)

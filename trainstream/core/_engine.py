@@ -1,18 +1,15 @@
-"""The engine: the adapters' one API, over slots (flat parameters), each updated by its placement.
-
-A slot's placement is ``host`` (:class:`~trainstream.core._host.HostPlacement`) or ``device``
-(:class:`~trainstream.core._device.DevicePlacement`); the adapters' modes ``cpu``, ``gpu`` and
-``hybrid`` are placement policies (:func:`~trainstream.core._budget.place`). Before the policy, in any
-mode, ``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU
-memory (no PCIe traffic; the same kernels, so the same bits). One mechanism each, whatever the
-placements: readiness, errors (one :class:`~trainstream.core._host.StickyError`), stats (one dict),
-state I/O. Imports neither torch nor jax; no arithmetic lives here (clipping and loss scaling are the
-framework's).
+"""The engine: the adapters' one API, over slots (flat parameters), each updated by its placement:
+``host`` (:class:`~trainstream.core._host.HostPlacement`) or ``device``
+(:class:`~trainstream.core._device.DevicePlacement`). The adapters' modes ``cpu``, ``gpu`` and ``hybrid``
+are placement policies (:func:`~trainstream.core._budget.place`); before the policy, in any mode,
+``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (no
+PCIe traffic; the same kernels, so the same bits). One mechanism each, whatever the placements:
+readiness, errors (one :class:`~trainstream.core._host.StickyError`), stats (one dict), state I/O.
+Imports neither torch nor jax; no arithmetic lives here (clipping and loss scaling are the framework's).
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -22,9 +19,9 @@ from .. import _trace
 from .. import contract as C
 from ._budget import place, state_bytes
 from ._budget import resident as _resident
-from ._host import NORM_BLOCK, Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
+from ._host import Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "NORM_BLOCK", "PLACEMENTS", "WorkerError", "state_bytes"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "WorkerError", "state_bytes"]
 
 #: The placement policies (the adapters' ``mode``).
 PLACEMENTS = ("cpu", "gpu", "hybrid")
@@ -53,11 +50,8 @@ class Engine:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
         if isinstance(resident_bytes, bool) or not isinstance(resident_bytes, (int, np.integer)) or resident_bytes < 0:
             raise ValueError(f"resident_bytes must be an int >= 0, got {resident_bytes!r}")
-        self.backend = backend
-        self.placement = placement
-        self.convention = convention
+        self.backend, self.placement, self.convention, self.eager_blocks = backend, placement, convention, eager_blocks
         self.errors = StickyError()
-        self.eager_blocks = eager_blocks
         self.device = self.host = None
         if placement != "cpu" or resident_bytes > 0 or resident_later:
             if _device is None:
@@ -77,9 +71,9 @@ class Engine:
                     self.device.close()
                 raise
         self._budget = int(device_elems)
-        self._device_used = 0  # elements of the device slots that are not resident
-        self._resident_budget = int(resident_bytes)
-        self._resident_used = 0
+        self.device_elems_used = 0  # hybrid: the elements of the device slots that are not resident
+        self.resident_budget = int(resident_bytes)  # resident_bytes, raised by make_resident
+        self.resident_bytes_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
         self._args: list[list] = []  # slot -> [param, dtype, platform, trainable] (make_resident)
@@ -93,16 +87,6 @@ class Engine:
     def threads(self) -> int:
         return self.host.threads if self.host is not None else 0
 
-    @property
-    def device_elems_used(self) -> int:
-        """``hybrid``: the elements of the device budget taken so far."""
-        return self._device_used
-
-    @property
-    def resident_bytes_used(self) -> int:
-        """The bytes of ``resident_bytes`` taken so far."""
-        return self._resident_used
-
     def _placements(self) -> list[Any]:
         return [p for p in (self.device, self.host) if p is not None]
 
@@ -112,14 +96,14 @@ class Engine:
         left of ``resident_bytes`` (:func:`~trainstream.core._budget.resident`), else placed by the
         policy (:func:`~trainstream.core._budget.place`)."""
         need = state_bytes(numel, dtype)
-        res = _resident([(numel, dtype, trainable)], self._resident_budget, self._resident_used)[0]
-        dev = res or place([(numel, trainable, on_device)], self.placement, self._budget, self._device_used)[0]
+        res = _resident([(numel, dtype, trainable)], self.resident_budget, self.resident_bytes_used)[0]
+        dev = res or place([(numel, trainable, on_device)], self.placement, self._budget, self.device_elems_used)[0]
         if res:
             local = self.device.add_param(param, numel, dtype, platform, resident=True)
-            self._resident_used += need
+            self.resident_bytes_used += need
         else:
             local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
-            self._device_used += int(numel) if dev else 0
+            self.device_elems_used += int(numel) if dev else 0
         self._where.append((dev, local))
         self._numel.append(int(numel))
         self._args.append([param, dtype, platform, trainable])
@@ -160,31 +144,30 @@ class Engine:
                 for local in sorted(local for d, local in drop if d == dev and local < end):
                     placement.release(local)
                 placement.truncate(end)
-        self._device_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
-                                 if d and not r)
-        self._resident_used -= sum(self._resident[n:])
+        self.device_elems_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
+                                      if d and not r)
+        self.resident_bytes_used -= sum(self._resident[n:])
         del self._where[n:]
         del self._numel[n:]
         del self._args[n:]
         del self._resident[n:]
 
     def make_resident(self, nbytes: int) -> list[int]:
-        """Raise the resident budget by ``nbytes`` and move into GPU memory the state of the trainable
-        slots not resident yet that fits in what is left of it, in slot order
-        (:func:`~trainstream.core._budget.resident`), from either placement;
-        each keeps its id, its state and its bits (host and device placements compute one platform's
-        bits). Slots registered later take what is left. Where an allocation is refused, the slots
-        moved so far stay moved and the rest stay where they were, with a warning. Returns the slots
-        moved."""
+        """Raise the resident budget by ``nbytes`` and move into GPU memory, from either placement, the state
+        of the trainable slots not resident yet that fits in what is left of it, in slot order
+        (:func:`~trainstream.core._budget.resident`); each keeps its id, its state and its bits (both
+        placements compute one platform's bits). Slots registered later take what is left. Where an
+        allocation is refused, the slots moved so far stay moved and the rest stay, with a warning.
+        Returns the slots moved."""
         if self.device is None:
             raise RuntimeError("TrainStream engine: make_resident needs the device placement (resident_later=True)")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"make_resident: nbytes must be an int >= 0, got {nbytes!r}")
         self.errors.check()
         todo = [sid for sid, (r, a) in enumerate(zip(self._resident, self._args)) if not r and a[3]]
-        self._resident_budget += int(nbytes)
-        fits = _resident([(self._numel[sid], self._args[sid][1], True) for sid in todo], self._resident_budget,
-                         self._resident_used)
+        self.resident_budget += int(nbytes)
+        fits = _resident([(self._numel[sid], self._args[sid][1], True) for sid in todo], self.resident_budget,
+                         self.resident_bytes_used)
         moved: list[int] = []
         for sid in (s for s, fit in zip(todo, fits) if fit):
             placement, local = self._local(sid)
@@ -193,7 +176,7 @@ class Engine:
             try:
                 new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True, init=False)
             except MemoryError as exc:
-                self._resident_budget = self._resident_used  # later slots are not resident either
+                self.resident_budget = self.resident_bytes_used  # later slots are not resident either
                 warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
                 break
@@ -204,18 +187,13 @@ class Engine:
                 raise
             # moved: the bookkeeping first, so that a failure to free the old buffers leaves it right
             if placement is self.device:
-                self._device_used -= self._numel[sid]
+                self.device_elems_used -= self._numel[sid]
             self._where[sid] = (True, new)
             self._resident[sid] = state_bytes(self._numel[sid], dtype)
-            self._resident_used += self._resident[sid]
+            self.resident_bytes_used += self._resident[sid]
             moved.append(sid)
             placement.release(local)
         return moved
-
-    @property
-    def resident_budget(self) -> int:
-        """The bytes of resident state allowed (``resident_bytes``, raised by :meth:`make_resident`)."""
-        return self._resident_budget
 
     def get_step(self, sid: int) -> int:
         placement, local = self._local(sid)
@@ -238,29 +216,25 @@ class Engine:
                          eager=True, max_blocks=self.eager_blocks)
 
     def step(self, updates: Sequence[tuple], coefs: dict[int, float] | None = None) -> None:
-        """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a
-        gradient are skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots;
-        a host slot ignores the last two). ``coefs``: per host slot, the multiplier of its staged
-        gradient (:meth:`~trainstream.core._host.HostPlacement.step`). With both placements the share
-        holding the lowest slot (needed first by the next forward) is queued first; if the second
+        """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a gradient are
+        skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots; a host slot ignores
+        the last two). ``coefs``: per host slot, the multiplier of its staged gradient. With both placements
+        the share holding the lowest slot (needed first by the next forward) is queued first; if the second
         share then fails to queue, the error is raised and left sticky (reload a checkpoint)."""
         self.errors.check()  # raise before anything is queued, not between the shares
-        for u in updates:
-            self._check_sid(u[0])
-        dev = [(self._where[u[0]][1], *u[1:]) for u in updates if self._where[u[0]][0]]
-        hst = [(self._where[u[0]][1], u[1]) for u in updates if not self._where[u[0]][0]]
+        where = [self._where[self._check_sid(u[0])] for u in updates]
+        dev = [(local, *u[1:]) for u, (d, local) in zip(updates, where) if d]
+        hst = [(local, u[1]) for u, (d, local) in zip(updates, where) if not d]
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
         if self.host is None:
-            self.device.step(dev)
-            return
+            return self.device.step(dev)
         if self.device is None:
-            self.host.step(hst, coefs)
-            return
+            return self.host.step(hst, coefs)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
         # Host slots this step updates (frozen, unused and eagerly updated parameters hold no gradient).
-        host_sids = [u[0] for u in updates if not self._where[u[0]][0] and self.host.has_grad(self._where[u[0]][1])]
-        dev_sids = [u[0] for u in updates if self._where[u[0]][0]]
+        host_sids = [u[0] for u, (d, local) in zip(updates, where) if not d and self.host.has_grad(local)]
+        dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             self._step_device(dev)
             self._step_host(hst, coefs)
@@ -275,15 +249,13 @@ class Engine:
 
     def _step_device(self, dev) -> None:
         if dev:
-            t0 = time.perf_counter()
-            self.device.step(dev)
-            _trace.add("step.device_share", t0, time.perf_counter(), -1)
+            with _trace.span("step.device_share"):
+                self.device.step(dev)
 
     def _step_host(self, hst, coefs) -> None:
         # No second error check: a later worker error raises at the next call, not between the shares.
-        t0 = time.perf_counter()
-        self.host.step(hst, coefs, check_errors=False)
-        _trace.add("step.host_share", t0, time.perf_counter(), -1)
+        with _trace.span("step.host_share"):
+            self.host.step(hst, coefs, check_errors=False)
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
         """:meth:`trainstream.core._host.HostPlacement.update_external` (buffers the caller owns)."""
@@ -302,12 +274,9 @@ class Engine:
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
         where = [self._where[self._check_sid(s)] for s in sids]
-        dev = [local for on_dev, local in where if on_dev]
-        hst = [local for on_dev, local in where if not on_dev]
-        if dev:
-            self.device.wait_ready(dev)
-        if hst:
-            self.host.wait_ready(hst)
+        for placement, on_dev in ((self.device, True), (self.host, False)):
+            if ids := [local for d, local in where if d == on_dev]:
+                placement.wait_ready(ids)
 
     def check_error(self) -> None:
         """Raise the sticky :class:`~trainstream.core._host.WorkerError`, if any."""
@@ -361,11 +330,10 @@ class Engine:
         placement.load_state(local, exp_avg, exp_avg_sq, step, master)
 
     def stats(self) -> dict[str, float]:
-        """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5
-        both; with both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device
-        share's). ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident
-        state (``resident_params`` slots, ``resident_numel`` elements); ``staging_ring_bytes``: the
-        staging ring's GPU memory."""
+        """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5 both; with
+        both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device share's).
+        ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident state
+        (``resident_params`` slots, ``resident_numel`` elements); ``staging_ring_bytes``: the staging ring's."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())

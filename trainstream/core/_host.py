@@ -1,29 +1,25 @@
-"""The host placement: slots updated by Numba kernels (:mod:`trainstream._host_kernels`, the
-contract's arithmetic) on worker threads. No torch or jax import: a :class:`Backend` supplies pinned
-buffers, asynchronous copies, events and the compute stream.
+"""The host placement: slots updated on worker threads by Numba kernels (:mod:`trainstream._host_kernels`,
+the contract's arithmetic). No torch or jax import: a :class:`Backend` supplies pinned buffers,
+asynchronous copies, events and the compute stream. Per parameter ("slot"):
 
-Pipeline, per parameter ("slot"):
+1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
+   was staged (the framework sums micro-batches); on the *eager* path the update is queued behind it.
+2. ``step`` queues each slot's update, with the adapter's multiplier ``coefs`` of the staged gradient
+   (torch's clip coefficient or inverse loss scale).
+3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32 master,
+   or the rounded fp16/bf16 staging) and records the slot's *ready* event. With the backend's
+   ``weights_in_grad_stage`` the rounded weights go into the gradient's own staging (each gradient
+   element is read just before its weight overwrites it; the next gradient copy waits for the upload):
+   a pinned buffer and ~6 % of the update's memory traffic less.
+4. :meth:`HostPlacement.wait_step` blocks the host until the workers have queued every upload, then
+   makes the compute stream wait on the device for an event after them: the device never waits for
+   work the host has not queued yet (a stream waiting on a flag set by later host work deadlocked the
+   H200 at the first launch of a lazily loaded kernel, which synchronises the context).
+   :meth:`~HostPlacement.wait_ready` gates single slots (the adapters' forward gate).
 
-1. ``offload_grad``: the gradient is copied asynchronously into the slot's pinned staging buffer,
-   replacing what was staged (the framework sums micro-batches). On the *eager* path the update is
-   queued right behind the copy.
-2. ``step``: each slot's update is queued, with the multiplier ``coefs`` of the staged gradient
-   where the adapter gives one (torch's clip coefficient or inverse loss scale).
-3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32
-   master, or the rounded fp16/bf16 staging) and records the slot's *ready* event. With the
-   backend's ``weights_in_grad_stage`` the rounded weights go into the gradient's own staging (each
-   gradient element is read just before its weight overwrites it; the next gradient copy waits for
-   the upload): this saves a pinned buffer and ~6 % of the update's memory traffic.
-4. Readiness: :meth:`HostPlacement.wait_step` blocks the host until the workers have queued every
-   upload, then makes the compute stream wait on the device for an event after them. The device
-   never waits for work the host has not queued yet: a stream waiting on a flag set by later host
-   work deadlocked the H200 at the first launch of a lazily loaded kernel (which synchronises the
-   context). :meth:`~HostPlacement.wait_ready` gates single slots (the adapters' forward gate).
-
-A slot's batches run one after another (one submitted while another is in flight is chained
-behind it); the chunks of a batch are independent and go to one queue shared by all workers
-(:class:`_WorkQueue`). A worker's failure is kept and raised at the next call into the engine;
-batches always finish their bookkeeping, so a failure never leaves a waiter hanging.
+A slot's batches run one after another (one submitted while another is in flight is chained behind it);
+the chunks of a batch go to one queue shared by all workers (:class:`_WorkQueue`). A worker's failure is
+kept and raised at the next call; batches always finish their bookkeeping, so no waiter hangs.
 """
 
 from __future__ import annotations
@@ -61,9 +57,8 @@ class WorkerError(RuntimeError):
 
 
 class StickyError:
-    """The engine's one error record: the first failure of a worker (or of a step that left one
-    placement updated and the other not), raised at every later call until the whole state has
-    been reloaded (that step's state may be partly updated)."""
+    """The engine's one error record: the first failure of a worker (or of a step that left one placement
+    updated and the other not), raised at every later call until the whole state has been reloaded."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -77,16 +72,14 @@ class StickyError:
 
     def check(self) -> None:
         """Raise :class:`WorkerError` if a failure is recorded."""
-        with self._lock:
-            msg = self._text
+        msg = self._text  # one reference, read and written atomically: only record() needs the lock
         if msg is not None:
             raise WorkerError(f"TrainStream optimizer worker failed: {msg}. The optimizer state of the parameters "
                               "updated in that step may be partly updated; reload a checkpoint (load_state_dict) to "
                               "continue from a consistent state.")
 
     def clear(self) -> None:
-        with self._lock:
-            self._text = None
+        self._text = None
 
 
 class HostBuffer(Protocol):
@@ -103,7 +96,8 @@ class Event(Protocol):
 
 
 class Backend(Protocol):
-    """What the engine needs from a framework (``trainstream.torch._backend``, ``trainstream.jax``)."""
+    """What the engine needs from a framework (``trainstream.torch._backend``, ``trainstream.jax``). Optional
+    attributes: ``weights_in_grad_stage`` (module docstring, 3.) and ``copy_keeps_source_alive``."""
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
         """A new host buffer; raises ``MemoryError`` naming ``what`` and the bytes."""
@@ -116,10 +110,10 @@ class Backend(Protocol):
 
     def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None, *,
                      free: Event | None = None) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion event.
-        ``free`` (only with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy
-        must follow. With ``copy_keeps_source_alive`` True the backend keeps ``src``'s memory from
-        reuse until the copy completed (the engine drops it at once)."""
+        """Start ``dst <- src`` (device tensor) after ``after``; return its completion event. ``free``
+        (only with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy must follow.
+        With ``copy_keeps_source_alive`` True the backend keeps ``src``'s memory from reuse until the copy
+        completed (the engine drops it at once)."""
 
     def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
         """Start ``dst (param) <- src`` after ``after``; return its completion event."""
@@ -159,17 +153,14 @@ WORKER_NICE = 5
 
 
 class _WorkQueue:
-    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters),
-    then submission order. Eager updates arrive in backward order; taking the lowest slot first
-    lets the next forward start once its first layers are updated (a FIFO would update them last).
-
-    * Within a slot only the oldest queued job is eligible (submission order).
-    * A job whose gradient copy has not landed (``ready()`` False) is passed over for the lowest
-      slot among the first :attr:`_SCAN` whose oldest job can run; if none can, the oldest job of
-      all is taken (copies land in submission order) and its body waits for its copy.
-
-    A get costs at most O(_SCAN) readiness checks (cached per batch by :class:`_Landed`; ``ready``
-    must not raise); the stop marker (``job=None``) is handed out only once no job is left.
+    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters), then
+    submission order. Eager updates arrive in backward order; taking the lowest slot first lets the next
+    forward start once its first layers are updated (a FIFO would update them last). Within a slot only
+    the oldest job is eligible. A job whose gradient copy has not landed (``ready()`` False) is passed
+    over for the lowest slot among the first :attr:`_SCAN` whose oldest job can run; if none can, the
+    oldest job of all is taken (copies land in submission order) and its body waits for its copy. A get
+    costs at most O(_SCAN) ``ready`` calls (cached per batch by :func:`_landed`; they must not raise);
+    the stop marker (``job=None``) is handed out only once no job is left.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -179,8 +170,7 @@ class _WorkQueue:
         self._slots: dict[float, collections.deque] = {}  # priority -> its jobs, oldest first
         self._order: list[float] = []  # priorities with jobs, ascending
         self._all: collections.deque = collections.deque()  # every job entry, oldest first
-        self._jobs = 0
-        self._stops = 0
+        self._jobs = self._stops = 0
         self._closed = False
         self._seq = itertools.count()
 
@@ -245,23 +235,20 @@ class _WorkQueue:
             return self._take(self._all[0])  # the oldest job left (taken ones are dropped)
 
 
-class _Landed:
+def _landed(query: Callable[[], bool]) -> Callable[[], bool]:
     """A batch's ``ready()``, shared by its chunks: queries its event until it has completed (a failed
     query answers True: the body waits, and raises)."""
+    done = False
 
-    __slots__ = ("_query", "_done")
-
-    def __init__(self, query: Callable[[], bool]):
-        self._query = query
-        self._done = False
-
-    def __call__(self) -> bool:
-        if not self._done:
+    def ready() -> bool:
+        nonlocal done
+        if not done:
             try:
-                self._done = bool(self._query())
+                done = bool(query())
             except Exception:  # noqa: BLE001
                 return True
-        return self._done
+        return done
+    return ready
 
 
 class _WorkerPool(_WorkQueue):
@@ -270,8 +257,7 @@ class _WorkerPool(_WorkQueue):
     piled up for the next forward: H200, 1.3B GPT.)"""
 
     def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
-        # Holds nothing of the engine: running threads keep the pool alive, and the
-        # engine must stay collectable so that its finalizer can stop them.
+        # Holds nothing of the engine: it must stay collectable, for its finalizer to stop the threads.
         super().__init__()
         self._nice = int(nice)
         self._cores = list(cores) if cores else None
@@ -340,6 +326,11 @@ class _Slot:
     cond: threading.Condition = field(default_factory=threading.Condition)
     nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
 
+    def free(self) -> None:
+        self.nbytes, self.staged = (0, 0), False
+        self.master = self.exp_avg = self.exp_avg_sq = None  # type: ignore[assignment]
+        self.grad_stage = self.param_stage = self.grad_keep = self.ready = self.landed = self.param = None
+
 
 class _Stats:
     """Counters without a lock (a contended lock makes a worker give up the GIL): each thread adds
@@ -350,8 +341,7 @@ class _Stats:
     def __init__(self) -> None:
         self._local = threading.local()
         self._all: list[dict] = []
-        self.step_start = 0.0
-        self.last_finalize = 0.0
+        self.step_start = self.last_finalize = 0.0
 
     def add(self, name: str, value: float) -> None:
         d = getattr(self._local, "d", None)
@@ -369,15 +359,15 @@ class _Stats:
 class HostPlacement:
     """The slots updated on the host: their state, staging buffers and the worker pool.
 
-    Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at
-    least 1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_elems``: elements per
-    chunk (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
-    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (only host threads read them, so pageable
-    by default); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed
-    by the adapter); ``worker_nice``: the workers' nice value (Linux, per thread). Its default, 5,
-    yields the CPU to the threads that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with
-    ``last_micro_batch()`` (H200, 350M GPT: 103-120 against 161 ms per step), else no different, and
-    starves the workers beside a busy data loader.
+    Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at least
+    1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_elems``: elements per chunk
+    (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
+    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (only host threads read them, so pageable by
+    default); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
+    adapter); ``worker_nice``: the workers' nice value (Linux, per thread). Its default, 5, yields the CPU
+    to the threads that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with ``last_micro_batch()``
+    (H200, 350M GPT: 103-120 against 161 ms per step), else no different, and starves the workers beside a
+    busy data loader.
     """
 
     def __init__(self, backend: Backend, *, threads: int | None = None, chunk_elems: int = 1 << 20,
@@ -402,28 +392,18 @@ class HostPlacement:
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
         self._stats = _Stats()
-        self._pinned_bytes = 0
-        self._pageable_bytes = 0
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
-        self._closed = False
-        self._forked = False
+        self.threads = threads
+        self.closed = self._forked = False
         self._unwaited = False  # updates queued since the last wait_step
         self._pool = _WorkerPool(threads, worker_nice, cores)
         self._finalizer = weakref.finalize(self, self._pool.shutdown)  # holds the pool, not self
         _LIVE.add(self)
 
-    @property
-    def threads(self) -> int:
-        return len(self._pool._threads)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _check_open(self) -> None:
         if self._forked:
             raise RuntimeError(_FORKED)
-        if self._closed:
+        if self.closed:
             raise RuntimeError("TrainStream engine is closed")
 
     def check_error(self) -> None:
@@ -442,11 +422,8 @@ class HostPlacement:
     def _alloc(self, numel: int, dtype: str, pinned: bool, what: str, tally: list[int]) -> HostBuffer:
         """A backend buffer; adds its bytes to ``tally`` (``[pinned, pageable]``)."""
         buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
-        nbytes = numel * _ITEMSIZE[dtype]
-        size = getattr(self.backend, "pinned_size", None)  # what a pinned buffer really takes
-        if buf.pinned and size is not None:
-            nbytes = size(nbytes)
-        tally[0 if buf.pinned else 1] += nbytes
+        nbytes, size = numel * _ITEMSIZE[dtype], getattr(self.backend, "pinned_size", None)
+        tally[0 if buf.pinned else 1] += size(nbytes) if buf.pinned and size is not None else nbytes
         return buf
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
@@ -462,31 +439,18 @@ class HostPlacement:
         self.backend.param_to_host_f32(param, master.array)
         m = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg", tally)
         v = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg_sq", tally)
-        m.array[:] = 0
-        v.array[:] = 0
-        slot = _Slot(id=len(self._slots), param=param, numel=numel, dtype=dtype, platform=platform,
-                     master=master, exp_avg=m, exp_avg_sq=v)
-        slot.grad_stage = self._alloc(numel, dtype, True, "grad.staging", tally)
-        if dtype != "float32":
-            if self._weights_in_grad_stage:
-                slot.param_stage = slot.grad_stage
-            else:
-                slot.param_stage = self._alloc(numel, dtype, True, "param.staging", tally)
-        slot.nbytes = (tally[0], tally[1])
-        self._pinned_bytes += tally[0]
-        self._pageable_bytes += tally[1]
-        self._slots.append(slot)
-        return slot.id
-
-    def __len__(self) -> int:
-        return len(self._slots)
+        m.array[:] = v.array[:] = 0
+        grad = self._alloc(numel, dtype, True, "grad.staging", tally)
+        stage = (None if dtype == "float32" else grad if self._weights_in_grad_stage
+                 else self._alloc(numel, dtype, True, "param.staging", tally))
+        self._slots.append(_Slot(len(self._slots), param, numel, dtype, platform, master, m, v, grad, stage,
+                                 nbytes=(tally[0], tally[1])))
+        return len(self._slots) - 1
 
     def truncate(self, n: int) -> None:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         for s in self._slots[n:]:
             self._wait_idle(s)
-            self._pinned_bytes -= s.nbytes[0]
-            self._pageable_bytes -= s.nbytes[1]
         del self._slots[n:]
 
     def release(self, sid: int) -> None:
@@ -495,11 +459,7 @@ class HostPlacement:
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
-        self._pinned_bytes -= s.nbytes[0]
-        self._pageable_bytes -= s.nbytes[1]
-        s.nbytes, s.staged = (0, 0), False
-        s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
-        s.grad_stage = s.param_stage = s.grad_keep = s.ready = s.landed = s.param = None
+        s.free()
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
@@ -508,11 +468,11 @@ class HostPlacement:
         return self._slot(sid).staged
 
     def _submit(self, numel: int, priority: float, landed: Any, body: Callable[[int, int, int], None],
-                finalize: Callable[[bool], None] | None, record: Callable[[BaseException], None],
+                finalize: Callable[[], None] | None, record: Callable[[BaseException], None],
                 done: Callable[[], None]) -> None:
         """Queue one batch: ``body(chunk, begin, end)`` over the chunks of ``numel`` elements. The last
-        chunk to finish calls ``finalize(failed)`` (``failed``: a chunk raised), then ``done()`` whatever
-        happened; every exception goes to ``record``. ``landed``: the copy the body waits for, if any;
+        chunk to finish calls ``finalize()`` if no chunk raised, then ``done()`` whatever happened;
+        every exception goes to ``record``. ``landed``: the copy the body waits for, if any;
         its ``query()`` lets a worker run another batch's job while the copy is in flight."""
         nchunks = max(1, -(-numel // self.chunk))
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
@@ -527,8 +487,8 @@ class HostPlacement:
                 record(exc)
             if next(finished) == nchunks:  # the batch's last chunk to finish
                 try:
-                    if finalize is not None:
-                        finalize(bool(failed))
+                    if finalize is not None and not failed:
+                        finalize()
                 except BaseException as exc:  # noqa: BLE001
                     record(exc)
                 finally:
@@ -536,10 +496,10 @@ class HostPlacement:
 
         jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk): job(c, b, e))
                 for c in range(nchunks)]
-        self._pool.put_many(jobs, priority, _Landed(query) if query is not None else None)
+        self._pool.put_many(jobs, priority, _landed(query) if query is not None else None)
 
     def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None],
-                   finalize: Callable[[bool], None] | None = None, landed: Any = None) -> None:
+                   finalize: Callable[[], None] | None = None, landed: Any = None) -> None:
         """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky), after its batch in flight if any."""
         with s.cond:
             s.inflight += 1
@@ -557,6 +517,7 @@ class HostPlacement:
     def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
         def done() -> None:  # then submit the slot's next chained batch, if any
             with s.cond:
+                s.grad_keep = None  # its copy has landed (or failed)
                 s.inflight -= 1
                 nxt = s.chain.popleft() if s.chain else None
                 s.cond.notify_all()
@@ -618,22 +579,17 @@ class HostPlacement:
         for s in self._slots:
             if s.staged:
                 self._wait_idle(s)
-                s.staged = False
-                s.grad_keep = None
+                s.staged, s.grad_keep = False, None
         self.check_error()
 
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any) -> None:
         s.step += 1
         scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         variant = C.variant_id(self.convention, s.platform)
-        g, gkind, landed = s.grad_stage.array, _KIND[s.dtype], s.landed
-        prev_ready = s.ready
-        p, m, v = s.master.array, s.exp_avg.array, s.exp_avg_sq.array
-        out = s.param_stage.array if s.param_stage is not None else None
-        okind = _KIND[s.dtype] if out is not None else 0
-        upload_src = s.param_stage if s.param_stage is not None else s.master
-        nbytes = s.numel * _ITEMSIZE[s.dtype]
-        tc_code = self.tc_code
+        p, m, v, g, gkind = s.master.array, s.exp_avg.array, s.exp_avg_sq.array, s.grad_stage.array, _KIND[s.dtype]
+        out, okind = (None, 0) if s.param_stage is None else (s.param_stage.array, gkind)
+        upload_src = s.master if s.param_stage is None else s.param_stage
+        landed, prev_ready, nbytes, tc_code = s.landed, s.ready, s.numel * _ITEMSIZE[s.dtype], self.tc_code
 
         def body(c: int, b: int, e: int) -> None:
             t = time.perf_counter()
@@ -648,13 +604,10 @@ class HostPlacement:
             self._stats.add("update_s", t1 - t)
             _trace.add("update", t, t1, s.id)
 
-        def finalize(failed: bool) -> None:
+        # Not after a failure (raised at the next call): the failed chunk's range of the staging is unwritten
+        # (with weights in grad staging: gradient bits), so nothing is uploaded and the old weights stay.
+        def finalize() -> None:
             t = time.perf_counter()
-            s.grad_keep = None
-            if failed:
-                # Raised at the next call; the failed chunk's range of the staging is unwritten (with
-                # weights in grad staging: gradient bits), so nothing is uploaded: old weights stay.
-                return
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = t1 = time.perf_counter()
@@ -698,10 +651,8 @@ class HostPlacement:
         coefs = coefs or {}
         for sid, hp in updates:
             s = self._slot(sid)
-            if not s.staged:
-                continue
-            after = self.backend.record_compute(s.param)
-            self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), after)
+            if s.staged:
+                self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), self.backend.record_compute(s.param))
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
@@ -733,33 +684,17 @@ class HostPlacement:
         the first failure to the caller (not sticky: no slot of this placement is touched)."""
         self._check_open()
         self.check_error()
-        cond = threading.Condition()
-        left = [len(batches)]
-        errors: list[BaseException] = []
-
-        def record(exc: BaseException) -> None:
-            with cond:
-                errors.append(exc)
-
-        def done(n: int = 1) -> None:
-            with cond:
-                left[0] -= n
-                cond.notify_all()
-
+        errors: list[BaseException] = []  # list.append is atomic
+        done, queued = threading.Semaphore(0), 0
         for k, (landed, body, numel, finished) in enumerate(batches):
-            def finalize(failed: bool, finished=finished) -> None:
-                if finished is not None and not failed:
-                    finished()
-
             try:
-                self._submit(numel, k, landed, body, finalize, record, done)
+                self._submit(numel, k, landed, body, finished, errors.append, done.release)
             except RuntimeError as exc:  # the pool has stopped: wait only for what it took
-                record(exc)
-                done(len(batches) - k)
+                errors.append(exc)
                 break
-        with cond:
-            while left[0]:
-                cond.wait()
+            queued += 1
+        for _ in range(queued):
+            done.acquire()
         if errors:
             exc = errors[0]
             raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
@@ -858,21 +793,19 @@ class HostPlacement:
             s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
         else:
             self.backend.param_to_host_f32(s.param, s.master.array)
-        s.step = int(step)
-        s.staged = False
-        s.grad_keep = None
+        s.step, s.staged, s.grad_keep = int(step), False, None
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
         live = [s for s in self._slots if s.master is not None]  # not released
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
+        pinned, pageable = (sum(s.nbytes[k] for s in live) for k in (0, 1))
         return {
             "params": float(len(live)), "numel": float(sum(s.numel for s in live)),
             "threads": float(self.threads), "gpu_mode": 0.0, "steps": float(st.steps),
-            "eager_updates": float(st.eager_updates),
-            "host_state_bytes": float(self._pinned_bytes + self._pageable_bytes),
-            "pinned_state_bytes": float(self._pinned_bytes), "pageable_state_bytes": float(self._pageable_bytes),
+            "eager_updates": float(st.eager_updates), "host_state_bytes": float(pinned + pageable),
+            "pinned_state_bytes": float(pinned), "pageable_state_bytes": float(pageable),
             "grad_bytes_offloaded": float(st.grad_bytes), "param_bytes_uploaded": float(st.param_bytes),
             "update_ms_total": st.update_s * 1e3, "ready_stall_ms_total": st.ready_stall_s * 1e3,
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
@@ -880,21 +813,16 @@ class HostPlacement:
 
     def close(self) -> None:
         """Drain the queued work, join the workers and release the host buffers."""
-        if self._closed:
+        if self.closed:
             return
-        if self._forked:  # a child of os.fork(): nothing of the parent's work to wait for
-            self._closed = True
-            self._slots = []
-            self._pinned_bytes = self._pageable_bytes = 0
-            return
-        if threading.current_thread() in self._pool._threads:
+        if not self._forked and threading.current_thread() in self._pool._threads:
             # From a worker (e.g. a finalizer run by the garbage collector inside a job): waiting
             # would wait for this very thread. Let the workers drain and stop.
-            self._closed = True
+            self.closed = True
             self._finalizer()
             return
         try:
-            for s in self._slots:
+            for s in self._slots if not self._forked else ():  # a child of os.fork() has no work to wait for
                 self._wait_idle(s)
                 if s.ready is not None:
                     try:
@@ -902,11 +830,8 @@ class HostPlacement:
                     except Exception:  # noqa: BLE001 - closing regardless
                         pass
         finally:
-            self._closed = True
-            self._finalizer()  # joins the workers (once)
+            self.closed = True
+            self._finalizer()  # joins the workers (once; detached in a child of os.fork())
             for s in self._slots:
-                s.master = s.exp_avg = s.exp_avg_sq = None  # type: ignore[assignment]
-                s.grad_stage = s.param_stage = None
-                s.grad_keep = s.ready = s.landed = s.param = None
+                s.free()
             self._slots = []
-            self._pinned_bytes = self._pageable_bytes = 0

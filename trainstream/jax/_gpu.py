@@ -1,26 +1,17 @@
-"""The JAX adapter on XLA:GPU: the state in pinned host memory, three callbacks per update.
+"""The JAX adapter on XLA:GPU: the state in pinned host memory (:func:`init`), three callbacks per update.
 
-The moments and masters are ``memory_kind="pinned_host"`` arrays of the parameters' device
-(:func:`init`), host memory the GPU addresses directly (UVA). XLA refuses one custom call whose
-outputs mix that host memory and GPU memory (its host offloader follows an aliased host operand
-through all the outputs: ``E1200``, measured with jax 0.11.2,
-``experiments/data/2026-12-02_h200_jax_state_flow.md``), so :func:`apply` makes each update of
-three ``jax.experimental.buffer_callback`` calls:
+XLA refuses one custom call whose outputs mix host and GPU memory (``E1200``, jax 0.11.2:
+``experiments/data/2026-12-02_h200_jax_state_flow.md``), so :func:`apply` makes each update of three calls:
 
-* ``own(params) -> w`` (device only): the buffers of the new weights (``step``: aliased to the
-  params) or of the updates (fresh, the gradients as operands so that XLA cannot hoist it);
-* ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters', token')``
-  (host only, the state aliased in place): runs the update (:class:`_Update`), writes ``w``;
-* ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes after
-  ``update``.
+* ``own(params) -> w`` (device only): the buffers of the new weights (``step``: aliased to the params) or of
+  the updates (fresh);
+* ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters', token')`` (host only, the
+  state aliased in place): runs the update (:class:`_Update`), writes ``w``;
+* ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes after ``update``.
 
-``update`` writes into ``w``, an operand XLA treats as read only: safe because ``w`` is this
-update's own buffer (``own``'s output, never the caller's arrays) whose only uses are
-``update`` and then ``order``, ordered by the token (verified with jax 0.10.2 on XLA:CPU with
-the CUDA calls simulated, ``lax.scan`` included, and 0.11.2 on an H200). The state arrives
-``pinned_host`` (checked at trace time) and the outputs stay in host memory by their avals.
-CUDA calls go through :mod:`trainstream._cuda`; CuPy only compiles and launches kernels
-(:mod:`trainstream._device_kernels`, imported on first use). No arithmetic lives here.
+``update`` writes into ``w``, which XLA treats as read only: safe as ``w`` is this update's own buffer, used only
+by ``update`` then ``order``, ordered by the token (verified with jax 0.10.2 on XLA:CPU with the CUDA calls
+simulated, ``lax.scan`` included, and 0.11.2 on an H200).
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ def init(params, leaves):
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
     zeros = lambda x: jax.device_put(xp.zeros(xp.shape(x), xp.float32), host)  # noqa: E731
     master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(to_f32(x), host)  # noqa: E731
-    return OffloadAdamWState(count, jax.tree.map(zeros, params), jax.tree.map(zeros, params),
-                             jax.tree.map(master, params))
+    return OffloadAdamWState(count, *(jax.tree.map(f, params) for f in (zeros, zeros, master)))
 
 
 def _noop(ctx, outs, *ins) -> None:
@@ -64,11 +54,10 @@ def _noop(ctx, outs, *ins) -> None:
 
 
 def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
-    """The update of ``plan`` (``trainstream.jax._transform._Plan``) on a GPU over one device's
-    leaves: ``(firsts, mu', nu', masters')``, ``firsts`` the new weights or, with
-    ``plan.emit_u``, ``u`` of float32 leaves and the rounded new weights of fp16/bf16 ones."""
-    n = plan.n
-    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+    """The update of ``plan`` (``trainstream.jax._transform._Plan``) on a GPU over one device's leaves:
+    ``(firsts, mu', nu', masters')``, ``firsts`` the new weights or, with ``plan.emit_u``, ``u`` of float32
+    leaves and the rounded new weights of fp16/bf16 ones."""
+    n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
     if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
         like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
         # the gradients as operands: without them XLA may hoist the call out of a loop, and
@@ -84,10 +73,6 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     ops = [scalars, count_inc, *g_leaves, *w, *reads, *state_in]
     base = len(ops) - len(state_in)
     res = [sds(np.shape(x), f32) for x in state_in]
-    if plan.gpu is None:  # one update callback per plan (XLA's caches key programs by it)
-        with _lock:  # also where threads trace one plan at once
-            if plan.gpu is None:
-                plan.gpu = _Update(plan)
     outs = buffer_callback(plan.gpu, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
     outs = [jax.device_put(x, jax.memory.Space.Host) for x in outs]  # host avals: the outputs stay there
     firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
@@ -95,18 +80,23 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
 
 
 _rings: dict = {}  # device -> StagingRing (or None: refused), one per device for the process
-_lock = threading.Lock()  # creates the rings and the plans' update callbacks
+_lock = threading.Lock()  # creates the rings
+
+
+def _once(cache: dict, key, lock, make):
+    """``cache[key]``, made by ``make()`` under ``lock`` the first time (no lock once it exists)."""
+    if key not in cache:
+        with lock:
+            if key not in cache:
+                cache[key] = make()
+    return cache[key]
 
 
 def _ring(device: int):
-    """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory from its first
-    update on, shared by every plan), or None when refused."""
-    if device not in _rings:
-        with _lock:
-            if device not in _rings:
-                from .. import _device_kernels as dk  # noqa: PLC0415
-                _rings[device] = staging_ring(device, dk, "JAX mode='gpu'")
-    return _rings[device]
+    """The staging ring of ``device`` for ``mode="gpu"`` (72 MiB of GPU memory from its first update on, shared
+    by every plan), or None when refused."""
+    from .. import _device_kernels as dk  # noqa: PLC0415
+    return _once(_rings, device, _lock, lambda: staging_ring(device, dk, "JAX mode='gpu'"))
 
 
 def _ptr(buf) -> int:
@@ -120,9 +110,9 @@ def _stream(ctx) -> int:
 
 
 class _Staging:
-    """Pinned host buffers of one device for ``mode="cpu"``: the scalars and count, and per
-    leaf the gradient and (float32 leaves) the weights and, for ``update``, the update, each as
-    ``(address, flat NumPy view)``. Freed with the plan."""
+    """Pinned host buffers of one device for ``mode="cpu"``: the scalars and count, and per leaf the gradient and
+    (float32 leaves) the weights and, for ``update``, the update, each as ``(address, flat NumPy view)``. Freed
+    with the plan."""
 
     def __init__(self, plan, device: int):
         from .. import _device_kernels as dk  # noqa: PLC0415
@@ -170,19 +160,15 @@ class _Update:
         mus, nus = outs[:n], outs[n:2 * n]
         masters = dict(zip(plan.halves, outs[2 * n:2 * n + len(plan.halves)]))
         weights = dict(zip([i for i in range(n) if i not in plan.halves], reads)) if plan.emit_u else {}
-        stream = _stream(ctx)
-        device = _cuda.pointer_device(_ptr(grads[0]))
         run = self._launch if plan.mode == "gpu" else self._host
-        run(device, stream, scal, count, grads, w, weights, mus, nus, masters)
+        run(_cuda.pointer_device(_ptr(grads[0])), _stream(ctx), scal, count, grads, w, weights, mus, nus, masters)
 
     def _launch(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
         """``mode="gpu"``: the kernel (:func:`trainstream._device_kernels.launch_adamw_multi`,
-        ``launch_adamw_u_multi`` for ``update``'s float32 leaves) over every leaf, leaves of
-        one dtype in launches of up to ``MULTI_MAX``, each leaf's scalars its row of the
-        matrix; the state staged by the copy engines through the device's
-        :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's stream waiting at the
-        end for its copies back; without a ring the kernel reads it in host memory. (``count``:
-        unused, the scalars are the program's.)"""
+        ``launch_adamw_u_multi`` for ``update``'s float32 leaves) over every leaf, one dtype's leaves in launches
+        of up to ``MULTI_MAX``, each leaf's scalars its row of the matrix; the state staged by the copy engines
+        through the device's :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's stream waiting at the
+        end for its copies back; without a ring the kernel reads it in host memory. ``count``: unused."""
         from .. import _device_kernels as dk  # noqa: PLC0415
         plan = self.plan
         row = 4 * C.N_SCALARS
@@ -220,23 +206,13 @@ class _Update:
         if ring is not None and ring.last is not None:
             ring.ctx.stream_wait_event(stream, ring.last)  # XLA's later readers see the state copied back
 
-    def _stage(self, device: int) -> _Staging:
-        st = self._staging.get(device)
-        if st is None:
-            with self._lock:
-                st = self._staging.get(device)
-                if st is None:
-                    st = self._staging[device] = _Staging(self.plan, device)
-        return st
-
     def _host(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
-        """``mode="cpu"``: each gradient (and float32 weights) copied to pinned staging with an
-        event; the engine's host workers update each leaf as its copy lands (the state's host
-        memory in place) and queue its upload into ``w``. Returns once the host work is done
-        (the uploads run before XLA's next work on the stream)."""
+        """``mode="cpu"``: each gradient (and float32 weights) copied to pinned staging with an event; the
+        engine's host workers update each leaf as its copy lands (the state's host memory in place) and queue its
+        upload into ``w``. Returns once the host work is done (the uploads run before XLA's next work)."""
         from .. import _device_kernels as dk  # noqa: PLC0415
         plan = self.plan
-        st = self._stage(device)
+        st = _once(self._staging, device, self._lock, lambda: _Staging(plan, device))
         with st.lock:  # one update of this plan on this device at a time (its staging)
             cx = st.ctx
             cx.memcpy_dtoh_async(st.scalars_ptr, _ptr(scal), 4 * C.N_SCALARS * plan.n, stream)

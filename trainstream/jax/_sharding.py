@@ -1,23 +1,11 @@
-"""The JAX adapter over a device mesh: parameters sharded with ``NamedSharding``.
+"""The JAX adapter over a device mesh (``NamedSharding`` parameters).
 
-``init`` reads each leaf's ``NamedSharding`` from the concrete parameters (a traced array of a
-mesh in Auto axis mode carries no PartitionSpec) and keeps mesh and specs as the *layout* of
-that pytree; the moments and masters get the same shardings (on a GPU in ``pinned_host``
-memory), ``count`` a committed replicated one, so orbax handles them as optax.adamw's state.
-
-The scalar matrix and ``optax.tree.norm`` of the gradients stay in the user's program in the
-global view, which GSPMD partitions as it does optax's ``clip_by_global_norm``. The
-elementwise update runs per shard: :func:`per_device` wraps the callbacks in a ``shard_map``
-over the layout's mesh, so each device's callback (XLA calls one per addressable device, on
-that device's thread) gets its local shards and nothing is gathered; replicated leaves are
-updated on every device's copy. The per-leaf convention code comes from the local element
-count (:func:`local_shape`): XLA compiles the per-device program for the local shapes.
-Inside the user's own ``shard_map`` (every axis manual) no ``shard_map`` is added and, as
-optax's there, the norm is of the local shards.
-
-One engine per configuration and process serves every local device (XLA's device threads wait
-in their callbacks while the shared workers run the updates). Per-device GPU resources are keyed
-by the CUDA device of the buffers, never by ``device.id`` (ids differ between processes).
+``init`` reads each leaf's spec from the concrete parameters (a traced array carries none) as the pytree's
+:class:`Layout` and gives the state the same shardings (``count`` replicated), so orbax handles it as optax.adamw's.
+The scalars and global norm stay in the user's program, which GSPMD partitions as optax's; the update runs per shard
+(:func:`per_device`), nothing gathered. One engine per configuration and process serves every local device;
+per-device GPU resources are keyed by the CUDA device of the buffers, never by ``device.id`` (ids differ between
+processes).
 """
 
 from __future__ import annotations
@@ -43,48 +31,43 @@ class Layout(NamedTuple):
 
 
 def layout_of(leaves, paths) -> Layout | None:
-    """The layout of concrete leaves: None for single-device arrays (and tracers), else every
-    leaf must be a ``NamedSharding`` over one mesh."""
+    """The layout of concrete leaves: None for single-device arrays (and tracers), else every leaf must be a
+    ``NamedSharding`` over one mesh."""
     if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
     shardings = [getattr(x, "sharding", None) for x in leaves]
     if not any(isinstance(s, NamedSharding) for s in shardings):
         for s, path in zip(shardings, paths):
-            if s is not None and not isinstance(s, SingleDeviceSharding) and len(s.device_set) > 1:
-                raise NotImplementedError(
-                    f"TrainStream offload_adamw: leaf {path} has a {type(s).__name__} over "
-                    f"{len(s.device_set)} devices; sharded parameters must be NamedSharding arrays "
-                    "(jax.device_put(params, NamedSharding(mesh, spec)))")
+            if s is not None and len(s.device_set) > 1:
+                raise NotImplementedError(f"TrainStream offload_adamw: leaf {path} has a {type(s).__name__} over "
+                                          f"{len(s.device_set)} devices; sharded parameters must be NamedSharding "
+                                          "arrays (jax.device_put(params, NamedSharding(mesh, spec)))")
         return None
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding))
     for s, path in zip(shardings, paths):
         if not isinstance(s, NamedSharding):
-            raise ValueError(
-                f"TrainStream offload_adamw: leaf {path} is a {type(s).__name__} array while other "
-                f"leaves are sharded over the mesh {dict(mesh.shape)}: place every leaf on that mesh "
-                "(NamedSharding(mesh, PartitionSpec()) replicates one)")
+            raise ValueError(f"TrainStream offload_adamw: leaf {path} is a {type(s).__name__} array while other "
+                             f"leaves are sharded over the mesh {dict(mesh.shape)}: place every leaf on that mesh "
+                             "(NamedSharding(mesh, PartitionSpec()) replicates one)")
         if s.mesh != mesh:
-            raise ValueError(
-                f"TrainStream offload_adamw: leaf {path} is sharded over the mesh {dict(s.mesh.shape)} "
-                f"{s.mesh.devices.ravel().tolist()}, other leaves over {dict(mesh.shape)} "
-                f"{mesh.devices.ravel().tolist()}: every leaf must be on one mesh")
+            raise ValueError(f"TrainStream offload_adamw: leaf {path} is sharded over the mesh {dict(s.mesh.shape)} "
+                             f"{s.mesh.devices.ravel().tolist()}, other leaves over {dict(mesh.shape)} "
+                             f"{mesh.devices.ravel().tolist()}: every leaf must be on one mesh")
     return Layout(mesh, tuple(s.spec for s in shardings))
 
 
 def in_manual_mesh() -> bool:
-    """Whether the caller traces inside its own ``shard_map`` (or ``pmap``), every mesh axis
-    manual. A partly manual mesh is refused: the arrays would still be partitioned over the
-    other axes, which a per-shard callback cannot see."""
+    """Whether the caller traces inside its own ``shard_map`` (or ``pmap``), every mesh axis manual. A partly
+    manual mesh is refused: the arrays would still be partitioned over the other axes, unseen per shard."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     if not manual:
         return False
     auto = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
     if auto:
-        raise NotImplementedError(
-            f"TrainStream offload_adamw inside a shard_map that leaves the mesh axes {auto} automatic: "
-            "its per-device update needs whole local shards; make every axis manual "
-            "(shard_map(..., axis_names=all of them)) or call it outside the shard_map")
+        raise NotImplementedError(f"TrainStream offload_adamw inside a shard_map that leaves the mesh axes {auto} "
+                                  "automatic: its per-device update needs whole local shards; make every axis manual "
+                                  "(shard_map(..., axis_names=all of them)) or call it outside the shard_map")
     return True
 
 
@@ -93,29 +76,22 @@ def check_traced(leaves, paths) -> None:
     for x, path in zip(leaves, paths):
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
-            raise ValueError(
-                f"TrainStream offload_adamw: leaf {path} lives on a mesh of {dict(mesh.shape)} devices, "
-                "and this transformation never saw these parameters as arrays: offload_adamw takes the "
-                "PartitionSpecs of sharded parameters from the concrete arrays passed to tx.init (a traced "
-                "array carries none); call tx.init(params) outside jit, before the update")
+            raise ValueError(f"TrainStream offload_adamw: leaf {path} lives on a mesh of {dict(mesh.shape)} devices, "
+                             "and this transformation never saw these parameters as arrays: offload_adamw takes the "
+                             "PartitionSpecs of sharded parameters from the concrete arrays passed to tx.init (a "
+                             "traced array carries none); call tx.init(params) outside jit, before the update")
 
 
 def local_shape(shape, spec, mesh) -> tuple:
-    """The shape of one shard of an array of ``shape`` sharded by ``spec`` over ``mesh`` (JAX
-    refuses uneven NamedShardings)."""
-    out = list(shape)
-    for d, entry in enumerate(tuple(spec)[:len(out)]):
-        axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
-        out[d] //= math.prod(mesh.shape[a] for a in axes)
-    return tuple(out)
+    """One shard's shape of an array of ``shape`` sharded by ``spec`` over ``mesh``."""
+    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
 
 
 def init_state(params, leaves, layout: Layout, host_memory: bool):
-    """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this
-    process's shards only, never through GPU memory)."""
+    """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this process's shards
+    only, never through GPU memory)."""
     from ._transform import OffloadAdamWState  # noqa: PLC0415
-    mesh = layout.mesh
-    kind = "pinned_host" if host_memory else None
+    mesh, kind = layout.mesh, "pinned_host" if host_memory else None
 
     def zeros(x, spec):
         local = local_shape(np.shape(x), spec, mesh)
@@ -137,15 +113,14 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
 
 
 def per_device(fn, layout: Layout, first_specs, halves):
-    """``fn(scalars, count, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')``
-    (lists of leaves) in a ``shard_map`` over the layout's mesh, scalars and count replicated;
-    ``first_specs``: the specs of ``firsts``; ``halves``: the leaf of each master."""
-    specs = list(layout.specs)
+    """``fn(scalars, count, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` (lists of leaves)
+    in a ``shard_map`` over the layout's mesh: XLA calls each device's callback on that device's thread with its
+    local shards (replicated leaves: every copy). Scalars and count replicated; ``first_specs``: the specs of
+    ``firsts``; ``halves``: the leaf of each master."""
+    specs, rep = list(layout.specs), PartitionSpec()
     mspecs = [specs[i] for i in halves]
-    rep = PartitionSpec()
     return jax.shard_map(fn, mesh=layout.mesh, in_specs=(rep, rep, specs, specs, specs, specs, mspecs),
-                         out_specs=(list(first_specs), specs, specs, mspecs),
-                         check_vma=False)  # the callbacks' outputs carry no varying-axes types
+                         out_specs=(list(first_specs), specs, specs, mspecs), check_vma=False)  # no varying-axes types
 
 
 def default_threads() -> int:

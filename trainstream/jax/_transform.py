@@ -1,24 +1,18 @@
 """JAX adapter: ``offload_adamw``, optax.adamw whose state lives in host memory.
 
-No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix`
-evaluated with ``jax.numpy`` in the user's program (XLA's bias corrections, schedule and global norm,
-which only XLA reproduces); the update is a contract kernel run on XLA's own buffers through
-``jax.experimental.buffer_callback``, by the engine's host workers
-(:meth:`trainstream.core.Engine.update_external`) or, in ``mode="gpu"``, by a CUDA kernel on XLA's
-stream. XLA:GPU: :mod:`trainstream.jax._gpu`; sharded parameters: :mod:`trainstream.jax._sharding`.
-The callbacks are pure: the state goes in aliased to the outputs (updated in place where the caller
-donates it, else XLA copies it first) and nothing is kept between calls. On XLA:CPU::
-
-    program:   t, S, step_size = optax_scalar_matrix(count, ...)          # jnp, float32[n, 12]
-    update:    u, mu', nu', master' = callback(S, t, grads, params, mu, nu, master)
-               updates = step_size * u   # optax's scale_by_learning_rate, in the program
-    step:      params', mu', nu', master' = callback(...)                 # params aliased
+No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
+in the user's program (XLA's bias corrections, schedule and global norm, which only XLA reproduces); the update is a
+contract kernel on XLA's own buffers through ``jax.experimental.buffer_callback``, run by the engine's host workers
+or a CUDA kernel (XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`). The callbacks are pure: the state goes in
+aliased to the outputs (in place where the caller donates it) and nothing is kept between calls.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
+import contextlib
 import functools
 import importlib
 import math
@@ -41,15 +35,13 @@ from . import _gpu, _sharding
 __all__ = ["OffloadAdamW", "OffloadAdamWState", "close", "load_state_dict", "offload_adamw", "state_dict"]
 
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
-_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 class OffloadAdamWState(NamedTuple):
-    """The state of :func:`offload_adamw`: arrays shaped as optax's ``ScaleByAdamState`` (so optax's
-    wrappers, flax's ``nnx.Optimizer`` and orbax handle it as optax.adamw's). ``count``: int32, the
-    updates so far. ``mu``, ``nu``: float32 trees shaped like the parameters. ``master``: the float32
-    master of each fp16/bf16 leaf, None for float32 leaves. On a GPU the moments and masters are
-    ``memory_kind="pinned_host"`` arrays of the parameters' device."""
+    """The state of :func:`offload_adamw`, shaped as optax's ``ScaleByAdamState`` (so optax's wrappers, flax's
+    ``nnx.Optimizer`` and orbax handle it as optax.adamw's). ``count``: int32, the updates so far. ``mu``, ``nu``:
+    float32 trees shaped like the parameters. ``master``: the float32 master of each fp16/bf16 leaf, None for
+    float32 leaves. On a GPU the moments and masters are ``memory_kind="pinned_host"`` arrays."""
 
     count: Any
     mu: Any
@@ -57,8 +49,7 @@ class OffloadAdamWState(NamedTuple):
     master: Any
 
 
-# offload_adamw's checked arguments; learning_rate: a float, an array or a schedule; threads None:
-# _sharding.default_threads(), when the first update is traced
+# offload_adamw's checked arguments (threads None: decided when the first update is traced)
 _Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
                                  "after_clip mode convention threads chunk_elems worker_nice host_margin")
 
@@ -78,29 +69,23 @@ _engines_lock = threading.Lock()
 
 
 def _finish_in_flight() -> None:
-    try:
+    with contextlib.suppress(Exception):  # exiting; JAX's own hook reports a failed program
         jax.effects_barrier()
-    except Exception:  # noqa: BLE001 - exiting; JAX's own hook reports a failed program
-        pass
 
 
 def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) -> Engine:
-    """The host engine of a configuration, shared in this process (a child of ``os.fork``
-    gets its own); its workers live as long as the process."""
+    """The host engine of a configuration, shared in this process for its lifetime (a forked child gets its own)."""
     key = (os.getpid(), convention, tc_code, threads, chunk, nice)
-    eng = _engines.get(key)  # every callback asks: no lock once it exists
-    if eng is not None:
-        return eng
-    with _engines_lock:
-        eng = _engines.get(key)
-        if eng is None:
-            eng = _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
-                                         convention=convention, tc_code=tc_code, worker_nice=nice)
-            # registered after the engine's finalizer, so it runs first at exit: XLA's programs
-            # still in flight run their callbacks while the workers live
-            atexit.unregister(_finish_in_flight)
-            atexit.register(_finish_in_flight)
-    return eng
+    if key not in _engines:  # every callback asks: no lock once it exists
+        with _engines_lock:
+            if key not in _engines:
+                _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
+                                       convention=convention, tc_code=tc_code, worker_nice=nice)
+                # registered after the engine's finalizer, so it runs first at exit: XLA's programs still in
+                # flight run their callbacks while the workers live
+                atexit.unregister(_finish_in_flight)
+                atexit.register(_finish_in_flight)
+    return _engines[key]
 
 
 def _torch_cpu_code() -> int:
@@ -117,32 +102,25 @@ def _torch_cpu_code() -> int:
 
 @functools.cache
 def _xla_cpu_fma() -> bool:
-    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (not with ``--xla_cpu_max_isa=SSE4_2``
-    or ``AVX``): probed once with one jitted expression."""
+    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (not with ``--xla_cpu_max_isa=SSE4_2`` or ``AVX``):
+    probed once with one jitted expression."""
     rng = np.random.default_rng(5)
     a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
     cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
-    out = []
 
-    def probe():  # in a thread of its own: none of the caller's trace or mesh context
-        try:
-            f = jax.jit(lambda a, b, c: a * b + c)
-            out.append(np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32))
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            out.append(exc)
+    def probe():
+        f = jax.jit(lambda a, b, c: a * b + c)
+        return np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32)
 
-    t = threading.Thread(target=probe, name="trainstream-xla-probe")
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    if np.array_equal(out[0], C.fma_f32(a, b, c).view(np.uint32)):
+    # in a thread of its own: none of the caller's trace or mesh context; its errors raise here
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainstream-xla-probe") as pool:
+        out = pool.submit(probe).result()
+    if np.array_equal(out, C.fma_f32(a, b, c).view(np.uint32)):
         return True
-    if np.array_equal(out[0], (a * b + c).view(np.uint32)):
+    if np.array_equal(out, (a * b + c).view(np.uint32)):
         return False
-    warnings.warn("TrainStream: XLA:CPU's a*b + c is neither fused nor two roundings on this host; "
-                  "convention='optax' on the CPU may differ from optax.adamw in the last bit",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn("TrainStream: XLA:CPU's a*b + c is neither fused nor two roundings on this host; convention='optax' "
+                  "on the CPU may differ from optax.adamw in the last bit", RuntimeWarning, stacklevel=4)
     return True
 
 
@@ -156,10 +134,6 @@ def _is_number(x) -> bool:
 
 def _paths(tree) -> list[str]:
     return [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
 
 
 def _layout_key(params, leaves) -> tuple:
@@ -203,13 +177,12 @@ def _host_numel(x) -> int:
     """Elements of leaf ``x`` whose state this process holds (its devices' shards)."""
     sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
     if sharding is None:
-        return _numel(np.shape(x))
-    return len(sharding.addressable_devices) * _numel(sharding.shard_shape(np.shape(x)))
+        return math.prod(np.shape(x))
+    return len(sharding.addressable_devices) * math.prod(sharding.shard_shape(np.shape(x)))
 
 
 def _check_host_state(mu, nu, master, paths) -> None:
-    """On a GPU the moments and masters must arrive in host memory: XLA would otherwise hand
-    the kernels GPU memory, and the state would silently live there."""
+    """On a GPU the moments and masters must arrive in host memory (else the state would silently live on the GPU)."""
     for what, leaves in (("mu", mu), ("nu", nu), ("master", master)):
         for x, path in zip(leaves, paths):
             if x is not None and getattr(jax.typeof(x), "memory_space", None) != jax.memory.Space.Host:
@@ -221,33 +194,31 @@ def _check_host_state(mu, nu, master, paths) -> None:
 
 
 def _check_gpu_mode(platform: str, cfg: _Config) -> None:
-    """``mode="gpu"``: a CUDA GPU, parameters on it, the optax convention."""
+    """``mode="gpu"`` needs a CUDA GPU, the parameters on it and the optax convention."""
+    if cfg.mode != "gpu":
+        return
     if platform != "cuda":
-        try:
-            has_gpu = bool(jax.devices("gpu"))
-        except RuntimeError:
-            has_gpu = False
-        if not has_gpu:
-            raise RuntimeError("TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU visible to "
-                               f"JAX; this process has none (jax.devices() = {jax.devices()})")
-        raise ValueError("TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the parameters "
-                         "are on the CPU: put them on the GPU first (jax.device_put(params, jax.devices('gpu')[0])), "
-                         "or use mode='cpu'")
+        with contextlib.suppress(RuntimeError):  # raised by jax.devices("gpu") without a GPU backend
+            if jax.devices("gpu"):
+                raise ValueError("TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the "
+                                 "parameters are on the CPU: put them on the GPU first (jax.device_put(params, "
+                                 "jax.devices('gpu')[0])), or use mode='cpu'")
+        raise RuntimeError("TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU visible to "
+                           f"JAX; this process has none (jax.devices() = {jax.devices()})")
     if cfg.convention != "optax":
-        raise NotImplementedError(
-            "TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its scalars are computed "
-            "inside the XLA program; the torch convention's are host float64 values per step). Use mode='cpu' "
-            "for convention='torch'")
+        raise NotImplementedError("TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its "
+                                  "scalars are computed inside the XLA program; the torch convention's are host "
+                                  "float64 values per step). Use mode='cpu' for convention='torch'")
 
 
 class _Plan:
-    """What the callbacks of one traced update need: static (the compiled program keeps it
-    through its callbacks, so it holds no array), shared by equal configurations."""
+    """What the callbacks of one traced update need, shared by equal configurations; static (the compiled
+    program keeps it through its callbacks), so it holds no array."""
 
     __slots__ = ("n", "kinds", "numels", "halves", "emit_u", "convention", "max_grad_norm", "hps", "schedule", "mode",
                  "engine_key", "gpu", "__weakref__")
 
-    def __init__(self, cfg: _Config, kinds, numels, decay, emit_u: bool):
+    def __init__(self, cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str):
         self.n, self.kinds, self.numels, self.emit_u = len(kinds), tuple(kinds), tuple(numels), emit_u
         self.halves = tuple(i for i, k in enumerate(kinds) if k != "float32")
         self.convention, self.max_grad_norm, self.mode = cfg.convention, cfg.max_grad_norm, cfg.mode
@@ -256,20 +227,19 @@ class _Plan:
         threads = cfg.threads or _sharding.default_threads()
         self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_elems, cfg.worker_nice)
         self.hps = None
-        if cfg.convention == "torch":
-            base_lr = 0.0 if callable(cfg.learning_rate) else float(cfg.learning_rate)
-            self.hps = [C.AdamWHyperParams(base_lr, float(cfg.b1), float(cfg.b2), float(cfg.eps),
-                                           float(cfg.weight_decay) if d else 0.0) for d in decay]
-        self.gpu = None  # trainstream.jax._gpu's per-device resources (staging), on first use
+        if cfg.convention == "torch":  # float hyper-parameters (offload_adamw refuses arrays)
+            lr = 0.0 if self.schedule else cfg.learning_rate
+            self.hps = [C.AdamWHyperParams(lr, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if d else 0.0) for d in decay]
+        self.gpu = _gpu._Update(self) if platform == "cuda" else None  # XLA:GPU's callback (XLA keys programs by it)
 
     @property
     def engine(self) -> Engine:
         return _engine(*self.engine_key)
 
     def torch_scalars(self, s_optax: np.ndarray, count_inc: int, grads: list) -> np.ndarray:
-        """The torch convention's scalar matrix (host float64, from the contract) for the count
-        after increment; with ``max_grad_norm`` the engine's float64 norm of ``grads`` (``(array,
-        dtype, landed)``); a schedule's learning rate is XLA's, the optax matrix's ``S_NEG_LR``."""
+        """The torch convention's scalar matrix (host float64, from the contract) for the count after increment;
+        with ``max_grad_norm`` the engine's float64 norm of ``grads`` (``(array, dtype, landed)``); a schedule's
+        learning rate is XLA's, the optax matrix's ``S_NEG_LR``."""
         clip = np.float32(1.0)
         if self.max_grad_norm is not None:
             clip = C.clip_coefficient(math.sqrt(self.engine.sumsq_external(grads)), self.max_grad_norm)
@@ -281,9 +251,8 @@ class _Plan:
         return rows
 
     def __call__(self, ctx, outs, scal, count, *ins) -> None:
-        """``(S, t, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` on XLA:CPU
-        (every buffer host memory), ``firsts`` the new weights (``step``: aliased to the params)
-        or ``u`` (``update``; a placeholder for fp16/bf16 leaves, whose master is the result)."""
+        """``(S, t, grads, params, mu, nu, masters) -> (firsts, mu', nu', masters')`` on XLA:CPU, ``firsts`` the
+        new weights (``step``: aliased to the params) or ``u`` (``update``; a placeholder for fp16/bf16 leaves)."""
         n, view = self.n, _flat_view
         params, mus, nus = ins[n:2 * n], outs[n:2 * n], outs[2 * n:3 * n]
         master_of = dict(zip(self.halves, outs[3 * n:]))
@@ -317,16 +286,15 @@ _plans_lock = threading.Lock()
 
 
 def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _Plan:
-    """The plan of a layout, shared by equal configurations (the most recent ones kept): XLA's
-    compile cache keys programs by their callbacks, so a new ``offload_adamw`` or jit of an
-    equal configuration compiles nothing new."""
+    """The plan of a layout, shared by equal configurations (the most recent ones kept): XLA's compile cache
+    keys programs by their callbacks, so a new ``offload_adamw`` or jit of an equal one compiles nothing new."""
     static = tuple(v if _is_number(v) or v is None or isinstance(v, str) else
                    (("callable", v) if callable(v) else "array") for v in cfg)
     key = (static, tuple(kinds), tuple(numels), tuple(decay), emit_u, platform)
     with _plans_lock:
         plan = _plans.pop(key, None)
         if plan is None:
-            plan = _Plan(cfg, kinds, numels, decay, emit_u)
+            plan = _Plan(cfg, kinds, numels, decay, emit_u, platform)
         _plans[key] = plan  # most recent last
         while len(_plans) > _PLANS_KEPT:
             _plans.pop(next(iter(_plans)))
@@ -335,15 +303,13 @@ def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _P
 
 def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     """``plan``'s update on XLA:CPU: one callback (:meth:`_Plan.__call__`) over one device's leaves."""
-    n = plan.n
-    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+    n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
     if plan.emit_u:
         first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, plan.kinds)]
     else:
         first = [sds(np.shape(p), p.dtype) for p in p_leaves]
     result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
-    base = 2 + 2 * n  # index of the first moment in the operands
-    aliases = {base + j: n + j for j in range(2 * n + len(masters))}
+    aliases = {2 + 2 * n + j: n + j for j in range(2 * n + len(masters))}  # the state, from the first moment
     if not plan.emit_u:
         aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place
     outs = buffer_callback(plan, result, input_output_aliases=aliases, vmap_method=None)(
@@ -355,9 +321,7 @@ class _Impl:
     def __init__(self, cfg: _Config):
         self.cfg = cfg
         self._eager: dict = {}  # emit_u -> the jitted update for calls outside jit
-        # the layout (None: single-device arrays) of each concrete parameter pytree passed to
-        # init, by structure, shapes and dtypes (the last init wins)
-        self._layouts: dict = {}
+        self._layouts: dict = {}  # _layout_key -> the layout of the last concrete init (None: single-device)
 
     def _remember_layout(self, params, leaves, paths) -> _sharding.Layout | None:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -372,8 +336,7 @@ class _Impl:
         for x, p in zip(leaves, paths):
             _leaf_dtype_name(x, p)
         platform = _platform_of(leaves)
-        if self.cfg.mode == "gpu":
-            _check_gpu_mode(platform, self.cfg)
+        _check_gpu_mode(platform, self.cfg)
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
@@ -383,10 +346,8 @@ class _Impl:
         if platform == "cuda":
             return _gpu.init(params, leaves)
         f32 = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)  # noqa: E731
-        master = jax.tree.map(lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32),
-                              params)
-        return OffloadAdamWState(jnp.zeros([], jnp.int32), jax.tree.map(f32, params), jax.tree.map(f32, params),
-                                 master)
+        master = lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32)  # noqa: E731
+        return OffloadAdamWState(jnp.zeros([], jnp.int32), *(jax.tree.map(f, params) for f in (f32, f32, master)))
 
     def host_plan(self, leaves, paths, platform: str) -> dict[str, float]:
         """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
@@ -448,17 +409,16 @@ class _Impl:
             if key not in self._layouts:
                 _sharding.check_traced(p_leaves, paths)
             layout = self._layouts.get(key)
-        if cfg.mode == "gpu":
-            _check_gpu_mode(platform, cfg)
+        _check_gpu_mode(platform, cfg)
         halves = [i for i, k in enumerate(kinds) if k != "float32"]
         if platform == "cuda":
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
         if layout is None:
-            numels = [_numel(np.shape(p)) for p in p_leaves]
+            numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
-            numels = [_numel(_sharding.local_shape(np.shape(p), spec, layout.mesh))
+            numels = [math.prod(_sharding.local_shape(np.shape(p), spec, layout.mesh))
                       for p, spec in zip(p_leaves, layout.specs)]
             if cfg.convention == "torch" and cfg.max_grad_norm is not None:
                 raise NotImplementedError(
@@ -529,11 +489,10 @@ class _Impl:
 
 
 def state_dict(state: OffloadAdamWState, params=None) -> dict:
-    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (copies), checkpoints
-    in ``torch.optim.AdamW``'s names; ``master``: the float32 master of each leaf, for float32
-    leaves the weights themselves (so ``params`` is needed when there are any). Whole arrays
-    only: the state of several processes (``jax.distributed``) raises ``ValueError``; save
-    the state itself with orbax."""
+    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (copies), in ``torch.optim.AdamW``'s
+    names; ``master``: the float32 master of each leaf, for float32 leaves the weights themselves (so ``params``
+    is needed when there are any). Whole arrays only: the state of several processes (``jax.distributed``)
+    raises ``ValueError``; save the state itself with orbax."""
     for x in jax.tree.leaves(state):
         if not getattr(x, "is_fully_addressable", True):
             raise ValueError("TrainStream state_dict gathers the whole state into this process, and part of it lives "
@@ -556,18 +515,16 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
 
 
 def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
-    """The state of a :func:`state_dict` checkpoint, placed like ``state`` (e.g. from
-    ``tx.init``: host memory on a GPU); ``ValueError`` where the checkpoint's keys, structure
-    or shapes do not match ``state``. Float32 leaves take their weights from the params
-    (restore those too): their ``master`` entries are ignored."""
+    """The state of a :func:`state_dict` checkpoint, placed like ``state`` (e.g. from ``tx.init``: host memory on
+    a GPU); ``ValueError`` where the checkpoint's keys, structure or shapes do not match ``state``. Float32 leaves
+    take their weights from the params (restore those too): their ``master`` entries are ignored."""
     missing = {"count", "exp_avg", "exp_avg_sq"} - set(sd)
     if missing:
         raise ValueError(f"TrainStream load_state_dict: checkpoint lacks {sorted(missing)}")
     count = int(np.asarray(sd["count"]))
-    if not 0 <= count <= _I32_MAX:
+    if not 0 <= count <= np.iinfo(np.int32).max:
         raise ValueError(f"TrainStream load_state_dict: count {count} out of range")
-    treedef = jax.tree.structure(state.mu)
-    like = jax.tree.leaves(state.mu)
+    like, treedef = jax.tree.flatten(state.mu)
     cols = {}
     for k in ("exp_avg", "exp_avg_sq") + (("master",) if "master" in sd else ()):
         leaves, td = jax.tree.flatten(sd[k])
@@ -596,9 +553,8 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
 
 
 def close(state: OffloadAdamWState) -> None:
-    """Release the state's memory now (host memory on a GPU) instead of when its arrays are
-    collected: every array of ``state`` is deleted and the state unusable. Idempotent. (The
-    host workers are shared by the process and stay.)"""
+    """Release the state's memory now (host memory on a GPU) instead of when its arrays are collected: every array
+    of ``state`` is deleted and the state unusable. Idempotent. (The process's host workers stay.)"""
     for x in jax.tree.leaves(state):
         delete = getattr(x, "delete", None)
         if delete is not None and not (hasattr(x, "is_deleted") and x.is_deleted()):
@@ -606,23 +562,22 @@ def close(state: OffloadAdamWState) -> None:
 
 
 class OffloadAdamW(optax.GradientTransformation):
-    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`: ``init`` and
-    ``update`` as optax's (``update(updates, state, params)`` is exactly optax.adamw's; params
-    are required), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
+    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`: ``init`` and ``update`` as
+    optax.adamw's (params required), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
     :func:`state_dict`, :func:`load_state_dict` and :func:`close` as static methods."""
 
     __slots__ = ()
 
     def host_memory_plan(self, params) -> dict[str, float]:
-        """The host memory ``init(params)`` will check and its state take (bytes per part,
-        pinned and pageable, ``needed``, ``available``, ``usable``, ``fits``: see
-        :func:`trainstream.core._budget.plan`), without allocating anything."""
+        """The host memory ``init(params)`` will check and its state take, without allocating anything: bytes
+        per part, pinned and pageable, ``needed``, ``available``, ``usable``, ``fits``
+        (:func:`trainstream.core._budget.plan`)."""
         leaves = jax.tree.leaves(params)
         return self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
 
     def step(self, grads, state, params):
-        """One update: ``(new_params, new_state)``, the new weights in one pass (no update
-        array), written in place where the caller donates the params."""
+        """One update: ``(new_params, new_state)``, the new weights in one pass (no update array), written in
+        place where the caller donates the params."""
         return self.update.__self__.step(grads, state, params)
 
     state_dict = staticmethod(state_dict)
@@ -631,9 +586,8 @@ class OffloadAdamW(optax.GradientTransformation):
 
 
 def _static_int(name: str, x, default, positive: bool = True):
-    """A checked int argument that changes no bit. optax.inject_hyperparams passes every number as
-    an array too (a tracer in the update): a traced one falls back to its default (name it in
-    static_args to keep another value there)."""
+    """A checked int argument that changes no bit. optax.inject_hyperparams passes every number as an array too
+    (a tracer in the update): a traced one falls back to its default (name it in static_args to keep another)."""
     if isinstance(x, jax.core.Tracer):
         x = default
     elif hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.integer) and np.ndim(x) == 0:
@@ -652,73 +606,64 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
                   convention: str = "optax", threads: int | None = None, chunk_elems: int = 1 << 20,
                   worker_nice: int = 5, host_margin: float | None = _budget.MARGIN,
                   gpu_state_bytes: int | None = None) -> OffloadAdamW:
-    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host
-    memory, updated on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
+    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
+    on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
 
     Args:
-      learning_rate: a float, an optax schedule (``count -> lr``) or an array (as
-        ``optax.inject_hyperparams`` passes it).
-      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or
-        arrays.
-      max_grad_norm: if given, the result of ``optax.chain(optax.clip_by_global_norm(max_grad_norm),
-        optax.adamw(...))`` (optax's norm of the float32-upcast gradients, in the program). With
-        ``convention="torch"``: ``clip_grad_norm_``'s coefficient of a float64 norm (not for
-        sharded parameters). Over several processes on an AVX2 host, XLA:CPU was seen to compute a
-        small matmul's gradient for our callback in other roundings than in optax's program (1
-        weight in 190 off by 1 ULP after 3 steps); ``optax.chain(optax.clip_by_global_norm(M),
-        offload_adamw(..., after_clip_by_global_norm=M))`` (the gradient consumed by optax's clip
-        first, as in optax's program) stayed bit-identical there.
+      learning_rate: a float, an optax schedule (``count -> lr``) or an array (``optax.inject_hyperparams``).
+      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or arrays.
+      max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
+        (optax's norm of the float32-upcast gradients, in the program); with ``convention="torch"``,
+        ``clip_grad_norm_``'s coefficient of a float64 norm (not for sharded parameters). Over several processes
+        on an AVX2 host XLA:CPU was seen to round a small matmul's gradient for our callback otherwise than in
+        optax's program (1 weight in 190 off by 1 ULP after 3 steps); ``optax.chain(optax.clip_by_global_norm(M),
+        offload_adamw(..., after_clip_by_global_norm=M))`` (the gradient consumed by optax's clip first, as in
+        optax's program) stayed bit-identical there.
       mask: as ``optax.adamw``'s (leaves with False get no weight decay).
-      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into
-        optax's moment update in the reference program, where LLVM pairs the FMAs differently
-        ("Fused gradients" in :mod:`trainstream.contract`), e.g. every leaf under
-        ``optax.MultiSteps``. Default: none. XLA:CPU only.
-      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an
-        ``optax.chain`` on XLA:CPU (the FMA pairing of ``max_grad_norm=M``, the simpler way to
-        write that chain; the two exclude each other).
-      mode: ``"cpu"``: the host updates (on a GPU the gradients go to the host and the weights
-        back, on XLA's stream). ``"gpu"``: a CUDA kernel on XLA's stream, the state in pinned
-        host memory streamed through a 72 MiB ring of GPU buffers per device, kept for the
-        process; needs the parameters on a CUDA device and ``convention="optax"``.
-      convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"``
-        (``torch.optim.AdamW`` on the CPU, bit for bit; needs torch and float hyper-parameters;
-        ``update`` returns ``new - params``).
-      threads, chunk_elems: host worker threads of this process, shared by its devices
-        (default: its share of the usable cores among this host's JAX processes, less one),
-        and the elements of one job.
+      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
+        in the reference program, where LLVM pairs the FMAs differently ("Fused gradients" in
+        :mod:`trainstream.contract`), e.g. every leaf under ``optax.MultiSteps``. Default: none. XLA:CPU only.
+      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
+        on XLA:CPU (the FMA pairing of ``max_grad_norm=M``, the simpler way to write that chain; they exclude
+        each other).
+      mode: ``"cpu"``: the host updates (on a GPU the gradients go to the host and the weights back, on XLA's
+        stream). ``"gpu"``: a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a
+        72 MiB ring of GPU buffers per device, kept for the process; needs the parameters on a CUDA device and
+        ``convention="optax"``.
+      convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"`` (``torch.optim.AdamW`` on the
+        CPU, bit for bit; needs torch and float hyper-parameters; ``update`` returns ``new - params``).
+      threads, chunk_elems: host worker threads of this process, shared by its devices (default: its share of
+        the usable cores among this host's JAX processes, less one), and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
-      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"``
-        also the pinned staging) will take (:meth:`OffloadAdamW.host_memory_plan`) against what
-        the host has less this fraction, raising ``MemoryError`` before any array is made.
-        None: no check.
-      gpu_state_bytes: not built for JAX: anything but None or 0 raises
-        ``NotImplementedError``; for state in GPU memory give those leaves ``optax.adamw``
-        (``optax.multi_transform``; float32 leaves get the bits of ``mode="gpu"``).
+      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
+        staging) will take (:meth:`OffloadAdamW.host_memory_plan`) against what the host has less this
+        fraction, raising ``MemoryError`` before any array is made. None: no check.
+      gpu_state_bytes: not built for JAX: anything but None or 0 raises ``NotImplementedError``; for state in
+        GPU memory give those leaves ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
+        ``mode="gpu"``'s bits).
 
-    Invalid arguments raise ``ValueError`` or ``TypeError``, unsupported uses (``jax.vmap``
-    included) ``NotImplementedError``.
+    Invalid arguments raise ``ValueError`` or ``TypeError``, unsupported uses (``jax.vmap`` included)
+    ``NotImplementedError``.
 
-    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits
-    (so ``optax.apply_updates`` and optax's wrappers give the reference program's bits) and
-    ``step`` the same new weights directly. An fp16/bf16 leaf's fp32 master equals optax's on
-    fp32 parameters fed the upcast gradients and the weights are its rounding (``update``
-    returns, in float32, the difference ``apply_updates`` turns into it). On the CPU a master
-    that does not round to the weights passed in is replaced by them
-    (:func:`trainstream.contract.master_of_weights`); on a GPU it is used as it is. On a GPU
-    ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the
-    host, within the contract's ``OPTAX_CUDA_HOST_MAX_ULP``.
+    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits (so
+    ``optax.apply_updates`` and optax's wrappers give the reference program's bits), ``step`` the same new
+    weights directly. An fp16/bf16 leaf's fp32 master equals optax's on fp32 parameters fed the upcast
+    gradients, the weights are its rounding (``update`` returns, in float32, the difference ``apply_updates``
+    turns into it); on the CPU a master that does not round to the weights passed in is replaced by them
+    (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU ``mode="gpu"`` gives
+    optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the contract's
+    ``OPTAX_CUDA_HOST_MAX_ULP``.
 
-    Donation: donate the state (``jax.jit(..., donate_argnums=...)``) to update it in place,
-    else XLA copies it first. Then pass and return params and state in the same order
-    (``step(params, state, ...) -> (params, state)``): JAX pairs donated inputs of unknown memory
-    kind (uncommitted arrays) with outputs by shape and dtype alone, and could pair a moment in
-    host memory with a weight in GPU memory. On a GPU a NumPy view of a state array keeps XLA
-    from donating it: copy it.
+    Donation: donate the state (``jax.jit(..., donate_argnums=...)``) to update it in place, else XLA copies it
+    first; then pass and return params and state in the same order (``step(params, state, ...) -> (params,
+    state)``): JAX pairs donated inputs of unknown memory kind (uncommitted arrays) with outputs by shape and
+    dtype alone, and could pair a moment in host memory with a weight in GPU memory. On a GPU a NumPy view of a
+    state array keeps XLA from donating it: copy it.
 
-    Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``):
-    call ``init`` outside jit (it reads the specs from the concrete arrays); each device updates
-    its own shards with the whole program's scalars and global norm, as optax.adamw does. Inside
-    the caller's own ``shard_map`` the update is that device's, as optax's there.
+    Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``): call ``init``
+    outside jit (it reads the specs from the concrete arrays); each device updates its own shards with the
+    whole program's scalars and global norm, as optax.adamw does; inside the caller's own ``shard_map``, as
+    optax's there, the update is that device's.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
@@ -746,14 +691,12 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
-        max_grad_norm = float(max_grad_norm)
     after_clip = after_clip_by_global_norm
     if after_clip is not None:
         if not _is_number(after_clip) or not after_clip > 0:
             raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
         if max_grad_norm is not None:
             raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
-        after_clip = float(after_clip)
     threads = _static_int("threads", threads, None)
     chunk_elems = _static_int("chunk_elems", chunk_elems, 1 << 20)
     worker_nice = _static_int("worker_nice", worker_nice, 5, positive=False)
@@ -765,6 +708,6 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         _torch_cpu_code()  # refuse early without torch
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    impl = _Impl(_Config(fl(learning_rate), fl(b1), fl(b2), fl(eps), fl(weight_decay), max_grad_norm, mask,
-                         xla_fused_grads, after_clip, mode, convention, threads, chunk_elems, worker_nice, host_margin))
+    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, xla_fused_grads,
+                         fl(after_clip), mode, convention, threads, chunk_elems, worker_nice, host_margin))
     return OffloadAdamW(impl.init, impl.update)

@@ -4,6 +4,7 @@ copies for one device, CUDA or CPU) and the probe of torch's CPU arithmetic (:fu
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -144,32 +145,26 @@ class TorchBackend:
         return _cuda.Event(self.drv, self.h2d.cuda_stream) if self.cuda else None
 
 
-_TC_CODE: int | None = None
-
-
+@functools.cache
 def torch_cpu_code() -> int:
     """The contract's torch/cpu code on this machine, probed once per process: which MKL sqrt path
     ``torch.sqrt`` takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused. Where no path
     Numba compiles matches, the correctly rounded root (within the contract's ``TORCH_CPU_SQRT_MAX_ULP``) or, for a
     lerp neither fused nor two roundings, the fused form is used, with one warning."""
-    global _TC_CODE
-    if _TC_CODE is None:
-        mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
-        fused = _cpu_sqrt.detect_lerp_fma(
-            lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
-        problems = []
-        if mode is None:
-            problems.append(f"torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
-                            f"Numba's target lacks); the correctly rounded root is used, within "
-                            f"{C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
-            mode = _cpu_sqrt.IEEE
-        if fused is None:
-            problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
-            fused = True
-        if problems:
-            warnings.warn("TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in the last bit on "
-                          "this host (torch " + torch.__version__ + ", CPU capability "
-                          + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
-                          RuntimeWarning, stacklevel=3)
-        _TC_CODE = mode | (0 if fused else C.TC_NO_FMA)
-    return _TC_CODE
+    mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
+    fused = _cpu_sqrt.detect_lerp_fma(lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
+    problems = []
+    if mode is None:
+        problems.append(f"torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
+                        f"Numba's target lacks); the correctly rounded root is used, within "
+                        f"{C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
+        mode = _cpu_sqrt.IEEE
+    if fused is None:
+        problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
+        fused = True
+    if problems:
+        warnings.warn("TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in the last bit on "
+                      "this host (torch " + torch.__version__ + ", CPU capability "
+                      + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
+                      RuntimeWarning, stacklevel=3)
+    return mode | (0 if fused else C.TC_NO_FMA)

@@ -101,10 +101,8 @@ def worker_cores(spec: Any, device: torch.device) -> list[int] | None:
         if spec != "auto":
             raise ValueError(f"worker_cores must be None, 'auto' or a list of CPU ids, got {spec!r}")
         lrank, lworld = local_world()
-        nodes = None
-        if device.type == "cuda" and device.index == lrank and torch.cuda.device_count() >= lworld:
-            nodes = [_gpu_numa_node(r) for r in range(lworld)]
-        return _cores.rank_cores(lrank, lworld, nodes)
+        gpu_r = device.type == "cuda" and device.index == lrank and torch.cuda.device_count() >= lworld
+        return _cores.rank_cores(lrank, lworld, [_gpu_numa_node(r) for r in range(lworld)] if gpu_r else None)
     try:
         cores = sorted({int(c) for c in spec})
     except (TypeError, ValueError):

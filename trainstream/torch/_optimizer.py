@@ -56,10 +56,9 @@ def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments:
     (from the last parameter backwards with ``last``). Parameters that registration will refuse are left out."""
     res = _resident(flat, resident_bytes, resident_used)
     order = [i for i in (range(len(flat) - 1, -1, -1) if last else range(len(flat))) if not res[i]]
-    dev = _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order], mode, budget, used)
-    on_gpu = [False] * len(flat)
-    for i, d in zip(order, dev):
-        on_gpu[i] = d
+    dev = dict(zip(order, _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order],
+                                        mode, budget, used)))
+    on_gpu = [dev.get(i, False) for i in range(len(flat))]
     device = device or next((D.local(p).device for p in flat), None)
     cuda = device is not None and device.type == "cuda"
     slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], "device" if g else "host")
@@ -76,9 +75,9 @@ def _check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> 
         raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
     if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
-    if isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto":
-        return
-    if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0:
+    auto = isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto"
+    if not auto and (isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral)
+                     or gpu_state_bytes < 0):
         raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes, or 'auto')")
     if gpu_params not in ("first", "last"):
         raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
@@ -90,17 +89,13 @@ class _Owned:
     """What one :class:`OffloadAdamW` releases, once: its hooks and its engine."""
 
     def __init__(self, *hook_dicts: dict):
-        self.hook_dicts = hook_dicts
-        self.handles: list[Any] = []
-        self.engine: Engine | None = None
+        self.hook_dicts, self.handles, self.engine = hook_dicts, [], None
 
     def release(self) -> None:
-        for d in self.hook_dicts:
-            for h in d.values():
-                h.remove()
-            d.clear()
-        for h in self.handles:
+        for h in [*self.handles, *(h for d in self.hook_dicts for h in d.values())]:
             h.remove()
+        for d in self.hook_dicts:
+            d.clear()
         if self.engine is not None:
             self.engine.close()
 
@@ -172,13 +167,13 @@ class OffloadAdamW(Optimizer):
     within ``gpu_state_bytes``, in GPU memory). In an existing loop it changes memory and speed, nothing else:
 
     * Gradients stay in ``param.grad`` (summed over micro-batches in the parameter's dtype). As backward
-      produces each one, a hook copies it to pinned host memory asynchronously; ``step()`` uses that copy,
-      copies ``param.grad`` again where it changed since (``clip_grad_norm_``, ``GradScaler``, an edit by
-      hand), and skips parameters whose ``grad`` is ``None``. Clipping (``max_grad_norm``,
-      :meth:`clip_grad_norm`) and ``GradScaler``'s unscaling act on ``param.grad`` as torch's own operations;
-      the host applies the same multiplier to its copy, bit for bit.
+      produces each, a hook copies it to pinned host memory asynchronously; ``step()`` uses that copy, copies
+      ``param.grad`` again where it changed since (``clip_grad_norm_``, ``GradScaler``, by hand) and skips
+      parameters whose ``grad`` is ``None``. Clipping (``max_grad_norm``, :meth:`clip_grad_norm`) and
+      ``GradScaler``'s unscaling act on ``param.grad`` as torch's own ops; the host copy gets the same
+      multiplier, bit for bit.
     * ``step()`` returns once the host update has run and, with CUDA parameters, makes the current stream wait
-      (on the GPU) for the uploads of the new weights: no ``synchronize()`` needed.
+      for the uploads of the new weights: no ``synchronize()`` needed.
     * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same
       shape, dtype and device) are what it updates next: a changed ``param._version`` or storage is re-read
       (fp16/bf16: an element keeps its fp32 master where that still rounds to the weight). ``p.data.mul_(...)``
@@ -193,14 +188,14 @@ class OffloadAdamW(Optimizer):
 
     * FSDP2 (``fully_shard``): build it on the sharded parameters (DTensors); each rank registers its local
       shard (uneven or empty included); FSDP2 runs the gradient hooks after its reduce-scatter. Clipping is
-      torch's norm of the DTensor gradients, a collective. As a user's in-place foreach ops on DTensor
-      gradients move no version counter (torch 2.13), the hook copies nothing unless ``max_grad_norm`` is set,
-      and ``step()`` copies each shard's gradient. ``state`` and ``state_dict()`` hold DTensor views of the
-      host state, laid out as the parameters: torch.distributed.checkpoint saves and loads them (also to and
-      from ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local
+      torch's norm of the DTensor gradients, a collective. As in-place foreach ops on DTensor gradients move
+      no version counter (torch 2.13), the hook copies nothing unless ``max_grad_norm`` is set, and ``step()``
+      copies each shard's gradient. ``state`` and ``state_dict()`` hold DTensor views of the host state, laid
+      out as the parameters, which torch.distributed.checkpoint saves and loads (also to and from
+      ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local
       shards that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
-    * DDP, or any reduction of the gradients after backward: the gradients of plain parameters are taken at
-      ``step()``, after it, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
+    * DDP, or any reduction of the gradients after backward: plain parameters' gradients are taken at
+      ``step()``, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
       partition. Not with :meth:`last_micro_batch`.
 
     Args:
@@ -210,21 +205,21 @@ class OffloadAdamW(Optimizer):
       max_grad_norm: if set, ``step()`` first runs :meth:`clip_grad_norm` over the parameters in group order.
       mode: ``"cpu"`` (update on host threads), ``"gpu"`` (a GPU kernel; the host state streams through a
         72 MiB ring of GPU buffers, ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (up to ``gpu_share`` of
-        the trainable elements by the GPU kernel reading their host state over PCIe, at once with the host
-        threads). ``gpu`` and ``hybrid`` need CUDA parameters. Each parameter gets the bits of the mode that
-        updates it (both ``torch.optim.AdamW``'s on CUDA).
+        the trainable elements by the GPU kernel reading their host state over PCIe, concurrently with the
+        host threads). ``gpu`` and ``hybrid`` need CUDA parameters. Each parameter gets the bits of the mode
+        that updates it (both ``torch.optim.AdamW``'s on CUDA).
       overlap_forward: a module (the model) whose next forward may overlap the update: see above.
       gpu_state_bytes: GPU memory, in bytes, for optimizer state (any mode; CUDA parameters). Trainable
         parameters whose state (8 bytes per element, 12 for fp16/bf16) fits in what is left, in order (also
-        of a later ``add_param_group``), keep it there and update it there (the same bits, no PCIe traffic),
-        at ``step()`` or, under :meth:`last_micro_batch`, from their hooks (``gpu`` mode; ``hybrid`` with
+        of a later ``add_param_group``), keep and update it there (the same bits, no PCIe traffic), at
+        ``step()`` or, under :meth:`last_micro_batch`, from their hooks (``gpu`` mode; ``hybrid`` with
         ``gpu_params="last"``). ``state``/``state_dict()`` hold host copies; ``load_state_dict`` copies back.
         Allocated at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed
         by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
-        all of it: for the largest model pass bytes); at the end of the first ``step()`` that updates, the state that fits in the GPU memory
-        then free (torch's pool holds the step's peak), less ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's
-        memory, moves there with its bits and its host memory is freed (pinned buffers to torch's pinned-memory
-        cache, which reuses them); the first step is not overlapped.
+        all of it: for the largest model pass bytes); at the end of the first ``step()`` that updates, the
+        state that fits in the GPU memory then free (torch's pool holds the step's peak) less
+        ``AUTO_GPU_HEADROOM`` (a tenth) of the total moves there with its bits, its host memory freed (pinned
+        buffers to torch's pinned-memory cache, which reuses them); the first step is not overlapped.
       gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel
         updates; each parameter, in ``gpu_params`` order (also one added later), goes to it while it fits, else
         to the host. The default, 0.3, was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores
@@ -273,23 +268,12 @@ class OffloadAdamW(Optimizer):
                  maximize: bool = False):
         if isinstance(lr, torch.Tensor):
             raise TypeError("OffloadAdamW: a Tensor lr is not supported; pass a float")
-        C.validate_hyperparams(lr, betas, eps, weight_decay)
-        for flag, on in (("amsgrad", amsgrad), ("maximize", maximize)):
-            if on:
-                raise NotImplementedError(f"OffloadAdamW does not implement {flag}")
+        _check_group(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize))
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
             raise TypeError(f"overlap_forward must be a torch.nn.Module or None, got {type(overlap_forward).__name__}")
         _check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
-        # "auto": none at first; after the first step, what the GPU has free (_place_auto)
-        self._auto_resident = gpu_state_bytes == "auto"
-        self._gpu_state_bytes = 0 if self._auto_resident else int(gpu_state_bytes)
-        self._gpu_share, self._gpu_params = float(gpu_share), gpu_params
-        self._gpu_budget = 0  # hybrid's device elements (_hybrid_elems)
-        # Registration waits until torch has read every group (add_param_group only checks them): the host
-        # memory is checked over all of them, and hybrid's split needs the total of the elements.
-        self._deferred, self._host_margin, self._host_plan = True, host_margin, {}
         _budget.plan([], margin=host_margin)  # a bad margin raises here
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"Invalid worker_nice: {worker_nice!r} (must be an int)")
@@ -298,11 +282,11 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid eager_blocks: {eager_blocks!r} (must be an int >= 1 or None)")
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
+        D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         self._rank, world = D.world()
         self._zero = None  # zero_stage=1: which rank owns (holds the state of) each parameter
         if zero_stage:
-            dist = torch.distributed
-            if not (dist.is_available() and dist.is_initialized()):
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
                 raise ValueError("OffloadAdamW(zero_stage=1) partitions the parameters between the ranks of "
                                  "torch.distributed's default process group: initialise it first")
             if overlap_forward is not None:
@@ -310,12 +294,18 @@ class OffloadAdamW(Optimizer):
                                           "owner broadcasts its new weights in step(), after their uploads)")
             self._zero = D.ZeroPartition(world)
         self._consolidated: dict[str, Any] | None = None  # zero_stage=1: consolidate_state_dict()'s
-        self._worker_cores = worker_cores
-        self._cores: list[int] | None = None  # resolved with the first parameter's device
-        if worker_cores is not None:
-            D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
+        # "auto": none at first; after the first step, what the GPU has free (_place_auto)
+        self._auto_resident = gpu_state_bytes == "auto"
+        self._gpu_state_bytes = 0 if self._auto_resident else int(gpu_state_bytes)
+        self._gpu_params = gpu_params
+        self._gpu_budget = 0  # hybrid's device elements (_hybrid_elems)
+        # Registration waits until torch has read every group (add_param_group only checks them): the host
+        # memory is checked over all of them, and hybrid's split needs the total of the elements.
+        self._deferred, self._host_margin, self._host_plan = True, host_margin, {}
+        self._worker_cores = worker_cores
+        self._cores: list[int] | None = None  # resolved with the first parameter's device
         self._engine: Engine | None = None
         self._device: torch.device | None = None
         self._engine_args = dict(threads=threads, chunk_elems=chunk_size, convention=convention,
@@ -324,11 +314,8 @@ class OffloadAdamW(Optimizer):
         # Per slot: its parameter, the index of its param group and what the engine last saw of the parameter
         # (see _check_param): the storage it writes, its _version (the engine's own writes leave it alone), and
         # (dtype, shape, device).
-        self._params_of_slot: list[torch.Tensor] = []
-        self._group_of: list[int] = []
-        self._engine_param_ptr: list[int] = []
-        self._param_version: list[int] = []
-        self._param_meta: list[tuple] = []
+        self._params_of_slot, self._group_of, self._engine_param_ptr, self._param_version, self._param_meta = \
+            [], [], [], [], []
         # Host slots: the gradient its hook copied, as [weakref to the tensor, its _version, the multiplier
         # torch applied to it since (None: none)]; step() uses the copy only while it is param.grad as it was.
         self._staged: dict[int, list] = {}
@@ -355,7 +342,7 @@ class OffloadAdamW(Optimizer):
         mine = [(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if self._mine(p)]
         flat = [p for p, _ in mine]
         if mode == "hybrid":
-            self._gpu_budget = _hybrid_elems(flat, self._gpu_share, self._gpu_state_bytes)
+            self._gpu_budget = _hybrid_elems(flat, float(gpu_share), self._gpu_state_bytes)
         on_gpu = self._reserve(flat, last=self._gpu_params == "last")  # raises before anything is allocated
         try:
             for (p, gi), gpu in zip(mine, on_gpu):
@@ -379,12 +366,11 @@ class OffloadAdamW(Optimizer):
             if module not in opt._called:
                 opt._called.add(module)
                 opt._wait_sets.clear()
-            if opt._pending:
-                sids = [sid for sid in opt._module_slots(module) if sid in opt._pending]
-                if sids:
-                    opt._engine.wait_ready(sids)
-                    with opt._pending_lock:
-                        opt._pending.difference_update(sids)
+            sids = [sid for sid in opt._module_slots(module) if sid in opt._pending] if opt._pending else None
+            if sids:
+                opt._engine.wait_ready(sids)
+                with opt._pending_lock:
+                    opt._pending.difference_update(sids)
         for m in model.modules():
             self._owned.handles.append(m.register_forward_pre_hook(pre_hook))
 
@@ -394,14 +380,13 @@ class OffloadAdamW(Optimizer):
         n_groups, n_slots = len(self.param_groups), len(self._params_of_slot)
         super().add_param_group(param_group)
         listed = self.param_groups[-1]["params"]
-        if len({id(p) for p in listed}) != len(listed):
-            del self.param_groups[n_groups:]
-            raise ValueError(f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
-                             "(torch.optim.AdamW would update it once per listing, and warns that this will "
-                             "become an error); list each parameter once")
         zero = None if self._zero is None else (list(self._zero.sizes), dict(self._zero.owner))
         host_plan, pin = self._host_plan, self._engine_args["pin_moments"]  # as _reserve found them
         try:
+            if len({id(p) for p in listed}) != len(listed):
+                raise ValueError(f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
+                                 "(torch.optim.AdamW would update it once per listing, and warns that this will "
+                                 "become an error); list each parameter once")
             _check_group(self.param_groups[-1])
             if self._zero is not None:
                 if any(D.is_dtensor(p) for p in listed):
@@ -419,8 +404,8 @@ class OffloadAdamW(Optimizer):
                 self._zero.sizes, self._zero.owner = zero
             for p in self._params_of_slot[n_slots:]:
                 self._slot_of.pop(p, None)
-            for lst in (self._params_of_slot, self._group_of, self._engine_param_ptr,
-                        self._param_version, self._param_meta):
+            for lst in (self._params_of_slot, self._group_of, self._engine_param_ptr, self._param_version,
+                        self._param_meta):
                 del lst[n_slots:]
             for sid in [k for k in self._hooks if k >= n_slots]:
                 self._hooks.pop(sid).remove()
@@ -435,12 +420,9 @@ class OffloadAdamW(Optimizer):
     def _reserve(self, flat: list[torch.Tensor], last: bool = False) -> list[bool]:
         """Before anything is allocated, check each parameter (:meth:`_check_new`), then the host memory
         (:func:`_host_plan`; pinned moments that would not fit become pageable); returns hybrid's split."""
-        n = len(self._params_of_slot)
-        for i, p in enumerate(flat):
-            self._check_new(p, n + i, self._device or D.local(flat[0]).device)
-        eng = self._engine
-        host = eng.host if eng is not None else None
-        pin = host.pin_moments if host is not None else self._engine_args["pin_moments"]
+        for i, p in enumerate(flat, len(self._params_of_slot)):
+            self._check_new(p, i, self._device or D.local(flat[0]).device)
+        eng, pin = self._engine, self._engine_args["pin_moments"]
         used, res_used = (eng.device_elems_used, eng.resident_bytes_used) if eng is not None else (0, 0)
         plan, on_gpu = _host_plan(flat, self.mode, self._gpu_budget, last, used, pin, self._host_margin, self._device,
                                   self._gpu_state_bytes, res_used)
@@ -448,8 +430,8 @@ class OffloadAdamW(Optimizer):
                                      if plan["pin_moments"] else ""))
         if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
             self._engine_args["pin_moments"] = False
-            if host is not None:
-                host.pin_moments = False
+            if eng is not None and eng.host is not None:
+                eng.host.pin_moments = False
         old = self._host_plan
         self._host_plan = {k: v + old.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
         return on_gpu
@@ -494,8 +476,16 @@ class OffloadAdamW(Optimizer):
                              "before building the optimizer")
         if loc.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
-        if loc is not p:
-            self._check_dtensor(p, index)
+        if loc is not p and p.device_mesh.device_type != loc.device.type:
+            raise ValueError(
+                f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
+                f"shard lives on {loc.device.type} (FSDP2's CPUOffloadPolicy?): use either "
+                "CPUOffloadPolicy or OffloadAdamW, not both")
+        if loc is not p and self._gated:
+            raise NotImplementedError(
+                "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built (FSDP's all-gather reads "
+                "the shards before a module's forward could wait for them); leave it unset: step() orders the "
+                "uploads before FSDP's next all-gather.")
         if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes or self._auto_resident):
             budget = "'auto'" if self._auto_resident else self._gpu_state_bytes
             what = (f"mode={self.mode!r}" if self.mode != "cpu"
@@ -506,9 +496,8 @@ class OffloadAdamW(Optimizer):
                              f"{loc.device}, earlier ones on {device}")
 
     def _register(self, p: torch.Tensor, group: int, gpu: bool | None = None) -> None:
-        """Give ``p`` (checked by :meth:`_check_new`), of param group ``group``, a slot (hybrid: on the GPU engine
-        if ``gpu``; ``None``: by fit); for a DTensor (FSDP2) its local shard, maybe of 0 elements. The first one
-        builds the engine."""
+        """Give ``p`` (checked by :meth:`_check_new`) of param group ``group`` a slot, on the device if ``gpu``
+        (``None``: by fit); for a DTensor its local shard, maybe empty. The first one builds the engine."""
         loc = D.local(p)
         if self._device is None:
             tc_code = torch_cpu_code() if loc.device.type == "cpu" and self._engine_args["convention"] == "torch" else 0
@@ -519,8 +508,7 @@ class OffloadAdamW(Optimizer):
             try:
                 self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
                                       resident_bytes=self._gpu_state_bytes, resident_later=self._auto_resident,
-                                      tc_code=tc_code,
-                                      eager_blocks=self._eager_blocks, cores=self._cores, **args)
+                                      tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
                 raise ImportError(
                     f"OffloadAdamW mode={self.mode!r}"
@@ -542,71 +530,45 @@ class OffloadAdamW(Optimizer):
         self._group_of.append(group)
         self._hook(sid)
 
-    def _check_dtensor(self, p: torch.Tensor, index: int) -> None:
-        """What OffloadAdamW does not take of an FSDP2 (DTensor) parameter."""
-        if p.device_mesh.device_type != D.local(p).device.type:
-            raise ValueError(
-                f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
-                f"shard lives on {D.local(p).device.type} (FSDP2's CPUOffloadPolicy?): use either "
-                "CPUOffloadPolicy or OffloadAdamW, not both")
-        if self._gated:
-            raise NotImplementedError(
-                "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built: FSDP's all-gather reads "
-                "the shards before a module's forward could wait for them (on FSDP's all-gather copy-in stream). "
-                "Leave overlap_forward unset: step() orders the uploads before FSDP's next all-gather.")
-
     def _check_param(self, sid: int) -> None:
         """Follow a change of parameter ``sid`` made outside the optimizer: new values are re-read, a new storage
         of the same shape, dtype and device is written from now on; any other change raises, naming it."""
         p = self._params_of_slot[sid]
-        loc = D.local(p)
-        ptr = loc.data_ptr()
-        if ptr == self._engine_param_ptr[sid]:
-            ver = D.version(p)
+        loc, ver = D.local(p), D.version(p)
+        if loc.data_ptr() == self._engine_param_ptr[sid]:
             if ver != self._param_version[sid]:
                 self._engine.reload_param(sid)
-                self._param_version[sid] = ver
-            return
-        was, now = self._param_meta[sid], self._meta(p)
-        if now != was or not loc.is_contiguous():
-            what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), was, now)
-                             if a != b) or "made non-contiguous"
-            hint = " (float64 is not supported: float32, float16 or bfloat16)" if p.dtype not in _DTYPE_NAME else ""
-            raise RuntimeError(
-                f"OffloadAdamW: parameter {sid} (group {self._group_of[sid]}) was replaced after the "
-                f"optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = ...). "
-                "Build the optimizer after converting or moving the model.")
-        self._engine.reload_param(sid, loc.data.view(-1))
-        self._engine_param_ptr[sid] = ptr
-        self._param_version[sid] = D.version(p)
+        else:
+            was, now = self._param_meta[sid], self._meta(p)
+            if now != was or not loc.is_contiguous():
+                what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), was, now)
+                                 if a != b) or "made non-contiguous"
+                hint = " (float64 is not supported: float32, float16 or bfloat16)" if p.dtype not in _DTYPE_NAME else ""
+                raise RuntimeError(
+                    f"OffloadAdamW: parameter {sid} (group {self._group_of[sid]}) was replaced after the "
+                    f"optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = ...). "
+                    "Build the optimizer after converting or moving the model.")
+            self._engine.reload_param(sid, loc.data.view(-1))
+            self._engine_param_ptr[sid] = loc.data_ptr()
+        self._param_version[sid] = ver
 
     def _hook(self, sid: int, gpu: bool = False) -> None:
-        """Give trainable slot ``sid`` its gradient hook, once: a host slot's (:meth:`_host_grad_ready`), or with
-        ``gpu`` a GPU slot's eager one (:meth:`_gpu_grad_ready`). The hook holds the optimizer weakly."""
+        """Give trainable slot ``sid`` its gradient hook (:meth:`_grad_ready`), once: a host slot's, or with ``gpu``
+        a GPU slot's, which acts under :meth:`last_micro_batch` only. The hook holds the optimizer weakly."""
         p, hooks = self._params_of_slot[sid], (self._gpu_hooks if gpu else self._hooks)
         if self._engine.on_device(sid) != gpu or not p.requires_grad or sid in hooks:
             return
         ref = weakref.ref(self)
-        on_grad = OffloadAdamW._gpu_grad_ready if gpu else OffloadAdamW._host_grad_ready
 
         def hook(param: torch.Tensor) -> None:
             opt = ref()
             if opt is not None and not opt._closed and param.grad is not None:
-                on_grad(opt, sid, param)
+                opt._grad_ready(sid, param)
         hooks[sid] = p.register_post_accumulate_grad_hook(hook)
 
     @staticmethod
     def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
         return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-
-    def _take_eager(self, sid: int) -> C.AdamWHyperParams:
-        """Under ``last_micro_batch()``: slot ``sid`` is updated from its hook, now."""
-        if sid in self._eager_done:
-            raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() (parameter "
-                               f"{sid}); only the last micro-batch's backward belongs in that block")
-        self._check_param(sid)  # an edited weight is re-read before the update
-        self._eager_done.add(sid)
-        return self._hp(self.param_groups[self._group_of[sid]])
 
     def _mark_pending(self, sids: Iterable[int]) -> None:
         """``overlap_forward``: the gated forward waits for these slots' updates."""
@@ -614,17 +576,30 @@ class OffloadAdamW(Optimizer):
             with self._pending_lock:
                 self._pending.update(sids)
 
-    def _host_grad_ready(self, sid: int, p: torch.Tensor) -> None:
-        """Host slot ``sid``'s hook: copy its gradient to the host for ``step()`` or, under ``last_micro_batch()``,
-        take it and queue its update."""
+    def _grad_ready(self, sid: int, p: torch.Tensor) -> None:
+        """Slot ``sid``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
+        update now (a host slot's queued behind its copy, a GPU slot's kernel behind its backward); else copy a
+        host slot's gradient to the host for ``step()``."""
         if D.local(p).data_ptr() != self._engine_param_ptr[sid]:
             self._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
+        on_device = self._engine.on_device(sid)
         if self._eager and self.max_grad_norm is None:
             self._staged.pop(sid, None)
-            self._offload_grad(sid, p, self._take_eager(sid))
-        elif self._hook_copies(p):  # else step() copies it
+            if sid in self._eager_done:
+                raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
+                                   f"(parameter {sid}); only the last micro-batch's backward belongs in that block")
+            self._check_param(sid)  # an edited weight is re-read before the update
+            self._eager_done.add(sid)
+            hp = self._hp(self.param_groups[self._group_of[sid]])
+            if on_device:
+                self._engine.launch_eager([(sid, hp, *self._local_grad(sid, p, host=False))])
+            else:
+                self._engine.offload_grad(sid, *self._local_grad(sid, p), hp)
+            self._mark_pending([sid])
+            p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
+        elif not on_device and self._hook_copies(p):  # else step() copies it
             grad = p.grad
-            self._offload_grad(sid, p)
+            self._engine.offload_grad(sid, *self._local_grad(sid, p), None)
             self._staged[sid] = [weakref.ref(grad), D.version(grad), None]
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
@@ -634,23 +609,6 @@ class OffloadAdamW(Optimizer):
         if D.is_dtensor(p):
             return self.max_grad_norm is not None or D.foreach_moves_versions(p.device_mesh)
         return D.world()[1] == 1
-
-    def _gpu_slots(self) -> list[int]:
-        """The slots whose kernels start from hooks under :meth:`last_micro_batch`: all in ``gpu`` mode, hybrid's
-        GPU share with ``gpu_params="last"`` (with ``"first"`` it runs at ``step()``, with the full grid: faster)."""
-        if self.mode == "gpu" or self._gpu_params == "last":
-            return [sid for sid in range(len(self._params_of_slot)) if self._engine.on_device(sid)]
-        return []
-
-    def _gpu_grad_ready(self, sid: int, p: torch.Tensor) -> None:
-        """GPU slot ``sid``'s hook under ``last_micro_batch()`` (no clipping): launch its kernel behind its gradient's
-        backward."""
-        if self._eager and self.max_grad_norm is None:
-            hp = self._take_eager(sid)
-            self._engine.launch_eager([(sid, hp, *self._local_grad(sid, p, host=False))])
-            self._mark_pending([sid])
-            # Taken, as on the host path: an in-place change would race the kernel, which the engine keeps it alive for.
-            p.grad = None
 
     def _local_grad(self, sid: int, p: torch.Tensor, host: bool = True) -> tuple[torch.Tensor, str]:
         """``p.grad``'s local tensor, detached and contiguous (flat for the GPU engine: ``host=False``), and its
@@ -677,13 +635,6 @@ class OffloadAdamW(Optimizer):
         if not grad.is_contiguous():
             grad = grad.contiguous()
         return grad, _DTYPE_NAME[grad.dtype]
-
-    def _offload_grad(self, sid: int, p: torch.Tensor, update: C.AdamWHyperParams | None = None) -> None:
-        """Copy ``p.grad`` to slot ``sid``'s host staging (``update``: the eager path, the update queued behind)."""
-        self._engine.offload_grad(sid, *self._local_grad(sid, p), update)
-        if update is not None:
-            self._mark_pending([sid])
-            p.grad = None  # taken: the engine keeps it alive until its copy landed
 
     # -- the user API -----------------------------------------------------------------------
 
@@ -717,10 +668,11 @@ class OffloadAdamW(Optimizer):
                 "OffloadAdamW.last_micro_batch() in a run of several processes with plain (non-DTensor) parameters "
                 "is not built: their gradient hooks run before DDP's all-reduce (or any reduction after backward), "
                 "so the updates would use this rank's unreduced gradients. Leave it out (FSDP2 may use it).")
-        if self.max_grad_norm is None and self.mode in ("gpu", "hybrid"):
-            # Parameters added since the last time included. A hook firing proves that its own parameter's
-            # gradient is complete (these gradients stay in param.grad across micro-batches).
-            for sid in self._gpu_slots():
+        if self.max_grad_norm is None and (self.mode == "gpu" or self._gpu_params == "last"):
+            # The GPU slots' eager hooks (hybrid with gpu_params="first": that share runs at step(), with the full
+            # grid: faster), parameters added since the last time included. A hook firing proves that its own
+            # parameter's gradient is complete (these gradients stay in param.grad across micro-batches).
+            for sid in range(len(self._params_of_slot)):
                 self._hook(sid, gpu=True)
         self._eager = True
         try:
@@ -783,9 +735,8 @@ class OffloadAdamW(Optimizer):
         return total
 
     def _amp(self) -> bool:
-        """GradScaler's ``step(opt)``: it set ``grad_scale`` (None once the user unscaled the gradients, in
-        place) and ``found_inf``. Returns whether to skip the step; else unscales ``param.grad`` as
-        ``GradScaler.unscale_`` does."""
+        """GradScaler's ``step(opt)`` set ``found_inf`` and ``grad_scale`` (None once the user unscaled in place):
+        returns whether to skip the step, else unscales ``param.grad`` as ``GradScaler.unscale_`` does."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
             return False
@@ -848,10 +799,10 @@ class OffloadAdamW(Optimizer):
                     if rec[2] is not None:
                         coefs[sid] = rec[2]
                 else:
-                    self._offload_grad(sid, p)  # changed since its hook copied it, or set by hand
+                    self._engine.offload_grad(sid, *self._local_grad(sid, p), None)  # changed since, or set by hand
                 updates.append((sid, hp))
-        # Marked before the engine runs, so that if it raises part-way (e.g. hybrid's GPU share failed after its
-        # host share was queued) the next forward waits for whatever was queued (a slot that queued nothing: harmless).
+        # Marked before the engine runs: if it raises part-way (e.g. hybrid's GPU share failed after its host
+        # share was queued) the next forward waits for whatever was queued (a slot that queued nothing: harmless).
         self._mark_pending(u[0] for u in updates)
         if self._engine is not None:
             try:
@@ -899,8 +850,7 @@ class OffloadAdamW(Optimizer):
         never runs (e.g. MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``)."""
         sids = self._wait_sets.get(module)
         if sids is None:
-            sids = []
-            todo = [module]
+            sids, todo = [], [module]
             while todo:
                 mod = todo.pop()
                 sids.extend(self._slot_of[p] for p in mod._parameters.values() if p in self._slot_of)
@@ -942,10 +892,9 @@ class OffloadAdamW(Optimizer):
         if step == 0:
             return {}
         p = self._params_of_slot[sid]
-        shape = D.local(p).shape
 
         def view(a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
-            t = torch.from_numpy(a).view(shape)
+            t = torch.from_numpy(a).view(D.local(p).shape)
             return D.state_view(p, t) if D.is_dtensor(p) else t
         entry = {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": view(m), "exp_avg_sq": view(v)}
         if p.dtype != torch.float32:
@@ -1008,6 +957,7 @@ class OffloadAdamW(Optimizer):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(f"loaded state dict's parameter group {i} has {len(sg['params'])} parameters, "
                                  f"the optimizer's has {len(g['params'])}")
+            _check_group({**self.defaults, **sg})
         id_map = {saved_id: p for g, sg in zip(self.param_groups, saved_groups)
                   for p, saved_id in zip(g["params"], sg["params"])}
         loads = {}  # slot -> (exp_avg, exp_avg_sq, step, master or None)
@@ -1024,8 +974,7 @@ class OffloadAdamW(Optimizer):
                 if key in entry and tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(f"loaded state '{key}' of parameter {saved_id} has shape "
                                      f"{tuple(entry[key].shape)}, the parameter has {tuple(p.shape)}")
-            step = entry["step"]
-            step = float(step.item() if isinstance(step, torch.Tensor) else step)
+            step = float(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
             if not math.isfinite(step) or step < 0 or step != int(step):
                 raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
             master = None
@@ -1040,19 +989,14 @@ class OffloadAdamW(Optimizer):
                                   "without it); the master is re-read from the weights", RuntimeWarning, stacklevel=2)
             m, v = (_local_value(entry[k], p).contiguous().view(-1).numpy() for k in ("exp_avg", "exp_avg_sq"))
             loads[self._slot_of[p]] = (m, v, int(step), master)
-        for sg in saved_groups:
-            _check_group({**self.defaults, **sg})
         for sid in range(len(self._params_of_slot)):
             self._check_param(sid)  # a replaced storage first (the masters are checked against it)
         self._consolidated = None
         if self._engine is not None:
             self._engine.drain()
-            for sid, p in enumerate(self._params_of_slot):
-                if sid in loads:
-                    self._engine.load_state(sid, *loads[sid])
-                else:  # no saved state: a fresh parameter, as in torch
-                    zeros = np.zeros(D.local(p).numel(), np.float32)
-                    self._engine.load_state(sid, zeros, zeros, 0, None)
+            for sid, p in enumerate(self._params_of_slot):  # no saved state: a fresh parameter, as in torch
+                zeros = np.zeros(D.local(p).numel(), np.float32)
+                self._engine.load_state(sid, *loads.get(sid, (zeros, zeros, 0, None)))
             self._engine.clear_error()  # every slot is consistent again
         self._param_version = [D.version(p) for p in self._params_of_slot]  # the masters follow them
         with self._pending_lock:
