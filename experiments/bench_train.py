@@ -507,10 +507,12 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         if hasattr(opt, "synchronize"):
             opt.synchronize()
         spans = _trace.stop()
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _trace_report  # noqa: PLC0415
         os.makedirs(trace_dir, exist_ok=True)
         with open(os.path.join(trace_dir, "trace_" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{size}x{batch}_{setup}") + ".json"), "w") as f:
-            json.dump(_trace.chrome_trace(spans), f)
-        trace = _trace.summary(spans, phases=("forward", "backward", "step", "sync"))
+            json.dump(_trace_report.chrome_trace(spans), f)
+        trace = _trace_report.summary(spans, phases=("forward", "backward", "step", "sync"))
     timeline = None
     if profile and dev.cuda:
         from torch.profiler import ProfilerActivity, profile as torch_profile  # noqa: PLC0415

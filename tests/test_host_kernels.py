@@ -6,9 +6,11 @@ so each test compiles only the specialisations it checks.
 
 import re
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
+from numba import types
 
 from trainstream import contract as C
 from trainstream import _host_kernels as K
@@ -18,11 +20,6 @@ try:
     import torch
 except ImportError:  # the kernels do not need torch; only some comparisons use it
     torch = None
-
-try:
-    import ml_dtypes
-except ImportError:
-    ml_dtypes = None
 
 VARIANTS = [
     ("torch", "cpu"),
@@ -533,27 +530,27 @@ def _good(n=16):
     )
 
 
-def test_host_adamw_update_matches_reference_and_dtypes():
+def test_adamw_chunk_matches_reference_gradient_kinds_and_subrange():
     a = _good(1000)
+    v = C.VARIANT_TORCH_CPU
     want = C.reference_update(a["p"], a["m"], a["v"], a["g"], a["scalars"], "torch", "cpu")
     b = {k: x.copy() for k, x in a.items()}
-    K.host_adamw_update(b["p"], b["m"], b["v"], b["g"], b["scalars"])
+    K.adamw_chunk(v, b["p"], b["m"], b["v"], b["g"], K.KIND_F32, None, K.KIND_F32, 0, 1000, b["scalars"])
     for got, w in zip((b["p"], b["m"], b["v"]), want):
         assert_bits_equal(got, w)
     # float16 gradient, float16 output
     g16 = a["g"].astype(np.float16)
     want = C.reference_update(a["p"], a["m"], a["v"], g16.astype(np.float32), a["scalars"], "torch", "cpu")
     b = {k: x.copy() for k, x in a.items()}
-    out = np.empty(1000, np.float16)
-    K.host_adamw_update(b["p"], b["m"], b["v"], g16, b["scalars"], out=out)
+    out = np.empty(1000, np.uint16)
+    K.adamw_chunk(v, b["p"], b["m"], b["v"], g16.view(np.uint16), K.KIND_F16, out, K.KIND_F16, 0, 1000, b["scalars"])
     assert_bits_equal(b["p"], want[0])
-    np.testing.assert_array_equal(out.view(np.uint16), round_bits_torch(b["p"], K.KIND_F16))
-    # bfloat16 as uint16 bits with grad_kind, and a sub-range
+    np.testing.assert_array_equal(out, round_bits_torch(b["p"], K.KIND_F16))
+    # bfloat16 bits, a sub-range
     gb = C.f32_to_bf16_bits(a["g"])
     b = {k: x.copy() for k, x in a.items()}
     outb = np.zeros(1000, np.uint16)
-    K.host_adamw_update(b["p"], b["m"], b["v"], gb, b["scalars"], grad_kind="bfloat16",
-                        out=outb, out_kind="bfloat16", begin=100, end=900)
+    K.adamw_chunk(v, b["p"], b["m"], b["v"], gb, K.KIND_BF16, outb, K.KIND_BF16, 100, 900, b["scalars"])
     want = C.reference_update(a["p"], a["m"], a["v"], C.bf16_bits_to_f32(gb), a["scalars"], "torch", "cpu")
     assert_bits_equal(b["p"][100:900], want[0][100:900])
     assert_bits_equal(b["p"][:100], a["p"][:100])
@@ -561,78 +558,28 @@ def test_host_adamw_update_matches_reference_and_dtypes():
     assert (outb[:100] == 0).all()
 
 
-@pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes not installed")
-def test_host_adamw_update_ml_dtypes_bfloat16():
-    a = _good(100)
-    gb = a["g"].astype(ml_dtypes.bfloat16)
-    want = C.reference_update(a["p"], a["m"], a["v"], gb.astype(np.float32), a["scalars"], "torch", "cpu")
-    out = np.empty(100, ml_dtypes.bfloat16)
-    K.host_adamw_update(a["p"], a["m"], a["v"], gb, a["scalars"], out=out)
-    assert_bits_equal(a["p"], want[0])
-    np.testing.assert_array_equal(out.view(np.uint16), C.f32_to_bf16_bits(a["p"]))
-
-
-def _readonly(x):
-    x = x.copy()
-    x.flags.writeable = False
-    return x
-
-
-BAD_INPUTS = [
-    # (description, argument overrides, keyword overrides, exception, message pattern)
-    ("p float64", dict(p=np.zeros(16)), {}, TypeError, "p must be float32"),
-    ("m float16", dict(m=np.zeros(16, np.float16)), {}, TypeError, "m must be float32"),
-    ("v int32", dict(v=np.zeros(16, np.int32)), {}, TypeError, "v must be float32"),
-    ("p list", dict(p=[0.0] * 16), {}, TypeError, "p must be a numpy.ndarray"),
-    ("g float64", dict(g=np.zeros(16)), {}, TypeError, "g must be float32, float16"),
-    ("g uint16 without kind", dict(g=np.zeros(16, np.uint16)), {}, TypeError, "grad_kind"),
-    ("g kind contradicts", {}, dict(grad_kind="float16"), TypeError, "contradicts"),
-    ("scalars float64", dict(scalars=np.zeros(C.N_SCALARS)), {}, TypeError, "scalars must be float32"),
-    ("scalars short", dict(scalars=np.zeros(3, np.float32)), {}, ValueError, "scalars must have"),
-    ("m short", dict(m=np.zeros(15, np.float32)), {}, ValueError, "m has 15 elements but p has 16"),
-    ("g long", dict(g=np.zeros(17, np.float32)), {}, ValueError, "g has 17 elements"),
-    ("p 2-D", dict(p=np.zeros((4, 4), np.float32)), {}, ValueError, "p must be 1-D"),
-    ("v strided", dict(v=np.zeros(32, np.float32)[::2]), {}, ValueError, "v must be C-contiguous"),
-    ("g strided", dict(g=np.zeros(32, np.float32)[::2]), {}, ValueError, "g must be C-contiguous"),
-    ("p read-only", dict(p=_readonly(np.zeros(16, np.float32))), {}, ValueError, "p is read-only"),
-    ("m read-only", dict(m=_readonly(np.zeros(16, np.float32))), {}, ValueError, "m is read-only"),
-    ("begin > end", {}, dict(begin=10, end=5), ValueError, "begin=10, end=5"),
-    ("end past length", {}, dict(end=17), ValueError, "end <= len"),
-    ("negative begin", {}, dict(begin=-1), ValueError, "0 <= begin"),
-    ("float begin", {}, dict(begin=1.0), TypeError, "begin must be an int"),
-    ("bad convention", {}, dict(convention="adam"), ValueError, "Unknown convention"),
-    ("bad platform", {}, dict(platform="tpu"), ValueError, "Unknown platform"),
-    ("out float32", {}, dict(out=np.zeros(16, np.float32)), TypeError, "out must be float16"),
-    ("out short", {}, dict(out=np.zeros(15, np.float16)), ValueError, "out has 15 elements"),
-    ("out read-only", {}, dict(out=_readonly(np.zeros(16, np.float16))), ValueError, "out is read-only"),
-    ("out uint16 no kind", {}, dict(out=np.zeros(16, np.uint16)), TypeError, "out_kind"),
-    ("out_kind without out", {}, dict(out_kind="float16"), ValueError, "without out"),
-    ("bad tc_code", {}, dict(tc_code=12345), ValueError, "tc_code (a torch/cpu code) must be one of"),
-    ("bad tc_code, empty range", {}, dict(tc_code=12345, begin=3, end=3), ValueError, "tc_code (a torch/cpu"),
-]
-
-
-@pytest.mark.parametrize("desc,args,kwargs,exc,msg", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_host_adamw_update_rejects(desc, args, kwargs, exc, msg):
-    a = _good()
-    before = {k: np.array(x, copy=True) for k, x in a.items()}
-    a.update(args)
-    with pytest.raises(exc, match=re.escape(msg)):
-        K.host_adamw_update(a["p"], a["m"], a["v"], a["g"], a["scalars"], **kwargs)
-    for k in ("p", "m", "v"):  # nothing was touched
-        if k not in args:
-            np.testing.assert_array_equal(a[k], before[k])
-
-
-def test_host_adamw_update_rejects_aliasing():
-    a = _good()
-    with pytest.raises(ValueError, match="m and v share memory"):
-        K.host_adamw_update(a["p"], a["m"], a["m"], a["g"], a["scalars"])
-    with pytest.raises(ValueError, match="p and g share memory"):
-        K.host_adamw_update(a["p"], a["m"], a["v"], a["p"], a["scalars"])
-
-
 # -- the machine code ---------------------------------------------------------------------------
+# A packed arithmetic instruction on a ymm/zmm register (moves and broadcasts excluded).
+_PACKED_OP = re.compile(r"^\s+(v(?!mov|broadcast|zeroupper|extract|insert|perm|shuf|unpck|blend|xor|pxor)\w+)"
+                        r"\s[^\n]*%[yz]mm", re.M)
+
+
+def _vectorisation_report(specs) -> list[dict]:
+    """Compile *uncached* copies of kernel specialisations ``(kernel, key)`` (cached ones have no
+    inspectable assembly) and summarise their machine code, one dict each: ``vector`` (packed
+    arithmetic on ymm/zmm registers) and ``packed_ops`` (instruction -> count)."""
+    f32, u16, f64, i64 = types.float32[::1], types.uint16[::1], types.float64[::1], types.int64
+    rows = []
+    for kernel, key in specs:
+        fn = K._BUILDERS[kernel](*key, cache=False)
+        src = f32 if key[1 if kernel == "adamw" else 0] == K.KIND_F32 else u16  # g, or convert's source
+        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64),
+               "convert": (f32, src, i64, i64), "round": (u16, f32, i64, i64)}[kernel]
+        fn.compile(sig)
+        asm = fn.inspect_asm(fn.signatures[0])
+        ops = Counter(_PACKED_OP.findall(asm))
+        rows.append({"kernel": kernel, "key": key, "vector": sum(ops.values()) > 0, "packed_ops": dict(ops)})
+    return rows
 
 
 def _target_has_avx2():
@@ -644,7 +591,7 @@ def _target_has_avx2():
 @pytest.mark.skipif(not _target_has_avx2(), reason="checks AVX2/AVX-512 code generation")
 def test_kernels_vectorise():
     """A few specialisations (uncached copies) carry packed sqrt/div/fma or conversions."""
-    rows = K.vectorisation_report([
+    rows = _vectorisation_report([
         ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
         ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
         ("sumsq", (K.KIND_F16,)),

@@ -355,10 +355,14 @@ def test_no_growth_across_init_step_close():
 
     for _ in range(6):  # warm up (compilation caches, allocator pools)
         cycle()
-    gc.collect()
-    before = _rss()
-    for _ in range(15):
-        cycle()
-    gc.collect()
-    grown = _rss() - before
-    assert grown < 15 * 64 * 1024, f"grew {grown / 1024:.0f} KiB over 15 cycles"
+    # A leak grows every window; the allocator's one-off growth (its history depends on the tests this
+    # worker ran before) lands in one, so the quietest of three windows of 10 cycles is the measure.
+    grown = []
+    for _ in range(3):
+        gc.collect()
+        before = _rss()
+        for _ in range(10):
+            cycle()
+        gc.collect()
+        grown.append(_rss() - before)
+    assert min(grown) < 10 * 64 * 1024, f"grew {[g // 1024 for g in grown]} KiB over each 10 cycles"

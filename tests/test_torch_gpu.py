@@ -326,7 +326,7 @@ def test_eager_kernels_launch_during_backward(mode):
     assert_same(ref_model, ts_model)
     assert ts._eager_blocks == 3
     gpu = ts._engine.device
-    gpu_sids = ts._gpu_slots()
+    gpu_sids = [sid for sid in range(len(ts._params_of_slot)) if ts._engine.on_device(sid)]
     assert len(gpu_sids) == gpu.stats()["params"] > 0
     before = gpu.stats()["eager_updates"]
     x = batches(1)[0].to(DEV)

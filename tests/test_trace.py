@@ -4,8 +4,11 @@ import json
 
 import torch
 
+from _experiments import load_script
 from trainstream import _trace
 from trainstream.torch import OffloadAdamW
+
+report = load_script("_trace_report")
 
 
 def _run_traced(eager: bool):
@@ -51,7 +54,7 @@ def test_eager_spans_and_summary():
     assert all(s.thread.startswith("trainstream-worker") for s in updates)
     assert all(s.t1 >= s.t0 for s in spans)
     assert {s.sid for s in updates} == set(range(6))  # 3 weights + 3 biases, both steps
-    summ = _trace.summary(spans)
+    summ = report.summary(spans)
     # the worker threads that ran updates (both of them, or one where the host is busy)
     assert summ["workers"] == len({s.thread for s in updates}) in (1, 2)
     phases = [p["phase"] for p in summ["phases"]]
@@ -71,7 +74,7 @@ def test_eager_spans_and_summary():
 
 def test_chrome_trace_document():
     spans = _run_traced(eager=False)
-    doc = json.loads(json.dumps(_trace.chrome_trace(spans)))
+    doc = json.loads(json.dumps(report.chrome_trace(spans)))
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(events) == len(spans)
     assert min(e["ts"] for e in events) == 0.0

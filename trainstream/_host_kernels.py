@@ -18,17 +18,14 @@ a closure constant picks (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)
 in the closure makes an entry stale when a helper's module changes. Loops run over unsigned indices
 (a signed one costs a wrap-around select per access), read scalars into locals first and choose per
 element by ``select`` (:func:`_select`), never by branch. ``inspect_asm`` of a cached specialisation
-is empty: see :func:`vectorisation_report`.
+is empty: tests/test_host_kernels.py compiles uncached copies to check the machine code.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import re
 import threading
-from collections import Counter
 
 import numpy as np
 from llvmlite import ir
@@ -43,13 +40,13 @@ from ._jit import OPTS as _JIT_OPTS
 from ._jit import bits_f32 as _bits_f32
 from ._jit import f32_bits as _f32_bits
 from ._jit import fma32, njit, source_stamp
-from .contract import (N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2,
-                       S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_LERP_W,
-                       S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
-                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, variant_id)
+from .contract import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2, S_BC2_OPTAX,
+                       S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_LERP_W, S_NEG_LR,
+                       S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
+                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA)
 
 __all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "convert_to_f32",
-           "round_from_f32", "host_adamw_update", "fma32", "vectorisation_report"]
+           "round_from_f32", "fma32"]
 
 KIND_F32 = 0
 KIND_F16 = 1
@@ -457,7 +454,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     only read. ``s``: :func:`~trainstream.contract.step_scalars`' vector. ``tc_code``
     (torch/cpu only): the contract's torch/cpu code; optax/cpu runs the specialisation of
     the code in ``s[S_OX_CODE]``. Unchecked: buffers must be C-contiguous, long enough, and
-    disjoint but for ``out16 is g`` (:func:`host_adamw_update` validates).
+    disjoint but for ``out16 is g`` (the engine's callers check them).
     """
     if okind == OUT_U:
         if out16 is None or out16.dtype != np.float32:
@@ -498,129 +495,3 @@ def convert_to_f32(dst, src, kind, begin, end):
 def round_from_f32(dst, src, kind, begin, end):
     """``dst[i] = round(src[i])`` to ``kind`` bits (1 fp16, 2 bf16) over ``[begin, end)``."""
     _specialisation("round", (kind,))(dst, src, begin, end)
-
-
-# -- validating public entry point -------------------------------------------------------------
-def _bf16_dtype():
-    try:
-        import ml_dtypes  # optional
-    except ImportError:  # pragma: no cover - depends on the environment
-        return None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _check_array(name, a, *, writeable):
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (got a strided view)")
-    if writeable and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only; it is updated in place and must be writeable")
-
-
-def _buffer_kind(name: str, buf, kind_arg, allow_f32: bool):
-    """The kind code of buffer ``buf`` (argument ``name``) and the array the kernel reads:
-    float32 (if ``allow_f32``), float16 and ml_dtypes bfloat16 by dtype, uint16 bit
-    patterns by ``kind_arg`` ("float16"/"bfloat16")."""
-    kind_name = f"{'grad' if name == 'g' else name}_kind"
-    bf16 = _bf16_dtype()
-    if allow_f32 and buf.dtype == np.float32:
-        kind = KIND_F32
-    elif buf.dtype == np.float16:
-        kind, buf = KIND_F16, buf.view(np.uint16)
-    elif bf16 is not None and buf.dtype == bf16:
-        kind, buf = KIND_BF16, buf.view(np.uint16)
-    elif buf.dtype == np.uint16:
-        if kind_arg not in ("float16", "bfloat16"):
-            raise TypeError(f"{name} is a uint16 array: pass {kind_name}='float16' or 'bfloat16' to say "
-                            f"what its bit patterns are (got {kind_name}={kind_arg!r})")
-        return (KIND_F16 if kind_arg == "float16" else KIND_BF16), buf
-    else:
-        allowed = "float32, float16, bfloat16" if allow_f32 else "float16, bfloat16"
-        raise TypeError(f"{name} must be {allowed} (ml_dtypes) or uint16 bit patterns with {kind_name}, "
-                        f"got dtype {buf.dtype}")
-    if kind_arg is not None and kind_arg != ("float32", "float16", "bfloat16")[kind]:
-        raise TypeError(f"{kind_name}={kind_arg!r} contradicts {name}'s dtype {buf.dtype}")
-    return kind, buf
-
-
-def host_adamw_update(p, m, v, g, scalars, *, convention: str = "torch", platform: str = "cpu", out=None,
-                      begin: int = 0, end: int | None = None, grad_kind: str | None = None,
-                      out_kind: str | None = None, tc_code: int = SQRT_IEEE) -> None:
-    """:func:`adamw_chunk` validated: ``p``, ``m``, ``v`` float32 1-D C-contiguous writeable
-    arrays of one length; ``g`` of that length, float32, float16, bfloat16 (``ml_dtypes``) or
-    uint16 bit patterns with ``grad_kind`` ("float16"/"bfloat16"); ``scalars`` for the same
-    ``convention``/``platform``; ``out`` (optional) float16/bfloat16 (or uint16 with
-    ``out_kind``). ``tc_code``: torch/cpu's code on this machine
-    (:func:`trainstream.torch._backend.torch_cpu_code`); the default, IEEE and fused, matches
-    torch only where torch's sqrt is IEEE. Raises ``TypeError`` for a wrong type or dtype,
-    ``ValueError`` for a wrong shape, length, layout, range or name.
-    """
-    variant = variant_id(convention, platform)
-    for name, a in (("p", p), ("m", m), ("v", v), ("g", g), ("scalars", scalars)):
-        _check_array(name, a, writeable=name in ("p", "m", "v"))
-    for name, a in (("p", p), ("m", m), ("v", v), ("scalars", scalars)):
-        if a.dtype != np.float32:
-            raise TypeError(f"{name} must be float32, got dtype {a.dtype}")
-    if scalars.shape[0] < N_SCALARS:
-        raise ValueError(f"scalars must have {N_SCALARS} entries (step_scalars), got {scalars.shape[0]}")
-    gkind, gbuf = _buffer_kind("g", g, grad_kind, allow_f32=True)
-    n = p.shape[0]
-    for name, a in (("m", m), ("v", v), ("g", g)):
-        if a.shape[0] != n:
-            raise ValueError(f"{name} has {a.shape[0]} elements but p has {n}")
-    okind, obuf = KIND_F32, None
-    if out is not None:
-        _check_array("out", out, writeable=True)
-        okind, obuf = _buffer_kind("out", out, out_kind, allow_f32=False)
-        if out.shape[0] != n:
-            raise ValueError(f"out has {out.shape[0]} elements but p has {n}")
-    elif out_kind is not None:
-        raise ValueError(f"out_kind={out_kind!r} given without out")
-    end = n if end is None else end
-    for name, x in (("begin", begin), ("end", end)):
-        if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
-            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    begin, end = int(begin), int(end)
-    if not 0 <= begin <= end <= n:
-        raise ValueError(f"need 0 <= begin <= end <= len(p) = {n}, got begin={begin}, end={end}")
-    for (name_a, a), (name_b, b) in itertools.combinations({"p": p, "m": m, "v": v, "g": g, "out": out}.items(), 2):
-        if b is not None and np.shares_memory(a, b):
-            raise ValueError(f"{name_a} and {name_b} share memory; buffers must be distinct")
-    if tc_code not in TC_CODES:
-        raise ValueError(f"tc_code (a torch/cpu code) must be one of {list(TC_CODES)}, got {tc_code!r}")
-    if begin == end:
-        return
-    adamw_chunk(variant, p, m, v, gbuf, gkind, obuf, okind, begin, end, scalars, tc_code)
-
-
-# -- machine-code check ------------------------------------------------------------------------
-# A packed arithmetic instruction on a ymm/zmm register (moves and broadcasts excluded).
-_PACKED_OP = re.compile(r"^\s+(v(?!mov|broadcast|zeroupper|extract|insert|perm|shuf|unpck|blend|xor|pxor)\w+)"
-                        r"\s[^\n]*%[yz]mm", re.M)
-
-
-def vectorisation_report(specs=None) -> list[dict]:
-    """Compile *uncached* copies of kernel specialisations (cached ones have no inspectable
-    assembly) and summarise their machine code. ``specs``: iterable of ``(kernel, key)`` as
-    in the dispatch tables (default: all). Returns one dict per specialisation: ``kernel``,
-    ``key``, ``vector`` (packed arithmetic on ymm/zmm registers), ``zmm`` (AVX-512
-    registers used) and ``packed_ops`` (instruction -> count).
-    """
-    if specs is None:
-        specs = [(k, key) for k in _BUILDERS for key in sorted(_VALID_KEYS[k])]
-    f32, u16, f64, i64 = types.float32[::1], types.uint16[::1], types.float64[::1], types.int64
-    rows = []
-    for kernel, key in specs:
-        fn = _BUILDERS[kernel](*key, cache=False)
-        src = f32 if key[1 if kernel == "adamw" else 0] == KIND_F32 else u16  # g, or convert's source
-        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64),
-               "convert": (f32, src, i64, i64), "round": (u16, f32, i64, i64)}[kernel]
-        fn.compile(sig)
-        asm = fn.inspect_asm(fn.signatures[0])
-        ops = Counter(_PACKED_OP.findall(asm))
-        rows.append({"kernel": kernel, "key": key, "vector": sum(ops.values()) > 0, "zmm": "%zmm" in asm,
-                     "packed_ops": dict(ops.most_common())})
-    return rows
