@@ -447,7 +447,9 @@ def test_torch_hybrid_plan_follows_the_split():
                           ({"gpu_state_bytes": "half"}, ValueError, "Invalid gpu_state_bytes"),
                           ({"mode": "hybrid", "gpu_share": 2.0}, ValueError, "Invalid gpu_share"),
                           ({"mode": "hybrid", "gpu_params": "middle"}, ValueError, "Invalid gpu_params"),
-                          ({"gpu_params": "last"}, ValueError, "applies to mode='hybrid' only")):
+                          ({"gpu_params": "last"}, ValueError, "applies to mode='hybrid' only"),
+                          ({"gpu_state_bytes": "auto", "gpu_params": "middle"}, ValueError, "Invalid gpu_params"),
+                          ({"gpu_state_bytes": "auto", "gpu_params": "last"}, ValueError, "applies to mode='hybrid'")):
         with pytest.raises(err, match=what):
             OffloadAdamW.host_memory_plan(params, **kw)
     # "auto": everything offloaded until the first step, so the plan of no GPU state

@@ -116,7 +116,7 @@ _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 def check_kernel_constants() -> None:
     """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract` (``TS_S_*``, ``TS_VARIANT_*``,
-    ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`; ``RuntimeError`` listing every difference. No GPU needed."""
+    ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`; ``RuntimeError`` listing every difference (no GPU)."""
     adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
     expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
     expected.update({"TS_" + name: getattr(C, name) for name in dir(C)

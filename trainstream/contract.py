@@ -189,10 +189,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
-    "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id", "torch_step_scalars",
-    "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars", "optax_scalar_matrix",
-    "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master", "fma_f32", "ftz",
-    "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
+    "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
+    "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
+    "optax_scalar_matrix", "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
+    "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
 ]
 
 CONVENTIONS: tuple[str, ...] = ("torch", "optax")

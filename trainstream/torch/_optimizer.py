@@ -119,7 +119,7 @@ def _check_group(group: dict[str, Any]) -> None:
     """Refuse what OffloadAdamW does not implement, before any state changes."""
     for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
         if group.get(flag):
-            raise NotImplementedError(f"OffloadAdamW does not implement {flag}=True")
+            raise NotImplementedError(f"OffloadAdamW does not implement {flag}")
     if not group.get("decoupled_weight_decay", True):
         raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
     C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -173,7 +173,7 @@ class OffloadAdamW(Optimizer):
       ``GradScaler``'s unscaling act on ``param.grad`` as torch's own ops; the host copy gets the same
       multiplier, bit for bit.
     * ``step()`` returns once the host update has run and, with CUDA parameters, makes the current stream wait
-      for the uploads of the new weights: no ``synchronize()`` needed.
+      (on the GPU) for the uploads of the new weights: no ``synchronize()`` needed.
     * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same
       shape, dtype and device) are what it updates next: a changed ``param._version`` or storage is re-read
       (fp16/bf16: an element keeps its fp32 master where that still rounds to the weight). ``p.data.mul_(...)``
@@ -195,7 +195,7 @@ class OffloadAdamW(Optimizer):
       ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local
       shards that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
     * DDP, or any reduction of the gradients after backward: plain parameters' gradients are taken at
-      ``step()``, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
+      ``step()``, after it, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
       partition. Not with :meth:`last_micro_batch`.
 
     Args:
@@ -218,8 +218,8 @@ class OffloadAdamW(Optimizer):
         by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
         all of it: for the largest model pass bytes); at the end of the first ``step()`` that updates, the
         state that fits in the GPU memory then free (torch's pool holds the step's peak) less
-        ``AUTO_GPU_HEADROOM`` (a tenth) of the total moves there with its bits, its host memory freed (pinned
-        buffers to torch's pinned-memory cache, which reuses them); the first step is not overlapped.
+        ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's memory moves there with its bits, its host memory freed
+        (pinned buffers to torch's pinned-memory cache, which reuses them); the first step is not overlapped.
       gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel
         updates; each parameter, in ``gpu_params`` order (also one added later), goes to it while it fits, else
         to the host. The default, 0.3, was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores
@@ -268,6 +268,7 @@ class OffloadAdamW(Optimizer):
                  maximize: bool = False):
         if isinstance(lr, torch.Tensor):
             raise TypeError("OffloadAdamW: a Tensor lr is not supported; pass a float")
+        C.validate_hyperparams(lr, betas, eps, weight_decay)
         _check_group(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize))
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -580,10 +581,12 @@ class OffloadAdamW(Optimizer):
         """Slot ``sid``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
         update now (a host slot's queued behind its copy, a GPU slot's kernel behind its backward); else copy a
         host slot's gradient to the host for ``step()``."""
+        on_device, eager = self._engine.on_device(sid), self._eager and self.max_grad_norm is None
+        if on_device and not eager:
+            return  # a GPU slot's update runs at step()
         if D.local(p).data_ptr() != self._engine_param_ptr[sid]:
             self._check_param(sid)  # e.g. model.double(): a clear error, not the engine's
-        on_device = self._engine.on_device(sid)
-        if self._eager and self.max_grad_norm is None:
+        if eager:
             self._staged.pop(sid, None)
             if sid in self._eager_done:
                 raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
@@ -597,7 +600,7 @@ class OffloadAdamW(Optimizer):
                 self._engine.offload_grad(sid, *self._local_grad(sid, p), hp)
             self._mark_pending([sid])
             p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
-        elif not on_device and self._hook_copies(p):  # else step() copies it
+        elif self._hook_copies(p):  # else step() copies it
             grad = p.grad
             self._engine.offload_grad(sid, *self._local_grad(sid, p), None)
             self._staged[sid] = [weakref.ref(grad), D.version(grad), None]
