@@ -1,11 +1,145 @@
-"""The engine's host timeline (:mod:`trainstream._trace`'s spans) as a ``chrome://tracing`` / Perfetto
-document and as figures per phase: used by ``bench_train.py --trace`` (not part of the library)."""
+"""A host timeline of the TrainStream engine, for finding where an offloaded step loses time: used by
+``bench_train.py --trace`` (not part of the library).
+
+Off by default. :func:`start` wraps the engine's methods from outside (restored by :func:`stop`) to record
+spans of its worker jobs (``update``: the kernel of one chunk, ``wait.copies``: the chunk's wait for the
+gradient copy and the previous upload before it, ``upload``: the batch's weight upload) and of the training
+thread's calls into it (``offload_grad``, ``wait_ready``, ``wait_step``, ``step.host_share``,
+``step.device_share``, ``launch_eager``); a benchmark adds its own phases with :func:`span`.
+:func:`chrome_trace` turns the spans into a ``chrome://tracing`` / Perfetto document, :func:`summary` into
+figures per phase.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+import time
+from typing import Any, Iterator, NamedTuple
 
-from trainstream._trace import Span
+__all__ = ["Span", "start", "stop", "active", "add", "span", "chrome_trace", "summary"]
+
+
+class Span(NamedTuple):
+    name: str  # e.g. "update", "wait.copies", "offload_grad", "forward"
+    thread: str  # the recording thread's name
+    t0: float  # time.perf_counter() seconds
+    t1: float
+    sid: int  # parameter slot (of its placement), or -1
+
+
+_spans: list[Span] | None = None
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to restore
+_job = threading.local()  # the worker's current chunk: (its start, its slot)
+
+
+def add(name: str, t0: float, t1: float, sid: int = -1) -> None:
+    """Record one span of the calling thread (no-op while off)."""
+    spans = _spans
+    if spans is not None:
+        spans.append(Span(name, threading.current_thread().name, t0, t1, sid))
+
+
+@contextlib.contextmanager
+def span(name: str, sid: int = -1) -> Iterator[None]:
+    """``with span("forward"): ...`` records the block as one span."""
+    if _spans is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(name, t0, time.perf_counter(), sid)
+
+
+def active() -> bool:
+    return _spans is not None
+
+
+def _patch(owner: Any, attr: str, make) -> None:
+    orig = getattr(owner, attr)
+    _patched.append((owner, attr, orig))
+    setattr(owner, attr, make(orig))
+
+
+def _timed(owner: Any, attr: str, name, sid=lambda args: -1) -> None:
+    """Record each call of ``owner.attr`` as a span ``name`` (or ``name(kwargs)``; None: not recorded)."""
+    def make(orig):
+        def call(self, *args, **kwargs):
+            label = name(kwargs) if callable(name) else name
+            if _spans is None or label is None:
+                return orig(self, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                add(label, t0, time.perf_counter(), sid(args))
+        return call
+    _patch(owner, attr, make)
+
+
+def _instrument() -> None:
+    from trainstream import _host_kernels
+    from trainstream.core import _host
+
+    def submit(orig):  # the worker side: every batch of the host placement goes through _submit
+        def call(self, numel, priority, landed, body, finalize, record, done):
+            sid = int(priority)
+
+            def traced_body(c, b, e):
+                _job.chunk = (time.perf_counter(), sid)
+                try:
+                    body(c, b, e)
+                finally:
+                    _job.chunk = None
+
+            def traced_finalize():
+                with span("upload", sid):
+                    finalize()
+            orig(self, numel, priority, landed, traced_body, finalize and traced_finalize, record, done)
+        return call
+
+    def kernel(orig):  # the update kernel of one chunk, and the chunk's waits before it
+        def call(*args):
+            t0, (start, sid) = time.perf_counter(), getattr(_job, "chunk", None) or (None, -1)
+            if start is not None and t0 > start:
+                add("wait.copies", start, t0, sid)
+            try:
+                return orig(*args)
+            finally:
+                add("update", t0, time.perf_counter(), sid)
+        return call
+
+    _patch(_host.HostPlacement, "_submit", submit)
+    _patch(_host_kernels, "adamw_chunk", kernel)
+    _timed(_host.HostPlacement, "offload_grad", "offload_grad", lambda a: a[0] if a else -1)
+    _timed(_host.HostPlacement, "wait_ready", "wait_ready", lambda a: a[0][0] if a and len(a[0]) else -1)
+    _timed(_host.HostPlacement, "wait_step", "wait_step")
+    _timed(_host.HostPlacement, "step", "step.host_share")
+    try:
+        from trainstream.core import _device
+    except ImportError:  # no CUDA driver bindings: no device placement to trace
+        return
+    _timed(_device.DevicePlacement, "step", lambda kw: "launch_eager" if kw.get("eager") else "step.device_share")
+
+
+def start() -> None:
+    """Start recording (drops anything recorded before)."""
+    global _spans
+    if not _patched:
+        _instrument()
+    _spans = []
+
+
+def stop() -> list[Span]:
+    """Stop recording, restore the engine's methods and return the spans, ordered by start time."""
+    global _spans
+    out, _spans = (_spans or []), None
+    while _patched:
+        owner, attr, orig = _patched.pop()
+        setattr(owner, attr, orig)
+    return sorted(out, key=lambda s: s.t0)
 
 
 def chrome_trace(spans: list[Span]) -> dict[str, Any]:

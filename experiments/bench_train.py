@@ -72,7 +72,7 @@ at ``--configs 350m:8,1.3b:24``; compare "stream" (back to back), not "step ms" 
 device-wide synchronize waits for the whole update in the default, for none of the
 host uploads still to be queued with ~overlap).
 ``--trace SETUPS`` records two more steps of those setups with the engine's host timeline
-(trainstream._trace): a Chrome trace file per setup in --trace-dir and a summary per
+(experiments/_trace_report.py): a Chrome trace file per setup in --trace-dir and a summary per
 phase (worker utilisation, waits in jobs, wait_ready stalls, gradient-hook latency).
 
 Per row: "step ms" is the median of steps each ended by a device-wide synchronize;
@@ -105,7 +105,8 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainstream import _trace
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling _trace_report
+import _trace_report as _trace  # noqa: E402
 
 SIZES = {  # (layers, d_model, heads); parameters with the default vocabulary and context
     "tiny": (2, 256, 4),  # 14.7M (12.9M of them the embedding)
@@ -497,22 +498,22 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         fwd_ms = 1e3 * statistics.median(fwd)
     trace = None
     if trace_dir is not None:
-        _trace.start()
-        for _ in range(2):
+        _trace.start()  # until stop(): the engine's methods wrapped to record spans
+        try:
+            for _ in range(2):
+                with _trace.span("sync"):
+                    dev.sync()
+                one_step()
             with _trace.span("sync"):
                 dev.sync()
-            one_step()
-        with _trace.span("sync"):
-            dev.sync()
-        if hasattr(opt, "synchronize"):
-            opt.synchronize()
-        spans = _trace.stop()
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _trace_report  # noqa: PLC0415
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
+        finally:
+            spans = _trace.stop()
         os.makedirs(trace_dir, exist_ok=True)
         with open(os.path.join(trace_dir, "trace_" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{size}x{batch}_{setup}") + ".json"), "w") as f:
-            json.dump(_trace_report.chrome_trace(spans), f)
-        trace = _trace_report.summary(spans, phases=("forward", "backward", "step", "sync"))
+            json.dump(_trace.chrome_trace(spans), f)
+        trace = _trace.summary(spans, phases=("forward", "backward", "step", "sync"))
     timeline = None
     if profile and dev.cuda:
         from torch.profiler import ProfilerActivity, profile as torch_profile  # noqa: PLC0415

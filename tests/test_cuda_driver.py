@@ -94,7 +94,7 @@ def test_mapped_memory_read_and_written_by_the_device():
     ctx.memcpy_dtoh_async(buf.host_ptr, src.data_ptr(), 16, stream)  # and writes it
     ctx.stream_synchronize(stream)
     assert list(words) == [5.0, 6.0, 7.0, 8.0]
-    ctx.synchronize()
+    torch.cuda.synchronize(dev)
     del words
     buf.free()
     buf.free()  # idempotent

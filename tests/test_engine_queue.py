@@ -20,6 +20,15 @@ class _HostBackend:
         out[:] = 0
 
 
+def _put(q, job, priority=0.0, ready=None):
+    """One job, or with ``job=None`` one stop marker (a worker's share of ``close``, the queue still open)."""
+    if job is not None:
+        return q.put_many([job], priority, ready)
+    with q._cond:
+        q._stops += 1
+        q._cond.notify()
+
+
 def _drain(q):
     out = []
     while True:
@@ -32,17 +41,17 @@ def _drain(q):
 def test_lowest_slot_first_submission_order_within_a_slot():
     q = E._WorkQueue()
     for slot, tag in [(5, "5a"), (3, "3a"), (5, "5b"), (1, "1a"), (3, "3b")]:
-        q.put(lambda tag=tag: tag, slot)
-    q.put(None, float("inf"))
+        _put(q, lambda tag=tag: tag, slot)
+    _put(q, None, float("inf"))
     assert _drain(q) == ["1a", "3a", "3b", "5a", "5b"]
 
 
 def test_not_landed_job_passed_over_but_never_within_its_slot():
     q = E._WorkQueue()
     landed = {"x": False}
-    q.put(lambda: "1-first", 1, lambda: landed["x"])
-    q.put(lambda: "1-second", 1, None)  # same slot: must wait for 1-first
-    q.put(lambda: "2", 2, None)
+    _put(q, lambda: "1-first", 1, lambda: landed["x"])
+    _put(q, lambda: "1-second", 1, None)  # same slot: must wait for 1-first
+    _put(q, lambda: "2", 2, None)
     assert q.get()() == "2"  # slot 1's oldest job cannot run yet; slot 2's can
     # nothing else can run now: the oldest job runs (its body would wait for the copy)
     assert q.get()() == "1-first"
@@ -51,10 +60,10 @@ def test_not_landed_job_passed_over_but_never_within_its_slot():
 
 def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
     q = E._WorkQueue()
-    q.put(None, float("inf"))  # a stop marker queued early still comes after every job
+    _put(q, None, float("inf"))  # a stop marker queued early still comes after every job
     landed = {"x": False}
     for slot in (9, 7, 5):  # backward order: slot 9's copy was queued first
-        q.put(lambda slot=slot: slot, slot, lambda: landed["x"])
+        _put(q, lambda slot=slot: slot, slot, lambda: landed["x"])
     assert q.get()() == 9  # nothing landed: the oldest copy lands first
     landed["x"] = True
     assert q.get()() == 5  # then forward order again
@@ -65,7 +74,7 @@ def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
 def test_taken_entries_do_not_accumulate():
     q = E._WorkQueue()
     for i in range(1000):
-        q.put(lambda: None, i % 7)
+        _put(q, lambda: None, i % 7)
         q.get()()
     assert len(q._all) == 0 and q._jobs == 0 and not q._order
 
@@ -114,9 +123,9 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     eng._wait_idle(s)  # returns: the chain was dropped, not left counted
     assert s.inflight == 0 and not s.chain
     with pytest.raises(E.WorkerError, match="no room"):
-        eng.check_error()
+        eng.errors.check()
     monkeypatch.setattr(eng, "_submit_batch", real)
-    eng.clear_error()
+    eng.errors.clear()
     eng.close()
 
 
@@ -133,7 +142,7 @@ def test_work_for_stopped_workers_raises_instead_of_hanging():
     q = E._WorkQueue()
     q.close(1)
     with pytest.raises(RuntimeError, match="stopped"):
-        q.put(lambda: None)
+        _put(q, lambda: None)
     assert q.get() is None
 
 

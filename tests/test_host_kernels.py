@@ -4,10 +4,12 @@ Every specialisation compiled here costs Numba compile time (cached on disk afte
 so each test compiles only the specialisations it checks.
 """
 
+import functools
 import re
 import threading
 from collections import Counter
 
+import numba
 import numpy as np
 import pytest
 from numba import types
@@ -419,9 +421,31 @@ def test_optax_cpu_multi_leaf_clip_mask_matches_jitted_optax(jax_on_cpu):
 ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 
 
+@functools.cache
+def _cast_kernel(widen: bool, kind: int):
+    """The kernels' own per-element conversions (``K._load``, ``K._round16``; ``kind`` a
+    compile-time constant as in the kernels) over ``[begin, end)``: widen to float32, or round."""
+    @numba.njit(boundscheck=False, error_model="numpy")
+    def cast(dst, src, begin, end):
+        for i in range(begin, end):
+            if widen:
+                dst[i] = K._load(src[i], kind)
+            else:
+                dst[i] = K._round16(src[i], kind)
+    return cast
+
+
+def convert_to_f32(dst, src, kind, begin, end):
+    _cast_kernel(True, kind)(dst, src, begin, end)
+
+
+def round_from_f32(dst, src, kind, begin, end):
+    _cast_kernel(False, kind)(dst, src, begin, end)
+
+
 def test_f16_to_f32_exhaustive():
     out = np.empty(65536, np.float32)
-    K.convert_to_f32(out, ALL16, K.KIND_F16, 0, 65536)
+    convert_to_f32(out, ALL16, K.KIND_F16, 0, 65536)
     assert_bits_equal(out, ALL16.view(np.float16).astype(np.float32), "f16 -> f32")
     if torch is not None:
         want = torch.from_numpy(ALL16.view(np.int16)).view(torch.float16).float().numpy()
@@ -430,7 +454,7 @@ def test_f16_to_f32_exhaustive():
 
 def test_bf16_to_f32_exhaustive():
     out = np.empty(65536, np.float32)
-    K.convert_to_f32(out, ALL16, K.KIND_BF16, 0, 65536)
+    convert_to_f32(out, ALL16, K.KIND_BF16, 0, 65536)
     assert_bits_equal(out, C.bf16_bits_to_f32(ALL16), "bf16 -> f32")
     np.testing.assert_array_equal(out.view(np.uint32) >> 16, ALL16)  # every bit kept, NaN too
 
@@ -438,7 +462,7 @@ def test_bf16_to_f32_exhaustive():
 def test_f32_copy_kind0():
     src = np.random.default_rng(0).standard_normal(1001).astype(np.float32)
     dst = np.zeros_like(src)
-    K.convert_to_f32(dst, src, K.KIND_F32, 3, 998)
+    convert_to_f32(dst, src, K.KIND_F32, 3, 998)
     assert_bits_equal(dst[3:998], src[3:998])
     assert (dst[:3] == 0).all() and (dst[998:] == 0).all()
 
@@ -456,7 +480,7 @@ def test_round_from_f32_exhaustive(kind):
     x = _rounding_inputs()
     n = x.size
     out = np.empty(n, np.uint16)
-    K.round_from_f32(out, x, kind, 0, n)
+    round_from_f32(out, x, kind, 0, n)
     want = round_bits_torch(x, kind)
     nan = np.isnan(x)
     np.testing.assert_array_equal(out[~nan], want[~nan])
@@ -466,7 +490,7 @@ def test_round_from_f32_exhaustive(kind):
     # round trip of every half value is the identity (NaN stays NaN)
     up = half_to_f32(ALL16, kind)
     back = np.empty(65536, np.uint16)
-    K.round_from_f32(back, up, kind, 0, 65536)
+    round_from_f32(back, up, kind, 0, 65536)
     keep = ~np.isnan(up)
     np.testing.assert_array_equal(back[keep], ALL16[keep])
     assert np.isnan(half_to_f32(back[~keep], kind)).all()
@@ -572,9 +596,8 @@ def _vectorisation_report(specs) -> list[dict]:
     rows = []
     for kernel, key in specs:
         fn = K._BUILDERS[kernel](*key, cache=False)
-        src = f32 if key[1 if kernel == "adamw" else 0] == K.KIND_F32 else u16  # g, or convert's source
-        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64),
-               "convert": (f32, src, i64, i64), "round": (u16, f32, i64, i64)}[kernel]
+        src = f32 if key[1 if kernel == "adamw" else 0] == K.KIND_F32 else u16  # the gradient
+        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64)}[kernel]
         fn.compile(sig)
         asm = fn.inspect_asm(fn.signatures[0])
         ops = Counter(_PACKED_OP.findall(asm))

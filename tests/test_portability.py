@@ -121,6 +121,5 @@ def test_every_kernel_compiles_and_runs():
             s[C.S_OX_CODE] = key[3]
         K._specialisation("adamw", key)(p, m, v, g, out, 0, n, s)
         assert np.isfinite(p).all() and (p != 1).all(), key
-    for kernel in ("sumsq", "convert", "round"):
-        for key in sorted(K._VALID_KEYS[kernel]):
-            assert callable(K._specialisation(kernel, key))
+    for key in sorted(K._VALID_KEYS["sumsq"]):
+        assert callable(K._specialisation("sumsq", key))

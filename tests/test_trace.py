@@ -1,14 +1,15 @@
-"""The engine's host timeline (trainstream._trace): what it records and how it sums."""
+"""The engine's host timeline (experiments/_trace_report.py): what it records and how it sums."""
 
 import json
 
 import torch
 
 from _experiments import load_script
-from trainstream import _trace
+from trainstream import _host_kernels
+from trainstream.core import _host
 from trainstream.torch import OffloadAdamW
 
-report = load_script("_trace_report")
+trace = load_script("_trace_report")
 
 
 def _run_traced(eager: bool):
@@ -16,45 +17,49 @@ def _run_traced(eager: bool):
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
     opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096, overlap_forward=model)
     x = torch.randn(4, 64)
-    _trace.start()
+    trace.start()
     try:
         for _ in range(2):
-            with _trace.span("forward"):
+            with trace.span("forward"):
                 loss = model(x).square().mean()
-            with _trace.span("backward"):
+            with trace.span("backward"):
                 if eager:
                     with opt.last_micro_batch():
                         loss.backward()
                 else:
                     loss.backward()
-            with _trace.span("step"):
+            with trace.span("step"):
                 opt.step()
                 opt.zero_grad()
         opt.synchronize()
     finally:
-        spans = _trace.stop()
+        spans = trace.stop()
         opt.close()
     return spans
 
 
-def test_off_by_default_records_nothing():
-    assert not _trace.active()
-    _trace.add("update", 0.0, 1.0)  # no-op while off
-    with _trace.span("forward"):
+def test_off_by_default_records_nothing_and_stop_restores_the_engine():
+    originals = (_host.HostPlacement._submit, _host.HostPlacement.offload_grad, _host_kernels.adamw_chunk)
+    assert not trace.active()
+    trace.add("update", 0.0, 1.0)  # no-op while off
+    with trace.span("forward"):
         pass
-    _trace.start()
-    assert _trace.stop() == []
+    trace.start()
+    assert trace.active() and _host.HostPlacement._submit is not originals[0]
+    assert trace.stop() == []
+    assert (_host.HostPlacement._submit, _host.HostPlacement.offload_grad, _host_kernels.adamw_chunk) == originals
 
 
 def test_eager_spans_and_summary():
     spans = _run_traced(eager=True)
     names = {s.name for s in spans}
-    assert {"forward", "backward", "step", "offload_grad", "update", "upload", "wait_ready"} <= names
+    assert {"forward", "backward", "step", "offload_grad", "update", "upload", "wait_ready",
+            "step.host_share"} <= names
     updates = [s for s in spans if s.name == "update"]
     assert all(s.thread.startswith("trainstream-worker") for s in updates)
     assert all(s.t1 >= s.t0 for s in spans)
     assert {s.sid for s in updates} == set(range(6))  # 3 weights + 3 biases, both steps
-    summ = report.summary(spans)
+    summ = trace.summary(spans)
     # the worker threads that ran updates (both of them, or one where the host is busy)
     assert summ["workers"] == len({s.thread for s in updates}) in (1, 2)
     phases = [p["phase"] for p in summ["phases"]]
@@ -74,7 +79,7 @@ def test_eager_spans_and_summary():
 
 def test_chrome_trace_document():
     spans = _run_traced(eager=False)
-    doc = json.loads(json.dumps(report.chrome_trace(spans)))
+    doc = json.loads(json.dumps(trace.chrome_trace(spans)))
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(events) == len(spans)
     assert min(e["ts"] for e in events) == 0.0

@@ -1,7 +1,6 @@
 """Host cores per rank: the default worker count, a disjoint core slice per local rank (NUMA-local
-where ``/sys`` tells the GPU's node; else each of torchrun's local ranks would start a worker per core
-of the host), and binding threads to it. Binding and NUMA: Linux only (elsewhere "all cores,
-unbound"). No torch, no JAX.
+where ``/sys`` tells the GPU's node), and binding threads to it. Binding and NUMA: Linux only
+(elsewhere "all cores, unbound"). No torch, no JAX.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``Tensor.sqrt()`` of torch on the CPU (``msqrt`` of :mod:`trainstream.contract`), bit for bit.
 
 ATen calls MKL's ``vsSqrt`` in its high-accuracy mode, which refines a hardware
-reciprocal-square-root estimate and is off by one ULP for about 17-20% of inputs. MKL
-picks the path from the CPU, and the estimate instruction differs between CPU vendors.
-The paths, read from MKL's machine code (x: positive normal float32, every operation
-rounded to float32):
+reciprocal-square-root estimate and is off by one ULP for about 17-20% of inputs. The
+paths, read from MKL's machine code (x: positive normal float32, every operation rounded):
 
 ``MKL_SSE`` (``sSqrt_EX``; seen on AMD EPYC)::
 
@@ -25,10 +23,8 @@ here (the correctly rounded root is used: such ``exp_avg_sq`` values are below 1
 The estimates are this machine's own instructions (``rsqrtps`` differs between vendors,
 ``vrsqrt14ps`` is specified exactly), so a mode reproduces MKL on the machine that runs it;
 :func:`detect_mode` finds torch's by probing. Numba code calls :func:`torch_cpu_sqrt` and
-:func:`torch_cpu_sqrt_block` with the mode a compile-time constant, which types only that
-mode's code, and only where Numba's target has its instructions (:func:`available_modes`;
-on aarch64 only ``IEEE``). Kernels reach them as module globals, never through a closure
-(the disk cache: :mod:`trainstream._jit`).
+:func:`torch_cpu_sqrt_block` with the mode a compile-time constant (only that mode's code is
+typed), where Numba's target has its instructions (:func:`available_modes`; aarch64: ``IEEE``).
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ MKL_FMA14 = 2
 MKL_FMA12 = 3
 MODE_NAMES = {IEEE: "ieee", MKL_SSE: "mkl_sse", MKL_FMA14: "mkl_fma14", MKL_FMA12: "mkl_fma12"}
 
-#: The ISA feature each mode's instructions need (``rsqrtps``: SSE, baseline on x86-64;
-#: ``vrsqrt14ps``: AVX-512F); code with a missing instruction aborts the process in LLVM.
+#: The ISA feature each mode's instructions need (``rsqrtps``: SSE, baseline on x86-64; ``vrsqrt14ps``: AVX-512F).
 _NEEDS = {IEEE: None, MKL_SSE: "x86", MKL_FMA12: "x86", MKL_FMA14: "avx512f"}
 
 
@@ -76,15 +71,13 @@ def _vec_const(ty, width, value):
     return ir.Constant(ir.VectorType(ty, width), [ir.Constant(ty, value)] * width)
 
 
-def _lanes(idx) -> ir.Constant:
-    """A shuffle mask: the lanes ``idx``."""
+def _lanes(idx) -> ir.Constant:  # a shuffle mask
     return ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), list(idx))
 
 
 def _estimate(builder, x, mode: int):
-    """IR: this CPU's estimate of ``1/sqrt`` on each lane of ``x`` (``<4 x float>`` or
-    ``<16 x float>``): one 16-lane AVX-512 ``vrsqrt14ps`` (``MKL_FMA14``), else the 4-lane
-    ``rsqrtps`` on each quarter."""
+    """IR: this CPU's ``1/sqrt`` estimate per lane of ``x`` (4 or 16 float lanes): the 16-lane AVX-512
+    ``vrsqrt14ps`` (``MKL_FMA14``), else the 4-lane ``rsqrtps`` per quarter."""
     vf, i16 = x.type, ir.IntType(16)
     if mode == MKL_FMA14:
         fn = builder.module.declare_intrinsic("llvm.x86.avx512.rsqrt14.ps.512", fnty=ir.FunctionType(vf, [vf, vf, i16]))
@@ -185,9 +178,8 @@ def detect_mode(reference_sqrt) -> int | None:
 
 
 def detect_lerp_fma(reference_lerp) -> bool | None:
-    """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, a scalar weight)
-    is fused (ATen's AVX2/AVX-512 kernels: True) or two roundings (its DEFAULT kernels:
-    False, the contract's ``TC_NO_FMA``); None when it is neither."""
+    """Whether ``reference_lerp(a, b, w) = a.lerp(b, w)`` (float32 arrays, scalar ``w``) is fused (ATen's
+    AVX2/AVX-512 kernels: True) or not (its DEFAULT kernels, the contract's ``TC_NO_FMA``: False); else None."""
     rng = np.random.default_rng(1)
     a = rng.standard_normal(1 << 14).astype(np.float32)
     b = rng.standard_normal(1 << 14).astype(np.float32)
@@ -250,9 +242,8 @@ def torch_cpu_sqrt(x, mode):
 
 
 def torch_cpu_sqrt_block(src, lo, n, dst, mode):
-    """``dst[k] = torch_cpu_sqrt(src[lo + k], mode)`` for ``k < n``, 16 lanes at a time
-    (Numba code only, inlined; ``mode`` a compile-time constant)."""
-    raise TypeError("torch_cpu_sqrt_block is called from Numba code (sqrt_array_block: the same from Python)")
+    """``dst[k] = torch_cpu_sqrt(src[lo + k], mode)`` for ``k < n``, 16 lanes at a time (as :func:`torch_cpu_sqrt`)."""
+    raise TypeError("torch_cpu_sqrt_block is called from Numba code (_array_kernel(mode, True) from Python)")
 
 
 def _mode_of(mode) -> int | None:
@@ -285,16 +276,13 @@ def _torch_cpu_sqrt_block(src, lo, n, dst, mode):
     return impl
 
 
-#: In the array kernels' closures, so that their disk-cache key changes with ``_jit``'s
-#: code (Numba checks only the source file that defines a cached function).
-_DEPS = source_stamp(_jit)
+_DEPS = source_stamp(_jit)  # in the closures (:mod:`trainstream._jit`)
 
 
 @functools.cache
 def _array_kernel(mode: int, blocked: bool):
-    """``x -> sqrt(x)`` over a float32 array in ``mode``: :func:`torch_cpu_sqrt` element by
-    element, or (``blocked``) :func:`torch_cpu_sqrt_block` in strips of 64, as the AdamW
-    kernel takes it. The closure holds plain numbers only (the disk cache's key hashes it)."""
+    """``x -> sqrt(x)`` over a contiguous float32 array in ``mode``: :func:`torch_cpu_sqrt` element by
+    element, or (``blocked``) :func:`torch_cpu_sqrt_block` in strips of 64, as the AdamW kernel takes it."""
     require_mode(mode)
     deps = _DEPS
 
@@ -318,8 +306,3 @@ def _array_kernel(mode: int, blocked: bool):
 def sqrt_array(x: np.ndarray, mode: int) -> np.ndarray:
     """:func:`scalar_sqrt` of ``mode`` over a float32 array."""
     return _array_kernel(mode, False)(np.ascontiguousarray(x, np.float32))
-
-
-def sqrt_array_block(x: np.ndarray, mode: int) -> np.ndarray:
-    """:func:`block_sqrt` over a float32 array (the kernels' form, for tests)."""
-    return _array_kernel(mode, True)(np.ascontiguousarray(x, np.float32))

@@ -3,14 +3,13 @@
 CuPy only compiles and launches the kernels (:mod:`trainstream._device_kernels`). Imports neither
 torch nor jax; loads ``libcuda`` on first use.
 
-Why not torch's ``Tensor.copy_`` and ``torch.cuda.Event``: in ``cpu`` mode every gradient hook and
-finished update issues a copy and records an event, from the autograd thread and many workers at once;
-through torch each is a dispatcher call with device guards and the pinned allocator's global lock (H200,
-1.3B GPT, 15 workers: 0.5 ms a gradient hook, 0.5-1.6 ms an upload launch). A ctypes call takes a few
-microseconds. Calls that return at once go through ``ctypes.PyDLL``, which keeps the GIL (taking it back
-may wait for a busy worker: with it released, 0.2-0.6 ms a hook); blocking calls and allocations through
-``ctypes.CDLL``, which releases it. Streams are the frameworks' (the runtime and the driver share handles
-and the device's primary context). A failed call raises :class:`CudaDriverError` naming it and the error.
+Not torch's ``Tensor.copy_``/``torch.cuda.Event``: in ``cpu`` mode every gradient hook and finished
+update copies and records an event, from many threads at once, and through torch's dispatcher and
+pinned-allocator lock each took 0.5-1.6 ms (H200, 1.3B GPT, 15 workers); a ctypes call, microseconds.
+Calls that return at once go through ``ctypes.PyDLL``, which keeps the GIL (taking it back may wait
+for a busy worker: with it released, 0.2-0.6 ms a hook); blocking calls and allocations through
+``ctypes.CDLL``, which releases it. Streams are the frameworks' (runtime and driver share handles and
+the primary context). A failed call raises :class:`CudaDriverError` naming it and the error.
 """
 
 from __future__ import annotations
@@ -54,21 +53,19 @@ def _load():
 
 
 def _declare(lib) -> None:
-    vp, u64, sz, ui = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint
+    vp, u64, sz, ui, ci = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
+    pvp, pu64, pstr = ctypes.POINTER(vp), ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_char_p)
     for fn, args in (
-        ("cuInit", [ui]), ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
-        ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
-        ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]), ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
-        ("cuCtxPushCurrent_v2", [vp]), ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
-        ("cuEventCreate", [ctypes.POINTER(vp), ui]), ("cuEventDestroy_v2", [vp]), ("cuEventRecord", [vp, vp]),
-        ("cuEventSynchronize", [vp]), ("cuEventQuery", [vp]), ("cuStreamWaitEvent", [vp, vp, ui]),
-        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]), ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
-        ("cuStreamSynchronize", [vp]), ("cuStreamCreate", [ctypes.POINTER(vp), ui]), ("cuStreamDestroy_v2", [vp]),
-        ("cuCtxSynchronize", []), ("cuMemHostAlloc", [ctypes.POINTER(vp), sz, ui]),
-        ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(u64), vp, ui]), ("cuMemFreeHost", [vp]),
-        ("cuMemAlloc_v2", [ctypes.POINTER(u64), sz]), ("cuMemFree_v2", [u64]), ("cuMemsetD32Async", [u64, ui, sz, vp]),
-        ("cuPointerGetAttribute", [vp, ui, u64]), ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-        ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        ("cuInit", [ui]), ("cuDeviceGet", [ctypes.POINTER(ci), ci]), ("cuDevicePrimaryCtxRetain", [pvp, ci]),
+        ("cuDevicePrimaryCtxRelease_v2", [ci]), ("cuCtxGetCurrent", [pvp]), ("cuCtxPushCurrent_v2", [vp]),
+        ("cuCtxPopCurrent_v2", [pvp]), ("cuEventCreate", [pvp, ui]), ("cuEventDestroy_v2", [vp]),
+        ("cuEventRecord", [vp, vp]), ("cuEventSynchronize", [vp]), ("cuEventQuery", [vp]),
+        ("cuStreamWaitEvent", [vp, vp, ui]), ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
+        ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]), ("cuStreamSynchronize", [vp]), ("cuStreamCreate", [pvp, ui]),
+        ("cuStreamDestroy_v2", [vp]), ("cuMemHostAlloc", [pvp, sz, ui]),
+        ("cuMemHostGetDevicePointer_v2", [pu64, vp, ui]), ("cuMemFreeHost", [vp]), ("cuMemAlloc_v2", [pu64, sz]),
+        ("cuMemFree_v2", [u64]), ("cuMemsetD32Async", [u64, ui, sz, vp]), ("cuPointerGetAttribute", [vp, ui, u64]),
+        ("cuGetErrorName", [ci, pstr]), ("cuGetErrorString", [ci, pstr]),
     ):
         f = getattr(lib, fn)
         f.argtypes = args
@@ -91,8 +88,7 @@ def _check(res: int, what: str, lib=None) -> None:
 def available() -> bool:
     """Whether the CUDA driver library loads and initialises here."""
     try:
-        _load()
-        return True
+        return _load() is not None
     except CudaDriverError:
         return False
 
@@ -108,8 +104,8 @@ def pointer_device(ptr: int) -> int:
 
 
 class Context:
-    """The primary context of one device (torch's runtime's). Each driver call runs in it, pushed for
-    the call when the thread's current context is another device's (torch's current device stays)."""
+    """The primary context of one device (torch's runtime's); each call pushes it for the call where the
+    thread's current context is another device's (torch's current device stays)."""
 
     def __init__(self, device: int):
         lib = _load()
@@ -134,8 +130,7 @@ class Context:
             _fast.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     def call(self, name: str, *args, release_gil: bool = False) -> int:
-        """Run driver function ``name`` in this context; returns its result code.
-        ``release_gil``: through the GIL-releasing library (for calls that block)."""
+        """Driver function ``name``'s result code, run in this context (``release_gil``: GIL released)."""
         pushed = self._enter()
         try:
             return getattr(_lib if release_gil else _fast, name)(*args)
@@ -173,13 +168,9 @@ class Context:
         """Block (GIL released) until ``stream``'s queued work is done."""
         self.call_checked("cuStreamSynchronize", stream, release_gil=True)
 
-    def synchronize(self) -> None:
-        """Block (GIL released) until all work queued on the device is done."""
-        self.call_checked("cuCtxSynchronize", release_gil=True)
-
     def _alloc(self, name: str, out, nbytes: int, what: str, *flags) -> int:
-        """Allocate ``nbytes`` (returned as an int) into ``out`` through driver function ``name``
-        (GIL released); ``MemoryError`` naming the size and ``what`` when the driver refuses."""
+        """Allocate ``nbytes`` (returned) into ``out`` through ``name``, GIL released; ``MemoryError``
+        naming the size and ``what`` when the driver refuses."""
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
@@ -224,8 +215,8 @@ class Context:
 
 class Event:
     """A CUDA event recorded once on a stream; waiters sleep (blocking sync). Once seen complete it
-    remembers it: the chunk jobs of a batch wait on the same events, and after the first a wait is an
-    attribute check, not a driver call releasing the GIL (to re-acquire against busy workers)."""
+    remembers it: the chunk jobs of a batch wait on the same events, and after the first a wait costs
+    no driver call (nor a GIL re-acquired against busy workers)."""
     __slots__ = ("handle", "_ctx", "_done")
 
     def __init__(self, ctx: Context, stream: int):
@@ -303,9 +294,8 @@ class Mapped(_Memory):
 
 
 class DeviceMemory(_Memory):
-    """Device memory of one context (:meth:`Context.alloc_device`), read and written by copies from
-    and to host memory (pinned or pageable) that block the calling thread, GIL released, until done:
-    queued on ``stream``, they come after the work queued there before."""
+    """Device memory of one context (:meth:`Context.alloc_device`). Its copies from and to host memory
+    (pinned or pageable) and ``zero`` are queued on ``stream`` and block, GIL released, until done."""
     __slots__ = ()
     _PTR, _FREE = "dev_ptr", "cuMemFree_v2"
 

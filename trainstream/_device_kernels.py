@@ -1,15 +1,13 @@
 """CuPy loader and launcher of the ``gpu`` mode kernels (``trainstream/kernels/adamw_zero_copy.cu``, package data; one
-per :mod:`trainstream.contract` variant, quoting the contract line by line): compiled once per device, launched
-asynchronously on raw pointers and a raw ``cudaStream_t`` (plain ``int``\\ s: ``0`` the legacy default stream, torch's
-``cuda_stream``, CuPy's ``ptr``, the stream XLA hands an FFI handler); the caller orders the launches against the
-gradient's producers and the weights' readers. State pointers address mapped pinned host memory or GPU memory (the same
-kernels). No torch or jax import; CuPy is imported on first use (an ``ImportError`` names the extras
-``trainstream[cuda12]`` / ``trainstream[cuda13]``).
+per :mod:`trainstream.contract` variant): compiled once per device, launched asynchronously on raw pointers and a raw
+``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's ``cuda_stream``, CuPy's ``ptr``, XLA's
+stream of an FFI handler); the caller orders the launches against the gradient's producers and the weights' readers.
+State pointers address mapped pinned host memory or GPU memory. CuPy is imported on first use (an ``ImportError``
+names the extras ``trainstream[cuda12]`` / ``trainstream[cuda13]``); no torch or jax import.
 
 Compilation: NVRTC (``cupy.RawModule``, :data:`COMPILE_OPTIONS`; CuPy caches the binary in ``~/.cupy/kernel_cache``).
-Every float operation is an ``_rn`` intrinsic (``__fmaf_rn`` exactly where the contract fuses), which ``-fmad`` and
-``-prec-*`` do not touch; ``--ftz=false`` does matter (``ftz`` changes the ``_rn`` intrinsics too) and is pinned;
-``--fmad=false`` guards a future line written without an intrinsic.
+The kernels write every operation as an ``_rn`` intrinsic (the contract's roundings), which ``-fmad`` and ``-prec-*``
+do not touch; ``--ftz`` does (pinned false); ``--fmad=false`` guards a future line written without an intrinsic.
 
 Errors: a refused launch raises ``RuntimeError`` naming the kernel. A fault inside a kernel surfaces asynchronously, at
 the next synchronising CUDA call on that device, from whichever library makes it; ``TRAINSTREAM_SYNC_LAUNCHES=1`` (or
@@ -79,7 +77,6 @@ class _MultiBatch(ctypes.Structure):
 # -- CuPy, lazily --------------------------------------------------------------------------
 @functools.cache
 def _cupy():
-    """Import CuPy on first use, with an actionable message when it is missing."""
     try:
         import cupy  # noqa: PLC0415
     except ImportError as e:
@@ -106,9 +103,8 @@ def kernel_source(name: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except OSError as e:
-        raise FileNotFoundError(f"TrainStream CUDA source {path} not found: the package must carry "
-                                f"trainstream/kernels/{name} as package data (an install without it is "
-                                f"incomplete; reinstall from the wheel or the checkout): {e}") from e
+        raise FileNotFoundError(f"TrainStream CUDA source {path} not found: the install lacks the package data "
+                                f"trainstream/kernels/{name}; reinstall from the wheel or the checkout ({e})") from e
 
 
 _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
@@ -187,9 +183,8 @@ def multiprocessor_count(device: int | None = None) -> int:
 
 
 def compile_kernels(device: int | None = None) -> dict[str, int]:
-    """Compile and load every kernel on ``device`` (default: the current one); idempotent, thread-safe,
-    called by the launchers. Returns ``{name: resident blocks per device}`` (occupancy x
-    multiprocessors), the grid cap of the AdamW launches."""
+    """Compile and load every kernel on ``device`` (default: the current one; idempotent, thread-safe, called by
+    the launchers). Returns ``{name: resident blocks}`` (occupancy x multiprocessors), the launches' grid cap."""
     cp = _cupy()
     dev = _device_index(device)
     with _lock:
@@ -219,10 +214,9 @@ def _kernel(device: int, name: str) -> _Kernel:
 def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, stream: int) -> None:
     cp = _cupy()
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    what = f"{kernel.name} (grid {grid} x {block})"
+    what = f"{kernel.name} (grid {grid} x {block}, stream {int(stream):#x})"
     with cp.cuda.Device(device):
-        # A thread that never made a CUDA runtime call (e.g. one of XLA's) has no current context;
-        # the driver launch needs one: any runtime call makes the device's primary context current.
+        # a thread without a current context (e.g. XLA's): any runtime call makes the primary context current
         if cp.cuda.driver.ctxGetCurrent() == 0:
             cp.cuda.runtime.setDevice(device)
             cp.cuda.runtime.free(0)
@@ -230,26 +224,20 @@ def _launch(device: int, kernel: _Kernel, grid: int, block: int, args: list, str
             cp.cuda.driver.launchKernel(kernel.ptr, grid, 1, 1, block, 1, 1, 0, int(stream),
                                         ctypes.addressof(params), 0)
         except cp.cuda.driver.CUDADriverError as e:
-            raise RuntimeError(f"TrainStream: launching {what} on cuda:{device}, stream {int(stream):#x}, "
-                               f"failed: {e}") from e
+            raise RuntimeError(f"TrainStream: launching {what} on cuda:{device} failed: {e}") from e
         if _sync_launches:
-            _sync_or_raise(device, stream, what)
+            check_stream(stream, device, _after=what)
 
 
-def _sync_or_raise(device: int, stream: int, what: str) -> None:
-    cp = _cupy()
-    try:
-        cp.cuda.runtime.streamSynchronize(int(stream))
-    except cp.cuda.runtime.CUDARuntimeError as e:
-        raise RuntimeError(f"TrainStream: CUDA error on cuda:{device} after {what}: {e}") from e
-
-
-def check_stream(stream: int = 0, device: int | None = None) -> None:
+def check_stream(stream: int = 0, device: int | None = None, *, _after="the launches queued on this stream") -> None:
     """Synchronise ``stream`` and raise ``RuntimeError`` for an asynchronous kernel fault."""
     cp = _cupy()
     dev = _device_index(device)
     with cp.cuda.Device(dev):
-        _sync_or_raise(dev, stream, "the launches queued on this stream")
+        try:
+            cp.cuda.runtime.streamSynchronize(int(stream))
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise RuntimeError(f"TrainStream: CUDA error on cuda:{dev} after {_after}: {e}") from e
 
 
 def _check_ptr(name: str, ptr, align: int, allow_null: bool = False) -> int:
@@ -273,19 +261,17 @@ def _grid_for(n: int, max_grid: int) -> int:
 def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_dtype, master_ptr: int, m_ptr: int,
                  v_ptr: int, n: int, scalars: np.ndarray | None, stream: int = 0, *, scalars_ptr: int = 0,
                  device: int | None = None, max_blocks: int | None = None) -> None:
-    """Queue one AdamW update of ``n`` elements on ``stream`` (asynchronous): a :func:`launch_adamw_multi` of one
-    tensor.
+    """Queue one AdamW update of ``n`` elements on ``stream``: a :func:`launch_adamw_multi` of one tensor.
 
-    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights in GPU memory
-    (``param_dtype`` float32/float16/bfloat16), updated in place. ``grad_ptr``: the gradient in GPU memory (any of the
-    three dtypes). ``master_ptr``: fp32 master weights, required for fp16/bf16 weights and ``0`` for fp32 weights
-    (their own master). ``m_ptr``, ``v_ptr``: fp32 moments. State pointers are device pointers to mapped pinned host
-    memory (:func:`alloc_mapped`) or GPU memory (:func:`alloc_device`); any element alignment works, 16-byte-aligned
-    state takes the vector path. ``scalars``: :func:`trainstream.contract.step_scalars`' vector, passed by value (its
-    ``S_CLIP`` is 1.0 when the framework has clipped or unscaled the gradient in place); or ``scalars_ptr``, a device
-    pointer to those 12 float32 (then ``scalars`` may be ``None``), e.g. a buffer computed inside an XLA program.
-    ``max_blocks``: a cap on the grid (grid-stride: the bits do not depend on it), e.g. to leave multiprocessors to a
-    backward running at the same time.
+    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights in GPU memory (``param_dtype``
+    float32/float16/bfloat16), updated in place. ``grad_ptr``: the gradient in GPU memory (any of the three dtypes).
+    ``master_ptr``: fp32 master weights, required for fp16/bf16 weights, ``0`` for fp32 ones. ``m_ptr``, ``v_ptr``:
+    fp32 moments. State pointers are device pointers to mapped pinned host memory (:func:`alloc_mapped`) or GPU memory
+    (:func:`alloc_device`); any element alignment works, 16-byte-aligned state takes the vector path. ``scalars``:
+    :func:`trainstream.contract.step_scalars`' vector, by value (``S_CLIP`` 1.0 when the framework has clipped or
+    unscaled the gradient in place); or ``scalars_ptr``, a device pointer to those 12 float32 (``scalars`` may then be
+    ``None``), e.g. computed inside an XLA program. ``max_blocks``: a cap on the grid (the bits do not depend on it),
+    e.g. to leave multiprocessors to a backward running at the same time.
     """
     if not scalars_ptr and scalars is None:
         raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
@@ -297,14 +283,13 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
 def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
                        items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
                        device: int | None = None, max_blocks: int | None = None) -> int:
-    """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one launch, one driver call
-    instead of one per tensor (about 50 us each on the H200, 200 us while the host workers hold the GIL).
+    """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one launch (a driver call
+    costs about 50 us on the H200, 200 us while the host workers hold the GIL).
 
     ``items``: ``(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, scalars)`` per tensor, as :func:`launch_adamw`'s
     arguments; ``scalars``: the float32 vector (by value) or an ``int``, a device pointer to it. Each tensor gets the
     blocks of its size (:func:`_grid_for`, also capped at ``max_blocks``) and grid-strides over them. Every argument
-    is checked before anything is launched; tensors of 0 elements are then skipped. Returns the number of tensors
-    launched.
+    is checked before anything is launched; tensors of 0 elements are then skipped. Returns the tensors launched.
     """
     return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True)
 
@@ -312,10 +297,9 @@ def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
 def launch_adamw_u_multi(variant: int, grad_dtype,
                          items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
                          device: int | None = None) -> int:
-    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes ``u`` of the
-    contract (the JAX adapter's ``update``: its program applies the learning rate). ``variant``: one of
-    :data:`U_VARIANTS`. ``items``: ``(param_ptr, grad_ptr, u_ptr, m_ptr, v_ptr, n, scalars)`` per tensor,
-    ``u_ptr`` a float32 output in GPU memory. Returns the number of tensors launched."""
+    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes the contract's ``u`` (the JAX
+    adapter's ``update``: its program applies the learning rate). ``variant``: one of :data:`U_VARIANTS`. ``items``:
+    ``(param_ptr, grad_ptr, u_ptr, m_ptr, v_ptr, n, scalars)``, ``u_ptr`` a float32 output in GPU memory."""
     return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None, named=True, emit_u=True)
 
 
@@ -323,10 +307,9 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
                         named: bool, emit_u: bool = False) -> int:
     """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``: the kernels that
     write ``u`` into each item's third pointer). Null pointers pass only in an empty item."""
-    if variant not in _VARIANT_NAMES:
-        raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
+    kernel_name = (adamw_u_kernel_name(variant, grad_dtype) if emit_u  # checks the variant, then the dtypes
+                   else adamw_kernel_name(variant, param_dtype, grad_dtype))
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
-    kernel_name = adamw_u_kernel_name(variant, gd) if emit_u else adamw_kernel_name(variant, pd, gd)
     items = list(items)
     if len(items) > MULTI_MAX:
         raise ValueError(f"launch_adamw_multi takes at most {MULTI_MAX} tensors, got {len(items)}")
@@ -383,8 +366,8 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
 
 # -- mapped pinned host memory ---------------------------------------------------------------
 def alloc_mapped(nbytes: int, device: int | None = None) -> tuple[int, int, Callable[[], None]]:
-    """:meth:`trainstream._cuda.Context.alloc_mapped` as ``(host_ptr, dev_ptr, free)``; ``free()``
-    releases it (idempotent; also when the last reference to ``free`` goes)."""
+    """:meth:`trainstream._cuda.Context.alloc_mapped` as ``(host_ptr, dev_ptr, free)``; ``free()`` releases it
+    (idempotent; also when the last reference to ``free`` goes)."""
     buf = _cuda.context(_device_index(device)).alloc_mapped(nbytes)
     return buf.host_ptr, buf.dev_ptr, buf.free
 

@@ -1,29 +1,26 @@
-"""Numba host kernels: the AdamW update of :mod:`trainstream.contract` (:func:`adamw_chunk`),
-half-precision conversions, sums of squares.
+"""Numba host kernels: the AdamW update of :mod:`trainstream.contract` (:func:`adamw_chunk`) and sums
+of squares (:func:`sumsq_blocks`).
 
 Kernels work on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range (worker threads
 run disjoint chunks of one parameter), release the GIL and are cached on disk (a later process
 loads each in ~0.01 s instead of compiling it in 3-7 s). Half-precision buffers travel as their
 ``uint16`` bits with a *kind* code (0 float32, 1 IEEE float16, 2 bfloat16; Numba has no bfloat16):
 conversions to float32 are exact; from float32 they round to nearest even and keep Inf and NaN,
-bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the canonical quiet NaN). No kernel
-uses fast-math, so LLVM never contracts ``a*b + c``: FMA comes only from :func:`fma32`, where the
-contract has it.
+bit-identical to ``c10::Half``/``c10::BFloat16`` (NaN becomes the canonical quiet NaN). FMA comes
+only from :func:`fma32`, where the contract has it (no fast-math).
 
 So that the loops vectorise, each raw kernel picks a compiled specialisation from a table keyed by
 its codes (kinds, variant, mode): a closure whose codes are compile-time constants, so its loop has
-no per-element branch (``numba.literally`` re-typed on every call: ~50 ms). Closures hold plain
-numbers only (the disk cache's key: :mod:`trainstream._jit`); helpers are module globals whose form
-a closure constant picks (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)``), and ``_DEPS``
-in the closure makes an entry stale when a helper's module changes. Loops run over unsigned indices
-(a signed one costs a wrap-around select per access), read scalars into locals first and choose per
-element by ``select`` (:func:`_select`), never by branch. ``inspect_asm`` of a cached specialisation
-is empty: tests/test_host_kernels.py compiles uncached copies to check the machine code.
+no per-element branch (``numba.literally`` re-typed on every call: ~50 ms). Closures follow
+:mod:`trainstream._jit`'s cache rules (``_mad(unfused, ...)``, ``torch_cpu_sqrt(x, sqrt_mode)``,
+``_DEPS``). Loops run over unsigned indices (a signed one costs a wrap-around select per access),
+read scalars into locals first and choose per element by :func:`_select`, never by branch.
+``inspect_asm`` of a cached specialisation is empty: tests/test_host_kernels.py compiles uncached
+copies to check the machine code.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 
@@ -45,16 +42,14 @@ from .contract import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_N
                        S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
                        VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA)
 
-__all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "convert_to_f32",
-           "round_from_f32", "fma32"]
+__all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "fma32"]
 
 KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
 _KINDS = (KIND_F32, KIND_F16, KIND_BF16)
-#: ``okind`` that writes the rounded weights back into the fp16/bf16 gradient buffer (``out16 is g``):
-#: a kernel of its own, as with two overlapping array arguments LLVM's run-time alias check fails
-#: and it runs the scalar loop (~6x slower, measured).
+#: ``okind`` that writes the rounded weights back into the fp16/bf16 gradient buffer (``out16 is g``): a kernel
+#: of its own, as overlapping array arguments fail LLVM's run-time alias check (scalar loop, ~6x slower).
 OUT_IN_GRAD = 3
 #: ``okind`` (optax) that writes the contract's ``u`` (the update before the learning rate) into a float32
 #: ``out``, ``p`` unwritten (the JAX adapter's ``update``: its XLA program applies ``-lr`` as optax does).
@@ -83,8 +78,7 @@ _SIGN_MASK = np.uint32(0x80000000)
 
 @njit(inline="always", **_OPTS)
 def _mad(unfused, a, b, c):
-    """``a*b + c`` with one rounding (:func:`fma32`), or with two where ``unfused`` (a
-    compile-time constant; never contracted: no fast-math flags)."""
+    """``a*b + c`` with one rounding (:func:`fma32`), or with two where ``unfused`` (a compile-time constant)."""
     if unfused:
         return a * b + c
     return fma32(a, b, c)
@@ -99,8 +93,7 @@ def _ftz(x):
 
 @njit(inline="always", **_OPTS)
 def _mad_xla(unfused, a, b, c):
-    """XLA:CPU's ``a*b + c``: :func:`fma32`, or where ``unfused`` (without FMA3; a
-    compile-time constant) ``RN(RN(a*b) + c)``, the product flushed (the caller flushes the sum)."""
+    """XLA:CPU's ``a*b + c``: :func:`fma32`, or where ``unfused`` ``RN(RN(a*b) + c)``, the product flushed."""
     if unfused:
         return _ftz(a * b) + c
     return fma32(a, b, c)
@@ -128,10 +121,9 @@ def _make_prefetch(write: int):
 _prefetch_r = _make_prefetch(0)
 _prefetch_w = _make_prefetch(1)
 
-# The AdamW loop runs in strips of _STRIP elements; before each strip it prefetches the
-# lines _AHEAD elements ahead in every stream. The update is memory-bound with 7 streams,
-# where hardware prefetch alone leaves a core short of memory-level parallelism: +5..10 %
-# at 8 and 16 threads (measured on the 16-core Xeon host of the H200, 2**27 elements).
+# The AdamW loop prefetches, before each strip of _STRIP elements, the lines _AHEAD elements ahead in
+# every stream: with 7 streams, hardware prefetch alone leaves a core short of memory-level parallelism
+# (+5..10 % at 8 and 16 threads, measured on the 16-core Xeon host of the H200, 2**27 elements).
 _STRIP = np.uint64(64)
 _AHEAD = np.uint64(512)
 _LINE = np.uint64(16)  # float32 elements per 64-byte line
@@ -204,31 +196,23 @@ def _round16(x, kind):
     return f32_to_bf16(x)
 
 
-# -- specialisation factories: a Numba dispatcher each, its codes closure constants (module
-# docstring); ``cache=False`` builds an uncached copy (for inspecting the machine code).
+# -- specialisation factories (module docstring); ``cache=False``: an uncached copy (machine code)
 
-#: The source stamp of the modules whose globals the kernels use (this file is Numba's own check).
+#: The source stamp of the modules whose globals the kernels use (:func:`trainstream._jit.source_stamp`).
 _DEPS = source_stamp(_jit, _cpu_sqrt, contract)
-
-
-def _opts(cache: bool) -> dict:
-    return dict(_OPTS, cache=cache and _OPTS["cache"])
 
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
     """``mode``: the torch/cpu code (sqrt mode | TC_NO_FMA), the optax/cpu code, else 0."""
-    opts = _opts(cache)
     torch_conv = variant == VARIANT_TORCH_CPU or variant == VARIANT_TORCH_CUDA
     cpu = variant == VARIANT_TORCH_CPU
     optax_cpu = variant == VARIANT_OPTAX_CPU
     sqrt_mode = (mode & ~TC_NO_FMA) if cpu else SQRT_IEEE
     require_mode(sqrt_mode)  # only this mode's instructions reach LLVM
-    # ATen's DEFAULT kernels: lerp and addcmul as two roundings (torch/cpu with TC_NO_FMA)
-    unfused = cpu and (mode & TC_NO_FMA) != 0
-    ox = mode if optax_cpu else 0
-    # XLA:CPU without FMA3: every contracted line as two roundings, each flushed
-    ox_unfused = (ox & OX_NO_FMA) != 0
-    ox_form_r, ox_clip, ox_mu_swap, ox_nu_swap = ((ox & b) != 0 for b in (OX_FORM_R, OX_CLIP, OX_MU_SWAP, OX_NU_SWAP))
+    unfused = cpu and (mode & TC_NO_FMA) != 0  # ATen's DEFAULT kernels: lerp and addcmul as two roundings
+    ox = mode if optax_cpu else 0  # ox_unfused: XLA:CPU without FMA3, every contracted line two roundings, each flushed
+    ox_unfused, ox_form_r, ox_clip, ox_mu_swap, ox_nu_swap = (
+        (ox & b) != 0 for b in (OX_NO_FMA, OX_FORM_R, OX_CLIP, OX_MU_SWAP, OX_NU_SWAP))
     in_grad = okind == OUT_IN_GRAD  # the rounded weights overwrite g[i] (read just before)
     emit_u = okind == OUT_U  # optax: u into out (float32), p read only
     write16 = okind == KIND_F16 or okind == KIND_BF16
@@ -238,11 +222,10 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     grad16 = torch_conv and gkind != KIND_F32  # torch: g * c rounded to the gradient's format
     deps = _DEPS
 
-    @njit(key=(variant, gkind, okind, mode), **opts)
+    @njit(key=(variant, gkind, okind, mode), **dict(_OPTS, cache=cache))
     def adamw_kernel(p, m, v, g, out16, begin, end, s):
         deps  # noqa: B018 (in the closure: the cache key)
-        # Every scalar into a local before the loop (no reload per element). Slots that a
-        # convention does not use are read too (harmless: the vector has N_SCALARS).
+        # every scalar into a local (slots a convention does not use too: the vector has N_SCALARS)
         c, div = s[S_CLIP], s[S_CLIP_DIV]
         round_g = grad16 and c != np.float32(1.0)  # g * 1 is exact: nothing to round
         # torch; lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g)
@@ -254,8 +237,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         # optax/cpu: every scalar read with DAZ, as XLA:CPU reads it
         z_c, z_div = _ftz(c), _ftz(div)
         z_b1, z_omb1, z_b2, z_omb2 = _ftz(b1), _ftz(omb1), _ftz(b2), _ftz(omb2)
-        z_d1, z_d2, z_eps = _ftz(bc1), _ftz(bc2_ox), _ftz(eps)
-        z_wd, z_neg_lr = _ftz(wd), _ftz(neg_lr)
+        z_d1, z_d2, z_eps, z_wd, z_neg_lr = _ftz(bc1), _ftz(bc2_ox), _ftz(eps), _ftz(wd), _ftz(neg_lr)
         z_r1, z_r2 = _ftz(np.float32(1.0) / z_d1), _ftz(np.float32(1.0) / z_d2)  # form R: XLA's divide(1, 1 - b**t)
         decays = z_wd != np.float32(0.0)
         # optax/cuda with optax.clip_by_global_norm: g = (g / norm) * max_norm
@@ -277,8 +259,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                 if write16 or emit_u:
                     _prefetch_w(out16, j)
             if blocked:
-                # torch/cpu with MKL's square root: the same lines in three passes over the
-                # strip, so that the root is taken 16 lanes at a time (torch_cpu_sqrt_block)
+                # torch/cpu with MKL's root: the same lines in three passes, the root 16 lanes at a time
                 for i in range(lo, hi):
                     gi = _load(g[i], gkind) * c  # g = g * c
                     if round_g:
@@ -363,11 +344,10 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
 def _build_sumsq(gkind: int, cache: bool = True):
     deps = _DEPS
 
-    @njit(key=(gkind,), **_opts(cache))
+    @njit(key=(gkind,), **dict(_OPTS, cache=cache))
     def sumsq_kernel(g, begin, end, block, out):
         deps  # noqa: B018 (in the closure: the cache key)
-        # The order of sumsq_blocks, fixed: without fast-math LLVM cannot reorder a float reduction
-        # into scalars, but vectorises the j loop over the lanes' array. x*x is exact in float64.
+        # sumsq_blocks' order (no fast-math: LLVM vectorises the j loop over the lanes); x*x is exact in float64
         lanes = np.zeros(SUMSQ_LANES)
         ulanes = np.uint64(SUMSQ_LANES)
         k = 0
@@ -394,23 +374,7 @@ def _build_sumsq(gkind: int, cache: bool = True):
     return sumsq_kernel
 
 
-def _build_cast(widen: bool, kind: int, cache: bool = True):
-    """``convert`` (``widen``: ``kind`` -> float32) or ``round`` (float32 -> ``kind`` bits)."""
-    deps = _DEPS
-
-    @njit(key=(widen, kind), **_opts(cache))
-    def cast_kernel(dst, src, begin, end):
-        deps  # noqa: B018 (in the closure: the cache key)
-        for i in range(np.uint64(begin), np.uint64(end)):
-            if widen:
-                dst[i] = _load(src[i], kind)
-            else:
-                dst[i] = _round16(src[i], kind)
-    return cast_kernel
-
-
-_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq, "convert": functools.partial(_build_cast, True),
-             "round": functools.partial(_build_cast, False)}
+_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq}
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
@@ -418,8 +382,6 @@ _VALID_KEYS = {
               for md in (TC_CODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
     "sumsq": {(gk,) for gk in _KINDS},
-    "convert": {(k,) for k in _KINDS},
-    "round": {(KIND_F16,), (KIND_BF16,)},
 }
 _TABLE: dict = {}
 _TABLE_LOCK = threading.Lock()
@@ -427,15 +389,13 @@ _TABLE_LOCK = threading.Lock()
 
 def _specialisation(kernel: str, key: tuple):
     """The compiled specialisation of ``kernel`` for ``key`` (built on first use)."""
-    fn = _TABLE.get((kernel, key))
-    if fn is not None:
-        return fn
-    if key not in _VALID_KEYS[kernel]:
-        raise ValueError(f"{kernel}: no specialisation for codes {key}")
-    with _TABLE_LOCK:
-        if (kernel, key) not in _TABLE:
-            _TABLE[kernel, key] = _BUILDERS[kernel](*key)
-        return _TABLE[kernel, key]
+    if (kernel, key) not in _TABLE:
+        if key not in _VALID_KEYS[kernel]:
+            raise ValueError(f"{kernel}: no specialisation for codes {key}")
+        with _TABLE_LOCK:
+            if (kernel, key) not in _TABLE:
+                _TABLE[kernel, key] = _BUILDERS[kernel](*key)
+    return _TABLE[kernel, key]
 
 
 _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
@@ -445,16 +405,13 @@ _NO_OUT = np.empty(0, np.uint16)  # stands in for out16=None (never touched)
 def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE):
     """One AdamW update of elements ``[begin, end)`` (:mod:`trainstream.contract`).
 
-    ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place; ``g`` the gradient
-    (float32 for ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None:
-    nothing written) receives the new weights rounded to ``okind`` (1 fp16, 2 bf16; 0
-    nothing). ``out16`` may be ``g`` itself (``okind == gkind``): each element's gradient is
-    read before its weight overwrites it (:data:`OUT_IN_GRAD`). With ``okind`` =
-    :data:`OUT_U` (optax only) ``out16`` is a float32 array that receives ``u`` and ``p`` is
-    only read. ``s``: :func:`~trainstream.contract.step_scalars`' vector. ``tc_code``
-    (torch/cpu only): the contract's torch/cpu code; optax/cpu runs the specialisation of
-    the code in ``s[S_OX_CODE]``. Unchecked: buffers must be C-contiguous, long enough, and
-    disjoint but for ``out16 is g`` (the engine's callers check them).
+    ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place; ``g`` the gradient (float32 for
+    ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights
+    rounded to ``okind`` (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each
+    gradient is read before its weight overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16``, a
+    float32 array, receives ``u``; ``p`` is only read. ``s``: :func:`~trainstream.contract.step_scalars`'
+    vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the contract's torch/cpu code. Unchecked:
+    buffers must be C-contiguous, long enough, and disjoint but for ``out16 is g`` (the callers check).
     """
     if okind == OUT_U:
         if out16 is None or out16.dtype != np.float32:
@@ -466,7 +423,6 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
             raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), "
                              f"got {okind}")
         okind, out16 = OUT_IN_GRAD, _NO_OUT
-    # optax/cpu's code travels in the scalars (one specialisation per code), torch/cpu's in tc_code
     mode = int(s[S_OX_CODE]) if variant == VARIANT_OPTAX_CPU else tc_code if variant == VARIANT_TORCH_CPU else SQRT_IEEE
     key = (variant, gkind, okind, mode)
     fn = _TABLE.get(("adamw", key)) or _specialisation("adamw", key)
@@ -486,12 +442,3 @@ def sumsq_blocks(g, gkind, begin, end, block, out):
     """
     _specialisation("sumsq", (gkind,))(g, begin, end, block, out)
 
-
-def convert_to_f32(dst, src, kind, begin, end):
-    """``dst[i] = float32(src[i])`` (exact) over ``[begin, end)``."""
-    _specialisation("convert", (kind,))(dst, src, begin, end)
-
-
-def round_from_f32(dst, src, kind, begin, end):
-    """``dst[i] = round(src[i])`` to ``kind`` bits (1 fp16, 2 bf16) over ``[begin, end)``."""
-    _specialisation("round", (kind,))(dst, src, begin, end)

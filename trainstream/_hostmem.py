@@ -2,12 +2,10 @@
 :func:`available`, the host memory this process can still take (:mod:`trainstream.core._budget`).
 No torch, no JAX.
 
-The host update streams 28 B per element through four arrays at once: with 4 KiB pages that is a
-TLB miss, and a page walk, every 1024 fp32 elements of each; with 2 MiB pages one every 512 Ki.
-``torch.empty`` gets 4 KiB pages unless THP is ``always``; under the usual ``madvise`` only mappings
-that ask get huge pages (NumPy asks for its large arrays; torch only under
-``THP_MEM_ALLOC_ENABLE=1``): :func:`empty` asks. Measured: ``experiments/host_pages.py``,
-``experiments/RESULTS.md``.
+The host update streams four arrays at once: 4 KiB pages cost a TLB miss every 1024 fp32 elements
+of each, 2 MiB pages one every 512 Ki. Under THP's usual ``madvise`` only mappings that ask get huge
+pages (``torch.empty`` does not, unless ``THP_MEM_ALLOC_ENABLE=1``): :func:`empty` asks. Measured:
+``experiments/host_pages.py``, ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ _NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
 def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
     """An uninitialised 1-D array of ``numel`` elements, owning its memory (freed with its last
     view). At least one huge page long, and where the OS takes the advice: 2 MiB-aligned, its whole
-    2 MiB pages advised ``MADV_HUGEPAGE`` and the rest of its mapping (alignment slack before,
-    partial page after) ``MADV_NOHUGEPAGE``, so that no huge page is faulted in for the slack (up
-    to 2 MiB resident per array otherwise). Else a NumPy array whose data is ``align``-byte aligned.
+    2 MiB pages advised ``MADV_HUGEPAGE`` and the slack around them ``MADV_NOHUGEPAGE`` (no huge page
+    faulted in for it: up to 2 MiB per array). Else a NumPy array whose data is ``align``-byte aligned.
     """
     dt = np.dtype(dtype)
     nbytes = int(numel) * dt.itemsize
@@ -35,8 +32,7 @@ def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
         raw = np.empty(nbytes + align, np.uint8)
         off = (-raw.ctypes.data) % align
         return raw[off:off + nbytes].view(dt)
-    # Over-map by one huge page to place the data on a 2 MiB boundary: the kernel backs
-    # only whole, aligned 2 MiB ranges with huge pages.
+    # over-map by one huge page to start the data on a 2 MiB boundary (only such ranges get huge pages)
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(mm, np.uint8)  # keeps ``mm`` alive as long as any view of it
     off = (-raw.ctypes.data) % HUGE_PAGE  # a multiple of the base page size
@@ -61,14 +57,12 @@ _CGROUP = {"v2": ("memory.max", "memory.current", "inactive_file"),
 def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process can still allocate; None where unknown (not Linux).
 
-    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping,
-    reclaimable cache included) and, for this process's cgroup and each ancestor visible to it, the
-    limit less the usage not counting the inactive file cache: a container's limit, which
-    ``MemAvailable`` does not see. ``proc``, ``cgroup``: where those file systems are mounted. Pinned
-    memory is part of this figure, not a budget of its own: CUDA's page-locked allocations (torch's
-    ``pin_memory``, XLA's ``pinned_host``, CuPy's) are not counted against ``RLIMIT_MEMLOCK``
-    (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit), so
-    it is not read.
+    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping)
+    and, for this process's cgroup and each ancestor visible to it, the limit less the usage not
+    counting the inactive file cache (a container's limit, which ``MemAvailable`` does not see).
+    ``proc``, ``cgroup``: where those file systems are mounted. Pinned memory is part of this figure:
+    CUDA's page-locked allocations (torch's, XLA's, CuPy's) are not counted against ``RLIMIT_MEMLOCK``
+    (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit).
     """
     left = []
     try:

@@ -1,9 +1,8 @@
 """The AdamW arithmetic contract, defined once.
 
-Every kernel (the Numba host kernels, the CUDA kernels in ``trainstream/kernels/``)
-implements the per-element arithmetic written here and points here instead of restating
-it. The NumPy functions below are its executable form; the tests hold every kernel to them
-and them to the real references.
+Every kernel (Numba host kernels, CUDA kernels in ``trainstream/kernels/``) implements the
+per-element arithmetic written here. The NumPy functions below are its executable form, which
+the tests hold to every kernel and to the real references.
 
 ====================  =====================================================================
 ``p``                 fp32 master weight (the parameter itself when it is fp32)
@@ -18,22 +17,21 @@ and them to the real references.
 ``fma(a, b, c)``      ``a*b + c`` rounded once (the FMA instruction)
 ====================  =====================================================================
 
-All element operations are float32, round-to-nearest-even; ``a*b + c`` written without
-``fma`` is two roundings and is never contracted (no fast-math; CUDA code uses
-``__fmul_rn``/``__fadd_rn`` where the reference does not fuse). Per-step scalars are
-computed once on the host in float64 (Python floats) as the reference computes them and
-rounded to float32 where it rounds them (optax: but for the inputs only XLA reproduces);
-they reach a kernel as a float32 vector indexed by the ``S_*`` constants below.
+All element operations are float32, round-to-nearest-even; ``a*b + c`` without ``fma`` is
+two roundings, never contracted (no fast-math; CUDA code uses ``__fmul_rn``/``__fadd_rn``).
+Per-step scalars are computed on the host in float64 as the reference computes them, rounded
+to float32 where it rounds them (optax: but for the inputs only XLA reproduces), and reach a
+kernel as a float32 vector indexed by the ``S_*`` constants below.
 
 Conventions
 -----------
 ``torch`` reproduces ``torch.optim.AdamW`` (default single-tensor and foreach paths, bitwise
-equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64. The gradient, both
-platforms: ``g = g * c`` in float32, rounded back for an fp16/bf16 gradient, ``g = r(g * c)``:
-``c`` stands for torch's in-place multiplications of ``param.grad`` before ``step()``
-(``clip_grad_norm_``'s ``_foreach_mul_`` by the coefficient cast to the gradient's dtype,
-``GradScaler.unscale_`` by the float32 inverse scale). (The CUDA kernels do not round yet;
-the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with torch.)
+equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64. The gradient, both platforms:
+``g = g * c`` in float32, for an fp16/bf16 gradient rounded back, ``g = r(g * c)``; ``c`` stands
+for torch's in-place multiplications of ``param.grad`` before ``step()`` (``clip_grad_norm_``'s
+by the coefficient cast to the gradient's dtype, ``GradScaler.unscale_``'s by the float32
+inverse scale). (The CUDA kernels do not round yet: the torch adapter multiplies ``param.grad``
+with torch and gives them ``c = 1``.)
 
 * platform ``cpu`` (ATen's AVX2/AVX512 kernels; measured on torch 2.13)::
 
@@ -45,25 +43,23 @@ the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with to
       d  = msqrt(v) / f(sqrt(bc2)) + f(eps)       # true division by the host scalar
       p  = p1 + (f(-lr/bc1) * m) / d              # param.addcdiv_(m, d, -lr/bc1)
 
-  ATen's ``DEFAULT`` kernels (no AVX2, or ``ATEN_CPU_CAPABILITY=default``; the
-  :data:`TC_NO_FMA` bit) do not fuse: the two FMAs are two roundings each (verified on
-  torch 2.13 for ``1-b1`` below, at and above 0.5; the other lines are the same at every
-  level)::
+  ATen's ``DEFAULT`` kernels (no AVX2, or ``ATEN_CPU_CAPABILITY=default``; :data:`TC_NO_FMA`)
+  do not fuse: the two FMAs are two roundings each (verified on torch 2.13 for ``1-b1`` below,
+  at and above 0.5; the other lines are the same at every level)::
 
       m  = m + f(1-b1) * (g - m)                  # weight < 0.5
          = g + (f(1-b1) - 1) * (g - m)            #   ... weight >= 0.5 (= g - (g-m)*(1-w))
       v  = v * f(b2) + (f(1-b2) * g) * g
 
   ``msqrt`` is ``Tensor.sqrt()``, *not* IEEE ``sqrt``: MKL's ``vsSqrt``, whose path depends
-  on the CPU (vendor, vector width) and on MKL alone (``MKL_ENABLE_INSTRUCTIONS``; AMD EPYC
-  kept the SSE path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt`
-  reproduces the three paths (its modes). The torch/cpu *code* is the mode (bits 0-1)
-  ``| TC_NO_FMA``, probed once from ``torch.sqrt`` and ``Tensor.lerp_``
-  (:func:`trainstream.torch._backend.torch_cpu_code`). Where no mode Numba's target can
-  compile reproduces torch's root (e.g. MKL's AVX-512 path, Numba forced below AVX-512),
-  the correctly rounded one is used with a warning (:data:`TORCH_CPU_SQRT_MAX_ULP`).
-  aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet run): no MKL; NEON
-  ``vsqrtq_f32`` (correctly rounded) and a ``vfmaq_f32`` lerp: the probes select ``IEEE``, fused.
+  on the CPU (vendor, vector width) and on ``MKL_ENABLE_INSTRUCTIONS`` (AMD EPYC kept the SSE
+  path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt` reproduces
+  the three paths (its modes). The torch/cpu *code*, the mode (bits 0-1) ``| TC_NO_FMA``, is
+  probed once from ``torch.sqrt`` and ``Tensor.lerp_`` (:func:`trainstream.torch._backend.torch_cpu_code`).
+  Where no mode Numba's target can compile reproduces torch's root (e.g. MKL's AVX-512 path,
+  Numba forced below AVX-512), the correctly rounded one is used with a warning
+  (:data:`TORCH_CPU_SQRT_MAX_ULP`). aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet
+  run): no MKL; NEON ``vsqrtq_f32`` (correctly rounded), a ``vfmaq_f32`` lerp: probed ``IEEE``, fused.
 
 * platform ``cuda`` (torch's default there is the *foreach* path, whose kernels nvcc
   compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
@@ -80,10 +76,9 @@ the torch adapter gives them ``c = 1``, having multiplied ``param.grad`` with to
   f(eps)``: not a convention, it is the default nowhere.)
 
 ``optax`` reproduces ``optax.adamw`` (optionally ``optax.chain(optax.clip_by_global_norm(M),
-optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates``
-in one program. XLA computes the per-step inputs: the JAX adapter computes them inside the
-jitted step with optax's own jnp expressions (:func:`optax_scalar_matrix`) and passes the
-float32 results in:
+optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates`` in
+one program. The per-step inputs are XLA's: the JAX adapter computes them in the jitted step
+with optax's own jnp expressions (:func:`optax_scalar_matrix`) and passes the float32 results:
 
 * ``t = safe_increment(count)`` (int32), ``d1 = 1 - b1**t``, ``d2 = 1 - b2**t`` in float32
   (XLA:CPU calls glibc ``powf``, which is not correctly rounded: a NumPy or float64 power
@@ -93,11 +88,10 @@ float32 results in:
 * the global norm ``n`` of ``optax.tree.norm(grads)`` (XLA's reduction order, which on
   XLA:CPU depends on leaf sizes, and for large leaves on the thread count).
 
-platform ``cpu`` (XLA:CPU, jax/jaxlib 0.10.2, optax 0.2.8, x86-64 with FMA3, glibc libm;
-reverse-engineered from the optimized HLO and machine code, verified bit for bit). XLA:CPU
-runs with flush-to-zero and denormals-are-zero: every operand below is read with denormals
-as signed zeros and every result (``RN``, ``fma``) is flushed alike. LLVM contracts
-``a*b + c`` into FMAs, and the pairing it picks is part of the contract::
+platform ``cpu`` (XLA:CPU, jax/jaxlib 0.10.2, optax 0.2.8, x86-64 with FMA3, glibc libm; read
+from the optimized HLO and machine code, verified bit for bit). XLA:CPU runs with FTZ and DAZ:
+every operand below is read, and every result (``RN``, ``fma``) flushed, with denormals as
+signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part of the contract::
 
       B1, B2, C1, C2 = f(b1), f(b2), f(1-b1), f(1-b2)   # 1-b in float64, rounded once
       g  = RN(RN(g / s[S_CLIP_DIV]) * s[S_CLIP])            # OX_CLIP: IEEE division, multiply
@@ -112,47 +106,44 @@ as signed zeros and every result (``RN``, ``fma``) is flushed alike. LLVM contra
       u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
-  The pairing and form depend on the program, not on the values; the *code* of a leaf
-  (bits :data:`OX_FORM_R`, :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is
-  :func:`optax_cpu_code`'s. Form R: only for a pytree of one leaf of more than one element
-  (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only when ``1 - b**t`` has one
-  use), but for every leaf of more than one element in x64 mode (``jax_enable_x64``:
-  ``1 - b**t`` is a float64 power cast to float32 per leaf). With ``clip_by_global_norm``
-  in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing of
-  one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's
-  ``(S_CLIP_DIV, S_CLIP)`` is ``(n, f(M))`` unless ``n < f(M)``, else ``(1, 1)``, as
-  without clipping (both exact identities on ``g``); ``RN(g / n)`` is a true division (a
-  multiply by ``1/n`` differs for 60% of elements) and ``* M`` a second rounding (removed
-  by XLA when ``M == 1``, exact anyway).
+  The pairing and form depend on the program, not the values: a leaf's *code* (bits :data:`OX_FORM_R`,
+  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R: only in
+  a pytree of one leaf of more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires
+  only when ``1 - b**t`` has one use), but for every such leaf in x64 mode (``jax_enable_x64``: ``1 -
+  b**t`` is a float64 power cast to float32 per leaf). With ``clip_by_global_norm`` in the chain LLVM
+  swaps the ``v`` pairing of every leaf, and the ``m`` pairing of one-element leaves too (except in a
+  multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV, S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)``
+  when ``n < f(M)`` (as without clipping; both exact on ``g``); ``RN(g / n)`` is a true division (a
+  multiply by ``1/n`` differs for 60% of elements), ``* M`` a second rounding (exact, and removed by
+  XLA, when ``M == 1``).
 
-  *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a
-  gradient that reaches the moment-update fusion materialised: always when ``update`` is
-  jitted apart, and in a step jitted whole for gradients of matmuls and multi-element
-  reductions (every leaf of the tests' MLP and transformer). XLA:CPU may instead fuse a
-  gradient's computation into the moment updates (seen for a ``(1,)`` leaf whose gradient
-  is a full reduction, small leaves with a gradient element-wise in the parameter, bf16
-  gradients cast in the update's program); LLVM then contracts the *other* products,
-  ``OX_NU_SWAP | OX_MU_SWAP`` (with clipping nothing changed in the cases probed). A buffer
-  does not say which case it came from: the JAX adapter takes the affected leaves as
-  ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the moment update, e.g.
-  of a loss quadratic in a scalar) match no pairing. Verified (tests/test_jax_compose.py):
-  ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped gradient (``max_norm=M``'s
-  pairing without :data:`OX_CLIP`: ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s
-  accumulated one (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients
-  fused into the update under ``jax.pmap`` (several leaves match no code; reduced in a
-  program of their own they are exact), and in x64 mode float64 gradients cast to float32
-  in the update's program.
+  *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a gradient
+  that reaches the moment-update fusion materialised: always when ``update`` is jitted apart,
+  and in a step jitted whole for gradients of matmuls and multi-element reductions (every leaf
+  of the tests' MLP and transformer). XLA:CPU may instead fuse a gradient's computation into
+  the moment updates (seen for a ``(1,)`` leaf whose gradient is a full reduction, small
+  leaves with a gradient element-wise in the parameter, bf16 gradients cast in the update's
+  program); LLVM then contracts the *other* products, ``OX_NU_SWAP | OX_MU_SWAP`` (with
+  clipping nothing changed in the cases probed). A buffer does not tell: the JAX adapter takes
+  the affected leaves as ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the
+  moment update, e.g. of a loss quadratic in a scalar) match no pairing. Verified
+  (tests/test_jax_compose.py): ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped
+  gradient (``max_norm=M``'s pairing without :data:`OX_CLIP`:
+  ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s accumulated one
+  (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients fused into the
+  update under ``jax.pmap`` (several leaves match no code; reduced in a program of their own
+  they are exact), and in x64 mode float64 gradients cast to float32 in the update's program.
 
-  ``u`` is what a custom call hands back to the program, where ``scale_by_learning_rate``
-  and ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted
-  *apart* from ``update`` rounds ``RN(-lr*u)`` before ``p + that``: not a convention here.
+  A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
+  ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*
+  from ``update`` rounds ``RN(-lr*u)`` before ``p + that``: not a convention here.
 
-  *Without FMA* (XLA:CPU targeting an ISA without FMA3: ``--xla_cpu_max_isa=SSE4_2`` or
-  ``AVX``, or such a host; the :data:`OX_NO_FMA` bit): every ``fma(a, b, c)`` above is
-  ``RN(RN(a*b) + c)`` (each result flushed) and the pairing bits change nothing. Verified
-  bit for bit at ``SSE4_2`` and ``AVX`` (3- and 7-leaf MLPs, a single leaf, with and
-  without clipping); at ``AVX2`` and ``AVX512`` the fused lines hold. The adapter probes
-  XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias corrections did not change).
+  *Without FMA* (XLA:CPU targeting an ISA without FMA3: ``--xla_cpu_max_isa=SSE4_2`` or ``AVX``,
+  or such a host; :data:`OX_NO_FMA`): every ``fma(a, b, c)`` above is ``RN(RN(a*b) + c)`` (each
+  result flushed), whatever the pairing bits. Verified bit for bit at ``SSE4_2`` and ``AVX``
+  (3- and 7-leaf MLPs, a single leaf, with and without clipping); at ``AVX2`` and ``AVX512`` the
+  fused lines hold. The adapter probes XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias
+  corrections did not change).
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
@@ -166,19 +157,18 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
 
   ``sqrt`` is the approximate ``sqrt.approx.f32`` (division ``div.full.f32``), which a host
   cannot reproduce: the host kernels use IEEE operations (:data:`OPTAX_CUDA_MAX_ULP`). The
-  device kernel runs XLA:GPU's instructions and matched jitted ``optax.adamw`` on the H200
-  bit for bit per step (warmup-cosine schedule, decay mask, five leaves, fp32 and bf16
-  with an fp32 master, with and without clipping; tests/test_jax_gpu.py). ``d1``, ``d2``,
-  ``-lr`` (``__nv_powf``/``__nv_cosf``) and the norm come from the user's program: with
-  clipping the weights equal optax's when both programs compute the same norm. Unlike
-  XLA:CPU, XLA:GPU keeps denormals (no FTZ unless ``xla_gpu_ftz``) and never applies the
-  reciprocal rewrite (form D); ``cuda`` reads only the :data:`OX_CLIP` bit of the code.
+  device kernel runs XLA:GPU's instructions and matched jitted ``optax.adamw`` on the H200 bit
+  for bit per step (warmup-cosine schedule, decay mask, five leaves, fp32 and bf16 with an fp32
+  master, with and without clipping; tests/test_jax_gpu.py). ``d1``, ``d2``, ``-lr``
+  (``__nv_powf``/``__nv_cosf``) and the norm come from the user's program: with clipping the
+  weights equal optax's when both programs compute the same norm. XLA:GPU keeps denormals (no
+  FTZ unless ``xla_gpu_ftz``) and never rewrites to reciprocals (form D); ``cuda`` reads only
+  the :data:`OX_CLIP` bit of the code.
 
-Numerical hazards, named where they occur: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to
-float32 once (not per element); ``d`` is never zero for ``eps > 0`` but a gradient of
-Inf/NaN propagates to ``m``, ``v`` and ``p`` exactly as in the references (no guard);
-``bc2`` underflows for ``b2`` very close to 1 and tiny ``t`` only below float64
-precision, far from any practical setting.
+Numerical hazards: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to float32 once (not per element);
+``d`` is never zero for ``eps > 0``, but an Inf/NaN gradient propagates to ``m``, ``v`` and ``p``
+exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close to 1, tiny ``t``)
+only below float64 precision, far from any practical setting.
 """
 
 from __future__ import annotations
@@ -207,10 +197,9 @@ VARIANT_OPTAX_CPU = 2
 VARIANT_OPTAX_CUDA = 3
 
 # -- the per-step scalar vector ------------------------------------------------------------
-# S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of
-# clip_by_global_norm when it triggers (else 1.0). The engine's own max_grad_norm (torch's
-# clip_grad_norm_ formula) works through it in both, but only the JAX adapter's
-# clip_by_global_norm inputs reproduce optax's clipping.
+# S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of clip_by_global_norm when
+# it triggers (else 1.0). The engine's max_grad_norm (torch's clip_grad_norm_ formula) uses it in both;
+# only the JAX adapter's clip_by_global_norm inputs reproduce optax's clipping.
 N_SCALARS = 12
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
 # torch convention
@@ -367,11 +356,8 @@ def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, wei
         step_size = -1 * learning_rate
     one = xp.asarray(1.0, f32)
     cols = [one] * N_SCALARS
-    cols[S_WD] = xp.asarray(weight_decay, f32)
-    cols[S_OMB1] = xp.asarray(1 - b1, f32)
-    cols[S_BETA1] = xp.asarray(b1, f32)
-    cols[S_BETA2] = xp.asarray(b2, f32)
-    cols[S_OMB2] = xp.asarray(1 - b2, f32)
+    for i, x in ((S_WD, weight_decay), (S_OMB1, 1 - b1), (S_BETA1, b1), (S_BETA2, b2), (S_OMB2, 1 - b2)):
+        cols[i] = xp.asarray(x, f32)
     cols[S_BC1] = xp.asarray(1 - b1**count_inc).astype(f32)
     cols[S_BC2_OPTAX] = xp.asarray(1 - b2**count_inc).astype(f32)
     cols[S_EPS] = xp.asarray(eps, f32)
@@ -541,11 +527,10 @@ def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray,
                      grad_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One AdamW update in NumPy float32 (the module docstring's lines); returns new arrays.
 
-    ``g``: the fp32 (upcast) gradient; ``scalars``: :func:`step_scalars`' vector;
-    ``grad_dtype``: the gradient's format (torch rounds an fp16/bf16 ``g * c`` to it).
-    ``sqrt``: ``msqrt`` of torch/cpu (default IEEE; pass torch's, or ``_cpu_sqrt.sqrt_array``
-    in a detected mode); ``fma=False``: torch/cpu with :data:`TC_NO_FMA`. optax/cpu reads its
-    code, :data:`OX_NO_FMA` included, from the scalars.
+    ``g``: the fp32 (upcast) gradient, of format ``grad_dtype`` (torch rounds an fp16/bf16 ``g * c`` to
+    it); ``scalars``: :func:`step_scalars`' vector. ``sqrt``: torch/cpu's ``msqrt`` (default IEEE; pass
+    torch's, or ``_cpu_sqrt.sqrt_array`` in a detected mode); ``fma=False``: torch/cpu with
+    :data:`TC_NO_FMA`. optax/cpu reads its code, :data:`OX_NO_FMA` included, from the scalars.
     """
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
@@ -617,10 +602,8 @@ def _reference_optax_cpu(p, m, v, g, s):
 
 
 def update_ulps(got: np.ndarray, want: np.ndarray, prev: np.ndarray) -> np.ndarray:
-    """|got - want| in float32 ULPs of the largest term of the final ``p_new = p + update``:
-    max(|p|, |update|, |p_new|), the update taken as want - prev. Plain ULPs of p_new blow
-    up where the update cancels the weight (1 ULP of the update is then many ULPs of a
-    result near zero)."""
+    """|got - want| in float32 ULPs of the largest term of ``p_new = p + update`` (``update = want - prev``),
+    max(|p|, |update|, |p_new|): plain ULPs of p_new blow up where the update cancels the weight."""
     got, want, prev = (np.asarray(a, np.float32) for a in (got, want, prev))
     with np.errstate(invalid="ignore", over="ignore"):
         upd = np.abs(want.astype(np.float64) - prev.astype(np.float64)).astype(np.float32)

@@ -1,7 +1,6 @@
 """Memory as a budget: which slots keep their state in GPU memory (:func:`resident`) or are updated on the
-device (:func:`place`), and the host bytes an optimizer will allocate (:func:`host_bytes`), set against what
-the host can give (:func:`plan`) and checked (:func:`check`) before the adapters allocate any state. Imports
-neither torch nor jax.
+device (:func:`place`), and the host bytes an optimizer will allocate (:func:`host_bytes`), checked against
+the host (:func:`plan`, :func:`check`) before any state is allocated. Imports neither torch nor jax.
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@ parameters per launch at ``step``, one from a gradient hook) that read the gradi
 in place, with the contract's arithmetic.
 
 The state (``exp_avg``, ``exp_avg_sq``, the fp32 master of fp16/bf16 weights) lives in mapped pinned host memory, or for
-a slot added ``resident`` in GPU memory (``gpu_state_bytes``: no PCIe traffic; the same kernels, so the same bits). Host
-state is *staged* (:class:`StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe
-(*zero-copy*: 0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only (beside ``hybrid``'s host
-share zero-copy measured faster).
+a slot added ``resident`` in GPU memory (``gpu_state_bytes``; the same kernels, so the same bits). Host state is
+*staged* (:class:`StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe (*zero-copy*:
+0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only.
 
 Ordering: the update stream waits for the compute stream at ``step`` (with ``eager``, for the part of backward that
 produced the gradient); each launch records a *ready* event that the next forward waits on; each gradient is kept alive
-until that wait. Like the :class:`~trainstream.core._engine.Engine` that owns it, imports neither torch nor jax.
+until that wait. Imports neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from ._budget import _ITEMSIZE
 __all__ = ["DevicePlacement", "StagingRing", "staging_ring"]
 
 #: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor: backward keeps
-#: most of the GPU (H200, GPT 350M: 131 ms per step with 16-33 blocks, 156 ms with the full grid).
+#: most of the GPU (experiments/RESULTS.md: 131 ms per step against 156 with the full grid).
 EAGER_SM_FRACTION = 0.25
 
 #: Elements of one multi-tensor launch of ``step()`` (a larger tensor goes alone): ~1 ms of PCIe
@@ -38,8 +37,7 @@ EAGER_SM_FRACTION = 0.25
 MULTI_LAUNCH_ELEMS = 1 << 22
 
 #: :class:`StagingRing`: fp32 elements per state array per buffer (8 MiB), and buffers: 72 MiB of GPU
-#: memory. H200, 2**28 elements: 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate; 32 MiB
-#: x 2-3 within 3%, 64 MiB x 3 7% below (experiments/bench_zero_copy.py).
+#: memory, 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate (H200, experiments/RESULTS.md).
 RING_ELEMS = 1 << 21
 RING_DEPTH = 3
 _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's vector path)
@@ -47,8 +45,8 @@ _ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's
 
 @dataclass(eq=False)
 class _Buf:
-    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU memory (``host``
-    None; ``mem`` copies to and from it); the kernels take ``dev_ptr``."""
+    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU memory (``mem``);
+    the kernels take ``dev_ptr``."""
 
     host: np.ndarray | None
     dev_ptr: int
@@ -73,7 +71,6 @@ class _GpuSlot:
     copied_back: Any = None  # staged: the state is back in host memory
 
     def settle(self) -> None:
-        """Block until the slot's last update, and its state's copy back, are done."""
         for ev in (self.ready, self.copied_back):
             if ev is not None:
                 ev.synchronize()
@@ -106,8 +103,8 @@ class StagingRing:
         """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses of its fp32 state
         arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the kernel item of elements
         ``lo:lo+n`` at the staged arrays' device addresses, and an event (or None) to copy in after. ``launch(items)``
-        queues one launch (at most ``MULTI_MAX`` items) on ``stream``; ``after``: an event the first copy in waits
-        for. Returns per entry the event of its last copy back (None for an empty one)."""
+        queues one launch (at most ``MULTI_MAX`` items) on ``stream``, after ``after``. Returns per entry the event of
+        its last copy back (None for an empty one)."""
         done: list = [None] * len(entries)
         with self.lock:
             if after is not None:
@@ -231,7 +228,7 @@ class DevicePlacement:
                 buf.free()
 
     def _read(self, buf: _Buf, numel: int) -> np.ndarray:
-        """A copy of a state buffer (resident: after the update stream's work queued so far)."""
+        """A copy of a state buffer; a resident one is read (and written, :meth:`_write`) on the update stream."""
         if buf.host is not None:
             return buf.host.copy()
         out = np.empty(numel, np.float32)
@@ -239,7 +236,6 @@ class DevicePlacement:
         return out
 
     def _write(self, buf: _Buf, values) -> None:
-        """Set a state buffer (resident: after the update stream's work queued so far)."""
         if buf.host is not None:
             buf.host[:] = values
             return
@@ -274,9 +270,8 @@ class DevicePlacement:
         except BaseException:
             self._release(owned)  # nothing leaks from a half-built slot
             raise
-        slot = _GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master)
-        self._slots.append(slot)
-        return slot.id
+        self._slots.append(_GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master))
+        return len(self._slots) - 1
 
     def resident(self, sid: int) -> bool:
         """Whether slot ``sid``'s state is in GPU memory."""
@@ -294,14 +289,12 @@ class DevicePlacement:
         del self._slots[n:]
 
     def release(self, sid: int) -> None:
-        """Free slot ``sid``'s state once its work is done (made resident by :meth:`Engine.make_resident`); the id
-        stays taken, by an empty slot."""
+        """As :meth:`trainstream.core._host.HostPlacement.release`."""
         self._check_open()
         s = self._slot(sid)
         s.settle()
         self._release((s.exp_avg, s.exp_avg_sq, s.master))
-        s.exp_avg = s.exp_avg_sq = s.master = None  # type: ignore[assignment]
-        s.grad_keep = s.ready = s.copied_back = None
+        s.exp_avg = s.exp_avg_sq = s.master = s.grad_keep = s.ready = s.copied_back = None  # type: ignore[assignment]
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
@@ -316,10 +309,10 @@ class DevicePlacement:
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]], *, eager: bool = False,
              max_blocks: int | None = None) -> None:
         """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``; the gradients are contiguous
-        device tensors of the parameter's size, already clipped and scaled in place by the framework. Returns once the
-        kernels are queued on the update stream, after what the compute stream has queued so far. ``eager``: from a
-        gradient hook during backward (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels
-        (:func:`trainstream._device_kernels.launch_adamw`; eager default: :data:`EAGER_SM_FRACTION`)."""
+        device tensors of the parameter's size, already clipped and scaled by the framework. Returns once the kernels
+        are queued on the update stream, after the compute stream's work so far. ``eager``: from a gradient hook
+        (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels (eager default:
+        :data:`EAGER_SM_FRACTION`)."""
         self._check_open()
         be = self.backend
         t0 = time.perf_counter()
@@ -337,26 +330,24 @@ class DevicePlacement:
 
     def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None) -> None:
         """Launch consecutive updates of one dtype pair together, up to ``MULTI_MAX`` tensors and
-        :data:`MULTI_LAUNCH_ELEMS` elements (a larger tensor alone; with ``max_blocks`` one tensor per launch), one
-        ready event per launch. A slot listed twice goes into the next launch."""
+        :data:`MULTI_LAUNCH_ELEMS` elements (with ``max_blocks`` one tensor per launch), one ready event per launch.
+        A slot listed twice goes into the next launch."""
         cap = self._dk.MULTI_MAX if max_blocks is None else 1
         group: list[tuple[_GpuSlot, Any, Any, str]] = []
-        in_group: set[int] = set()
         elems = 0
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
             if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3]) or len(group) == cap
-                          or elems + s.numel > MULTI_LAUNCH_ELEMS or s.id in in_group):
+                          or elems + s.numel > MULTI_LAUNCH_ELEMS or any(x[0] is s for x in group)):
                 self._launch_group(group, stream, max_blocks)
-                group, in_group, elems = [], set(), 0
+                group, elems = [], 0
             group.append((s, hp, grad, gdtype))
-            in_group.add(s.id)
             elems += s.numel
         if group:
             self._launch_group(group, stream, max_blocks)
 
     def _launch_group(self, group, stream: int, max_blocks: int | None) -> None:
-        """One launch of ``group`` (its staged slots through the ring: one or more) and its ready event."""
+        """Launch ``group`` (its staged slots through the ring) and record its ready event."""
         be, variant = self.backend, C.variant_id(self.convention, "cuda")
         pd, gd = group[0][0].dtype, group[0][3]
         pi, gi = _ITEMSIZE[pd], _ITEMSIZE[gd]
@@ -392,7 +383,6 @@ class DevicePlacement:
             s.ready = ready
 
     def _staging_ring(self) -> StagingRing | None:
-        """The ring (allocated on first use), or None: zero-copy."""
         if self._ring is None and self.staged:
             self._ring = staging_ring(self.device, self._dk, "gpu mode")
             self.staged = self._ring is not None
@@ -431,12 +421,10 @@ class DevicePlacement:
             if s.master.host is None:
                 self._write(s.master, master)
 
-    def synchronize(self) -> None:
+    def drain(self) -> None:
         for s in self._slots:
             s.settle()
             s.grad_keep = None
-
-    drain = synchronize
 
     def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         s = self._slot(sid)
@@ -486,7 +474,7 @@ class DevicePlacement:
         if self.closed:
             return
         try:
-            self.synchronize()
+            self.drain()
         finally:
             self.closed = True
             ring, self._ring = self._ring, None

@@ -2,10 +2,9 @@
 ``host`` (:class:`~trainstream.core._host.HostPlacement`) or ``device``
 (:class:`~trainstream.core._device.DevicePlacement`). The adapters' modes ``cpu``, ``gpu`` and ``hybrid``
 are placement policies (:func:`~trainstream.core._budget.place`); before the policy, in any mode,
-``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (no
-PCIe traffic; the same kernels, so the same bits). One mechanism each, whatever the placements:
-readiness, errors (one :class:`~trainstream.core._host.StickyError`), stats (one dict), state I/O.
-Imports neither torch nor jax; no arithmetic lives here (clipping and loss scaling are the framework's).
+``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (the
+same kernels, so the same bits). One error record (:class:`~trainstream.core._host.StickyError`) and one
+stats dict. Imports neither torch nor jax; no arithmetic (clipping and loss scaling are the framework's).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _trace
 from .. import contract as C
 from ._budget import place, state_bytes
 from ._budget import resident as _resident
@@ -56,8 +54,7 @@ class Engine:
         if placement != "cpu" or resident_bytes > 0 or resident_later:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
-                # Staged in gpu mode only: beside hybrid's host share staging measured 1.10-1.15x slower,
-                # alone 0.84-0.91x the step (H200, 350M x 8 and 1.3B x 24, experiments/RESULTS.md).
+                # Staged in gpu mode only: beside hybrid's host share it was slower (experiments/RESULTS.md).
                 self.device = DevicePlacement(backend, convention=convention, staged=placement == "gpu")
             else:  # tests: a stand-in
                 self.device = _device()
@@ -92,9 +89,8 @@ class Engine:
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
                   trainable: bool = True, on_device: bool | None = None) -> int:
-        """Register a flat parameter; returns its slot id. Resident where its state fits in what is
-        left of ``resident_bytes`` (:func:`~trainstream.core._budget.resident`), else placed by the
-        policy (:func:`~trainstream.core._budget.place`)."""
+        """Register a flat parameter; returns its slot id. Resident where its state fits in what is left of
+        ``resident_bytes``, else placed by the policy (:mod:`~trainstream.core._budget`'s rules)."""
         need = state_bytes(numel, dtype)
         res = _resident([(numel, dtype, trainable)], self.resident_budget, self.resident_bytes_used)[0]
         dev = res or place([(numel, trainable, on_device)], self.placement, self._budget, self.device_elems_used)[0]
@@ -147,18 +143,14 @@ class Engine:
         self.device_elems_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
                                       if d and not r)
         self.resident_bytes_used -= sum(self._resident[n:])
-        del self._where[n:]
-        del self._numel[n:]
-        del self._args[n:]
-        del self._resident[n:]
+        for per_slot in (self._where, self._numel, self._args, self._resident):
+            del per_slot[n:]
 
     def make_resident(self, nbytes: int) -> list[int]:
         """Raise the resident budget by ``nbytes`` and move into GPU memory, from either placement, the state
-        of the trainable slots not resident yet that fits in what is left of it, in slot order
-        (:func:`~trainstream.core._budget.resident`); each keeps its id, its state and its bits (both
-        placements compute one platform's bits). Slots registered later take what is left. Where an
-        allocation is refused, the slots moved so far stay moved and the rest stay, with a warning.
-        Returns the slots moved."""
+        of the trainable slots not resident yet that fits in what is left of it, in slot order; each keeps its
+        id, state and bits. Slots registered later take what is left. Where an allocation is refused, the
+        slots moved so far stay moved and the rest stay, with a warning. Returns the slots moved."""
         if self.device is None:
             raise RuntimeError("TrainStream engine: make_resident needs the device placement (resident_later=True)")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
@@ -185,7 +177,7 @@ class Engine:
             except BaseException:
                 self.device.truncate(new)
                 raise
-            # moved: the bookkeeping first, so that a failure to free the old buffers leaves it right
+            # the bookkeeping first: a failure to free the old buffers leaves it right
             if placement is self.device:
                 self.device_elems_used -= self._numel[sid]
             self._where[sid] = (True, new)
@@ -236,26 +228,17 @@ class Engine:
         host_sids = [u[0] for u, (d, local) in zip(updates, where) if not d and self.host.has_grad(local)]
         dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
-            self._step_device(dev)
-            self._step_host(hst, coefs)
-            return
-        self._step_host(hst, coefs)
+            if dev:
+                self.device.step(dev)
+            return self.host.step(hst, coefs, check_errors=False)
+        self.host.step(hst, coefs, check_errors=False)
         try:
-            self._step_device(dev)
+            if dev:
+                self.device.step(dev)
         except BaseException as exc:
             self.errors.record(RuntimeError("hybrid step: the device share's update failed after the host share's "
                                             f"was queued ({type(exc).__name__}: {exc})"))
             raise
-
-    def _step_device(self, dev) -> None:
-        if dev:
-            with _trace.span("step.device_share"):
-                self.device.step(dev)
-
-    def _step_host(self, hst, coefs) -> None:
-        # No second error check: a later worker error raises at the next call, not between the shares.
-        with _trace.span("step.host_share"):
-            self.host.step(hst, coefs, check_errors=False)
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
         """:meth:`trainstream.core._host.HostPlacement.update_external` (buffers the caller owns)."""
@@ -318,8 +301,8 @@ class Engine:
             self._args[sid][0] = param
 
     def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
-        """Replace the state of slot ``sid``; without ``master`` it is re-read from the param. Checked
-        here, before either placement changes anything: the sizes and ``step``."""
+        """Replace the state of slot ``sid`` (sizes and ``step`` checked first); without ``master`` it is
+        re-read from the param."""
         placement, local = self._local(sid)
         for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
             if arr is not None and np.asarray(arr).size != self._numel[sid]:
@@ -343,11 +326,9 @@ class Engine:
         g = self.device.stats()
         for k in ("params", "numel", "host_state_bytes", "pinned_state_bytes", "ready_stall_ms_total", "eager_updates"):
             st[k] += g[k]
-        st["gpu_mode"] = 0.5
-        st["steps"] = max(st["steps"], g["steps"])
-        for k in ("gpu_state_bytes", "resident_params", "resident_numel", "staging_ring_bytes"):
-            st[k] = g[k]
-        st.update(gpu_params=g["params"], gpu_numel=g["numel"], gpu_update_launch_ms_total=g["update_ms_total"])
+        st.update({k: g[k] for k in ("gpu_state_bytes", "resident_params", "resident_numel", "staging_ring_bytes")},
+                  gpu_mode=0.5, steps=max(st["steps"], g["steps"]), gpu_params=g["params"], gpu_numel=g["numel"],
+                  gpu_update_launch_ms_total=g["update_ms_total"])
         return st
 
     def close(self) -> None:

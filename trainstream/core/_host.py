@@ -4,22 +4,17 @@ asynchronous copies, events and the compute stream. Per parameter ("slot"):
 
 1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
    was staged (the framework sums micro-batches); on the *eager* path the update is queued behind it.
-2. ``step`` queues each slot's update, with the adapter's multiplier ``coefs`` of the staged gradient
-   (torch's clip coefficient or inverse loss scale).
+2. ``step`` queues each slot's update (its staged gradient times the adapter's ``coefs``).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32 master,
    or the rounded fp16/bf16 staging) and records the slot's *ready* event. With the backend's
-   ``weights_in_grad_stage`` the rounded weights go into the gradient's own staging (each gradient
-   element is read just before its weight overwrites it; the next gradient copy waits for the upload):
-   a pinned buffer and ~6 % of the update's memory traffic less.
-4. :meth:`HostPlacement.wait_step` blocks the host until the workers have queued every upload, then
-   makes the compute stream wait on the device for an event after them: the device never waits for
-   work the host has not queued yet (a stream waiting on a flag set by later host work deadlocked the
-   H200 at the first launch of a lazily loaded kernel, which synchronises the context).
-   :meth:`~HostPlacement.wait_ready` gates single slots (the adapters' forward gate).
+   ``weights_in_grad_stage`` they overwrite the gradient's staging, each element after it is read (the
+   next gradient copy waits for the upload): a pinned buffer and ~6 % of the update's memory traffic less.
+4. :meth:`HostPlacement.wait_step` makes the compute stream wait for an event after every upload, once
+   the workers have queued them all: the device never waits for work the host has not queued yet (that
+   deadlocked the H200 at a lazily loaded kernel's first launch). ``wait_ready`` gates single slots.
 
-A slot's batches run one after another (one submitted while another is in flight is chained behind it);
-the chunks of a batch go to one queue shared by all workers (:class:`_WorkQueue`). A worker's failure is
-kept and raised at the next call; batches always finish their bookkeeping, so no waiter hangs.
+A slot's batches run one after another; their chunks go to one queue shared by all workers
+(:class:`_WorkQueue`). A worker's failure is raised at the next call; no waiter hangs.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from .. import _host_kernels as K
-from .. import _trace
 from .._cores import bind_current_thread, default_threads
 from .. import contract as C
 from ._budget import _ITEMSIZE
@@ -58,7 +52,7 @@ class WorkerError(RuntimeError):
 
 class StickyError:
     """The engine's one error record: the first failure of a worker (or of a step that left one placement
-    updated and the other not), raised at every later call until the whole state has been reloaded."""
+    updated and the other not), raised at every later call until the state has been reloaded."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -72,7 +66,7 @@ class StickyError:
 
     def check(self) -> None:
         """Raise :class:`WorkerError` if a failure is recorded."""
-        msg = self._text  # one reference, read and written atomically: only record() needs the lock
+        msg = self._text  # an atomic read: only record() needs the lock
         if msg is not None:
             raise WorkerError(f"TrainStream optimizer worker failed: {msg}. The optimizer state of the parameters "
                               "updated in that step may be partly updated; reload a checkpoint (load_state_dict) to "
@@ -111,9 +105,8 @@ class Backend(Protocol):
     def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None, *,
                      free: Event | None = None) -> Event | None:
         """Start ``dst <- src`` (device tensor) after ``after``; return its completion event. ``free``
-        (only with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy must follow.
-        With ``copy_keeps_source_alive`` True the backend keeps ``src``'s memory from reuse until the copy
-        completed (the engine drops it at once)."""
+        (with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy must follow. With
+        ``copy_keeps_source_alive`` the backend keeps ``src`` alive until the copy completed."""
 
     def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
         """Start ``dst (param) <- src`` after ``after``; return its completion event."""
@@ -138,9 +131,8 @@ class ExternalUpdate(NamedTuple):
     v: np.ndarray
     g: np.ndarray  # the gradient: float32, or the uint16 bits of gdtype "float16"/"bfloat16"
     gdtype: str
-    # None, or the new weights rounded to out_kind "float16"/"bfloat16" (uint16 bits; may be g itself:
-    # each gradient element is read before its weight overwrites it), or with out_kind "u" (optax
-    # only) the contract's float32 update u before the learning rate
+    # None; the new weights rounded to out_kind "float16"/"bfloat16" (uint16 bits; may be g itself, each
+    # element read before it is overwritten); or with out_kind "u" (optax) the float32 update u before the lr
     out: np.ndarray | None
     out_kind: str | None
     scalars: np.ndarray  # float32[N_SCALARS], read at the first chunk (the copy `landed` waits for may fill it)
@@ -153,14 +145,12 @@ WORKER_NICE = 5
 
 
 class _WorkQueue:
-    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters), then
-    submission order. Eager updates arrive in backward order; taking the lowest slot first lets the next
-    forward start once its first layers are updated (a FIFO would update them last). Within a slot only
-    the oldest job is eligible. A job whose gradient copy has not landed (``ready()`` False) is passed
-    over for the lowest slot among the first :attr:`_SCAN` whose oldest job can run; if none can, the
-    oldest job of all is taken (copies land in submission order) and its body waits for its copy. A get
-    costs at most O(_SCAN) ``ready`` calls (cached per batch by :func:`_landed`; they must not raise);
-    the stop marker (``job=None``) is handed out only once no job is left.
+    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters, while eager
+    updates arrive in backward order), then submission order. Within a slot only the oldest job is eligible.
+    A job whose gradient copy has not landed (``ready()`` False) is passed over for the lowest slot among the
+    first :attr:`_SCAN` whose oldest job can run; if none can, the oldest job of all is taken (copies land in
+    submission order). A get costs at most O(_SCAN) ``ready`` calls (cached per batch by :func:`_landed`;
+    they must not raise); a stop (:meth:`close`) is handed out only once no job is left.
     """
 
     _SCAN = 16  # slots examined per pick
@@ -174,15 +164,6 @@ class _WorkQueue:
         self._closed = False
         self._seq = itertools.count()
 
-    def put(self, job: Callable[[], None] | None, priority: float = 0.0,
-            ready: Callable[[], bool] | None = None) -> None:
-        if job is None:
-            with self._cond:
-                self._stops += 1
-                self._cond.notify()
-        else:
-            self.put_many([job], priority, ready)
-
     def close(self, workers: int) -> None:
         """Refuse new jobs; each of ``workers`` stops once no job is left."""
         with self._cond:
@@ -192,8 +173,8 @@ class _WorkQueue:
 
     def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
                  ready: Callable[[], bool] | None = None) -> None:
-        """Queue one batch's ``jobs`` (one slot, one ``ready`` predicate). Raises once closed: no
-        worker would run them, and a waiter (e.g. an XLA callback at interpreter exit) would hang."""
+        """Queue one batch's ``jobs`` (one slot, one ``ready`` predicate). Raises once closed (a waiter,
+        e.g. an XLA callback at interpreter exit, would hang)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("TrainStream: the host workers have stopped (the engine was closed, or the "
@@ -236,8 +217,7 @@ class _WorkQueue:
 
 
 def _landed(query: Callable[[], bool]) -> Callable[[], bool]:
-    """A batch's ``ready()``, shared by its chunks: queries its event until it has completed (a failed
-    query answers True: the body waits, and raises)."""
+    """A batch's ``ready()`` for its chunks: True once its event completed, or a query failed (the body raises)."""
     done = False
 
     def ready() -> bool:
@@ -253,11 +233,9 @@ def _landed(query: Callable[[], bool]) -> Callable[[], bool]:
 
 class _WorkerPool(_WorkQueue):
     """The one :class:`_WorkQueue` shared by ``threads`` workers, bound to ``cores`` (None: unbound) at
-    nice value ``nice``. (With a queue per worker they were busy only 55% of backward while updates
-    piled up for the next forward: H200, 1.3B GPT.)"""
+    nice value ``nice``. Holds nothing of the engine, whose finalizer stops the threads."""
 
     def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
-        # Holds nothing of the engine: it must stay collectable, for its finalizer to stop the threads.
         super().__init__()
         self._nice = int(nice)
         self._cores = list(cores) if cores else None
@@ -285,8 +263,8 @@ class _WorkerPool(_WorkQueue):
                 t.join()
 
 
-#: The host placements of this process. A child of ``os.fork()`` inherits them without their
-#: workers (maybe with a lock a worker held): there they refuse work and close without waiting.
+#: The host placements of this process. In a child of ``os.fork()`` (no workers, maybe a lock a worker
+#: held) they refuse work and close without waiting.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 _FORKED = ("TrainStream: this optimizer was built in the parent process before os.fork(); its "
@@ -334,7 +312,7 @@ class _Slot:
 
 class _Stats:
     """Counters without a lock (a contended lock makes a worker give up the GIL): each thread adds
-    into its own dict, readers sum them. ``step_start``/``last_finalize`` are plain timestamps."""
+    into its own dict, readers sum them."""
 
     _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
 
@@ -362,12 +340,11 @@ class HostPlacement:
     Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at least
     1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_elems``: elements per chunk
     (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
-    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (only host threads read them, so pageable by
-    default); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
-    adapter); ``worker_nice``: the workers' nice value (Linux, per thread). Its default, 5, yields the CPU
-    to the threads that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with ``last_micro_batch()``
-    (H200, 350M GPT: 103-120 against 161 ms per step), else no different, and starves the workers beside a
-    busy data loader.
+    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (pageable by default: only host threads read
+    them); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
+    adapter); ``worker_nice``: the workers' nice value (Linux, per thread): 5 yields the CPU to the threads
+    that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with ``last_micro_batch()`` (H200, 350M GPT:
+    103-120 against 161 ms per step), else no different, and starves the workers beside a busy data loader.
     """
 
     def __init__(self, backend: Backend, *, threads: int | None = None, chunk_elems: int = 1 << 20,
@@ -384,11 +361,8 @@ class HostPlacement:
             raise ValueError(f"chunk_elems must be a positive integer, got {chunk_elems!r}")
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"worker_nice must be an integer nice value, got {worker_nice!r}")
-        self.backend = backend
-        self.convention = convention
+        self.backend, self.convention, self.pin_moments, self.tc_code = backend, convention, pin_moments, int(tc_code)
         self.chunk = -(-chunk_elems // NORM_BLOCK) * NORM_BLOCK
-        self.pin_moments = pin_moments
-        self.tc_code = int(tc_code)
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
         self._stats = _Stats()
@@ -405,14 +379,6 @@ class HostPlacement:
             raise RuntimeError(_FORKED)
         if self.closed:
             raise RuntimeError("TrainStream engine is closed")
-
-    def check_error(self) -> None:
-        """Raise :class:`WorkerError` if a worker has failed (see :class:`StickyError`)."""
-        self.errors.check()
-
-    def clear_error(self) -> None:
-        """Forget a worker failure (after the whole state has been reloaded)."""
-        self.errors.clear()
 
     def _slot(self, sid: int) -> _Slot:
         if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._slots):
@@ -454,8 +420,7 @@ class HostPlacement:
         del self._slots[n:]
 
     def release(self, sid: int) -> None:
-        """Free slot ``sid``'s buffers once its queued work has run (its state moved to the device
-        placement: :meth:`Engine.make_resident`); the id stays taken, by an empty slot."""
+        """Free slot ``sid``'s buffers once its queued work has run; the id stays taken, by an empty slot."""
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
@@ -471,9 +436,8 @@ class HostPlacement:
                 finalize: Callable[[], None] | None, record: Callable[[BaseException], None],
                 done: Callable[[], None]) -> None:
         """Queue one batch: ``body(chunk, begin, end)`` over the chunks of ``numel`` elements. The last
-        chunk to finish calls ``finalize()`` if no chunk raised, then ``done()`` whatever happened;
-        every exception goes to ``record``. ``landed``: the copy the body waits for, if any;
-        its ``query()`` lets a worker run another batch's job while the copy is in flight."""
+        chunk to finish calls ``finalize()`` if no chunk raised, then ``done()``; every exception goes to
+        ``record``. ``landed``: the copy the body waits for (its ``query()`` feeds :class:`_WorkQueue`)."""
         nchunks = max(1, -(-numel // self.chunk))
         finished = itertools.count(1)  # next() is atomic: no lock between the workers
         failed: list[BaseException] = []
@@ -551,15 +515,14 @@ class HostPlacement:
         """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one
         staged before; with ``update`` (the eager path) queue its update right behind the copy."""
         self._check_open()
-        self.check_error()
-        t_call = time.perf_counter()
+        self.errors.check()
         s = self._slot(sid)
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         t0 = time.perf_counter()
         self._wait_idle(s)  # the previous batch may still read the staging buffer
         self._stats.add("grad_stall_s", time.perf_counter() - t0)
-        self.check_error()
+        self.errors.check()
         after = self.backend.record_compute(s.param)
         # The last upload may still read the staging buffer (weights in grad staging).
         free = {"free": s.ready} if s.param_stage is s.grad_stage and s.ready is not None else {}
@@ -571,7 +534,6 @@ class HostPlacement:
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
-        _trace.add("offload_grad", t_call, time.perf_counter(), sid)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
@@ -580,7 +542,7 @@ class HostPlacement:
             if s.staged:
                 self._wait_idle(s)
                 s.staged, s.grad_keep = False, None
-        self.check_error()
+        self.errors.check()
 
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any) -> None:
         s.step += 1
@@ -592,26 +554,19 @@ class HostPlacement:
         landed, prev_ready, nbytes, tc_code = s.landed, s.ready, s.numel * _ITEMSIZE[s.dtype], self.tc_code
 
         def body(c: int, b: int, e: int) -> None:
-            t = time.perf_counter()
             if prev_ready is not None:  # the previous upload may still read master/stage
                 prev_ready.synchronize()
-                _trace.add("wait.upload", t, t := time.perf_counter(), s.id)
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
-                _trace.add("wait.landed", t, t := time.perf_counter(), s.id)
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code)
-            t1 = time.perf_counter()
-            self._stats.add("update_s", t1 - t)
-            _trace.add("update", t, t1, s.id)
-
-        # Not after a failure (raised at the next call): the failed chunk's range of the staging is unwritten
-        # (with weights in grad staging: gradient bits), so nothing is uploaded and the old weights stay.
-        def finalize() -> None:
             t = time.perf_counter()
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code)
+            self._stats.add("update_s", time.perf_counter() - t)
+
+        # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
+        def finalize() -> None:
             s.ready = self.backend.copy_to_device(s.param, upload_src, after)
             self._stats.add("param_bytes", nbytes)
-            self._stats.last_finalize = t1 = time.perf_counter()
-            _trace.add("upload", t, t1, s.id)
+            self._stats.last_finalize = time.perf_counter()
 
         s.staged = False
         self._unwaited = True
@@ -633,19 +588,16 @@ class HostPlacement:
             for s in self._slots:
                 if s.ready is not None:
                     self.backend.wait_on_compute(s.ready, s.param)
-        t1 = time.perf_counter()
-        self._stats.add("ready_stall_s", t1 - t0)
-        _trace.add("wait_step", t0, t1, -1)
+        self._stats.add("ready_stall_s", time.perf_counter() - t0)
 
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams]], coefs: dict[int, float] | None = None,
              check_errors: bool = True) -> None:
         """Queue the update of every slot in ``updates`` that holds a gradient (an eagerly updated
         slot holds none). ``coefs``: per slot, the contract's ``c`` multiplying its staged gradient
-        (1.0 where absent). ``check_errors=False``: an error recorded since the caller's own check
-        is left for the next call (``hybrid`` has queued the device share by then)."""
+        (1.0 where absent). ``check_errors=False``: an error since the caller's check raises at the next call."""
         self._check_open()
         if check_errors:
-            self.check_error()
+            self.errors.check()
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         coefs = coefs or {}
@@ -656,17 +608,15 @@ class HostPlacement:
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
-        self.check_error()
+        self.errors.check()
         t0 = time.perf_counter()
         for sid in sids:
             s = self._slot(sid)
             self._wait_idle(s)
             if s.ready is not None:
                 self.backend.wait_on_compute(s.ready, s.param)
-        t1 = time.perf_counter()
-        self._stats.add("ready_stall_s", t1 - t0)
-        _trace.add("wait_ready", t0, t1, sids[0] if len(sids) else -1)
-        self.check_error()
+        self._stats.add("ready_stall_s", time.perf_counter() - t0)
+        self.errors.check()
 
     def drain(self) -> None:
         """Block until every queued batch and upload has completed (raises nothing)."""
@@ -676,14 +626,13 @@ class HostPlacement:
     def synchronize(self) -> None:
         """Block until every queued batch and upload has completed; raise worker errors."""
         self.drain()
-        self.check_error()
+        self.errors.check()
 
     def _run_external(self, batches: list, what: str) -> None:
         """Run ``batches`` (``(landed, body, numel, finished)``: :meth:`_submit`'s, priority their
-        index, ``finished()`` after a batch whose chunks all ran) on the workers; wait for all and raise
-        the first failure to the caller (not sticky: no slot of this placement is touched)."""
+        index) on the workers; wait for all and raise the first failure (not sticky: no slot is touched)."""
         self._check_open()
-        self.check_error()
+        self.errors.check()
         errors: list[BaseException] = []  # list.append is atomic
         done, queued = threading.Semaphore(0), 0
         for k, (landed, body, numel, finished) in enumerate(batches):
@@ -720,14 +669,12 @@ class HostPlacement:
                     raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
                 out, okind = it.out, _OUT_KIND[it.out_kind]
 
-            def body(c, b, e, it=it, gkind=_KIND[it.gdtype], out=out, okind=okind, sid=-1 - k):
+            def body(c, b, e, it=it, gkind=_KIND[it.gdtype], out=out, okind=okind):
                 if it.landed is not None:  # g, p and scalars may still be in flight
                     it.landed.synchronize()
                 t = time.perf_counter()
                 K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
-                t1 = time.perf_counter()
-                stats.add("update_s", t1 - t)
-                _trace.add("update", t, t1, sid)
+                stats.add("update_s", time.perf_counter() - t)
 
             batches.append((it.landed, body, numel, it.finished))
         self._stats.add("steps", 1)
@@ -763,7 +710,7 @@ class HostPlacement:
         self._check_open()
         s = self._slot(sid)
         self._wait_idle(s)
-        self.check_error()
+        self.errors.check()
         bufs = (s.master.array, s.exp_avg.array, s.exp_avg_sq.array)
         return (*(b.copy() if copy else b for b in bufs), s.step)
 
@@ -782,8 +729,7 @@ class HostPlacement:
 
     def load_state(self, sid: int, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: int,
                    master: np.ndarray | None = None) -> None:
-        """Replace the state of slot ``sid`` (checked by :meth:`Engine.load_state`); without ``master``
-        it is re-read from the param."""
+        """:meth:`Engine.load_state`, which checks the arguments."""
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
@@ -816,8 +762,7 @@ class HostPlacement:
         if self.closed:
             return
         if not self._forked and threading.current_thread() in self._pool._threads:
-            # From a worker (e.g. a finalizer run by the garbage collector inside a job): waiting
-            # would wait for this very thread. Let the workers drain and stop.
+            # From a worker (e.g. a finalizer run by the garbage collector): let the workers drain and stop.
             self.closed = True
             self._finalizer()
             return

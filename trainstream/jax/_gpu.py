@@ -3,15 +3,12 @@
 XLA refuses one custom call whose outputs mix host and GPU memory (``E1200``, jax 0.11.2:
 ``experiments/data/2026-12-02_h200_jax_state_flow.md``), so :func:`apply` makes each update of three calls:
 
-* ``own(params) -> w`` (device only): the buffers of the new weights (``step``: aliased to the params) or of
-  the updates (fresh);
+* ``own(params) -> w`` (device only): buffers for the new weights (``step``: aliased to the params) or updates (fresh);
 * ``update(S, t, grads, w, [params], mu, nu, masters, token) -> (mu', nu', masters', token')`` (host only, the
-  state aliased in place): runs the update (:class:`_Update`), writes ``w``;
+  state aliased in place): runs :class:`_Update`, writing ``w``, which XLA treats as read only: safe as ``w`` is this
+  update's own buffer, used only by ``update`` then ``order``, ordered by the token (verified with jax 0.10.2 on
+  XLA:CPU with the CUDA calls simulated, ``lax.scan`` included, and 0.11.2 on an H200);
 * ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes after ``update``.
-
-``update`` writes into ``w``, which XLA treats as read only: safe as ``w`` is this update's own buffer, used only
-by ``update`` then ``order``, ordered by the token (verified with jax 0.10.2 on XLA:CPU with the CUDA calls
-simulated, ``lax.scan`` included, and 0.11.2 on an H200).
 """
 
 from __future__ import annotations
@@ -60,16 +57,14 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
     if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
         like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
-        # the gradients as operands: without them XLA may hoist the call out of a loop, and
-        # every iteration would write into the same buffers
+        # the gradients as operands, else XLA may hoist the call out of a loop (every iteration into one buffer)
         w = buffer_callback(_noop, like)(*g_leaves) if n else []
         reads = [p for i, p in enumerate(p_leaves) if i not in plan.halves]  # the kernel reads them
     else:
         like = [sds(np.shape(p), p.dtype) for p in p_leaves]
         w = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*p_leaves) if n else []
         reads = []
-    token = jax.device_put(jnp.zeros((1,), f32), jax.memory.Space.Host)
-    state_in = list(mu) + list(nu) + list(masters) + [token]
+    state_in = [*mu, *nu, *masters, jax.device_put(jnp.zeros((1,), f32), jax.memory.Space.Host)]  # last: a token
     ops = [scalars, count_inc, *g_leaves, *w, *reads, *state_in]
     base = len(ops) - len(state_in)
     res = [sds(np.shape(x), f32) for x in state_in]
@@ -110,9 +105,8 @@ def _stream(ctx) -> int:
 
 
 class _Staging:
-    """Pinned host buffers of one device for ``mode="cpu"``: the scalars and count, and per leaf the gradient and
-    (float32 leaves) the weights and, for ``update``, the update, each as ``(address, flat NumPy view)``. Freed
-    with the plan."""
+    """Pinned host buffers of one device for ``mode="cpu"``, each ``(address, flat NumPy view)``, freed with the plan:
+    the scalars and count, and per leaf the gradient and (float32 leaves) the weights and (``update``) the update."""
 
     def __init__(self, plan, device: int):
         from .. import _device_kernels as dk  # noqa: PLC0415
@@ -121,9 +115,8 @@ class _Staging:
         self._buffers: list = []  # _cuda.Mapped, freed when collected (with the plan)
 
         def alloc(numel: int, dtype, what: str, extra: int = 0) -> tuple:
-            nbytes = numel * np.dtype(dtype).itemsize
             try:
-                buf = self.ctx.alloc_mapped(max(64, int(nbytes + extra)))
+                buf = self.ctx.alloc_mapped(max(64, numel * np.dtype(dtype).itemsize + extra))
             except MemoryError as exc:
                 raise MemoryError(f"TrainStream JAX mode='cpu': pinned staging for {what}: {exc}") from exc
             self._buffers.append(buf)
@@ -155,8 +148,7 @@ class _Update:
         plan, n = self.plan, self.plan.n
         if n == 0:
             return
-        grads, w = ins[:n], ins[n:2 * n]
-        reads = ins[2 * n:]  # float32 weights read by update (emit_u); the state is in outs
+        grads, w, reads = ins[:n], ins[n:2 * n], ins[2 * n:]  # reads: float32 weights (emit_u); the state: outs
         mus, nus = outs[:n], outs[n:2 * n]
         masters = dict(zip(plan.halves, outs[2 * n:2 * n + len(plan.halves)]))
         weights = dict(zip([i for i in range(n) if i not in plan.halves], reads)) if plan.emit_u else {}
@@ -164,15 +156,12 @@ class _Update:
         run(_cuda.pointer_device(_ptr(grads[0])), _stream(ctx), scal, count, grads, w, weights, mus, nus, masters)
 
     def _launch(self, device, stream, scal, count, grads, w, weights, mus, nus, masters) -> None:
-        """``mode="gpu"``: the kernel (:func:`trainstream._device_kernels.launch_adamw_multi`,
-        ``launch_adamw_u_multi`` for ``update``'s float32 leaves) over every leaf, one dtype's leaves in launches
-        of up to ``MULTI_MAX``, each leaf's scalars its row of the matrix; the state staged by the copy engines
-        through the device's :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's stream waiting at the
-        end for its copies back; without a ring the kernel reads it in host memory. ``count``: unused."""
+        """``mode="gpu"``: :func:`trainstream._device_kernels.launch_adamw_multi` (``launch_adamw_u_multi`` for
+        ``update``'s float32 leaves) over every leaf in launches of up to ``MULTI_MAX`` per dtype, a row of scalars
+        each; the state staged through the device's :class:`trainstream.core.StagingRing` (:func:`_ring`), XLA's
+        stream waiting for its copies back (no ring: read in host memory). ``count``: unused."""
         from .. import _device_kernels as dk  # noqa: PLC0415
-        plan = self.plan
-        row = 4 * C.N_SCALARS
-        s0 = _ptr(scal)
+        plan, row, s0 = self.plan, 4 * C.N_SCALARS, _ptr(scal)
         groups: dict[tuple, list] = {}
         for i in range(plan.n):
             kind, numel = plan.kinds[i], plan.numels[i]
@@ -244,9 +233,6 @@ class _Update:
                     out_kind, up_bytes = "u", 4 * numel
                 else:  # the new weights go up from the staged weights
                     (up_src, p), out, out_kind, up_bytes = st.weights[i], None, None, 4 * numel
-
-                def upload(dst=_ptr(w[i]), src=up_src, nbytes=up_bytes):
-                    cx.memcpy_htod_async(dst, src, nbytes, stream)
-
+                upload = functools.partial(cx.memcpy_htod_async, _ptr(w[i]), up_src, up_bytes, stream)
                 items.append(ExternalUpdate(p, m, v, g, kind, out, out_kind, scalars[i], events[i], upload))
             plan.engine.update_external(items, "cuda")

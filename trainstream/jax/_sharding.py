@@ -3,9 +3,8 @@
 ``init`` reads each leaf's spec from the concrete parameters (a traced array carries none) as the pytree's
 :class:`Layout` and gives the state the same shardings (``count`` replicated), so orbax handles it as optax.adamw's.
 The scalars and global norm stay in the user's program, which GSPMD partitions as optax's; the update runs per shard
-(:func:`per_device`), nothing gathered. One engine per configuration and process serves every local device;
-per-device GPU resources are keyed by the CUDA device of the buffers, never by ``device.id`` (ids differ between
-processes).
+(:func:`per_device`), nothing gathered. One engine per configuration and process serves every local device; GPU
+resources are keyed by the buffers' CUDA device, never by ``device.id`` (ids differ between processes).
 """
 
 from __future__ import annotations
@@ -17,10 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from .. import _cores
-
-__all__ = ["Layout", "check_traced", "default_threads", "in_manual_mesh", "init_state", "layout_of", "local_shape",
-           "per_device"]
+__all__ = ["Layout", "check_traced", "in_manual_mesh", "init_state", "layout_of", "per_device"]
 
 
 class Layout(NamedTuple):
@@ -66,8 +62,7 @@ def in_manual_mesh() -> bool:
     auto = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
     if auto:
         raise NotImplementedError(f"TrainStream offload_adamw inside a shard_map that leaves the mesh axes {auto} "
-                                  "automatic: its per-device update needs whole local shards; make every axis manual "
-                                  "(shard_map(..., axis_names=all of them)) or call it outside the shard_map")
+                                  "automatic: make all axes manual (its axis_names) or call it outside the shard_map")
     return True
 
 
@@ -77,14 +72,8 @@ def check_traced(leaves, paths) -> None:
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", True) and math.prod(mesh.shape.values()) > 1:
             raise ValueError(f"TrainStream offload_adamw: leaf {path} lives on a mesh of {dict(mesh.shape)} devices, "
-                             "and this transformation never saw these parameters as arrays: offload_adamw takes the "
-                             "PartitionSpecs of sharded parameters from the concrete arrays passed to tx.init (a "
-                             "traced array carries none); call tx.init(params) outside jit, before the update")
-
-
-def local_shape(shape, spec, mesh) -> tuple:
-    """One shard's shape of an array of ``shape`` sharded by ``spec`` over ``mesh``."""
-    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
+                             "and tx.init never saw these parameters as arrays: it takes their PartitionSpecs from the "
+                             "concrete arrays (a traced array carries none); call tx.init(params) outside jit first")
 
 
 def init_state(params, leaves, layout: Layout, host_memory: bool):
@@ -94,7 +83,7 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
     mesh, kind = layout.mesh, "pinned_host" if host_memory else None
 
     def zeros(x, spec):
-        local = local_shape(np.shape(x), spec, mesh)
+        local = NamedSharding(mesh, spec).shard_shape(np.shape(x))
         return jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
                                             lambda _: np.zeros(local, np.float32))
 
@@ -123,13 +112,8 @@ def per_device(fn, layout: Layout, first_specs, halves):
                          out_specs=(list(first_specs), specs, specs, mspecs), check_vma=False)  # no varying-axes types
 
 
-def default_threads() -> int:
-    """:func:`trainstream._cores.default_threads` for this process's share of this host."""
-    return _cores.default_threads(_local_processes())
-
-
 def _local_processes() -> int:
-    """The JAX processes on this host (XLA gives one host's devices one ``slice_index``)."""
+    """The JAX processes on this host (XLA gives one host's devices one ``slice_index``): they share its cores."""
     if jax.process_count() == 1:
         return 1
     mine = {getattr(d, "slice_index", 0) for d in jax.local_devices()}

@@ -1,10 +1,9 @@
 """JAX adapter: ``offload_adamw``, optax.adamw whose state lives in host memory.
 
 No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
-in the user's program (XLA's bias corrections, schedule and global norm, which only XLA reproduces); the update is a
-contract kernel on XLA's own buffers through ``jax.experimental.buffer_callback``, run by the engine's host workers
-or a CUDA kernel (XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`). The callbacks are pure: the state goes in
-aliased to the outputs (in place where the caller donates it) and nothing is kept between calls.
+in the user's program (only XLA reproduces XLA's bias corrections, schedule and global norm); the update is a contract
+kernel on XLA's buffers through ``buffer_callback`` (host workers, or XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`).
+The callbacks are pure: the state goes in aliased to the outputs (in place where donated), nothing kept between calls.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import optax
 from jax.experimental.buffer_callback import buffer_callback
 from jax.sharding import PartitionSpec as P
 
+from .. import _cores
 from .. import contract as C
 from ..core import Engine, ExternalUpdate, _budget
 from . import _gpu, _sharding
@@ -58,8 +58,7 @@ class _NoSlots:
     """The engine backend of the JAX adapter: no slots, XLA's buffers go to ``Engine.update_external``."""
 
     def _refuse(self, *_, **__):
-        raise NotImplementedError("TrainStream JAX adapter: its engine updates buffers that XLA owns "
-                                  "(Engine.update_external) and registers no parameter slots")
+        raise NotImplementedError("TrainStream JAX adapter: its engine updates XLA's buffers, with no slots")
 
     host_empty = param_to_host_f32 = record_compute = copy_to_host = copy_to_device = wait_on_compute = _refuse
 
@@ -81,8 +80,7 @@ def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) 
             if key not in _engines:
                 _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
                                        convention=convention, tc_code=tc_code, worker_nice=nice)
-                # registered after the engine's finalizer, so it runs first at exit: XLA's programs still in
-                # flight run their callbacks while the workers live
+                # after the engine's finalizer, so first at exit: callbacks still in flight find live workers
                 atexit.unregister(_finish_in_flight)
                 atexit.register(_finish_in_flight)
     return _engines[key]
@@ -94,27 +92,21 @@ def _torch_cpu_code() -> int:
         importlib.import_module("torch")  # torch itself, even where trainstream.torch was imported before
         from ..torch._backend import torch_cpu_code  # noqa: PLC0415
     except ImportError:
-        raise RuntimeError("convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt is MKL's and "
-                           "differs from CPU to CPU; TrainStream finds which one by probing torch.sqrt, so torch "
-                           "must be importable (pip install torch), or use convention='optax'") from None
+        raise RuntimeError("convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt (MKL's) TrainStream "
+                           "probes: torch must be importable (pip install torch), or use convention='optax'") from None
     return torch_cpu_code()
 
 
 @functools.cache
 def _xla_cpu_fma() -> bool:
-    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (not with ``--xla_cpu_max_isa=SSE4_2`` or ``AVX``):
-    probed once with one jitted expression."""
+    """Whether XLA:CPU contracts ``a*b + c`` into an FMA (not at ``--xla_cpu_max_isa=SSE4_2``/``AVX``), probed once."""
     rng = np.random.default_rng(5)
     a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
     cpu = jax.local_devices(backend="cpu")[0]  # this process's (jax.distributed)
-
-    def probe():
-        f = jax.jit(lambda a, b, c: a * b + c)
-        return np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c)))).view(np.uint32)
-
+    f = jax.jit(lambda a, b, c: a * b + c)
     # in a thread of its own: none of the caller's trace or mesh context; its errors raise here
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainstream-xla-probe") as pool:
-        out = pool.submit(probe).result()
+        out = pool.submit(lambda: np.asarray(f(*(jax.device_put(x, cpu) for x in (a, b, c))))).result().view(np.uint32)
     if np.array_equal(out, C.fma_f32(a, b, c).view(np.uint32)):
         return True
     if np.array_equal(out, (a * b + c).view(np.uint32)):
@@ -187,10 +179,9 @@ def _check_host_state(mu, nu, master, paths) -> None:
         for x, path in zip(leaves, paths):
             if x is not None and getattr(jax.typeof(x), "memory_space", None) != jax.memory.Space.Host:
                 raise ValueError(
-                    f"TrainStream offload_adamw: the optimizer state's {what} of leaf {path} is {jax.typeof(x)} "
-                    "in GPU memory; its moments and masters live in pinned host memory (memory_kind='pinned_host', "
-                    "as tx.init places them). Pass the state returned by init or update, or restore a checkpoint "
-                    "to the shardings of tx.init(params) (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
+                    f"TrainStream offload_adamw: the state's {what} of leaf {path} is {jax.typeof(x)} in GPU memory, "
+                    "not in pinned host memory as tx.init places it: pass the state from init or update, or restore "
+                    "to tx.init(params)'s shardings (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
 
 
 def _check_gpu_mode(platform: str, cfg: _Config) -> None:
@@ -200,15 +191,13 @@ def _check_gpu_mode(platform: str, cfg: _Config) -> None:
     if platform != "cuda":
         with contextlib.suppress(RuntimeError):  # raised by jax.devices("gpu") without a GPU backend
             if jax.devices("gpu"):
-                raise ValueError("TrainStream offload_adamw: mode='gpu' updates the weights on the GPU, but the "
-                                 "parameters are on the CPU: put them on the GPU first (jax.device_put(params, "
-                                 "jax.devices('gpu')[0])), or use mode='cpu'")
+                raise ValueError("TrainStream offload_adamw: mode='gpu' but the parameters are on the CPU: "
+                                 "jax.device_put(params, jax.devices('gpu')[0]) first, or use mode='cpu'")
         raise RuntimeError("TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU visible to "
                            f"JAX; this process has none (jax.devices() = {jax.devices()})")
     if cfg.convention != "optax":
-        raise NotImplementedError("TrainStream offload_adamw: mode='gpu' implements convention='optax' only (its "
-                                  "scalars are computed inside the XLA program; the torch convention's are host "
-                                  "float64 values per step). Use mode='cpu' for convention='torch'")
+        raise NotImplementedError("TrainStream offload_adamw: mode='gpu' implements convention='optax' only (the "
+                                  "torch convention's scalars are host float64 values): use mode='cpu' for it")
 
 
 class _Plan:
@@ -224,12 +213,11 @@ class _Plan:
         self.convention, self.max_grad_norm, self.mode = cfg.convention, cfg.max_grad_norm, cfg.mode
         self.schedule = callable(cfg.learning_rate)
         tc_code = _torch_cpu_code() if cfg.convention == "torch" else 0
-        threads = cfg.threads or _sharding.default_threads()
+        threads = cfg.threads or _cores.default_threads(_sharding._local_processes())
         self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_elems, cfg.worker_nice)
-        self.hps = None
-        if cfg.convention == "torch":  # float hyper-parameters (offload_adamw refuses arrays)
-            lr = 0.0 if self.schedule else cfg.learning_rate
-            self.hps = [C.AdamWHyperParams(lr, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if d else 0.0) for d in decay]
+        lr = 0.0 if self.schedule else cfg.learning_rate  # torch: float hyper-parameters (arrays are refused)
+        self.hps = ([C.AdamWHyperParams(lr, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if d else 0.0) for d in decay]
+                    if cfg.convention == "torch" else None)
         self.gpu = _gpu._Update(self) if platform == "cuda" else None  # XLA:GPU's callback (XLA keys programs by it)
 
     @property
@@ -240,9 +228,8 @@ class _Plan:
         """The torch convention's scalar matrix (host float64, from the contract) for the count after increment;
         with ``max_grad_norm`` the engine's float64 norm of ``grads`` (``(array, dtype, landed)``); a schedule's
         learning rate is XLA's, the optax matrix's ``S_NEG_LR``."""
-        clip = np.float32(1.0)
-        if self.max_grad_norm is not None:
-            clip = C.clip_coefficient(math.sqrt(self.engine.sumsq_external(grads)), self.max_grad_norm)
+        clip = (np.float32(1.0) if self.max_grad_norm is None else
+                C.clip_coefficient(math.sqrt(self.engine.sumsq_external(grads)), self.max_grad_norm))
         rows = np.empty((self.n, C.N_SCALARS), np.float32)
         for i, hp in enumerate(self.hps):
             if self.schedule:
@@ -292,10 +279,7 @@ def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _P
                    (("callable", v) if callable(v) else "array") for v in cfg)
     key = (static, tuple(kinds), tuple(numels), tuple(decay), emit_u, platform)
     with _plans_lock:
-        plan = _plans.pop(key, None)
-        if plan is None:
-            plan = _Plan(cfg, kinds, numels, decay, emit_u, platform)
-        _plans[key] = plan  # most recent last
+        plan = _plans[key] = _plans.pop(key, None) or _Plan(cfg, kinds, numels, decay, emit_u, platform)  # last: newest
         while len(_plans) > _PLANS_KEPT:
             _plans.pop(next(iter(_plans)))
     return plan
@@ -304,10 +288,8 @@ def _plan(cfg: _Config, kinds, numels, decay, emit_u: bool, platform: str) -> _P
 def _cpu_apply(plan: _Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     """``plan``'s update on XLA:CPU: one callback (:meth:`_Plan.__call__`) over one device's leaves."""
     n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
-    if plan.emit_u:
-        first = [sds((0,) if k != "float32" else np.shape(p), f32) for p, k in zip(p_leaves, plan.kinds)]
-    else:
-        first = [sds(np.shape(p), p.dtype) for p in p_leaves]
+    first = [sds((0,) if k != "float32" else np.shape(p), f32) if plan.emit_u else sds(np.shape(p), p.dtype)
+             for p, k in zip(p_leaves, plan.kinds)]
     result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
     aliases = {2 + 2 * n + j: n + j for j in range(2 * n + len(masters))}  # the state, from the first moment
     if not plan.emit_u:
@@ -327,12 +309,11 @@ class _Impl:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             _sharding.check_traced(leaves, paths)  # a traced init of arrays on a mesh
             return None
-        layout = self._layouts[_layout_key(params, leaves)] = _sharding.layout_of(leaves, paths)
+        self._layouts[_layout_key(params, leaves)] = layout = _sharding.layout_of(leaves, paths)
         return layout
 
     def init(self, params) -> OffloadAdamWState:
-        leaves = jax.tree.leaves(params)
-        paths = _paths(params)
+        leaves, paths = jax.tree.leaves(params), _paths(params)
         for x, p in zip(leaves, paths):
             _leaf_dtype_name(x, p)
         platform = _platform_of(leaves)
@@ -379,15 +360,13 @@ class _Impl:
             kinds.append(_leaf_dtype_name(p, path))
             shape = tuple(np.shape(p))
             if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != np.dtype(p.dtype):
-                raise ValueError(f"TrainStream offload_adamw: gradient {path} has shape {tuple(np.shape(g))} and "
-                                 f"dtype {g.dtype}, its parameter {shape} {p.dtype} (the gradient must have the "
-                                 "parameter's shape and dtype)")
+                raise ValueError(f"TrainStream offload_adamw: gradient {path} is {tuple(np.shape(g))} {g.dtype}, "
+                                 f"its parameter {shape} {p.dtype}: it must have the parameter's shape and dtype")
             checked = [("mu", mu[i]), ("nu", nu[i])] + ([("master", master[i])] if kinds[i] != "float32" else [])
             for what, a in checked:
                 if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.float32:
-                    raise ValueError(f"{differs} (structure, shapes or dtypes): {what} of leaf {path} is "
-                                     f"{None if a is None else (tuple(np.shape(a)), str(a.dtype))}, the parameter "
-                                     f"is {shape} {p.dtype}")
+                    got = None if a is None else (tuple(np.shape(a)), str(a.dtype))
+                    raise ValueError(f"{differs}: {what} of leaf {path} is {got}, the parameter {shape} {p.dtype}")
             if kinds[i] == "float32" and master[i] is not None:
                 raise ValueError(f"{differs}: leaf {path} is float32 now but has an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master
@@ -397,18 +376,14 @@ class _Impl:
         from jax._src.interpreters import batching  # noqa: PLC0415
         cfg = self.cfg
         if any(isinstance(x, batching.BatchTracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
-            raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update runs outside XLA on whole "
-                                      "arrays and has no batching rule; vmap a model's loss, not its optimizer (for "
-                                      "several models: one optimizer state each)")
+            raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update has no batching rule; vmap "
+                                      "a model's loss, not its optimizer (several models: one optimizer state each)")
         p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
-        n = len(p_leaves)
-        platform = _platform_of(p_leaves + g_leaves)
-        layout = None
-        if not _sharding.in_manual_mesh():  # inside the user's shard_map: the arrays are local
-            key = _layout_key(params, p_leaves)
-            if key not in self._layouts:
-                _sharding.check_traced(p_leaves, paths)
-            layout = self._layouts.get(key)
+        n, platform = len(p_leaves), _platform_of(p_leaves + g_leaves)
+        manual, key = _sharding.in_manual_mesh(), _layout_key(params, p_leaves)  # manual: the arrays are local
+        if not manual and key not in self._layouts:
+            _sharding.check_traced(p_leaves, paths)
+        layout = None if manual else self._layouts.get(key)
         _check_gpu_mode(platform, cfg)
         halves = [i for i, k in enumerate(kinds) if k != "float32"]
         if platform == "cuda":
@@ -418,13 +393,12 @@ class _Impl:
         if layout is None:
             numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
-            numels = [math.prod(_sharding.local_shape(np.shape(p), spec, layout.mesh))
+            numels = [math.prod(jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(np.shape(p)))
                       for p, spec in zip(p_leaves, layout.specs)]
             if cfg.convention == "torch" and cfg.max_grad_norm is not None:
                 raise NotImplementedError(
-                    "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 norm on the "
-                    "host, per device; sharded parameters would need it across devices. Use convention='optax' "
-                    "(optax's norm, in the program) or clip in the program")
+                    "TrainStream offload_adamw: convention='torch' with max_grad_norm takes a float64 norm per device, "
+                    "not across sharded parameters: use convention='optax' or clip in the program")
         optax_clip = cfg.max_grad_norm is not None and cfg.convention == "optax"
         if cfg.convention == "optax" and platform == "cpu":
             fma, x64 = _xla_cpu_fma(), bool(jax.config.jax_enable_x64)
@@ -450,13 +424,10 @@ class _Impl:
             placeholder = platform == "cpu" and u_kernel  # update's fp16/bf16 leaves: no first output
             first_specs = [P() if placeholder and i in halves else spec for i, spec in enumerate(layout.specs)]
             run = _sharding.per_device(run, layout, first_specs, halves)
-        firsts, mu_new, nu_new, m_new = run(sc.scalars, sc.count_inc, list(g_leaves), list(p_leaves), list(mu),
-                                            list(nu), masters)
+        firsts, mu_new, nu_new, m_new = run(sc.scalars, sc.count_inc, g_leaves, p_leaves, mu, nu, masters)
         m_new = dict(zip(halves, m_new))
 
-        def first(i, p):
-            if not emit_u:
-                return firsts[i]
+        def u_of(i, p):
             if u_kernel and i not in m_new:  # optax's scale_by_learning_rate in the program, written as optax's
                 u = firsts[i]  # scale (step_size * u) or scale_by_schedule (step_size an array of u's dtype first)
                 return (jnp.array(sc.step_size, dtype=u.dtype) if callable(cfg.learning_rate) else sc.step_size) * u
@@ -467,37 +438,30 @@ class _Impl:
         unflatten = functools.partial(jax.tree.unflatten, p_def)
         new_state = OffloadAdamWState(sc.count_inc, unflatten(list(mu_new)), unflatten(list(nu_new)),
                                       unflatten([m_new.get(i) for i in range(n)]))
-        return unflatten([first(i, p) for i, p in enumerate(p_leaves)]), new_state
+        return unflatten([u_of(i, p) for i, p in enumerate(p_leaves)] if emit_u else firsts), new_state
 
     def _run(self, grads, state, params, emit_u: bool):
         if any(isinstance(x, jax.core.Tracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
             return self._apply(grads, state, params, emit_u)
-        # Outside jit: one small program of its own (op-by-op scalars would round differently
-        # from a jitted program's: XLA's norm and schedule depend on the program)
+        # outside jit: a program of its own (op by op, XLA's norm and schedule would round otherwise)
         if params is not None:
             self._remember_layout(params, jax.tree.leaves(params), _paths(params))
-        fn = self._eager.get(emit_u)
-        if fn is None:
-            fn = self._eager[emit_u] = jax.jit(lambda g, s, p: self._apply(g, s, p, emit_u))
-        return fn(grads, state, params)
-
-    def step(self, grads, state, params):
-        return self._run(grads, state, params, emit_u=False)
+        if emit_u not in self._eager:
+            self._eager[emit_u] = jax.jit(lambda g, s, p: self._apply(g, s, p, emit_u))
+        return self._eager[emit_u](grads, state, params)
 
     def update(self, updates, state, params=None):
         return self._run(updates, state, params, emit_u=True)
 
 
 def state_dict(state: OffloadAdamWState, params=None) -> dict:
-    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy arrays (copies), in ``torch.optim.AdamW``'s
-    names; ``master``: the float32 master of each leaf, for float32 leaves the weights themselves (so ``params``
-    is needed when there are any). Whole arrays only: the state of several processes (``jax.distributed``)
-    raises ``ValueError``; save the state itself with orbax."""
+    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy copies, in ``torch.optim.AdamW``'s names; ``master``:
+    each leaf's float32 master, for float32 leaves the weights themselves (pass ``params`` if there are any). Whole
+    arrays only: the state of several processes (``jax.distributed``) raises ``ValueError``; save it with orbax."""
     for x in jax.tree.leaves(state):
         if not getattr(x, "is_fully_addressable", True):
             raise ValueError("TrainStream state_dict gathers the whole state into this process, and part of it lives "
-                             "on other processes' devices (jax.distributed): save the state itself with orbax, which "
-                             "writes every process's shards")
+                             "on other processes' devices (jax.distributed): save the state itself with orbax")
     # copies: a NumPy view of a state array would keep XLA from donating it afterwards
     to_np = lambda x: np.array(jax.device_get(x), copy=True)  # noqa: E731
     masters = jax.tree.leaves(state.master, is_leaf=_is_none)
@@ -569,30 +533,30 @@ class OffloadAdamW(optax.GradientTransformation):
     __slots__ = ()
 
     def host_memory_plan(self, params) -> dict[str, float]:
-        """The host memory ``init(params)`` will check and its state take, without allocating anything: bytes
-        per part, pinned and pageable, ``needed``, ``available``, ``usable``, ``fits``
-        (:func:`trainstream.core._budget.plan`)."""
+        """The host memory ``init(params)`` will check and its state take, allocating nothing: bytes per part, pinned
+        and pageable, ``needed``, ``available``, ``usable``, ``fits`` (:func:`trainstream.core._budget.plan`)."""
         leaves = jax.tree.leaves(params)
         return self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
 
     def step(self, grads, state, params):
         """One update: ``(new_params, new_state)``, the new weights in one pass (no update array), written in
         place where the caller donates the params."""
-        return self.update.__self__.step(grads, state, params)
+        return self.update.__self__._run(grads, state, params, emit_u=False)
 
     state_dict = staticmethod(state_dict)
     load_state_dict = staticmethod(load_state_dict)
     close = staticmethod(close)
 
 
-def _static_int(name: str, x, default, positive: bool = True):
-    """A checked int argument that changes no bit. optax.inject_hyperparams passes every number as an array too
-    (a tracer in the update): a traced one falls back to its default (name it in static_args to keep another)."""
+def _static(name: str, x, default, positive: bool = True):
+    """An argument that changes no bit: an int checked here, or ``host_margin`` (checked by ``_budget.plan``).
+    optax.inject_hyperparams passes every number as an array too (a tracer in the update): a traced one falls back
+    to its default (name it in static_args to keep another)."""
     if isinstance(x, jax.core.Tracer):
         x = default
-    elif hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.integer) and np.ndim(x) == 0:
-        x = int(x)
-    if x is None and default is None:  # threads: decided at the first update
+    elif hasattr(x, "dtype") and np.ndim(x) == 0:
+        x = x.item()
+    if name == "host_margin" or (x is None and default is None):  # threads None: decided at the first update
         return x
     if isinstance(x, bool) or not isinstance(x, int) or (positive and x < 1):
         what = "a positive int" if positive else "an int"
@@ -607,29 +571,25 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
                   worker_nice: int = 5, host_margin: float | None = _budget.MARGIN,
                   gpu_state_bytes: int | None = None) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
-    on the host (Numba kernels) or, on a GPU, by a CUDA kernel.
+    on the host (Numba kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
 
     Args:
       learning_rate: a float, an optax schedule (``count -> lr``) or an array (``optax.inject_hyperparams``).
       b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or arrays.
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
-        (optax's norm of the float32-upcast gradients, in the program); with ``convention="torch"``,
-        ``clip_grad_norm_``'s coefficient of a float64 norm (not for sharded parameters). Over several processes
-        on an AVX2 host XLA:CPU was seen to round a small matmul's gradient for our callback otherwise than in
-        optax's program (1 weight in 190 off by 1 ULP after 3 steps); ``optax.chain(optax.clip_by_global_norm(M),
-        offload_adamw(..., after_clip_by_global_norm=M))`` (the gradient consumed by optax's clip first, as in
-        optax's program) stayed bit-identical there.
+        (optax's norm of the float32-upcast gradients, in the program); ``convention="torch"``: ``clip_grad_norm_``'s
+        coefficient of a float64 norm (not for sharded parameters). Hazard: over several processes on an AVX2 host
+        1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
+        callback than in optax's program); the chain with ``after_clip_by_global_norm`` stayed bit-identical.
       mask: as ``optax.adamw``'s (leaves with False get no weight decay).
       xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
-        in the reference program, where LLVM pairs the FMAs differently ("Fused gradients" in
-        :mod:`trainstream.contract`), e.g. every leaf under ``optax.MultiSteps``. Default: none. XLA:CPU only.
+        in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
+        Default: none. XLA:CPU only.
       after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
-        on XLA:CPU (the FMA pairing of ``max_grad_norm=M``, the simpler way to write that chain; they exclude
-        each other).
-      mode: ``"cpu"``: the host updates (on a GPU the gradients go to the host and the weights back, on XLA's
-        stream). ``"gpu"``: a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a
-        72 MiB ring of GPU buffers per device, kept for the process; needs the parameters on a CUDA device and
-        ``convention="optax"``.
+        on XLA:CPU (``max_grad_norm=M``'s FMA pairing); excludes ``max_grad_norm``.
+      mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
+        a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
+        per device, kept for the process; needs the parameters on a CUDA device and ``convention="optax"``.
       convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"`` (``torch.optim.AdamW`` on the
         CPU, bit for bit; needs torch and float hyper-parameters; ``update`` returns ``new - params``).
       threads, chunk_elems: host worker threads of this process, shared by its devices (default: its share of
@@ -638,50 +598,43 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
         staging) will take (:meth:`OffloadAdamW.host_memory_plan`) against what the host has less this
         fraction, raising ``MemoryError`` before any array is made. None: no check.
-      gpu_state_bytes: not built for JAX: anything but None or 0 raises ``NotImplementedError``; for state in
-        GPU memory give those leaves ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
-        ``mode="gpu"``'s bits).
+      gpu_state_bytes: not built for JAX: anything but None or 0 raises ``NotImplementedError``; for state in GPU
+        memory give those leaves ``optax.adamw`` (``optax.multi_transform``; float32 leaves: ``mode="gpu"``'s bits).
 
-    Invalid arguments raise ``ValueError`` or ``TypeError``, unsupported uses (``jax.vmap`` included)
-    ``NotImplementedError``.
+    Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
-    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits (so
-    ``optax.apply_updates`` and optax's wrappers give the reference program's bits), ``step`` the same new
-    weights directly. An fp16/bf16 leaf's fp32 master equals optax's on fp32 parameters fed the upcast
-    gradients, the weights are its rounding (``update`` returns, in float32, the difference ``apply_updates``
-    turns into it); on the CPU a master that does not round to the weights passed in is replaced by them
-    (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU ``mode="gpu"`` gives
-    optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the contract's
-    ``OPTAX_CUDA_HOST_MAX_ULP``.
+    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits (so ``apply_updates``
+    and optax's wrappers give the reference program's), ``step`` the same new weights directly. An fp16/bf16 leaf's
+    fp32 master is optax's on fp32 parameters fed the upcast gradients, the weights its rounding (``update`` returns
+    the float32 difference ``apply_updates`` turns into it); on the CPU a master that does not round to the weights
+    passed in is replaced by them (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU
+    ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the
+    contract's ``OPTAX_CUDA_HOST_MAX_ULP``.
 
     Donation: donate the state (``jax.jit(..., donate_argnums=...)``) to update it in place, else XLA copies it
     first; then pass and return params and state in the same order (``step(params, state, ...) -> (params,
-    state)``): JAX pairs donated inputs of unknown memory kind (uncommitted arrays) with outputs by shape and
-    dtype alone, and could pair a moment in host memory with a weight in GPU memory. On a GPU a NumPy view of a
-    state array keeps XLA from donating it: copy it.
+    state)``): JAX pairs donated uncommitted inputs with outputs by shape and dtype alone, and could pair a moment
+    in host memory with a weight in GPU memory. On a GPU a NumPy view of a state array blocks its donation: copy it.
 
-    Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``): call ``init``
-    outside jit (it reads the specs from the concrete arrays); each device updates its own shards with the
-    whole program's scalars and global norm, as optax.adamw does; inside the caller's own ``shard_map``, as
-    optax's there, the update is that device's.
+    Sharded parameters (``NamedSharding`` over any mesh, one process or ``jax.distributed``): call ``init`` outside jit
+    (it reads the specs from the concrete arrays); each device updates its own shards with the whole program's
+    scalars and global norm, as optax.adamw does; inside the caller's own ``shard_map``, as optax's, that device's.
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
     if gpu_state_bytes not in (None, 0):
         raise NotImplementedError(
             f"TrainStream offload_adamw(gpu_state_bytes={gpu_state_bytes!r}) is not built for JAX (XLA refuses one "
-            "custom call whose outputs mix host and GPU memory). State kept in GPU memory is optax.adamw's: give "
-            "those leaves optax.adamw (optax.multi_transform; float32 leaves get the bits of mode='gpu') and the "
-            "rest offload_adamw")
+            "custom call whose outputs mix host and GPU memory): give the leaves whose state stays in GPU memory "
+            "optax.adamw (optax.multi_transform; float32 leaves get mode='gpu''s bits), the rest offload_adamw")
     if convention not in C.CONVENTIONS:
         raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
     hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if all(_is_number(v) or (k == "lr" and callable(v)) for k, v in hyper.items()):
         C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps, weight_decay)
     elif convention == "torch":
-        raise NotImplementedError("TrainStream offload_adamw: convention='torch' computes its scalars on the host in "
-                                  "float64 from Python floats; array hyper-parameters (inject_hyperparams) are the "
-                                  "optax convention's only")
+        raise NotImplementedError("TrainStream offload_adamw: convention='torch' computes its scalars on the host from "
+                                  "Python floats; array hyper-parameters (inject_hyperparams) need convention='optax'")
     else:
         for k, v in hyper.items():
             if not (_is_number(v) or callable(v) or hasattr(v, "dtype")):
@@ -692,18 +645,14 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
     after_clip = after_clip_by_global_norm
-    if after_clip is not None:
-        if not _is_number(after_clip) or not after_clip > 0:
-            raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
-        if max_grad_norm is not None:
-            raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
-    threads = _static_int("threads", threads, None)
-    chunk_elems = _static_int("chunk_elems", chunk_elems, 1 << 20)
-    worker_nice = _static_int("worker_nice", worker_nice, 5, positive=False)
-    if isinstance(host_margin, jax.core.Tracer):  # as _static_int's
-        host_margin = _budget.MARGIN
-    elif hasattr(host_margin, "dtype") and np.ndim(host_margin) == 0:
-        host_margin = float(host_margin)
+    if after_clip is not None and not (_is_number(after_clip) and after_clip > 0):
+        raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
+    if after_clip is not None and max_grad_norm is not None:
+        raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
+    threads = _static("threads", threads, None)
+    chunk_elems = _static("chunk_elems", chunk_elems, 1 << 20)
+    worker_nice = _static("worker_nice", worker_nice, 5, positive=False)
+    host_margin = _static("host_margin", host_margin, _budget.MARGIN)
     if convention == "torch":
         _torch_cpu_code()  # refuse early without torch
     _budget.plan([], margin=host_margin)  # a bad margin raises here

@@ -32,15 +32,11 @@ class _TorchHostBuffer:
 
 
 class TorchBackend:
-    """Pinned buffers, side streams and events for one device. On CUDA every event, copy and stream wait goes
-    through :mod:`trainstream._cuda`; streams and device memory are torch's. On the CPU every copy is synchronous
-    and there are no events (how everything is tested where no GPU exists)."""
+    """Pinned buffers, side streams and events for one device: on CUDA through :mod:`trainstream._cuda` (streams and
+    device memory are torch's); on the CPU every copy is synchronous, with no events (testable without a GPU)."""
 
-    # Gradients may be dropped once their copy is queued: on the CPU it is synchronous, on CUDA see copy_to_host.
-    copy_keeps_source_alive = True
-    # fp16/bf16 weights are rounded into the gradient's staging buffer and uploaded from there (6% less host
-    # memory traffic); copy_to_host orders the next gradient copy after that upload.
-    weights_in_grad_stage = True
+    copy_keeps_source_alive = True  # gradients may be dropped once their copy is queued (CPU: synchronous)
+    weights_in_grad_stage = True  # fp16/bf16 weights upload from the grad's staging buffer: 6% less host traffic
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -95,14 +91,17 @@ class TorchBackend:
     def record_compute(self, param: torch.Tensor | None) -> _cuda.Event | None:
         return _cuda.Event(self.drv, self._compute_stream()) if self.cuda else None
 
-    @staticmethod
-    def _check_copy(host: _TorchHostBuffer, dev: torch.Tensor, what: str) -> int:
+    def _begin_copy(self, host: _TorchHostBuffer, dev: torch.Tensor, what: str, stream: int, *after) -> int:
+        """Check a copy between ``host`` and ``dev`` (returns its bytes); ``stream`` waits for the events ``after``."""
         nbytes = dev.numel() * dev.element_size()
         if not host.pinned:  # the driver would copy synchronously, holding the GIL
             raise ValueError(f"TrainStream {what}: the host buffer is not pinned")
         if not dev.is_contiguous() or host.handle.numel() * host.handle.element_size() != nbytes:
             raise ValueError(f"TrainStream {what}: device tensor {tuple(dev.shape)} {dev.dtype} (contiguous="
                              f"{dev.is_contiguous()}) does not match its host buffer of {host.handle.numel()} elements")
+        for event in after:
+            if event is not None:
+                self.drv.stream_wait_event(stream, event)
         return nbytes
 
     def copy_to_host(self, dst: _TorchHostBuffer, src: torch.Tensor, after, *, free=None):
@@ -111,16 +110,10 @@ class TorchBackend:
             return None
         if not src.numel():  # an empty FSDP2 shard: null pointers, nothing to copy
             return None
-        nbytes = self._check_copy(dst, src, "gradient copy")
-        stream = self.d2h.cuda_stream
-        if after is not None:
-            self.drv.stream_wait_event(stream, after)
-        if free is not None:  # the last upload from dst (see weights_in_grad_stage)
-            self.drv.stream_wait_event(stream, free)
+        stream = self.d2h.cuda_stream  # free: the last upload from dst (see weights_in_grad_stage)
+        nbytes = self._begin_copy(dst, src, "gradient copy", stream, after, free)
         self.drv.memcpy_dtoh_async(dst.handle.data_ptr(), src.data_ptr(), nbytes, stream)
-        # The engine drops src at once: the caching allocator reuses its memory only after the work queued on d2h
-        # when it is freed (this copy).
-        src.record_stream(self.d2h)
+        src.record_stream(self.d2h)  # the engine drops src at once: its memory is reused only after this copy
         return _cuda.Event(self.drv, stream)
 
     def copy_to_device(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
@@ -129,10 +122,8 @@ class TorchBackend:
             return None
         if not dst.numel():
             return None
-        nbytes = self._check_copy(src, dst, "weight upload")
         stream = self.h2d.cuda_stream
-        if after is not None:
-            self.drv.stream_wait_event(stream, after)
+        nbytes = self._begin_copy(src, dst, "weight upload", stream, after)
         self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
         return _cuda.Event(self.drv, stream)
 
@@ -147,24 +138,22 @@ class TorchBackend:
 
 @functools.cache
 def torch_cpu_code() -> int:
-    """The contract's torch/cpu code on this machine, probed once per process: which MKL sqrt path
-    ``torch.sqrt`` takes (``trainstream._cpu_sqrt``) | ``TC_NO_FMA`` where ATen's lerp is unfused. Where no path
-    Numba compiles matches, the correctly rounded root (within the contract's ``TORCH_CPU_SQRT_MAX_ULP``) or, for a
-    lerp neither fused nor two roundings, the fused form is used, with one warning."""
+    """The contract's torch/cpu code, probed once per process: the MKL sqrt path ``torch.sqrt`` takes (``_cpu_sqrt``)
+    | ``TC_NO_FMA`` if ATen's lerp is unfused. If no path Numba compiles matches, the correctly rounded root (within
+    ``TORCH_CPU_SQRT_MAX_ULP``) is used; for a lerp neither fused nor two roundings, the fused form; one warning."""
     mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
     fused = _cpu_sqrt.detect_lerp_fma(lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
     problems = []
     if mode is None:
-        problems.append(f"torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
-                        f"Numba's target lacks); the correctly rounded root is used, within "
-                        f"{C.TORCH_CPU_SQRT_MAX_ULP} ULP of torch's")
+        problems.append("torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
+                        f"Numba's target lacks); the correctly rounded root is used, within {C.TORCH_CPU_SQRT_MAX_ULP} "
+                        "ULP of torch's")
         mode = _cpu_sqrt.IEEE
     if fused is None:
         problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
         fused = True
     if problems:
         warnings.warn("TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in the last bit on "
-                      "this host (torch " + torch.__version__ + ", CPU capability "
-                      + torch.backends.cpu.get_cpu_capability() + "): " + "; ".join(problems),
-                      RuntimeWarning, stacklevel=3)
+                      f"this host (torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+                      f"): {'; '.join(problems)}", RuntimeWarning, stacklevel=3)
     return mode | (0 if fused else C.TC_NO_FMA)

@@ -35,23 +35,21 @@ def version(t: torch.Tensor) -> Any:
     return (t._version, t._local_tensor._version) if is_dtensor(t) else t._version
 
 
-_FOREACH_VERSIONS: bool | None = None
+_FOREACH_VERSIONS: list[bool] = []  # the probe's answer, once
 
 
 def foreach_moves_versions(mesh: Any) -> bool:
-    """Whether an in-place ``torch._foreach_*`` op on DTensors (``clip_grad_norm_``'s) moves a version counter
-    (in torch 2.13 none: pytorch/pytorch#197502). Probed once per process on a 1-element replicated DTensor of
-    ``mesh`` (no communication)."""
-    global _FOREACH_VERSIONS
-    if _FOREACH_VERSIONS is None:
+    """Whether an in-place ``torch._foreach_*`` op on DTensors (``clip_grad_norm_``'s) moves a version counter (none
+    in torch 2.13: pytorch/pytorch#197502); probed once per process on a 1-element replicated DTensor of ``mesh``."""
+    if not _FOREACH_VERSIONS:
         from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415 (imported by then)
         with torch.no_grad():
             t = DTensor.from_local(torch.zeros(1, device=mesh.device_type), mesh,
                                    [Replicate()] * mesh.ndim, run_check=False)
             before = version(t)
             torch._foreach_mul_([t], 2.0)
-            _FOREACH_VERSIONS = version(t) != before
-    return _FOREACH_VERSIONS
+            _FOREACH_VERSIONS.append(version(t) != before)
+    return _FOREACH_VERSIONS[0]
 
 
 def state_view(param: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

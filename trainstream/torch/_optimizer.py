@@ -26,13 +26,10 @@ from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 __all__ = ["OffloadAdamW"]
 
 
-#: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for later growth of the
-#: caching allocator's pool, other processes, and fragmentation).
-AUTO_GPU_HEADROOM = 0.1
+AUTO_GPU_HEADROOM = 0.1  #: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free.
 
-_HINT = ("fewer parameters' state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), "
-         "mode='gpu' or 'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, "
-         "8 instead of 16 per float32 one)")
+_HINT = ("less state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), mode='gpu' or "
+         "'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, 8 instead of 16 per fp32)")
 #: Plan entries added up over the parameter groups (the others are the last check's).
 _SUMMED = {*(f"{p}_{k}" for p in _budget.PARTS for k in ("pinned", "pageable")), "pinned", "pageable", "needed"}
 
@@ -51,9 +48,8 @@ def _hybrid_elems(flat, share: float, resident_bytes: int) -> int:
 
 def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None,
                resident_bytes: int = 0, resident_used: int = 0):
-    """The host-memory plan of registering ``flat`` (:func:`trainstream.core._budget.plan`) and hybrid's split:
-    GPU-resident parameters first (no host memory), then the rest by fit in what ``used`` leaves of ``budget``
-    (from the last parameter backwards with ``last``). Parameters that registration will refuse are left out."""
+    """The host plan of registering ``flat`` (:func:`trainstream.core._budget.plan`, refused parameters left out) and
+    hybrid's split: GPU-resident ones first, then by fit in what ``used`` leaves of ``budget`` (``last``: backwards)."""
     res = _resident(flat, resident_bytes, resident_used)
     order = [i for i in (range(len(flat) - 1, -1, -1) if last else range(len(flat))) if not res[i]]
     dev = dict(zip(order, _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order],
@@ -75,9 +71,8 @@ def _check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> 
         raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
     if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
         raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
-    auto = isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto"
-    if not auto and (isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, numbers.Integral)
-                     or gpu_state_bytes < 0):
+    if not (isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto") and (isinstance(gpu_state_bytes, bool)
+            or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0):
         raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes, or 'auto')")
     if gpu_params not in ("first", "last"):
         raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
@@ -104,10 +99,9 @@ def _local_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a loaded state tensor ``t`` of parameter ``p``, float32 on the CPU (for a DTensor ``p``,
     the local tensor of a DTensor ``t``, as torch.distributed.checkpoint's ``set_optimizer_state_dict`` passes it)."""
     if D.is_dtensor(p) and not D.is_dtensor(t):
-        raise ValueError(
-            "OffloadAdamW.load_state_dict: the state of a DTensor (FSDP2) parameter must be a DTensor laid out "
-            "as the parameter (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from "
-            f"a full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
+        raise ValueError("OffloadAdamW.load_state_dict: a DTensor (FSDP2) parameter's state must be a DTensor laid "
+                         "out as it (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from a "
+                         f"full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
     return D.local(t.detach()).to("cpu", torch.float32)
 
 
@@ -126,10 +120,8 @@ def _check_group(group: dict[str, Any]) -> None:
 
 
 class _State(Mapping):
-    """``OffloadAdamW.state``: per parameter that has been updated, its state as ``torch.optim.AdamW`` keeps it
-    (see :meth:`OffloadAdamW.state_dict`), read once its queued update has run; ``{}`` for one without state.
-    Each lookup builds a new dict: assigning into it changes nothing (Lightning's ``_optimizer_to_device``
-    then only makes passing copies); change the tensors in place, or ``load_state_dict``."""
+    """``OffloadAdamW.state``: per updated parameter its :meth:`OffloadAdamW.state_dict` entry once its update has run,
+    else ``{}``. A new dict per lookup: assigning into it changes nothing (edit tensors in place or load_state_dict)."""
 
     def __init__(self, opt: "OffloadAdamW"):
         self._opt = weakref.ref(opt)  # no cycle: the optimizer stays collectable
@@ -164,87 +156,75 @@ class OffloadAdamW(Optimizer):
     A drop-in replacement: the same arguments, param groups, LR schedulers, ``zero_grad``, ``step(closure)``,
     ``state`` and ``state_dict`` (keys ``step``, ``exp_avg``, ``exp_avg_sq``: checkpoints move to and from
     ``torch.optim.AdamW``). The moments and the fp32 masters of fp16/bf16 parameters live in host memory (or,
-    within ``gpu_state_bytes``, in GPU memory). In an existing loop it changes memory and speed, nothing else:
+    within ``gpu_state_bytes``, in GPU memory). In an existing loop it changes memory and speed, nothing else
+    (:meth:`last_micro_batch` and ``overlap_forward`` are opt-ins that trade a rule below for speed):
 
-    * Gradients stay in ``param.grad`` (summed over micro-batches in the parameter's dtype). As backward
-      produces each, a hook copies it to pinned host memory asynchronously; ``step()`` uses that copy, copies
-      ``param.grad`` again where it changed since (``clip_grad_norm_``, ``GradScaler``, by hand) and skips
-      parameters whose ``grad`` is ``None``. Clipping (``max_grad_norm``, :meth:`clip_grad_norm`) and
-      ``GradScaler``'s unscaling act on ``param.grad`` as torch's own ops; the host copy gets the same
-      multiplier, bit for bit.
+    * Gradients stay in ``param.grad`` (summed over micro-batches in the parameter's dtype). A hook copies each to
+      pinned host memory as backward produces it; ``step()`` uses that copy, copies ``param.grad`` again where it
+      changed since (``clip_grad_norm_``, ``GradScaler``, by hand) and skips parameters whose ``grad`` is ``None``.
+      Clipping (``max_grad_norm``, :meth:`clip_grad_norm`) and ``GradScaler``'s unscaling act on ``param.grad``
+      as torch's own ops; the host copy gets the same multiplier, bit for bit.
     * ``step()`` returns once the host update has run and, with CUDA parameters, makes the current stream wait
       (on the GPU) for the uploads of the new weights: no ``synchronize()`` needed.
-    * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same
-      shape, dtype and device) are what it updates next: a changed ``param._version`` or storage is re-read
-      (fp16/bf16: an element keeps its fp32 master where that still rounds to the weight). ``p.data.mul_(...)``
-      does not advance ``_version``: it is not seen.
-
-    Two opt-ins trade a rule above for speed: :meth:`last_micro_batch` (updates start during backward and take
-    the gradients), and ``overlap_forward=model``: the next forward of ``model`` may start before the update
-    has finished, each module waiting for its own weights (forward pre-hooks, outside Dynamo's graphs); reads
-    of the weights outside that forward (``state_dict``, an EMA) then need :meth:`synchronize`.
+    * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same shape,
+      dtype and device) are what it updates next (fp16/bf16: an element keeps its fp32 master where that still
+      rounds to the weight). It sees a changed ``param._version`` or storage, so not ``p.data.mul_(...)``.
 
     Several processes (``torch.distributed``), each rank offloading only what it updates:
 
-    * FSDP2 (``fully_shard``): build it on the sharded parameters (DTensors); each rank registers its local
-      shard (uneven or empty included); FSDP2 runs the gradient hooks after its reduce-scatter. Clipping is
-      torch's norm of the DTensor gradients, a collective. As in-place foreach ops on DTensor gradients move
-      no version counter (torch 2.13), the hook copies nothing unless ``max_grad_norm`` is set, and ``step()``
-      copies each shard's gradient. ``state`` and ``state_dict()`` hold DTensor views of the host state, laid
-      out as the parameters, which torch.distributed.checkpoint saves and loads (also to and from
-      ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local
-      shards that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
-    * DDP, or any reduction of the gradients after backward: plain parameters' gradients are taken at
-      ``step()``, after it, never by the hook. Each rank updates every parameter, or with ``zero_stage=1`` its
-      partition. Not with :meth:`last_micro_batch`.
+    * FSDP2 (``fully_shard``): build it on the sharded parameters (DTensors); each rank registers its local shard
+      (uneven or empty included), hooked after FSDP2's reduce-scatter. Clipping is a collective (torch's DTensor
+      norm). Unless ``max_grad_norm`` is set, ``step()``, not the hook, copies each shard's gradient (torch 2.13's
+      in-place foreach ops move no DTensor version counter). ``state`` and ``state_dict()`` hold DTensor views of
+      the host state, laid out as the parameters, for torch.distributed.checkpoint (also to and from
+      ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local shards
+      that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
+    * DDP (any reduction after backward): plain parameters' gradients are taken at ``step()``, never by the hook.
+      Each rank updates every parameter, or with ``zero_stage=1`` its partition. Not with :meth:`last_micro_batch`.
 
     Args:
       params: parameters or param groups, as for ``torch.optim.AdamW``: float32, float16 or bfloat16,
         contiguous, dense, all on one device (CUDA, or CPU).
       lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` a float, not a Tensor).
       max_grad_norm: if set, ``step()`` first runs :meth:`clip_grad_norm` over the parameters in group order.
-      mode: ``"cpu"`` (update on host threads), ``"gpu"`` (a GPU kernel; the host state streams through a
-        72 MiB ring of GPU buffers, ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (up to ``gpu_share`` of
-        the trainable elements by the GPU kernel reading their host state over PCIe, concurrently with the
-        host threads). ``gpu`` and ``hybrid`` need CUDA parameters. Each parameter gets the bits of the mode
-        that updates it (both ``torch.optim.AdamW``'s on CUDA).
-      overlap_forward: a module (the model) whose next forward may overlap the update: see above.
-      gpu_state_bytes: GPU memory, in bytes, for optimizer state (any mode; CUDA parameters). Trainable
-        parameters whose state (8 bytes per element, 12 for fp16/bf16) fits in what is left, in order (also
-        of a later ``add_param_group``), keep and update it there (the same bits, no PCIe traffic), at
-        ``step()`` or, under :meth:`last_micro_batch`, from their hooks (``gpu`` mode; ``hybrid`` with
-        ``gpu_params="last"``). ``state``/``state_dict()`` hold host copies; ``load_state_dict`` copies back.
-        Allocated at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed
-        by :meth:`close`. Default 0. ``"auto"``: all state offloaded at first (the host memory check counts
-        all of it: for the largest model pass bytes); at the end of the first ``step()`` that updates, the
-        state that fits in the GPU memory then free (torch's pool holds the step's peak) less
-        ``AUTO_GPU_HEADROOM`` (a tenth) of the GPU's memory moves there with its bits, its host memory freed
-        (pinned buffers to torch's pinned-memory cache, which reuses them); the first step is not overlapped.
-      gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel
-        updates; each parameter, in ``gpu_params`` order (also one added later), goes to it while it fits, else
-        to the host. The default, 0.3, was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores
-        (``experiments/RESULTS.md``); the best value depends on host memory bandwidth against PCIe's.
+      mode: ``"cpu"`` (default: host threads update), ``"gpu"`` (a GPU kernel; the host state streams through a
+        72 MiB ring of GPU buffers, ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (up to ``gpu_share`` of the
+        trainable elements by the GPU kernel reading their host state over PCIe, beside the host threads); the last
+        two need CUDA parameters. Each parameter gets its updating mode's bits (both ``torch.optim.AdamW``'s on CUDA).
+      overlap_forward: a module (the model) whose next forward may start before the update has finished, each
+        module waiting for its own weights (forward pre-hooks, outside Dynamo's graphs); reads of the weights
+        outside that forward (``state_dict``, an EMA) then need :meth:`synchronize`.
+      gpu_state_bytes: GPU memory, in bytes, for optimizer state (any mode; CUDA parameters; default 0). Trainable
+        parameters whose state (8 bytes per element, 12 for fp16/bf16) fits in what is left, in order (also of a
+        later ``add_param_group``), keep and update it there (same bits, no PCIe traffic) at ``step()``, or under
+        :meth:`last_micro_batch` from their hooks (``gpu`` mode; ``hybrid`` with ``gpu_params="last"``). Allocated
+        at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed by :meth:`close`;
+        ``state``/``state_dict()`` hold host copies, ``load_state_dict`` copies back. ``"auto"``: all state offloaded
+        at first (as the host memory check assumes: for the largest model pass bytes); after the first ``step()``
+        that updates, what fits in the GPU memory then free (the step's peak held by torch's pool) less
+        ``AUTO_GPU_HEADROOM`` (a tenth) of the total moves there, same bits, freeing its host memory (pinned: to
+        torch's cache); that step is not overlapped.
+      gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel updates;
+        parameters, in ``gpu_params`` order (also later ones), go to it while they fit, else to the host. The default
+        0.3 was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores (depends on host memory vs PCIe).
       gpu_params: ``hybrid``: ``"first"`` (default): the GPU share from the first parameter on (what the next
         forward needs first). ``"last"``: from the last backwards (their gradients come first); with
         :meth:`last_micro_batch` their kernels run during the rest of backward.
       threads: host worker threads. Default: this process's share of its CPU affinity (divided by torchrun's
-        ``LOCAL_WORLD_SIZE``, else torch.distributed's world size) less one, at least 1; with
-        ``worker_cores``, its cores less one.
+        ``LOCAL_WORLD_SIZE``, else the world size) less one, at least 1; with ``worker_cores``, its cores less one.
       worker_cores: bind the host workers (and the host state's first touch): ``None`` (default), ``"auto"``
         (this local rank's disjoint slice, of its GPU's NUMA node where ``/sys`` tells it and local rank r
         drives GPU r) or a list of CPU ids. Linux only; elsewhere ignored.
-      zero_stage: ``0`` (default) or ``1``: ZeRO stage 1 over the default process group (replicated plain
-        parameters, e.g. DDP): each rank holds the state of, and updates, only its partition
-        (ZeroRedundancyOptimizer's), then owners broadcast their new weights in ``step()``. Checkpoints follow
-        ZeroRedundancyOptimizer's protocol (:meth:`consolidate_state_dict`).
-      chunk_size: elements per work item of the worker pool.
-      worker_nice: the host workers' nice value (``cpu``, ``hybrid``; Linux). The default, 5, yields to the
-        threads that drive the GPU; 19 is faster with ``hybrid`` and :meth:`last_micro_batch` but would starve
-        the workers beside a busy data loader.
+      zero_stage: ``0`` (default) or ``1``: ZeRO stage 1 over the default process group for replicated plain
+        parameters (DDP): each rank holds the state of, and updates, only its partition (ZeroRedundancyOptimizer's),
+        then broadcasts its new weights in ``step()``. Checkpoints: :meth:`consolidate_state_dict`.
+      chunk_size: elements per work item of the worker pool (default 2**20).
+      worker_nice: the host workers' nice value (``cpu``, ``hybrid``; Linux); the default 5 yields to the threads
+        driving the GPU, 19 is faster with ``hybrid`` and :meth:`last_micro_batch` unless a busy loader starves them.
       eager_blocks: the grid cap, in blocks, of the kernels launched from hooks under :meth:`last_micro_batch`
         (the bits do not depend on it). ``None``: a quarter of the GPU's multiprocessors, leaving backward the rest.
       pin_moments: keep the moments page-locked (``cpu`` mode) while all pinned memory stays within half of the
-        available host memory, else pageable (``stats()["host_plan_pin_moments"]``).
+        available host memory, else pageable (``stats()["host_plan_pin_moments"]``). Default False.
       host_margin: the host memory the optimizer will take (:meth:`host_memory_plan`) must fit in what the host
         has less this fraction, checked before allocating: else ``MemoryError`` naming the bytes. None: no check.
       convention: ``"torch"`` (default) or ``"optax"``; see ``trainstream.contract``.
@@ -254,9 +234,7 @@ class OffloadAdamW(Optimizer):
     unsupported parameter dtype).
     """
 
-    # GradScaler hands step() its scale and inf flag instead of unscaling itself (torch's fused optimizers'
-    # protocol): see _amp().
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
@@ -285,7 +263,7 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         self._rank, world = D.world()
-        self._zero = None  # zero_stage=1: which rank owns (holds the state of) each parameter
+        self._zero = None  # zero_stage=1: which rank owns each parameter's state
         if zero_stage:
             if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
                 raise ValueError("OffloadAdamW(zero_stage=1) partitions the parameters between the ranks of "
@@ -297,44 +275,27 @@ class OffloadAdamW(Optimizer):
         self._consolidated: dict[str, Any] | None = None  # zero_stage=1: consolidate_state_dict()'s
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
-        # "auto": none at first; after the first step, what the GPU has free (_place_auto)
-        self._auto_resident = gpu_state_bytes == "auto"
+        self._auto_resident = gpu_state_bytes == "auto"  # none at first, then what the GPU has free (_place_auto)
         self._gpu_state_bytes = 0 if self._auto_resident else int(gpu_state_bytes)
-        self._gpu_params = gpu_params
-        self._gpu_budget = 0  # hybrid's device elements (_hybrid_elems)
-        # Registration waits until torch has read every group (add_param_group only checks them): the host
-        # memory is checked over all of them, and hybrid's split needs the total of the elements.
-        self._deferred, self._host_margin, self._host_plan = True, host_margin, {}
+        self._gpu_params, self._gpu_budget = gpu_params, 0  # budget: hybrid's device elements (_hybrid_elems)
+        self._deferred, self._host_margin, self._host_plan = True, host_margin, {}  # _deferred: see add_param_group
         self._worker_cores = worker_cores
-        self._cores: list[int] | None = None  # resolved with the first parameter's device
-        self._engine: Engine | None = None
-        self._device: torch.device | None = None
+        self._cores, self._engine, self._device = None, None, None  # set by the first parameter (_register)
         self._engine_args = dict(threads=threads, chunk_elems=chunk_size, convention=convention,
                                  pin_moments=pin_moments, worker_nice=worker_nice)
         self._slot_of: dict[torch.Tensor, int] = {}
-        # Per slot: its parameter, the index of its param group and what the engine last saw of the parameter
-        # (see _check_param): the storage it writes, its _version (the engine's own writes leave it alone), and
-        # (dtype, shape, device).
+        # Per slot: its parameter, param group index and what the engine last saw of it (_check_param): the storage
+        # it writes, its _version (the engine's writes move none), (dtype, shape, device).
         self._params_of_slot, self._group_of, self._engine_param_ptr, self._param_version, self._param_meta = \
             [], [], [], [], []
-        # Host slots: the gradient its hook copied, as [weakref to the tensor, its _version, the multiplier
-        # torch applied to it since (None: none)]; step() uses the copy only while it is param.grad as it was.
-        self._staged: dict[int, list] = {}
+        self._staged: dict[int, list] = {}  # the hook's copies: [grad weakref, its _version, multiplier since/None]
         self._last_norm: torch.Tensor | None = None
-        # Slot -> its gradient hook's handle (_hook): host slots', GPU slots' eager ones.
-        self._hooks: dict[int, Any] = {}
-        self._gpu_hooks: dict[int, Any] = {}
-        self._eager_blocks, self._eager = eager_blocks, False
-        self._eager_done: set[int] = set()  # slots updated eagerly since the last step()
-        # overlap_forward: slots whose update the gated forward has not waited for yet, modules seen running
-        # forward, and per module the slots its forward waits for (_module_slots).
+        self._hooks, self._gpu_hooks = {}, {}  # slot -> gradient hook handle (_hook): host slots', GPU slots' eager
+        self._eager_blocks, self._eager, self._eager_done = eager_blocks, False, set()  # done: since the last step()
         self._gated, self._closed = overlap_forward is not None, False
-        self._pending: set[int] = set()
-        self._pending_lock = threading.Lock()
-        self._called: weakref.WeakSet = weakref.WeakSet()
-        self._wait_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Released once, by close() or when this optimizer itself is collected: never by a wrapper that copies
-        # its attributes (Lightning's LightningOptimizer).
+        self._pending, self._pending_lock = set(), threading.Lock()  # overlap_forward: slots not waited for yet
+        self._called, self._wait_sets = weakref.WeakSet(), weakref.WeakKeyDictionary()  # see _module_slots
+        # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._owned = _Owned(self._hooks, self._gpu_hooks)
         self._release = weakref.finalize(self, self._owned.release)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS))
@@ -386,15 +347,14 @@ class OffloadAdamW(Optimizer):
         try:
             if len({id(p) for p in listed}) != len(listed):
                 raise ValueError(f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
-                                 "(torch.optim.AdamW would update it once per listing, and warns that this will "
-                                 "become an error); list each parameter once")
+                                 "(torch.optim.AdamW would update it once per listing); list each parameter once")
             _check_group(self.param_groups[-1])
             if self._zero is not None:
                 if any(D.is_dtensor(p) for p in listed):
                     raise ValueError("OffloadAdamW: zero_stage=1 is for replicated parameters (DDP); FSDP2's "
                                      "DTensor parameters are sharded already: use zero_stage=0")
                 self._zero.add_group(listed)
-            if self._deferred:  # inside __init__: registered once every group is known
+            if self._deferred:  # inside __init__: registered once every group is known (one host plan for all)
                 return
             mine = [p for p in listed if self._mine(p)]
             for p, gpu in zip(mine, self._reserve(mine)):
@@ -433,8 +393,7 @@ class OffloadAdamW(Optimizer):
             self._engine_args["pin_moments"] = False
             if eng is not None and eng.host is not None:
                 eng.host.pin_moments = False
-        old = self._host_plan
-        self._host_plan = {k: v + old.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
+        self._host_plan = {k: v + self._host_plan.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
         return on_gpu
 
     @staticmethod
@@ -458,14 +417,8 @@ class OffloadAdamW(Optimizer):
         """Whether this rank holds ``p``'s state (all but zero_stage=1's parameters of other ranks)."""
         return self._zero is None or self._zero.owner[p] == self._rank
 
-    @staticmethod
-    def _meta(p: torch.Tensor) -> tuple:
-        loc = D.local(p)
-        return loc.dtype, tuple(loc.shape), loc.device
-
     def _check_new(self, p: torch.Tensor, index: int, device: torch.device) -> None:
-        """Refuse parameter ``p`` (slot ``index``) where registering it would fail, before anything is
-        allocated; ``device``: that of the parameters before it."""
+        """Refuse parameter ``p`` (slot ``index``) before anything is allocated; ``device``: the earlier parameters'."""
         loc = D.local(p)
         if p.dtype not in _DTYPE_NAME:
             raise TypeError("OffloadAdamW supports float32, float16 and bfloat16 parameters; parameter "
@@ -473,20 +426,17 @@ class OffloadAdamW(Optimizer):
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"OffloadAdamW: parameter {index} is not a dense strided tensor")
         if not loc.is_contiguous():
-            raise ValueError(f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous "
-                             "before building the optimizer")
+            raise ValueError(f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous first")
         if loc.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
         if loc is not p and p.device_mesh.device_type != loc.device.type:
-            raise ValueError(
-                f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh whose "
-                f"shard lives on {loc.device.type} (FSDP2's CPUOffloadPolicy?): use either "
-                "CPUOffloadPolicy or OffloadAdamW, not both")
+            raise ValueError(f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh "
+                             f"whose shard is on {loc.device.type} (FSDP2's CPUOffloadPolicy?): use either "
+                             "CPUOffloadPolicy or OffloadAdamW, not both")
         if loc is not p and self._gated:
-            raise NotImplementedError(
-                "OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built (FSDP's all-gather reads "
-                "the shards before a module's forward could wait for them); leave it unset: step() orders the "
-                "uploads before FSDP's next all-gather.")
+            raise NotImplementedError("OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built "
+                                      "(FSDP's all-gather reads the shards before a forward could wait); leave it "
+                                      "unset: step() orders the uploads before FSDP's next all-gather.")
         if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes or self._auto_resident):
             budget = "'auto'" if self._auto_resident else self._gpu_state_bytes
             what = (f"mode={self.mode!r}" if self.mode != "cpu"
@@ -511,21 +461,19 @@ class OffloadAdamW(Optimizer):
                                       resident_bytes=self._gpu_state_bytes, resident_later=self._auto_resident,
                                       tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
-                raise ImportError(
-                    f"OffloadAdamW mode={self.mode!r}"
-                    f"{' with gpu_state_bytes' if self._gpu_state_bytes or self._auto_resident else ''} "
-                    f"needs CuPy: pip install 'trainstream[cuda12]' or 'trainstream[cuda13]' ({exc})") from exc
+                gs = " with gpu_state_bytes" if self._gpu_state_bytes or self._auto_resident else ""
+                raise ImportError(f"OffloadAdamW mode={self.mode!r}{gs} needs CuPy: pip install 'trainstream[cuda12]' "
+                                  f"or 'trainstream[cuda13]' ({exc})") from exc
             self._owned.engine = self._engine
             self._device = loc.device
-        # The engine writes through loc.data: its own writes advance no _version. hybrid: a frozen parameter
-        # takes none of the GPU share. loc.device.type is "cuda" or "cpu" (_check_new).
+        # Through loc.data: the engine's own writes move no _version. hybrid: a frozen parameter takes no GPU share.
         with _cores.bound(self._cores):  # the host state's first touch: on the workers' cores
             sid = self._engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
                                          trainable=p.requires_grad, on_device=gpu)
         assert sid == len(self._params_of_slot)
         self._engine_param_ptr.append(loc.data_ptr())
         self._param_version.append(D.version(p))
-        self._param_meta.append(self._meta(p))
+        self._param_meta.append((loc.dtype, tuple(loc.shape), loc.device))
         self._slot_of[p] = sid
         self._params_of_slot.append(p)
         self._group_of.append(group)
@@ -540,22 +488,20 @@ class OffloadAdamW(Optimizer):
             if ver != self._param_version[sid]:
                 self._engine.reload_param(sid)
         else:
-            was, now = self._param_meta[sid], self._meta(p)
+            was, now = self._param_meta[sid], (loc.dtype, tuple(loc.shape), loc.device)
             if now != was or not loc.is_contiguous():
                 what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), was, now)
                                  if a != b) or "made non-contiguous"
                 hint = " (float64 is not supported: float32, float16 or bfloat16)" if p.dtype not in _DTYPE_NAME else ""
-                raise RuntimeError(
-                    f"OffloadAdamW: parameter {sid} (group {self._group_of[sid]}) was replaced after the "
-                    f"optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = ...). "
-                    "Build the optimizer after converting or moving the model.")
+                raise RuntimeError(f"OffloadAdamW: parameter {sid} (group {self._group_of[sid]}) was replaced after "
+                                   f"the optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = "
+                                   "...). Build the optimizer after converting or moving the model.")
             self._engine.reload_param(sid, loc.data.view(-1))
             self._engine_param_ptr[sid] = loc.data_ptr()
         self._param_version[sid] = ver
 
     def _hook(self, sid: int, gpu: bool = False) -> None:
-        """Give trainable slot ``sid`` its gradient hook (:meth:`_grad_ready`), once: a host slot's, or with ``gpu``
-        a GPU slot's, which acts under :meth:`last_micro_batch` only. The hook holds the optimizer weakly."""
+        """Give trainable slot ``sid`` its gradient hook (:meth:`_grad_ready`) once; ``gpu``: a GPU slot's (eager)."""
         p, hooks = self._params_of_slot[sid], (self._gpu_hooks if gpu else self._hooks)
         if self._engine.on_device(sid) != gpu or not p.requires_grad or sid in hooks:
             return
@@ -579,8 +525,7 @@ class OffloadAdamW(Optimizer):
 
     def _grad_ready(self, sid: int, p: torch.Tensor) -> None:
         """Slot ``sid``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
-        update now (a host slot's queued behind its copy, a GPU slot's kernel behind its backward); else copy a
-        host slot's gradient to the host for ``step()``."""
+        update (behind its copy; a GPU slot's kernel behind backward), else copy a host slot's gradient for step()."""
         on_device, eager = self._engine.on_device(sid), self._eager and self.max_grad_norm is None
         if on_device and not eager:
             return  # a GPU slot's update runs at step()
@@ -606,33 +551,28 @@ class OffloadAdamW(Optimizer):
             self._staged[sid] = [weakref.ref(grad), D.version(grad), None]
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
-        """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter in a run of several
-        processes (reduced after the hook); for a DTensor where a later change would show (foreach ops move
-        version counters) or the only change to come is ``max_grad_norm``'s, applied to the copy too."""
+        """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter with several processes (reduced
+        later); for a DTensor if foreach ops move version counters or ``max_grad_norm`` (applied to the copy) is set."""
         if D.is_dtensor(p):
             return self.max_grad_norm is not None or D.foreach_moves_versions(p.device_mesh)
         return D.world()[1] == 1
 
     def _local_grad(self, sid: int, p: torch.Tensor, host: bool = True) -> tuple[torch.Tensor, str]:
-        """``p.grad``'s local tensor, detached and contiguous (flat for the GPU engine: ``host=False``), and its
-        dtype's name; refuses a sparse gradient, one on another device than ``p`` and for a host slot one of
-        another dtype or shape."""
+        """``p.grad``'s local tensor, detached and contiguous (flat with ``host=False``: GPU slots), and its dtype's
+        name; refuses a sparse gradient, one on another device than ``p``, for a host slot another dtype or shape."""
         grad, loc = D.local(p.grad), D.local(p)
         if grad.is_sparse:
             raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
         if host and (grad.dtype != loc.dtype or grad.shape != loc.shape):
-            raise TypeError(
-                f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, "
-                f"the parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
+            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, the "
+                            f"parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
         if grad.device != loc.device:
-            raise ValueError(f"OffloadAdamW: gradient of parameter {sid} is on {grad.device}, parameter on "
-                             f"{loc.device}")
+            raise ValueError(f"OffloadAdamW: parameter {sid} is on {loc.device}, its gradient on {grad.device}")
         if grad.dtype not in _DTYPE_NAME:
             raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
         if not host:
             return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
-        # Only the torch calls needed: each releases and retakes the GIL, which under busy workers costs far more
-        # than the call. A non-contiguous gradient is made contiguous on the compute stream, before the copy.
+        # Only the torch calls needed: each releases and retakes the GIL, costly under busy workers.
         if grad.requires_grad:
             grad = grad.detach()
         if not grad.is_contiguous():
@@ -642,39 +582,33 @@ class OffloadAdamW(Optimizer):
     # -- the user API -----------------------------------------------------------------------
 
     def _check_open(self, what: str | None = None) -> None:
-        """Refuse any call once closed; with ``what`` (a checkpoint method) also between a ``last_micro_batch()``
-        backward and ``step()``, where only some slots are updated."""
+        """Refuse calls once closed, and checkpoint method ``what`` between a last_micro_batch() backward and step()."""
         if self._closed:
             raise RuntimeError("OffloadAdamW is closed")
         if what is not None and self._eager_done:
             raise RuntimeError(f"OffloadAdamW.{what}() between a last_micro_batch() backward and step(): "
-                               f"{len(self._eager_done)} parameters are already updated for this step; call "
-                               "step() first")
+                               f"{len(self._eager_done)} parameters are updated already; call step() first")
 
     @contextlib.contextmanager
     def last_micro_batch(self):
         """Mark the backward inside this block as the last micro-batch of the step.
 
-        Each gradient's update then starts as soon as the gradient is ready, overlapping the rest of backward: on
-        the host threads (``cpu`` mode, ``hybrid``'s host share) or by its kernel (``gpu`` mode; ``hybrid``'s GPU
-        share with ``gpu_params="last"``, else that share runs at ``step()``). The gradients are taken:
-        ``param.grad`` is ``None`` after that backward for the parameters it updated (their GPU memory freed once
-        copied or read), so nothing may change them: no ``clip_grad_norm_``, no ``GradScaler`` (``step()``
-        raises). Each update uses its group's ``lr`` as it is during backward. With ``max_grad_norm`` the block
-        has no effect (clipping needs every gradient first). Until ``step()``, ``state_dict()`` and
-        ``load_state_dict()`` raise. Not in a run of several processes with plain (non-DTensor) parameters.
-        With ``hybrid``, ``worker_nice=19`` makes it faster; at the default 5 it can be slower than without.
-        """
+        Each update then starts as soon as its gradient is ready, overlapping the rest of backward: on the host
+        threads (``cpu`` mode, ``hybrid``'s host share) or by its kernel (``gpu`` mode; ``hybrid``'s GPU share with
+        ``gpu_params="last"``, else at ``step()``). The gradients it updates from are taken (``param.grad`` is
+        ``None`` after that backward, its GPU memory freed once read), so nothing may change them: no
+        ``clip_grad_norm_`` or ``GradScaler`` (``step()`` raises). Each update uses its group's ``lr`` as it is during
+        backward. No effect with ``max_grad_norm`` (clipping needs every gradient). ``state_dict()`` and
+        ``load_state_dict()`` raise until ``step()``. Not with several processes and plain (non-DTensor) parameters.
+        With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
         self._check_open()
         if D.world()[1] > 1 and not all(D.is_dtensor(p) for p in self._params_of_slot):
-            raise NotImplementedError(
-                "OffloadAdamW.last_micro_batch() in a run of several processes with plain (non-DTensor) parameters "
-                "is not built: their gradient hooks run before DDP's all-reduce (or any reduction after backward), "
-                "so the updates would use this rank's unreduced gradients. Leave it out (FSDP2 may use it).")
+            raise NotImplementedError("OffloadAdamW.last_micro_batch() with plain (non-DTensor) parameters in a "
+                                      "run of several processes is not built: the updates would use this rank's "
+                                      "unreduced gradients (before DDP's all-reduce). Leave it out (FSDP2 may use it).")
         if self.max_grad_norm is None and (self.mode == "gpu" or self._gpu_params == "last"):
-            # The GPU slots' eager hooks (hybrid with gpu_params="first": that share runs at step(), with the full
-            # grid: faster), parameters added since the last time included. A hook firing proves that its own
-            # parameter's gradient is complete (these gradients stay in param.grad across micro-batches).
+            # GPU slots' eager hooks (hybrid with gpu_params="first": at step(), with the full grid: faster), new
+            # parameters included. A hook firing proves its gradient complete (they stay in param.grad).
             for sid in range(len(self._params_of_slot)):
                 self._hook(sid, gpu=True)
         self._eager = True
@@ -688,9 +622,8 @@ class OffloadAdamW(Optimizer):
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _multiply(self, op, mult: dict[torch.dtype, float]) -> None:
-        """Run ``op``, torch's in-place multiplication of the parameters' ``param.grad``; a staged copy still
-        equal to its gradient before it gets the same multiplier, ``mult[grad dtype]`` (the contract's ``c``;
-        a dtype not in ``mult``, or a second multiplication: copied again at ``step()``)."""
+        """Run ``op``, torch's in-place multiplication of ``param.grad``s; a staged copy equal to its gradient before
+        gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else, or on a second one: re-copied)."""
         valid = {sid: rec for sid, rec in self._staged.items() if self._fresh(self._params_of_slot[sid], rec)}
         op()
         for sid, rec in valid.items():
@@ -700,34 +633,27 @@ class OffloadAdamW(Optimizer):
                 rec[1], rec[2] = D.version(grad), c
 
     @staticmethod
-    def _fresh(p: torch.Tensor, rec: list) -> bool:
-        """Whether ``p.grad`` is the tensor a staged copy (``rec``) was taken of, at the same version."""
+    def _fresh(p: torch.Tensor, rec: list, trusted: bool = False) -> bool:
+        """Whether ``p.grad`` is the tensor the staged copy ``rec`` was taken of, at that version; with ``trusted``
+        also, for a DTensor whose in-place foreach ops move no version counter, multiplied since by this one alone."""
         grad = p.grad
-        return grad is not None and rec[0]() is grad and rec[1] == D.version(grad)
-
-    def _trusted(self, p: torch.Tensor, rec: list) -> bool:
-        """Whether a staged copy is ``p.grad`` as it is now: :meth:`_fresh`, and for a DTensor gradient whose
-        in-place foreach changes move no version counter, multiplied since by this optimizer alone."""
-        return self._fresh(p, rec) and (rec[2] is not None or not D.is_dtensor(p)
-                                        or D.foreach_moves_versions(p.device_mesh))
+        if grad is None or rec[0]() is not grad or rec[1] != D.version(grad):
+            return False
+        return not trusted or rec[2] is not None or not D.is_dtensor(p) or D.foreach_moves_versions(p.device_mesh)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                        foreach: bool | None = None, *, parameters: Iterable[torch.Tensor] | None = None
                        ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, clipped ``param.grad`` and
-        bits after ``step()``) without copying the gradients to the host again: the host multiplies its copies by
-        the same coefficient. Returns the total norm (a tensor). Raises after a :meth:`last_micro_batch` backward.
-
-        ``parameters``: default, this optimizer's in param-group order (as Lightning lists them). torch sums the
-        per-tensor norms in the order given: for the bits of ``clip_grad_norm_(model.parameters(), ...)`` pass
-        ``model.parameters()`` where the groups list them in another order (e.g. weight decay groups).
-        """
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, ``param.grad`` and bits after
+        ``step()``); the host multiplies its gradient copies by the same coefficient instead of copying them again.
+        Returns the total norm (a tensor); raises after a :meth:`last_micro_batch` backward. ``parameters``: default,
+        this optimizer's in param-group order (as Lightning lists them); torch sums the norms in the order given, so
+        pass ``model.parameters()`` for the bits of ``clip_grad_norm_(model.parameters(), ...)`` if groups reorder."""
         self._check_open()
         if self._eager_done:
-            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its "
-                               "gradients were taken by their updates (use max_grad_norm=, which turns "
-                               "the eager path off)")
+            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its gradients "
+                               "were taken by their updates (use max_grad_norm=, which turns the eager path off)")
         params = self._grads() if parameters is None else [p for p in parameters if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
         if params:
@@ -744,9 +670,8 @@ class OffloadAdamW(Optimizer):
         if found_inf is None:
             return False
         if self._eager_done:
-            raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates started during "
-                               "backward used the scaled gradients. Do not use last_micro_batch() with a "
-                               "GradScaler; reload a checkpoint (load_state_dict) to continue.")
+            raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates used the scaled "
+                               "gradients. Use one or the other; reload a checkpoint (load_state_dict) to continue.")
         if found_inf.item():
             return True  # skipped, as GradScaler skips torch.optim.AdamW's step
         scale = getattr(self, "grad_scale", None)
@@ -755,8 +680,7 @@ class OffloadAdamW(Optimizer):
             return False
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}
-        for p in self._grads():
-            grad = D.local(p.grad)  # a DTensor's shard: the same bits, no dispatch
+        for grad in (D.local(p.grad) for p in self._grads()):  # a DTensor's shard: the same bits, no dispatch
             by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
 
         def unscale():
@@ -798,15 +722,12 @@ class OffloadAdamW(Optimizer):
                     updates.append((sid, hp, *self._local_grad(sid, p, host=False)))
                     continue
                 rec = staged.get(sid)
-                if rec is not None and self._trusted(p, rec):
-                    if rec[2] is not None:
-                        coefs[sid] = rec[2]
-                else:
+                if rec is None or not self._fresh(p, rec, trusted=True):
                     self._engine.offload_grad(sid, *self._local_grad(sid, p), None)  # changed since, or set by hand
+                elif rec[2] is not None:
+                    coefs[sid] = rec[2]
                 updates.append((sid, hp))
-        # Marked before the engine runs: if it raises part-way (e.g. hybrid's GPU share failed after its host
-        # share was queued) the next forward waits for whatever was queued (a slot that queued nothing: harmless).
-        self._mark_pending(u[0] for u in updates)
+        self._mark_pending(u[0] for u in updates)  # first: if the engine raises part-way, what it queued is waited for
         if self._engine is not None:
             try:
                 self._engine.step(updates, coefs=coefs)
@@ -814,8 +735,7 @@ class OffloadAdamW(Optimizer):
                 if not self._gated:
                     self._engine.wait_step()  # every reader on the current stream sees the new weights
         if self._zero is not None:  # after the uploads (the current stream waits for them)
-            # Every parameter from its owner to all (p.data: no version counter moves), issued together, then
-            # waited for (NCCL: the current stream waits).
+            # Every parameter from its owner (p.data: no version moves), all issued, then waited for (NCCL: on GPU).
             works = [torch.distributed.broadcast(p.data, src=self._zero.owner[p], async_op=True)
                      for g in self.param_groups for p in g["params"]]
             for work in works:
@@ -825,9 +745,7 @@ class OffloadAdamW(Optimizer):
         return loss
 
     def _place_auto(self) -> None:
-        """``gpu_state_bytes="auto"``, once, at the end of the first step that updated: the GPU memory free
-        now (torch's caching allocator holds the step's peak) less :data:`AUTO_GPU_HEADROOM` of the total
-        becomes the resident budget; the state that fits moves there (:meth:`Engine.make_resident`)."""
+        """``gpu_state_bytes="auto"`` after the first step that updated (the class docstring says what moves)."""
         self._auto_resident = False
         free, total = torch.cuda.mem_get_info(self._device)
         try:
@@ -862,8 +780,7 @@ class OffloadAdamW(Optimizer):
         return sids
 
     def synchronize(self) -> None:
-        """Block until every queued update has landed in the parameters (only needed with ``overlap_forward``,
-        before reading weights outside that model's forward)."""
+        """Wait for every queued update to land (needed only with ``overlap_forward``, to read weights elsewhere)."""
         self._check_open()
         if self._engine is not None:
             self._engine.synchronize()  # host-blocks on every upload: nothing left to wait for
@@ -889,8 +806,7 @@ class OffloadAdamW(Optimizer):
     # -- checkpoints ------------------------------------------------------------------------
 
     def _state_of(self, sid: int) -> dict[str, torch.Tensor]:
-        """Slot ``sid``'s :meth:`state_dict` entry once its queued work has run (gpu-resident slots: copies);
-        ``{}`` before its first update."""
+        """Slot ``sid``'s :meth:`state_dict` entry once its queued work has run (GPU-resident: copies), or ``{}``."""
         master, m, v, step = self._engine.state(sid, copy=False)
         if step == 0:
             return {}
@@ -905,20 +821,18 @@ class OffloadAdamW(Optimizer):
         return entry
 
     def state_dict(self) -> dict[str, Any]:
-        """A ``torch.optim.AdamW``-compatible state dict whose tensors are views of the host state (as
-        ``torch.optim.AdamW``'s are its own; DTensors for FSDP2's parameters, laid out as they are). Per parameter:
-        ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (float32, the parameter's shape) and, for
-        fp16/bf16 parameters, ``master_param`` (the fp32 master, so that resuming is bit-exact). With
-        ``zero_stage=1``: the whole state gathered to this rank by the last :meth:`consolidate_state_dict`
-        (copies; a ``step()`` since discards them, and ``RuntimeError`` without them)."""
+        """A ``torch.optim.AdamW``-compatible state dict whose tensors are views of the host state, as torch's are of
+        its own (DTensors laid out as FSDP2's parameters). Per parameter: ``step`` (float32 scalar tensor), ``exp_avg``,
+        ``exp_avg_sq`` (float32, the parameter's shape) and, for fp16/bf16 parameters, ``master_param`` (the fp32
+        master: resuming is bit-exact). With ``zero_stage=1``: copies of the whole state gathered to this rank by the
+        last :meth:`consolidate_state_dict` (a ``step()`` since discards them; ``RuntimeError`` without them)."""
         self._check_open("state_dict")
         if self._zero is None:
             return self._own_state_dict()
         if self._consolidated is None:
-            raise RuntimeError(
-                "OffloadAdamW(zero_stage=1).state_dict(): each rank holds only its partition of the state. Call "
-                "consolidate_state_dict(to=rank) on every rank first (ZeroRedundancyOptimizer's protocol), then "
-                "state_dict() on that rank (not since a step())")
+            raise RuntimeError("OffloadAdamW(zero_stage=1).state_dict(): each rank holds only its partition. Call "
+                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank "
+                               "(with no step() between)")
         return self._consolidated
 
     def _own_state_dict(self) -> dict[str, Any]:
@@ -930,9 +844,8 @@ class OffloadAdamW(Optimizer):
         return {"state": state, "param_groups": groups}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """``zero_stage=1``: gather every rank's partition of the state on rank ``to``, whose :meth:`state_dict`
-        then returns all of it in ``torch.optim.AdamW``'s format (ZeroRedundancyOptimizer's protocol; Lightning
-        calls it wherever it exists). A collective: every rank calls it. Otherwise a no-op."""
+        """``zero_stage=1``: gather every rank's partition of the state on rank ``to``, whose :meth:`state_dict` then
+        returns all of it (ZeroRedundancyOptimizer's protocol). A collective: every rank calls it. Otherwise a no-op."""
         self._check_open("consolidate_state_dict")
         if self._zero is None:
             return
@@ -970,9 +883,8 @@ class OffloadAdamW(Optimizer):
             p = id_map[saved_id]
             if p not in self._slot_of:
                 continue  # another rank's (zero_stage=1)
-            for key in ("step", "exp_avg", "exp_avg_sq"):
-                if key not in entry:
-                    raise ValueError(f"loaded state for parameter {saved_id} lacks '{key}'")
+            if missing := [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in entry]:
+                raise ValueError(f"loaded state for parameter {saved_id} lacks '{missing[0]}'")
             for key in ("exp_avg", "exp_avg_sq", "master_param"):
                 if key in entry and tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(f"loaded state '{key}' of parameter {saved_id} has shape "
@@ -987,9 +899,9 @@ class OffloadAdamW(Optimizer):
                 if torch.equal(saved.to(p.dtype), D.local(p).detach().to("cpu")):
                     master = saved.contiguous().view(-1).numpy()
                 else:
-                    warnings.warn(f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter {saved_id} "
-                                  "does not round to the current weights (the checkpoint was trained further "
-                                  "without it); the master is re-read from the weights", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter {saved_id} does "
+                                  "not round to the current weights (trained further without it); re-read from the "
+                                  "weights", RuntimeWarning, stacklevel=2)
             m, v = (_local_value(entry[k], p).contiguous().view(-1).numpy() for k in ("exp_avg", "exp_avg_sq"))
             loads[self._slot_of[p]] = (m, v, int(step), master)
         for sid in range(len(self._params_of_slot)):
