@@ -220,3 +220,35 @@ def test_a_kernel_loaded_beside_another_specialisation_keeps_its_own_environment
     assert both[str(first)][1] == 1 and both[str(other)][1] == 0  # loaded; compiled
     assert both[str(first)][0] == alone[str(first)][0]
     assert both[str(first)][2] != both[str(other)][2]
+
+
+_FORK_DURING_COMPILE = r"""
+import os, sys, threading, time
+from trainstream import _jit  # registers the fork handler
+from numba.core.compiler_lock import global_compiler_lock
+
+inside, state = threading.Event(), {"compiled": False}
+
+def compile_like_numba():  # every Numba compile runs under this lock
+    with global_compiler_lock:
+        inside.set()
+        time.sleep(0.5)
+        state["compiled"] = True
+
+t = threading.Thread(target=compile_like_numba)
+t.start()
+inside.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if state["compiled"] else 7)  # the child's copy: was the compile over at the fork?
+t.join()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs os.fork")
+def test_fork_waits_for_a_compile_in_flight():
+    """A child forked while a worker thread compiles a kernel would inherit LLVM half-way through
+    the compile and abort at exit ("Values remain in symbol table!"): fork waits for the compile."""
+    r = subprocess.run([sys.executable, "-c", _FORK_DURING_COMPILE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stdout + r.stderr

@@ -1,42 +1,49 @@
 """Numba compile options and LLVM intrinsics shared by the host kernels, and what Numba's target can run.
 
 * **The disk cache** (``__pycache__`` beside the package, else Numba's user-wide cache, or
-  ``NUMBA_CACHE_DIR``). Where none is writable, Numba refuses ``cache=True``: every kernel then
-  compiles in memory (:data:`CACHE` is False) and one warning says how to set a cache directory.
+  ``NUMBA_CACHE_DIR``). Where none is writable, every kernel compiles in memory (:data:`CACHE` is
+  False) and one warning says how to set a cache directory.
 * **The cache key.** Numba files a kernel under its signature, the target (CPU name and features,
   ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES`` included), its bytecode and a hash of its pickled
   closure, and drops an entry when the kernel's own source file changes. A Numba function in a
   closure pickles with a fresh uuid in every process (the cache would never hit), so closures hold
   plain numbers and flags only: kernels reach helpers as module globals, their form picked by the
-  closure's compile-time constants, and hold :func:`source_stamp` of the helpers' modules (Numba
-  does not notice a change in another file).
-* **Processes that compile at once** (pytest-xdist, torchrun's ranks). Numba keeps one index file
-  per function and names a new entry's data file by the first number its index lacks: two processes
-  saving different keys at once both take ``.1.nbc``, and the index can send one key to the other's
-  machine code. :func:`njit` caches through :class:`_KeyedCache`, which names the data file by a
-  hash of its key and writes it before the index: a lost index update costs a recompile, never the
-  wrong code. Where Numba's cache internals differ, kernels compile in memory, with one warning.
+  closure's compile-time constants, and hold :func:`source_stamp` of the helpers' modules.
+* **Processes that compile at once** (pytest-xdist, torchrun's ranks). Numba names a new entry's
+  data file by the first number its per-function index lacks: two processes saving different keys
+  at once both take ``.1.nbc``, and the index can send one key to the other's machine code.
+  :class:`_KeyedCache` names the data file by a hash of its key and writes it before the index: a
+  lost index update costs a recompile, never the wrong code. Where Numba's cache internals differ,
+  kernels compile in memory, with one warning.
 * **One name per specialisation.** Numba names a compiled function, and the environment holding its
-  constants (a returned array's dtype), after its ``__qualname__``, argument types and a
-  per-process counter; one factory's closures share the qualname and two processes number them
-  alike, so a kernel loaded from the cache could take another specialisation's environment ("descr
-  is NULL"). Hence :func:`njit`'s ``key``, added to the qualname: one name, index and environment each.
+  constants, after its ``__qualname__``, argument types and a per-process counter: a kernel loaded
+  from the cache could take another closure of the same factory's environment ("descr is NULL").
+  Hence :func:`njit`'s ``key``, added to the qualname.
 * **The instruction set.** An instruction the target lacks aborts the process inside LLVM (no
   Python exception): kernels that need one are built only where :func:`target_features` has it.
+* **Fork.** Kernels compile on first use, often on a worker thread. A child forked during a compile
+  would inherit LLVM half-way through it and abort at exit: ``os.fork()`` waits for Numba's compiler
+  lock.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import warnings
 
 import numba
 from llvmlite import ir
 from numba import types
+from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 __all__ = ["CACHE", "OPTS", "njit", "source_stamp", "target_features", "fma32", "bits_f32", "f32_bits"]
+
+if hasattr(os, "register_at_fork"):  # see "Fork" above
+    os.register_at_fork(before=global_compiler_lock.acquire, after_in_parent=global_compiler_lock.release,
+                        after_in_child=global_compiler_lock.release)
 
 
 def _probe():  # pragma: no cover - never called; only decorated
@@ -44,8 +51,7 @@ def _probe():  # pragma: no cover - never called; only decorated
 
 
 def _keyed_cache():
-    """Numba's per-function cache with data files named by key (module docstring); None where
-    Numba's internals are not the ones this builds on."""
+    """Numba's per-function cache, its data files named by key (module docstring); None on other Numba internals."""
     try:
         from numba.core.caching import FunctionCache, IndexDataCacheFile
     except ImportError:
@@ -53,8 +59,7 @@ def _keyed_cache():
 
     class _KeyedCacheFile(IndexDataCacheFile):
         def save(self, key, data):
-            # the data first, under a name no other key has; then the index (re-read: a
-            # concurrent writer's entries survive unless it writes in between, then a recompile)
+            # the data first, under a name no other key has; then the index, re-read (module docstring)
             name = self._data_name(int(hashlib.sha256(self._dump(key)).hexdigest()[:15], 16))
             self._save_data(name, data)
             overloads = self._load_index()
@@ -79,17 +84,13 @@ def _cache_available() -> bool:
     """Whether :data:`_KEYED_CACHE` works here, checked once on a probe function (else one warning)."""
     try:
         _KEYED_CACHE(_probe)._cache_file._data_name(1)
-    except RuntimeError as e:  # "cannot cache function ...: no locator available for file ..."
-        warnings.warn(f"TrainStream: Numba cannot cache its kernels here ({e}); they compile in memory in every "
-                      "process (a few seconds each). Set NUMBA_CACHE_DIR to a writable directory to cache them.",
-                      RuntimeWarning, stacklevel=2)
+        return True
+    except Exception as e:  # noqa: BLE001 - RuntimeError: "cannot cache function ...: no locator available ..."
+        why = ("Set NUMBA_CACHE_DIR to a writable directory to cache them." if isinstance(e, RuntimeError) else
+               "(This Numba's cache internals are not the ones TrainStream's concurrency-safe disk cache builds on.)")
+        warnings.warn(f"TrainStream: Numba cannot cache its kernels here ({type(e).__name__}: {e}); they compile in "
+                      f"memory in every process (a few seconds each). {why}", RuntimeWarning, stacklevel=2)
         return False
-    except Exception as e:  # noqa: BLE001 - another Numba (or none of its cache classes): compile in memory
-        warnings.warn(f"TrainStream: this Numba's cache internals are not the ones TrainStream's concurrency-safe "
-                      f"disk cache builds on ({type(e).__name__}: {e}); kernels compile in memory in every process",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
 
 
 #: Whether kernels are cached on disk (False where no cache directory is writable).
@@ -135,10 +136,9 @@ _PROBES = {
 
 @functools.cache
 def target_features() -> frozenset[str]:
-    """The ISA features of Numba's compile target (the host's, or what ``NUMBA_CPU_NAME`` /
-    ``NUMBA_CPU_FEATURES`` force) that the kernels care about, found by lowering :data:`_PROBES`:
-    ``"x86"`` (x86-64: SSE's ``rsqrtps`` is baseline), ``"fma"`` (FMA3) and ``"avx512f"``; empty
-    on other architectures (aarch64), where no x86 intrinsic may be emitted."""
+    """The kernels' ISA features of Numba's compile target (the host's, or forced by ``NUMBA_CPU_NAME`` /
+    ``NUMBA_CPU_FEATURES``), found by lowering :data:`_PROBES`: ``"x86"`` (x86-64: SSE's ``rsqrtps`` is
+    baseline), ``"fma"`` (FMA3), ``"avx512f"``; none on other architectures (aarch64: no x86 intrinsics)."""
     import llvmlite.binding as llvm
     from numba.core.registry import cpu_target
     tm = cpu_target.target_context.codegen()._tm  # the TargetMachine Numba compiles with (CPU and features applied)
