@@ -30,7 +30,7 @@ class Span(NamedTuple):
 
 _spans: list[Span] | None = None
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to restore
-_job = threading.local()  # the worker's current chunk: (its start, its slot)
+_job = threading.local()  # a worker's current chunk: (its start, its slot); a caller's: inside update_external
 
 
 def add(name: str, t0: float, t1: float, sid: int = -1) -> None:
@@ -85,7 +85,8 @@ def _instrument() -> None:
 
     def submit(orig):  # the worker side: every batch of the host placement goes through _submit
         def call(self, numel, priority, landed, body, finalize, record, done):
-            sid = int(priority)
+            external = getattr(_job, "external", False)  # an update_external item k (as -1-k); finalize: finished
+            sid = -1 - int(priority) if external else int(priority)
 
             def traced_body(c, b, e):
                 _job.chunk = (time.perf_counter(), sid)
@@ -97,7 +98,17 @@ def _instrument() -> None:
             def traced_finalize():
                 with span("upload", sid):
                     finalize()
-            orig(self, numel, priority, landed, traced_body, finalize and traced_finalize, record, done)
+            orig(self, numel, priority, landed, traced_body, finalize if external else finalize and traced_finalize,
+                 record, done)
+        return call
+
+    def external(orig):  # marks the _submit calls it makes
+        def call(self, *args, **kwargs):
+            _job.external = True
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                _job.external = False
         return call
 
     def kernel(orig):  # the update kernel of one chunk, and the chunk's waits before it
@@ -113,6 +124,8 @@ def _instrument() -> None:
 
     _patch(_host.HostPlacement, "_submit", submit)
     _patch(_host_kernels, "adamw_chunk", kernel)
+    _patch(_host.HostPlacement, "update_external", external)
+    _patch(_host.HostPlacement, "sumsq_external", external)
     _timed(_host.HostPlacement, "offload_grad", "offload_grad", lambda a: a[0] if a else -1)
     _timed(_host.HostPlacement, "wait_ready", "wait_ready", lambda a: a[0][0] if a and len(a[0]) else -1)
     _timed(_host.HostPlacement, "wait_step", "wait_step")
@@ -125,10 +138,14 @@ def _instrument() -> None:
 
 
 def start() -> None:
-    """Start recording (drops anything recorded before)."""
+    """Start recording (drops anything recorded before); wraps the engine's methods, all or none."""
     global _spans
     if not _patched:
-        _instrument()
+        try:
+            _instrument()
+        except BaseException:
+            stop()
+            raise
     _spans = []
 
 

@@ -498,8 +498,8 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         fwd_ms = 1e3 * statistics.median(fwd)
     trace = None
     if trace_dir is not None:
-        _trace.start()  # until stop(): the engine's methods wrapped to record spans
         try:
+            _trace.start()  # until stop(): the engine's methods wrapped to record spans
             for _ in range(2):
                 with _trace.span("sync"):
                     dev.sync()

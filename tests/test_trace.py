@@ -39,15 +39,17 @@ def _run_traced(eager: bool):
 
 
 def test_off_by_default_records_nothing_and_stop_restores_the_engine():
-    originals = (_host.HostPlacement._submit, _host.HostPlacement.offload_grad, _host_kernels.adamw_chunk)
+    hp = _host.HostPlacement
+    names = ("_submit", "offload_grad", "wait_ready", "wait_step", "step", "update_external", "sumsq_external")
+    originals = [getattr(hp, n) for n in names] + [_host_kernels.adamw_chunk]
     assert not trace.active()
     trace.add("update", 0.0, 1.0)  # no-op while off
     with trace.span("forward"):
         pass
     trace.start()
-    assert trace.active() and _host.HostPlacement._submit is not originals[0]
+    assert trace.active() and all(getattr(hp, n) is not o for n, o in zip(names, originals))
     assert trace.stop() == []
-    assert (_host.HostPlacement._submit, _host.HostPlacement.offload_grad, _host_kernels.adamw_chunk) == originals
+    assert [getattr(hp, n) for n in names] + [_host_kernels.adamw_chunk] == originals
 
 
 def test_eager_spans_and_summary():
@@ -85,3 +87,25 @@ def test_chrome_trace_document():
     assert min(e["ts"] for e in events) == 0.0
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
     assert "MainThread" in threads and any(t.startswith("trainstream-worker") for t in threads)
+
+
+def test_jax_updates_are_labelled_apart_from_slots():
+    """The JAX adapter's items (``update_external``) are recorded as -1-k, and their ``finished`` is no upload."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from trainstream import jax as tsj
+
+    params = {"a": jnp.ones((300,)), "b": jnp.ones((4, 5))}
+    tx = tsj.offload_adamw(1e-3, threads=2, chunk_elems=128)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    trace.start()
+    try:
+        updates, state = tx.update(grads, state, params)
+        optax.apply_updates(params, updates)["a"].block_until_ready()
+    finally:
+        spans = trace.stop()
+    updates = [s for s in spans if s.name == "update"]
+    assert updates and {s.sid for s in updates} == {-1, -2}
+    assert not [s for s in spans if s.name == "upload"]

@@ -57,12 +57,13 @@ _CGROUP = {"v2": ("memory.max", "memory.current", "inactive_file"),
 def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process can still allocate; None where unknown (not Linux).
 
-    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping)
-    and, for this process's cgroup and each ancestor visible to it, the limit less the usage not
-    counting the inactive file cache (a container's limit, which ``MemAvailable`` does not see).
-    ``proc``, ``cgroup``: where those file systems are mounted. Pinned memory is part of this figure:
-    CUDA's page-locked allocations (torch's, XLA's, CuPy's) are not counted against ``RLIMIT_MEMLOCK``
-    (measured on the H200 machine: 4 GiB pinned by torch and 2 GiB by CuPy under a 64 KiB limit).
+    The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping,
+    reclaimable cache included) and, for this process's cgroup and each ancestor visible to it, the
+    limit less the usage not counting the inactive file cache (a container's limit, which
+    ``MemAvailable`` does not see). ``proc``, ``cgroup``: where those file systems are mounted.
+    Pinned memory is part of this figure: CUDA's page-locked allocations (torch's, XLA's, CuPy's)
+    are not counted against ``RLIMIT_MEMLOCK`` (measured on the H200 machine: 4 GiB pinned by torch
+    and 2 GiB by CuPy under a 64 KiB limit).
     """
     left = []
     try:

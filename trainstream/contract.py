@@ -19,9 +19,9 @@ the tests hold to every kernel and to the real references.
 
 All element operations are float32, round-to-nearest-even; ``a*b + c`` without ``fma`` is
 two roundings, never contracted (no fast-math; CUDA code uses ``__fmul_rn``/``__fadd_rn``).
-Per-step scalars are computed on the host in float64 as the reference computes them, rounded
-to float32 where it rounds them (optax: but for the inputs only XLA reproduces), and reach a
-kernel as a float32 vector indexed by the ``S_*`` constants below.
+Per-step scalars are computed once on the host in float64 (Python floats) as the reference
+computes them, rounded to float32 where it rounds them (optax: but for the inputs only XLA
+reproduces), and reach a kernel as a float32 vector indexed by the ``S_*`` constants below.
 
 Conventions
 -----------
@@ -107,15 +107,15 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
   The pairing and form depend on the program, not the values: a leaf's *code* (bits :data:`OX_FORM_R`,
-  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R: only in
-  a pytree of one leaf of more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires
-  only when ``1 - b**t`` has one use), but for every such leaf in x64 mode (``jax_enable_x64``: ``1 -
-  b**t`` is a float64 power cast to float32 per leaf). With ``clip_by_global_norm`` in the chain LLVM
-  swaps the ``v`` pairing of every leaf, and the ``m`` pairing of one-element leaves too (except in a
-  multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV, S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)``
-  when ``n < f(M)`` (as without clipping; both exact on ``g``); ``RN(g / n)`` is a true division (a
-  multiply by ``1/n`` differs for 60% of elements), ``* M`` a second rounding (exact, and removed by
-  XLA, when ``M == 1``).
+  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R: only in a
+  pytree of one leaf of more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only
+  when ``1 - b**t`` has one use), but in x64 mode for every leaf of more than one element
+  (``jax_enable_x64``: ``1 - b**t`` is a float64 power cast to float32 per leaf). With
+  ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing
+  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV,
+  S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)`` when ``n < f(M)`` (as without clipping; both exact on ``g``);
+  ``RN(g / n)`` is a true division (a multiply by ``1/n`` differs for 60% of elements), ``* M`` a second
+  rounding (exact, and removed by XLA, when ``M == 1``).
 
   *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a gradient
   that reaches the moment-update fusion materialised: always when ``update`` is jitted apart,

@@ -580,13 +580,16 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         (optax's norm of the float32-upcast gradients, in the program); ``convention="torch"``: ``clip_grad_norm_``'s
         coefficient of a float64 norm (not for sharded parameters). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
-        callback than in optax's program); the chain with ``after_clip_by_global_norm`` stayed bit-identical.
+        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...,
+        after_clip_by_global_norm=M))`` (optax's clip consumes the gradient first, as in optax's program) stayed
+        bit-identical there.
       mask: as ``optax.adamw``'s (leaves with False get no weight decay).
       xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
         in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
         Default: none. XLA:CPU only.
       after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
-        on XLA:CPU (``max_grad_norm=M``'s FMA pairing); excludes ``max_grad_norm``.
+        on XLA:CPU (``max_grad_norm=M``'s FMA pairing; ``max_grad_norm=M`` is the simpler way to write that chain);
+        excludes ``max_grad_norm``.
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device and ``convention="optax"``.

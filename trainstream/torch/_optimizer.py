@@ -26,7 +26,9 @@ from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
 __all__ = ["OffloadAdamW"]
 
 
-AUTO_GPU_HEADROOM = 0.1  #: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free.
+#: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for the caching allocator's later
+#: growth, other processes, fragmentation).
+AUTO_GPU_HEADROOM = 0.1
 
 _HINT = ("less state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), mode='gpu' or "
          "'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, 8 instead of 16 per fp32)")
@@ -596,7 +598,7 @@ class OffloadAdamW(Optimizer):
         Each update then starts as soon as its gradient is ready, overlapping the rest of backward: on the host
         threads (``cpu`` mode, ``hybrid``'s host share) or by its kernel (``gpu`` mode; ``hybrid``'s GPU share with
         ``gpu_params="last"``, else at ``step()``). The gradients it updates from are taken (``param.grad`` is
-        ``None`` after that backward, its GPU memory freed once read), so nothing may change them: no
+        ``None`` after that backward, its GPU memory freed once copied or read), so nothing may change them: no
         ``clip_grad_norm_`` or ``GradScaler`` (``step()`` raises). Each update uses its group's ``lr`` as it is during
         backward. No effect with ``max_grad_norm`` (clipping needs every gradient). ``state_dict()`` and
         ``load_state_dict()`` raise until ``step()``. Not with several processes and plain (non-DTensor) parameters.
@@ -845,7 +847,8 @@ class OffloadAdamW(Optimizer):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """``zero_stage=1``: gather every rank's partition of the state on rank ``to``, whose :meth:`state_dict` then
-        returns all of it (ZeroRedundancyOptimizer's protocol). A collective: every rank calls it. Otherwise a no-op."""
+        returns all of it in ``torch.optim.AdamW``'s format (ZeroRedundancyOptimizer's protocol; Lightning calls it
+        wherever it exists). A collective: every rank calls it. Otherwise a no-op."""
         self._check_open("consolidate_state_dict")
         if self._zero is None:
             return
