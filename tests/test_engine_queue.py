@@ -21,12 +21,8 @@ class _HostBackend:
 
 
 def _put(q, job, priority=0.0, ready=None):
-    """One job, or with ``job=None`` one stop marker (a worker's share of ``close``, the queue still open)."""
-    if job is not None:
-        return q.put_many([job], priority, ready)
-    with q._cond:
-        q._stops += 1
-        q._cond.notify()
+    """One job (the library queues a batch's jobs with ``put_many``)."""
+    q.put_many([job], priority, ready)
 
 
 def _drain(q):
@@ -42,7 +38,7 @@ def test_lowest_slot_first_submission_order_within_a_slot():
     q = E._WorkQueue()
     for slot, tag in [(5, "5a"), (3, "3a"), (5, "5b"), (1, "1a"), (3, "3b")]:
         _put(q, lambda tag=tag: tag, slot)
-    _put(q, None, float("inf"))
+    q.close(1)  # one worker's stop marker
     assert _drain(q) == ["1a", "3a", "3b", "5a", "5b"]
 
 
@@ -60,10 +56,10 @@ def test_not_landed_job_passed_over_but_never_within_its_slot():
 
 def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
     q = E._WorkQueue()
-    _put(q, None, float("inf"))  # a stop marker queued early still comes after every job
     landed = {"x": False}
     for slot in (9, 7, 5):  # backward order: slot 9's copy was queued first
         _put(q, lambda slot=slot: slot, slot, lambda: landed["x"])
+    q.close(1)  # the stop marker comes after every job still queued
     assert q.get()() == 9  # nothing landed: the oldest copy lands first
     landed["x"] = True
     assert q.get()() == 5  # then forward order again

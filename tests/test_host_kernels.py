@@ -425,7 +425,7 @@ ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 def _cast_kernel(widen: bool, kind: int):
     """The kernels' own per-element conversions (``K._load``, ``K._round16``; ``kind`` a
     compile-time constant as in the kernels) over ``[begin, end)``: widen to float32, or round."""
-    @numba.njit(boundscheck=False, error_model="numpy")
+    @numba.njit(**dict(K._OPTS, cache=False))  # the kernels' own options
     def cast(dst, src, begin, end):
         for i in range(begin, end):
             if widen:
