@@ -116,7 +116,7 @@ def benchmark_host_adamw(numel: int, threads: int = 1, repeats: int = 5, seed: i
     ``sqrt_mode``: the square root of that convention (:mod:`trainstream._cpu_sqrt`):
     0, IEEE (the root of torch's fused CPU AdamW and of every CUDA convention), or the MKL
     path that torch's default CPU AdamW takes on this machine
-    (``trainstream.torch._backend.torch_cpu_code()``).
+    (``trainstream.backends.torch.torch_cpu_code()``).
 
     The array is split into ``threads`` contiguous ranges, one per thread. Before timing,
     one full threaded update is checked against :func:`~trainstream.contract.reference_update`

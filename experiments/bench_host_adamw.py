@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     mkl_mode = 0
     if "ours_mkl" in names:
-        from trainstream.torch._backend import torch_cpu_code
+        from trainstream.backends.torch import torch_cpu_code
 
         mkl_mode = torch_cpu_code()
     env = environment(torch)

@@ -538,7 +538,7 @@ def run(setup, size, batch, seq, steps, warmup, device, profile=False, trace_dir
         peak += st.get("gpu_state_bytes", 0.0) / 2**30  # ~res: GPU memory outside torch's allocator
         extra["threads"] = st.get("threads", 0.0)
         extra["host_update_wall_ms_last"] = st.get("last_step_wall_ms", 0.0)
-        extra["resident_params"] = st.get("resident_params", 0.0)
+        extra["gpu_state_params"] = st.get("gpu_state_params", 0.0)
         for k in ("host_state_bytes", "pinned_state_bytes", "pageable_state_bytes", "gpu_state_bytes"):
             if k in st:
                 extra[k.replace("_bytes", "_gib")] = st[k] / 2**30

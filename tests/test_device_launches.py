@@ -215,13 +215,13 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     backend.param_to_host_f32 = lambda param, out: out.__setitem__(slice(None), weights[param])
     eng = ge.DevicePlacement(backend)
     eng.staged = False  # c's launch reads its mapped state (staged: see the ring's tests)
-    a = eng.add_param(1000, 5, "float32", "cuda", resident=True)
-    b = eng.add_param(2000, 3, "bfloat16", "cuda", resident=True)
+    a = eng.add_param(1000, 5, "float32", "cuda", gpu_state=True)
+    b = eng.add_param(2000, 3, "bfloat16", "cuda", gpu_state=True)
     c = eng.add_param(3000, 4, "float32", "cuda")
-    assert [eng.resident(s) for s in (a, b, c)] == [True, True, False]
+    assert [eng.has_gpu_state(s) for s in (a, b, c)] == [True, True, False]
     assert [x.nbytes for x in allocs] == [20, 20, 12, 12, 12]  # m, v of a; m, v, master of b
     st = eng.stats()
-    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["resident_params"], st["resident_numel"]) == \
+    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["gpu_state_params"], st["gpu_state_numel"]) == \
         (76, 32, 2, 8)
     master, m, v, step = eng.state(b)
     assert np.array_equal(master, weights[2000]) and not m.any() and not v.any() and step == 0
@@ -250,7 +250,7 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     eng.truncate(1)
     assert [x.freed for x in allocs] == [False, False, True, True, True]
     st = eng.stats()
-    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["resident_params"]) == (40, 0, 1)
+    assert (st["gpu_state_bytes"], st["host_state_bytes"], st["gpu_state_params"]) == (40, 0, 1)
     eng.close()
     assert all(x.freed for x in allocs)
 
@@ -260,11 +260,11 @@ def test_a_refused_gpu_allocation_frees_the_slots_others(launches, device_memory
     eng = ge.DevicePlacement(_Backend())
     fail[0] = 3  # the master of a bf16 slot
     with pytest.raises(MemoryError, match="GPU-resident state.*adamw.master_fp32.*12 bytes"):
-        eng.add_param(1000, 3, "bfloat16", "cuda", resident=True)
+        eng.add_param(1000, 3, "bfloat16", "cuda", gpu_state=True)
     assert len(allocs) == 2 and all(x.freed for x in allocs)
     assert eng.stats()["gpu_state_bytes"] == 0 and eng.stats()["params"] == 0
     with pytest.raises(ValueError, match="gpu_state_bytes needs CUDA parameters"):
-        eng.add_param(1000, 3, "float32", "cpu", resident=True)
+        eng.add_param(1000, 3, "float32", "cpu", gpu_state=True)
     eng.close()
 
 
@@ -277,7 +277,7 @@ def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memor
     reads = []
     backend.param_to_host_f32 = lambda param, out: reads.append(param) or out.__setitem__(slice(None), 7.0)
     eng = ge.DevicePlacement(backend)
-    a = eng.add_param(1000, 4, "bfloat16", "cuda", resident=True, init=False)
+    a = eng.add_param(1000, 4, "bfloat16", "cuda", gpu_state=True, init=False)
     b = eng.add_param(2000, 3, "float32", "cuda")  # mapped
     assert reads == [] and all(np.isnan(x.data).all() for x in allocs)  # m, v, master: unwritten
     eng.load_state(a, np.full(4, 2.0), np.full(4, 3.0), 6, master=np.arange(4, dtype=np.float32))
@@ -287,7 +287,7 @@ def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memor
     eng.release(a)
     assert all(x.freed for x in allocs)
     st = eng.stats()
-    assert (st["params"], st["gpu_state_bytes"], st["resident_params"]) == (1, 0, 0)
+    assert (st["params"], st["gpu_state_bytes"], st["gpu_state_params"]) == (1, 0, 0)
     assert st["host_state_bytes"] == before["host_state_bytes"] == 24
     eng.release(b)
     assert eng.stats()["params"] == 0 and eng.stats()["host_state_bytes"] == 0

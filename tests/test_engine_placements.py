@@ -2,7 +2,7 @@
 device one (adapted to the zero-copy placement's step signature); slots are placed by
 elements in registration order, work and state go to the right placement, and the result
 equals one host placement doing everything. The same for the GPU-resident share
-(``resident_bytes``) in every mode."""
+(``gpu_state_bytes``) in every mode."""
 
 import numpy as np
 import pytest
@@ -47,16 +47,16 @@ class FakeDevice:
     """The zero-copy placement's interface over a host placement (step takes the gradients)."""
 
     def __init__(self):
-        self.e = H.HostPlacement(Backend(), threads=1, chunk_elems=4096)
+        self.e = H.HostPlacement(Backend(), threads=1, chunk_size=4096)
         self.eager_calls = 0
         self.resident: list[int] = []  # local ids of the slots added resident
 
     def __getattr__(self, name):
         return getattr(self.e, name)
 
-    def add_param(self, param, numel, dtype, platform, *, resident=False, init=True):
+    def add_param(self, param, numel, dtype, platform, *, gpu_state=False, init=True):
         sid = self.e.add_param(param, numel, dtype, platform)
-        if resident:
+        if gpu_state:
             self.resident.append(sid)
         return sid
 
@@ -66,8 +66,8 @@ class FakeDevice:
 
     def stats(self):
         slots = [self.e._slot(sid) for sid in self.resident]
-        return {**self.e.stats(), "resident_params": float(len(slots)),
-                "resident_numel": float(sum(s.numel for s in slots)),
+        return {**self.e.stats(), "gpu_state_params": float(len(slots)),
+                "gpu_state_numel": float(sum(s.numel for s in slots)),
                 "gpu_state_bytes": float(sum(E.state_bytes(s.numel, s.dtype) for s in slots)),
                 "staging_ring_bytes": 0.0}
 
@@ -95,8 +95,8 @@ def _params(seed=0):
 def test_split_equals_one_engine_and_dispatches_by_registration_order():
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
-    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=2, chunk_elems=4096,
+    whole = H.HostPlacement(Backend(), threads=2, chunk_size=4096)
+    split = E.Engine(Backend(), mode="hybrid", device_elems=6000, threads=2, chunk_size=4096,
                      _device=FakeDevice)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
@@ -141,9 +141,9 @@ def test_explicit_placement_and_eager_gpu_share():
     ``step()`` without them; the bits of one engine doing everything."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_size=4096)
     gpu = FakeDevice()
-    split = E.Engine(Backend(), placement="hybrid", device_elems=7100, threads=2, chunk_elems=4096,
+    split = E.Engine(Backend(), mode="hybrid", device_elems=7100, threads=2, chunk_size=4096,
                      _device=lambda: gpu)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
@@ -180,8 +180,8 @@ def test_split_takes_a_multiplier_per_host_slot():
     of one host engine stepping with that coefficient."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
-    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=3, chunk_elems=2048,
+    whole = H.HostPlacement(Backend(), threads=2, chunk_size=4096)
+    split = E.Engine(Backend(), mode="hybrid", device_elems=6000, threads=3, chunk_size=2048,
                      _device=FakeDevice)
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
@@ -215,7 +215,7 @@ def test_split_worker_error_after_its_check_steps_both_shares_and_raises_later()
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     params = _params()
     gpu = FakeDevice()
-    split = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=1, chunk_elems=4096,
+    split = E.Engine(Backend(), mode="hybrid", device_elems=6000, threads=1, chunk_size=4096,
                      _device=lambda: gpu)
     for p in params:
         split.add_param(p, p.size, "float32", "cpu")
@@ -269,7 +269,7 @@ def _order_split(gpu_elems, skip_grads=(), **kw):
     two shares, recorded around the real calls."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     params = _params()
-    split = E.Engine(Backend(), placement="hybrid", device_elems=gpu_elems, threads=1, chunk_elems=4096,
+    split = E.Engine(Backend(), mode="hybrid", device_elems=gpu_elems, threads=1, chunk_size=4096,
                      _device=FakeDevice)
     for p in params:
         split.add_param(p, p.size, "float32", "cpu", **kw)
@@ -346,7 +346,7 @@ def test_a_bad_gpu_share_gradient_queues_neither_share():
     split.close()
 
 
-# -- the GPU-resident share (resident_bytes) ------------------------------------------------------
+# -- the GPU-resident share (gpu_state_bytes) ------------------------------------------------------
 
 
 def test_state_bytes():
@@ -357,24 +357,24 @@ def test_state_bytes():
 
 @pytest.mark.parametrize("placement", ["cpu", "gpu", "hybrid"], ids=lambda p: f"{p}-mode")
 def test_resident_share_in_every_mode_equals_one_engine(placement):
-    """``resident_bytes=70000``: slots 0 (5000 elements, 40000 bytes) and 1 (3000, 24000)
+    """``gpu_state_bytes=70000``: slots 0 (5000 elements, 40000 bytes) and 1 (3000, 24000)
     fit and 3 (100, 800) still does after 2 (7000) did not: resident on the device
     placement; the rest as the mode says (hybrid, element budget 7100: slot 2 on the
     device, not resident). Frozen parameters take none of the budget. The bits of one
     host placement doing everything; truncate gives the budget back."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_size=4096)
     gpu = FakeDevice()
-    split = E.Engine(Backend(), placement=placement, device_elems=7100, resident_bytes=70000, threads=2,
-                     chunk_elems=4096, _device=lambda: gpu)
+    split = E.Engine(Backend(), mode=placement, device_elems=7100, gpu_state_bytes=70000, threads=2,
+                     chunk_size=4096, _device=lambda: gpu)
     assert split.device is gpu
     assert (split.host is None) == (placement == "gpu")
     for p in whole_p:
         whole.add_param(p, p.size, "float32", "cpu")
     for p in split_p:
         split.add_param(p, p.size, "float32", "cpu")
-    assert [split.resident(s) for s in range(4)] == [True, True, False, True]
+    assert [split.has_gpu_state(s) for s in range(4)] == [True, True, False, True]
     assert [split.on_device(s) for s in range(4)] == [True, True, placement != "cpu", True]
     assert gpu.resident == [0, 1, 2 if placement == "cpu" else 3]
     rng = np.random.default_rng(3)
@@ -394,17 +394,17 @@ def test_resident_share_in_every_mode_equals_one_engine(placement):
     for sid in range(4):
         assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
     st = split.stats()
-    assert st["resident_params"] == 3 and st["resident_numel"] == 8100 and st["gpu_state_bytes"] == 64800
+    assert st["gpu_state_params"] == 3 and st["gpu_state_numel"] == 8100 and st["gpu_state_bytes"] == 64800
     frozen = split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False)
-    assert not split.resident(frozen)
+    assert not split.has_gpu_state(frozen)
     assert split.add_param(np.zeros(650, np.float32), 650, "float32", "cpu") == 5  # 5200 bytes: 70000 - 64800
-    assert split.resident(5)
-    assert not split.resident(split.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))  # none left
+    assert split.has_gpu_state(5)
+    assert not split.has_gpu_state(split.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))  # none left
     split.truncate(3)  # slots 3 (resident), 4, 5 (resident), 6 dropped: their budget is free again
     assert split.add_param(np.zeros(750, np.float32), 750, "float32", "cpu") == 3
-    assert split.resident(3)
+    assert split.has_gpu_state(3)
     with pytest.raises(IndexError, match="no parameter slot"):
-        split.resident(7)
+        split.has_gpu_state(7)
     for bad in (-1, 7):  # a negative id does not wrap around to the last slot
         with pytest.raises(IndexError, match="no parameter slot"):
             split.wait_ready([bad])
@@ -419,7 +419,7 @@ def test_load_state_is_checked_before_either_placement_changes(placement):
     """Bad sizes and steps are refused by the engine for a host and a device slot alike, the
     state left as it was; after close() the stats count no host state."""
     gpu = FakeDevice()
-    eng = E.Engine(Backend(), placement=placement, device_elems=5, threads=1, _device=lambda: gpu)
+    eng = E.Engine(Backend(), mode=placement, device_elems=5, threads=1, _device=lambda: gpu)
     sids = [eng.add_param(np.ones(5, np.float32), 5, "float32", "cpu"),
             eng.add_param(np.ones(3, np.float32), 3, "float32", "cpu")]
     assert [eng.on_device(s) for s in sids] == [placement == "hybrid", False]
@@ -455,16 +455,16 @@ def _train(whole, split, whole_p, rng, hp, steps=2):
 
 @pytest.mark.parametrize("placement", ["cpu", "hybrid"], ids=lambda p: f"{p}-mode")
 def test_make_resident_moves_state_mid_training_and_keeps_the_bits(placement):
-    """After 2 steps ``make_resident(65000)`` moves slots 0 (40000 bytes), 1 (24000) and 3 (800)
+    """After 2 steps ``move_state_to_gpu(65000)`` moves slots 0 (40000 bytes), 1 (24000) and 3 (800)
     into resident state, from the host or (hybrid: slots 0 and 3) the device share; slot 2 (56000)
     stays. 2 more steps: the bits of one host placement doing everything. The host buffers are
     freed, hybrid's device budget given back; a later slot takes what is left of the budget."""
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
     whole_p, split_p = _params(), _params()
-    whole = H.HostPlacement(Backend(), threads=2, chunk_elems=4096)
+    whole = H.HostPlacement(Backend(), threads=2, chunk_size=4096)
     gpu = FakeDevice()
-    split = E.Engine(Backend(), placement=placement, device_elems=7100, threads=2, chunk_elems=4096,
-                     resident_later=True, _device=lambda: gpu)
+    split = E.Engine(Backend(), mode=placement, device_elems=7100, threads=2, chunk_size=4096,
+                     gpu_state_later=True, _device=lambda: gpu)
     for a, b in zip(whole_p, split_p):
         whole.add_param(a, a.size, "float32", "cpu")
         split.add_param(b, b.size, "float32", "cpu")
@@ -473,22 +473,22 @@ def test_make_resident_moves_state_mid_training_and_keeps_the_bits(placement):
     rng = np.random.default_rng(3)
     _train(whole, split, whole_p, rng, hp)
     host_before = split.host.stats()["host_state_bytes"]  # (the fake device's state is host memory too)
-    assert split.make_resident(65000) == [0, 1, 3]
-    assert [split.resident(s) for s in range(5)] == [True, True, False, True, False] and not split.on_device(frozen)
+    assert split.move_state_to_gpu(65000) == [0, 1, 3]
+    assert [split.has_gpu_state(s) for s in range(5)] == [True, True, False, True, False] and not split.on_device(frozen)
     assert gpu.resident == [2, 3, 4] if placement == "hybrid" else gpu.resident == [0, 1, 2]
-    assert split.device_elems_used == 0 and split.resident_bytes_used == 64800
+    assert split.device_elems_used == 0 and split.gpu_state_used == 64800
     st = split.stats()
-    assert st["resident_params"] == 3 and split.host.stats()["host_state_bytes"] < host_before
+    assert st["gpu_state_params"] == 3 and split.host.stats()["host_state_bytes"] < host_before
     assert split.host.stats()["params"] == 2  # slot 2 and the frozen one
     _train(whole, split, whole_p, rng, hp)
     for sid, (a, b) in enumerate(zip(whole_p, split_p)):
         assert np.array_equal(a, b), sid
         assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
         assert split.get_step(sid) == 4
-    assert split.make_resident(0) == []  # nothing more fits
-    assert split.resident(split.add_param(np.zeros(25, np.float32), 25, "float32", "cpu"))  # 200 bytes left
+    assert split.move_state_to_gpu(0) == []  # nothing more fits
+    assert split.has_gpu_state(split.add_param(np.zeros(25, np.float32), 25, "float32", "cpu"))  # 200 bytes left
     split.truncate(5)
-    assert not split.resident(split.add_param(np.zeros(26, np.float32), 26, "float32", "cpu"))
+    assert not split.has_gpu_state(split.add_param(np.zeros(26, np.float32), 26, "float32", "cpu"))
     whole.close()
     split.close()
 
@@ -497,11 +497,11 @@ def test_make_resident_then_truncate_frees_what_it_drops():
     """hybrid: slots 0 and 2 on the device, 1 on the host; 1 moves (device id 2), then
     truncate(2) drops slot 2 (device id 1, before the kept id 2): freed, not left behind."""
     gpu = FakeDevice()
-    eng = E.Engine(Backend(), placement="hybrid", device_elems=6000, threads=1, resident_later=True,
+    eng = E.Engine(Backend(), mode="hybrid", device_elems=6000, threads=1, gpu_state_later=True,
                    _device=lambda: gpu)
     for n, dev in ((3000, True), (100, False), (3000, True)):
         eng.add_param(np.zeros(n, np.float32), n, "float32", "cpu", on_device=dev)
-    assert eng.make_resident(800) == [1]
+    assert eng.move_state_to_gpu(800) == [1]
     eng.truncate(2)
     assert gpu.e.stats()["params"] == 2 and eng.host.stats()["params"] == 0
     assert [eng.on_device(s) for s in range(2)] == [True, True] and eng.device_elems_used == 3000
@@ -512,7 +512,7 @@ def test_make_resident_failing_partway_leaves_every_slot_consistent():
     """A failure loading the second slot's state: the first stays moved (resident, its host slot
     freed), the second where it was with its state, the device slot made for it dropped."""
     gpu = FakeDevice()
-    eng = E.Engine(Backend(), placement="cpu", threads=1, resident_later=True, _device=lambda: gpu)
+    eng = E.Engine(Backend(), mode="cpu", threads=1, gpu_state_later=True, _device=lambda: gpu)
     for p in _params():
         eng.add_param(p, p.size, "float32", "cpu")
     eng.load_state(1, np.full(3000, 2.0), np.full(3000, 3.0), 5)
@@ -525,8 +525,8 @@ def test_make_resident_failing_partway_leaves_every_slot_consistent():
 
     gpu.load_state = failing
     with pytest.raises(RuntimeError, match="copy failed"):
-        eng.make_resident(10**6)
-    assert [eng.resident(s) for s in range(4)] == [True, False, False, False]
+        eng.move_state_to_gpu(10**6)
+    assert [eng.has_gpu_state(s) for s in range(4)] == [True, False, False, False]
     assert gpu.e.stats()["params"] == 1 and eng.host.stats()["params"] == 3
     _, m, v, step = eng.state(1)
     assert (m == 2).all() and (v == 3).all() and step == 5
@@ -537,32 +537,32 @@ def test_make_resident_stops_where_gpu_memory_is_refused():
     gpu = FakeDevice()
     add = gpu.add_param
 
-    def refusing(param, numel, dtype, platform, *, resident=False, init=True):
-        if resident and gpu.resident:
+    def refusing(param, numel, dtype, platform, *, gpu_state=False, init=True):
+        if gpu_state and gpu.resident:
             raise MemoryError("could not allocate 24000 bytes of GPU memory")
-        return add(param, numel, dtype, platform, resident=resident, init=init)
+        return add(param, numel, dtype, platform, gpu_state=gpu_state, init=init)
 
     gpu.add_param = refusing
-    eng = E.Engine(Backend(), placement="cpu", threads=1, resident_later=True, _device=lambda: gpu)
+    eng = E.Engine(Backend(), mode="cpu", threads=1, gpu_state_later=True, _device=lambda: gpu)
     for p in _params():
         eng.add_param(p, p.size, "float32", "cpu")
     with pytest.warns(RuntimeWarning, match="GPU memory for the state of slot 1 was refused"):
-        assert eng.make_resident(10**6) == [0]
-    assert [eng.resident(s) for s in range(4)] == [True, False, False, False]
-    assert eng.resident_budget == eng.resident_bytes_used == 40000  # nothing more is tried
-    assert not eng.resident(eng.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))
+        assert eng.move_state_to_gpu(10**6) == [0]
+    assert [eng.has_gpu_state(s) for s in range(4)] == [True, False, False, False]
+    assert eng.gpu_state_budget == eng.gpu_state_used == 40000  # nothing more is tried
+    assert not eng.has_gpu_state(eng.add_param(np.zeros(1, np.float32), 1, "float32", "cpu"))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
-            eng.make_resident(bad)
+            eng.move_state_to_gpu(bad)
     eng.close()
-    no_device = E.Engine(Backend(), placement="cpu", threads=1)
-    with pytest.raises(RuntimeError, match="resident_later=True"):
-        no_device.make_resident(100)
+    no_device = E.Engine(Backend(), mode="cpu", threads=1)
+    with pytest.raises(RuntimeError, match="gpu_state_later=True"):
+        no_device.move_state_to_gpu(100)
     no_device.close()
 
 
 def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device():
-    """fp16/bf16 slots hold a master too (12 bytes an element); ``resident_bytes=0`` in cpu
+    """fp16/bf16 slots hold a master too (12 bytes an element); ``gpu_state_bytes=0`` in cpu
     mode builds no device placement; bad budgets are refused."""
     made = []
 
@@ -570,19 +570,19 @@ def test_resident_budget_counts_the_master_and_an_empty_budget_makes_no_device()
         made.append(FakeDevice())
         return made[-1]
 
-    eng = E.Engine(Backend(), placement="cpu", resident_bytes=11999, threads=1, _device=device)
+    eng = E.Engine(Backend(), mode="cpu", gpu_state_bytes=11999, threads=1, _device=device)
     assert eng.add_param(np.zeros(1000, np.float32), 1000, "bfloat16", "cpu") == 0
-    assert not eng.resident(0) and not eng.on_device(0)  # 12000 bytes
+    assert not eng.has_gpu_state(0) and not eng.on_device(0)  # 12000 bytes
     assert eng.add_param(np.zeros(1000, np.float32), 1000, "float32", "cpu") == 1
-    assert eng.resident(1) and eng.on_device(1)  # 8000 bytes
+    assert eng.has_gpu_state(1) and eng.on_device(1)  # 8000 bytes
     eng.close()
-    eng = E.Engine(Backend(), placement="cpu", threads=1, _device=device)
+    eng = E.Engine(Backend(), mode="cpu", threads=1, _device=device)
     assert eng.device is None and len(made) == 1
     assert eng.stats()["gpu_state_bytes"] == 0
     eng.close()
     for bad in (-1, 1.5, True, "auto", None):
-        with pytest.raises(ValueError, match="resident_bytes must be an int >= 0"):
-            E.Engine(Backend(), placement="cpu", resident_bytes=bad, threads=1, _device=device)
+        with pytest.raises(ValueError, match="gpu_state_bytes must be an int >= 0"):
+            E.Engine(Backend(), mode="cpu", gpu_state_bytes=bad, threads=1, _device=device)
     assert len(made) == 1  # refused before anything is built
 
 

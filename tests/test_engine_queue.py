@@ -81,7 +81,7 @@ def test_batches_of_one_slot_run_one_after_another_on_a_shared_pool():
     import threading
     import time
 
-    eng = E.HostPlacement(_HostBackend(), threads=4, chunk_elems=4096)
+    eng = E.HostPlacement(_HostBackend(), threads=4, chunk_size=4096)
     sid = eng.add_param(None, 8 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     log, lock = [], threading.Lock()
@@ -105,7 +105,7 @@ def test_failed_chained_submission_is_reported_and_does_not_hang(monkeypatch):
     the error kept for the caller; waiting for the slot returns."""
     import pytest
 
-    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096)
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_size=4096)
     sid = eng.add_param(None, 2 * 4096, "float32", "cpu")
     s = eng._slots[sid]
     import threading
@@ -129,7 +129,7 @@ def test_work_for_stopped_workers_raises_instead_of_hanging():
     """Once the pool has stopped (close, or its atexit finalizer), new work is refused: an
     external update raises (an XLA callback at interpreter exit would otherwise wait
     forever); the queue refuses jobs once closed."""
-    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096)
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_size=4096)
     eng._finalizer()  # the pool's shutdown, as at interpreter exit (the engine itself not closed)
     a = np.zeros(10, np.float32)
     item = E.ExternalUpdate(a, a.copy(), a.copy(), a.copy(), "float32", None, None, np.zeros(16, np.float32))
@@ -154,7 +154,7 @@ def test_workers_run_at_the_nice_value_asked(nice):
     if os.getpriority(os.PRIO_PROCESS, 0) > want:
         pytest.skip("this process already runs at a higher nice value")
     kw = {} if nice is None else {"worker_nice": nice}
-    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_elems=4096, **kw)
+    eng = E.HostPlacement(_HostBackend(), threads=2, chunk_size=4096, **kw)
     sid = eng.add_param(None, 4 * 4096, "float32", "cpu")
     seen, lock = set(), threading.Lock()
 

@@ -125,7 +125,7 @@ def _train(backend, steps=len(SCENARIOS), seed=0):
     rng = np.random.default_rng(seed)
     sizes = [20000, 9000, 777]
     params = [C.f32_to_bf16_bits(rng.standard_normal(n).astype(np.float32)) for n in sizes]
-    eng = E.HostPlacement(backend, threads=3, chunk_elems=4096)
+    eng = E.HostPlacement(backend, threads=3, chunk_size=4096)
     sids = [eng.add_param(p, len(p), "bfloat16", "cuda") for p in params]
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1)
     everyone = [(s, hp) for s in sids]

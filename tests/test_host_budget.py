@@ -18,7 +18,7 @@ from trainstream import _hostmem
 from trainstream.core import _budget as B
 from trainstream.core import _engine as E
 from trainstream.torch import OffloadAdamW
-from trainstream.torch._backend import TorchBackend
+from trainstream.backends.torch import TorchBackend
 
 _PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.master_fp32": "masters",
          "grad.staging": "staging", "param.staging": "staging"}
@@ -123,7 +123,7 @@ _SLOTS = [(5000, "float32"), (3 << 12, "bfloat16"), (7000, "bfloat16"), (100, "f
 def test_plan_equals_what_the_engine_allocates(mapped, placement, chunk, pin_moments, backend):
     be = _Backend(*backend)
     budget = 20000
-    eng = E.Engine(be, placement=placement, device_elems=budget, threads=1, chunk_elems=chunk,
+    eng = E.Engine(be, mode=placement, device_elems=budget, threads=1, chunk_size=chunk,
                    pin_moments=pin_moments)
     try:
         trainable = [k != 2 for k in range(len(_SLOTS))]  # a frozen one takes none of the GPU share
@@ -223,7 +223,7 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
     group added later that finds part of both budgets taken. The engine's device
     placement is the real one over faked CUDA allocations."""
     from trainstream.torch._optimizer import _host_plan
-    from trainstream.torch._optimizer import _resident as torch_resident
+    from trainstream.torch._optimizer import _gpu_state_fits as torch_resident
 
     def params(slots):
         return [torch.nn.Parameter(torch.zeros(n, dtype=getattr(torch, d if dtypes == "mixed" else dtypes)),
@@ -238,23 +238,23 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
     share = round(0.4 * sum(p.numel() for p, r in zip(first, res) if p.requires_grad and not r)) \
         if mode == "hybrid" else 0
     be = _Backend(True, TorchBackend.weights_in_grad_stage)
-    eng = E.Engine(be, placement=mode, device_elems=share, resident_bytes=budget_bytes, threads=1, chunk_elems=4096,
+    eng = E.Engine(be, mode=mode, device_elems=share, gpu_state_bytes=budget_bytes, threads=1, chunk_size=4096,
                    pin_moments=pin_moments)
     cuda = torch.device("cuda")
     try:
         want = dict.fromkeys(_host_allocs(be, mapped, [], []), 0.0)
         placed, dev = [], []
         for group, last in ((first, order == "last"), (later, False)):  # add_param_group: by fit, in order
-            res = torch_resident(group, budget_bytes, eng.resident_bytes_used)
+            res = torch_resident(group, budget_bytes, eng.gpu_state_used)
             plan, on_gpu = _host_plan(group, mode, share, last, eng.device_elems_used, pin_moments, None, cuda,
-                                      budget_bytes, eng.resident_bytes_used)
+                                      budget_bytes, eng.gpu_state_used)
             assert not any(r and g for r, g in zip(res, on_gpu))
             for p, g in zip(group, on_gpu):
                 eng.add_param(np.zeros(p.numel(), np.float32), p.numel(), str(p.dtype)[6:], "cuda",
                               trainable=p.requires_grad, on_device=g)
             n0 = len(placed)
             placed += group
-            assert [eng.resident(s) for s in range(n0, len(placed))] == res
+            assert [eng.has_gpu_state(s) for s in range(n0, len(placed))] == res
             assert [eng.on_device(s) for s in range(n0, len(placed))] == [r or g for r, g in zip(res, on_gpu)]
             dev += [g for g in on_gpu]
             for k in want:
@@ -263,15 +263,15 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
             st = eng.stats()
             assert st["host_state_bytes"] == sum(want.values())
             assert st["pinned_state_bytes"] == sum(v for k, v in want.items() if k.endswith("_pinned"))
-            resident_bytes = sum(B.state_bytes(n, d) for (n, d, _), s in zip(slots, range(len(placed)))
-                                 if eng.resident(s))
-            assert st["gpu_state_bytes"] == sum(gpu_memory) == resident_bytes == eng.resident_bytes_used
-            assert resident_bytes <= budget_bytes
+            gpu_state_bytes = sum(B.state_bytes(n, d) for (n, d, _), s in zip(slots, range(len(placed)))
+                                 if eng.has_gpu_state(s))
+            assert st["gpu_state_bytes"] == sum(gpu_memory) == gpu_state_bytes == eng.gpu_state_used
+            assert gpu_state_bytes <= budget_bytes
             assert eng.device_elems_used == sum(n for (n, _, _), g in zip(slots, dev) if g) or mode != "hybrid"
-        n_res = sum(eng.resident(s) for s in range(len(placed)))
+        n_res = sum(eng.has_gpu_state(s) for s in range(len(placed)))
         assert (n_res > 0) == (resident != "none")
         if resident == "all":  # every trainable parameter, of both groups
-            assert [eng.resident(s) for s in range(len(placed))] == [t for _, _, t in slots]
+            assert [eng.has_gpu_state(s) for s in range(len(placed))] == [t for _, _, t in slots]
         if mode == "hybrid" and resident != "all":
             assert 0 < eng.device_elems_used <= share
     finally:
@@ -463,7 +463,7 @@ def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():
     whole = OffloadAdamW.host_memory_plan(params)
     # 30,000 bytes hold the state of 2000 (24,000) and then 300 (3,600) elements, not 3000's.
     plan = OffloadAdamW.host_memory_plan(params, gpu_state_bytes=30_000)
-    assert B.resident([(p.numel(), "bfloat16", True) for p in params], 30_000) == [True, False, True]
+    assert B.gpu_state_fits([(p.numel(), "bfloat16", True) for p in params], 30_000) == [True, False, True]
     assert plan["needed"] == whole["needed"] * 3000 // 5300 == 14 * 3000
     hyb = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.5, gpu_state_bytes=24_000)
     # resident: the 2000; of the other 3300 elements a share of 1650: the 300 fit, 3000 not
@@ -583,7 +583,7 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
     (pinned and pageable), the slots resident in GPU memory are the plan's, for a later
     group too."""
     pytest.importorskip("cupy")
-    from trainstream.torch._optimizer import _resident
+    from trainstream.torch._optimizer import _gpu_state_fits
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to("cuda", dtype)
@@ -599,13 +599,13 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
         st = opt.stats()
         assert st["host_plan_needed"] == plan["needed"] == st["host_state_bytes"]
         assert st["host_plan_pinned"] == plan["pinned"] == st["pinned_state_bytes"]
-        want = _resident(params, budget)
-        assert [opt._engine.resident(s) for s in range(len(params))] == want and (resident == "none") != any(want)
-        later = _resident(extra, budget, opt._engine.resident_bytes_used)
+        want = _gpu_state_fits(params, budget)
+        assert [opt._engine.has_gpu_state(s) for s in range(len(params))] == want and (resident == "none") != any(want)
+        later = _gpu_state_fits(extra, budget, opt._engine.gpu_state_used)
         opt.add_param_group({"params": extra})
         st = opt.stats()
         assert st["host_plan_needed"] == st["host_state_bytes"] and st["host_plan_pinned"] == st["pinned_state_bytes"]
-        assert [opt._engine.resident(s) for s in range(len(params), len(params) + 2)] == later
+        assert [opt._engine.has_gpu_state(s) for s in range(len(params), len(params) + 2)] == later
         assert st["gpu_state_bytes"] == sum(B.state_bytes(p.numel(), str(dtype)[6:])
                                             for p, r in zip(params + extra, want + later) if r)
         x = torch.randn(8, 256, device="cuda", dtype=dtype)

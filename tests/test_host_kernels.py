@@ -248,7 +248,7 @@ def test_adamw_unknown_codes_rejected():
 def test_torch_cpu_kernel_matches_torch_adamw():
     if torch is None:
         pytest.skip("torch not installed")
-    from trainstream.torch._backend import torch_cpu_code
+    from trainstream.backends.torch import torch_cpu_code
 
     sqrt_mode = torch_cpu_code()
     n, steps = 4097, 50

@@ -207,7 +207,7 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     rng = np.random.default_rng(1)
     gs = [_grads(rng, params) for _ in range(4)]
     want_p, want_m, want_v = _reference(params, gs, lr, wd)
-    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, chunk_elems=4096)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, chunk_size=4096)
     for donate in (True, False):
         for via in ("step", "update"):
             s = tx.init(params)

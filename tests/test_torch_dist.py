@@ -393,7 +393,7 @@ def fsdp_resident(rank, device, out):
     m, o = _make(resident, device)
     st = o.stats()
     want = {0: (4, 8 * (20 + 4 + 5 + 1)), 1: (5, 8 * (15 + 3 + 4) + 8 + 8)}[rank]
-    got = {"resident shards": (st["resident_params"], st["gpu_state_bytes"]) == want}
+    got = {"resident shards": (st["gpu_state_params"], st["gpu_state_bytes"]) == want}
     _close(o)
     ma, oa = _make(torch.optim.AdamW, device)
     _train(ma, oa, 4, 0, rank, device)
@@ -405,7 +405,7 @@ def fsdp_resident(rank, device, out):
     _train(mu, o, 4, 0, rank, device)
     got["'auto' trains bitwise like torch.optim.AdamW"] = _same(ma, mu)
     st = o.stats()  # all of this rank's shards moved after the first step
-    got["'auto': every shard's state in GPU memory"] = st["resident_params"] == st["params"] and not st["host_state_bytes"]
+    got["'auto': every shard's state in GPU memory"] = st["gpu_state_params"] == st["params"] and not st["host_state_bytes"]
     _close(o)
     for src, dst, name in ((torch.optim.AdamW, resident, "AdamW -> resident"),
                            (resident, torch.optim.AdamW, "resident -> AdamW")):

@@ -197,12 +197,12 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging():
     the weights the upload is still reading."""
     from trainstream import contract as C
     from trainstream.core._host import HostPlacement as Engine
-    from trainstream.torch._backend import TorchBackend
+    from trainstream.backends.torch import TorchBackend
 
     n = 1 << 24
     p = torch.randn(n, device=DEV).to(torch.bfloat16)
     backend = TorchBackend(DEV)
-    eng = Engine(backend, threads=4, chunk_elems=1 << 22)
+    eng = Engine(backend, threads=4, chunk_size=1 << 22)
     sid = eng.add_param(p, n, "bfloat16", "cuda")
     assert eng._slot(sid).param_stage is eng._slot(sid).grad_stage
     hp = C.AdamWHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
@@ -476,13 +476,13 @@ def test_resident_state_bit_identical(kw, mode):
     ref_model, ts_model, ref, ts = train_pair_cuda(steps=30, gpu_state_bytes=RESIDENT, **kw, **extra)
     assert_same(ref_model, ts_model)
     params = [p for g in ts.param_groups for p in g["params"]]
-    assert [ts._engine.resident(sid) for sid in range(len(params))] == RESIDENT_MASK
+    assert [ts._engine.has_gpu_state(sid) for sid in range(len(params))] == RESIDENT_MASK
     st = ts.stats()
-    assert st["resident_params"] == 11 and st["gpu_state_bytes"] == 35840 and st["resident_numel"] == 4480
+    assert st["gpu_state_params"] == 11 and st["gpu_state_bytes"] == 35840 and st["gpu_state_numel"] == 4480
     if mode == "gpu":
         assert st["host_state_bytes"] == 8 * 6144  # the mapped share only
     if mode.startswith("hybrid"):
-        assert 0 < st["gpu_params"] - st["resident_params"] < 4  # a zero-copy share beside the host's
+        assert 0 < st["gpu_params"] - st["gpu_state_params"] < 4  # a zero-copy share beside the host's
     ref_params = [p for g in ref.param_groups for p in g["params"]]
     for p, q in zip(params, ref_params):
         for key in ("exp_avg", "exp_avg_sq"):
@@ -502,7 +502,7 @@ def test_resident_half_params_against_fp32_master(mode, dtype):
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
                       gpu_state_bytes=RESIDENT)
-    resident = [ts._engine.resident(sid) for sid in range(len(master))]
+    resident = [ts._engine.has_gpu_state(sid) for sid in range(len(master))]
     assert any(resident) and not all(resident)
     assert ts.stats()["gpu_state_bytes"] == sum(12 * p.numel() for p, r in zip(master, resident) if r)
     for x in batches(30):
@@ -527,9 +527,9 @@ def test_auto_resident_state_bit_identical(kw, mode, monkeypatch):
     ref_model, ts_model, ref, ts = train_pair_cuda(steps=20, gpu_state_bytes="auto", mode=mode, **kw)
     assert_same(ref_model, ts_model)
     params = [p for g in ts.param_groups for p in g["params"]]
-    assert [ts._engine.resident(sid) for sid in range(len(params))] == RESIDENT_MASK
+    assert [ts._engine.has_gpu_state(sid) for sid in range(len(params))] == RESIDENT_MASK
     st = ts.stats()
-    assert st["resident_params"] == 11 and st["gpu_state_bytes"] == 35840
+    assert st["gpu_state_params"] == 11 and st["gpu_state_bytes"] == 35840
     for p, q in zip(params, [p for g in ref.param_groups for p in g["params"]]):
         assert torch.equal(ts.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"].cpu())
     ts.close()
@@ -546,12 +546,12 @@ def test_auto_resident_takes_the_free_gpu_memory_and_frees_the_host_state(mode):
     ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
                       gpu_state_bytes="auto")
     st = ts.stats()
-    assert st["resident_params"] == 0 and st["gpu_state_bytes"] == 0 and st["host_state_bytes"] > 0
+    assert st["gpu_state_params"] == 0 and st["gpu_state_bytes"] == 0 and st["host_state_bytes"] > 0
     for i, x in enumerate(batches(10)):
         step_beside_master(model, master, ref, ts, loss_of(model, x.to(DEV)))
         if i == 0:
             st = ts.stats()
-            assert st["resident_params"] == len(master) and st["host_state_bytes"] == 0
+            assert st["gpu_state_params"] == len(master) and st["host_state_bytes"] == 0
             assert st["gpu_state_bytes"] == sum(12 * p.numel() for p in master)
     sd = ts.state_dict()
     for sid, (p, m) in enumerate(zip(model.parameters(), master)):
@@ -615,7 +615,7 @@ def test_resident_state_is_in_gpu_memory_and_close_frees_it():
     ts = OffloadAdamW(params, lr=1e-2, mode="gpu", gpu_state_bytes=budget + 1000)
     free1 = torch.cuda.mem_get_info()[0]
     st = ts.stats()
-    assert st["gpu_state_bytes"] == budget and st["resident_params"] == 2 and st["host_state_bytes"] == 8 * n
+    assert st["gpu_state_bytes"] == budget and st["gpu_state_params"] == 2 and st["host_state_bytes"] == 8 * n
     assert free0 - free1 >= budget
     ref = torch.optim.AdamW(ref_params, lr=1e-2)
     for p, q in zip(params[::2], ref_params):
@@ -640,8 +640,8 @@ def test_resident_share_then_offloaded_gpu_share_in_hybrid():
     model = make_model().to(DEV)
     ts = OffloadAdamW(two_groups(model), mode="hybrid", gpu_share=0.5, gpu_state_bytes=RESIDENT)
     eng = ts._engine
-    assert [eng.resident(s) for s in range(15)] == RESIDENT_MASK
-    assert [eng.on_device(s) and not eng.resident(s) for s in range(6)] == [False, False, True, True, False, False]
+    assert [eng.has_gpu_state(s) for s in range(15)] == RESIDENT_MASK
+    assert [eng.on_device(s) and not eng.has_gpu_state(s) for s in range(6)] == [False, False, True, True, False, False]
     ts.close()
 
 

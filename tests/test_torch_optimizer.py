@@ -610,7 +610,7 @@ def test_bad_worker_nice_is_refused(value):
 
 def test_engine_is_collected_and_its_workers_stop():
     from trainstream.core._engine import Engine
-    from trainstream.torch._backend import TorchBackend
+    from trainstream.backends.torch import TorchBackend
 
     old = set(threading.enumerate())
     engine = Engine(TorchBackend(torch.device("cpu")), threads=3)

@@ -55,7 +55,7 @@ with torch and gives them ``c = 1``.)
   on the CPU (vendor, vector width) and on ``MKL_ENABLE_INSTRUCTIONS`` (AMD EPYC kept the SSE
   path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt` reproduces
   the three paths (its modes). The torch/cpu *code*, the mode (bits 0-1) ``| TC_NO_FMA``, is
-  probed once from ``torch.sqrt`` and ``Tensor.lerp_`` (:func:`trainstream.torch._backend.torch_cpu_code`).
+  probed once from ``torch.sqrt`` and ``Tensor.lerp_`` (:func:`trainstream.backends.torch.torch_cpu_code`).
   Where no mode Numba's target can compile reproduces torch's root (e.g. MKL's AVX-512 path,
   Numba forced below AVX-512), the correctly rounded one is used with a warning
   (:data:`TORCH_CPU_SQRT_MAX_ULP`). aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet

@@ -3,8 +3,8 @@ adapters' one API) over the host placement (``_host.py``: worker pool, host upda
 device placement (``_device.py``: kernel launches, :class:`StagingRing`); ``_budget.py`` sizes the state.
 """
 
-from ._engine import PLACEMENTS, Backend, Engine, ExternalUpdate, WorkerError, state_bytes
+from ._engine import MODES, Backend, Engine, ExternalUpdate, WorkerError, state_bytes
 from ._device import StagingRing, staging_ring
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "StagingRing", "WorkerError", "staging_ring",
+__all__ = ["Backend", "Engine", "ExternalUpdate", "MODES", "StagingRing", "WorkerError", "staging_ring",
            "state_bytes"]

@@ -1,4 +1,4 @@
-"""Memory as a budget: which slots keep their state in GPU memory (:func:`resident`) or are updated on the
+"""Memory as a budget: which slots keep their state in GPU memory (:func:`gpu_state_fits`) or are updated on the
 device (:func:`place`), and the host bytes an optimizer will allocate (:func:`host_bytes`), checked against
 the host (:func:`plan`, :func:`check`) before any state is allocated. Imports neither torch nor jax.
 """
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from .. import _hostmem
 from ..contract import ITEMSIZE as _ITEMSIZE
 
-__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan", "resident",
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan", "gpu_state_fits",
            "state_bytes"]
 
 LAYOUTS = ("host", "device", "arrays", "staged")
@@ -24,12 +24,12 @@ PINNED_FRACTION = 0.5
 
 
 def state_bytes(numel: int, dtype: str) -> int:
-    """A device slot's state bytes (what a resident slot takes of ``resident_bytes``): two fp32
+    """A device slot's state bytes (what a resident slot takes of ``gpu_state_bytes``): two fp32
     moments and, for fp16/bf16 weights, an fp32 master, each buffer at least 4 bytes."""
     return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
 
 
-def resident(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0) -> list[bool]:
+def gpu_state_fits(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0) -> list[bool]:
     """Which ``(numel, dtype, trainable)`` slots keep their state in GPU memory (the engine's rule,
     before the policy's): in order, each trainable slot whose :func:`state_bytes` fit in what
     ``used`` leaves of ``budget``."""

@@ -205,17 +205,17 @@ class DevicePlacement:
         if self.closed:
             raise RuntimeError("TrainStream engine is closed")
 
-    def _alloc(self, numel: int, what: str, owned: list, resident: bool) -> _Buf:
+    def _alloc(self, numel: int, what: str, owned: list, gpu_state: bool) -> _Buf:
         nbytes = max(4, numel * 4)
         try:
-            if resident:
+            if gpu_state:
                 mem = self._dk.alloc_device(nbytes, self.device)
                 buf = _Buf(None, mem.dev_ptr, mem.free, nbytes, mem)
             else:
                 host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
                 buf = _Buf(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free, nbytes, host_ptr=host_ptr)
         except MemoryError as exc:
-            where = "GPU-resident state (gpu_state_bytes)" if resident else "gpu mode"
+            where = "GPU-resident state (gpu_state_bytes)" if gpu_state else "gpu mode"
             raise MemoryError(f"TrainStream {where}, {what}: {exc}") from exc
         owned.append(buf)
         return buf
@@ -242,30 +242,30 @@ class DevicePlacement:
         a = np.ascontiguousarray(values, np.float32).reshape(-1)
         buf.mem.from_host(a.ctypes.data, a.nbytes, self.backend.update_stream())
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, resident: bool = False,
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, gpu_state: bool = False,
                   init: bool = True) -> int:
-        """Register a flat parameter; returns its slot id. ``resident``: its state in GPU memory. ``init`` False:
+        """Register a flat parameter; returns its slot id. ``gpu_state``: its state in GPU memory. ``init`` False:
         the state is left unset, for the caller's :meth:`load_state`."""
         self._check_open()
         if platform != "cuda":
             raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
-                             if resident else "gpu mode needs CUDA parameters (the update runs on the GPU)")
+                             if gpu_state else "gpu mode needs CUDA parameters (the update runs on the GPU)")
         if dtype not in _ITEMSIZE:
             raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
         owned: list[_Buf] = []
         try:
-            m = self._alloc(numel, "adamw.exp_avg", owned, resident)
-            v = self._alloc(numel, "adamw.exp_avg_sq", owned, resident)
-            master = self._alloc(numel, "adamw.master_fp32", owned, resident) if dtype != "float32" else None
+            m = self._alloc(numel, "adamw.exp_avg", owned, gpu_state)
+            v = self._alloc(numel, "adamw.exp_avg_sq", owned, gpu_state)
+            master = self._alloc(numel, "adamw.master_fp32", owned, gpu_state) if dtype != "float32" else None
             for buf in (m, v) if init else ():
-                if resident:
+                if gpu_state:
                     buf.mem.zero(self.backend.update_stream())
                 else:
                     buf.host[:] = 0
             if master is not None and init:
-                weights = master.host if not resident else np.empty(numel, np.float32)
+                weights = master.host if not gpu_state else np.empty(numel, np.float32)
                 self.backend.param_to_host_f32(param, weights)
-                if resident:
+                if gpu_state:
                     self._write(master, weights)
         except BaseException:
             self._release(owned)  # nothing leaks from a half-built slot
@@ -273,7 +273,7 @@ class DevicePlacement:
         self._slots.append(_GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master))
         return len(self._slots) - 1
 
-    def resident(self, sid: int) -> bool:
+    def has_gpu_state(self, sid: int) -> bool:
         """Whether slot ``sid``'s state is in GPU memory."""
         return self._slot(sid).exp_avg.mem is not None
 
@@ -463,7 +463,7 @@ class DevicePlacement:
             "pinned_state_bytes": mapped, "pageable_state_bytes": 0.0,
             "gpu_state_bytes": float(sum(b.nbytes for b in bufs if b.mem is not None)),
             "staging_ring_bytes": float(self._ring.nbytes if self._ring is not None else 0),
-            "resident_params": float(len(resident)), "resident_numel": float(sum(s.numel for s in resident)),
+            "gpu_state_params": float(len(resident)), "gpu_state_numel": float(sum(s.numel for s in resident)),
             "grad_bytes_offloaded": 0.0, "param_bytes_uploaded": 0.0,
             "update_ms_total": self._launch_s * 1e3,  # host launch time; device time is async
             "ready_stall_ms_total": self._ready_stall_s * 1e3, "grad_stall_ms_total": 0.0,

@@ -2,7 +2,7 @@
 ``host`` (:class:`~trainstream.core._host.HostPlacement`) or ``device``
 (:class:`~trainstream.core._device.DevicePlacement`). The adapters' modes ``cpu``, ``gpu`` and ``hybrid``
 are placement policies (:func:`~trainstream.core._budget.place`); before the policy, in any mode,
-``resident_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (the
+``gpu_state_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (the
 same kernels, so the same bits). One error record (:class:`~trainstream.core._host.StickyError`) and one
 stats dict. Imports neither torch nor jax; no arithmetic (clipping and loss scaling are the framework's).
 """
@@ -16,51 +16,51 @@ import numpy as np
 
 from .. import contract as C
 from ._budget import place, state_bytes
-from ._budget import resident as _resident
+from ._budget import gpu_state_fits
 from ._host import Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "PLACEMENTS", "WorkerError", "state_bytes"]
+__all__ = ["Backend", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
 #: The placement policies (the adapters' ``mode``).
-PLACEMENTS = ("cpu", "gpu", "hybrid")
+MODES = ("cpu", "gpu", "hybrid")
 
 
 class Engine:
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args: ``backend``: the framework adapter (:class:`~trainstream.core._host.Backend`, and for device
-    slots what :class:`~trainstream.core._device.DevicePlacement` names); ``placement``: ``"cpu"``,
+    slots what :class:`~trainstream.core._device.DevicePlacement` names); ``mode``: the policy, ``"cpu"``,
     ``"gpu"`` or ``"hybrid"``; ``device_elems``: ``hybrid``'s budget of elements on the device;
-    ``resident_bytes``: the GPU memory for resident state (:func:`state_bytes` per slot; 0: none);
-    ``resident_later``: build the device placement now, for :meth:`make_resident` later (any mode);
+    ``gpu_state_bytes``: the GPU memory for resident state (:func:`state_bytes` per slot; 0: none);
+    ``gpu_state_later``: build the device placement now, for :meth:`move_state_to_gpu` later (any mode);
     ``eager_blocks``: grid cap of :meth:`launch_eager` (None: a quarter of the multiprocessors); the
     others are :class:`~trainstream.core._host.HostPlacement`'s.
     """
 
-    def __init__(self, backend: Backend, *, placement: str = "cpu", device_elems: int = 0, resident_bytes: int = 0,
-                 threads: int | None = None, chunk_elems: int = 1 << 20, convention: str = "torch",
+    def __init__(self, backend: Backend, *, mode: str = "cpu", device_elems: int = 0, gpu_state_bytes: int = 0,
+                 threads: int | None = None, chunk_size: int = 1 << 20, convention: str = "torch",
                  pin_moments: bool = False, tc_code: int = 0, worker_nice: int = 5, eager_blocks: int | None = None,
-                 cores: Sequence[int] | None = None, resident_later: bool = False,
+                 cores: Sequence[int] | None = None, gpu_state_later: bool = False,
                  _device: Callable[[], Any] | None = None):
-        if placement not in PLACEMENTS:
-            raise ValueError(f"Unknown placement {placement!r}; expected one of {PLACEMENTS}")
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}")
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
-        if isinstance(resident_bytes, bool) or not isinstance(resident_bytes, (int, np.integer)) or resident_bytes < 0:
-            raise ValueError(f"resident_bytes must be an int >= 0, got {resident_bytes!r}")
-        self.backend, self.placement, self.convention, self.eager_blocks = backend, placement, convention, eager_blocks
+        if isinstance(gpu_state_bytes, bool) or not isinstance(gpu_state_bytes, (int, np.integer)) or gpu_state_bytes < 0:
+            raise ValueError(f"gpu_state_bytes must be an int >= 0, got {gpu_state_bytes!r}")
+        self.backend, self.mode, self.convention, self.eager_blocks = backend, mode, convention, eager_blocks
         self.errors = StickyError()
         self.device = self.host = None
-        if placement != "cpu" or resident_bytes > 0 or resident_later:
+        if mode != "cpu" or gpu_state_bytes > 0 or gpu_state_later:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
                 # Staged in gpu mode only: beside hybrid's host share it was slower (experiments/RESULTS.md).
-                self.device = DevicePlacement(backend, convention=convention, staged=placement == "gpu")
+                self.device = DevicePlacement(backend, convention=convention, staged=mode == "gpu")
             else:  # tests: a stand-in
                 self.device = _device()
-        if placement != "gpu":
+        if mode != "gpu":
             try:
-                self.host = HostPlacement(backend, threads=threads, chunk_elems=chunk_elems, convention=convention,
+                self.host = HostPlacement(backend, threads=threads, chunk_size=chunk_size, convention=convention,
                                           pin_moments=pin_moments, tc_code=tc_code, worker_nice=worker_nice,
                                           errors=self.errors, cores=cores)
             except BaseException:
@@ -69,12 +69,12 @@ class Engine:
                 raise
         self._budget = int(device_elems)
         self.device_elems_used = 0  # hybrid: the elements of the device slots that are not resident
-        self.resident_budget = int(resident_bytes)  # resident_bytes, raised by make_resident
-        self.resident_bytes_used = 0
+        self.gpu_state_budget = int(gpu_state_bytes)  # gpu_state_bytes, raised by move_state_to_gpu
+        self.gpu_state_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
-        self._args: list[list] = []  # slot -> [param, dtype, platform, trainable] (make_resident)
-        self._resident: list[int] = []  # slot -> bytes of its resident state (0: not resident)
+        self._args: list[list] = []  # slot -> [param, dtype, platform, trainable] (move_state_to_gpu)
+        self._gpu_state: list[int] = []  # slot -> bytes of its resident state (0: not resident)
 
     @property
     def closed(self) -> bool:
@@ -90,29 +90,29 @@ class Engine:
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
                   trainable: bool = True, on_device: bool | None = None) -> int:
         """Register a flat parameter; returns its slot id. Resident where its state fits in what is left of
-        ``resident_bytes``, else placed by the policy (:mod:`~trainstream.core._budget`'s rules)."""
+        ``gpu_state_bytes``, else placed by the policy (:mod:`~trainstream.core._budget`'s rules)."""
         need = state_bytes(numel, dtype)
-        res = _resident([(numel, dtype, trainable)], self.resident_budget, self.resident_bytes_used)[0]
-        dev = res or place([(numel, trainable, on_device)], self.placement, self._budget, self.device_elems_used)[0]
+        res = gpu_state_fits([(numel, dtype, trainable)], self.gpu_state_budget, self.gpu_state_used)[0]
+        dev = res or place([(numel, trainable, on_device)], self.mode, self._budget, self.device_elems_used)[0]
         if res:
-            local = self.device.add_param(param, numel, dtype, platform, resident=True)
-            self.resident_bytes_used += need
+            local = self.device.add_param(param, numel, dtype, platform, gpu_state=True)
+            self.gpu_state_used += need
         else:
             local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
             self.device_elems_used += int(numel) if dev else 0
         self._where.append((dev, local))
         self._numel.append(int(numel))
         self._args.append([param, dtype, platform, trainable])
-        self._resident.append(need if res else 0)
+        self._gpu_state.append(need if res else 0)
         return len(self._where) - 1
 
     def on_device(self, sid: int) -> bool:
         """Whether slot ``sid`` is updated by the device placement (resident or not)."""
         return self._where[self._check_sid(sid)][0]
 
-    def resident(self, sid: int) -> bool:
+    def has_gpu_state(self, sid: int) -> bool:
         """Whether slot ``sid``'s state is resident in GPU memory."""
-        return self._resident[self._check_sid(sid)] > 0
+        return self._gpu_state[self._check_sid(sid)] > 0
 
     def _check_sid(self, sid: int) -> int:
         if not isinstance(sid, (int, np.integer)) or not 0 <= sid < len(self._where):
@@ -135,40 +135,40 @@ class Engine:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
         keep, drop = self._where[:n], self._where[n:]
         for placement, dev in ((self.host, False), (self.device, True)):
-            if placement is not None:  # after make_resident a dropped slot's local id may precede a kept one's
+            if placement is not None:  # after move_state_to_gpu a dropped slot's local id may precede a kept one's
                 end = 1 + max((local for d, local in keep if d == dev), default=-1)
                 for local in sorted(local for d, local in drop if d == dev and local < end):
                     placement.release(local)
                 placement.truncate(end)
-        self.device_elems_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._resident[n:])
+        self.device_elems_used -= sum(k for (d, _), k, r in zip(self._where[n:], self._numel[n:], self._gpu_state[n:])
                                       if d and not r)
-        self.resident_bytes_used -= sum(self._resident[n:])
-        for per_slot in (self._where, self._numel, self._args, self._resident):
+        self.gpu_state_used -= sum(self._gpu_state[n:])
+        for per_slot in (self._where, self._numel, self._args, self._gpu_state):
             del per_slot[n:]
 
-    def make_resident(self, nbytes: int) -> list[int]:
+    def move_state_to_gpu(self, nbytes: int) -> list[int]:
         """Raise the resident budget by ``nbytes`` and move into GPU memory, from either placement, the state
         of the trainable slots not resident yet that fits in what is left of it, in slot order; each keeps its
         id, state and bits. Slots registered later take what is left. Where an allocation is refused, the
         slots moved so far stay moved and the rest stay, with a warning. Returns the slots moved."""
         if self.device is None:
-            raise RuntimeError("TrainStream engine: make_resident needs the device placement (resident_later=True)")
+            raise RuntimeError("TrainStream engine: move_state_to_gpu needs the device placement (gpu_state_later=True)")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise ValueError(f"make_resident: nbytes must be an int >= 0, got {nbytes!r}")
+            raise ValueError(f"move_state_to_gpu: nbytes must be an int >= 0, got {nbytes!r}")
         self.errors.check()
-        todo = [sid for sid, (r, a) in enumerate(zip(self._resident, self._args)) if not r and a[3]]
-        self.resident_budget += int(nbytes)
-        fits = _resident([(self._numel[sid], self._args[sid][1], True) for sid in todo], self.resident_budget,
-                         self.resident_bytes_used)
+        todo = [sid for sid, (r, a) in enumerate(zip(self._gpu_state, self._args)) if not r and a[3]]
+        self.gpu_state_budget += int(nbytes)
+        fits = gpu_state_fits([(self._numel[sid], self._args[sid][1], True) for sid in todo], self.gpu_state_budget,
+                         self.gpu_state_used)
         moved: list[int] = []
         for sid in (s for s, fit in zip(todo, fits) if fit):
             placement, local = self._local(sid)
             param, dtype, platform, _ = self._args[sid]
             master, m, v, step = self.state(sid, copy=False)  # once its queued work has run
             try:
-                new = self.device.add_param(param, self._numel[sid], dtype, platform, resident=True, init=False)
+                new = self.device.add_param(param, self._numel[sid], dtype, platform, gpu_state=True, init=False)
             except MemoryError as exc:
-                self.resident_budget = self.resident_bytes_used  # later slots are not resident either
+                self.gpu_state_budget = self.gpu_state_used  # later slots are not resident either
                 warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
                 break
@@ -181,8 +181,8 @@ class Engine:
             if placement is self.device:
                 self.device_elems_used -= self._numel[sid]
             self._where[sid] = (True, new)
-            self._resident[sid] = state_bytes(self._numel[sid], dtype)
-            self.resident_bytes_used += self._resident[sid]
+            self._gpu_state[sid] = state_bytes(self._numel[sid], dtype)
+            self.gpu_state_used += self._gpu_state[sid]
             moved.append(sid)
             placement.release(local)
         return moved
@@ -251,7 +251,7 @@ class Engine:
     def _host_only(self, what: str):
         if self.host is None:
             raise RuntimeError(f"TrainStream engine: {what} runs on the host placement, and this engine has none "
-                               f"(placement={self.placement!r})")
+                               f"(mode={self.mode!r})")
         return self.host
 
     def wait_ready(self, sids: Sequence[int]) -> None:
@@ -316,17 +316,17 @@ class Engine:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5 both; with
         both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device share's).
         ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident state
-        (``resident_params`` slots, ``resident_numel`` elements); ``staging_ring_bytes``: the staging ring's."""
+        (``gpu_state_params`` slots, ``gpu_state_numel`` elements); ``staging_ring_bytes``: the staging ring's."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())
         if self.device is None:
-            return {**st, "gpu_state_bytes": 0.0, "resident_params": 0.0, "resident_numel": 0.0,
+            return {**st, "gpu_state_bytes": 0.0, "gpu_state_params": 0.0, "gpu_state_numel": 0.0,
                     "staging_ring_bytes": 0.0}
         g = self.device.stats()
         for k in ("params", "numel", "host_state_bytes", "pinned_state_bytes", "ready_stall_ms_total", "eager_updates"):
             st[k] += g[k]
-        st.update({k: g[k] for k in ("gpu_state_bytes", "resident_params", "resident_numel", "staging_ring_bytes")},
+        st.update({k: g[k] for k in ("gpu_state_bytes", "gpu_state_params", "gpu_state_numel", "staging_ring_bytes")},
                   gpu_mode=0.5, steps=max(st["steps"], g["steps"]), gpu_params=g["params"], gpu_numel=g["numel"],
                   gpu_update_launch_ms_total=g["update_ms_total"])
         return st

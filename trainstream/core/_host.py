@@ -90,7 +90,7 @@ class Event(Protocol):
 
 
 class Backend(Protocol):
-    """What the engine needs from a framework (``trainstream.torch._backend``, ``trainstream.jax``). Optional
+    """What the engine needs from a framework (``trainstream.backends.torch``, ``trainstream.jax``). Optional
     attributes: ``weights_in_grad_stage`` (module docstring, 3.) and ``copy_keeps_source_alive``."""
 
     def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
@@ -338,7 +338,7 @@ class HostPlacement:
     """The slots updated on the host: their state, staging buffers and the worker pool.
 
     Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at least
-    1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_elems``: elements per chunk
+    1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_size``: elements per chunk
     (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
     ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (pageable by default: only host threads read
     them); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
@@ -347,7 +347,7 @@ class HostPlacement:
     103-120 against 161 ms per step), else no different, and starves the workers beside a busy data loader.
     """
 
-    def __init__(self, backend: Backend, *, threads: int | None = None, chunk_elems: int = 1 << 20,
+    def __init__(self, backend: Backend, *, threads: int | None = None, chunk_size: int = 1 << 20,
                  convention: str = "torch", pin_moments: bool = False, tc_code: int = 0,
                  worker_nice: int = WORKER_NICE, errors: StickyError | None = None,
                  cores: Sequence[int] | None = None):
@@ -357,12 +357,12 @@ class HostPlacement:
             threads = default_threads(1, list(cores) if cores else None)
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        if not isinstance(chunk_elems, int) or chunk_elems < 1:
-            raise ValueError(f"chunk_elems must be a positive integer, got {chunk_elems!r}")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"worker_nice must be an integer nice value, got {worker_nice!r}")
         self.backend, self.convention, self.pin_moments, self.tc_code = backend, convention, pin_moments, int(tc_code)
-        self.chunk = -(-chunk_elems // NORM_BLOCK) * NORM_BLOCK
+        self.chunk = -(-chunk_size // NORM_BLOCK) * NORM_BLOCK
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
         self._stats = _Stats()

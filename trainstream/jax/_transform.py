@@ -51,7 +51,7 @@ class OffloadAdamWState(NamedTuple):
 
 # offload_adamw's checked arguments (threads None: decided when the first update is traced)
 _Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
-                                 "after_clip mode convention threads chunk_elems worker_nice host_margin")
+                                 "after_clip mode convention threads chunk_size worker_nice host_margin")
 
 
 class _NoSlots:
@@ -78,7 +78,7 @@ def _engine(convention: str, tc_code: int, threads: int, chunk: int, nice: int) 
     if key not in _engines:  # every callback asks: no lock once it exists
         with _engines_lock:
             if key not in _engines:
-                _engines[key] = Engine(_NoSlots(), placement="cpu", threads=threads, chunk_elems=chunk,
+                _engines[key] = Engine(_NoSlots(), mode="cpu", threads=threads, chunk_size=chunk,
                                        convention=convention, tc_code=tc_code, worker_nice=nice)
                 # after the engine's finalizer, so first at exit: callbacks still in flight find live workers
                 atexit.unregister(_finish_in_flight)
@@ -90,7 +90,7 @@ def _torch_cpu_code() -> int:
     """The contract's torch/cpu code (torch's sqrt path and lerp fusing, probed once)."""
     try:
         importlib.import_module("torch")  # torch itself, even where trainstream.torch was imported before
-        from ..torch._backend import torch_cpu_code  # noqa: PLC0415
+        from ..backends.torch import torch_cpu_code  # noqa: PLC0415
     except ImportError:
         raise RuntimeError("convention='torch' reproduces torch.optim.AdamW on the CPU, whose sqrt (MKL's) TrainStream "
                            "probes: torch must be importable (pip install torch), or use convention='optax'") from None
@@ -214,7 +214,7 @@ class _Plan:
         self.schedule = callable(cfg.learning_rate)
         tc_code = _torch_cpu_code() if cfg.convention == "torch" else 0
         threads = cfg.threads or _cores.default_threads(_sharding._local_processes())
-        self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_elems, cfg.worker_nice)
+        self.engine_key = (cfg.convention, tc_code, threads, cfg.chunk_size, cfg.worker_nice)
         lr = 0.0 if self.schedule else cfg.learning_rate  # torch: float hyper-parameters (arrays are refused)
         self.hps = ([C.AdamWHyperParams(lr, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if d else 0.0) for d in decay]
                     if cfg.convention == "torch" else None)
@@ -567,7 +567,7 @@ def _static(name: str, x, default, positive: bool = True):
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   weight_decay: float = 1e-4, *, max_grad_norm: float | None = None, mask: Any = None,
                   xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
-                  convention: str = "optax", threads: int | None = None, chunk_elems: int = 1 << 20,
+                  convention: str = "optax", threads: int | None = None, chunk_size: int = 1 << 20,
                   worker_nice: int = 5, host_margin: float | None = _budget.MARGIN,
                   gpu_state_bytes: int | None = None) -> OffloadAdamW:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
@@ -595,7 +595,7 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         per device, kept for the process; needs the parameters on a CUDA device and ``convention="optax"``.
       convention: ``"optax"`` (optax.adamw as XLA compiles it) or ``"torch"`` (``torch.optim.AdamW`` on the
         CPU, bit for bit; needs torch and float hyper-parameters; ``update`` returns ``new - params``).
-      threads, chunk_elems: host worker threads of this process, shared by its devices (default: its share of
+      threads, chunk_size: host worker threads of this process, shared by its devices (default: its share of
         the usable cores among this host's JAX processes, less one), and the elements of one job.
       worker_nice: the host workers' nice value (Linux applies it per thread).
       host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
@@ -653,7 +653,7 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     if after_clip is not None and max_grad_norm is not None:
         raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
     threads = _static("threads", threads, None)
-    chunk_elems = _static("chunk_elems", chunk_elems, 1 << 20)
+    chunk_size = _static("chunk_size", chunk_size, 1 << 20)
     worker_nice = _static("worker_nice", worker_nice, 5, positive=False)
     host_margin = _static("host_margin", host_margin, _budget.MARGIN)
     if convention == "torch":
@@ -661,5 +661,5 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
     impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, xla_fused_grads,
-                         fl(after_clip), mode, convention, threads, chunk_elems, worker_nice, host_margin))
+                         fl(after_clip), mode, convention, threads, chunk_size, worker_nice, host_margin))
     return OffloadAdamW(impl.init, impl.update)

@@ -1,5 +1,5 @@
 """``OffloadAdamW``: the ``torch.optim.Optimizer`` over the engine (``trainstream.core``), whose arithmetic is the
-contract's (``trainstream.contract``). No arithmetic lives here; buffers, streams and copies are :mod:`._backend`'s.
+contract's (``trainstream.contract``). No arithmetic lives here; buffers, streams and copies are :mod:`trainstream.backends.torch`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .. import _cores
 from .. import contract as C
 from ..core import Engine, _budget
 from . import _dist as D
-from ._backend import _DTYPE_NAME, TorchBackend, torch_cpu_code
+from ..backends.torch import _DTYPE_NAME, TorchBackend, torch_cpu_code
 
 __all__ = ["OffloadAdamW"]
 
@@ -36,23 +36,23 @@ _HINT = ("less state per process (FSDP2, or zero_stage=1 under DDP: each rank ho
 _SUMMED = {*(f"{p}_{k}" for p in _budget.PARTS for k in ("pinned", "pageable")), "pinned", "pageable", "needed"}
 
 
-def _resident(flat, budget: int, used: int = 0) -> list[bool]:
-    """The engine's resident rule (:func:`trainstream.core._budget.resident`) on parameters."""
-    return _budget.resident([(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad)
+def _gpu_state_fits(flat, budget: int, used: int = 0) -> list[bool]:
+    """The engine's resident rule (:func:`trainstream.core._budget.gpu_state_fits`) on parameters."""
+    return _budget.gpu_state_fits([(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad)
                              for p in flat], budget, used)
 
 
-def _hybrid_elems(flat, share: float, resident_bytes: int) -> int:
+def _hybrid_elems(flat, share: float, gpu_state_bytes: int) -> int:
     """hybrid's budget of device elements: ``share`` of the trainable elements whose state is not GPU-resident."""
-    res = _resident(flat, resident_bytes)
+    res = _gpu_state_fits(flat, gpu_state_bytes)
     return round(share * sum(D.local(p).numel() for p, r in zip(flat, res) if p.requires_grad and not r))
 
 
 def _host_plan(flat, mode: str, budget: int, last: bool, used: int, pin_moments: bool, margin, device=None,
-               resident_bytes: int = 0, resident_used: int = 0):
+               gpu_state_bytes: int = 0, gpu_state_used: int = 0):
     """The host plan of registering ``flat`` (:func:`trainstream.core._budget.plan`, refused parameters left out) and
     hybrid's split: GPU-resident ones first, then by fit in what ``used`` leaves of ``budget`` (``last``: backwards)."""
-    res = _resident(flat, resident_bytes, resident_used)
+    res = _gpu_state_fits(flat, gpu_state_bytes, gpu_state_used)
     order = [i for i in (range(len(flat) - 1, -1, -1) if last else range(len(flat))) if not res[i]]
     dev = dict(zip(order, _budget.place([(D.local(flat[i]).numel(), flat[i].requires_grad, None) for i in order],
                                         mode, budget, used)))
@@ -277,13 +277,13 @@ class OffloadAdamW(Optimizer):
         self._consolidated: dict[str, Any] | None = None  # zero_stage=1: consolidate_state_dict()'s
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.mode = mode
-        self._auto_resident = gpu_state_bytes == "auto"  # none at first, then what the GPU has free (_place_auto)
-        self._gpu_state_bytes = 0 if self._auto_resident else int(gpu_state_bytes)
+        self._auto_gpu_state = gpu_state_bytes == "auto"  # none at first, then what the GPU has free (_place_auto)
+        self._gpu_state_bytes = 0 if self._auto_gpu_state else int(gpu_state_bytes)
         self._gpu_params, self._gpu_budget = gpu_params, 0  # budget: hybrid's device elements (_hybrid_elems)
         self._deferred, self._host_margin, self._host_plan = True, host_margin, {}  # _deferred: see add_param_group
         self._worker_cores = worker_cores
         self._cores, self._engine, self._device = None, None, None  # set by the first parameter (_register)
-        self._engine_args = dict(threads=threads, chunk_elems=chunk_size, convention=convention,
+        self._engine_args = dict(threads=threads, chunk_size=chunk_size, convention=convention,
                                  pin_moments=pin_moments, worker_nice=worker_nice)
         self._slot_of: dict[torch.Tensor, int] = {}
         # Per slot: its parameter, param group index and what the engine last saw of it (_check_param): the storage
@@ -386,7 +386,7 @@ class OffloadAdamW(Optimizer):
         for i, p in enumerate(flat, len(self._params_of_slot)):
             self._check_new(p, i, self._device or D.local(flat[0]).device)
         eng, pin = self._engine, self._engine_args["pin_moments"]
-        used, res_used = (eng.device_elems_used, eng.resident_bytes_used) if eng is not None else (0, 0)
+        used, res_used = (eng.device_elems_used, eng.gpu_state_used) if eng is not None else (0, 0)
         plan, on_gpu = _host_plan(flat, self.mode, self._gpu_budget, last, used, pin, self._host_margin, self._device,
                                   self._gpu_state_bytes, res_used)
         _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
@@ -413,7 +413,7 @@ class OffloadAdamW(Optimizer):
         resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
         budget = _hybrid_elems(flat, gpu_share, resident) if mode == "hybrid" else 0
         return _host_plan(flat, mode, budget, gpu_params == "last", 0, pin_moments, host_margin,
-                          resident_bytes=resident)[0]
+                          gpu_state_bytes=resident)[0]
 
     def _mine(self, p: torch.Tensor) -> bool:
         """Whether this rank holds ``p``'s state (all but zero_stage=1's parameters of other ranks)."""
@@ -439,8 +439,8 @@ class OffloadAdamW(Optimizer):
             raise NotImplementedError("OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built "
                                       "(FSDP's all-gather reads the shards before a forward could wait); leave it "
                                       "unset: step() orders the uploads before FSDP's next all-gather.")
-        if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes or self._auto_resident):
-            budget = "'auto'" if self._auto_resident else self._gpu_state_bytes
+        if loc.device.type != "cuda" and (self.mode != "cpu" or self._gpu_state_bytes or self._auto_gpu_state):
+            budget = "'auto'" if self._auto_gpu_state else self._gpu_state_bytes
             what = (f"mode={self.mode!r}" if self.mode != "cpu"
                     else f"gpu_state_bytes={budget} keeps state in GPU memory and")
             raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; parameter {index} is on {loc.device}")
@@ -459,11 +459,11 @@ class OffloadAdamW(Optimizer):
             if args["threads"] is None:  # this rank's share of the host
                 args["threads"] = _cores.default_threads(D.local_world()[1], self._cores)
             try:
-                self._engine = Engine(TorchBackend(loc.device), placement=self.mode, device_elems=self._gpu_budget,
-                                      resident_bytes=self._gpu_state_bytes, resident_later=self._auto_resident,
+                self._engine = Engine(TorchBackend(loc.device), mode=self.mode, device_elems=self._gpu_budget,
+                                      gpu_state_bytes=self._gpu_state_bytes, gpu_state_later=self._auto_gpu_state,
                                       tc_code=tc_code, eager_blocks=self._eager_blocks, cores=self._cores, **args)
             except ImportError as exc:
-                gs = " with gpu_state_bytes" if self._gpu_state_bytes or self._auto_resident else ""
+                gs = " with gpu_state_bytes" if self._gpu_state_bytes or self._auto_gpu_state else ""
                 raise ImportError(f"OffloadAdamW mode={self.mode!r}{gs} needs CuPy: pip install 'trainstream[cuda12]' "
                                   f"or 'trainstream[cuda13]' ({exc})") from exc
             self._owned.engine = self._engine
@@ -742,18 +742,18 @@ class OffloadAdamW(Optimizer):
                      for g in self.param_groups for p in g["params"]]
             for work in works:
                 work.wait()
-        if self._auto_resident and self._engine is not None and (updates or eager_done):
+        if self._auto_gpu_state and self._engine is not None and (updates or eager_done):
             self._place_auto()  # after a step that updated: torch's pool holds its peak
         return loss
 
     def _place_auto(self) -> None:
         """``gpu_state_bytes="auto"`` after the first step that updated (the class docstring says what moves)."""
-        self._auto_resident = False
+        self._auto_gpu_state = False
         free, total = torch.cuda.mem_get_info(self._device)
         try:
-            self._engine.make_resident(max(0, int(free - AUTO_GPU_HEADROOM * total)))
+            self._engine.move_state_to_gpu(max(0, int(free - AUTO_GPU_HEADROOM * total)))
         finally:  # also the slots moved before a failure: updated at step() from param.grad from now on
-            self._gpu_state_bytes = self._engine.resident_budget  # what parameters added later may take
+            self._gpu_state_bytes = self._engine.gpu_state_budget  # what parameters added later may take
             for sid in [sid for sid in self._hooks if self._engine.on_device(sid)]:
                 self._hooks.pop(sid).remove()
                 self._staged.pop(sid, None)
@@ -796,7 +796,7 @@ class OffloadAdamW(Optimizer):
     def stats(self) -> dict[str, float]:
         """This rank's counters: bytes moved, host state bytes (``host_state_bytes``, of them ``pinned_state_bytes``),
         the host memory plan checked at construction (``host_plan_*``: see :meth:`host_memory_plan`), GPU state
-        bytes (``gpu_state_bytes``, of ``resident_params`` parameters; ``staging_ring_bytes``: ``gpu`` mode's ring),
+        bytes (``gpu_state_bytes``, of ``gpu_state_params`` parameters; ``staging_ring_bytes``: ``gpu`` mode's ring),
         update and stall times, worker ``threads``, and where the rank sits: ``rank``, ``world_size``,
         ``local_rank``, ``local_world_size``, ``worker_cores`` (cores the workers are bound to; 0: unbound)."""
         self._check_open()
