@@ -434,6 +434,26 @@ def test_unfrozen_and_hand_set_gradients_are_applied():
     ts.close()
 
 
+def test_load_state_dict_between_backward_and_step_keeps_the_gradients():
+    """backward, load_state_dict, step: torch updates from the loaded state with param.grad;
+    so does OffloadAdamW with the gradients its hooks copied (loading the state leaves the
+    staged copies alone: whether one is current is the adapter's record's to say)."""
+    m1, m2, ref, ts = _ref_and_ts(lr=1e-2)
+    data = batches(3)
+    for m, o in ((m1, ref), (m2, ts)):
+        loss_of(m, data[0]).backward()
+        o.step()
+        o.zero_grad()
+    saved = [copy.deepcopy(o.state_dict()) for o in (ref, ts)]
+    for (m, o), sd in zip(((m1, ref), (m2, ts)), saved):
+        loss_of(m, data[1]).backward()
+        o.load_state_dict(sd)
+        o.step()
+    assert_same(m1, m2)
+    assert ts.state_dict()["state"][0]["step"].item() == 2.0
+    ts.close()
+
+
 def test_stale_master_from_a_torch_round_trip_is_not_restored():
     model = make_model(dtype=torch.bfloat16)
     ts = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
