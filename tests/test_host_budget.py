@@ -17,7 +17,7 @@ from trainstream import _device_kernels as dk
 from trainstream import _hostmem
 from trainstream.core import _budget as B
 from trainstream.core import _engine as E
-from trainstream.torch import OffloadAdamW
+from trainstream.torch import OffloadAdamW, _params
 from trainstream.backends.torch import TorchBackend
 
 _PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.master_fp32": "masters",
@@ -216,14 +216,14 @@ def _host_allocs(be, mapped, slots, dev):
 @pytest.mark.parametrize("pin_moments", [False, True])
 def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, dtypes, resident, mode, order,
                                                             pin_moments):
-    """OffloadAdamW's placement (``_host_plan``, as ``__init__`` and ``add_param_group``
-    call it on CUDA parameters) against the engine that registers the same parameters:
-    the slots resident in GPU memory, those on the device placement and the host bytes
-    (pinned and pageable, per part) are those the plan predicted, for a first group and a
-    group added later that finds part of both budgets taken. The engine's device
-    placement is the real one over faked CUDA allocations."""
-    from trainstream.torch._optimizer import _host_plan
-    from trainstream.torch._optimizer import _gpu_state_fits as torch_resident
+    """OffloadAdamW's placement (``_budget.assign`` asked once per group and the host plan
+    from its answer, as ``__init__`` and ``add_param_group`` do on CUDA parameters) against
+    the engine that registers the same parameters where it was told: the slots resident in
+    GPU memory, those on the device placement and the host bytes (pinned and pageable, per
+    part) are those the plan predicted, for a first group and a group added later that finds
+    part of both budgets taken. The engine's device placement is the real one over faked
+    CUDA allocations."""
+    from trainstream.torch._params import _facts, _plan
 
     def params(slots):
         return [torch.nn.Parameter(torch.zeros(n, dtype=getattr(torch, d if dtypes == "mixed" else dtypes)),
@@ -234,7 +234,7 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
     need = [B.state_bytes(n, d) for n, d, t in slots if t]
     budget_bytes = {"none": 0, "some": sum(need[:len(need) // 2]) - 1, "all": sum(need)}[resident]
     # __init__: hybrid's share is of the trainable elements that are not resident
-    res = torch_resident(first, budget_bytes)
+    res = B.gpu_state_fits(_facts(first), budget_bytes)
     share = round(0.4 * sum(p.numel() for p, r in zip(first, res) if p.requires_grad and not r)) \
         if mode == "hybrid" else 0
     be = _Backend(True, TorchBackend.weights_in_grad_stage)
@@ -245,13 +245,16 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
         want = dict.fromkeys(_host_allocs(be, mapped, [], []), 0.0)
         placed, dev = [], []
         for group, last in ((first, order == "last"), (later, False)):  # add_param_group: by fit, in order
-            res = torch_resident(group, budget_bytes, eng.gpu_state_used)
-            plan, on_gpu = _host_plan(group, mode, share, last, eng.device_elems_used, pin_moments, None, cuda,
-                                      budget_bytes, eng.gpu_state_used)
+            res = B.gpu_state_fits(_facts(group), budget_bytes, eng.gpu_state_used)
+            where = B.assign(_facts(group), mode, device_elems=share, device_used=eng.device_elems_used,
+                             gpu_state_bytes=budget_bytes, gpu_state_used=eng.gpu_state_used, last=last)
+            plan = _plan(group, where, pin_moments, None, cuda)
+            on_gpu = [w == "device" for w in where]
             assert not any(r and g for r, g in zip(res, on_gpu))
-            for p, g in zip(group, on_gpu):
+            assert [w == "gpu_state" for w in where] == res
+            for p, w in zip(group, where):
                 eng.add_param(np.zeros(p.numel(), np.float32), p.numel(), str(p.dtype)[6:], "cuda",
-                              trainable=p.requires_grad, on_device=g)
+                              trainable=p.requires_grad, where=w)
             n0 = len(placed)
             placed += group
             assert [eng.has_gpu_state(s) for s in range(n0, len(placed))] == res
@@ -311,10 +314,11 @@ def _model(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [4096, 1 << 20])
-def test_torch_plan_equals_the_allocation_and_trains(dtype, chunk):
+def test_torch_plan_equals_the_allocation_and_trains(dtype, chunk, monkeypatch):
     model = _model(dtype)
     plan = OffloadAdamW.host_memory_plan(model.parameters())
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, chunk_size=chunk)
+    monkeypatch.setattr(_params, "CHUNK_SIZE", chunk)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
     st = opt.stats()
     numel = sum(p.numel() for p in model.parameters())
     assert st["host_plan_needed"] == plan["needed"] == st["pageable_state_bytes"] == st["host_state_bytes"]
@@ -376,7 +380,7 @@ def test_torch_refuses_bad_parameters_before_the_plan(monkeypatch):
     with pytest.raises(TypeError, match="parameter 3 has dtype torch.float64"):
         opt.add_param_group({"params": [list(model.parameters())[2], torch.nn.Parameter(torch.zeros(3).double())]})
     after = opt.stats()
-    assert len(opt.param_groups) == 1 and len(opt._params_of_slot) == 2
+    assert len(opt.param_groups) == 1 and len(opt._slots) == 2
     assert all(after[k] == before[k] for k in ("host_plan_needed", "host_state_bytes", "params"))
     opt.close()
 
@@ -583,7 +587,7 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
     (pinned and pageable), the slots resident in GPU memory are the plan's, for a later
     group too."""
     pytest.importorskip("cupy")
-    from trainstream.torch._optimizer import _gpu_state_fits
+    from trainstream.torch._params import _facts
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to("cuda", dtype)
@@ -599,9 +603,9 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
         st = opt.stats()
         assert st["host_plan_needed"] == plan["needed"] == st["host_state_bytes"]
         assert st["host_plan_pinned"] == plan["pinned"] == st["pinned_state_bytes"]
-        want = _gpu_state_fits(params, budget)
+        want = B.gpu_state_fits(_facts(params), budget)
         assert [opt._engine.has_gpu_state(s) for s in range(len(params))] == want and (resident == "none") != any(want)
-        later = _gpu_state_fits(extra, budget, opt._engine.gpu_state_used)
+        later = B.gpu_state_fits(_facts(extra), budget, opt._engine.gpu_state_used)
         opt.add_param_group({"params": extra})
         st = opt.stats()
         assert st["host_plan_needed"] == st["host_state_bytes"] and st["host_plan_pinned"] == st["pinned_state_bytes"]

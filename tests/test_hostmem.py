@@ -5,7 +5,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from test_torch_optimizer import step_beside_master
+from test_torch_optimizer import chunked, step_beside_master
 
 from trainstream import _hostmem
 from trainstream.torch import OffloadAdamW
@@ -75,7 +75,8 @@ def test_bits_on_huge_pages(dtype, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 8)).to(dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=1 << 16)
+    with chunked(1 << 16):
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2)
     st = ts._engine.host._slot(0)
     # moments (and the bf16 weights' master) through _hostmem
     assert 1024 * 1024 in calls

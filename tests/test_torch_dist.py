@@ -582,7 +582,7 @@ def zero1_groups_max_grad_norm(rank, device, out):
 def worker_cores_auto(rank, device, out):
     """worker_cores="auto": disjoint slices of the cores, the default thread count from them."""
     opt = OffloadAdamW(_mlp(device).parameters(), worker_cores="auto")
-    cores = opt._cores
+    cores = opt._slots.cores
     st = opt.stats()
     opt.close()
     every = [None, None]

@@ -15,6 +15,7 @@ import torch.nn as nn  # noqa: E402
 from test_torch_optimizer import (  # noqa: E402
     assert_same,
     batches,
+    chunked,
     loss_of,
     make_model,
     step_beside_master,
@@ -53,7 +54,8 @@ def test_cuda_half_params_against_fp32_master(mode, dtype):
     model = make_model(dtype=dtype).to(DEV)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode)
+    with chunked(4096):
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode)
     for x in batches(30):
         x = x.to(DEV)
         step_beside_master(model, master, ref, ts, loss_of(model, x))
@@ -324,9 +326,9 @@ def test_eager_kernels_launch_during_backward(mode):
     ref_model, ts_model, _, ts = train_pair_cuda(steps=20, mode=mode, micro=2, eager=True,
                                                  zero_to_none=False, eager_blocks=3, **kw)
     assert_same(ref_model, ts_model)
-    assert ts._eager_blocks == 3
+    assert ts._engine.eager_blocks == 3
     gpu = ts._engine.device
-    gpu_sids = [sid for sid in range(len(ts._params_of_slot)) if ts._engine.on_device(sid)]
+    gpu_sids = [sid for sid in range(len(ts._slots)) if ts._engine.on_device(sid)]
     assert len(gpu_sids) == gpu.stats()["params"] > 0
     before = gpu.stats()["eager_updates"]
     x = batches(1)[0].to(DEV)
@@ -382,7 +384,7 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
     ref_model, ts_model, _, ts = train_pair_cuda(steps=8, mode=mode, **kw, **extra)
     assert_same(ref_model, ts_model)
     on_gpu = (lambda sid: True) if mode == "gpu" else ts._engine.on_device
-    order = [p.numel() for g in ts.param_groups for p in g["params"] if on_gpu(ts._slot_of[p])]
+    order = [p.numel() for g in ts.param_groups for p in g["params"] if on_gpu(ts._slots.of(p).sid)]
     assert single == []
     # every GPU-share tensor once per step, in the order step() lists them
     assert [n for _, _, ns in multi for n in ns] == order * 8
@@ -500,8 +502,8 @@ def test_resident_half_params_against_fp32_master(mode, dtype):
     model = make_model(dtype=dtype).to(DEV)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
-                      gpu_state_bytes=RESIDENT)
+    with chunked(4096):
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes=RESIDENT)
     resident = [ts._engine.has_gpu_state(sid) for sid in range(len(master))]
     assert any(resident) and not all(resident)
     assert ts.stats()["gpu_state_bytes"] == sum(12 * p.numel() for p, r in zip(master, resident) if r)
@@ -543,8 +545,8 @@ def test_auto_resident_takes_the_free_gpu_memory_and_frees_the_host_state(mode):
     model = make_model(dtype=torch.bfloat16).to(DEV)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, chunk_size=4096, mode=mode,
-                      gpu_state_bytes="auto")
+    with chunked(4096):
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes="auto")
     st = ts.stats()
     assert st["gpu_state_params"] == 0 and st["gpu_state_bytes"] == 0 and st["host_state_bytes"] > 0
     for i, x in enumerate(batches(10)):

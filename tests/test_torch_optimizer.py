@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from unittest import mock
 
 import pytest
 
@@ -14,9 +15,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from trainstream import _host_kernels as K  # noqa: E402
 from trainstream.core._engine import WorkerError  # noqa: E402
-from trainstream.torch import OffloadAdamW  # noqa: E402
+from trainstream.torch import OffloadAdamW, _params  # noqa: E402
 
 VOCAB, CTX = 32, 12
+
+
+def chunked(n):
+    """Optimizers built inside run work items of ``n`` elements (the engine's default: 2**20)."""
+    return mock.patch.object(_params, "CHUNK_SIZE", n)
 
 
 class TinyTransformer(nn.Module):
@@ -85,8 +91,9 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
     ``device`` (``opt_kw``: more OffloadAdamW arguments)."""
     ref_model, ts_model = make_model(d=d).to(device), make_model(d=d).to(device)
     ref = torch.optim.AdamW(two_groups(ref_model), betas=(0.9, 0.95))
-    ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
-                      threads=threads, chunk_size=chunk, mode=mode, **opt_kw)
+    with chunked(chunk):
+        ts = OffloadAdamW(two_groups(ts_model), betas=(0.9, 0.95), max_grad_norm=max_norm,
+                          threads=threads, mode=mode, **opt_kw)
     scheds = []
     if sched:
         scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=steps)
@@ -176,7 +183,8 @@ def test_half_params_against_fp32_master(dtype, micro):
     model = make_model(dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, chunk_size=4096)
+    with chunked(4096):
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2)
     slot = ts._engine.host._slot(0)
     assert slot.param_stage is slot.grad_stage
     for x in batches(20):
@@ -202,7 +210,8 @@ def test_half_params_against_fp32_master(dtype, micro):
 def test_checkpoint_resume_and_interop(tmp_path):
     data = batches(40)
     model = make_model()
-    ts = OffloadAdamW(two_groups(model), threads=2, chunk_size=4096)
+    with chunked(4096):
+        ts = OffloadAdamW(two_groups(model), threads=2)
 
     def run(m, opt, xs):
         for x in xs:
@@ -218,7 +227,8 @@ def test_checkpoint_resume_and_interop(tmp_path):
     ck = torch.load(path)
     m2 = make_model()
     m2.load_state_dict(ck["model"])
-    ts2 = OffloadAdamW(two_groups(m2), threads=3, chunk_size=8192)
+    with chunked(8192):
+        ts2 = OffloadAdamW(two_groups(m2), threads=3)
     ts2.load_state_dict(ck["opt"])
     run(m2, ts2, data[20:])
     assert_same(model, m2)
@@ -388,7 +398,8 @@ def test_failed_update_uploads_nothing(monkeypatch):
     nothing and the parameter keeps its weights until the error is dealt with."""
     model = make_model(dtype=torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
-    ts = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096)
+    with chunked(4096):
+        ts = OffloadAdamW(model.parameters(), threads=2)
     _step_with_failing_kernel(ts, model, monkeypatch)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
@@ -431,6 +442,26 @@ def test_unfrozen_and_hand_set_gradients_are_applied():
         m.head.bias.grad = torch.full_like(m.head.bias, 0.5)  # set by hand
         o.step()
     assert_same(m1, m2)
+    ts.close()
+
+
+def test_load_state_dict_between_backward_and_step_keeps_the_gradients():
+    """backward, load_state_dict, step: torch updates from the loaded state with param.grad;
+    so does OffloadAdamW with the gradients its hooks copied (loading the state leaves the
+    staged copies alone: whether one is current is the adapter's record's to say)."""
+    m1, m2, ref, ts = _ref_and_ts(lr=1e-2)
+    data = batches(3)
+    for m, o in ((m1, ref), (m2, ts)):
+        loss_of(m, data[0]).backward()
+        o.step()
+        o.zero_grad()
+    saved = [copy.deepcopy(o.state_dict()) for o in (ref, ts)]
+    for (m, o), sd in zip(((m1, ref), (m2, ts)), saved):
+        loss_of(m, data[1]).backward()
+        o.load_state_dict(sd)
+        o.step()
+    assert_same(m1, m2)
+    assert ts.state_dict()["state"][0]["step"].item() == 2.0
     ts.close()
 
 
@@ -631,7 +662,7 @@ def test_hooks_one_per_parameter():
         loss_of(model, x).backward()
         ts.step()
         ts.zero_grad()
-    assert len(ts._hooks) == len(list(model.parameters()))
+    assert sum(rec.hook is not None for rec in ts._slots) == len(list(model.parameters()))
     ts.close()
 
 
@@ -668,5 +699,30 @@ def _two_orders_pair(steps, eager):
 def test_hooks_whose_order_changes_between_steps(eager):
     ref_m, ts_m, ts = _two_orders_pair(6, eager)
     assert_same(ref_m, ts_m)
-    assert len(ts._hooks) == 4  # one hook per parameter
+    assert sum(rec.hook is not None for rec in ts._slots) == 4  # one hook per parameter
+    ts.close()
+
+
+@pytest.mark.parametrize("kw", [dict(convention="torch"), dict(chunk_size=4096)])
+def test_removed_arguments_are_refused(kw):
+    """The torch adapter reproduces torch (no convention), and the engine keeps its work-item
+    size (no chunk_size)."""
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        OffloadAdamW([nn.Parameter(torch.zeros(3))], **kw)
+
+
+def test_placement_is_asked_once_of_the_core(monkeypatch):
+    """One answer of the core's budget per registration (all groups at construction, then
+    one per added group), which the engine takes without asking again."""
+    from trainstream.core import _budget, _engine
+
+    calls = []
+    real = _budget.assign
+    monkeypatch.setattr(_budget, "assign", lambda slots, *a, **k: calls.append(len(slots)) or real(slots, *a, **k))
+    monkeypatch.setattr(_engine, "assign", lambda *a, **k: pytest.fail("the engine placed a slot itself"))
+    model = make_model()
+    groups = two_groups(model)
+    ts = OffloadAdamW(groups[:1], threads=1)
+    ts.add_param_group(groups[1])
+    assert calls == [len(groups[0]["params"]), len(groups[1]["params"])]
     ts.close()

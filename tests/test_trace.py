@@ -15,7 +15,7 @@ trace = load_script("_trace_report")
 def _run_traced(eager: bool):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096, overlap_forward=model)
+    opt = OffloadAdamW(model.parameters(), threads=2, overlap_forward=model)
     x = torch.randn(4, 64)
     trace.start()
     try:

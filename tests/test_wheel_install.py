@@ -74,7 +74,7 @@ def loss_of(model, x):
 ref_model, ts_model = make_model(), make_model()
 init = [p.detach().clone() for p in ref_model.parameters()]
 ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, betas=(0.9, 0.95))
-kw = dict(threads=2, chunk_size=4096) if mode == "cpu" else {}
+kw = dict(threads=2) if mode == "cpu" else {}
 ts = OffloadAdamW(groups(ts_model), lr=1e-2, betas=(0.9, 0.95), mode=mode, **kw)
 g = torch.Generator().manual_seed(1)
 steps = 6

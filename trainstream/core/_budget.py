@@ -1,18 +1,25 @@
-"""Memory as a budget: which slots keep their state in GPU memory (:func:`gpu_state_fits`) or are updated on the
-device (:func:`place`), and the host bytes an optimizer will allocate (:func:`host_bytes`), checked against
-the host (:func:`plan`, :func:`check`) before any state is allocated. Imports neither torch nor jax.
+"""Memory as a budget: where each slot goes (:func:`assign`: its state kept in GPU memory by
+:func:`gpu_state_fits`, else updated on the device or on the host by the policy's :func:`place`), and the host
+bytes an optimizer will allocate (:func:`host_bytes`), checked against the host (:func:`plan`, :func:`check`)
+before any state is allocated. An adapter asks :func:`assign` once for the parameters it registers, plans the
+host memory from its answer and hands each slot's answer to ``Engine.add_param(where=)``. Imports neither torch
+nor jax.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from .. import _hostmem
 from ..contract import ITEMSIZE as _ITEMSIZE
 
-__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "check", "host_bytes", "place", "plan", "gpu_state_fits",
-           "state_bytes"]
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "WHERE", "assign", "check", "host_bytes", "hybrid_elems",
+           "place", "plan", "gpu_state_fits", "state_bytes"]
 
+#: Where :func:`assign` puts a slot: its state kept in GPU memory (a device slot, resident), the device
+#: placement (state in host memory, updated by the GPU kernel) or the host placement. The last two are
+#: also :func:`host_bytes`' layouts of those slots.
+WHERE = ("gpu_state", "device", "host")
 LAYOUTS = ("host", "device", "arrays", "staged")
 PARTS = ("state", "masters", "staging")
 #: The default ``host_margin``: the fraction of the available host memory left to the rest of the
@@ -55,6 +62,32 @@ def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device
         used += int(numel) if dev else 0
         out.append(dev)
     return out
+
+
+def assign(slots: Sequence[tuple[int, str, bool]], mode: str, *, device_elems: int = 0, device_used: int = 0,
+           gpu_state_bytes: int = 0, gpu_state_used: int = 0, last: bool = False,
+           on_device: Sequence[bool | None] | None = None) -> list[str]:
+    """Where (:data:`WHERE`) each of the ``(numel, dtype, trainable)`` slots goes, registered after those
+    that took ``gpu_state_used`` bytes of ``gpu_state_bytes`` and ``device_used`` elements of
+    ``device_elems``: ``"gpu_state"`` where its state fits (:func:`gpu_state_fits`, in slot order), else the
+    policy ``mode`` (:func:`place`): ``"device"`` or ``"host"``. ``hybrid`` fills ``device_elems`` in slot
+    order, or with ``last`` from the last slot backwards (its gradient comes first), except where
+    ``on_device`` (one entry per slot) says."""
+    slots = list(slots)
+    resident = gpu_state_fits(slots, gpu_state_bytes, gpu_state_used)
+    order = [i for i in (range(len(slots) - 1, -1, -1) if last else range(len(slots))) if not resident[i]]
+    choice = [None] * len(slots) if on_device is None else list(on_device)
+    dev = dict(zip(order, place([(slots[i][0], slots[i][2], choice[i]) for i in order], mode, device_elems,
+                                device_used)))
+    return ["gpu_state" if resident[i] else "device" if dev[i] else "host" for i in range(len(slots))]
+
+
+def hybrid_elems(slots: Iterable[tuple[int, str, bool]], share: float, gpu_state_bytes: int = 0) -> int:
+    """``hybrid``'s ``device_elems``: ``share`` of the trainable elements of the ``(numel, dtype,
+    trainable)`` slots whose state does not fit in ``gpu_state_bytes`` (:func:`gpu_state_fits`)."""
+    slots = list(slots)
+    resident = gpu_state_fits(slots, gpu_state_bytes)
+    return round(share * sum(int(n) for (n, _, t), r in zip(slots, resident) if t and not r))
 
 
 def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = False, can_pin: bool = True,

@@ -15,8 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import contract as C
-from ._budget import place, state_bytes
-from ._budget import gpu_state_fits
+from ._budget import WHERE, assign, gpu_state_fits, state_bytes
 from ._host import Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
 
 __all__ = ["Backend", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
@@ -87,23 +86,34 @@ class Engine:
     def _placements(self) -> list[Any]:
         return [p for p in (self.device, self.host) if p is not None]
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *,
-                  trainable: bool = True, on_device: bool | None = None) -> int:
-        """Register a flat parameter; returns its slot id. Resident where its state fits in what is left of
-        ``gpu_state_bytes``, else placed by the policy (:mod:`~trainstream.core._budget`'s rules)."""
-        need = state_bytes(numel, dtype)
-        res = gpu_state_fits([(numel, dtype, trainable)], self.gpu_state_budget, self.gpu_state_used)[0]
-        dev = res or place([(numel, trainable, on_device)], self.mode, self._budget, self.device_elems_used)[0]
-        if res:
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, trainable: bool = True,
+                  on_device: bool | None = None, where: str | None = None) -> int:
+        """Register a flat parameter; returns its slot id. ``where`` (:data:`~trainstream.core._budget.WHERE`):
+        the adapter's answer from :func:`~trainstream.core._budget.assign` for this slot, taken as it is (it
+        asked with :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here
+        for this slot alone: resident where its state fits in what is left of ``gpu_state_bytes``, else by the
+        policy (``on_device``: ``hybrid``'s choice for it)."""
+        if where is None:
+            where = assign([(numel, dtype, trainable)], self.mode, device_elems=self._budget,
+                           device_used=self.device_elems_used, gpu_state_bytes=self.gpu_state_budget,
+                           gpu_state_used=self.gpu_state_used, on_device=[on_device])[0]
+        if where not in WHERE:
+            raise ValueError(f"add_param: where must be one of {WHERE}, got {where!r}")
+        placement = self.host if where == "host" else self.device
+        if placement is None:
+            raise ValueError(f"add_param: where={where!r} needs the {'host' if where == 'host' else 'device'} "
+                             f"placement, which this engine (mode={self.mode!r}) does not have")
+        need = state_bytes(numel, dtype) if where == "gpu_state" else 0
+        if need:
             local = self.device.add_param(param, numel, dtype, platform, gpu_state=True)
             self.gpu_state_used += need
         else:
-            local = (self.device if dev else self.host).add_param(param, numel, dtype, platform)
-            self.device_elems_used += int(numel) if dev else 0
-        self._where.append((dev, local))
+            local = placement.add_param(param, numel, dtype, platform)
+            self.device_elems_used += int(numel) if where == "device" else 0
+        self._where.append((where != "host", local))
         self._numel.append(int(numel))
         self._args.append([param, dtype, platform, trainable])
-        self._gpu_state.append(need if res else 0)
+        self._gpu_state.append(need)
         return len(self._where) - 1
 
     def on_device(self, sid: int) -> bool:

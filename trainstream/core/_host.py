@@ -295,7 +295,10 @@ class _Slot:
     grad_stage: HostBuffer | None = None
     param_stage: HostBuffer | None = None  # fp16/bf16 weights to upload; may be grad_stage
     step: int = 0
-    staged: bool = False  # a gradient is staged, its update not yet queued
+    # The gradient staging, as the caller made it: whether that copy is still the gradient to update from is
+    # the caller's to decide (the torch adapter's per-parameter record), never this slot's. ``staged``: an
+    # offload_grad since the slot's last update or discard_grads (step() updates only such a slot).
+    staged: bool = False
     landed: Any = None  # completion event of the last gradient copy
     grad_keep: Any = None  # the device gradient, alive until its copy completed
     ready: Any = None  # completion event of the last weight upload
@@ -739,7 +742,7 @@ class HostPlacement:
             s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
         else:
             self.backend.param_to_host_f32(s.param, s.master.array)
-        s.step, s.staged, s.grad_keep = int(step), False, None
+        s.step = int(step)  # a staged gradient stays staged: the caller says whether to update from it
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""

@@ -1,5 +1,6 @@
-"""What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's DTensor parameters,
-the process's place among its host's ranks (worker threads and cores), and ZeRO-1's partition.
+"""What :class:`~trainstream.torch.OffloadAdamW` needs of ``torch.distributed``: FSDP2's DTensor parameters
+(and their state's checkpoint values), the process's place among its host's ranks (worker threads and cores),
+and ZeRO-1 (``zero_stage=1``): the partition, the broadcast of the new weights, the gathered state dict.
 ``torch.distributed.tensor`` is looked up, never imported: a DTensor exists only once it is.
 """
 
@@ -13,8 +14,8 @@ import torch
 
 from .. import _cores
 
-__all__ = ["is_dtensor", "local", "version", "foreach_moves_versions", "state_view", "world",
-           "local_world", "worker_cores", "ZeroPartition"]
+__all__ = ["is_dtensor", "local", "version", "foreach_moves_versions", "state_view", "local_value", "world",
+           "local_world", "worker_cores", "ZeroPartition", "gather_state"]
 
 
 # -- FSDP2: DTensor parameters ---------------------------------------------------------------
@@ -61,6 +62,16 @@ def state_view(param: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     meta = TensorMeta(param.shape, param.stride(), host.dtype)
     return DTensor(host, DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta),
                    requires_grad=False)
+
+
+def local_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a loaded state tensor ``t`` of parameter ``p``, float32 on the CPU (for a DTensor ``p``,
+    the local tensor of a DTensor ``t``, as torch.distributed.checkpoint's ``set_optimizer_state_dict`` passes it)."""
+    if is_dtensor(p) and not is_dtensor(t):
+        raise ValueError("OffloadAdamW.load_state_dict: a DTensor (FSDP2) parameter's state must be a DTensor laid "
+                         "out as it (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from a "
+                         f"full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
+    return local(t.detach()).to("cpu", torch.float32)
 
 
 # -- ranks and host resources ----------------------------------------------------------------
@@ -114,17 +125,56 @@ def worker_cores(spec: Any, device: torch.device) -> list[int] | None:
 # -- ZeRO-1 ----------------------------------------------------------------------------------
 
 class ZeroPartition:
-    """ZeroRedundancyOptimizer's partition: per param group in order, its parameters largest first (a stable
-    sort), each to the lowest rank holding the fewest elements so far. A group added later continues from the
-    counts so far, as ZeroRedundancyOptimizer's repartition from scratch gives."""
+    """ZeroRedundancyOptimizer's partition over the default process group (this rank: ``rank``): per param group
+    in order, its parameters largest first (a stable sort), each to the lowest rank holding the fewest elements so
+    far. A group added later continues from the counts so far, as ZeroRedundancyOptimizer's repartition from
+    scratch gives."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, gated: bool = False):
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError("OffloadAdamW(zero_stage=1) partitions the parameters between the ranks of "
+                             "torch.distributed's default process group: initialise it first")
+        if gated:
+            raise NotImplementedError("OffloadAdamW: overlap_forward with zero_stage=1 is not built (each "
+                                      "owner broadcasts its new weights in step(), after their uploads)")
+        self.rank, world_size = world()
         self.sizes = [0] * world_size
         self.owner: dict[torch.Tensor, int] = {}
 
     def add_group(self, params: Sequence[torch.Tensor]) -> None:
+        if any(is_dtensor(p) for p in params):
+            raise ValueError("OffloadAdamW: zero_stage=1 is for replicated parameters (DDP); FSDP2's "
+                             "DTensor parameters are sharded already: use zero_stage=0")
         for p in sorted(params, key=lambda t: t.numel(), reverse=True):
             r = self.sizes.index(min(self.sizes))
             self.owner[p] = r
             self.sizes[r] += p.numel()
 
+    def mine(self, p: torch.Tensor) -> bool:
+        """Whether this rank holds ``p``'s state and updates it."""
+        return self.owner[p] == self.rank
+
+    def snapshot(self) -> tuple[list[int], dict[torch.Tensor, int]]:
+        return list(self.sizes), dict(self.owner)
+
+    def restore(self, snap: tuple[list[int], dict[torch.Tensor, int]]) -> None:
+        self.sizes, self.owner = snap
+
+    def broadcast(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Every parameter from its owner (``p.data``: no version moves), all issued, then waited for (NCCL: on the
+        GPU); call it after the uploads of this rank's new weights (the current stream waits for them)."""
+        works = [torch.distributed.broadcast(p.data, src=self.owner[p], async_op=True)
+                 for g in groups for p in g["params"]]
+        for work in works:
+            work.wait()
+
+
+def gather_state(state: dict[int, Any], to: int) -> dict[int, Any] | None:
+    """``consolidate_state_dict``'s collective: every rank's ``state`` entries (pickled: copies of the views), merged
+    in parameter-index order on rank ``to``; None on the other ranks."""
+    rank, world_size = world()
+    shares = [None] * world_size if rank == to else None
+    torch.distributed.gather_object(state, shares, dst=to)
+    if shares is None:
+        return None
+    return dict(sorted({i: entry for share in shares for i, entry in share.items()}.items()))

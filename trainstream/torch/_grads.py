@@ -1,0 +1,220 @@
+"""Gradient capture for :class:`~trainstream.torch.OffloadAdamW`: the gradient hooks, the staged copies and
+the multipliers torch's own clipping and unscaling apply to ``param.grad``.
+
+As backward produces a host slot's gradient, its hook copies ``param.grad`` into the engine's staging and
+records what it copied in the parameter's :class:`~trainstream.torch._params.Slot` (a :class:`StagedCopy`).
+That record alone says whether the copy is still the gradient to update from: ``step()``
+(:meth:`GradCapture.updates`) uses it, times the multiplier applied to ``param.grad`` since (the contract's
+``c``), or copies ``param.grad`` again where it changed in another way; the engine updates what it is told.
+Under ``last_micro_batch()`` (the eager path) a hook takes the gradient and starts its update at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from .. import contract as C
+from ..backends.torch import _DTYPE_NAME
+from . import _dist as D
+from ._gate import Gate
+from ._params import Slot, Slots
+
+__all__ = ["GradCapture", "StagedCopy"]
+
+
+class StagedCopy(NamedTuple):
+    """What a hook copied into the engine's staging: the gradient tensor, its version counter then (or after
+    the one multiplication since) and that multiplication's factor (None: none)."""
+
+    grad: weakref.ref
+    version: Any
+    coef: float | None = None
+
+    def current(self, p: torch.Tensor, trusted: bool = False) -> bool:
+        """Whether ``p.grad`` is the tensor copied, at that version; with ``trusted`` also, for a DTensor whose
+        in-place foreach ops move no version counter, multiplied since by this one alone."""
+        grad = p.grad
+        if grad is None or self.grad() is not grad or self.version != D.version(grad):
+            return False
+        return not trusted or self.coef is not None or not D.is_dtensor(p) or D.foreach_moves_versions(p.device_mesh)
+
+
+class GradCapture:
+    """The gradient side of one optimizer, over its registry ``slots``: hooks, the eager path (``eager``: inside
+    ``last_micro_batch()``; ``done``: the slots it updated since the last ``step()``), the multipliers.
+    ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``group_hyper(index)``: that param group's
+    hyper-parameters now. Holds nothing of the optimizer (its hooks hold this object weakly)."""
+
+    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, group_hyper: Callable[[int], C.AdamWHyperParams]):
+        self.slots, self.gate, self.clipping, self.group_hyper = slots, gate, clipping, group_hyper
+        self.eager = False
+        self.done: set[int] = set()
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def hook(self, rec: Slot, gpu: bool = False) -> None:
+        """Give trainable slot ``rec`` its gradient hook (:meth:`_ready`) once; ``gpu``: a GPU slot's (eager)."""
+        if self.slots.engine.on_device(rec.sid) != gpu or not rec.param.requires_grad:
+            return
+        if (rec.gpu_hook if gpu else rec.hook) is not None:
+            return
+        ref, sid = weakref.ref(self), rec.sid  # no cycle through the parameter's hooks
+
+        def hook(param: torch.Tensor) -> None:
+            grads = ref()
+            if grads is not None and not grads.slots.closed and param.grad is not None:
+                grads._ready(grads.slots[sid])
+        handle = rec.param.register_post_accumulate_grad_hook(hook)
+        if gpu:
+            rec.gpu_hook = handle
+        else:
+            rec.hook = handle
+
+    def _ready(self, rec: Slot) -> None:
+        """``rec``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
+        update (behind its copy; a GPU slot's kernel behind backward), else copy a host slot's gradient for step()."""
+        engine, p = self.slots.engine, rec.param
+        on_device, eager = engine.on_device(rec.sid), self.eager and not self.clipping
+        if on_device and not eager:
+            return  # a GPU slot's update runs at step()
+        if D.local(p).data_ptr() != rec.ptr:
+            self.slots.follow(rec)  # e.g. model.double(): a clear error, not the engine's
+        if eager:
+            rec.staged = None
+            if rec.sid in self.done:
+                raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
+                                   f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+            self.slots.follow(rec)  # an edited weight is re-read before the update
+            self.done.add(rec.sid)
+            hp = self.group_hyper(rec.group)
+            if on_device:
+                engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
+            else:
+                engine.offload_grad(rec.sid, *self.local_grad(rec), hp)
+            self.gate.mark([rec.sid])
+            p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
+        elif self._hook_copies(p):  # else step() copies it
+            grad = p.grad
+            engine.offload_grad(rec.sid, *self.local_grad(rec), None)
+            rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
+
+    def _hook_copies(self, p: torch.Tensor) -> bool:
+        """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter with several processes (reduced
+        later); for a DTensor if foreach ops move version counters or ``max_grad_norm`` (applied to the copy) is set."""
+        if D.is_dtensor(p):
+            return self.clipping or D.foreach_moves_versions(p.device_mesh)
+        return D.world()[1] == 1
+
+    @staticmethod
+    def local_grad(rec: Slot, host: bool = True) -> tuple[torch.Tensor, str]:
+        """``param.grad``'s local tensor, detached and contiguous (flat with ``host=False``: GPU slots), and its dtype's
+        name; refuses a sparse gradient, one on another device than the parameter, for a host slot another dtype or
+        shape."""
+        p, sid = rec.param, rec.sid
+        grad, loc = D.local(p.grad), D.local(p)
+        if grad.is_sparse:
+            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
+        if host and (grad.dtype != loc.dtype or grad.shape != loc.shape):
+            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, the "
+                            f"parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
+        if grad.device != loc.device:
+            raise ValueError(f"OffloadAdamW: parameter {sid} is on {loc.device}, its gradient on {grad.device}")
+        if grad.dtype not in _DTYPE_NAME:
+            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
+        if not host:
+            return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
+        # Only the torch calls needed: each releases and retakes the GIL, costly under busy workers.
+        if grad.requires_grad:
+            grad = grad.detach()
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        return grad, _DTYPE_NAME[grad.dtype]
+
+    # -- step -----------------------------------------------------------------------------------
+
+    def updates(self, groups: Iterable[dict[str, Any]], hyper: Callable[[dict[str, Any]], C.AdamWHyperParams]
+                ) -> tuple[list[tuple], dict[int, float], set[int]]:
+        """What ``step()`` tells the engine, per registered parameter of ``groups`` (``hyper``: a group's
+        hyper-parameters) whose ``grad`` is not None and that no eager update took: a GPU slot's gradient; a host
+        slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now.
+        Returns ``(updates, coefs, eager)`` for ``Engine.step`` (``eager``: the slots updated from hooks); every
+        staged copy and eager mark is consumed."""
+        engine, eager = self.slots.engine, self.done
+        self.done = set()
+        updates, coefs = [], {}
+        for group in groups:
+            hp = hyper(group)
+            for p in group["params"]:
+                rec = self.slots.of(p)  # None: another rank's (zero_stage=1)
+                if rec is None:
+                    continue
+                copy, rec.staged = rec.staged, None
+                if p.grad is None or rec.sid in eager:
+                    continue  # no gradient: no update, as torch's
+                if engine.on_device(rec.sid):
+                    updates.append((rec.sid, hp, *self.local_grad(rec, host=False)))
+                    continue
+                if copy is None or not copy.current(p, trusted=True):
+                    engine.offload_grad(rec.sid, *self.local_grad(rec), None)  # changed since, or set by hand
+                elif copy.coef is not None:
+                    coefs[rec.sid] = copy.coef
+                updates.append((rec.sid, hp))
+        return updates, coefs, eager
+
+    def forget(self) -> None:
+        """Drop every staged copy (``zero_grad``, or gradients unscaled in place): ``step()`` copies again."""
+        for rec in self.slots:
+            rec.staged = None
+
+    # -- multipliers: torch's clipping and unscaling of param.grad, the same c on the copies --------------------
+
+    def multiply(self, op: Callable[[], None], mult: dict[torch.dtype, float]) -> None:
+        """Run ``op``, torch's in-place multiplication of ``param.grad``s; a staged copy equal to its gradient before
+        gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else, or on a second one: re-copied)."""
+        current = [rec for rec in self.slots if rec.staged is not None and rec.staged.current(rec.param)]
+        op()
+        for rec in current:
+            grad = rec.param.grad
+            c = mult.get(grad.dtype)
+            if c is not None and rec.staged.coef is None:
+                rec.staged = rec.staged._replace(version=D.version(grad), coef=c)
+
+    def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool,
+             foreach: bool | None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, ...)`` (``params``: those with a gradient) with torch's own
+        functions; the staged copies get the coefficient. Returns the total norm."""
+        if self.done:
+            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its gradients "
+                               "were taken by their updates (use max_grad_norm=, which turns the eager path off)")
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
+        if params:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s lines
+            self.multiply(lambda: torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach),
+                          {coef.dtype: float(D.local(coef))})
+        return total
+
+    def amp(self, found_inf: torch.Tensor, scale: torch.Tensor | None, params: list[torch.Tensor]) -> bool:
+        """GradScaler's ``step(opt)`` set ``found_inf`` and ``grad_scale`` (``scale``; None once the user unscaled in
+        place): returns whether to skip the step, else unscales ``param.grad`` (``params``: those with a gradient)
+        as ``GradScaler.unscale_`` does."""
+        if self.done:
+            raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates used the scaled "
+                               "gradients. Use one or the other; reload a checkpoint (load_state_dict) to continue.")
+        if found_inf.item():
+            return True  # skipped, as GradScaler skips torch.optim.AdamW's step
+        if scale is None:  # unscaled in place by GradScaler.unscale_ (no _version change)
+            self.forget()
+            return False
+        inv = scale.double().reciprocal().float()
+        by_kind: dict = {}
+        for grad in (D.local(p.grad) for p in params):  # a DTensor's shard: the same bits, no dispatch
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+
+        def unscale():
+            for (dev, _), grads in by_kind.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1, device=dev), inv.to(dev))
+        self.multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)))
+        return False

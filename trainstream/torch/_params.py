@@ -1,0 +1,308 @@
+"""Parameter registration and placement for :class:`~trainstream.torch.OffloadAdamW`: the checks of a new
+parameter, the engine (built by the first one), where each parameter's state goes (asked once of the core's
+budget, :func:`trainstream.core._budget.assign`, whose answer the engine takes), the host memory plan checked
+before anything is allocated, one :class:`Slot` record per registered parameter, and following weights that
+were changed or replaced outside the optimizer (:meth:`Slots.follow`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .. import _cores
+from ..backends.torch import _DTYPE_NAME, TorchBackend, torch_cpu_code
+from ..core import Engine, _budget
+from . import _dist as D
+
+__all__ = ["AUTO_GPU_HEADROOM", "CHUNK_SIZE", "Slot", "Slots", "check_placement", "host_memory_plan"]
+
+#: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for the caching allocator's later
+#: growth, other processes, fragmentation).
+AUTO_GPU_HEADROOM = 0.1
+
+#: Elements per work item of the engine's worker pool; ``None``: the engine's default (2**20). Not an argument:
+#: nobody tunes it and no bit depends on it; tests set it to run small tensors in several chunks.
+CHUNK_SIZE: int | None = None
+
+_HINT = ("less state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), mode='gpu' or "
+         "'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, 8 instead of 16 per fp32)")
+#: Plan entries added up over the parameter groups (the others are the last check's).
+_SUMMED = {*(f"{p}_{k}" for p in _budget.PARTS for k in ("pinned", "pageable")), "pinned", "pageable", "needed"}
+
+
+def check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> None:
+    """Refuse placement arguments :class:`OffloadAdamW` (and ``host_memory_plan``) do not take."""
+    if mode not in ("cpu", "gpu", "hybrid"):
+        raise ValueError(f"OffloadAdamW mode must be 'cpu', 'gpu' or 'hybrid', got {mode!r}")
+    if isinstance(gpu_share, bool) or not isinstance(gpu_share, numbers.Real) or not 0.0 <= gpu_share <= 1.0:
+        raise ValueError(f"Invalid gpu_share: {gpu_share!r} (must be a fraction in [0, 1])")
+    if not (isinstance(gpu_state_bytes, str) and gpu_state_bytes == "auto") and (isinstance(gpu_state_bytes, bool)
+            or not isinstance(gpu_state_bytes, numbers.Integral) or gpu_state_bytes < 0):
+        raise ValueError(f"Invalid gpu_state_bytes: {gpu_state_bytes!r} (must be an int >= 0, in bytes, or 'auto')")
+    if gpu_params not in ("first", "last"):
+        raise ValueError(f"Invalid gpu_params: {gpu_params!r} (must be 'first' or 'last')")
+    if gpu_params != "first" and mode != "hybrid":
+        raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
+
+
+def _facts(flat: Sequence[torch.Tensor]) -> list[tuple[int, str, bool]]:
+    """What the core's budget knows of parameters: ``(numel, dtype, trainable)`` of each (local) tensor."""
+    return [(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad) for p in flat]
+
+
+def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], pin_moments: bool, margin: float | None,
+          device: torch.device | None) -> dict[str, float]:
+    """The host memory plan (:func:`trainstream.core._budget.plan`) of registering ``flat`` where
+    :func:`~trainstream.core._budget.assign` put them (resident state takes none; unsupported dtypes left out)."""
+    device = device or next((D.local(p).device for p in flat), None)
+    cuda = device is not None and device.type == "cuda"
+    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], w)
+             for p, w in zip(flat, where) if p.dtype in _DTYPE_NAME and w != "gpu_state"]
+    return _budget.plan(slots, margin=margin, pin_moments=pin_moments, can_pin=cuda,
+                        weights_in_grad_stage=TorchBackend.weights_in_grad_stage,
+                        pinned_size=TorchBackend.pinned_size if cuda else None)
+
+
+def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
+                     gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
+                     pin_moments: bool = False, host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
+    """:meth:`OffloadAdamW.host_memory_plan`: the plan of a new optimizer over ``params``, nothing allocated."""
+    check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
+    groups = list(params)
+    flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
+        if groups and isinstance(groups[0], dict) else groups
+    resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
+    facts = _facts(flat)
+    share = _budget.hybrid_elems(facts, gpu_share, resident) if mode == "hybrid" else 0
+    where = _budget.assign(facts, mode, device_elems=share, gpu_state_bytes=resident, last=gpu_params == "last")
+    return _plan(flat, where, pin_moments, host_margin, None)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One registered parameter: its engine slot, what the engine last saw of it (:meth:`Slots.follow`) and
+    its gradient capture's part (:mod:`trainstream.torch._grads`)."""
+
+    sid: int  # its slot id in the engine (registration order)
+    param: torch.Tensor
+    group: int  # the index of its param group
+    ptr: int  # data_ptr() of the (local) storage the engine writes
+    version: Any  # D.version(param) when the engine last read it (the engine's own writes move none)
+    meta: tuple  # (dtype, shape, device) of the local tensor
+    staged: Any = None  # _grads.StagedCopy: the hook's copy of param.grad in the engine's staging, or None
+    hook: Any = None  # handle of its gradient hook (a host slot's, _grads.GradCapture.hook)
+    gpu_hook: Any = None  # handle of a GPU slot's eager hook (installed by last_micro_batch)
+
+    def remove_hooks(self) -> None:
+        for handle in (self.hook, self.gpu_hook):
+            if handle is not None:
+                handle.remove()
+        self.hook = self.gpu_hook = None
+
+
+class Slots:
+    """The registered parameters of one optimizer, in slot order, the engine holding their state (built by the
+    first one) and the host memory plan checked so far (``host_plan``). Holds nothing of the optimizer: its
+    finalizer releases it (:meth:`release`)."""
+
+    def __init__(self, *, mode: str, gpu_state_bytes: int | str, gpu_share: float, gpu_params: str,
+                 host_margin: float | None, worker_cores: Any, threads: int | None, pin_moments: bool,
+                 worker_nice: int, eager_blocks: int | None, gated: bool):
+        self.mode, self.gpu_share, self.gpu_params = mode, float(gpu_share), gpu_params
+        self.auto_gpu_state = gpu_state_bytes == "auto"  # none at first, then what the GPU has free (move_auto)
+        self.gpu_state_bytes = 0 if self.auto_gpu_state else int(gpu_state_bytes)
+        self.device_elems = 0  # hybrid's budget of device elements, sized at construction (start)
+        self.host_margin, self.worker_cores, self.eager_blocks = host_margin, worker_cores, eager_blocks
+        self.gated = gated  # overlap_forward is set (refused with DTensor parameters)
+        self.engine_args = dict(threads=threads, pin_moments=pin_moments, worker_nice=worker_nice)
+        self.engine: Engine | None = None
+        self.device: torch.device | None = None  # the parameters' device, set with the engine
+        self.cores: list[int] | None = None  # the workers' cores (worker_cores), set with the engine
+        self.host_plan: dict[str, float] = {}
+        self.closed = False
+        self._records: list[Slot] = []
+        self._of: dict[torch.Tensor, Slot] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self._records)
+
+    def __getitem__(self, sid: int) -> Slot:
+        return self._records[sid]
+
+    def of(self, p: torch.Tensor) -> Slot | None:
+        """``p``'s record, or None where it is not registered (e.g. another rank's under zero_stage=1)."""
+        return self._of.get(p)
+
+    def start(self, pairs: Sequence[tuple[torch.Tensor, int]], hook: Callable[[Slot], None] | None = None
+              ) -> list[Slot]:
+        """Register the ``(parameter, group index)`` pairs of a new optimizer (:meth:`add`): hybrid's share sized
+        over them, the GPU share from the last parameter backwards with ``gpu_params="last"``."""
+        if self.mode == "hybrid":
+            self.device_elems = _budget.hybrid_elems(_facts([p for p, _ in pairs]), self.gpu_share,
+                                                     self.gpu_state_bytes)
+        return self.add(pairs, last=self.gpu_params == "last", hook=hook)
+
+    def add(self, pairs: Sequence[tuple[torch.Tensor, int]], last: bool = False,
+            hook: Callable[[Slot], None] | None = None) -> list[Slot]:
+        """Register ``(parameter, group index)`` pairs, all or none: each is checked, then the host memory
+        (pinned moments that would not fit become pageable), before anything is allocated; ``hook(record)`` after
+        each (its gradient hook). Returns the records."""
+        n, plan, pin = len(self._records), self.host_plan, self.engine_args["pin_moments"]
+        flat = [p for p, _ in pairs]
+        try:
+            where = self._reserve(flat, last)
+            for (p, group), w in zip(pairs, where):
+                rec = self._register(p, group, w)
+                if hook is not None:
+                    hook(rec)
+        except BaseException:  # leave the registry exactly as it was
+            self.truncate(n)
+            self.host_plan = plan
+            self._pin_moments(pin)
+            raise
+        return self._records[n:]
+
+    def truncate(self, n: int) -> None:
+        """Drop the records (their hooks) and engine slots registered after the first ``n``."""
+        for rec in self._records[n:]:
+            rec.remove_hooks()
+            self._of.pop(rec.param, None)
+        del self._records[n:]
+        if self.engine is not None:
+            self.engine.truncate(n)
+
+    def release(self) -> None:
+        """Once, by close() or the optimizer's collection: remove the hooks, finish queued work, close the engine."""
+        self.closed = True
+        for rec in self._records:
+            rec.remove_hooks()
+        if self.engine is not None:
+            self.engine.close()
+
+    def _pin_moments(self, pin: bool) -> None:
+        self.engine_args["pin_moments"] = pin
+        if self.engine is not None and self.engine.host is not None:
+            self.engine.host.pin_moments = pin
+
+    def _reserve(self, flat: list[torch.Tensor], last: bool) -> list[str]:
+        """Check each new parameter (:meth:`_check_new`), ask the core where each goes and check the host memory
+        that takes; returns where each goes (:data:`trainstream.core._budget.WHERE`)."""
+        for i, p in enumerate(flat, len(self._records)):
+            self._check_new(p, i, self.device or D.local(flat[0]).device)
+        eng, pin = self.engine, self.engine_args["pin_moments"]
+        where = _budget.assign(_facts(flat), self.mode, device_elems=self.device_elems,
+                               device_used=eng.device_elems_used if eng is not None else 0,
+                               gpu_state_bytes=self.gpu_state_bytes,
+                               gpu_state_used=eng.gpu_state_used if eng is not None else 0, last=last)
+        plan = _plan(flat, where, pin, self.host_margin, self.device)
+        _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
+                                     if plan["pin_moments"] else ""))
+        if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
+            self._pin_moments(False)
+        self.host_plan = {k: v + self.host_plan.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
+        return where
+
+    def _check_new(self, p: torch.Tensor, index: int, device: torch.device) -> None:
+        """Refuse parameter ``p`` (slot ``index``) before anything is allocated; ``device``: the earlier parameters'."""
+        loc = D.local(p)
+        if p.dtype not in _DTYPE_NAME:
+            raise TypeError("OffloadAdamW supports float32, float16 and bfloat16 parameters; parameter "
+                            f"{index} has dtype {p.dtype}")
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"OffloadAdamW: parameter {index} is not a dense strided tensor")
+        if not loc.is_contiguous():
+            raise ValueError(f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous first")
+        if loc.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
+        if loc is not p and p.device_mesh.device_type != loc.device.type:
+            raise ValueError(f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh "
+                             f"whose shard is on {loc.device.type} (FSDP2's CPUOffloadPolicy?): use either "
+                             "CPUOffloadPolicy or OffloadAdamW, not both")
+        if loc is not p and self.gated:
+            raise NotImplementedError("OffloadAdamW: overlap_forward with FSDP2 (DTensor) parameters is not built "
+                                      "(FSDP's all-gather reads the shards before a forward could wait); leave it "
+                                      "unset: step() orders the uploads before FSDP's next all-gather.")
+        if loc.device.type != "cuda" and (self.mode != "cpu" or self.gpu_state_bytes or self.auto_gpu_state):
+            budget = "'auto'" if self.auto_gpu_state else self.gpu_state_bytes
+            what = (f"mode={self.mode!r}" if self.mode != "cpu"
+                    else f"gpu_state_bytes={budget} keeps state in GPU memory and")
+            raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; parameter {index} is on {loc.device}")
+        if loc.device != device:
+            raise ValueError(f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
+                             f"{loc.device}, earlier ones on {device}")
+
+    def _build_engine(self, device: torch.device) -> None:
+        self.cores = D.worker_cores(self.worker_cores, device)
+        args = dict(self.engine_args)
+        if args["threads"] is None:  # this rank's share of the host
+            args["threads"] = _cores.default_threads(D.local_world()[1], self.cores)
+        if CHUNK_SIZE is not None:
+            args["chunk_size"] = CHUNK_SIZE
+        try:
+            self.engine = Engine(TorchBackend(device), mode=self.mode, device_elems=self.device_elems,
+                                 gpu_state_bytes=self.gpu_state_bytes, gpu_state_later=self.auto_gpu_state,
+                                 tc_code=torch_cpu_code() if device.type == "cpu" else 0,
+                                 eager_blocks=self.eager_blocks, cores=self.cores, **args)
+        except ImportError as exc:
+            gs = " with gpu_state_bytes" if self.gpu_state_bytes or self.auto_gpu_state else ""
+            raise ImportError(f"OffloadAdamW mode={self.mode!r}{gs} needs CuPy: pip install 'trainstream[cuda12]' "
+                              f"or 'trainstream[cuda13]' ({exc})") from exc
+        self.device = device
+
+    def _register(self, p: torch.Tensor, group: int, where: str) -> Slot:
+        """Give ``p`` (checked) of param group ``group`` a slot ``where`` the core said; for a DTensor its local
+        shard, maybe empty. The first one builds the engine."""
+        loc = D.local(p)
+        if self.engine is None:
+            self._build_engine(loc.device)
+        # Through loc.data: the engine's own writes move no _version.
+        with _cores.bound(self.cores):  # the host state's first touch: on the workers' cores
+            sid = self.engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
+                                        trainable=p.requires_grad, where=where)
+        assert sid == len(self._records)
+        rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device))
+        self._records.append(rec)
+        self._of[p] = rec
+        return rec
+
+    def follow(self, rec: Slot) -> None:
+        """Follow a change of ``rec``'s parameter made outside the optimizer: new values are re-read, a new storage
+        of the same shape, dtype and device is written from now on; any other change raises, naming it."""
+        p = rec.param
+        loc, ver = D.local(p), D.version(p)
+        if loc.data_ptr() == rec.ptr:
+            if ver != rec.version:
+                self.engine.reload_param(rec.sid)
+        else:
+            now = (loc.dtype, tuple(loc.shape), loc.device)
+            if now != rec.meta or not loc.is_contiguous():
+                what = ", ".join(f"{name} {a} -> {b}" for name, a, b in zip(("dtype", "shape", "device"), rec.meta, now)
+                                 if a != b) or "made non-contiguous"
+                hint = " (float64 is not supported: float32, float16 or bfloat16)" if p.dtype not in _DTYPE_NAME else ""
+                raise RuntimeError(f"OffloadAdamW: parameter {rec.sid} (group {rec.group}) was replaced after "
+                                   f"the optimizer was built: {what}{hint} (model.double()/.half()/.to(), p.data = "
+                                   "...). Build the optimizer after converting or moving the model.")
+            self.engine.reload_param(rec.sid, loc.data.view(-1))
+            rec.ptr = loc.data_ptr()
+        rec.version = ver
+
+    def move_auto(self) -> None:
+        """``gpu_state_bytes="auto"`` after the first step that updated (OffloadAdamW's docstring says what moves):
+        the slots moved are updated at step() from ``param.grad`` from now on, without their hooks' copies."""
+        self.auto_gpu_state = False
+        free, total = torch.cuda.mem_get_info(self.device)
+        try:
+            self.engine.move_state_to_gpu(max(0, int(free - AUTO_GPU_HEADROOM * total)))
+        finally:  # also the slots moved before a failure
+            self.gpu_state_bytes = self.engine.gpu_state_budget  # what parameters added later may take
+            for rec in self._records:
+                if rec.hook is not None and self.engine.on_device(rec.sid):
+                    rec.hook.remove()
+                    rec.hook = rec.staged = None

@@ -1,0 +1,96 @@
+"""The optimizer state as ``torch.optim.AdamW`` shows it, for :class:`~trainstream.torch.OffloadAdamW`:
+``opt.state`` (:class:`StateView`), the entries of ``state_dict()`` (:func:`entry`: views of the engine's host
+state, DTensors laid out as FSDP2's parameters) and the checks of an entry ``load_state_dict()`` takes
+(:func:`parse_entry`). Keys: ``step``, ``exp_avg``, ``exp_avg_sq`` and, for fp16/bf16 parameters,
+``master_param`` (checkpoints move to and from ``torch.optim.AdamW``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _dist as D
+from ._params import Slot, Slots
+
+__all__ = ["StateView", "entry", "parse_entry"]
+
+
+def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
+    """``rec``'s ``state_dict()`` entry once its queued work has run (GPU-resident state: copies), or ``{}`` before
+    its first update."""
+    master, m, v, step = slots.engine.state(rec.sid, copy=False)
+    if step == 0:
+        return {}
+    p = rec.param
+
+    def view(a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
+        t = torch.from_numpy(a).view(D.local(p).shape)
+        return D.state_view(p, t) if D.is_dtensor(p) else t
+    out = {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": view(m), "exp_avg_sq": view(v)}
+    if p.dtype != torch.float32:
+        out["master_param"] = view(master)
+    return out
+
+
+class StateView(Mapping):
+    """``OffloadAdamW.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}``.
+    A new dict per lookup: assigning into it changes nothing (edit tensors in place or load_state_dict)."""
+
+    def __init__(self, slots: Slots):
+        self._slots = slots  # the registry, not the optimizer: no cycle, the optimizer stays collectable
+
+    def _rec(self, param: object) -> Slot | None:
+        return None if self._slots.closed else self._slots.of(param)  # type: ignore[arg-type]
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        rec = self._rec(param)
+        if rec is None:
+            raise KeyError(param)
+        return entry(self._slots, rec)
+
+    def __iter__(self):
+        slots = self._slots
+        if slots.closed or slots.engine is None:
+            return iter(())
+        return iter([rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, param: object) -> bool:
+        rec = self._rec(param)
+        return rec is not None and self._slots.engine.get_step(rec.sid) > 0
+
+
+def parse_entry(saved_id: Any, saved: dict[str, Any], p: torch.Tensor
+                ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """The loaded state entry ``saved`` of parameter ``p`` (its id ``saved_id`` in the state dict), checked
+    (``ValueError`` naming what is wrong): ``(exp_avg, exp_avg_sq, step, master or None)`` of this rank's part,
+    flat float32. A saved fp32 master is kept only where it still rounds to the live weights (else a warning:
+    one through ``torch.optim.AdamW`` is stale, and the master is re-read from the weights)."""
+    if missing := [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in saved]:
+        raise ValueError(f"loaded state for parameter {saved_id} lacks '{missing[0]}'")
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        if key in saved and tuple(saved[key].shape) != tuple(p.shape):
+            raise ValueError(f"loaded state '{key}' of parameter {saved_id} has shape "
+                             f"{tuple(saved[key].shape)}, the parameter has {tuple(p.shape)}")
+    step = float(saved["step"].item() if isinstance(saved["step"], torch.Tensor) else saved["step"])
+    if not math.isfinite(step) or step < 0 or step != int(step):
+        raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
+    master = None
+    if "master_param" in saved and p.dtype != torch.float32:
+        value = D.local_value(saved["master_param"], p)
+        if torch.equal(value.to(p.dtype), D.local(p).detach().to("cpu")):
+            master = value.contiguous().view(-1).numpy()
+        else:
+            warnings.warn(f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter {saved_id} does "
+                          "not round to the current weights (trained further without it); re-read from the "
+                          "weights", RuntimeWarning, stacklevel=3)
+    m, v = (D.local_value(saved[k], p).contiguous().view(-1).numpy() for k in ("exp_avg", "exp_avg_sq"))
+    return m, v, int(step), master
