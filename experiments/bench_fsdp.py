@@ -1,6 +1,6 @@
 # Run (GPU machine, N GPUs of one host): torchrun --standalone --nproc_per_node=N experiments/bench_fsdp.py --size 350m --batch 8 --json $OUT/bench_fsdp.json
 """FSDP2 with the optimizer state offloaded, against the alternatives, at the same numerics:
-a GPT-style model (``bench_train.GPT``; bf16 matmuls through FSDP2's
+the GPT of ``models_torch.py`` (bf16 matmuls through FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fp32 sharded parameters
 and fp32 AdamW state in every setup), one process per GPU (torchrun), any world size
 (1 included).
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import GPT, SIZES  # noqa: E402
+from models_torch import GPT, SIZES  # noqa: E402
 
 SETUPS = ("fsdp_gpu", "fsdp_cpu_offload", "ts_cpu", "ts_hybrid", "ds_zero2_offload")
 CUDA_ONLY = ("fsdp_cpu_offload", "ts_hybrid", "ds_zero2_offload")
