@@ -141,8 +141,8 @@ class _Case:
         m[self.idx] = hrng.standard_normal(self.idx.size).astype(np.float32) * np.float32(1e-2)
         v[self.idx] = np.abs(hrng.standard_normal(self.idx.size)).astype(np.float32) * np.float32(1e-4)
         self.cidx = cp.asarray(self.idx)
-        self.before = [self._weights32(), _from_storage(cp.asnumpy(self.grad[self.cidx]), self.pd),
-                       m[self.idx].copy(), v[self.idx].copy()]
+        self.before = [self._weights32(), m[self.idx].copy(), v[self.idx].copy(),  # p, m, v, g
+                       _from_storage(cp.asnumpy(self.grad[self.cidx]), self.pd)]
 
     def view(self, k: int) -> np.ndarray:
         return dk.host_view(self.host[k], self.numel)
