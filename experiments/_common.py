@@ -192,6 +192,7 @@ def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:
         labels = list(dict.fromkeys(f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "") for c in mine))
         fig, axes = plt.subplots(2, len(settings), figsize=(4.5 * len(settings), 6 + 0.2 * len(labels)),
                                  squeeze=False, sharex=True)
+        handles = {}
         for j, setting in enumerate(settings):
             for c in (c for c in mine if (c["clip"] is not None, c.get("accum", 1)) == setting):
                 ps, label = c["per_step"], f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "")
@@ -200,7 +201,7 @@ def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:
                 i = labels.index(label)
                 kw = dict(lw=1.2, color=plt.get_cmap("tab10")(i % 10), marker="ox^sdv*P"[i % 8], markersize=3,
                           markevery=max(1, len(steps) // 12), label=label)
-                axes[0, j].plot(steps, ps["max_ulp"], style, **kw)
+                handles.setdefault(label, axes[0, j].plot(steps, ps["max_ulp"], style, **kw)[0])
                 axes[1, j].plot(steps, ps["max_rel"], style, **kw)
             axes[0, j].set_title(f"{dt}, clip {'on' if setting[0] else 'off'}, accum {setting[1]}", fontsize=9)
             axes[0, j].set_yscale("symlog", linthresh=1)
@@ -209,15 +210,9 @@ def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:
             axes[1, j].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axes[0, 0].set_ylabel("max distance (float32 ULPs)")
         axes[1, 0].set_ylabel("max relative error")
-        handles, names = axes[0, 0].get_legend_handles_labels()
-        for ax in axes[0, 1:]:
-            for h, n in zip(*ax.get_legend_handles_labels()):
-                if n not in names:
-                    handles.append(h)
-                    names.append(n)
-        fig.legend(handles, names, loc="lower center", ncol=1, fontsize=7, frameon=False)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=1, fontsize=7, frameon=False)
         fig.suptitle(f"{title}, {dt} (0 = bit-identical)", fontsize=10)
-        fig.tight_layout(rect=(0, min(0.6, 0.03 + 0.025 * len(names)), 1, 0.97))
+        fig.tight_layout(rect=(0, min(0.6, 0.03 + 0.025 * len(handles)), 1, 0.97))
         path = Path(out) / f"divergence_{dt}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)

@@ -89,17 +89,9 @@ def build(setup: str, args, device: torch.device):
     clip = 1.0 if "clip" in opts else None
     model = _model(args.size, args.vocab, args.seq, device)
     if name == "ds_zero2_offload":
-        import deepspeed  # noqa: PLC0415
+        from bench_train import deepspeed_engine  # noqa: PLC0415
 
-        cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-               "bf16": {"enabled": True}, "steps_per_print": 10**9,
-               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                     "overlap_comm": True, "contiguous_gradients": True},
-               "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"], "betas": list(HP["betas"]),
-                                                         "weight_decay": HP["weight_decay"]}}}
-        if clip is not None:
-            cfg["gradient_clipping"] = clip
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine = deepspeed_engine(model, args.batch, clip)
 
         def ds_step(x):
             loss = F.cross_entropy(engine(x).float().flatten(0, 1), x.flatten())

@@ -3,29 +3,20 @@
 """A jitted JAX train step with four optimizer placements, same process, same model:
 
   (a) optax_hbm     optax.adamw, state in GPU memory
-  (b) jax_pinned    optax.adamw, state placed in pinned host memory with memory kinds and
-                    moved in and out under jit (as MaxText offloads optimizer state)
-  (c) ts_gpu        trainstream offload_adamw(mode="gpu"): the kernel on XLA's stream, the
-                    state staged through the device's 72 MiB ring by the copy engines
-  (c') ts_gpu_zc    the same with the kernel reading the state over PCIe (zero-copy: the
-                    path without a ring), the A/B of the staging
-  (d) ts_cpu        trainstream offload_adamw(mode="cpu"): host update, copies on XLA's stream
+  (b) jax_pinned    optax.adamw, state in pinned host memory (memory kinds), moved in and out
+                    under jit (as MaxText offloads optimizer state)
+  (c) ts_gpu        offload_adamw(mode="gpu"): the kernel on XLA's stream, the state staged
+                    through the device's 72 MiB ring by the copy engines
+  (c') ts_gpu_zc    the same without a ring: the kernel reads the state over PCIe (zero-copy)
+  (d) ts_cpu        offload_adamw(mode="cpu"): host update, copies on XLA's stream
 
-The model is a deep stack of square fp32 dense layers (tanh) on a small batch, so that
-the step is dominated by the optimizer (the case offloading must make cheap): --params
-sets the total (e.g. 268M = 16 layers of 4096 x 4096). ``--model gpt:SIZE`` trains instead
-the pure-JAX pre-LN GPT of experiments/models_jax.py (byte vocabulary, untied head;
-SIZE tiny, 125m, 350m or 1.3b by layers and width) in ``--dtype`` (default bf16 for the
-GPT: optax then updates the bf16 weights in place, TrainStream keeps an fp32 master) on
-random tokens, ``--batch`` x ``--seq``. Prints step ms (median), device
-memory (XLA's memory analysis of the step: arguments, outputs, temporaries; and the live
-bytes after warm-up) and the ratio (b)/(c), the target of issue #5 (>= 1.6).
-A reference check comes first: each setup's weights after 2 steps are compared with
-(a)'s, in units of the learning rate (Adam moves every weight by about lr per step): the
-fraction of weights farther than 1% of lr from (a)'s and the largest distance. Each setup
-computes its gradients in its own program, so where a gradient is rounding noise (deep
-tanh layers) its sign, and Adam's +-lr step, may differ: a few such weights are expected;
-a wrong update would move most of them.
+The model (models_jax.py): a deep stack of square fp32 dense layers on a small batch, a step
+dominated by the optimizer (``--params``: 268M = 16 layers of 4096 x 4096), or ``--model
+gpt:SIZE``, the GPT in ``--dtype`` (default bf16: optax then updates bf16 weights, TrainStream
+an fp32 master) on random tokens. Prints the median step, XLA's memory analysis of the step
+and the ratio (b)/(c). First each setup's weights after 2 steps are compared with (a)'s, in
+units of the learning rate (Adam moves each weight by about lr a step): a gradient that is
+rounding noise (deep tanh layers) may flip a few; a wrong update would move most.
 """
 
 from __future__ import annotations

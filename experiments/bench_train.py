@@ -73,7 +73,8 @@ def _base_name(setup: str) -> str:
     return setup.split("~")[0].split("@")[0]
 
 
-def _deepspeed_engine(model, batch):
+def deepspeed_engine(model, batch: int, clip: float | None = None):
+    """DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), bf16."""
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
@@ -84,7 +85,7 @@ def _deepspeed_engine(model, batch):
                                  "overlap_comm": True, "contiguous_gradients": True},
            "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"], "betas": list(HP["betas"]),
                                                      "weight_decay": HP["weight_decay"]}},
-           "steps_per_print": 10**9}
+           "steps_per_print": 10**9, **({"gradient_clipping": clip} if clip is not None else {})}
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
 
 
@@ -134,7 +135,7 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     elif clip is not None:
         raise ValueError(f"~clip is not implemented for {setup}")
     elif name == "ds_zero_offload":
-        model = _deepspeed_engine(model, batch)
+        model = deepspeed_engine(model, batch)
     elif name in ("torchao_fp32", "torchao_bf16"):
         from torchao.optim import CPUOffloadOptimizer
 

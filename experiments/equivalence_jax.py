@@ -2,36 +2,28 @@
 """Numerical equivalence of trainstream.jax.offload_adamw with optax.adamw, in training.
 
 The pure-JAX GPT of ``models_jax.py``, byte-level, trained on text generated here for N
-steps under ``jax.jit``, TrainStream's transformation beside the references, every pair
-from identical weights on identical batches, with a warmup-cosine schedule and a
-weight-decay mask (no decay on vectors) in every setting:
+steps under ``jax.jit``, each pair from identical weights on identical batches, with a
+warmup-cosine schedule and a weight-decay mask (no decay on vectors) in every setting:
 
-* reference: ``optax.adamw`` in one jitted train step (gradient, ``update``,
-  ``apply_updates``) on the same backend (XLA:CPU); with clipping,
-  ``optax.chain(optax.clip_by_global_norm(M), optax.adamw(...))``;
-* TrainStream: ``offload_adamw(..., max_grad_norm=M)`` through ``tx.step`` jitted with the
-  gradient, the same step called eagerly, and optax's usage ``tx.update`` +
-  ``optax.apply_updates`` (exact where ``new - p`` is, see ``offload_adamw``'s docstring);
-* fp32 weights; bf16 (and fp16) weights against an fp32-master reference (fp32 masters fed
-  the upcast gradients of the reference's own half model, the upcast in a program of its
-  own: inside the update's program XLA would fuse it, see "Fused gradients" in the contract);
-* with and without clipping. The global norm is an input only XLA computes, and its
-  float32 value depends on the program computing it (XLA's reduction order follows the
-  fusion with the gradient). offload_adamw computes it where its step runs: inside the
-  jitted train step, or, eagerly, in a program of its own. The promised rows compare with
-  a reference whose norm comes from the same kind of program; the rows against the plain
-  reference carry no promise and show what a last-bit difference in the norm does.
+* reference: ``optax.adamw`` in one jitted train step on the same backend (XLA:CPU); with
+  clipping, ``optax.chain(optax.clip_by_global_norm(M), optax.adamw(...))``;
+* TrainStream: ``offload_adamw(..., max_grad_norm=M)``: ``tx.step`` jitted with the gradient,
+  called eagerly, and optax's ``tx.update`` + ``optax.apply_updates`` (exact where ``new - p``
+  is, see ``offload_adamw``'s docstring);
+* fp32 weights; bf16 (and fp16) weights against fp32 masters fed the upcast gradients of the
+  reference's own half model (the upcast in a program of its own: inside the update's
+  program XLA would fuse it, see "Fused gradients" in the contract);
+* with and without clipping. The global norm's float32 value depends on the program that
+  computes it (XLA's reduction order follows the fusion with the gradient); offload_adamw
+  computes it where its step runs. The promised rows compare with a reference whose norm
+  comes from the same kind of program; the rows against the plain reference carry none.
 
-Reference-vs-reference rows: ``optax.adamw`` jitted vs op by op (``jax.disable_jit()``).
-Where JAX sees a GPU: optax on XLA:GPU vs XLA:CPU, and offload_adamw on the GPU
-(``mode="gpu"`` and ``"cpu"``) vs optax jitted on the GPU, with no promise (XLA:GPU's
-approximate square root and division: the contract bounds each step in ULPs).
-
-Where two runs differ at all, max ULP and max rel are set by weights near zero that
-change sign: chiefly the key third of the qkv biases, whose gradient is zero up to rounding
-(softmax is invariant to it), so that Adam moves them by about ``lr`` on the sign of
-rounding noise. Outputs (``--out``): ``equivalence_jax.json``, ``equivalence_jax.md`` and
-``divergence_<dtype>.png``.
+Unpromised rows: ``optax.adamw`` jitted vs op by op; on a GPU, optax on XLA:GPU vs XLA:CPU and
+offload_adamw (``mode="gpu"``, ``"cpu"``) vs optax on the GPU (approximate square root and
+division: the contract bounds each step in ULPs). Where runs differ, max ULP and max rel
+come from weights near zero that change sign (chiefly the key third of the qkv biases,
+whose gradient is rounding noise: softmax ignores it). Outputs (``--out``):
+``equivalence_jax.json``, ``equivalence_jax.md`` and ``divergence_<dtype>.png``.
 """
 
 from __future__ import annotations
