@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment scripts (not part of the library).
+"""Helpers shared by the experiment scripts (no torch or jax import): the generated text,
+the run's provenance, and the equivalence studies' per-step records, table and plots.
 
 The scripts run as ``python experiments/<name>.py`` (this folder is then on ``sys.path``)
 or are loaded by the tests from their files; each puts this folder on ``sys.path`` first.
@@ -18,8 +19,6 @@ try:
 except ImportError:  # pragma: no cover - tqdm is in the test extra
     def tqdm(x=None, **_):
         return x
-
-__all__ = ["REPO", "cpu_name", "fmt_frac", "generated_text", "git_commit", "tqdm", "save_result"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,6 +42,17 @@ def generated_text(n_sentences: int, seed: int) -> bytes:
     return " ".join(out).encode("ascii")
 
 
+def text_windows(n: int, batch: int, ctx: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` batches of (``batch`` x ``ctx`` bytes, the next byte of each): int64 arrays."""
+    data = np.frombuffer(generated_text(max(2000, n * batch * ctx // 40), seed), np.uint8).astype(np.int64)
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for _ in range(n):
+        ix = rng.integers(0, len(data) - ctx - 1, batch)
+        out.append((np.stack([data[i:i + ctx] for i in ix]), np.stack([data[i + 1:i + ctx + 1] for i in ix])))
+    return out
+
+
 def git_commit() -> str | None:
     """HEAD of this repository (``+dirty`` with uncommitted changes), or None."""
     try:
@@ -52,14 +62,6 @@ def git_commit() -> str | None:
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
     except Exception:  # noqa: BLE001 - no git, no repo
         return None
-
-
-def save_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
-    """``<out>/<name>.json`` (the whole result) and ``<out>/<name>.md`` (its table)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.md").write_text(markdown)
 
 
 def cpu_name() -> str:
@@ -72,12 +74,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def fmt_frac(x: float) -> str:
-    """A fraction as a percentage for the Markdown tables (exactly 1 as ``100%``)."""
-    return "100%" if x == 1.0 else f"{100 * x:.4f}%"
-
-
-# -- the equivalence scripts' per-step records ------------------------------------------------
+# -- the equivalence studies ------------------------------------------------------------------
 
 PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
 
@@ -87,34 +84,137 @@ def empty_per_step() -> dict:
     return {k: [] for k in PER_STEP_KEYS}
 
 
-def record_step(records: list, pairs: list, weights: dict, losses: dict, compare) -> int:
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint16)
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """float32 bit patterns on the ordered-integer line (+0 and -0 both 0), as int64."""
+    i = np.ascontiguousarray(x, np.float32).view(np.int32).astype(np.int64)
+    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+def compare(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> dict:
+    """Two trainers' (fp32 master weights, the model's own weights or their bits), flat: the
+    fractions bit-identical, the max distance in float32 ULPs and the max relative error."""
+    (ma, wa), (mb, wb) = a, b
+    same = _bits(ma) == _bits(mb)
+    ulp = np.abs(_ordered(ma) - _ordered(mb))
+    a64, b64 = ma.astype(np.float64), mb.astype(np.float64)
+    den = np.maximum(np.abs(a64), np.abs(b64))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(same | (den == 0), 0.0, np.abs(a64 - b64) / np.where(den == 0, 1.0, den))
+    return {"bitid": float(same.mean()), "bitid_model": float((_bits(wa) == _bits(wb)).mean()),
+            "max_ulp": int(ulp.max()), "max_rel": float(rel.max())}
+
+
+def record_step(records: list, pairs: list, weights: dict, losses: dict) -> int:
     """Append one step to each comparison of ``pairs`` (``(kind, a, b, promised, note)``,
-    matching ``records``): losses, norms and ``compare(weights[a], weights[b])``. Returns
-    the largest max-ULP distance of the step."""
+    matching ``records``): losses, norms and :func:`compare`. Returns the step's largest
+    max-ULP distance."""
     worst = 0
     for rec, (_, a, b, _, _) in zip(records, pairs):
         m = compare(weights[a], weights[b])
         ps = rec["per_step"]
-        ps["loss_a"].append(losses[a])
-        ps["loss_b"].append(losses[b])
-        ps["norm_a"].append(a.last_norm)
-        ps["norm_b"].append(b.last_norm)
-        for k, v in m.items():
-            ps[k].append(v)
+        for key, value in (("loss_a", losses[a]), ("loss_b", losses[b]), ("norm_a", a.last_norm),
+                           ("norm_b", b.last_norm), *m.items()):
+            ps[key].append(value)
         worst = max(worst, m["max_ulp"])
     return worst
 
 
 def summarize(ps: dict, clip_active_steps: int | None) -> dict:
     """The summary of one comparison's per-step series."""
-    return dict(
-        steps=len(ps["bitid"]),
-        final_bitid=ps["bitid"][-1],
-        final_bitid_model=ps["bitid_model"][-1],
-        min_bitid=min(ps["bitid"]),
-        max_ulp=max(ps["max_ulp"]),
-        max_rel=max(ps["max_rel"]),
-        final_loss_a=ps["loss_a"][-1],
-        final_loss_b=ps["loss_b"][-1],
-        clip_active_steps=clip_active_steps,
-    )
+    return dict(steps=len(ps["bitid"]), final_bitid=ps["bitid"][-1], final_bitid_model=ps["bitid_model"][-1],
+                min_bitid=min(ps["bitid"]), max_ulp=max(ps["max_ulp"]), max_rel=max(ps["max_rel"]),
+                final_loss_a=ps["loss_a"][-1], final_loss_b=ps["loss_b"][-1], clip_active_steps=clip_active_steps)
+
+
+def fmt_frac(x: float) -> str:
+    """A fraction as a percentage for the tables (exactly 1 as ``100%``)."""
+    return "100%" if x == 1.0 else f"{100 * x:.4f}%"
+
+
+def markdown_table(result: dict, title: str, about: str) -> str:
+    """One row per comparison (an ``accum`` column where the comparisons have one)."""
+    m = result["meta"]
+    accum = any("accum" in c for c in result["comparisons"])
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
+    lines = [
+        f"# {title}", "", f"`{m['command']}`  ",
+        f"{m['date']}, commit `{m['commit']}`, {versions}, CPU {m['cpu']} ({m['cores']} cores)"
+        + (f", GPU {m['gpu']}" if m["gpu"] else "") + f"; training and comparisons took {m['runtime_s']:.1f} s"
+        + ("" if m.get("complete", True) else " (**partial**: the run had not finished every setting)") + "  ",
+        about, "",
+        "Bit-identical: fraction of fp32 (master) weights equal bit for bit after the last step (for fp16/bf16, "
+        "`model` is the fraction of the model's own half weights). Max ULP: the largest distance in float32 ULPs "
+        "over all weights and steps; max rel: the largest `|a-b|/max(|a|,|b|)`. Promised: the contract promises "
+        "bit-identity for this row.", "",
+        "| comparison (a vs b) | device | dtype | clip |" + (" accum |" if accum else "")
+        + " promised | steps | bit-identical | model | max ULP | max rel err | final loss a / b |",
+        "|---" * (11 + accum) + "|",
+    ]
+    for c in result["comparisons"]:
+        s = c["summary"]
+        name = f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "")
+        lines.append(
+            f"| {name} | {c['device']} | {c['dtype']} | {'off' if c['clip'] is None else c['clip']} | "
+            + (f"{c['accum']} | " if accum else "")
+            + f"{'yes' if c['promised'] else 'no'} | {s['steps']} | {fmt_frac(s['final_bitid'])} | "
+            f"{fmt_frac(s['final_bitid_model'])} | {s['max_ulp']} | {s['max_rel']:.3g} | "
+            f"{s['final_loss_a']:.4f} / {s['final_loss_b']:.4f} |")
+    if m["skipped"]:
+        lines += ["", "Not run:"] + [f"- {s}" for s in m["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def save_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
+    """``<out>/<name>.json`` (the whole result) and ``<out>/<name>.md`` (its table)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(markdown)
+
+
+def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:
+    """``divergence_<dtype>.png``: max ULP and max relative error per step, a panel per
+    setting (clip, accum); solid: promised, dashed: reference vs reference, dotted: others."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
+
+    files = []
+    for dt in result["meta"]["dtypes"]:
+        mine = [c for c in result["comparisons"] if c["dtype"] == dt]
+        settings = sorted({(c["clip"] is not None, c.get("accum", 1)) for c in mine})
+        labels = list(dict.fromkeys(f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "") for c in mine))
+        fig, axes = plt.subplots(2, len(settings), figsize=(4.5 * len(settings), 6 + 0.2 * len(labels)),
+                                 squeeze=False, sharex=True)
+        handles = {}
+        for j, setting in enumerate(settings):
+            for c in (c for c in mine if (c["clip"] is not None, c.get("accum", 1)) == setting):
+                ps, label = c["per_step"], f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "")
+                steps = np.arange(1, len(ps["max_ulp"]) + 1)
+                style = "-" if c["promised"] else ("--" if c["kind"] == "reference-vs-reference" else ":")
+                i = labels.index(label)
+                kw = dict(lw=1.2, color=plt.get_cmap("tab10")(i % 10), marker="ox^sdv*P"[i % 8], markersize=3,
+                          markevery=max(1, len(steps) // 12), label=label)
+                handles.setdefault(label, axes[0, j].plot(steps, ps["max_ulp"], style, **kw)[0])
+                axes[1, j].plot(steps, ps["max_rel"], style, **kw)
+            axes[0, j].set_title(f"{dt}, clip {'on' if setting[0] else 'off'}, accum {setting[1]}", fontsize=9)
+            axes[0, j].set_yscale("symlog", linthresh=1)
+            axes[1, j].set_yscale("symlog", linthresh=1e-9)
+            axes[1, j].set_xlabel("step")
+            axes[1, j].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        axes[0, 0].set_ylabel("max distance (float32 ULPs)")
+        axes[1, 0].set_ylabel("max relative error")
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=1, fontsize=7, frameon=False)
+        fig.suptitle(f"{title}, {dt} (0 = bit-identical)", fontsize=10)
+        fig.tight_layout(rect=(0, min(0.6, 0.03 + 0.025 * len(handles)), 1, 0.97))
+        path = Path(out) / f"divergence_{dt}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path)
+    return files

@@ -1,6 +1,6 @@
 # Run (GPU machine, N GPUs of one host): torchrun --standalone --nproc_per_node=N experiments/bench_fsdp.py --size 350m --batch 8 --json $OUT/bench_fsdp.json
 """FSDP2 with the optimizer state offloaded, against the alternatives, at the same numerics:
-a GPT-style model (``bench_train.GPT``; bf16 matmuls through FSDP2's
+the GPT of ``models_torch.py`` (bf16 matmuls through FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fp32 sharded parameters
 and fp32 AdamW state in every setup), one process per GPU (torchrun), any world size
 (1 included).
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import GPT, SIZES  # noqa: E402
+from models_torch import GPT, SIZES  # noqa: E402
 
 SETUPS = ("fsdp_gpu", "fsdp_cpu_offload", "ts_cpu", "ts_hybrid", "ds_zero2_offload")
 CUDA_ONLY = ("fsdp_cpu_offload", "ts_hybrid", "ds_zero2_offload")
@@ -89,17 +89,9 @@ def build(setup: str, args, device: torch.device):
     clip = 1.0 if "clip" in opts else None
     model = _model(args.size, args.vocab, args.seq, device)
     if name == "ds_zero2_offload":
-        import deepspeed  # noqa: PLC0415
+        from bench_train import deepspeed_engine  # noqa: PLC0415
 
-        cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-               "bf16": {"enabled": True}, "steps_per_print": 10**9,
-               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                     "overlap_comm": True, "contiguous_gradients": True},
-               "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"], "betas": list(HP["betas"]),
-                                                         "weight_decay": HP["weight_decay"]}}}
-        if clip is not None:
-            cfg["gradient_clipping"] = clip
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine = deepspeed_engine(model, args.batch, clip)
 
         def ds_step(x):
             loss = F.cross_entropy(engine(x).float().flatten(0, 1), x.flatten())

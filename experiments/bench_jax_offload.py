@@ -3,29 +3,20 @@
 """A jitted JAX train step with four optimizer placements, same process, same model:
 
   (a) optax_hbm     optax.adamw, state in GPU memory
-  (b) jax_pinned    optax.adamw, state placed in pinned host memory with memory kinds and
-                    moved in and out under jit (as MaxText offloads optimizer state)
-  (c) ts_gpu        trainstream offload_adamw(mode="gpu"): the kernel on XLA's stream, the
-                    state staged through the device's 72 MiB ring by the copy engines
-  (c') ts_gpu_zc    the same with the kernel reading the state over PCIe (zero-copy: the
-                    path without a ring), the A/B of the staging
-  (d) ts_cpu        trainstream offload_adamw(mode="cpu"): host update, copies on XLA's stream
+  (b) jax_pinned    optax.adamw, state in pinned host memory (memory kinds), moved in and out
+                    under jit (as MaxText offloads optimizer state)
+  (c) ts_gpu        offload_adamw(mode="gpu"): the kernel on XLA's stream, the state staged
+                    through the device's 72 MiB ring by the copy engines
+  (c') ts_gpu_zc    the same without a ring: the kernel reads the state over PCIe (zero-copy)
+  (d) ts_cpu        offload_adamw(mode="cpu"): host update, copies on XLA's stream
 
-The model is a deep stack of square fp32 dense layers (tanh) on a small batch, so that
-the step is dominated by the optimizer (the case offloading must make cheap): --params
-sets the total (e.g. 268M = 16 layers of 4096 x 4096). ``--model gpt:SIZE`` trains instead
-the pure-JAX pre-LN GPT of experiments/equivalence_jax.py (byte vocabulary, untied head;
-SIZE tiny, 125m, 350m or 1.3b by layers and width) in ``--dtype`` (default bf16 for the
-GPT: optax then updates the bf16 weights in place, TrainStream keeps an fp32 master) on
-random tokens, ``--batch`` x ``--seq``. Prints step ms (median), device
-memory (XLA's memory analysis of the step: arguments, outputs, temporaries; and the live
-bytes after warm-up) and the ratio (b)/(c), the target of issue #5 (>= 1.6).
-A reference check comes first: each setup's weights after 2 steps are compared with
-(a)'s, in units of the learning rate (Adam moves every weight by about lr per step): the
-fraction of weights farther than 1% of lr from (a)'s and the largest distance. Each setup
-computes its gradients in its own program, so where a gradient is rounding noise (deep
-tanh layers) its sign, and Adam's +-lr step, may differ: a few such weights are expected;
-a wrong update would move most of them.
+The model (models_jax.py): a deep stack of square fp32 dense layers on a small batch, a step
+dominated by the optimizer (``--params``: 268M = 16 layers of 4096 x 4096), or ``--model
+gpt:SIZE``, the GPT in ``--dtype`` (default bf16: optax then updates bf16 weights, TrainStream
+an fp32 master) on random tokens. Prints the median step, XLA's memory analysis of the step
+and the ratio (b)/(c). First each setup's weights after 2 steps are compared with (a)'s, in
+units of the learning rate (Adam moves each weight by about lr a step): a gradient that is
+rounding noise (deep tanh layers) may flip a few; a wrong update would move most.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,49 +35,24 @@ import optax
 
 import trainstream.jax as tsj
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models_jax import SIZES, VOCAB, gpt_loss, init_gpt, init_mlp, mlp_loss  # noqa: E402
+
 LR = 1e-4
 
 
 def parse_count(s: str) -> int:
     s = s.strip().upper()
-    mult = {"K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}.get(s[-1], 1)
-    return int(float(s.rstrip("KMGB")) * mult)
-
-
-def make_params(n_params: int, width: int, dev, seed=0):
-    layers = max(1, round(n_params / (width * width)))
-    key = jax.random.PRNGKey(seed)
-    keys = jax.random.split(key, layers)
-    init = jax.jit(lambda k: jax.random.normal(k, (width, width), jnp.float32) * (1.0 / np.sqrt(width)))
-    return {f"w{i:02d}": jax.device_put(init(k), dev) for i, k in enumerate(keys)}
-
-
-def mlp_loss(params, x):
-    h = x
-    for k in sorted(params):
-        h = jnp.tanh(h @ params[k])
-    return jnp.mean(h**2)
-
-
-GPT_SIZES = {"tiny": (2, 64, 4), "125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}
+    return int(float(s.rstrip("KMGB")) * {"K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}.get(s[-1], 1))
 
 
 def make_gpt(size: str, seq: int, batch: int, dtype, dev):
-    """(params, loss_fn, batch) of equivalence_jax.py's GPT at ``size``."""
-    import argparse as _ap  # noqa: PLC0415
-    import pathlib  # noqa: PLC0415
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import equivalence_jax as ej  # noqa: PLC0415
-
-    layers, d, heads = GPT_SIZES[size]
-    np_params = ej.init_params(_ap.Namespace(d_model=d, layers=layers, ctx=seq), 0)
-    params = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a, dtype), dev), np_params)
-    rng = np.random.default_rng(1)
-    tokens = rng.integers(0, ej.VOCAB, (batch, seq + 1))
-    xy = (jax.device_put(jnp.asarray(tokens[:, :-1], jnp.int32), dev),
-          jax.device_put(jnp.asarray(tokens[:, 1:], jnp.int32), dev))
-    return params, ej.make_loss(heads), xy
+    """(params, loss_fn, batch) of models_jax's GPT at ``size``, on random tokens."""
+    layers, d, heads = SIZES[size]
+    params = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a, dtype), dev), init_gpt(layers, d, seq))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (batch, seq + 1))
+    xy = tuple(jax.device_put(jnp.asarray(t, jnp.int32), dev) for t in (tokens[:, :-1], tokens[:, 1:]))
+    return params, gpt_loss(heads), xy
 
 
 loss_fn = mlp_loss
@@ -123,16 +90,14 @@ def setups(lr, dev):
 
     def ts(mode):
         def build(params, x):
-            if mode == "gpu_zc":  # no ring for this device: the zero-copy path (a later ts_gpu makes one again)
-                from trainstream.jax import _gpu
-
-                _gpu._rings[dev.id] = None
-            elif mode == "gpu":
-                from trainstream.jax import _gpu
-
-                _gpu._rings.pop(dev.id, None)
             tx = tsj.offload_adamw(lr, mode=mode.split("_")[0])
             state = tx.init(params)
+            if mode.startswith("gpu"):  # the device's staging ring (a library internal, made at the first update):
+                from trainstream.jax import _gpu  # none for zero-copy; dropped so that ts_gpu makes one again
+
+                _gpu._rings.pop(dev.id, None)
+                if mode == "gpu_zc":
+                    _gpu._rings[dev.id] = None
 
             def step(p, s, x):
                 g = jax.grad(loss_fn)(p, x)
@@ -159,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--setups", default="optax_hbm,jax_pinned,ts_gpu,ts_gpu_zc,ts_cpu")
-    ap.add_argument("--model", default="mlp", help="mlp (default) or gpt:SIZE with SIZE in " + ",".join(GPT_SIZES))
+    ap.add_argument("--model", default="mlp", help="mlp (default) or gpt:SIZE with SIZE in " + ",".join(SIZES))
     ap.add_argument("--seq", type=int, default=1024, help="GPT context length")
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: mlp float32, gpt bfloat16)")
     ap.add_argument("--json")
@@ -175,7 +140,7 @@ def main(argv=None) -> int:
         print(f"model: GPT {size} ({n / 1e6:.1f}M params, {dtype.name}), batch {args.batch} x {args.seq}")
     else:
         loss_fn = mlp_loss
-        params0 = make_params(parse_count(args.params), args.width, dev)
+        params0 = init_mlp(parse_count(args.params), args.width, dev)
         if args.dtype:
             params0 = jax.tree.map(lambda a: a.astype(args.dtype), params0)
         n = sum(a.size for a in jax.tree.leaves(params0))

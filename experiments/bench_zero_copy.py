@@ -1,104 +1,84 @@
-# python experiments/bench_zero_copy.py --numel 268435456 --out $OUT/bench_zero_copy.json
-"""The zero-copy AdamW kernel (``gpu`` mode) beside the PCIe ceiling and torch's in-GPU AdamW.
+# Run (GPU machine): python experiments/bench_zero_copy.py --numel 268435456 --out $OUT/bench_zero_copy.json
+"""The device AdamW kernel (``gpu`` mode) beside the PCIe ceiling and torch's in-GPU AdamW.
 
 In one process, on one GPU:
 
-* ``memcpy``: pinned (mapped) host <-> device ``cudaMemcpyAsync`` of ``--copy-mib`` MiB:
-  host-to-device alone, device-to-host alone, and both at once on two streams; the last
-  one, in total GB/s over both directions, is the ceiling the kernel is measured against
-  (it reads and writes its state over PCIe in equal amounts);
-* ``zero-copy fp32``: :func:`benchmark_zero_copy_adamw` (below), fp32
-  weights and gradients in GPU memory, m and v in mapped host memory: 16 B/element over
-  PCIe (m, v read and written). Target: >= 0.95 of the bidirectional memcpy rate;
-* ``zero-copy bf16+master``: bf16 weights and gradients, fp32 master, m and v in mapped host
-  memory: 24 B/element over PCIe. Target: >= 0.90;
-* ``staged``: :func:`benchmark_staged_adamw` (below), the same kernel on GPU-memory state:
-  m and v (and the master) stay in pinned host memory and stream through a ring of
-  ``--depth`` device slots of ``--chunk-mib`` MiB per array, H2D copy -> kernel -> D2H copy
-  on three streams (the copy engines, not the SMs, move the state): the staged gpu mode of
-  issue #22 item 4, measured against zero-copy before anything is built;
-* ``torch fused``: ``torch.optim.AdamW(fused=True)`` with everything in GPU memory (28 B/
-  element of HBM traffic), the in-GPU speed the offloaded update gives up; skipped without
-  torch.
+* ``memcpy``: pinned host <-> device ``cudaMemcpyAsync`` of ``--copy-mib`` MiB: H2D alone,
+  D2H alone, and both at once on two streams; the last, in GB/s over both directions, is
+  the ceiling (the update reads and writes its state over PCIe in equal amounts);
+* ``zero-copy``: :func:`benchmark_zero_copy_adamw`, weights and gradients in GPU memory, the
+  moments (and the fp32 master of bf16 weights) in mapped host memory, read and written by
+  the kernel over PCIe: 16 B/element (fp32), 24 (bf16 + master). Targets: 0.95 / 0.90;
+* ``staged``: :func:`benchmark_staged_adamw`, the same kernel on GPU memory: the state
+  streams through a ring of ``depth`` slots of ``chunk_mib`` MiB per array, H2D copy ->
+  kernel -> D2H copy on three streams (the copy engines move the state), for each ring of
+  ``--staged`` (the library's ring: 8x3);
+* ``torch fused``: ``torch.optim.AdamW(fused=True)`` all in GPU memory (skipped without torch).
 
-Each zero-copy run first checks one update against the contract's NumPy reference on a
-sample (torch/cuda convention). Times are CUDA-event medians. ``--out`` gets the JSON;
-``--strict`` exits 1 when a target is missed.
+Each kernel run first checks one update against the contract's reference on a sample
+(torch/cuda convention). Times are CUDA-event medians. ``--strict`` exits 1 when the
+zero-copy kernel misses a target.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from trainstream import contract as C
 from trainstream import _device_kernels as dk
+from trainstream import contract as C
 
 TARGETS = {"float32": 0.95, "bfloat16": 0.90}
+VARIANT = C.VARIANT_TORCH_CUDA
+SCALARS = C.step_scalars(C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1, "torch", "cuda")
+
+
+def _timed(cp, step, first, last, iters: int, repeats: int) -> list[float]:
+    """``repeats`` CUDA-event timings (ms per ``step()``) of ``iters`` calls after a warm-up,
+    from an event on stream ``first`` to one on ``last``."""
+    step()
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for _ in range(max(1, repeats)):
+        start.record(first)
+        for _ in range(max(1, iters)):
+            step()
+        stop.record(last)
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, iters))
+    return samples
 
 
 def bench_memcpy(cp, device: int, nbytes: int, repeats: int) -> dict:
     """Pinned-memory copy rates in GB/s: H2D alone, D2H alone, both at once (total)."""
-    rt = cp.cuda.runtime
-    frees = []
+    rt, frees = cp.cuda.runtime, []
     try:
-        h_src, _, f1 = dk.alloc_mapped(nbytes, device)
-        frees.append(f1)
-        h_dst, _, f2 = dk.alloc_mapped(nbytes, device)
-        frees.append(f2)
-        dk.host_view(h_src, nbytes // 4).fill(np.float32(1.0))
-        d_dst = cp.empty(nbytes, cp.uint8)
-        d_src = cp.ones(nbytes, cp.uint8)
-        s1 = cp.cuda.Stream(non_blocking=True)
-        s2 = cp.cuda.Stream(non_blocking=True)
+        (h_src, _, f1), (h_dst, _, f2) = dk.alloc_mapped(nbytes, device), dk.alloc_mapped(nbytes, device)
+        frees += [f1, f2]
+        d_dst, d_src = cp.empty(nbytes, cp.uint8), cp.ones(nbytes, cp.uint8)
+        s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
 
-        def h2d(stream):
+        def h2d(stream=s1):
             rt.memcpyAsync(d_dst.data.ptr, h_src, nbytes, rt.memcpyHostToDevice, stream.ptr)
 
-        def d2h(stream):
+        def d2h(stream=s1):
             rt.memcpyAsync(h_dst, d_src.data.ptr, nbytes, rt.memcpyDeviceToHost, stream.ptr)
 
-        def timed(one_way):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            out = []
-            for _ in range(repeats + 1):  # the first is a warm-up
-                start.record(s1)
-                one_way(s1)
-                stop.record(s1)
-                stop.synchronize()
-                out.append(cp.cuda.get_elapsed_time(start, stop))
-            return statistics.median(out[1:])
-
         def both():
-            out = []
-            for _ in range(repeats + 1):
-                cp.cuda.Device(device).synchronize()
-                start, e1, e2 = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
-                start.record(s1)
-                s2.wait_event(start)
-                h2d(s1)
-                d2h(s2)
-                e1.record(s1)
-                e2.record(s2)
-                e1.synchronize()
-                e2.synchronize()
-                out.append(max(cp.cuda.get_elapsed_time(start, e1), cp.cuda.get_elapsed_time(start, e2)))
-            return statistics.median(out[1:])
+            s2.wait_event(s1.record())
+            h2d(s1)
+            d2h(s2)
+            s1.wait_event(s2.record())
 
-        ms_h2d, ms_d2h, ms_both = timed(h2d), timed(d2h), both()
-        return {
-            "bytes": nbytes,
-            "h2d_gbps": nbytes / (ms_h2d * 1e-3) / 1e9,
-            "d2h_gbps": nbytes / (ms_d2h * 1e-3) / 1e9,
-            "bidirectional_gbps": 2 * nbytes / (ms_both * 1e-3) / 1e9,
-            "ms": {"h2d": ms_h2d, "d2h": ms_d2h, "both": ms_both},
-        }
+        ms = {k: statistics.median(_timed(cp, f, s1, s1, 1, repeats)) for k, f in (("h2d", h2d), ("d2h", d2h), ("both", both))}
+        return {"bytes": nbytes, "ms": ms, "h2d_gbps": nbytes / ms["h2d"] / 1e6, "d2h_gbps": nbytes / ms["d2h"] / 1e6,
+                "bidirectional_gbps": 2 * nbytes / ms["both"] / 1e6}
     finally:
         cp.cuda.Device(device).synchronize()
         for free in frees:
@@ -106,22 +86,17 @@ def bench_memcpy(cp, device: int, nbytes: int, repeats: int) -> dict:
 
 
 def bench_torch_fused(device: int, numel: int, iters: int, repeats: int) -> dict | None:
-    """torch.optim.AdamW(fused=True), fp32, everything in GPU memory."""
+    """torch.optim.AdamW(fused=True), fp32, everything in GPU memory (28 B/element of HBM traffic)."""
     try:
         import torch
     except ImportError:
-        return None
-    if not torch.cuda.is_available():
         return None
     dev = torch.device("cuda", device)
     p = torch.nn.Parameter(torch.randn(numel, device=dev))
     p.grad = torch.randn(numel, device=dev) * 1e-2
     opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
-    opt.step()  # creates the state
-    opt.step()
-    torch.cuda.synchronize(dev)
     samples = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first: warm-up (and the state's creation)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
@@ -129,277 +104,150 @@ def bench_torch_fused(device: int, numel: int, iters: int, repeats: int) -> dict
         stop.record()
         stop.synchronize()
         samples.append(start.elapsed_time(stop) / iters)
-    ms = statistics.median(samples)
-    result = {
-        "ms": ms,
-        "gelems_per_s": numel / (ms * 1e-3) / 1e9,
-        "hbm_gbps": numel * 28 / (ms * 1e-3) / 1e9,
-        "bytes_per_elem": 28,
-        "numel": numel,
-        "torch": torch.__version__,
-        "ms_samples": samples,
-    }
+    ms = statistics.median(samples[1:])
     del opt, p
     torch.cuda.empty_cache()
-    return result
+    return {"ms": ms, "gelems_per_s": numel / ms / 1e6, "hbm_gbps": numel * 28 / ms / 1e6, "torch": torch.__version__}
 
 
-# -- the zero-copy kernel's timing (checked against the contract first) ---------------------
+class _Case:
+    """One update's buffers: weights and gradient (``param_dtype``) in GPU memory, m, v (and the
+    fp32 master of half weights) in mapped pinned host memory, a sample's values before the
+    first update, and :meth:`check` of that update against the contract."""
 
-_CONVENTION_OF = {C.VARIANT_TORCH_CPU: ("torch", "cpu"), C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
-                  C.VARIANT_OPTAX_CPU: ("optax", "cpu"), C.VARIANT_OPTAX_CUDA: ("optax", "cuda")}
+    def __init__(self, cp, numel: int, device: int, param_dtype: str):
+        self.cp, self.numel, self.device, self.pd = cp, int(numel), device, dk._dtype_name(param_dtype)
+        if self.numel < 1:
+            raise ValueError(f"numel must be >= 1, got {numel}")
+        self.frees, self.host, self.dev_ptrs = [], [], []
+        rng = cp.random.default_rng(1234)
+        p32 = rng.standard_normal(self.numel, dtype=cp.float32)
+        self.param = _to_storage(cp, p32, self.pd)
+        self.grad = _to_storage(cp, rng.standard_normal(self.numel, dtype=cp.float32) * cp.float32(1e-2), self.pd)
+        for _ in range(2 if self.pd == "float32" else 3):  # m, v (, master)
+            h, d, free = dk.alloc_mapped(4 * self.numel, device)
+            self.frees.append(free)
+            self.host.append(h)
+            self.dev_ptrs.append(d)
+        m, v = self.view(0), self.view(1)
+        m.fill(np.float32(1e-3))
+        v.fill(np.float32(1e-6))
+        if self.pd != "float32":
+            cp.cuda.runtime.memcpy(self.host[2], p32.data.ptr, 4 * self.numel, cp.cuda.runtime.memcpyDeviceToHost)
+        hrng = np.random.default_rng(5678)  # the ends (head/tail paths) and random interior points
+        n = self.numel
+        self.idx = np.unique(np.concatenate([np.arange(min(n, 4096)), np.arange(max(0, n - 4096), n),
+                                             hrng.integers(0, n, 65536)]))
+        m[self.idx] = hrng.standard_normal(self.idx.size).astype(np.float32) * np.float32(1e-2)
+        v[self.idx] = np.abs(hrng.standard_normal(self.idx.size)).astype(np.float32) * np.float32(1e-4)
+        self.cidx = cp.asarray(self.idx)
+        self.before = [self._weights32(), m[self.idx].copy(), v[self.idx].copy(),  # p, m, v, g
+                       _from_storage(cp.asnumpy(self.grad[self.cidx]), self.pd)]
+
+    def view(self, k: int) -> np.ndarray:
+        return dk.host_view(self.host[k], self.numel)
+
+    def _weights32(self) -> np.ndarray:
+        """The fp32 weights of the sample (the master of half weights)."""
+        return self.view(2)[self.idx].copy() if len(self.host) == 3 else _from_storage(
+            self.cp.asnumpy(self.param[self.cidx]), self.pd)
+
+    def launch(self, lo: int, n: int, state_ptrs: list[int], stream: int) -> None:
+        """The kernel on elements ``[lo, lo + n)``, the state at ``state_ptrs`` (m, v, master)."""
+        b = 4 if self.pd == "float32" else 2
+        dk.launch_adamw(VARIANT, self.param.data.ptr + b * lo, self.pd, self.grad.data.ptr + b * lo, self.pd,
+                        state_ptrs[2] if len(state_ptrs) == 3 else 0, state_ptrs[0], state_ptrs[1], n, SCALARS,
+                        stream, device=self.device)
+
+    def check(self) -> None:
+        """The first update equals the contract's reference bit for bit on the sample."""
+        p, m, v = C.reference_update(*self.before, SCALARS, "torch", "cuda")
+        param = _from_storage(self.cp.asnumpy(self.param[self.cidx]), self.pd)
+        got = {"exp_avg": self.view(0)[self.idx], "exp_avg_sq": self.view(1)[self.idx], "param": self._weights32()}
+        bad = [k for k, want in zip(got, (m, v, p)) if not np.array_equal(got[k].view(np.uint32), want.view(np.uint32))]
+        if self.pd != "float32" and not np.array_equal(param, C.round_to(p, self.pd)):
+            bad.append(f"{self.pd} weights (not the rounded master)")
+        if bad:
+            raise AssertionError(f"AdamW kernel ({self.pd} weights) does not match the contract on: {', '.join(bad)}")
+
+    def result(self, samples: list[float], **extra) -> dict:
+        ms = statistics.median(samples)
+        bpe = 16 if self.pd == "float32" else 24
+        return {"ms": ms, "gelems_per_s": self.numel / ms / 1e6, "pcie_gbps": self.numel * bpe / ms / 1e6,
+                "numel": self.numel, "bytes_per_elem": bpe, "param_dtype": self.pd, "ms_samples": samples, **extra}
+
+    def close(self) -> None:
+        try:
+            self.cp.cuda.Device(self.device).synchronize()
+        finally:
+            for free in self.frees:
+                free()
 
 
-def _check_sample(variant, p_before, m_before, v_before, g, scalars, p_after, m_after, v_after, param_after, pd):
-    conv, plat = _CONVENTION_OF[variant]
-    rp, rm, rv = C.reference_update(p_before, m_before, v_before, g, scalars, conv, plat)
-    problems = []
-    for name, got, want in (("exp_avg", m_after, rm), ("exp_avg_sq", v_after, rv)):
-        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
-        if bad.size:
-            problems.append(f"{name}: {bad.size} of {got.size} sampled elements differ, e.g. {got[bad[0]]!r} vs {want[bad[0]]!r}")
-    if variant == C.VARIANT_OPTAX_CUDA:
-        ulps = C.update_ulps(p_after, rp, p_before)
-        if ulps.max(initial=0) > C.OPTAX_CUDA_MAX_ULP:
-            problems.append(f"param: {float(ulps.max()):.3g} ULPs (of max(|p|, |update|, |p_new|)) from the "
-                            f"contract (bound {C.OPTAX_CUDA_MAX_ULP})")
-    else:
-        bad = np.flatnonzero(p_after.view(np.uint32) != rp.view(np.uint32))
-        if bad.size:
-            problems.append(f"param: {bad.size} of {p_after.size} sampled elements differ, e.g. {p_after[bad[0]]!r} vs {rp[bad[0]]!r}")
-    if pd != "float32":
-        want = C.round_to(p_after, pd)
-        if not np.array_equal(param_after.view(np.uint32), want.view(np.uint32)):
-            problems.append(f"{pd} weights are not the rounded master weights")
-    if problems:
-        raise AssertionError(
-            f"zero-copy AdamW ({dk._VARIANT_NAMES[variant]}, {pd} weights) does not match "
-            "trainstream.contract.reference_update:\n  " + "\n  ".join(problems)
-        )
-
-
-def benchmark_zero_copy_adamw(
-    numel: int,
-    device: int = 0,
-    *,
-    param_dtype: str = "float32",
-    grad_dtype: str | None = None,
-    variant: int = C.VARIANT_TORCH_CUDA,
-    iters: int = 5,
-    repeats: int = 7,
-) -> dict:
-    """Time the zero-copy AdamW kernel on ``numel`` elements: weights and gradient in GPU
-    memory, m and v (and the fp32 master for fp16/bf16 weights) in mapped host memory.
-
-    First checks one update against :func:`trainstream.contract.reference_update` on a
-    sample of elements (``AssertionError`` if it differs), then times ``repeats`` runs of
-    ``iters`` back-to-back launches with CUDA events and reports the median:
-    ``{"ms", "gelems_per_s", "pcie_gbps", "numel", "bytes_per_elem", ...}``.
-    ``pcie_gbps`` counts the state traffic: m and v read and written (16 B/element), plus
-    the master (24 B/element) for fp16/bf16 weights.
-    """
+def benchmark_zero_copy_adamw(numel: int, device: int = 0, *, param_dtype: str = "float32", iters: int = 5,
+                              repeats: int = 7) -> dict:
+    """The kernel reading and writing the state in mapped host memory over PCIe: checked on a
+    sample, then ``repeats`` timings of ``iters`` launches; ``pcie_gbps`` counts the state."""
     cp = dk._cupy()
-    numel = int(numel)
-    if numel < 1:
-        raise ValueError(f"numel must be >= 1, got {numel}")
-    pd = dk._dtype_name(param_dtype)
-    gd = dk._dtype_name(grad_dtype or pd)
-    conv, plat = _CONVENTION_OF[variant]
-    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01)
-    scalars = C.step_scalars(hp, 1, conv, plat)
-    frees = []
     with cp.cuda.Device(device):
+        case = _Case(cp, numel, device, param_dtype)
         try:
             stream = cp.cuda.Stream(non_blocking=True)
-            rng = cp.random.default_rng(1234)
-            p32 = rng.standard_normal(numel, dtype=cp.float32)
-            g32 = rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2)
-            param = _to_storage_cupy(cp, p32, pd)
-            grad = _to_storage_cupy(cp, g32, gd)
-            del g32
-            m_host, m_dev, free_m = dk.alloc_mapped(4 * numel, device)
-            frees.append(free_m)
-            v_host, v_dev, free_v = dk.alloc_mapped(4 * numel, device)
-            frees.append(free_v)
-            master_host = master_dev = 0
-            if pd != "float32":
-                master_host, master_dev, free_w = dk.alloc_mapped(4 * numel, device)
-                frees.append(free_w)
-                cp.cuda.runtime.memcpy(master_host, p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
-            del p32
-            m_np, v_np = dk.host_view(m_host, numel), dk.host_view(v_host, numel)
-            m_np.fill(np.float32(1e-3))
-            v_np.fill(np.float32(1e-6))
-            # a sample with random state: the ends (head/tail paths) and random interior points
-            hrng = np.random.default_rng(5678)
-            idx = np.unique(np.concatenate([
-                np.arange(min(numel, 4096)), np.arange(max(0, numel - 4096), numel),
-                hrng.integers(0, numel, 65536),
-            ]))
-            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
-            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
-            cidx = cp.asarray(idx)
-            p_before = (dk.host_view(master_host, numel)[idx].copy() if master_host
-                        else cp.asnumpy(param[cidx]).astype(np.float32))
-            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), gd)
-            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
 
             def step():
-                dk.launch_adamw(variant, param.data.ptr, pd, grad.data.ptr, gd, master_dev, m_dev, v_dev,
-                             numel, scalars, stream.ptr, device=device)
+                case.launch(0, case.numel, case.dev_ptrs, stream.ptr)
 
             step()
             stream.synchronize()
-            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
-            p_after = dk.host_view(master_host, numel)[idx].copy() if master_host else param_after
-            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
-                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
-            del m_np, v_np
-
+            case.check()
             samples = _timed(cp, step, stream, stream, iters, repeats)
             dk.check_stream(stream.ptr, device)
-            ms = statistics.median(samples)
-            bytes_per_elem = 16 if pd == "float32" else 24
-            grid = dk._grid_for(numel, dk._kernel(int(device), dk.adamw_kernel_name(variant, pd, gd)).max_grid)
-            return {
-                "ms": ms,
-                "gelems_per_s": numel / (ms * 1e-3) / 1e9,
-                "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9,
-                "numel": numel,
-                "bytes_per_elem": bytes_per_elem,
-                "param_dtype": pd,
-                "grad_dtype": gd,
-                "variant": dk._VARIANT_NAMES[variant],
-                "grid": grid,
-                "ms_samples": samples,
-            }
+            return case.result(samples)
         finally:
-            try:
-                cp.cuda.Device(device).synchronize()
-            finally:
-                for free in frees:
-                    free()
+            case.close()
 
 
-def benchmark_staged_adamw(
-    numel: int,
-    device: int = 0,
-    *,
-    param_dtype: str = "float32",
-    chunk_mib: int = 32,
-    depth: int = 3,
-    variant: int = C.VARIANT_TORCH_CUDA,
-    iters: int = 5,
-    repeats: int = 7,
-) -> dict:
-    """Time AdamW with the state staged through GPU memory: per chunk of ``chunk_mib`` MiB
-    (of one fp32 array), m, v (and the master for bf16/fp16 weights) are copied host ->
-    ring slot on one stream, updated there by the zero-copy kernel with device pointers on
-    a second, and copied back on a third; a slot is refilled only after its copy-back.
-    Checked against the contract on a sample first, like :func:`benchmark_zero_copy_adamw`;
-    ``pcie_gbps`` counts the same state bytes. ``ring_mib``: the device memory it uses."""
+def benchmark_staged_adamw(numel: int, device: int = 0, *, param_dtype: str = "float32", chunk_mib: int = 32,
+                           depth: int = 3, iters: int = 5, repeats: int = 7) -> dict:
+    """The state copied host -> ring slot (one stream), updated there (a second), copied back
+    (a third), per chunk of ``chunk_mib`` MiB of one fp32 array; a slot is refilled only after
+    its copy-back. Checked like :func:`benchmark_zero_copy_adamw`; ``ring_mib``: its GPU memory."""
     cp = dk._cupy()
-    pd = dk._dtype_name(param_dtype)
-    conv, plat = _CONVENTION_OF[variant]
-    scalars = C.step_scalars(C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1, conv, plat)
-    chunk = (int(chunk_mib) << 20) // 4
-    arrays = 2 if pd == "float32" else 3  # m, v (, master)
-    frees = []
+    rt = cp.cuda.runtime
     with cp.cuda.Device(device):
+        case = _Case(cp, numel, device, param_dtype)
         try:
-            rng = cp.random.default_rng(1234)
-            p32 = rng.standard_normal(numel, dtype=cp.float32)
-            param = _to_storage_cupy(cp, p32, pd)
-            grad = _to_storage_cupy(cp, rng.standard_normal(numel, dtype=cp.float32) * cp.float32(1e-2), pd)
-            host = []  # m, v (, master): pinned host memory, copied by the copy engines only
-            for _ in range(arrays):
-                h, _, free = dk.alloc_mapped(4 * numel, device)
-                frees.append(free)
-                host.append(h)
-            dk.host_view(host[0], numel).fill(np.float32(1e-3))
-            dk.host_view(host[1], numel).fill(np.float32(1e-6))
-            if arrays == 3:
-                cp.cuda.runtime.memcpy(host[2], p32.data.ptr, 4 * numel, cp.cuda.runtime.memcpyDeviceToHost)
-            hrng = np.random.default_rng(5678)
-            idx = np.unique(np.concatenate([np.arange(min(numel, 4096)), hrng.integers(0, numel, 65536)]))
-            m_np, v_np = dk.host_view(host[0], numel), dk.host_view(host[1], numel)
-            m_np[idx] = hrng.standard_normal(idx.size).astype(np.float32) * np.float32(1e-2)
-            v_np[idx] = np.abs(hrng.standard_normal(idx.size)).astype(np.float32) * np.float32(1e-4)
-            cidx = cp.asarray(idx)
-            p_before = dk.host_view(host[2], numel)[idx].copy() if arrays == 3 else cp.asnumpy(p32[cidx])
-            g_before = _from_storage_np(cp.asnumpy(grad[cidx]), pd)
-            m_before, v_before = m_np[idx].copy(), v_np[idx].copy()
-            del p32
+            chunk, arrays = (int(chunk_mib) << 20) // 4, len(case.host)
             ring = [[cp.empty(chunk, cp.float32) for _ in range(arrays)] for _ in range(depth)]
             h2d, run, d2h = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
-            loaded = [cp.cuda.Event(disable_timing=True) for _ in range(depth)]
-            updated = [cp.cuda.Event(disable_timing=True) for _ in range(depth)]
             freed = [None] * depth  # the copy-back event of the slot's last chunk
-            rt = cp.cuda.runtime
-            pbytes = 4 if pd == "float32" else 2
 
             def step():
-                for i, lo in enumerate(range(0, numel, chunk)):
-                    n, k = min(chunk, numel - lo), i % depth
-                    slot = ring[k]
+                for i, lo in enumerate(range(0, case.numel, chunk)):
+                    n, k = min(chunk, case.numel - lo), i % depth
                     if freed[k] is not None:
                         h2d.wait_event(freed[k])
                     for a in range(arrays):
-                        rt.memcpyAsync(slot[a].data.ptr, host[a] + 4 * lo, 4 * n, rt.memcpyHostToDevice, h2d.ptr)
-                    loaded[k].record(h2d)
-                    run.wait_event(loaded[k])
-                    dk.launch_adamw(variant, param.data.ptr + pbytes * lo, pd, grad.data.ptr + pbytes * lo, pd,
-                                    slot[2].data.ptr if arrays == 3 else 0, slot[0].data.ptr, slot[1].data.ptr,
-                                    n, scalars, run.ptr, device=device)
-                    updated[k].record(run)
-                    d2h.wait_event(updated[k])
+                        rt.memcpyAsync(ring[k][a].data.ptr, case.host[a] + 4 * lo, 4 * n, rt.memcpyHostToDevice, h2d.ptr)
+                    run.wait_event(h2d.record())
+                    case.launch(lo, n, [s.data.ptr for s in ring[k]], run.ptr)
+                    d2h.wait_event(run.record())
                     for a in range(arrays):
-                        rt.memcpyAsync(host[a] + 4 * lo, slot[a].data.ptr, 4 * n, rt.memcpyDeviceToHost, d2h.ptr)
-                    freed[k] = cp.cuda.Event(disable_timing=True)
-                    freed[k].record(d2h)
+                        rt.memcpyAsync(case.host[a] + 4 * lo, ring[k][a].data.ptr, 4 * n, rt.memcpyDeviceToHost, d2h.ptr)
+                    freed[k] = d2h.record()
 
             step()
             cp.cuda.Device(device).synchronize()
-            param_after = _from_storage_np(cp.asnumpy(param[cidx]), pd)
-            p_after = dk.host_view(host[2], numel)[idx].copy() if arrays == 3 else param_after
-            _check_sample(variant, p_before, m_before, v_before, g_before, scalars,
-                          p_after, m_np[idx].copy(), v_np[idx].copy(), param_after, pd)
-            del m_np, v_np
+            case.check()
             samples = _timed(cp, step, h2d, d2h, iters, repeats)
             dk.check_stream(d2h.ptr, device)
-            ms = statistics.median(samples)
-            bytes_per_elem = 16 if pd == "float32" else 24
-            return {"ms": ms, "gelems_per_s": numel / (ms * 1e-3) / 1e9,
-                    "pcie_gbps": numel * bytes_per_elem / (ms * 1e-3) / 1e9, "numel": numel,
-                    "bytes_per_elem": bytes_per_elem, "param_dtype": pd, "chunk_mib": chunk_mib, "depth": depth,
-                    "ring_mib": depth * arrays * chunk_mib, "ms_samples": samples}
+            return case.result(samples, chunk_mib=chunk_mib, depth=depth, ring_mib=depth * arrays * chunk_mib)
         finally:
-            try:
-                cp.cuda.Device(device).synchronize()
-            finally:
-                for free in frees:
-                    free()
+            case.close()
 
 
-def _timed(cp, step, first, last, iters: int, repeats: int) -> list[float]:
-    """``repeats`` CUDA-event timings (ms per ``step()``) of ``iters`` calls, after a
-    warm-up: from an event on stream ``first`` to one on ``last``."""
-    step()
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    samples = []
-    for _ in range(max(1, int(repeats))):
-        start.record(first)
-        for _ in range(max(1, int(iters))):
-            step()
-        stop.record(last)
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop) / max(1, int(iters)))
-    return samples
-
-
-def _to_storage_cupy(cp, x32, dtype: str):
-    """fp32 CuPy array -> storage (float32, float16 bits or bfloat16 bits as uint16)."""
+def _to_storage(cp, x32, dtype: str):
+    """fp32 CuPy array -> storage (float32, or bfloat16 / float16 bits as uint16)."""
     if dtype == "float32":
         return x32
     if dtype == "float16":
@@ -408,12 +256,10 @@ def _to_storage_cupy(cp, x32, dtype: str):
     return ((u + cp.uint32(0x7FFF) + ((u >> cp.uint32(16)) & cp.uint32(1))) >> cp.uint32(16)).astype(cp.uint16)
 
 
-def _from_storage_np(a: np.ndarray, dtype: str) -> np.ndarray:
+def _from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return a.astype(np.float32)
-    if dtype == "float16":
-        return a.view(np.float16).astype(np.float32)
-    return C.bf16_bits_to_f32(a)
+    return a.view(np.float16).astype(np.float32) if dtype == "float16" else C.bf16_bits_to_f32(a)
 
 
 def main(argv=None) -> int:
@@ -425,85 +271,40 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of each memcpy (MiB)")
     ap.add_argument("--out", type=Path, default=Path("experiments/out/bench_zero_copy.json"))
     ap.add_argument("--no-torch", action="store_true", help="skip torch's fused AdamW")
-    ap.add_argument("--staged", default="8x3,32x2,32x3,64x3",
-                    help="staged rings to time, CHUNK_MIBxDEPTH comma-separated ('' for none)")
+    ap.add_argument("--staged", default="8x3,32x2,32x3,64x3", help="rings CHUNK_MIBxDEPTH, comma-separated ('': none)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
     args = ap.parse_args(argv)
-
     cp = dk._cupy()
     props = cp.cuda.runtime.getDeviceProperties(args.device)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     dk.compile_kernels(args.device)
-
     memcpy = bench_memcpy(cp, args.device, args.copy_mib << 20, args.repeats)
     bidir = memcpy["bidirectional_gbps"]
-    zero_copy = {}
+    runs = {}
     for pd in ("float32", "bfloat16"):
-        zero_copy[pd] = benchmark_zero_copy_adamw(
-            args.numel, args.device, param_dtype=pd, variant=C.VARIANT_TORCH_CUDA,
-            iters=args.iters, repeats=args.repeats,
-        )
-        cp.get_default_memory_pool().free_all_blocks()
-    staged = {}
-    for pd in ("float32", "bfloat16"):
+        runs[f"zero-copy {pd}"] = benchmark_zero_copy_adamw(args.numel, args.device, param_dtype=pd, iters=args.iters,
+                                                            repeats=args.repeats)
         for ring in filter(None, args.staged.split(",")):
             chunk_mib, depth = map(int, ring.split("x"))
-            staged[f"{pd} {ring}"] = benchmark_staged_adamw(
-                args.numel, args.device, param_dtype=pd, chunk_mib=chunk_mib, depth=depth,
-                iters=args.iters, repeats=args.repeats)
+            runs[f"staged {pd} {ring}"] = benchmark_staged_adamw(args.numel, args.device, param_dtype=pd, chunk_mib=chunk_mib,
+                                                                 depth=depth, iters=args.iters, repeats=args.repeats)
             cp.get_default_memory_pool().free_all_blocks()
     fused = None if args.no_torch else bench_torch_fused(args.device, args.numel, args.iters, args.repeats)
-
-    rows = [
-        ("memcpy H2D (pinned)", None, None, None, memcpy["h2d_gbps"], None, None),
-        ("memcpy D2H (pinned)", None, None, None, memcpy["d2h_gbps"], None, None),
-        ("memcpy H2D+D2H, 2 streams", None, None, None, bidir, 1.0, None),
-    ]
-    fractions = {}
-    for pd, label in (("float32", "zero-copy fp32"), ("bfloat16", "zero-copy bf16+master")):
-        r = zero_copy[pd]
-        fractions[pd] = r["pcie_gbps"] / bidir
-        rows.append((label, r["ms"], r["gelems_per_s"], r["bytes_per_elem"], r["pcie_gbps"],
-                     fractions[pd], TARGETS[pd]))
-    for key, r in staged.items():
-        rows.append((f"staged {key}", r["ms"], r["gelems_per_s"], r["bytes_per_elem"], r["pcie_gbps"],
-                     r["pcie_gbps"] / bidir, None))
-    if fused is not None:
-        rows.append(("torch fused AdamW (HBM)", fused["ms"], fused["gelems_per_s"], 28, fused["hbm_gbps"],
-                     None, None))
-
-    print(f"{name}, numel {args.numel:,}, CuPy {cp.__version__}")
-    header = f"{'case':<30} {'ms':>9} {'Gelem/s':>9} {'B/elem':>7} {'GB/s':>8} {'of bidir':>9} {'target':>7}  ok"
-    print(header)
-    print("-" * len(header))
+    print(f"{name}, numel {args.numel:,}, CuPy {cp.__version__}; memcpy GB/s: H2D {memcpy['h2d_gbps']:.1f}, "
+          f"D2H {memcpy['d2h_gbps']:.1f}, both at once {bidir:.1f}")
+    print(f"{'case':<28} {'ms':>9} {'Gelem/s':>9} {'B/elem':>7} {'GB/s':>8} {'of bidir':>9} {'target':>7}")
     missed = []
-    for label, ms, ge, bpe, gbps, frac, target in rows:
-        ok = "" if target is None else ("yes" if frac >= target else "NO")
-        if ok == "NO":
-            missed.append(label)
-        cell = lambda x, f: (format(x, f) if x is not None else "-")  # noqa: E731
-        print(f"{label:<30} {cell(ms, '9.3f'):>9} {cell(ge, '9.2f'):>9} {cell(bpe, '7d'):>7} "
-              f"{cell(gbps, '8.1f'):>8} {cell(frac, '9.3f'):>9} {cell(target, '7.2f'):>7}  {ok}")
-    for key, r in staged.items():
-        pd = key.split()[0]
-        print(f"staged {key} ({r['ring_mib']} MiB ring) / zero-copy: {r['ms'] / zero_copy[pd]['ms']:.3f}x the time")
+    for key, r in runs.items():
+        target = TARGETS[r["param_dtype"]] if key.startswith("zero-copy") else None
+        r["of_bidirectional"] = r["pcie_gbps"] / bidir
+        if target is not None and r["of_bidirectional"] < target:
+            missed.append(key)
+        print(f"{key:<28} {r['ms']:9.3f} {r['gelems_per_s']:9.2f} {r['bytes_per_elem']:7d} {r['pcie_gbps']:8.1f} "
+              f"{r['of_bidirectional']:9.3f} {target if target is not None else '-':>7}")
     if fused is not None:
-        for pd in ("float32", "bfloat16"):
-            print(f"zero-copy {pd} step / torch fused step: {zero_copy[pd]['ms'] / fused['ms']:.1f}x")
-
-    result = {
-        "device": name,
-        "host": platform.node(),
-        "cupy": cp.__version__,
-        "numel": args.numel,
-        "memcpy": memcpy,
-        "zero_copy": zero_copy,
-        "staged": staged,
-        "torch_fused": fused,
-        "fraction_of_bidirectional": fractions,
-        "targets": TARGETS,
-        "missed": missed,
-    }
+        print(f"{'torch fused AdamW (HBM)':<28} {fused['ms']:9.3f} {fused['gelems_per_s']:9.2f} {28:7d} {fused['hbm_gbps']:8.1f}")
+    result = {"device": name, "cupy": cp.__version__, "numel": args.numel, "memcpy": memcpy, "runs": runs,
+              "torch_fused": fused, "targets": TARGETS, "missed": missed}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

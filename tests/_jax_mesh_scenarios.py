@@ -433,7 +433,7 @@ def scenario_gpu_path():
     (the same gradients given to both)."""
     import pytest
 
-    from test_jax_gpu_plumbing import simulate_gpu
+    from _jax_gpu_sim import simulate_gpu
 
     mesh = mesh_1d()
     rng = np.random.default_rng(7)

@@ -5,7 +5,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from test_torch_optimizer import chunked, step_beside_master
+from _torch_helpers import chunked, step_beside_master
 
 from trainstream import _hostmem
 from trainstream.torch import OffloadAdamW

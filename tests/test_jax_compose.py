@@ -17,7 +17,7 @@ jnp = jax.numpy
 
 import trainstream.jax as tsj  # noqa: E402
 
-from test_jax import (  # noqa: E402
+from _jax_helpers import (  # noqa: E402
     MODELS,
     SCHEDULE,
     _copy,
@@ -234,7 +234,7 @@ _X64 = textwrap.dedent('''
     import numpy as np, jax.numpy as jnp, optax
     sys.path.insert(0, {tests!r})
     import trainstream.jax as tsj
-    from test_jax import MODELS, SCHEDULE, _copy, assert_tree_bits, decay_mask, fused_grads
+    from _jax_helpers import MODELS, SCHEDULE, _copy, assert_tree_bits, decay_mask, fused_grads
     init, loss, batch = MODELS["mlp"]
     params = jax.tree.map(lambda x: x.astype(jnp.float32), init(np.random.default_rng(0)))
     cases = {{
@@ -275,7 +275,7 @@ _PMAP = textwrap.dedent('''
     import numpy as np, jax, jax.numpy as jnp, optax
     sys.path.insert(0, {tests!r})
     import trainstream.jax as tsj
-    from test_jax import MODELS, assert_tree_bits
+    from _jax_helpers import MODELS, assert_tree_bits
     init, loss, batch = MODELS["mlp"]
     params = init(np.random.default_rng(0))
     rep = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)

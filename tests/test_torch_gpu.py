@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
-from test_torch_optimizer import (  # noqa: E402
+from _torch_helpers import (  # noqa: E402
     assert_same,
     batches,
     chunked,
