@@ -14,7 +14,7 @@ import torch.nn as nn  # noqa: E402
 
 from trainstream import _host_kernels as K  # noqa: E402
 from trainstream.core._engine import WorkerError  # noqa: E402
-from trainstream.torch import OffloadAdamW, _params  # noqa: E402
+from trainstream.torch import OffloadAdamW  # noqa: E402
 
 from _torch_helpers import (  # noqa: E402
     assert_same,
