@@ -52,26 +52,29 @@ _VARIANT_NAMES = {C.VARIANT_TORCH_CPU: "torch_cpu", C.VARIANT_TORCH_CUDA: "torch
 
 
 class _Scalars(ctypes.Structure):
-    """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
+    """``struct TsScalars { float s[TS_N_SCALARS]; }``: the kernel's by-value scalar parameter."""
     _fields_ = [("s", ctypes.c_float * C.N_SCALARS)]
 
 
 #: Tensors per multi-tensor launch (``TS_MULTI_MAX`` in the kernel source).
 MULTI_MAX = 32
+#: ``block_start`` of a launch's unused items (``TS_UNUSED_BLOCK``): above every block index.
+_UNUSED_BLOCK = 2**31 - 1
 
 
 class _MultiItem(ctypes.Structure):
-    """``struct TsMultiItem``: one tensor of a launch (120 bytes)."""
+    """``struct TsMultiItem``: one tensor of a launch (128 bytes)."""
     _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("master", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("v", ctypes.c_void_p), ("n", ctypes.c_longlong),
-                ("block_start", ctypes.c_longlong), ("nblocks", ctypes.c_longlong), ("scalars", _Scalars),
+                ("block_start", ctypes.c_int), ("nblocks", ctypes.c_int), ("scalars", _Scalars),
                 ("scalars_dev", ctypes.c_void_p)]
 
 
 class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the kernel's by-value parameter (3848 bytes, under the 4 KiB that
-    every CUDA driver accepts for a launch's parameters)."""
-    _fields_ = [("count", ctypes.c_longlong), ("items", _MultiItem * MULTI_MAX)]
+    """``struct TsMultiBatch``: the kernel's by-value parameter (4096 bytes, the 4 KiB that every
+    CUDA driver accepts for a launch's parameters); the unused items after the tensors have
+    ``block_start`` :data:`_UNUSED_BLOCK`."""
+    _fields_ = [("items", _MultiItem * MULTI_MAX)]
 
 
 # -- CuPy, lazily --------------------------------------------------------------------------
@@ -112,9 +115,11 @@ _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 def check_kernel_constants() -> None:
     """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract` (``TS_S_*``, ``TS_VARIANT_*``,
-    ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`; ``RuntimeError`` listing every difference (no GPU)."""
+    ``TS_OX_*``, ``TS_N_SCALARS``), :data:`ADAMW_THREADS` and the launch layout (``TS_MULTI_MAX``, ``TS_UNUSED_BLOCK``);
+    ``RuntimeError`` listing every difference (no GPU)."""
     adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
-    expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
+    expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS, "TS_MULTI_MAX": MULTI_MAX,
+                "TS_UNUSED_BLOCK": _UNUSED_BLOCK}
     expected.update({"TS_" + name: getattr(C, name) for name in dir(C)
                      if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int)})
     problems = [f"{ADAMW_SOURCE}: {key} is {adamw.get(key)}, the contract says {want}"
@@ -269,7 +274,7 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
     fp32 moments. State pointers are device pointers to mapped pinned host memory (:func:`alloc_mapped`) or GPU memory
     (:func:`alloc_device`); any element alignment works, 16-byte-aligned state takes the vector path. ``scalars``:
     :func:`trainstream.contract.step_scalars`' vector, by value (``S_CLIP`` 1.0 when the framework has clipped or
-    unscaled the gradient in place); or ``scalars_ptr``, a device pointer to those 12 float32 (``scalars`` may then be
+    unscaled the gradient in place); or ``scalars_ptr``, a device pointer to those ``N_SCALARS`` float32 (``scalars`` may then be
     ``None``), e.g. computed inside an XLA program. ``max_blocks``: a cap on the grid (the bits do not depend on it),
     e.g. to leave multiprocessors to a backward running at the same time.
     """
@@ -359,7 +364,8 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
             it.scalars_dev = sc
         else:
             ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
-    batch.count = len(checked)
+    for k in range(len(checked), MULTI_MAX):
+        batch.items[k].block_start = _UNUSED_BLOCK
     _launch(dev, kernel, start, ADAMW_THREADS, [batch], stream)
     return len(checked)
 

@@ -196,31 +196,32 @@ VARIANT_TORCH_CUDA = 1
 VARIANT_OPTAX_CPU = 2
 VARIANT_OPTAX_CUDA = 3
 
-# -- the per-step scalar vector ------------------------------------------------------------
+# -- the per-step scalar vector: one index per meaning --------------------------------------
+# Shared indices mean the same quantity in both conventions; each convention's own slots hold 0.0 in
+# the other's vectors (1.0 in optax_scalar_matrix's rows, as jnp writes them), which its kernels never read.
 # S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of clip_by_global_norm when
 # it triggers (else 1.0). The engine's max_grad_norm (torch's clip_grad_norm_ formula) uses it in both;
 # only the JAX adapter's clip_by_global_norm inputs reproduce optax's clipping.
-N_SCALARS = 12
+N_SCALARS = 16
+# both conventions
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
+S_OMB1 = 1  # f(1 - b1): torch's lerp weight, optax's weight of g in m
+S_BETA2 = 2  # f(b2)
+S_OMB2 = 3  # f(1 - b2)
+S_EPS = 4  # f(eps)
 # torch convention
-S_DECAY = 1  # f(1 - lr*wd)
-S_LERP_W = 2  # f(1 - b1)              lerp weight
-S_LERP_SMALL = 3  # 1.0 when f(1-b1) < 0.5, else 0.0 (which lerp formula)
-S_BETA2 = 4  # f(b2)
-S_OMB2 = 5  # f(1 - b2)
-S_BC2 = 6  # f(sqrt(bc2)), a divisor
-S_EPS = 7  # f(eps)
+S_DECAY = 5  # f(1 - lr*wd)
+S_LERP_SMALL = 6  # 1.0 when f(1-b1) < 0.5, else 0.0 (which lerp formula)
+S_SQRT_BC2 = 7  # f(sqrt(bc2)), a divisor
 S_NEG_STEP = 8  # f(-lr/bc1)
-# optax convention (reuses the indices above where the meaning is the same)
-S_OMB1 = 2  # f(1 - b1)
-S_BETA1 = 3  # f(b1)
-# S_BETA2, S_OMB2, S_EPS as above
-S_BC1 = 6  # bc1 (float32, as XLA computes it)
-S_BC2_OPTAX = 9  # bc2 (float32, as XLA computes it)
-S_WD = 1  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
-S_NEG_LR = 8  # f(-lr)
-S_CLIP_DIV = 10  # optax with OX_CLIP (cpu and cuda): the gradient divisor (global norm, or 1.0)
-S_OX_CODE = 11  # optax: the code (OX_* bits) as a float32 (cuda reads only OX_CLIP)
+# optax convention
+S_BETA1 = 9  # f(b1)
+S_BC1 = 10  # d1 = 1 - b1**t (float32, as XLA computes it)
+S_BC2_OPTAX = 11  # d2 = 1 - b2**t (float32, as XLA computes it)
+S_WD = 12  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
+S_NEG_LR = 13  # f(-lr)
+S_CLIP_DIV = 14  # with OX_CLIP (cpu and cuda): the gradient divisor (global norm, or 1.0)
+S_OX_CODE = 15  # the code (OX_* bits) as a float32 (cuda reads only OX_CLIP)
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
@@ -310,8 +311,8 @@ def torch_step_scalars(hp: AdamWHyperParams, step: int, clip: float | np.float32
     bc1 = 1 - b1**t
     bc2 = 1 - b2**t
     lerp_small = 1.0 if abs(float(np.float32(1 - b1))) < 0.5 else 0.0
-    return _scalar_vector({S_CLIP: clip, S_DECAY: 1 - lr * wd, S_LERP_W: 1 - b1, S_LERP_SMALL: lerp_small,
-                           S_BETA2: b2, S_OMB2: 1 - b2, S_BC2: bc2**0.5, S_EPS: eps, S_NEG_STEP: -(lr / bc1)})
+    return _scalar_vector({S_CLIP: clip, S_DECAY: 1 - lr * wd, S_OMB1: 1 - b1, S_LERP_SMALL: lerp_small,
+                           S_BETA2: b2, S_OMB2: 1 - b2, S_SQRT_BC2: bc2**0.5, S_EPS: eps, S_NEG_STEP: -(lr / bc1)})
 
 
 def optax_bias_corrections(b1: float, b2: float, count, xp=np):
@@ -545,14 +546,14 @@ def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray,
             p1 = p * s[S_DECAY]
             fused = fma or variant != VARIANT_TORCH_CPU
             mad = fma_f32 if fused else (lambda a, b, c: a * b + c)
-            m = mad(s[S_LERP_W], g - m, m) if s[S_LERP_SMALL] else mad(s[S_LERP_W] - np.float32(1), g - m, g)
+            m = mad(s[S_OMB1], g - m, m) if s[S_LERP_SMALL] else mad(s[S_OMB1] - np.float32(1), g - m, g)
             if variant == VARIANT_TORCH_CPU:
                 v = mad(s[S_OMB2] * g, g, v * s[S_BETA2])
-                d = np.asarray(sqrt(v), np.float32) / s[S_BC2] + s[S_EPS]
+                d = np.asarray(sqrt(v), np.float32) / s[S_SQRT_BC2] + s[S_EPS]
                 p = p1 + (s[S_NEG_STEP] * m) / d
             else:
                 v = fma_f32(s[S_OMB2], g * g, v * s[S_BETA2])
-                d = np.sqrt(v) / s[S_BC2] + s[S_EPS]
+                d = np.sqrt(v) / s[S_SQRT_BC2] + s[S_EPS]
                 p = fma_f32(s[S_NEG_STEP], m / d, p1)
         else:
             if int(s[S_OX_CODE]) & OX_CLIP:  # optax.clip_by_global_norm: (g / norm) * max_norm

@@ -29,24 +29,23 @@
 
 // ---- the per-step float32 scalar vector: indices are trainstream.contract.S_* ----
 // (trainstream/_device_kernels.py checks these against the contract when it loads this file)
-#define TS_N_SCALARS 12
+#define TS_N_SCALARS 16
 #define TS_S_CLIP 0
-#define TS_S_DECAY 1
-#define TS_S_LERP_W 2
-#define TS_S_LERP_SMALL 3
-#define TS_S_BETA2 4
-#define TS_S_OMB2 5
-#define TS_S_BC2 6
-#define TS_S_EPS 7
+#define TS_S_OMB1 1
+#define TS_S_BETA2 2
+#define TS_S_OMB2 3
+#define TS_S_EPS 4
+#define TS_S_DECAY 5
+#define TS_S_LERP_SMALL 6
+#define TS_S_SQRT_BC2 7
 #define TS_S_NEG_STEP 8
-#define TS_S_OMB1 2
-#define TS_S_BETA1 3
-#define TS_S_BC1 6
-#define TS_S_BC2_OPTAX 9
-#define TS_S_WD 1
-#define TS_S_NEG_LR 8
-#define TS_S_CLIP_DIV 10
-#define TS_S_OX_CODE 11
+#define TS_S_BETA1 9
+#define TS_S_BC1 10
+#define TS_S_BC2_OPTAX 11
+#define TS_S_WD 12
+#define TS_S_NEG_LR 13
+#define TS_S_CLIP_DIV 14
+#define TS_S_OX_CODE 15
 
 // ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream.contract.OX_* ----
 #define TS_OX_FORM_R 1
@@ -61,7 +60,7 @@
 #define TS_VARIANT_OPTAX_CPU 2
 #define TS_VARIANT_OPTAX_CUDA 3
 
-// The scalar vector, passed by value (48 bytes of kernel parameters).
+// The scalar vector, passed by value (64 bytes of kernel parameters).
 struct TsScalars {
   float s[TS_N_SCALARS];
 };
@@ -235,23 +234,23 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
     const float diff = __fsub_rn(g, m);
     if (s.s[TS_S_LERP_SMALL] != 0.0f) {
       // m = fma(f(1-b1), g - m, m)            lerp, weight < 0.5
-      m = __fmaf_rn(s.s[TS_S_LERP_W], diff, m);
+      m = __fmaf_rn(s.s[TS_S_OMB1], diff, m);
     } else {
       // m = fma(f(1-b1) - 1, g - m, g)        lerp, weight >= 0.5
-      m = __fmaf_rn(__fsub_rn(s.s[TS_S_LERP_W], 1.0f), diff, g);
+      m = __fmaf_rn(__fsub_rn(s.s[TS_S_OMB1], 1.0f), diff, g);
     }
     if (VARIANT == TS_VARIANT_TORCH_CPU) {
       // v = fma(f(1-b2) * g, g, v * f(b2))
       v = __fmaf_rn(__fmul_rn(s.s[TS_S_OMB2], g), g, __fmul_rn(v, s.s[TS_S_BETA2]));
       // d = sqrt(v) / f(sqrt(bc2)) + f(eps)
-      const float d = __fadd_rn(__fdiv_rn(torch_cpu_sqrt(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
+      const float d = __fadd_rn(__fdiv_rn(torch_cpu_sqrt(v), s.s[TS_S_SQRT_BC2]), s.s[TS_S_EPS]);
       // p = p1 + (f(-lr/bc1) * m) / d
       p = __fadd_rn(p1, __fdiv_rn(__fmul_rn(s.s[TS_S_NEG_STEP], m), d));
     } else {
       // v = fma(f(1-b2), g * g, v * f(b2))
       v = __fmaf_rn(s.s[TS_S_OMB2], __fmul_rn(g, g), __fmul_rn(v, s.s[TS_S_BETA2]));
       // d = sqrt(v) / f(sqrt(bc2)) + f(eps)       (_foreach_div_ by a scalar list: true division)
-      const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
+      const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.s[TS_S_SQRT_BC2]), s.s[TS_S_EPS]);
       // p = fma(f(-lr/bc1), m / d, p1)
       p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
     }
@@ -428,38 +427,41 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
 
 // ------------------------------------------------------------------------------------------
 // The launch: up to TS_MULTI_MAX tensors of one (weight, gradient) type pair, their
-// descriptors passed by value (under the 4 KiB kernel-parameter limit). Tensor k owns blocks
-// [block_start, block_start + nblocks) of the grid and grid-strides over them: the bits do
-// not depend on nblocks. extern "C" entry points: 4 variants x 3 weight x 3 gradient types.
+// descriptors passed by value (exactly the 4 KiB kernel-parameter limit of every driver).
+// Tensor k owns blocks [block_start, block_start + nblocks) of the grid and grid-strides over
+// them: the bits do not depend on nblocks. extern "C" entry points: 4 variants x 3 weight x 3
+// gradient types.
 // ------------------------------------------------------------------------------------------
 
 #define TS_MULTI_MAX 32
+// block_start of the unused items after the last tensor: above every block index
+#define TS_UNUSED_BLOCK 2147483647
 
-struct TsMultiItem {      // 120 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
+struct TsMultiItem {      // 128 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
   void* param;            // weights, GPU memory (P*)
   const void* grad;       // gradient, GPU memory (G*)
   float* master;          // fp32 master (mapped host memory); nullptr for fp32 weights
   float* m;               // exp_avg (mapped host memory)
   float* v;               // exp_avg_sq (mapped host memory)
   long long n;            // elements
-  long long block_start;  // first block of the grid that is this tensor's
-  long long nblocks;      // blocks that are this tensor's (> 0)
+  int block_start;        // first block of the grid that is this tensor's (unused: TS_UNUSED_BLOCK)
+  int nblocks;            // blocks that are this tensor's (> 0; unused: 0)
   TsScalars scalars;      // this tensor's step scalars (its own step count and lr), or
-  const float* scalars_dev;  // the same 12 floats in device memory (nullptr: by value; JAX)
+  const float* scalars_dev;  // the same TS_N_SCALARS floats in device memory (nullptr: by value; JAX)
 };
 
-struct TsMultiBatch {
-  long long count;  // tensors in items[0:count], by increasing block_start
-  TsMultiItem items[TS_MULTI_MAX];
+struct TsMultiBatch {  // 4096 bytes
+  TsMultiItem items[TS_MULTI_MAX];  // the tensors by increasing block_start, then the unused items
 };
 
 template <int VARIANT, typename P, typename G, bool EMIT_U = false>
 __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
-  // the tensor that owns this block: the last one whose block_start <= blockIdx.x
-  int lo = 0, hi = (int)batch.count - 1;
+  // the tensor that owns this block: the last item whose block_start <= blockIdx.x (never an
+  // unused one: TS_UNUSED_BLOCK is above every block index)
+  int lo = 0, hi = TS_MULTI_MAX - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (batch.items[mid].block_start <= (long long)blockIdx.x) lo = mid;
+    if ((long long)batch.items[mid].block_start <= (long long)blockIdx.x) lo = mid;
     else hi = mid - 1;
   }
   const TsMultiItem& t = batch.items[lo];
