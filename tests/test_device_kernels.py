@@ -39,10 +39,8 @@ HPS = [
     C.AdamWHyperParams(3e-2, 0.3, 0.95, 1e-6, 0.0),  # lerp weight >= 0.5
     C.AdamWHyperParams(1e-2, 0.5, 0.99, 1e-8, 0.1),  # lerp weight exactly 0.5
 ]
-VARIANTS = {
-    C.VARIANT_TORCH_CPU: ("torch", "cpu"),
+VARIANTS = {  # the variants with CUDA kernels (the cpu platforms' arithmetic is the host kernels')
     C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
-    C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
     C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
 }
 VNAME = {v: f"{c}/{p}" for v, (c, p) in VARIANTS.items()}
@@ -288,7 +286,18 @@ def test_multi_batch_layout_matches_the_kernel_source():
 
 def test_dtype_names():
     assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
-    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"
+    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CUDA, "torch.float16", "half") == "adamw_zero_copy_torch_cuda_f16_f16"
+
+
+@pytest.mark.parametrize("variant", [C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU])
+def test_host_only_variants_have_no_cuda_kernel(variant):
+    """The cpu platforms' arithmetic runs in the host kernels only: naming it for a launch says so."""
+    with pytest.raises(ValueError, match="has no CUDA kernel"):
+        dk.adamw_kernel_name(variant, "float32", "float32")
+    with pytest.raises(ValueError, match="has no CUDA kernel"):
+        dk.adamw_u_kernel_name(variant, "float32")
+    with pytest.raises(ValueError, match="no kernel that writes u"):
+        dk.adamw_u_kernel_name(C.VARIANT_TORCH_CUDA, "float32")
 
 
 # -- GPU fixtures ------------------------------------------------------------------------------
@@ -346,7 +355,7 @@ def _stream(cp) -> int:
 def test_adamw_matches_contract(cp, mapped, variant, pd, gd, n, layout):
     """STEPS updates; each step compared with reference_update from the kernel's own inputs.
 
-    torch/*, optax/cpu: bit-identical. optax/cuda: m, v bit-identical, the weights within
+    torch/cuda: bit-identical. optax/cuda: m, v bit-identical, the weights within
     OPTAX_CUDA_MAX_ULP per step (XLA:GPU's approximate sqrt/division vs the IEEE host),
     counted in ULPs of max(|p|, |update|, |p_new|): plain ULPs of p_new are unbounded where the
     update cancels the weight.
