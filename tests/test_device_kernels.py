@@ -1,5 +1,5 @@
-"""The zero-copy (`gpu` mode) kernels, trainstream/kernels/*.cu, through
-trainstream._device_kernels.
+"""The `gpu` mode kernels, kernels/adamw.cu (package data trainstream/kernels/ once
+installed), through trainstream._device_kernels.
 
 GPU tests carry the ``gpu`` marker and skip where CuPy or a CUDA device is missing; the
 few tests without the marker need neither (source/contract consistency, lazy import,
@@ -105,7 +105,7 @@ def _fmt(x) -> str:
 
 
 def _regions(n, m_ptr, v_ptr, master_ptr, param_ptr, p_item, grad_ptr, g_item):
-    """The kernel's split of [0, n): (head, vectorised?, tail start), as adamw_zero_copy.cu."""
+    """The kernel's split of [0, n): (head, vectorised?, tail start), as kernels/adamw.cu."""
     head = min(n, ((16 - (m_ptr & 15)) & 15) // 4)
     vec = ((m_ptr + 4 * head) % 16 == 0 and (v_ptr + 4 * head) % 16 == 0
            and (master_ptr == 0 or (master_ptr + 4 * head) % 16 == 0)
@@ -164,17 +164,18 @@ def test_every_kernel_name_is_defined_in_the_source():
         for pd in dk.DTYPES:
             for gd in dk.DTYPES:
                 name = dk.adamw_kernel_name(v, pd, gd)
-                vname, pname, gname = name.removeprefix("adamw_zero_copy_").rsplit("_", 2)
+                vname, pname, gname = name.removeprefix("adamw_").rsplit("_", 2)
                 assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
                 assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
                 assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
 
 
 def test_kernel_sources_are_package_data():
-    """The .cu files are read from the package (importlib.resources), not from a folder
-    beside it; a missing one raises FileNotFoundError naming it."""
-    pkg = Path(dk.__file__).resolve().parent
-    assert dk.kernel_source(dk.ADAMW_SOURCE) == (pkg / "kernels" / dk.ADAMW_SOURCE).read_text()
+    """The .cu files are read from the package data (importlib.resources; tests/test_wheel_install.py,
+    test_readonly_install.py), in a checkout from its top-level kernels/; a missing one raises
+    FileNotFoundError naming it."""
+    root = Path(dk.__file__).resolve().parents[1]
+    assert dk.kernel_source(dk.ADAMW_SOURCE) == (root / "kernels" / dk.ADAMW_SOURCE).read_text()
     with pytest.raises(FileNotFoundError, match=r"trainstream/kernels/no_such\.cu"):
         dk.kernel_source("no_such.cu")
     assert not hasattr(dk, "KERNEL_DIR")
@@ -285,8 +286,8 @@ def test_multi_batch_layout_matches_the_kernel_source():
 
 
 def test_dtype_names():
-    assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
-    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CUDA, "torch.float16", "half") == "adamw_zero_copy_torch_cuda_f16_f16"
+    assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_optax_cuda_bf16_f32"
+    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CUDA, "torch.float16", "half") == "adamw_torch_cuda_f16_f16"
 
 
 @pytest.mark.parametrize("variant", [C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU])

@@ -1,10 +1,11 @@
-"""CuPy loader and launcher of the ``gpu`` mode kernels (``trainstream/kernels/adamw_zero_copy.cu``, package data; the
-cuda platform's arithmetic of each :mod:`trainstream.contract` convention, torch/cuda and optax/cuda; the cpu platforms'
-is the host kernels'): compiled once per device, launched asynchronously on raw pointers and a raw
-``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's ``cuda_stream``, CuPy's ``ptr``, XLA's
-stream of an FFI handler); the caller orders the launches against the gradient's producers and the weights' readers.
-State pointers address mapped pinned host memory or GPU memory. CuPy is imported on first use (an ``ImportError``
-names the extras ``trainstream[cuda12]`` / ``trainstream[cuda13]``); no torch or jax import.
+"""CuPy loader and launcher of the ``gpu`` mode kernels (the checkout's ``kernels/adamw.cu``, installed as the package
+data ``trainstream/kernels/adamw.cu``: the cuda platform's arithmetic of each :mod:`trainstream.contract` convention,
+torch/cuda and optax/cuda; the cpu platforms' is the host kernels'): compiled once per device, launched
+asynchronously on raw pointers and a raw ``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's
+``cuda_stream``, CuPy's ``ptr``, XLA's stream of an FFI handler); the caller orders the launches against the
+gradient's producers and the weights' readers. State pointers address mapped pinned host memory or GPU memory. CuPy
+is imported on first use (an ``ImportError`` names the extras ``trainstream[cuda12]`` / ``trainstream[cuda13]``); no
+torch or jax import.
 
 Compilation: NVRTC (``cupy.RawModule``, :data:`COMPILE_OPTIONS`; CuPy caches the binary in ``~/.cupy/kernel_cache``).
 The kernels write every operation as an ``_rn`` intrinsic (the contract's roundings), which ``-fmad`` and ``-prec-*``
@@ -24,6 +25,7 @@ import os
 import re
 import threading
 from importlib import resources
+from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -36,8 +38,8 @@ __all__ = ["ADAMW_SOURCE", "kernel_source", "ADAMW_THREADS", "DTYPES", "adamw_ke
            "adamw_u_kernel_name", "MULTI_MAX", "alloc_mapped", "alloc_device", "host_view", "check_stream",
            "set_sync_launches"]
 
-#: The CUDA source, a file of the package folder ``trainstream/kernels/`` (package data).
-ADAMW_SOURCE = "adamw_zero_copy.cu"
+#: The CUDA source (:func:`kernel_source`).
+ADAMW_SOURCE = "adamw.cu"
 
 #: Block size; the .cu file defines the same number (checked at load time).
 ADAMW_THREADS = 256
@@ -102,14 +104,24 @@ def set_sync_launches(enabled: bool) -> None:
 
 # -- the sources and their constants -------------------------------------------------------
 def kernel_source(name: str) -> str:
-    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`) from the package data
-    ``trainstream/kernels/`` (no GPU needed); ``FileNotFoundError`` naming the file if absent."""
-    path = resources.files("trainstream") / "kernels" / name
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise FileNotFoundError(f"TrainStream CUDA source {path} not found: the install lacks the package data "
-                                f"trainstream/kernels/{name}; reinstall from the wheel or the checkout ({e})") from e
+    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`; no GPU needed), read from the package data
+    ``trainstream/kernels/`` (a wheel, also read-only, or a strict editable install: setuptools maps the checkout's
+    top-level ``kernels/`` there), else from the top-level ``kernels/`` of the source checkout this package is in (a
+    checkout on ``sys.path``, or setuptools' default editable install, which imports the checkout's ``trainstream/``).
+    ``FileNotFoundError`` naming the places looked at if absent."""
+    packaged = resources.files("trainstream") / "kernels" / name
+    places = [packaged]
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():  # a source checkout, not site-packages
+        places.append(root / "kernels" / name)
+    for path in places:
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+    raise FileNotFoundError(f"TrainStream CUDA source {name} not found in {', '.join(map(str, places))}: the "
+                            f"install lacks the package data trainstream/kernels/{name}; reinstall from the wheel or "
+                            "the checkout")
 
 
 _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
@@ -166,7 +178,7 @@ def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
     """The ``extern "C"`` name of the AdamW kernel for a variant (:data:`trainstream.contract.VARIANT_TORCH_CUDA` or
     ``VARIANT_OPTAX_CUDA``) and two dtypes."""
     _check_variant(variant, _VARIANT_NAMES)
-    return (f"adamw_zero_copy_{_VARIANT_NAMES[variant]}_"
+    return (f"adamw_{_VARIANT_NAMES[variant]}_"
             f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}")
 
 
@@ -179,7 +191,7 @@ def adamw_u_kernel_name(variant: int, grad_dtype) -> str:
     if variant not in U_VARIANTS and variant in _VARIANT_NAMES:
         raise ValueError(f"variant {variant!r} has no kernel that writes u; expected one of {U_VARIANTS}")
     _check_variant(variant, U_VARIANTS)
-    return f"adamw_zero_copy_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
+    return f"adamw_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
 
 
 # -- compilation, once per device ----------------------------------------------------------

@@ -1,24 +1,24 @@
-// TrainStream zero-copy AdamW: the `gpu` mode update of up to TS_MULTI_MAX tensors per launch
-// (a single tensor is a launch of one).
+// TrainStream's AdamW on the GPU: the `gpu` mode update of up to TS_MULTI_MAX tensors per
+// launch (a single tensor is a launch of one). Shipped in the wheel as package data,
+// trainstream/kernels/adamw.cu (pyproject.toml maps this folder there).
 //
 //   weights   GPU memory, updated in place: fp32, fp16 or bf16
 //   gradient  GPU memory, read once: fp32, fp16 or bf16
-//   m, v      fp32 exp_avg / exp_avg_sq in mapped pinned host memory (device pointers
-//             to host memory): each element read once and written once over PCIe
-//   master    fp32 master weights in mapped pinned host memory, for fp16/bf16 weights
-//             only; fp32 weights are their own master (pass nullptr)
-//   (state kept resident in GPU memory: m, v and master are plain GPU memory instead,
-//   the same code)
+//   m, v      fp32 exp_avg / exp_avg_sq: mapped pinned host memory (device pointers to
+//             host memory, each element read once and written once over PCIe: zero-copy),
+//             or GPU memory (the staging ring's copy, or state kept resident there)
+//   master    fp32 master weights, in either memory too, for fp16/bf16 weights only;
+//             fp32 weights are their own master (pass nullptr)
 //
-// The arithmetic is the AdamW contract of trainstream/contract.py on the cuda platform,
-// one branch per convention (torch/cuda, optax/cuda: the variants the library launches; the
-// cpu platforms' arithmetic is the host kernels'); each line of maths below quotes the
-// contract line it implements. Rounding is explicit: every float operation is an _rn intrinsic,
-// fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not depend
-// on nvcc/NVRTC contraction (-fmad). The loader also pins --ftz=false, which the _rn
+// The arithmetic is the AdamW contract (trainstream.contract) on the cuda platform, one
+// branch per convention: torch/cuda and optax/cuda, the variants the library launches (the
+// cpu platforms' arithmetic is the host kernels'). Each line of maths below quotes the
+// contract line it implements. Rounding is explicit: every float operation is an _rn
+// intrinsic, fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not
+// depend on nvcc/NVRTC contraction (-fmad). The loader also pins --ftz=false, which the _rn
 // intrinsics do obey.
 //
-// Kernels: adamw_zero_copy_<variant>_<param>_<grad>, e.g. adamw_zero_copy_torch_cuda_bf16_f32,
+// Kernels: adamw_<variant>_<param>_<grad>, e.g. adamw_torch_cuda_bf16_f32,
 // with <variant> in {torch_cuda, optax_cuda} and <param>, <grad> in
 // {f32, f16, bf16}, each taking a TsMultiBatch (see the end). Launch with blockDim.x ==
 // TS_ADAMW_THREADS and a grid of the sum of the tensors' nblocks (a larger one is
@@ -237,7 +237,7 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
 // EMIT_U (optax, fp32 weights only: the JAX adapter's `update`): then `param` is
 // read, not written, and `master` receives u, the update before the learning rate.
 template <int VARIANT, typename P, typename G, bool EMIT_U = false>
-__device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
+__device__ __forceinline__ void ts_adamw_tensor(P* __restrict__ param,
                                                    const G* __restrict__ grad,
                                                    float* __restrict__ master,
                                                    float* __restrict__ m,
@@ -383,14 +383,14 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
   const TsMultiItem& t = batch.items[lo];
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
-  ts_adamw_zero_copy<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
+  ts_adamw_tensor<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
                                     t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, block,
                                     t.nblocks);
 }
 
 #define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
+      adamw_##VNAME##_##PNAME##_##GNAME(                                                      \
           const TsMultiBatch batch) {                                                         \
     ts_adamw_multi<VARIANT, P, G>(batch);                                                     \
   }
@@ -408,13 +408,13 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
 TS_DEFINE_ADAMW_VARIANT(torch_cuda, TS_VARIANT_TORCH_CUDA)
 TS_DEFINE_ADAMW_VARIANT(optax_cuda, TS_VARIANT_OPTAX_CUDA)
 
-// adamw_zero_copy_u_optax_cuda_f32_<grad>: the same batch, fp32 weights read
+// adamw_u_optax_cuda_f32_<grad>: the same batch, fp32 weights read
 // from each item's `param`, u (the update before the learning rate) written to its `master`
 // slot, the moments updated: the JAX adapter's `update`, whose program then scales u by the
 // learning rate as optax does.
 #define TS_DEFINE_ADAMW_U(VNAME, VARIANT, GNAME, G)                                            \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_u_##VNAME##_f32_##GNAME(                                                \
+      adamw_u_##VNAME##_f32_##GNAME(                                                          \
           const TsMultiBatch batch) {                                                         \
     ts_adamw_multi<VARIANT, float, G, true>(batch);                                           \
   }
