@@ -8,7 +8,7 @@ failure names the first step, array and elements that differ, with their inputs.
 
 ``TRAINSTREAM_GPU_TEST_STEPS`` (default 50) sets the number of steps of the long runs;
 ``TRAINSTREAM_OPTAX_CUDA_MAX_ULP`` overrides the optax/cuda bound
-(``_contract.OPTAX_CUDA_MAX_ULP``).
+(``trainstream.contract.OPTAX_CUDA_MAX_ULP``).
 """
 
 from __future__ import annotations
@@ -815,7 +815,7 @@ def test_contract_optax_bias_corrections_match_optax_on_xla_gpu():
             a, b = np.asarray(ours[k]), np.asarray(optax_like[k])
             bad = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
             assert bad.size == 0, (
-                f"b=({b1}, {b2}) {name}: _contract.optax_bias_corrections differs from optax's "
+                f"b=({b1}, {b2}) {name}: contract.optax_bias_corrections differs from optax's "
                 f"1 - b**count on XLA:GPU at {bad.size} counts, first count {bad[0] + 1}: "
                 f"{_fmt(a[bad[0]])} vs {_fmt(b[bad[0]])}")
 

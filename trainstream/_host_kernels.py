@@ -198,8 +198,9 @@ def _round16(x, kind):
 
 # -- specialisation factories (module docstring); ``cache=False``: an uncached copy (machine code)
 
-#: The source stamp of the modules whose globals the kernels use (:func:`trainstream._jit.source_stamp`).
-_DEPS = source_stamp(_jit, _cpu_sqrt, contract)
+#: The source stamp of the modules whose globals the kernels use (:func:`trainstream._jit.source_stamp`; the
+#: contract's constants are defined in its ``_scalars``).
+_DEPS = source_stamp(_jit, _cpu_sqrt, contract, contract._scalars)
 
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
