@@ -1,5 +1,5 @@
-"""The zero-copy (`gpu` mode) kernels, trainstream/kernels/*.cu, through
-trainstream._device_kernels.
+"""The `gpu` mode kernels, kernels/adamw.cu (package data trainstream/kernels/ once
+installed), through trainstream._device_kernels.
 
 GPU tests carry the ``gpu`` marker and skip where CuPy or a CUDA device is missing; the
 few tests without the marker need neither (source/contract consistency, lazy import,
@@ -8,7 +8,7 @@ failure names the first step, array and elements that differ, with their inputs.
 
 ``TRAINSTREAM_GPU_TEST_STEPS`` (default 50) sets the number of steps of the long runs;
 ``TRAINSTREAM_OPTAX_CUDA_MAX_ULP`` overrides the optax/cuda bound
-(``_contract.OPTAX_CUDA_MAX_ULP``).
+(``trainstream.contract.OPTAX_CUDA_MAX_ULP``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ HPS = [
     C.AdamWHyperParams(3e-2, 0.3, 0.95, 1e-6, 0.0),  # lerp weight >= 0.5
     C.AdamWHyperParams(1e-2, 0.5, 0.99, 1e-8, 0.1),  # lerp weight exactly 0.5
 ]
-VARIANTS = {
-    C.VARIANT_TORCH_CPU: ("torch", "cpu"),
+VARIANTS = {  # the variants with CUDA kernels (the cpu platforms' arithmetic is the host kernels')
     C.VARIANT_TORCH_CUDA: ("torch", "cuda"),
-    C.VARIANT_OPTAX_CPU: ("optax", "cpu"),
     C.VARIANT_OPTAX_CUDA: ("optax", "cuda"),
 }
 VNAME = {v: f"{c}/{p}" for v, (c, p) in VARIANTS.items()}
@@ -107,7 +105,7 @@ def _fmt(x) -> str:
 
 
 def _regions(n, m_ptr, v_ptr, master_ptr, param_ptr, p_item, grad_ptr, g_item):
-    """The kernel's split of [0, n): (head, vectorised?, tail start), as adamw_zero_copy.cu."""
+    """The kernel's split of [0, n): (head, vectorised?, tail start), as kernels/adamw.cu."""
     head = min(n, ((16 - (m_ptr & 15)) & 15) // 4)
     vec = ((m_ptr + 4 * head) % 16 == 0 and (v_ptr + 4 * head) % 16 == 0
            and (master_ptr == 0 or (master_ptr + 4 * head) % 16 == 0)
@@ -166,17 +164,18 @@ def test_every_kernel_name_is_defined_in_the_source():
         for pd in dk.DTYPES:
             for gd in dk.DTYPES:
                 name = dk.adamw_kernel_name(v, pd, gd)
-                vname, pname, gname = name.removeprefix("adamw_zero_copy_").rsplit("_", 2)
+                vname, pname, gname = name.removeprefix("adamw_").rsplit("_", 2)
                 assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
                 assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
                 assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
 
 
 def test_kernel_sources_are_package_data():
-    """The .cu files are read from the package (importlib.resources), not from a folder
-    beside it; a missing one raises FileNotFoundError naming it."""
-    pkg = Path(dk.__file__).resolve().parent
-    assert dk.kernel_source(dk.ADAMW_SOURCE) == (pkg / "kernels" / dk.ADAMW_SOURCE).read_text()
+    """The .cu files are read from the package data (importlib.resources; tests/test_wheel_install.py,
+    test_readonly_install.py), in a checkout from its top-level kernels/; a missing one raises
+    FileNotFoundError naming it."""
+    root = Path(dk.__file__).resolve().parents[1]
+    assert dk.kernel_source(dk.ADAMW_SOURCE) == (root / "kernels" / dk.ADAMW_SOURCE).read_text()
     with pytest.raises(FileNotFoundError, match=r"trainstream/kernels/no_such\.cu"):
         dk.kernel_source("no_such.cu")
     assert not hasattr(dk, "KERNEL_DIR")
@@ -273,7 +272,8 @@ def test_launch_adamw_multi_of_empty_tensors_launches_nothing():
 
 
 def test_multi_batch_layout_matches_the_kernel_source():
-    """ctypes mirror of TsMultiItem / TsMultiBatch: same field order, sizes, TS_MULTI_MAX."""
+    """ctypes mirror of TsMultiItem / TsMultiBatch: same field order, sizes, TS_MULTI_MAX (a batch within the
+    4 KiB of kernel parameters that every CUDA driver accepts)."""
     import ctypes
     src = dk.kernel_source(dk.ADAMW_SOURCE)
     assert f"#define TS_MULTI_MAX {dk.MULTI_MAX}" in src
@@ -281,13 +281,24 @@ def test_multi_batch_layout_matches_the_kernel_source():
     body = body[:body.index("};")]
     fields = [line.split(";")[0].split()[-1].lstrip("*") for line in body.splitlines()[1:] if ";" in line]
     assert fields == [name for name, _ in dk._MultiItem._fields_]
-    assert ctypes.sizeof(dk._MultiItem) == 120
-    assert ctypes.sizeof(dk._MultiBatch) == 8 + dk.MULTI_MAX * 120 <= 4096
+    assert ctypes.sizeof(dk._MultiItem) == 128
+    assert ctypes.sizeof(dk._MultiBatch) == dk.MULTI_MAX * 128 <= 4096
 
 
 def test_dtype_names():
-    assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_zero_copy_optax_cuda_bf16_f32"
-    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CPU, "torch.float16", "half") == "adamw_zero_copy_torch_cpu_f16_f16"
+    assert dk.adamw_kernel_name(C.VARIANT_OPTAX_CUDA, "bf16", np.float32) == "adamw_optax_cuda_bf16_f32"
+    assert dk.adamw_kernel_name(C.VARIANT_TORCH_CUDA, "torch.float16", "half") == "adamw_torch_cuda_f16_f16"
+
+
+@pytest.mark.parametrize("variant", [C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU])
+def test_host_only_variants_have_no_cuda_kernel(variant):
+    """The cpu platforms' arithmetic runs in the host kernels only: naming it for a launch says so."""
+    with pytest.raises(ValueError, match="has no CUDA kernel"):
+        dk.adamw_kernel_name(variant, "float32", "float32")
+    with pytest.raises(ValueError, match="has no CUDA kernel"):
+        dk.adamw_u_kernel_name(variant, "float32")
+    with pytest.raises(ValueError, match="no kernel that writes u"):
+        dk.adamw_u_kernel_name(C.VARIANT_TORCH_CUDA, "float32")
 
 
 # -- GPU fixtures ------------------------------------------------------------------------------
@@ -345,7 +356,7 @@ def _stream(cp) -> int:
 def test_adamw_matches_contract(cp, mapped, variant, pd, gd, n, layout):
     """STEPS updates; each step compared with reference_update from the kernel's own inputs.
 
-    torch/*, optax/cpu: bit-identical. optax/cuda: m, v bit-identical, the weights within
+    torch/cuda: bit-identical. optax/cuda: m, v bit-identical, the weights within
     OPTAX_CUDA_MAX_ULP per step (XLA:GPU's approximate sqrt/division vs the IEEE host),
     counted in ULPs of max(|p|, |update|, |p_new|): plain ULPs of p_new are unbounded where the
     update cancels the weight.
@@ -804,7 +815,7 @@ def test_contract_optax_bias_corrections_match_optax_on_xla_gpu():
             a, b = np.asarray(ours[k]), np.asarray(optax_like[k])
             bad = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
             assert bad.size == 0, (
-                f"b=({b1}, {b2}) {name}: _contract.optax_bias_corrections differs from optax's "
+                f"b=({b1}, {b2}) {name}: contract.optax_bias_corrections differs from optax's "
                 f"1 - b**count on XLA:GPU at {bad.size} counts, first count {bad[0] + 1}: "
                 f"{_fmt(a[bad[0]])} vs {_fmt(b[bad[0]])}")
 

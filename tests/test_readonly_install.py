@@ -1,7 +1,8 @@
 """A read-only install: the package directory and HOME unwritable (a read-only container),
 so that Numba has nowhere to cache its kernels. Importing and training must still work,
 bit-identically to torch.optim.AdamW, with one warning that says how to set a cache
-directory (``NUMBA_CACHE_DIR``).
+directory (``NUMBA_CACHE_DIR``); the CUDA sources are read from the package data (laid out
+as the wheel has them: the checkout's ``kernels/`` as ``trainstream/kernels/``).
 
 The test runs as root in CI, where permission bits do not stop writes; what makes the
 copies unwritable for root too is a regular *file* where each cache folder would be:
@@ -42,6 +43,9 @@ with warnings.catch_warnings(record=True) as caught:
         assert torch.equal(a, b), "weights differ from torch.optim.AdamW"
     opt.close()
 assert trainstream.__file__.startswith(PKG_ROOT), trainstream.__file__
+import trainstream._device_kernels as dk
+dk.check_kernel_constants()  # reads the installed source (no GPU needed)
+assert dk.kernel_source(dk.ADAMW_SOURCE) == open(PKG_ROOT + "/trainstream/kernels/" + dk.ADAMW_SOURCE).read()
 cache = [w for w in caught if "NUMBA_CACHE_DIR" in str(w.message)]
 assert len(cache) == 1, [str(w.message) for w in caught]
 print("ok")
@@ -52,6 +56,7 @@ def test_unwritable_package_dir_and_home(tmp_path):
     site = tmp_path / "ro-site"
     shutil.copytree(ROOT / "trainstream", site / "trainstream",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(ROOT / "kernels", site / "trainstream" / "kernels")  # the package data, as in the wheel
     for pkg in [site / "trainstream", *(p for p in (site / "trainstream").rglob("*") if p.is_dir())]:
         if pkg.name != "kernels":
             (pkg / "__pycache__").write_text("not a directory: nothing can be cached here\n")

@@ -1,4 +1,5 @@
-"""The plain wheel: ``pip wheel .`` carries the CUDA sources, and the wheel installed in a
+"""The plain wheel: ``pip wheel .`` carries the CUDA sources (the checkout's top-level ``kernels/``, as the package
+data ``trainstream/kernels/``) and every module of ``trainstream/``, and the wheel installed in a
 fresh virtual environment, run from outside the checkout, trains bit-identically to
 ``torch.optim.AdamW`` (``cpu`` mode on the CPU here; ``gpu`` mode on CUDA in the
 ``gpu``-marked test).
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("adamw_zero_copy.cu",)
+SOURCES = ("adamw.cu",)  # in kernels/ of the checkout, trainstream/kernels/ of the wheel
 #: Build outputs and environments of a checkout, left out of the copy that is built.
 _NOT_COPIED = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".numba_cache", ".whl"}
 
@@ -178,7 +179,7 @@ def _train_in_fresh_venv(installed, mode: str, device: str) -> dict:
     assert venv in Path(result["trainstream_file"]).parents, result["trainstream_file"]
     for f in result["module_files"]:
         assert venv in Path(f).parents and ROOT not in Path(f).parents, f
-    want = {n: hashlib.sha256((ROOT / "trainstream" / "kernels" / n).read_bytes()).hexdigest() for n in SOURCES}
+    want = {n: hashlib.sha256((ROOT / "kernels" / n).read_bytes()).hexdigest() for n in SOURCES}
     assert result["sources"] == want
     assert result["differ"] == [], f"not bit-identical to torch.optim.AdamW: {result['differ']}"
     assert result["moved"] == result["params"] and result["steps"] == 6
@@ -189,9 +190,12 @@ def test_wheel_carries_the_cuda_sources(installed):
     with zipfile.ZipFile(installed["wheel"]) as z:
         names = z.namelist()
         for n in SOURCES:
-            assert z.read(f"trainstream/kernels/{n}") == (ROOT / "trainstream" / "kernels" / n).read_bytes()
+            assert z.read(f"trainstream/kernels/{n}") == (ROOT / "kernels" / n).read_bytes()
     # a plain wheel: the package and its metadata, nothing else of the checkout
     assert all(n.startswith(("trainstream/", "trainstream-")) for n in names), names
+    # every module (pyproject.toml lists the subpackages: a new one missing from the list fails here)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "trainstream").rglob("*.py")}
+    assert modules - set(names) == set()
 
 
 def test_installed_wheel_trains_bit_identically_on_cpu(installed):

@@ -1,9 +1,11 @@
-"""CuPy loader and launcher of the ``gpu`` mode kernels (``trainstream/kernels/adamw_zero_copy.cu``, package data; one
-per :mod:`trainstream.contract` variant): compiled once per device, launched asynchronously on raw pointers and a raw
-``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's ``cuda_stream``, CuPy's ``ptr``, XLA's
-stream of an FFI handler); the caller orders the launches against the gradient's producers and the weights' readers.
-State pointers address mapped pinned host memory or GPU memory. CuPy is imported on first use (an ``ImportError``
-names the extras ``trainstream[cuda12]`` / ``trainstream[cuda13]``); no torch or jax import.
+"""CuPy loader and launcher of the ``gpu`` mode kernels (the checkout's ``kernels/adamw.cu``, installed as the package
+data ``trainstream/kernels/adamw.cu``: the cuda platform's arithmetic of each :mod:`trainstream.contract` convention,
+torch/cuda and optax/cuda; the cpu platforms' is the host kernels'): compiled once per device, launched
+asynchronously on raw pointers and a raw ``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's
+``cuda_stream``, CuPy's ``ptr``, XLA's stream of an FFI handler); the caller orders the launches against the
+gradient's producers and the weights' readers. State pointers address mapped pinned host memory or GPU memory. CuPy
+is imported on first use (an ``ImportError`` names the extras ``trainstream[cuda12]`` / ``trainstream[cuda13]``); no
+torch or jax import.
 
 Compilation: NVRTC (``cupy.RawModule``, :data:`COMPILE_OPTIONS`; CuPy caches the binary in ``~/.cupy/kernel_cache``).
 The kernels write every operation as an ``_rn`` intrinsic (the contract's roundings), which ``-fmad`` and ``-prec-*``
@@ -23,6 +25,7 @@ import os
 import re
 import threading
 from importlib import resources
+from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -35,8 +38,8 @@ __all__ = ["ADAMW_SOURCE", "kernel_source", "ADAMW_THREADS", "DTYPES", "adamw_ke
            "adamw_u_kernel_name", "MULTI_MAX", "alloc_mapped", "alloc_device", "host_view", "check_stream",
            "set_sync_launches"]
 
-#: The CUDA source, a file of the package folder ``trainstream/kernels/`` (package data).
-ADAMW_SOURCE = "adamw_zero_copy.cu"
+#: The CUDA source (:func:`kernel_source`).
+ADAMW_SOURCE = "adamw.cu"
 
 #: Block size; the .cu file defines the same number (checked at load time).
 ADAMW_THREADS = 256
@@ -47,31 +50,35 @@ DTYPES = ("float32", "float16", "bfloat16")
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float": "float32", "fp32": "float32", "f32": "float32",
                   "half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16"}
-_VARIANT_NAMES = {C.VARIANT_TORCH_CPU: "torch_cpu", C.VARIANT_TORCH_CUDA: "torch_cuda",
-                  C.VARIANT_OPTAX_CPU: "optax_cpu", C.VARIANT_OPTAX_CUDA: "optax_cuda"}
+#: The variants with CUDA kernels (``TS_VARIANT_*`` in the source): the cuda platform of each convention.
+_VARIANT_NAMES = {C.VARIANT_TORCH_CUDA: "torch_cuda", C.VARIANT_OPTAX_CUDA: "optax_cuda"}
+_HOST_ONLY = {C.VARIANT_TORCH_CPU: "torch/cpu", C.VARIANT_OPTAX_CPU: "optax/cpu"}
 
 
 class _Scalars(ctypes.Structure):
-    """``struct TsScalars { float s[12]; }``: the kernel's by-value scalar parameter."""
+    """``struct TsScalars { float s[TS_N_SCALARS]; }``: the kernel's by-value scalar parameter."""
     _fields_ = [("s", ctypes.c_float * C.N_SCALARS)]
 
 
 #: Tensors per multi-tensor launch (``TS_MULTI_MAX`` in the kernel source).
 MULTI_MAX = 32
+#: ``block_start`` of a launch's unused items (``TS_UNUSED_BLOCK``): above every block index.
+_UNUSED_BLOCK = 2**31 - 1
 
 
 class _MultiItem(ctypes.Structure):
-    """``struct TsMultiItem``: one tensor of a launch (120 bytes)."""
+    """``struct TsMultiItem``: one tensor of a launch (128 bytes)."""
     _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("master", ctypes.c_void_p),
                 ("m", ctypes.c_void_p), ("v", ctypes.c_void_p), ("n", ctypes.c_longlong),
-                ("block_start", ctypes.c_longlong), ("nblocks", ctypes.c_longlong), ("scalars", _Scalars),
+                ("block_start", ctypes.c_int), ("nblocks", ctypes.c_int), ("scalars", _Scalars),
                 ("scalars_dev", ctypes.c_void_p)]
 
 
 class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the kernel's by-value parameter (3848 bytes, under the 4 KiB that
-    every CUDA driver accepts for a launch's parameters)."""
-    _fields_ = [("count", ctypes.c_longlong), ("items", _MultiItem * MULTI_MAX)]
+    """``struct TsMultiBatch``: the kernel's by-value parameter (4096 bytes, the 4 KiB that every
+    CUDA driver accepts for a launch's parameters); the unused items after the tensors have
+    ``block_start`` :data:`_UNUSED_BLOCK`."""
+    _fields_ = [("items", _MultiItem * MULTI_MAX)]
 
 
 # -- CuPy, lazily --------------------------------------------------------------------------
@@ -97,30 +104,47 @@ def set_sync_launches(enabled: bool) -> None:
 
 # -- the sources and their constants -------------------------------------------------------
 def kernel_source(name: str) -> str:
-    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`) from the package data
-    ``trainstream/kernels/`` (no GPU needed); ``FileNotFoundError`` naming the file if absent."""
-    path = resources.files("trainstream") / "kernels" / name
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise FileNotFoundError(f"TrainStream CUDA source {path} not found: the install lacks the package data "
-                                f"trainstream/kernels/{name}; reinstall from the wheel or the checkout ({e})") from e
+    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`; no GPU needed), read from the package data
+    ``trainstream/kernels/`` (a wheel, also read-only, or a strict editable install: setuptools maps the checkout's
+    top-level ``kernels/`` there), else from the top-level ``kernels/`` of the source checkout this package is in (a
+    checkout on ``sys.path``, or setuptools' default editable install, which imports the checkout's ``trainstream/``).
+    ``FileNotFoundError`` naming the places looked at if absent."""
+    packaged = resources.files("trainstream") / "kernels" / name
+    places = [packaged]
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():  # a source checkout, not site-packages
+        places.append(root / "kernels" / name)
+    for path in places:
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+    raise FileNotFoundError(f"TrainStream CUDA source {name} not found in {', '.join(map(str, places))}: the "
+                            f"install lacks the package data trainstream/kernels/{name}; reinstall from the wheel or "
+                            "the checkout")
 
 
 _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
 
 
 def check_kernel_constants() -> None:
-    """Check that the ``#define``\\ s of the .cu file match :mod:`trainstream.contract` (``TS_S_*``, ``TS_VARIANT_*``,
-    ``TS_OX_*``, ``TS_N_SCALARS``) and :data:`ADAMW_THREADS`; ``RuntimeError`` listing every difference (no GPU)."""
+    """Check the ``#define``\\ s of the .cu file against :mod:`trainstream.contract`: every scalar index (``TS_S_*``,
+    ``TS_N_SCALARS``), the variants of :func:`adamw_kernel_name` (``TS_VARIANT_*``) and ``TS_OX_CLIP`` (the one optax
+    code bit the cuda platform reads) must be defined with the contract's value, any other ``TS_OX_*`` too; also
+    :data:`ADAMW_THREADS` and the launch layout (``TS_MULTI_MAX``, ``TS_UNUSED_BLOCK``). ``RuntimeError`` listing
+    every difference (no GPU)."""
     adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
-    expected = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS}
-    expected.update({"TS_" + name: getattr(C, name) for name in dir(C)
-                     if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int)})
+    contract = {"TS_" + name: getattr(C, name) for name in dir(C)
+                if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int)}
+    required = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS, "TS_MULTI_MAX": MULTI_MAX,
+                "TS_UNUSED_BLOCK": _UNUSED_BLOCK, "TS_OX_CLIP": C.OX_CLIP}
+    required.update({k: v for k, v in contract.items() if k.startswith("TS_S_")})
+    required.update({f"TS_VARIANT_{name.upper()}": v for v, name in _VARIANT_NAMES.items()})
     problems = [f"{ADAMW_SOURCE}: {key} is {adamw.get(key)}, the contract says {want}"
-                for key, want in sorted(expected.items()) if adamw.get(key) != want]
+                for key, want in sorted({**contract, **required}.items())
+                if (key in required or key in adamw) and adamw.get(key) != want]
     problems += [f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract" for key in sorted(adamw)
-                 if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in expected]
+                 if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in contract]
     if problems:
         raise RuntimeError("TrainStream kernels out of sync with the contract:\n  " + "\n  ".join(problems))
 
@@ -140,23 +164,34 @@ def _dtype_name(dtype) -> str:
         raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {DTYPES}") from None
 
 
+def _check_variant(variant, variants) -> None:
+    """``ValueError`` unless ``variant`` is one of ``variants`` (a host-only variant named as such)."""
+    if variant in variants:
+        return
+    if variant in _HOST_ONLY:
+        raise ValueError(f"kernel variant {variant!r} ({_HOST_ONLY[variant]}) has no CUDA kernel: a GPU computes the "
+                         f"cuda platform's arithmetic (variants {sorted(variants)}); the host kernels the cpu's")
+    raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(variants)}")
+
+
 def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
-    """The ``extern "C"`` name of the AdamW kernel for a variant and two dtypes."""
-    if variant not in _VARIANT_NAMES:
-        raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(_VARIANT_NAMES)}")
-    return (f"adamw_zero_copy_{_VARIANT_NAMES[variant]}_"
+    """The ``extern "C"`` name of the AdamW kernel for a variant (:data:`trainstream.contract.VARIANT_TORCH_CUDA` or
+    ``VARIANT_OPTAX_CUDA``) and two dtypes."""
+    _check_variant(variant, _VARIANT_NAMES)
+    return (f"adamw_{_VARIANT_NAMES[variant]}_"
             f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}")
 
 
 #: The variants with a kernel that writes optax's ``u`` (:func:`launch_adamw_u_multi`).
-U_VARIANTS = (C.VARIANT_OPTAX_CPU, C.VARIANT_OPTAX_CUDA)
+U_VARIANTS = (C.VARIANT_OPTAX_CUDA,)
 
 
 def adamw_u_kernel_name(variant: int, grad_dtype) -> str:
     """The ``extern "C"`` name of the kernel that writes ``u`` of float32 weights (optax)."""
-    if variant not in U_VARIANTS:
+    if variant not in U_VARIANTS and variant in _VARIANT_NAMES:
         raise ValueError(f"variant {variant!r} has no kernel that writes u; expected one of {U_VARIANTS}")
-    return f"adamw_zero_copy_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
+    _check_variant(variant, U_VARIANTS)
+    return f"adamw_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
 
 
 # -- compilation, once per device ----------------------------------------------------------
@@ -263,15 +298,16 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
                  device: int | None = None, max_blocks: int | None = None) -> None:
     """Queue one AdamW update of ``n`` elements on ``stream``: a :func:`launch_adamw_multi` of one tensor.
 
-    ``variant``: a ``trainstream.contract.VARIANT_*`` number. ``param_ptr``: the weights in GPU memory (``param_dtype``
-    float32/float16/bfloat16), updated in place. ``grad_ptr``: the gradient in GPU memory (any of the three dtypes).
-    ``master_ptr``: fp32 master weights, required for fp16/bf16 weights, ``0`` for fp32 ones. ``m_ptr``, ``v_ptr``:
-    fp32 moments. State pointers are device pointers to mapped pinned host memory (:func:`alloc_mapped`) or GPU memory
-    (:func:`alloc_device`); any element alignment works, 16-byte-aligned state takes the vector path. ``scalars``:
-    :func:`trainstream.contract.step_scalars`' vector, by value (``S_CLIP`` 1.0 when the framework has clipped or
-    unscaled the gradient in place); or ``scalars_ptr``, a device pointer to those 12 float32 (``scalars`` may then be
-    ``None``), e.g. computed inside an XLA program. ``max_blocks``: a cap on the grid (the bits do not depend on it),
-    e.g. to leave multiprocessors to a backward running at the same time.
+    ``variant``: ``trainstream.contract.VARIANT_TORCH_CUDA`` or ``VARIANT_OPTAX_CUDA``. ``param_ptr``: the weights in
+    GPU memory (``param_dtype`` float32/float16/bfloat16), updated in place. ``grad_ptr``: the gradient in GPU memory
+    (any of the three dtypes). ``master_ptr``: fp32 master weights, required for fp16/bf16 weights, ``0`` for fp32
+    ones. ``m_ptr``, ``v_ptr``: fp32 moments. State pointers are device pointers to mapped pinned host memory
+    (:func:`alloc_mapped`) or GPU memory (:func:`alloc_device`); any element alignment works, 16-byte-aligned state
+    takes the vector path. ``scalars``: :func:`trainstream.contract.step_scalars`' vector, by value (``S_CLIP`` 1.0
+    when the framework has clipped or unscaled the gradient in place); or ``scalars_ptr``, a device pointer to those
+    ``N_SCALARS`` float32 (``scalars`` may then be ``None``), e.g. computed inside an XLA program. ``max_blocks``: a
+    cap on the grid (the bits do not depend on it), e.g. to leave multiprocessors to a backward running at the same
+    time.
     """
     if not scalars_ptr and scalars is None:
         raise ValueError("pass the scalar vector (scalars) or a device pointer to it (scalars_ptr)")
@@ -359,7 +395,8 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
             it.scalars_dev = sc
         else:
             ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
-    batch.count = len(checked)
+    for k in range(len(checked), MULTI_MAX):
+        batch.items[k].block_start = _UNUSED_BLOCK
     _launch(dev, kernel, start, ADAMW_THREADS, [batch], stream)
     return len(checked)
 

@@ -37,10 +37,10 @@ from ._jit import OPTS as _JIT_OPTS
 from ._jit import bits_f32 as _bits_f32
 from ._jit import f32_bits as _f32_bits
 from ._jit import fma32, njit, source_stamp
-from .contract import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2, S_BC2_OPTAX,
-                       S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_LERP_W, S_NEG_LR,
-                       S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU,
-                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA)
+from .contract import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2_OPTAX, S_BETA1,
+                       S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2,
+                       S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA,
+                       VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA)
 
 __all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "fma32"]
 
@@ -198,8 +198,9 @@ def _round16(x, kind):
 
 # -- specialisation factories (module docstring); ``cache=False``: an uncached copy (machine code)
 
-#: The source stamp of the modules whose globals the kernels use (:func:`trainstream._jit.source_stamp`).
-_DEPS = source_stamp(_jit, _cpu_sqrt, contract)
+#: The source stamp of the modules whose globals the kernels use (:func:`trainstream._jit.source_stamp`; the
+#: contract's constants are defined in its ``_scalars``).
+_DEPS = source_stamp(_jit, _cpu_sqrt, contract, contract._scalars)
 
 
 def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, cache: bool = True):
@@ -228,16 +229,17 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
         # every scalar into a local (slots a convention does not use too: the vector has N_SCALARS)
         c, div = s[S_CLIP], s[S_CLIP_DIV]
         round_g = grad16 and c != np.float32(1.0)  # g * 1 is exact: nothing to round
+        omb1, b2, omb2, eps = s[S_OMB1], s[S_BETA2], s[S_OMB2], s[S_EPS]  # both conventions
         # torch; lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g)
-        decay, b2, omb2, bc2, eps, neg_step = s[S_DECAY], s[S_BETA2], s[S_OMB2], s[S_BC2], s[S_EPS], s[S_NEG_STEP]
+        decay, sqrt_bc2, neg_step = s[S_DECAY], s[S_SQRT_BC2], s[S_NEG_STEP]
         small = s[S_LERP_SMALL] != np.float32(0.0)
-        w = s[S_LERP_W] if small else s[S_LERP_W] - np.float32(1.0)
+        w = omb1 if small else omb1 - np.float32(1.0)
         # optax (cpu and cuda: the host uses the IEEE sqrt, see the contract)
-        omb1, b1, bc1, bc2_ox, wd, neg_lr = s[S_OMB1], s[S_BETA1], s[S_BC1], s[S_BC2_OPTAX], s[S_WD], s[S_NEG_LR]
+        b1, bc1, bc2, wd, neg_lr = s[S_BETA1], s[S_BC1], s[S_BC2_OPTAX], s[S_WD], s[S_NEG_LR]
         # optax/cpu: every scalar read with DAZ, as XLA:CPU reads it
         z_c, z_div = _ftz(c), _ftz(div)
         z_b1, z_omb1, z_b2, z_omb2 = _ftz(b1), _ftz(omb1), _ftz(b2), _ftz(omb2)
-        z_d1, z_d2, z_eps, z_wd, z_neg_lr = _ftz(bc1), _ftz(bc2_ox), _ftz(eps), _ftz(wd), _ftz(neg_lr)
+        z_d1, z_d2, z_eps, z_wd, z_neg_lr = _ftz(bc1), _ftz(bc2), _ftz(eps), _ftz(wd), _ftz(neg_lr)
         z_r1, z_r2 = _ftz(np.float32(1.0) / z_d1), _ftz(np.float32(1.0) / z_d2)  # form R: XLA's divide(1, 1 - b**t)
         decays = z_wd != np.float32(0.0)
         # optax/cuda with optax.clip_by_global_norm: g = (g / norm) * max_norm
@@ -269,7 +271,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     v[i] = _mad(unfused, omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
                 torch_cpu_sqrt_block(v, np.int64(lo), np.int64(hi - lo), root, sqrt_mode)
                 for i in range(lo, hi):
-                    d = root[i - lo] / bc2 + eps
+                    d = root[i - lo] / sqrt_bc2 + eps
                     pi = p[i] * decay + (neg_step * m[i]) / d  # p1 + addcdiv on the CPU
                     p[i] = pi
                     if write16:
@@ -288,11 +290,11 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     mi = _mad(unfused, w, gi - mi, _select(small, mi, gi))  # lerp (fma32 on CUDA)
                     if cpu:  # (IEEE root: MKL's take the blocked path)
                         vi = _mad(unfused, omb2 * gi, gi, v[i] * b2)  # addcmul on the CPU
-                        d = torch_cpu_sqrt(vi, sqrt_mode) / bc2 + eps
+                        d = torch_cpu_sqrt(vi, sqrt_mode) / sqrt_bc2 + eps
                         pi = pi + (neg_step * mi) / d  # addcdiv on the CPU
                     else:
                         vi = fma32(omb2, gi * gi, v[i] * b2)  # addcmul on CUDA
-                        d = np.float32(math.sqrt(vi)) / bc2 + eps
+                        d = np.float32(math.sqrt(vi)) / sqrt_bc2 + eps
                         pi = fma32(neg_step, mi / d, pi)  # addcdiv on CUDA
                     u = pi  # (no OUT_U specialisation of the torch convention)
                 elif optax_cpu:  # XLA:CPU: FTZ/DAZ on every operation, FMA where LLVM fused
@@ -324,7 +326,7 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
                     pi = p[i]
                     mi = omb1 * gi + b1 * m[i]
                     vi = omb2 * (gi * gi) + b2 * v[i]
-                    u = mi / (bc1 * (np.float32(math.sqrt(vi / bc2_ox)) + eps))
+                    u = mi / (bc1 * (np.float32(math.sqrt(vi / bc2)) + eps))
                     u = u + wd * pi
                     pi = pi + u * neg_lr
                 m[i] = mi

@@ -1,24 +1,25 @@
-// TrainStream zero-copy AdamW: the `gpu` mode update of up to TS_MULTI_MAX tensors per launch
-// (a single tensor is a launch of one).
+// TrainStream's AdamW on the GPU: the `gpu` mode update of up to TS_MULTI_MAX tensors per
+// launch (a single tensor is a launch of one). Shipped in the wheel as package data,
+// trainstream/kernels/adamw.cu (pyproject.toml maps this folder there).
 //
 //   weights   GPU memory, updated in place: fp32, fp16 or bf16
 //   gradient  GPU memory, read once: fp32, fp16 or bf16
-//   m, v      fp32 exp_avg / exp_avg_sq in mapped pinned host memory (device pointers
-//             to host memory): each element read once and written once over PCIe
-//   master    fp32 master weights in mapped pinned host memory, for fp16/bf16 weights
-//             only; fp32 weights are their own master (pass nullptr)
-//   (state kept resident in GPU memory: m, v and master are plain GPU memory instead,
-//   the same code)
+//   m, v      fp32 exp_avg / exp_avg_sq: mapped pinned host memory (device pointers to
+//             host memory, each element read once and written once over PCIe: zero-copy),
+//             or GPU memory (the staging ring's copy, or state kept resident there)
+//   master    fp32 master weights, in either memory too, for fp16/bf16 weights only;
+//             fp32 weights are their own master (pass nullptr)
 //
-// The arithmetic is the AdamW contract of trainstream/contract.py, one branch per
-// (convention, platform) variant; each line of maths below quotes the contract line
-// it implements. Rounding is explicit: every float operation is an _rn intrinsic,
-// fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not depend
-// on nvcc/NVRTC contraction (-fmad). The loader also pins --ftz=false, which the _rn
+// The arithmetic is the AdamW contract (trainstream.contract) on the cuda platform, one
+// branch per convention: torch/cuda and optax/cuda, the variants the library launches (the
+// cpu platforms' arithmetic is the host kernels'). Each line of maths below quotes the
+// contract line it implements. Rounding is explicit: every float operation is an _rn
+// intrinsic, fused (__fmaf_rn) exactly where the contract writes fma(), so the bits do not
+// depend on nvcc/NVRTC contraction (-fmad). The loader also pins --ftz=false, which the _rn
 // intrinsics do obey.
 //
-// Kernels: adamw_zero_copy_<variant>_<param>_<grad>, e.g. adamw_zero_copy_torch_cuda_bf16_f32,
-// with <variant> in {torch_cpu, torch_cuda, optax_cpu, optax_cuda} and <param>, <grad> in
+// Kernels: adamw_<variant>_<param>_<grad>, e.g. adamw_torch_cuda_bf16_f32,
+// with <variant> in {torch_cuda, optax_cuda} and <param>, <grad> in
 // {f32, f16, bf16}, each taking a TsMultiBatch (see the end). Launch with blockDim.x ==
 // TS_ADAMW_THREADS and a grid of the sum of the tensors' nblocks (a larger one is
 // harmless, a smaller one leaves the last tensors out).
@@ -29,39 +30,32 @@
 
 // ---- the per-step float32 scalar vector: indices are trainstream.contract.S_* ----
 // (trainstream/_device_kernels.py checks these against the contract when it loads this file)
-#define TS_N_SCALARS 12
+#define TS_N_SCALARS 16
 #define TS_S_CLIP 0
-#define TS_S_DECAY 1
-#define TS_S_LERP_W 2
-#define TS_S_LERP_SMALL 3
-#define TS_S_BETA2 4
-#define TS_S_OMB2 5
-#define TS_S_BC2 6
-#define TS_S_EPS 7
+#define TS_S_OMB1 1
+#define TS_S_BETA2 2
+#define TS_S_OMB2 3
+#define TS_S_EPS 4
+#define TS_S_DECAY 5
+#define TS_S_LERP_SMALL 6
+#define TS_S_SQRT_BC2 7
 #define TS_S_NEG_STEP 8
-#define TS_S_OMB1 2
-#define TS_S_BETA1 3
-#define TS_S_BC1 6
-#define TS_S_BC2_OPTAX 9
-#define TS_S_WD 1
-#define TS_S_NEG_LR 8
-#define TS_S_CLIP_DIV 10
-#define TS_S_OX_CODE 11
+#define TS_S_BETA1 9
+#define TS_S_BC1 10
+#define TS_S_BC2_OPTAX 11
+#define TS_S_WD 12
+#define TS_S_NEG_LR 13
+#define TS_S_CLIP_DIV 14
+#define TS_S_OX_CODE 15
 
-// ---- optax/cpu codes (bits of scalars[TS_S_OX_CODE]): trainstream.contract.OX_* ----
-#define TS_OX_FORM_R 1
-#define TS_OX_NU_SWAP 2
-#define TS_OX_MU_SWAP 4
+// ---- the optax code's bit that optax/cuda reads (scalars[TS_S_OX_CODE]): trainstream.contract.OX_CLIP ----
 #define TS_OX_CLIP 8
-#define TS_OX_NO_FMA 16
 
-// ---- kernel variants: trainstream.contract.VARIANT_* ----
-#define TS_VARIANT_TORCH_CPU 0
+// ---- the kernel variants: trainstream.contract.VARIANT_TORCH_CUDA, VARIANT_OPTAX_CUDA ----
 #define TS_VARIANT_TORCH_CUDA 1
-#define TS_VARIANT_OPTAX_CPU 2
 #define TS_VARIANT_OPTAX_CUDA 3
 
-// The scalar vector, passed by value (48 bytes of kernel parameters).
+// The scalar vector, passed by value (64 bytes of kernel parameters).
 struct TsScalars {
   float s[TS_N_SCALARS];
 };
@@ -75,12 +69,8 @@ struct ts_bf16 {
 };
 
 // ------------------------------------------------------------------------------------------
-// Square roots and divisions that differ between variants
+// optax/cuda: XLA:GPU's square root and division (torch/cuda's are the IEEE _rn ones)
 // ------------------------------------------------------------------------------------------
-
-// torch/cpu: the square root ATen's CPU kernels use. The host contract
-// (trainstream.contract) defines this function; this is its device form.
-__device__ __forceinline__ float torch_cpu_sqrt(float x) { return __fsqrt_rn(x); }
 
 // optax/cuda: XLA:GPU calls libdevice __nv_sqrtf with __CUDA_PREC_SQRT unset and
 // __CUDA_FTZ = xla_gpu_ftz = false, i.e. the approximate square root without .ftz.
@@ -182,35 +172,11 @@ __device__ __forceinline__ bool ts_aligned(const void* p, unsigned long long byt
   return ((unsigned long long)p) % bytes == 0ull;
 }
 
-// ------------------------------------------------------------------------------------------
-// optax/cpu: XLA:CPU's flush-to-zero / denormals-are-zero, emulated on every operation
-// ------------------------------------------------------------------------------------------
-
-// denormal -> signed zero (contract.ftz)
-__device__ __forceinline__ float ts_ftz(float x) {
-  const unsigned int u = __float_as_uint(x);
-  return (u & 0x7F800000u) == 0u ? __uint_as_float(u & 0x80000000u) : x;
-}
-__device__ __forceinline__ float ts_z_mul(float a, float b) { return ts_ftz(__fmul_rn(a, b)); }
-__device__ __forceinline__ float ts_z_div(float a, float b) { return ts_ftz(__fdiv_rn(a, b)); }
-__device__ __forceinline__ float ts_z_add(float a, float b) { return ts_ftz(__fadd_rn(a, b)); }
-__device__ __forceinline__ float ts_z_fma(float a, float b, float c) {
-  return ts_ftz(__fmaf_rn(a, b, c));
-}
-
-// The gradient as the update reads it. optax/cpu (operands already flushed):
-//   g = RN(RN(g / s[S_CLIP_DIV]) * c)    with OX_CLIP
-//   g = RN(g * c)                        without
-// optax/cuda with OX_CLIP: g = RN(xla_div(g, s[S_CLIP_DIV]) * c)
-// every other variant: g = g * c. c is s[S_CLIP], or the device clip coefficient.
+// The gradient as the update reads it. optax/cuda with OX_CLIP:
+//   g = RN(xla_div(g, s[S_CLIP_DIV]) * c)
+// else g = g * c. c is s[S_CLIP], or the device clip coefficient.
 template <int VARIANT>
 __device__ __forceinline__ float ts_grad_in(const float graw, const float c, const TsScalars& s) {
-  if (VARIANT == TS_VARIANT_OPTAX_CPU) {
-    const int code = (int)s.s[TS_S_OX_CODE];
-    const float g = ts_ftz(graw);
-    if (code & TS_OX_CLIP) return ts_z_mul(ts_z_div(g, ts_ftz(s.s[TS_S_CLIP_DIV])), ts_ftz(c));
-    return ts_z_mul(g, ts_ftz(c));
-  }
   if (VARIANT == TS_VARIANT_OPTAX_CUDA && (((int)s.s[TS_S_OX_CODE]) & TS_OX_CLIP)) {
     // optax/cuda, optax.clip_by_global_norm: g = RN(xla_div(g, norm) * max_norm)
     return __fmul_rn(xla_gpu_div(graw, s.s[TS_S_CLIP_DIV]), c);
@@ -223,81 +189,30 @@ __device__ __forceinline__ float ts_grad_in(const float graw, const float c, con
 // ------------------------------------------------------------------------------------------
 
 // p: fp32 master weight, m, v: moments (all updated in place), g: fp32 gradient as
-// ts_grad_in returned it (clipped). u: the optax variants' update before the learning rate
-// (`u` of the contract; the torch variants leave it unset).
+// ts_grad_in returned it (clipped). u: optax's update before the learning rate (`u` of the
+// contract; torch leaves it unset).
 template <int VARIANT>
 __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, const float g,
                                               const TsScalars& s, float& u) {
-  if (VARIANT == TS_VARIANT_TORCH_CPU || VARIANT == TS_VARIANT_TORCH_CUDA) {
+  if (VARIANT == TS_VARIANT_TORCH_CUDA) {
     // p1 = p * f(1 - lr*wd)
     const float p1 = __fmul_rn(p, s.s[TS_S_DECAY]);
     // g - m   (lerp: end - self)
     const float diff = __fsub_rn(g, m);
     if (s.s[TS_S_LERP_SMALL] != 0.0f) {
       // m = fma(f(1-b1), g - m, m)            lerp, weight < 0.5
-      m = __fmaf_rn(s.s[TS_S_LERP_W], diff, m);
+      m = __fmaf_rn(s.s[TS_S_OMB1], diff, m);
     } else {
       // m = fma(f(1-b1) - 1, g - m, g)        lerp, weight >= 0.5
-      m = __fmaf_rn(__fsub_rn(s.s[TS_S_LERP_W], 1.0f), diff, g);
+      m = __fmaf_rn(__fsub_rn(s.s[TS_S_OMB1], 1.0f), diff, g);
     }
-    if (VARIANT == TS_VARIANT_TORCH_CPU) {
-      // v = fma(f(1-b2) * g, g, v * f(b2))
-      v = __fmaf_rn(__fmul_rn(s.s[TS_S_OMB2], g), g, __fmul_rn(v, s.s[TS_S_BETA2]));
-      // d = sqrt(v) / f(sqrt(bc2)) + f(eps)
-      const float d = __fadd_rn(__fdiv_rn(torch_cpu_sqrt(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
-      // p = p1 + (f(-lr/bc1) * m) / d
-      p = __fadd_rn(p1, __fdiv_rn(__fmul_rn(s.s[TS_S_NEG_STEP], m), d));
-    } else {
-      // v = fma(f(1-b2), g * g, v * f(b2))
-      v = __fmaf_rn(s.s[TS_S_OMB2], __fmul_rn(g, g), __fmul_rn(v, s.s[TS_S_BETA2]));
-      // d = sqrt(v) / f(sqrt(bc2)) + f(eps)       (_foreach_div_ by a scalar list: true division)
-      const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.s[TS_S_BC2]), s.s[TS_S_EPS]);
-      // p = fma(f(-lr/bc1), m / d, p1)
-      p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
-    }
-  } else if (VARIANT == TS_VARIANT_OPTAX_CPU) {
-    // XLA:CPU: every operand read with DAZ, every result flushed (ts_z_*); g already is.
-    const int code = (int)s.s[TS_S_OX_CODE];
-    const float B1 = ts_ftz(s.s[TS_S_BETA1]), C1 = ts_ftz(s.s[TS_S_OMB1]);
-    const float B2 = ts_ftz(s.s[TS_S_BETA2]), C2 = ts_ftz(s.s[TS_S_OMB2]);
-    const float d1 = ts_ftz(s.s[TS_S_BC1]), d2 = ts_ftz(s.s[TS_S_BC2_OPTAX]);
-    const float eps = ts_ftz(s.s[TS_S_EPS]), wd = ts_ftz(s.s[TS_S_WD]);
-    const float neg_lr = ts_ftz(s.s[TS_S_NEG_LR]);
-    const float p0 = ts_ftz(p), m0 = ts_ftz(m), v0 = ts_ftz(v);
-    // fma(a, b, c) below: RN(RN(a*b) + c) with TS_OX_NO_FMA (XLA:CPU without FMA3)
-    const bool nofma = (code & TS_OX_NO_FMA) != 0;
-#define ts_z_fma(a, b, c) (nofma ? ts_z_add(ts_z_mul((a), (b)), (c)) : ts_z_fma((a), (b), (c)))
-    if (code & TS_OX_MU_SWAP) {
-      // m = fma(B1, m, RN(C1*g))
-      m = ts_z_fma(B1, m0, ts_z_mul(C1, g));
-    } else {
-      // m = fma(C1, g, RN(B1*m))
-      m = ts_z_fma(C1, g, ts_z_mul(B1, m0));
-    }
-    // gg = RN(g*g)
-    const float gg = ts_z_mul(g, g);
-    if (code & TS_OX_NU_SWAP) {
-      // v = fma(B2, v, RN(C2*gg))
-      v = ts_z_fma(B2, v0, ts_z_mul(C2, gg));
-    } else {
-      // v = fma(C2, gg, RN(B2*v))
-      v = ts_z_fma(C2, gg, ts_z_mul(B2, v0));
-    }
-    float q;
-    if (code & TS_OX_FORM_R) {
-      // q = RN(RN(m*r1) / RN(sqrt(RN(v*r2)) + f(eps))), r = RN(1/d)
-      const float r1 = ts_z_div(1.0f, d1), r2 = ts_z_div(1.0f, d2);
-      q = ts_z_div(ts_z_mul(m, r1), ts_z_add(__fsqrt_rn(ts_z_mul(v, r2)), eps));
-    } else {
-      // q = RN(m / RN(d1 * RN(sqrt(RN(v/d2)) + f(eps))))
-      q = ts_z_div(m, ts_z_mul(d1, ts_z_add(__fsqrt_rn(ts_z_div(v, d2)), eps)));
-    }
-    // u = fma(f(wd), p, q)   (u = q when wd == 0: no decay / masked)
-    u = (wd != 0.0f) ? ts_z_fma(wd, p0, q) : q;
-    // p = fma(f(-lr), u, p)
-    p = ts_z_fma(neg_lr, u, p0);
-#undef ts_z_fma
-  } else {
+    // v = fma(f(1-b2), g * g, v * f(b2))
+    v = __fmaf_rn(s.s[TS_S_OMB2], __fmul_rn(g, g), __fmul_rn(v, s.s[TS_S_BETA2]));
+    // d = sqrt(v) / f(sqrt(bc2)) + f(eps)       (_foreach_div_ by a scalar list: true division)
+    const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.s[TS_S_SQRT_BC2]), s.s[TS_S_EPS]);
+    // p = fma(f(-lr/bc1), m / d, p1)
+    p = __fmaf_rn(s.s[TS_S_NEG_STEP], __fdiv_rn(m, d), p1);
+  } else {  // optax/cuda
     // m = f(1-b1) * g + f(b1) * m
     m = __fadd_rn(__fmul_rn(s.s[TS_S_OMB1], g), __fmul_rn(s.s[TS_S_BETA1], m));
     // v = f(1-b2) * (g * g) + f(b2) * v
@@ -319,10 +234,10 @@ __device__ __forceinline__ void ts_adamw_math(float& p, float& m, float& v, cons
 
 // P: weight storage type (float, ts_f16, ts_bf16); G: gradient storage type.
 // For fp32 weights `param` holds the master weights and `master` is unused, except with
-// EMIT_U (optax variants, fp32 weights only: the JAX adapter's `update`): then `param` is
+// EMIT_U (optax, fp32 weights only: the JAX adapter's `update`): then `param` is
 // read, not written, and `master` receives u, the update before the learning rate.
 template <int VARIANT, typename P, typename G, bool EMIT_U = false>
-__device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
+__device__ __forceinline__ void ts_adamw_tensor(P* __restrict__ param,
                                                    const G* __restrict__ grad,
                                                    float* __restrict__ master,
                                                    float* __restrict__ m,
@@ -365,7 +280,7 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     else p = master[i];
     float mi = m[i];
     float vi = v[i];
-    // g = g * c (optax/cpu: see ts_grad_in)
+    // g = g * c (optax with OX_CLIP: see ts_grad_in)
     const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
     float u;
     ts_adamw_math<VARIANT>(p, mi, vi, g, s, u);
@@ -390,7 +305,7 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     ts_load4(grad + i, g);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      // g = g * c (optax/cpu: see ts_grad_in)
+      // g = g * c (optax with OX_CLIP: see ts_grad_in)
       g[j] = ts_grad_in<VARIANT>(g[j], c, s);
       ts_adamw_math<VARIANT>(p[j], mi[j], vi[j], g[j], s, u[j]);
     }
@@ -411,7 +326,7 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
     else p = master[i];
     float mi = m[i];
     float vi = v[i];
-    // g = g * c (optax/cpu: see ts_grad_in)
+    // g = g * c (optax with OX_CLIP: see ts_grad_in)
     const float g = ts_grad_in<VARIANT>(ts_to_f32(grad[i]), c, s);
     float u;
     ts_adamw_math<VARIANT>(p, mi, vi, g, s, u);
@@ -428,51 +343,54 @@ __device__ __forceinline__ void ts_adamw_zero_copy(P* __restrict__ param,
 
 // ------------------------------------------------------------------------------------------
 // The launch: up to TS_MULTI_MAX tensors of one (weight, gradient) type pair, their
-// descriptors passed by value (under the 4 KiB kernel-parameter limit). Tensor k owns blocks
-// [block_start, block_start + nblocks) of the grid and grid-strides over them: the bits do
-// not depend on nblocks. extern "C" entry points: 4 variants x 3 weight x 3 gradient types.
+// descriptors passed by value (exactly the 4 KiB kernel-parameter limit of every driver).
+// Tensor k owns blocks [block_start, block_start + nblocks) of the grid and grid-strides over
+// them: the bits do not depend on nblocks. extern "C" entry points: 2 variants x 3 weight x 3
+// gradient types, and optax's u for 3 gradient types (below).
 // ------------------------------------------------------------------------------------------
 
 #define TS_MULTI_MAX 32
+// block_start of the unused items after the last tensor: above every block index
+#define TS_UNUSED_BLOCK 2147483647
 
-struct TsMultiItem {      // 120 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
+struct TsMultiItem {      // 128 bytes; trainstream/_device_kernels.py mirrors it (_MultiItem)
   void* param;            // weights, GPU memory (P*)
   const void* grad;       // gradient, GPU memory (G*)
   float* master;          // fp32 master (mapped host memory); nullptr for fp32 weights
   float* m;               // exp_avg (mapped host memory)
   float* v;               // exp_avg_sq (mapped host memory)
   long long n;            // elements
-  long long block_start;  // first block of the grid that is this tensor's
-  long long nblocks;      // blocks that are this tensor's (> 0)
+  int block_start;        // first block of the grid that is this tensor's (unused: TS_UNUSED_BLOCK)
+  int nblocks;            // blocks that are this tensor's (> 0; unused: 0)
   TsScalars scalars;      // this tensor's step scalars (its own step count and lr), or
-  const float* scalars_dev;  // the same 12 floats in device memory (nullptr: by value; JAX)
+  const float* scalars_dev;  // the same TS_N_SCALARS floats in device memory (nullptr: by value; JAX)
 };
 
-struct TsMultiBatch {
-  long long count;  // tensors in items[0:count], by increasing block_start
-  TsMultiItem items[TS_MULTI_MAX];
+struct TsMultiBatch {  // 4096 bytes
+  TsMultiItem items[TS_MULTI_MAX];  // the tensors by increasing block_start, then the unused items
 };
 
 template <int VARIANT, typename P, typename G, bool EMIT_U = false>
 __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
-  // the tensor that owns this block: the last one whose block_start <= blockIdx.x
-  int lo = 0, hi = (int)batch.count - 1;
+  // the tensor that owns this block: the last item whose block_start <= blockIdx.x (never an
+  // unused one: TS_UNUSED_BLOCK is above every block index)
+  int lo = 0, hi = TS_MULTI_MAX - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (batch.items[mid].block_start <= (long long)blockIdx.x) lo = mid;
+    if ((long long)batch.items[mid].block_start <= (long long)blockIdx.x) lo = mid;
     else hi = mid - 1;
   }
   const TsMultiItem& t = batch.items[lo];
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // bounds check: a grid larger than the table
-  ts_adamw_zero_copy<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
+  ts_adamw_tensor<VARIANT, P, G, EMIT_U>(static_cast<P*>(t.param), static_cast<const G*>(t.grad),
                                     t.master, t.m, t.v, t.n, t.scalars, t.scalars_dev, block,
                                     t.nblocks);
 }
 
 #define TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, GNAME, G)                               \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_##VNAME##_##PNAME##_##GNAME(                                            \
+      adamw_##VNAME##_##PNAME##_##GNAME(                                                      \
           const TsMultiBatch batch) {                                                         \
     ts_adamw_multi<VARIANT, P, G>(batch);                                                     \
   }
@@ -487,25 +405,20 @@ __device__ __forceinline__ void ts_adamw_multi(const TsMultiBatch& batch) {
   TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, f16, ts_f16)         \
   TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, bf16, ts_bf16)
 
-TS_DEFINE_ADAMW_VARIANT(torch_cpu, TS_VARIANT_TORCH_CPU)
 TS_DEFINE_ADAMW_VARIANT(torch_cuda, TS_VARIANT_TORCH_CUDA)
-TS_DEFINE_ADAMW_VARIANT(optax_cpu, TS_VARIANT_OPTAX_CPU)
 TS_DEFINE_ADAMW_VARIANT(optax_cuda, TS_VARIANT_OPTAX_CUDA)
 
-// adamw_zero_copy_u_<variant>_f32_<grad> (optax variants): the same batch, fp32 weights read
+// adamw_u_optax_cuda_f32_<grad>: the same batch, fp32 weights read
 // from each item's `param`, u (the update before the learning rate) written to its `master`
 // slot, the moments updated: the JAX adapter's `update`, whose program then scales u by the
 // learning rate as optax does.
 #define TS_DEFINE_ADAMW_U(VNAME, VARIANT, GNAME, G)                                            \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS)                              \
-      adamw_zero_copy_u_##VNAME##_f32_##GNAME(                                                \
+      adamw_u_##VNAME##_f32_##GNAME(                                                          \
           const TsMultiBatch batch) {                                                         \
     ts_adamw_multi<VARIANT, float, G, true>(batch);                                           \
   }
 
-TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, f32, float)
-TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, f16, ts_f16)
-TS_DEFINE_ADAMW_U(optax_cpu, TS_VARIANT_OPTAX_CPU, bf16, ts_bf16)
 TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, f32, float)
 TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, f16, ts_f16)
 TS_DEFINE_ADAMW_U(optax_cuda, TS_VARIANT_OPTAX_CUDA, bf16, ts_bf16)

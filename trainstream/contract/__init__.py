@@ -1,0 +1,192 @@
+"""The AdamW arithmetic contract, defined once.
+
+Every kernel (Numba host kernels, the CUDA kernels of the top-level ``kernels/``) implements the
+per-element arithmetic written here. ``_reference.py`` is its executable form in NumPy, which the
+tests hold to every kernel and to the real references; ``_scalars.py`` lays out the per-step
+scalar vector (one index per meaning) and forms it as each reference does. Import every name
+from this package (``from trainstream import contract as C``), not from those modules.
+
+====================  =====================================================================
+``p``                 fp32 master weight (the parameter itself when it is fp32)
+``m``, ``v``          ``exp_avg``, ``exp_avg_sq`` (fp32)
+``g``                 gradient, upcast to fp32 exactly (fp16/bf16 -> fp32 is exact)
+``c``                 clip coefficient (fp32; 1 when not clipping)
+``lr``                ``lr`` / ``learning_rate``
+``b1``, ``b2``        ``betas`` / ``b1``, ``b2``
+``eps``, ``wd``       ``eps``, ``weight_decay``
+``t``                 the step number after increment (1 on the first update)
+``f(x)``              ``x`` rounded to the nearest float32 (a host scalar)
+``fma(a, b, c)``      ``a*b + c`` rounded once (the FMA instruction)
+====================  =====================================================================
+
+All element operations are float32, round-to-nearest-even; ``a*b + c`` without ``fma`` is
+two roundings, never contracted (no fast-math; CUDA code uses ``__fmul_rn``/``__fadd_rn``).
+Per-step scalars are computed once on the host in float64 (Python floats) as the reference
+computes them, rounded to float32 where it rounds them (optax: but for the inputs only XLA
+reproduces), and reach a kernel as a float32 vector indexed by the ``S_*`` constants.
+
+Conventions
+-----------
+``torch`` reproduces ``torch.optim.AdamW`` (default single-tensor and foreach paths, bitwise
+equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64. The gradient, both platforms:
+``g = g * c`` in float32, for an fp16/bf16 gradient rounded back, ``g = r(g * c)``; ``c`` stands
+for torch's in-place multiplications of ``param.grad`` before ``step()`` (``clip_grad_norm_``'s
+by the coefficient cast to the gradient's dtype, ``GradScaler.unscale_``'s by the float32
+inverse scale). (The CUDA kernels do not round yet: the torch adapter multiplies ``param.grad``
+with torch and gives them ``c = 1``.)
+
+* platform ``cpu`` (ATen's AVX2/AVX512 kernels; measured on torch 2.13)::
+
+      g  = g * c                                  # (fp16/bf16: r(g * c), above)
+      p1 = p * f(1 - lr*wd)                       # param.mul_(1 - lr*wd)
+      m  = fma(f(1-b1), g - m, m)                 # exp_avg.lerp_(g, 1-b1), weight < 0.5
+         = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
+      v  = fma(f(1-b2) * g, g, v * f(b2))         # exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
+      d  = msqrt(v) / f(sqrt(bc2)) + f(eps)       # true division by the host scalar
+      p  = p1 + (f(-lr/bc1) * m) / d              # param.addcdiv_(m, d, -lr/bc1)
+
+  ATen's ``DEFAULT`` kernels (no AVX2, or ``ATEN_CPU_CAPABILITY=default``; :data:`TC_NO_FMA`)
+  do not fuse: the two FMAs are two roundings each (verified on torch 2.13 for ``1-b1`` below,
+  at and above 0.5; the other lines are the same at every level)::
+
+      m  = m + f(1-b1) * (g - m)                  # weight < 0.5
+         = g + (f(1-b1) - 1) * (g - m)            #   ... weight >= 0.5 (= g - (g-m)*(1-w))
+      v  = v * f(b2) + (f(1-b2) * g) * g
+
+  ``msqrt`` is ``Tensor.sqrt()``, *not* IEEE ``sqrt``: MKL's ``vsSqrt``, whose path depends
+  on the CPU (vendor, vector width) and on ``MKL_ENABLE_INSTRUCTIONS`` (AMD EPYC kept the SSE
+  path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt` reproduces
+  the three paths (its modes). The torch/cpu *code*, the mode (bits 0-1) ``| TC_NO_FMA``, is
+  probed once from ``torch.sqrt`` and ``Tensor.lerp_`` (:func:`trainstream.backends.torch.torch_cpu_code`).
+  Where no mode Numba's target can compile reproduces torch's root (e.g. MKL's AVX-512 path,
+  Numba forced below AVX-512), the correctly rounded one is used with a warning
+  (:data:`TORCH_CPU_SQRT_MAX_ULP`). aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet
+  run): no MKL; NEON ``vsqrtq_f32`` (correctly rounded), a ``vfmaq_f32`` lerp: probed ``IEEE``, fused.
+
+* platform ``cuda`` (torch's default there is the *foreach* path, whose kernels nvcc
+  compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
+
+      g  = g * c
+      p1 = p * f(1 - lr*wd)                       # _foreach_mul_
+      m  = fma(f(1-b1), g - m, m)                 # _foreach_lerp_, weight < 0.5
+         = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
+      v  = fma(f(1-b2), g * g, v * f(b2))         # _foreach_mul_, _foreach_addcmul_
+      d  = sqrt(v) / f(sqrt(bc2)) + f(eps)        # _foreach_div_ (scalar list): true division
+      p  = fma(f(-lr/bc1), m / d, p1)             # _foreach_addcdiv_
+
+  (``foreach=False`` on CUDA multiplies by a reciprocal, ``d = sqrt(v) * f(1/sqrt(bc2)) +
+  f(eps)``: not a convention, it is the default nowhere.)
+
+``optax`` reproduces ``optax.adamw`` (optionally ``optax.chain(optax.clip_by_global_norm(M),
+optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates`` in
+one program. The per-step inputs are XLA's: the JAX adapter computes them in the jitted step
+with optax's own jnp expressions (:func:`optax_scalar_matrix`) and passes the float32 results:
+
+* ``t = safe_increment(count)`` (int32), ``d1 = 1 - b1**t``, ``d2 = 1 - b2**t`` in float32
+  (XLA:CPU calls glibc ``powf``, which is not correctly rounded: a NumPy or float64 power
+  differs in the last bit for thousands of ``t``);
+* ``lr``: the constant ``f(lr)``, or ``schedule(t - 1)`` evaluated by XLA in float32 (XLA's
+  constant folding changes a schedule's arithmetic; only XLA reproduces XLA);
+* the global norm ``n`` of ``optax.tree.norm(grads)`` (XLA's reduction order, which on
+  XLA:CPU depends on leaf sizes, and for large leaves on the thread count).
+
+platform ``cpu`` (XLA:CPU, jax/jaxlib 0.10.2, optax 0.2.8, x86-64 with FMA3, glibc libm; read
+from the optimized HLO and machine code, verified bit for bit). XLA:CPU runs with FTZ and DAZ:
+every operand below is read, and every result (``RN``, ``fma``) flushed, with denormals as
+signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part of the contract::
+
+      B1, B2, C1, C2 = f(b1), f(b2), f(1-b1), f(1-b2)   # 1-b in float64, rounded once
+      g  = RN(RN(g / s[S_CLIP_DIV]) * s[S_CLIP])            # OX_CLIP: IEEE division, multiply
+      g  = RN(g * s[S_CLIP])                                # without OX_CLIP
+      m  = fma(C1, g, RN(B1*m))                             # default pairing
+      m  = fma(B1, m, RN(C1*g))                             # OX_MU_SWAP
+      gg = RN(g*g)
+      v  = fma(C2, gg, RN(B2*v))                            # default pairing
+      v  = fma(B2, v, RN(C2*gg))                            # OX_NU_SWAP
+      q  = RN(m / RN(d1 * RN(sqrt(RN(v/d2)) + f(eps))))     # form D (default)
+      q  = RN(RN(m*r1) / RN(sqrt(RN(v*r2)) + f(eps)))       # OX_FORM_R, r = RN(1/d)
+      u  = fma(f(wd), p, q)        (u = q when wd == 0 or the leaf is masked out)
+      p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
+
+  The pairing and form depend on the program, not the values: a leaf's *code* (bits :data:`OX_FORM_R`,
+  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R: only in a
+  pytree of one leaf of more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only
+  when ``1 - b**t`` has one use), but in x64 mode for every leaf of more than one element
+  (``jax_enable_x64``: ``1 - b**t`` is a float64 power cast to float32 per leaf). With
+  ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing
+  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV,
+  S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)`` when ``n < f(M)`` (as without clipping; both exact on ``g``);
+  ``RN(g / n)`` is a true division (a multiply by ``1/n`` differs for 60% of elements), ``* M`` a second
+  rounding (exact, and removed by XLA, when ``M == 1``).
+
+  *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a gradient
+  that reaches the moment-update fusion materialised: always when ``update`` is jitted apart,
+  and in a step jitted whole for gradients of matmuls and multi-element reductions (every leaf
+  of the tests' MLP and transformer). XLA:CPU may instead fuse a gradient's computation into
+  the moment updates (seen for a ``(1,)`` leaf whose gradient is a full reduction, small
+  leaves with a gradient element-wise in the parameter, bf16 gradients cast in the update's
+  program); LLVM then contracts the *other* products, ``OX_NU_SWAP | OX_MU_SWAP`` (with
+  clipping nothing changed in the cases probed). A buffer does not tell: the JAX adapter takes
+  the affected leaves as ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the
+  moment update, e.g. of a loss quadratic in a scalar) match no pairing. Verified
+  (tests/test_jax_compose.py): ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped
+  gradient (``max_norm=M``'s pairing without :data:`OX_CLIP`:
+  ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s accumulated one
+  (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients fused into the
+  update under ``jax.pmap`` (several leaves match no code; reduced in a program of their own
+  they are exact), and in x64 mode float64 gradients cast to float32 in the update's program.
+
+  A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
+  ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*
+  from ``update`` rounds ``RN(-lr*u)`` before ``p + that``: not a convention here.
+
+  *Without FMA* (XLA:CPU targeting an ISA without FMA3: ``--xla_cpu_max_isa=SSE4_2`` or ``AVX``,
+  or such a host; :data:`OX_NO_FMA`): every ``fma(a, b, c)`` above is ``RN(RN(a*b) + c)`` (each
+  result flushed), whatever the pairing bits. Verified bit for bit at ``SSE4_2`` and ``AVX``
+  (3- and 7-leaf MLPs, a single leaf, with and without clipping); at ``AVX2`` and ``AVX512`` the
+  fused lines hold. The adapter probes XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias
+  corrections did not change).
+
+platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
+
+      g  = g * c                                   # c: the clip coefficient, S_CLIP
+      g  = (g / n) * M                             # instead, with OX_CLIP (clip_by_global_norm)
+      m  = f(1-b1) * g + f(b1) * m                 # two roundings each, no FMA
+      v  = f(1-b2) * (g * g) + f(b2) * v
+      u  = m / (d1 * (sqrt(v / d2) + f(eps)))      # XLA folds (m/d1)/(...) into one divide
+      u  = u + f(wd) * p                           # add_decayed_weights
+      p  = p + u * f(-lr)                          # scale_by_learning_rate, apply_updates
+
+  ``sqrt`` is the approximate ``sqrt.approx.f32`` (division ``div.full.f32``), which a host
+  cannot reproduce: the host kernels use IEEE operations (:data:`OPTAX_CUDA_MAX_ULP`). The
+  device kernel runs XLA:GPU's instructions and matched jitted ``optax.adamw`` on the H200 bit
+  for bit per step (warmup-cosine schedule, decay mask, five leaves, fp32 and bf16 with an fp32
+  master, with and without clipping; tests/test_jax_gpu.py). ``d1``, ``d2``, ``-lr``
+  (``__nv_powf``/``__nv_cosf``) and the norm come from the user's program: with clipping the
+  weights equal optax's when both programs compute the same norm. XLA:GPU keeps denormals (no
+  FTZ unless ``xla_gpu_ftz``) and never rewrites to reciprocals (form D); ``cuda`` reads only
+  the :data:`OX_CLIP` bit of the code.
+
+Numerical hazards: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to float32 once (not per element);
+``d`` is never zero for ``eps > 0``, but an Inf/NaN gradient propagates to ``m``, ``v`` and ``p``
+exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close to 1, tiny ``t``)
+only below float64 precision, far from any practical setting.
+"""
+
+from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_SQRT_MAX_ULP, bf16_bits_to_f32,
+                         f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
+                         update_ulps)
+from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA,
+                       OX_NU_SWAP, PLATFORMS, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS,
+                       S_LERP_SMALL, S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES,
+                       TC_NO_FMA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
+                       AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections, optax_clip_scalars,
+                       optax_cpu_code, optax_scalar_matrix, optax_step_scalars, step_scalars, torch_step_scalars,
+                       validate_hyperparams, variant_id)
+
+__all__ = [
+    "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
+    "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
+    "optax_scalar_matrix", "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
+    "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
+]
