@@ -1,7 +1,7 @@
 """The GPU code path of offload_adamw (trainstream.jax._gpu), run on XLA:CPU with its CUDA
 calls simulated: the state in ``pinned_host`` memory, the three callbacks (own, update,
 order), the engine pipeline of ``mode="cpu"`` (staging, events, uploads) and the grouped
-launches of ``mode="gpu"``.
+launches of ``mode="gpu"`` (the engine's device placement and its staging ring).
 
 The simulated launches run the host kernel of the same variant (optax/cuda), so both modes
 must give the contract's NumPy reference bit for bit here; what this checks is the
@@ -21,8 +21,10 @@ jnp = jax.numpy
 import trainstream.jax as tsj  # noqa: E402
 from trainstream import _host_kernels as K  # noqa: E402
 from trainstream import contract as C  # noqa: E402
+from trainstream.backends import jax as XB  # noqa: E402
 from trainstream.jax import _gpu as G  # noqa: E402
-from trainstream.jax import _transform as T  # noqa: E402
+from trainstream.jax import _plan as T  # noqa: E402
+from trainstream.jax import _transform  # noqa: E402
 
 if jax.default_backend() != "cpu":  # pragma: no cover - the simulation needs XLA:CPU buffers
     pytest.skip("simulates the CUDA calls on XLA:CPU (tests/test_jax_gpu.py runs them for real)",
@@ -132,17 +134,19 @@ def simulate_gpu(monkeypatch):
     fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
-    from trainstream.core import _device
+    from trainstream.core import _ring
 
-    monkeypatch.setattr(T, "_platform_of", lambda leaves: "cuda")
-    monkeypatch.setattr(G, "_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
-    monkeypatch.setattr(G, "_stream", lambda ctx: 0)
+    monkeypatch.setattr(_transform, "_platform_of", lambda leaves: "cuda")
+    monkeypatch.setattr(XB, "buffer_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
+    monkeypatch.setattr(XB, "stream_of", lambda ctx: 0)
     monkeypatch.setattr(_cuda, "pointer_device", lambda ptr: 0)
     monkeypatch.setattr(_cuda, "context", lambda device: _Context())
     monkeypatch.setattr(_cuda, "Event", _Event)
+    monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
+    monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_device", lambda nbytes, device=None: _Device(nbytes))
-    monkeypatch.setattr(G, "_rings", {})  # a ring of the simulated device, not a real one
-    monkeypatch.setattr(_device, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
+    monkeypatch.setattr(G, "_device_engines", {})  # an engine (and ring) of the simulated device, not a real one
+    monkeypatch.setattr(_ring, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
     for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
         monkeypatch.setattr(dk, name, getattr(_Kernels, name))
     _Kernels.launches.clear()
@@ -207,7 +211,7 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     rng = np.random.default_rng(1)
     gs = [_grads(rng, params) for _ in range(4)]
     want_p, want_m, want_v = _reference(params, gs, lr, wd)
-    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, chunk_size=4096)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2)
     for donate in (True, False):
         for via in ("step", "update"):
             s = tx.init(params)
@@ -246,8 +250,9 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX, their state staged in pieces
         assert {(w, n) for w, _, n in _Kernels.launches} >= {("w", 3), ("w", 2)}
         assert any(d == "h2d" for d, _ in _Context.copies) and any(d == "d2h" for d, _ in _Context.copies)
-        d2h = G._rings[0].d2h  # XLA's stream waits for an event of the ring's copy-back stream
-        assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != G._rings[0].h2d
+        ring = G._device_engines[0].device._ring
+        d2h = ring.d2h  # XLA's stream waits for an event of the ring's copy-back stream
+        assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != ring.h2d
         if dtype == "float32":
             assert ("u", "float32", 3) in _Kernels.launches
     else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf

@@ -15,7 +15,7 @@ trace = load_script("_trace_report")
 def _run_traced(eager: bool):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    opt = OffloadAdamW(model.parameters(), threads=2, chunk_size=4096, overlap_forward=model)
+    opt = OffloadAdamW(model.parameters(), threads=2, overlap_forward=model)
     x = torch.randn(4, 64)
     trace.start()
     try:
@@ -97,7 +97,7 @@ def test_jax_updates_are_labelled_apart_from_slots():
     from trainstream import jax as tsj
 
     params = {"a": jnp.ones((300,)), "b": jnp.ones((4, 5))}
-    tx = tsj.offload_adamw(1e-3, threads=2, chunk_size=128)
+    tx = tsj.offload_adamw(1e-3, threads=2)
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
     trace.start()
