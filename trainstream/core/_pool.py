@@ -1,7 +1,7 @@
 """The host workers of the engine: the one error record (:class:`StickyError`), the queue of worker jobs in
-forward order (:class:`_WorkQueue`), the threads that run them (:class:`WorkerPool`) and what ``os.fork()``
-leaves of them. No torch or jax import; nothing of the slots (the host placement, ``_host.py``, cuts its
-batches into jobs).
+forward order (:class:`_WorkQueue`), the threads that run them and cut batches into jobs (:class:`WorkerPool`),
+their lock-free counters (:class:`Counters`) and what ``os.fork()`` leaves of them. No torch or jax import;
+nothing of the slots (the host placement, ``_host.py``, orders each slot's batches).
 
 Fork: a child of ``os.fork()`` has no worker threads and maybe a lock a worker held; every pool of the parent is
 marked :attr:`WorkerPool.forked` there (its owner refuses work with :data:`FORKED` and closes without waiting) and
