@@ -10,8 +10,10 @@ import numpy as np
 
 from trainstream import _host_kernels as K
 from trainstream import contract as C
+from trainstream.backends import jax as XB
 from trainstream.jax import _gpu as G
-from trainstream.jax import _transform as T
+from trainstream.jax import _plan as T
+from trainstream.jax import _transform
 
 _KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
 _NP = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.uint16}
@@ -117,17 +119,19 @@ def simulate_gpu(monkeypatch):
     fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
-    from trainstream.core import _device
+    from trainstream.core import _ring
 
-    monkeypatch.setattr(T, "_platform_of", lambda leaves: "cuda")
-    monkeypatch.setattr(G, "_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
-    monkeypatch.setattr(G, "_stream", lambda ctx: 0)
+    monkeypatch.setattr(_transform, "_platform_of", lambda leaves: "cuda")
+    monkeypatch.setattr(XB, "buffer_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
+    monkeypatch.setattr(XB, "stream_of", lambda ctx: 0)
     monkeypatch.setattr(_cuda, "pointer_device", lambda ptr: 0)
     monkeypatch.setattr(_cuda, "context", lambda device: _Context())
     monkeypatch.setattr(_cuda, "Event", _Event)
+    monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
+    monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_device", lambda nbytes, device=None: _Device(nbytes))
-    monkeypatch.setattr(G, "_rings", {})  # a ring of the simulated device, not a real one
-    monkeypatch.setattr(_device, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
+    monkeypatch.setattr(G, "_device_engines", {})  # an engine (and ring) of the simulated device, not a real one
+    monkeypatch.setattr(_ring, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
     for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
         monkeypatch.setattr(dk, name, getattr(_Kernels, name))
     _Kernels.launches.clear()

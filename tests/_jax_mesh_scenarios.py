@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, HERE)
 import trainstream.jax as tsj  # noqa: E402
-from trainstream.jax import _transform as T  # noqa: E402
+from trainstream.jax import _plan  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -130,7 +130,7 @@ def train(opt, params, xs, via="update", state=None):
     out = []
     for x in xs:
         if via == "eager":  # optax's update jitted alone, as ours runs outside jit
-            u, s = (opt.update if isinstance(opt, tsj.OffloadAdamW) else jax.jit(opt.update))(GRAD(p, x), s, p)
+            u, s = (opt.update if isinstance(opt, tsj.OffloadTransformation) else jax.jit(opt.update))(GRAD(p, x), s, p)
             p = optax.apply_updates(p, u)
         else:
             p, s = step(p, s, x)
@@ -187,18 +187,18 @@ class CallbackShapes:
 
     def __enter__(self):
         self.shapes = []
-        self._orig = T._Plan.__call__
+        self._orig = _plan.Plan.__call__
         rec = self.shapes
 
         def call(plan, ctx, outs, scal, count, *ins):
             rec.append(tuple(np.shape(x) for x in ins[plan.n:2 * plan.n]))
             return self._orig(plan, ctx, outs, scal, count, *ins)
 
-        T._Plan.__call__ = call
+        _plan.Plan.__call__ = call
         return self
 
     def __exit__(self, *exc):
-        T._Plan.__call__ = self._orig
+        _plan.Plan.__call__ = self._orig
 
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, warmup_steps=2, decay_steps=20, end_value=1e-3)
@@ -379,8 +379,7 @@ def scenario_user_shard_map():
 
 def scenario_errors():
     """Clear errors: leaves on different placements, an update whose init never saw the
-    sharded params, a traced init, the torch convention's host norm, a partly manual
-    shard_map."""
+    sharded params, a traced init, a partly manual shard_map."""
     mesh = mesh_1d()
     params = params_on(mesh, SPECS_1D)
     g = jax.jit(jax.grad(loss))(params, batches(1)[0])
@@ -404,19 +403,6 @@ def scenario_errors():
     fresh = tsj.offload_adamw(1e-2)
     raises(ValueError, "never saw these parameters as arrays", jax.jit(fresh.step), g, s, params)
     raises(ValueError, "a traced array carries none", jax.jit(fresh.init), params)
-    try:
-        import torch  # noqa: F401
-        ttx = tsj.offload_adamw(1e-2, convention="torch", max_grad_norm=1.0)
-        raises(NotImplementedError, "convention='torch' with max_grad_norm", jax.jit(ttx.step), g, ttx.init(params),
-               params)
-        # without clipping the torch convention is elementwise: the sharded update is the whole one
-        ttx = tsj.offload_adamw(1e-2, weight_decay=0.1, convention="torch")
-        whole = {k: jnp.asarray(np.asarray(v)) for k, v in params.items()}
-        same_bits(jax.jit(ttx.step)(g, ttx.init(params), params),
-                  jax.jit(ttx.step)({k: jnp.asarray(np.asarray(v)) for k, v in g.items()}, ttx.init(whole), whole),
-                  "torch convention sharded")
-    except ImportError:
-        pass
     m2 = mesh_2d()
     p2 = params_on(m2, SPECS_2D)
     s2 = tx.init(p2)

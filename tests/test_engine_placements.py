@@ -609,12 +609,3 @@ def test_gpu_state_bytes_argument_checks():
     opt = OffloadAdamW(model.parameters(), gpu_state_bytes=np.int64(0), threads=1)
     assert opt.stats()["gpu_state_bytes"] == 0 and opt._engine.device is None
     opt.close()
-
-
-def test_jax_gpu_state_bytes_is_not_built():
-    pytest.importorskip("jax")
-    from trainstream.jax import offload_adamw
-
-    with pytest.raises(NotImplementedError, match="not built for JAX.*multi_transform"):
-        offload_adamw(1e-3, gpu_state_bytes=1 << 20)
-    offload_adamw(1e-3, gpu_state_bytes=0)

@@ -1,4 +1,4 @@
-"""The workers' queue order (trainstream.core._host._WorkQueue): forward order across slots,
+"""The workers' queue order (trainstream.core._pool._WorkQueue): forward order across slots,
 submission order within a slot, jobs whose copy has not landed passed over."""
 
 import types
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from trainstream.core import _host as E
+from trainstream.core import _pool
 
 
 class _HostBackend:
@@ -35,7 +36,7 @@ def _drain(q):
 
 
 def test_lowest_slot_first_submission_order_within_a_slot():
-    q = E._WorkQueue()
+    q = _pool._WorkQueue()
     for slot, tag in [(5, "5a"), (3, "3a"), (5, "5b"), (1, "1a"), (3, "3b")]:
         _put(q, lambda tag=tag: tag, slot)
     q.close(1)  # one worker's stop marker
@@ -43,7 +44,7 @@ def test_lowest_slot_first_submission_order_within_a_slot():
 
 
 def test_not_landed_job_passed_over_but_never_within_its_slot():
-    q = E._WorkQueue()
+    q = _pool._WorkQueue()
     landed = {"x": False}
     _put(q, lambda: "1-first", 1, lambda: landed["x"])
     _put(q, lambda: "1-second", 1, None)  # same slot: must wait for 1-first
@@ -55,7 +56,7 @@ def test_not_landed_job_passed_over_but_never_within_its_slot():
 
 
 def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
-    q = E._WorkQueue()
+    q = _pool._WorkQueue()
     landed = {"x": False}
     for slot in (9, 7, 5):  # backward order: slot 9's copy was queued first
         _put(q, lambda slot=slot: slot, slot, lambda: landed["x"])
@@ -68,7 +69,7 @@ def test_oldest_job_taken_when_nothing_has_landed_and_stop_marker_last():
 
 
 def test_taken_entries_do_not_accumulate():
-    q = E._WorkQueue()
+    q = _pool._WorkQueue()
     for i in range(1000):
         _put(q, lambda: None, i % 7)
         q.get()()
@@ -130,12 +131,12 @@ def test_work_for_stopped_workers_raises_instead_of_hanging():
     external update raises (an XLA callback at interpreter exit would otherwise wait
     forever); the queue refuses jobs once closed."""
     eng = E.HostPlacement(_HostBackend(), threads=2, chunk_size=4096)
-    eng._finalizer()  # the pool's shutdown, as at interpreter exit (the engine itself not closed)
+    eng._pool.stop()  # the pool's shutdown, as at interpreter exit (the engine itself not closed)
     a = np.zeros(10, np.float32)
     item = E.ExternalUpdate(a, a.copy(), a.copy(), a.copy(), "float32", None, None, np.zeros(16, np.float32))
     with pytest.raises(E.WorkerError, match="host workers have stopped"):
         eng.update_external([item, item], "cpu")
-    q = E._WorkQueue()
+    q = _pool._WorkQueue()
     q.close(1)
     with pytest.raises(RuntimeError, match="stopped"):
         _put(q, lambda: None)

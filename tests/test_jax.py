@@ -1,7 +1,6 @@
 """trainstream.jax.offload_adamw against optax.adamw jitted on XLA:CPU (bit for bit)."""
 
 import os
-import sys
 import threading
 
 import numpy as np
@@ -162,36 +161,6 @@ def test_single_leaf_pytree():
         assert_tree_bits(p, p_ref, f"step {t + 1}")
 
 
-# -- the torch convention ------------------------------------------------------------------------
-
-
-@pytest.mark.isa
-def test_torch_convention_matches_torch_adamw_cpu():
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(5)
-    params = mlp_init(rng)
-    lr, wd = 2e-3, 0.05
-    tx = tsj.offload_adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd, mask=decay_mask,
-                           convention="torch")
-    leaves, treedef = jax.tree.flatten(params)
-    decays = jax.tree.leaves(decay_mask(params))
-    tparams = [torch.nn.Parameter(torch.from_numpy(np.array(x))) for x in leaves]
-    groups = [{"params": [tp for tp, d in zip(tparams, decays) if d], "weight_decay": wd},
-              {"params": [tp for tp, d in zip(tparams, decays) if not d], "weight_decay": 0.0}]
-    topt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
-    s = tx.init(params)
-    grad_fn = jax.jit(jax.grad(mlp_loss))
-    step = jax.jit(tx.step)
-    for t in range(30):
-        grads = grad_fn(params, mlp_batch(rng))
-        params, s = step(grads, s, params)
-        for tp, g in zip(tparams, jax.tree.leaves(grads)):
-            tp.grad = torch.from_numpy(np.array(g))
-        topt.step()
-        want = jax.tree.unflatten(treedef, [jnp.asarray(tp.detach().numpy()) for tp in tparams])
-        assert_tree_bits(params, want, f"torch convention step {t + 1}")
-
-
 # -- eager path, optax API, checkpoints -----------------------------------------------------------
 
 
@@ -318,12 +287,6 @@ def test_bad_input_errors():
         tsj.load_state_dict(s, {"count": 1})
 
 
-def test_torch_convention_needs_torch(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(RuntimeError, match="torch must be importable"):
-        tsj.offload_adamw(1e-3, convention="torch")
-
-
 def test_a_kernel_failure_raises_and_training_goes_on(monkeypatch):
     """A failure in the host kernel (run by the engine's workers) comes back through XLA
     with its message; the state passed in (not donated) is intact, and the next step with
@@ -354,7 +317,7 @@ def test_a_kernel_failure_raises_and_training_goes_on(monkeypatch):
 def test_one_engine_per_configuration_and_worker_nice():
     """The host updates run on the engine's workers (trainstream.core), one engine per
     configuration and process, shared by every transformation; worker_nice reaches it."""
-    from trainstream.jax import _transform as T
+    from trainstream.jax import _plan
 
     rng = np.random.default_rng(13)
     params = mlp_init(rng)
@@ -363,7 +326,7 @@ def test_one_engine_per_configuration_and_worker_nice():
         txs = [tsj.offload_adamw(1e-3, threads=2, worker_nice=nice) for _ in range(2)]
         for tx in txs:
             jax.block_until_ready(jax.jit(tx.step)(g, tx.init(params), params))
-        engines = [e for k, e in T._engines.items() if k == (os.getpid(), "optax", 0, 2, 1 << 20, nice)]
+        engines = [e for k, e in _plan._engines.items() if k == (os.getpid(), 2, nice)]
         assert len(engines) == 1 and engines[0].threads == 2
         tids = [t.native_id for t in threading.enumerate() if t.name.startswith("trainstream-worker")]
         try:

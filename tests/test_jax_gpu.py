@@ -435,36 +435,12 @@ def test_state_dict_round_trip_between_modes_on_gpu():
             _same(p2, p, "resumed from state_dict")
 
 
-def test_torch_convention_cpu_mode_on_gpu_matches_torch_cuda():
-    """convention='torch', mode='cpu', JAX arrays on the GPU: torch.optim.AdamW on CUDA."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA")
-    dev = _gpu()
-    p0 = _params(jnp.float32, dev, seed=7)
-    rng = np.random.default_rng(8)
-    tx = tsj.offload_adamw(1e-3, weight_decay=1e-2, convention="torch", mode="cpu")
-    p, s = p0, tx.init(p0)
-    tp = {k: torch.tensor(np.asarray(v), device="cuda", requires_grad=True) for k, v in p0.items()}
-    opt = torch.optim.AdamW(list(tp.values()), lr=1e-3, weight_decay=1e-2)
-    step = jax.jit(tx.step)
-    for _ in range(10):
-        g = _grads(rng, p, dev)
-        for k in tp:
-            tp[k].grad = torch.tensor(np.asarray(g[k]), device="cuda")
-        opt.step()
-        p, s = step(g, s, p)
-    _same(p, {k: tp[k].detach().cpu().numpy() for k in p}, "torch convention on CUDA")
-
-
 def test_bad_input_on_gpu():
     dev = _gpu()
     params = _params(jnp.float32, dev)
     cpu_params = jax.tree.map(lambda a: jax.device_put(a, jax.devices("cpu")[0]), params)
     with pytest.raises(ValueError, match="mode='gpu'.*parameters are on the CPU"):
         tsj.offload_adamw(1e-3, mode="gpu").init(cpu_params)
-    with pytest.raises(NotImplementedError, match="convention='optax' only"):
-        tsj.offload_adamw(1e-3, mode="gpu", convention="torch").init(params)
     tx = tsj.offload_adamw(1e-3, mode="gpu")
     s = tx.init(params)
     g = jax.tree.map(jnp.zeros_like, params)

@@ -1,7 +1,7 @@
 """The GPU code path of offload_adamw (trainstream.jax._gpu), run on XLA:CPU with its CUDA
 calls simulated: the state in ``pinned_host`` memory, the three callbacks (own, update,
 order), the engine pipeline of ``mode="cpu"`` (staging, events, uploads) and the grouped
-launches of ``mode="gpu"``.
+launches of ``mode="gpu"`` (the engine's device placement and its staging ring).
 
 The simulated launches run the host kernel of the same variant (optax/cuda), so both modes
 must give the contract's NumPy reference bit for bit here; what this checks is the
@@ -19,6 +19,7 @@ jnp = jax.numpy
 import trainstream.jax as tsj  # noqa: E402
 from trainstream import contract as C  # noqa: E402
 from trainstream.jax import _gpu as G  # noqa: E402
+
 from _jax_gpu_sim import _Context, _Kernels, simulate_gpu  # noqa: E402
 
 if jax.default_backend() != "cpu":  # pragma: no cover - the simulation needs XLA:CPU buffers
@@ -78,7 +79,7 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     rng = np.random.default_rng(1)
     gs = [_grads(rng, params) for _ in range(4)]
     want_p, want_m, want_v = _reference(params, gs, lr, wd)
-    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, chunk_size=4096)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2)
     for donate in (True, False):
         for via in ("step", "update"):
             s = tx.init(params)
@@ -117,8 +118,9 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     if mode == "gpu":  # leaves of a dtype in launches of up to MULTI_MAX, their state staged in pieces
         assert {(w, n) for w, _, n in _Kernels.launches} >= {("w", 3), ("w", 2)}
         assert any(d == "h2d" for d, _ in _Context.copies) and any(d == "d2h" for d, _ in _Context.copies)
-        d2h = G._rings[0].d2h  # XLA's stream waits for an event of the ring's copy-back stream
-        assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != G._rings[0].h2d
+        ring = G._device_engines[0].device._ring
+        d2h = ring.d2h  # XLA's stream waits for an event of the ring's copy-back stream
+        assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != ring.h2d
         if dtype == "float32":
             assert ("u", "float32", 3) in _Kernels.launches
     else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf

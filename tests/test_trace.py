@@ -97,7 +97,7 @@ def test_jax_updates_are_labelled_apart_from_slots():
     from trainstream import jax as tsj
 
     params = {"a": jnp.ones((300,)), "b": jnp.ones((4, 5))}
-    tx = tsj.offload_adamw(1e-3, threads=2, chunk_size=128)
+    tx = tsj.offload_adamw(1e-3, threads=2)
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
     trace.start()

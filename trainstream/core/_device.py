@@ -1,22 +1,23 @@
 """The device placement of the engine: AdamW updated by CUDA kernels (:mod:`trainstream._device_kernels`; several
 parameters per launch at ``step``, one from a gradient hook) that read the gradient in GPU memory and write the weights
-in place, with the contract's arithmetic.
+in place, with the contract's arithmetic: of its slots, or of buffers the caller owns
+(:meth:`DevicePlacement.launch_external`, no slot: the JAX adapter's ``mode="gpu"``).
 
-The state (``exp_avg``, ``exp_avg_sq``, the fp32 master of fp16/bf16 weights) lives in mapped pinned host memory, or for
-a slot added ``resident`` in GPU memory (``gpu_state_bytes``; the same kernels, so the same bits). Host state is
-*staged* (:class:`StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over PCIe (*zero-copy*:
-0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only.
+A slot's state (``exp_avg``, ``exp_avg_sq``, the fp32 master of fp16/bf16 weights) lives in mapped pinned host memory,
+or for a slot added ``resident`` in GPU memory (``gpu_state_bytes``; the same kernels, so the same bits). Host state is
+*staged* (:class:`~trainstream.core._ring.StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over
+PCIe (*zero-copy*: 0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only.
 
 Ordering: the update stream waits for the compute stream at ``step`` (with ``eager``, for the part of backward that
 produced the gradient); each launch records a *ready* event that the next forward waits on; each gradient is kept alive
-until that wait. Imports neither torch nor jax.
+until that wait. External updates run on the caller's stream, in its order. Imports neither torch nor jax.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,9 +25,12 @@ import numpy as np
 
 from .. import _cuda
 from .. import contract as C
+from ._backend import DeviceBackend
 from ._budget import _ITEMSIZE
+from ._external import DeviceUpdate, device_groups
+from ._ring import StagingRing, staging_ring
 
-__all__ = ["DevicePlacement", "StagingRing", "staging_ring"]
+__all__ = ["DevicePlacement"]
 
 #: Grid of an eager update kernel (launched during backward), in blocks per multiprocessor: backward keeps
 #: most of the GPU (experiments/RESULTS.md: 131 ms per step against 156 with the full grid).
@@ -35,12 +39,6 @@ EAGER_SM_FRACTION = 0.25
 #: Elements of one multi-tensor launch of ``step()`` (a larger tensor goes alone): ~1 ms of PCIe
 #: traffic for bf16 weights, ~20x a launch's host cost, and the next forward starts after a few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
-
-#: :class:`StagingRing`: fp32 elements per state array per buffer (8 MiB), and buffers: 72 MiB of GPU
-#: memory, 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate (H200, experiments/RESULTS.md).
-RING_ELEMS = 1 << 21
-RING_DEPTH = 3
-_ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's vector path)
 
 
 @dataclass(eq=False)
@@ -76,121 +74,24 @@ class _GpuSlot:
                 ev.synchronize()
 
 
-class StagingRing:
-    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the state of a few
-    tensors, or a piece of one (64-byte aligned), is copied in on the H2D stream after the buffer's last copy back and
-    the entry's ``wait`` event, updated by the kernel on the caller's stream (the same bits as zero-copy), and copied
-    back on the D2H stream."""
-
-    def __init__(self, device: int, dk):
-        self.ctx, self.dk = _cuda.context(device), dk
-        self.mem: list = []
-        self.h2d = self.d2h = None
-        try:
-            self.mem = [dk.alloc_device(3 * 4 * RING_ELEMS, device) for _ in range(RING_DEPTH)]
-            self.h2d = self.ctx.create_stream()
-            self.d2h = self.ctx.create_stream()  # a failure here: close() destroys h2d
-        except BaseException:
-            self.close()
-            raise
-        self.freed: list = [None] * RING_DEPTH  # each buffer's last copy back
-        self.next = 0
-        self.last = None  # the last copy back queued (the D2H stream is in order: all before it too)
-        self.nbytes = sum(m.nbytes for m in self.mem)
-        self.lock = threading.Lock()
-
-    def run(self, launch: Callable[[list], Any], entries: Sequence, stream: int, after: Any = None) -> list:
-        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses of its fp32 state
-        arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the kernel item of elements
-        ``lo:lo+n`` at the staged arrays' device addresses, and an event (or None) to copy in after. ``launch(items)``
-        queues one launch (at most ``MULTI_MAX`` items) on ``stream``, after ``after``. Returns per entry the event of
-        its last copy back (None for an empty one)."""
-        done: list = [None] * len(entries)
-        with self.lock:
-            if after is not None:
-                self.ctx.stream_wait_event(self.h2d, after)
-            pieces: list = []
-            pos = 0
-            for e, (_, total, _, _) in enumerate(entries):
-                lo = 0
-                while lo < total:
-                    n = min(total - lo, RING_ELEMS - pos)
-                    pieces.append((e, lo, n, pos))
-                    pos = -(-(pos + n) // _ALIGN) * _ALIGN
-                    lo += n
-                    if pos >= RING_ELEMS or len(pieces) == self.dk.MULTI_MAX:
-                        self._dispatch(launch, entries, pieces, stream, done)
-                        pieces, pos = [], 0
-            if pieces:
-                self._dispatch(launch, entries, pieces, stream, done)
-        return done
-
-    def _dispatch(self, launch, entries, pieces, stream, done) -> None:
-        ctx, k = self.ctx, self.next
-        self.next = (k + 1) % RING_DEPTH
-        base = self.mem[k].dev_ptr
-        if self.freed[k] is not None:
-            ctx.stream_wait_event(self.h2d, self.freed[k])  # the buffer's last copy back
-        copies, items = [], []
-        for e, lo, n, pos in pieces:
-            ptrs, _, item, wait = entries[e]
-            if lo == 0 and wait is not None and not wait.query():
-                ctx.stream_wait_event(self.h2d, wait)  # the entry's previous update's state
-            dev = [base + 4 * (a * RING_ELEMS + pos) for a in range(3)]
-            copies += [(dev[a], ptr + 4 * lo, 4 * n) for a, ptr in enumerate(ptrs)]
-            items.append(item(lo, n, dev))
-        for d, h, nb in copies:
-            ctx.memcpy_htod_async(d, h, nb, self.h2d)
-        ctx.stream_wait_event(stream, _cuda.Event(ctx, self.h2d))
-        launch(items)
-        ctx.stream_wait_event(self.d2h, _cuda.Event(ctx, stream))
-        for d, h, nb in copies:
-            ctx.memcpy_dtoh_async(h, d, nb, self.d2h)
-        self.last = self.freed[k] = _cuda.Event(ctx, self.d2h)
-        for e, *_ in pieces:
-            done[e] = self.last
-
-    def close(self) -> None:
-        """Wait for the copies, free the buffers and the streams (also where the wait raises)."""
-        streams = [st for st in (self.h2d, self.d2h) if st is not None]
-        try:
-            for st in streams:
-                self.ctx.stream_synchronize(st)
-        finally:
-            mem, self.mem, self.h2d, self.d2h = self.mem, [], None, None
-            for m in mem:
-                m.free()
-            for st in streams:
-                self.ctx.destroy_stream(st)
-
-
-def staging_ring(device: int, dk, where: str) -> StagingRing | None:
-    """A :class:`StagingRing`, or None with a warning when its 72 MiB of GPU memory are refused (zero-copy then)."""
-    try:
-        return StagingRing(device, dk)
-    except MemoryError as exc:
-        warnings.warn(f"TrainStream {where}: no GPU memory for the staging ring ({exc}); the update kernels "
-                      "read the host-memory state over PCIe instead (same results, slower)", RuntimeWarning,
-                      stacklevel=5)
-        return None
-
-
 class DevicePlacement:
     """The device slots (module docstring). ``staged``: host-memory state goes through the staging ring, allocated at
     the first update (False: zero-copy, also once the ring's memory was refused); fixed before the first update, as a
     ring once made stays in use (zero-copy launches do not wait for its copies back).
 
-    The backend provides, besides :class:`~trainstream.core._host.Backend`'s ``param_to_host_f32``, ``record_compute``
-    and ``wait_on_compute``: ``update_stream() -> int`` (a ``cudaStream_t``), ``update_wait(event)``,
-    ``record_update() -> event``, ``data_ptr(tensor) -> int``, ``device_index``.
+    ``backend``: a :class:`~trainstream.core._backend.DeviceBackend`; None: no slots, only :meth:`launch_external`
+    on CUDA device ``device``.
     """
 
-    def __init__(self, backend: Any, *, convention: str = "torch", staged: bool = True):
+    def __init__(self, backend: DeviceBackend | None, *, convention: str = "torch", staged: bool = True,
+                 device: int | None = None):
         from .. import _device_kernels as dk  # CuPy is imported here, on first use
         if convention not in C.CONVENTIONS:
             raise ValueError(f"Unknown convention {convention!r}; expected one of {C.CONVENTIONS}")
+        if backend is None and device is None:
+            raise ValueError("DevicePlacement without a backend needs its CUDA device")
         self._dk, self.backend, self.convention = dk, backend, convention
-        self.device = backend.device_index
+        self.device = int(backend.device_index if backend is not None else device)
         dk.compile_kernels(self.device)
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
         self._slots: list[_GpuSlot] = []
@@ -200,6 +101,7 @@ class DevicePlacement:
         self._unwaited = False  # launches since the compute stream last waited for all
         self.staged = bool(staged)
         self._ring: StagingRing | None = None
+        self._ring_lock = threading.Lock()  # external updates may come from several threads
 
     def _check_open(self) -> None:
         if self.closed:
@@ -247,6 +149,9 @@ class DevicePlacement:
         """Register a flat parameter; returns its slot id. ``gpu_state``: its state in GPU memory. ``init`` False:
         the state is left unset, for the caller's :meth:`load_state`."""
         self._check_open()
+        if self.backend is None:
+            raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
+                               "caller owns (launch_external), it holds no parameters")
         if platform != "cuda":
             raise ValueError("gpu_state_bytes needs CUDA parameters (the state and the update are on the GPU)"
                              if gpu_state else "gpu mode needs CUDA parameters (the update runs on the GPU)")
@@ -384,9 +289,40 @@ class DevicePlacement:
 
     def _staging_ring(self) -> StagingRing | None:
         if self._ring is None and self.staged:
-            self._ring = staging_ring(self.device, self._dk, "gpu mode")
-            self.staged = self._ring is not None
+            with self._ring_lock:
+                if self._ring is None and self.staged:
+                    self._ring = staging_ring(self.device, self._dk, "gpu mode")
+                    self.staged = self._ring is not None
         return self._ring
+
+    def launch_external(self, items: Sequence[DeviceUpdate], stream: int) -> None:
+        """The AdamW update of each :class:`~trainstream.core._external.DeviceUpdate` in this placement's convention
+        on CUDA, queued on ``stream`` (the caller's, e.g. XLA's) after its work so far; returns once queued. The
+        items of one kind (:func:`~trainstream.core._external.device_groups`) go in launches of up to ``MULTI_MAX``,
+        their state through the staging ring (its copies in after ``stream``'s work so far, ``stream`` then waiting
+        for its copies back), or zero-copy without one. No slot is involved: the caller keeps every buffer alive
+        until ``stream`` has run the launches."""
+        self._check_open()
+        t0 = time.perf_counter()
+        groups = device_groups(items)  # checked before anything is queued
+        dk, variant = self._dk, C.variant_id(self.convention, "cuda")
+        ring = self._staging_ring()
+        after = _cuda.Event(ring.ctx, stream) if ring is not None else None  # the caller's work: the state's writers
+        for key, entries in groups.items():
+            if key[0] == "u":  # u: the gradient's dtype; w: the weights' and the gradient's
+                launch = functools.partial(dk.launch_adamw_u_multi, variant, key[1], stream=stream, device=self.device)
+            else:
+                launch = functools.partial(dk.launch_adamw_multi, variant, *key[1:], stream=stream, device=self.device)
+            if ring is not None:
+                ring.run(launch, entries, stream, after)
+                after = None
+            else:
+                for k in range(0, len(entries), dk.MULTI_MAX):
+                    launch([item(0, n, state) for state, n, item, _ in entries[k:k + dk.MULTI_MAX]])
+        if ring is not None and ring.last is not None:
+            ring.ctx.stream_wait_event(stream, ring.last)  # the caller's later readers see the state copied back
+        self._steps += 1
+        self._launch_s += time.perf_counter() - t0
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         t0 = time.perf_counter()

@@ -3,8 +3,11 @@
 (:class:`~trainstream.core._device.DevicePlacement`). The adapters' modes ``cpu``, ``gpu`` and ``hybrid``
 are placement policies (:func:`~trainstream.core._budget.place`); before the policy, in any mode,
 ``gpu_state_bytes`` keeps the state of the first trainable slots that fit *resident* in GPU memory (the
-same kernels, so the same bits). One error record (:class:`~trainstream.core._host.StickyError`) and one
-stats dict. Imports neither torch nor jax; no arithmetic (clipping and loss scaling are the framework's).
+same kernels, so the same bits). One error record (:class:`~trainstream.core._pool.StickyError`) and one
+stats dict. The same placements update buffers the caller owns (:mod:`~trainstream.core._external`):
+:meth:`Engine.update_external` on the host, :meth:`Engine.launch_external` on the device; an engine made
+without a backend (the JAX adapter's) does only that. Imports neither torch nor jax; no arithmetic
+(clipping and loss scaling are the framework's).
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import contract as C
+from ._backend import Backend
 from ._budget import WHERE, assign, gpu_state_fits, state_bytes
-from ._host import Backend, ExternalUpdate, HostPlacement, StickyError, WorkerError
+from ._external import DeviceUpdate, ExternalUpdate
+from ._host import HostPlacement
+from ._pool import StickyError, WorkerError
 
-__all__ = ["Backend", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
+__all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
 #: The placement policies (the adapters' ``mode``).
 MODES = ("cpu", "gpu", "hybrid")
@@ -27,8 +33,9 @@ MODES = ("cpu", "gpu", "hybrid")
 class Engine:
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
-    Args: ``backend``: the framework adapter (:class:`~trainstream.core._host.Backend`, and for device
-    slots what :class:`~trainstream.core._device.DevicePlacement` names); ``mode``: the policy, ``"cpu"``,
+    Args: ``backend``: the framework's (:class:`~trainstream.core._backend.Backend`, and for device slots
+    :class:`~trainstream.core._backend.DeviceBackend`); None: no slots, only the external updates over buffers
+    the caller owns (``mode="gpu"``: on CUDA device ``device_index``); ``mode``: the policy, ``"cpu"``,
     ``"gpu"`` or ``"hybrid"``; ``device_elems``: ``hybrid``'s budget of elements on the device;
     ``gpu_state_bytes``: the GPU memory for resident state (:func:`state_bytes` per slot; 0: none);
     ``gpu_state_later``: build the device placement now, for :meth:`move_state_to_gpu` later (any mode);
@@ -36,10 +43,10 @@ class Engine:
     others are :class:`~trainstream.core._host.HostPlacement`'s.
     """
 
-    def __init__(self, backend: Backend, *, mode: str = "cpu", device_elems: int = 0, gpu_state_bytes: int = 0,
-                 threads: int | None = None, chunk_size: int = 1 << 20, convention: str = "torch",
+    def __init__(self, backend: Backend | None, *, mode: str = "cpu", device_elems: int = 0, gpu_state_bytes: int = 0,
+                 threads: int | None = None, chunk_size: int | None = None, convention: str = "torch",
                  pin_moments: bool = False, tc_code: int = 0, worker_nice: int = 5, eager_blocks: int | None = None,
-                 cores: Sequence[int] | None = None, gpu_state_later: bool = False,
+                 cores: Sequence[int] | None = None, gpu_state_later: bool = False, device_index: int | None = None,
                  _device: Callable[[], Any] | None = None):
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}")
@@ -54,7 +61,8 @@ class Engine:
             if _device is None:
                 from ._device import DevicePlacement  # noqa: PLC0415 (CuPy, on first use)
                 # Staged in gpu mode only: beside hybrid's host share it was slower (experiments/RESULTS.md).
-                self.device = DevicePlacement(backend, convention=convention, staged=mode == "gpu")
+                self.device = DevicePlacement(backend, convention=convention, staged=mode == "gpu",
+                                              device=device_index)
             else:  # tests: a stand-in
                 self.device = _device()
         if mode != "gpu":
@@ -93,6 +101,9 @@ class Engine:
         asked with :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here
         for this slot alone: resident where its state fits in what is left of ``gpu_state_bytes``, else by the
         policy (``on_device``: ``hybrid``'s choice for it)."""
+        if self.backend is None:
+            raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
+                               "caller owns (update_external, launch_external), it holds no parameters")
         if where is None:
             where = assign([(numel, dtype, trainable)], self.mode, device_elems=self._budget,
                            device_used=self.device_elems_used, gpu_state_bytes=self.gpu_state_budget,
@@ -251,18 +262,26 @@ class Engine:
             raise
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """:meth:`trainstream.core._host.HostPlacement.update_external` (buffers the caller owns)."""
-        self._host_only("update_external").update_external(items, platform)
+        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` (buffers the caller owns)
+        on the host workers, reproducing ``platform``'s arithmetic (``"cpu"``/``"cuda"``); blocks until done
+        (:meth:`trainstream.core._host.HostPlacement.update_external`)."""
+        self._only("update_external", self.host, "host").update_external(items, platform)
 
     def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
         """:meth:`trainstream.core._host.HostPlacement.sumsq_external` (buffers the caller owns)."""
-        return self._host_only("sumsq_external").sumsq_external(grads)
+        return self._only("sumsq_external", self.host, "host").sumsq_external(grads)
 
-    def _host_only(self, what: str):
-        if self.host is None:
-            raise RuntimeError(f"TrainStream engine: {what} runs on the host placement, and this engine has none "
+    def launch_external(self, items: Sequence[DeviceUpdate], stream: int) -> None:
+        """The AdamW update of each :class:`~trainstream.core._external.DeviceUpdate` (buffers the caller owns) by
+        the CUDA kernels, queued on ``stream``; returns once queued
+        (:meth:`trainstream.core._device.DevicePlacement.launch_external`)."""
+        self._only("launch_external", self.device, "device").launch_external(items, stream)
+
+    def _only(self, what: str, placement: Any, name: str):
+        if placement is None:
+            raise RuntimeError(f"TrainStream engine: {what} runs on the {name} placement, and this engine has none "
                                f"(mode={self.mode!r})")
-        return self.host
+        return placement
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""

@@ -1,6 +1,7 @@
 """The host placement: slots updated on worker threads by Numba kernels (:mod:`trainstream._host_kernels`,
-the contract's arithmetic). No torch or jax import: a :class:`Backend` supplies pinned buffers,
-asynchronous copies, events and the compute stream. Per parameter ("slot"):
+the contract's arithmetic), and updates over buffers the caller owns (:meth:`HostPlacement.update_external`,
+no slot: the JAX adapter's). No torch or jax import: a :class:`Backend` supplies pinned buffers,
+asynchronous copies, events and the compute stream (none for external updates only). Per parameter ("slot"):
 
 1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
    was staged (the framework sums micro-batches); on the *eager* path the update is queued behind it.
@@ -14,272 +15,36 @@ asynchronous copies, events and the compute stream. Per parameter ("slot"):
    deadlocked the H200 at a lazily loaded kernel's first launch). ``wait_ready`` gates single slots.
 
 A slot's batches run one after another; their chunks go to one queue shared by all workers
-(:class:`_WorkQueue`). A worker's failure is raised at the next call; no waiter hangs.
+(:class:`~trainstream.core._pool.WorkerPool`). A worker's failure is raised at the next call; no waiter hangs.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
-import itertools
-import os
 import threading
 import time
-import traceback
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _host_kernels as K
-from .._cores import bind_current_thread, default_threads
+from .._cores import default_threads
 from .. import contract as C
+from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
+from ._external import KIND as _KIND, NORM_BLOCK, ExternalUpdate, run_batches, sum_partials
+from ._external import sumsq_batches, update_batches
+from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 
-__all__ = ["Backend", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError", "NORM_BLOCK"]
+__all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
+           "NORM_BLOCK"]
 
-#: Element block of the gradient-norm partials (chunk sizes are multiples of it).
-NORM_BLOCK = 4096
+#: Elements per worker job, the default of ``chunk_size`` (read when a placement is made).
+CHUNK_SIZE = 1 << 20
 
-_KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
-_OUT_KIND = {"u": K.OUT_U, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}  # ExternalUpdate.out_kind
-
-
-class WorkerError(RuntimeError):
-    """A failure inside an engine worker thread, raised at the next call into the engine."""
-
-
-class StickyError:
-    """The engine's one error record: the first failure of a worker (or of a step that left one placement
-    updated and the other not), raised at every later call until the state has been reloaded."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._text: str | None = None
-
-    def record(self, exc: BaseException) -> None:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        with self._lock:
-            if self._text is None:
-                self._text = text
-
-    def check(self) -> None:
-        """Raise :class:`WorkerError` if a failure is recorded."""
-        msg = self._text  # an atomic read: only record() needs the lock
-        if msg is not None:
-            raise WorkerError(f"TrainStream optimizer worker failed: {msg}. The optimizer state of the parameters "
-                              "updated in that step may be partly updated; reload a checkpoint (load_state_dict) to "
-                              "continue from a consistent state.")
-
-    def clear(self) -> None:
-        self._text = None
-
-
-class HostBuffer(Protocol):
-    """A flat host buffer of a backend: ``array`` is a writable NumPy view (float32, or the uint16
-    bits of fp16/bf16), ``handle`` the framework object for copies (e.g. a pinned torch tensor)."""
-
-    array: np.ndarray
-    handle: Any
-    pinned: bool
-
-
-class Event(Protocol):
-    def synchronize(self) -> None: ...
-
-
-class Backend(Protocol):
-    """What the engine needs from a framework (``trainstream.backends.torch``, ``trainstream.jax``). Optional
-    attributes: ``weights_in_grad_stage`` (module docstring, 3.) and ``copy_keeps_source_alive``."""
-
-    def host_empty(self, numel: int, dtype: str, *, pinned: bool, what: str) -> HostBuffer:
-        """A new host buffer; raises ``MemoryError`` naming ``what`` and the bytes."""
-
-    def param_to_host_f32(self, param: Any, out: np.ndarray) -> None:
-        """Copy the (flat) parameter into ``out`` (float32), synchronously."""
-
-    def record_compute(self, param: Any) -> Event | None:
-        """An event marking the current point of the compute stream of ``param``."""
-
-    def copy_to_host(self, dst: HostBuffer, src: Any, after: Event | None, *,
-                     free: Event | None = None) -> Event | None:
-        """Start ``dst <- src`` (device tensor) after ``after``; return its completion event. ``free``
-        (with ``weights_in_grad_stage``): an upload reading ``dst``, which the copy must follow. With
-        ``copy_keeps_source_alive`` the backend keeps ``src`` alive until the copy completed."""
-
-    def copy_to_device(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
-        """Start ``dst (param) <- src`` after ``after``; return its completion event."""
-
-    def wait_on_compute(self, event: Event | None, param: Any) -> None:
-        """Make the compute stream of ``param`` wait for ``event`` (no host block)."""
-
-    def record_uploads(self) -> Event | None:
-        """Optional: an event after every weight upload queued so far (None: nothing to wait for);
-        without it :meth:`HostPlacement.wait_step` waits for each slot's last upload event."""
-
-    def pinned_size(self, nbytes: int) -> int:
-        """Optional: the bytes a pinned ``host_empty`` buffer of ``nbytes`` takes (default ``nbytes``)."""
-
-
-class ExternalUpdate(NamedTuple):
-    """One tensor's AdamW update over flat NumPy views of buffers the caller owns (e.g. XLA's), run by
-    :meth:`HostPlacement.update_external` with :func:`trainstream._host_kernels.adamw_chunk`."""
-
-    p: np.ndarray  # float32 weights or fp32 master, updated in place (read-only with out_kind "u")
-    m: np.ndarray  # float32 moments, in place
-    v: np.ndarray
-    g: np.ndarray  # the gradient: float32, or the uint16 bits of gdtype "float16"/"bfloat16"
-    gdtype: str
-    # None; the new weights rounded to out_kind "float16"/"bfloat16" (uint16 bits; may be g itself, each
-    # element read before it is overwritten); or with out_kind "u" (optax) the float32 update u before the lr
-    out: np.ndarray | None
-    out_kind: str | None
-    scalars: np.ndarray  # float32[N_SCALARS], read at the first chunk (the copy `landed` waits for may fill it)
-    landed: Any = None  # None, or an event (synchronize(), optionally query()) to wait for before reading g, p, scalars
-    finished: Callable[[], None] | None = None  # None, or called after the last chunk if none failed (e.g. upload out)
-
-
-#: The workers' default nice value (see :class:`HostPlacement`'s ``worker_nice``).
-WORKER_NICE = 5
-
-
-class _WorkQueue:
-    """Worker jobs in *forward order*: slot id (the order the next forward needs the parameters, while eager
-    updates arrive in backward order), then submission order. Within a slot only the oldest job is eligible.
-    A job whose gradient copy has not landed (``ready()`` False) is passed over for the lowest slot among the
-    first :attr:`_SCAN` whose oldest job can run; if none can, the oldest job of all is taken (copies land in
-    submission order). A get costs at most O(_SCAN) ``ready`` calls (cached per batch by :func:`_landed`;
-    they must not raise); a stop (:meth:`close`) is handed out only once no job is left.
-    """
-
-    _SCAN = 16  # slots examined per pick
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._slots: dict[float, collections.deque] = {}  # priority -> its jobs, oldest first
-        self._order: list[float] = []  # priorities with jobs, ascending
-        self._all: collections.deque = collections.deque()  # every job entry, oldest first
-        self._jobs = self._stops = 0
-        self._closed = False
-        self._seq = itertools.count()
-
-    def close(self, workers: int) -> None:
-        """Refuse new jobs; each of ``workers`` stops once no job is left."""
-        with self._cond:
-            self._closed = True
-            self._stops += workers
-            self._cond.notify_all()
-
-    def put_many(self, jobs: Sequence[Callable[[], None]], priority: float = 0.0,
-                 ready: Callable[[], bool] | None = None) -> None:
-        """Queue one batch's ``jobs`` (one slot, one ``ready`` predicate). Raises once closed (a waiter,
-        e.g. an XLA callback at interpreter exit, would hang)."""
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("TrainStream: the host workers have stopped (the engine was closed, or the "
-                                   "interpreter is exiting); no update runs any more")
-            q = self._slots.get(priority)
-            if q is None:
-                q = self._slots[priority] = collections.deque()
-                bisect.insort(self._order, priority)
-            for job in jobs:
-                entry = [priority, next(self._seq), job, ready, False]  # last: taken
-                q.append(entry)
-                self._all.append(entry)
-            self._jobs += len(jobs)
-            self._cond.notify(len(jobs))
-
-    def _take(self, entry: list) -> Callable[[], None]:
-        entry[4] = True
-        q = self._slots[entry[0]]
-        q.popleft()  # always its slot's oldest: picked as a head, or as the oldest job of all
-        if not q:
-            del self._slots[entry[0]]
-            self._order.pop(bisect.bisect_left(self._order, entry[0]))
-        self._jobs -= 1
-        while self._all and self._all[0][4]:  # drop the entries already taken
-            self._all.popleft()
-        return entry[2]
-
-    def get(self) -> Callable[[], None] | None:
-        with self._cond:
-            while not self._jobs and not self._stops:
-                self._cond.wait()
-            if not self._jobs:
-                self._stops -= 1
-                return None
-            for priority in self._order[: self._SCAN]:
-                head = self._slots[priority][0]
-                if head[3] is None or head[3]():
-                    return self._take(head)
-            return self._take(self._all[0])  # the oldest job left (taken ones are dropped)
-
-
-def _landed(query: Callable[[], bool]) -> Callable[[], bool]:
-    """A batch's ``ready()`` for its chunks: True once its event completed, or a query failed (the body raises)."""
-    done = False
-
-    def ready() -> bool:
-        nonlocal done
-        if not done:
-            try:
-                done = bool(query())
-            except Exception:  # noqa: BLE001
-                return True
-        return done
-    return ready
-
-
-class _WorkerPool(_WorkQueue):
-    """The one :class:`_WorkQueue` shared by ``threads`` workers, bound to ``cores`` (None: unbound) at
-    nice value ``nice``. Holds nothing of the engine, whose finalizer stops the threads."""
-
-    def __init__(self, threads: int, nice: int = WORKER_NICE, cores: Sequence[int] | None = None):
-        super().__init__()
-        self._nice = int(nice)
-        self._cores = list(cores) if cores else None
-        self._threads = [threading.Thread(target=self._run, name=f"trainstream-worker-{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        try:  # Linux applies nice values per thread; elsewhere a no-op
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        except (AttributeError, OSError):
-            pass
-        bind_current_thread(self._cores)
-        while True:
-            job = self.get()
-            if job is None:
-                return
-            job()
-
-    def shutdown(self) -> None:
-        self.close(len(self._threads))  # each worker stops after every queued job
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join()
-
-
-#: The host placements of this process. In a child of ``os.fork()`` (no workers, maybe a lock a worker
-#: held) they refuse work and close without waiting.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-_FORKED = ("TrainStream: this optimizer was built in the parent process before os.fork(); its "
-           "worker threads do not exist in this child process. Build a new optimizer in the "
-           "child (or fork before building it).")
-
-
-def _orphan_after_fork() -> None:
-    for h in list(_LIVE):
-        h._forked = True
-        h._finalizer.detach()  # its workers did not survive the fork: nothing to stop
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_orphan_after_fork)
+#: The host placement's counters (:class:`~trainstream.core._pool.Counters`).
+_STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
 
 
 @dataclass(eq=False)
@@ -313,44 +78,21 @@ class _Slot:
         self.grad_stage = self.param_stage = self.grad_keep = self.ready = self.landed = self.param = None
 
 
-class _Stats:
-    """Counters without a lock (a contended lock makes a worker give up the GIL): each thread adds
-    into its own dict, readers sum them."""
-
-    _NAMES = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._all: list[dict] = []
-        self.step_start = self.last_finalize = 0.0
-
-    def add(self, name: str, value: float) -> None:
-        d = getattr(self._local, "d", None)
-        if d is None:
-            d = self._local.d = dict.fromkeys(self._NAMES, 0)
-            self._all.append(d)  # list.append is atomic
-        d[name] += value
-
-    def __getattr__(self, name: str):
-        if name in _Stats._NAMES:
-            return sum(d[name] for d in list(self._all))
-        raise AttributeError(name)
-
-
 class HostPlacement:
-    """The slots updated on the host: their state, staging buffers and the worker pool.
+    """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
+    slots, only :meth:`update_external` and :meth:`sumsq_external` (buffers the caller owns).
 
     Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at least
     1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_size``: elements per chunk
-    (rounded up to a multiple of :data:`NORM_BLOCK`); ``convention``: ``"torch"`` or ``"optax"``;
-    ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (pageable by default: only host threads read
+    (rounded up to a multiple of :data:`NORM_BLOCK`; None: :data:`CHUNK_SIZE`); ``convention``: ``"torch"`` or
+    ``"optax"``; ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (pageable by default: only host threads read
     them); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
     adapter); ``worker_nice``: the workers' nice value (Linux, per thread): 5 yields the CPU to the threads
     that launch GPU kernels; 19 is faster for ``mode="hybrid"`` with ``last_micro_batch()`` (H200, 350M GPT:
     103-120 against 161 ms per step), else no different, and starves the workers beside a busy data loader.
     """
 
-    def __init__(self, backend: Backend, *, threads: int | None = None, chunk_size: int = 1 << 20,
+    def __init__(self, backend: Backend | None, *, threads: int | None = None, chunk_size: int | None = None,
                  convention: str = "torch", pin_moments: bool = False, tc_code: int = 0,
                  worker_nice: int = WORKER_NICE, errors: StickyError | None = None,
                  cores: Sequence[int] | None = None):
@@ -360,6 +102,8 @@ class HostPlacement:
             threads = default_threads(1, list(cores) if cores else None)
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if chunk_size is None:
+            chunk_size = CHUNK_SIZE
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
@@ -368,18 +112,16 @@ class HostPlacement:
         self.chunk = -(-chunk_size // NORM_BLOCK) * NORM_BLOCK
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
-        self._stats = _Stats()
+        self._stats = Counters(_STATS)
         self._weights_in_grad_stage = bool(getattr(backend, "weights_in_grad_stage", False))
         self.threads = threads
-        self.closed = self._forked = False
+        self.closed = False
         self._unwaited = False  # updates queued since the last wait_step
-        self._pool = _WorkerPool(threads, worker_nice, cores)
-        self._finalizer = weakref.finalize(self, self._pool.shutdown)  # holds the pool, not self
-        _LIVE.add(self)
+        self._pool = WorkerPool(self, threads, worker_nice, cores)
 
     def _check_open(self) -> None:
-        if self._forked:
-            raise RuntimeError(_FORKED)
+        if self._pool.forked:
+            raise RuntimeError(FORKED)
         if self.closed:
             raise RuntimeError("TrainStream engine is closed")
 
@@ -398,6 +140,9 @@ class HostPlacement:
     def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
         """Register a flat parameter; returns its slot id. Copies its value to the master."""
         self._check_open()
+        if self.backend is None:
+            raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
+                               "caller owns (update_external), it holds no parameters")
         if dtype not in _KIND:
             raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
         if platform not in C.PLATFORMS:
@@ -438,32 +183,8 @@ class HostPlacement:
     def _submit(self, numel: int, priority: float, landed: Any, body: Callable[[int, int, int], None],
                 finalize: Callable[[], None] | None, record: Callable[[BaseException], None],
                 done: Callable[[], None]) -> None:
-        """Queue one batch: ``body(chunk, begin, end)`` over the chunks of ``numel`` elements. The last
-        chunk to finish calls ``finalize()`` if no chunk raised, then ``done()``; every exception goes to
-        ``record``. ``landed``: the copy the body waits for (its ``query()`` feeds :class:`_WorkQueue`)."""
-        nchunks = max(1, -(-numel // self.chunk))
-        finished = itertools.count(1)  # next() is atomic: no lock between the workers
-        failed: list[BaseException] = []
-        query = getattr(landed, "query", None)
-
-        def job(c: int, b: int, e: int) -> None:
-            try:
-                body(c, b, e)
-            except BaseException as exc:  # noqa: BLE001 - recorded, raised later
-                failed.append(exc)
-                record(exc)
-            if next(finished) == nchunks:  # the batch's last chunk to finish
-                try:
-                    if finalize is not None and not failed:
-                        finalize()
-                except BaseException as exc:  # noqa: BLE001
-                    record(exc)
-                finally:
-                    done()
-
-        jobs = [(lambda c=c, b=c * self.chunk, e=min(numel, (c + 1) * self.chunk): job(c, b, e))
-                for c in range(nchunks)]
-        self._pool.put_many(jobs, priority, _landed(query) if query is not None else None)
+        """Queue one batch of this placement's chunks (:meth:`~trainstream.core._pool.WorkerPool.submit`)."""
+        self._pool.submit(numel, self.chunk, priority, landed, body, finalize, record, done)
 
     def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None],
                    finalize: Callable[[], None] | None = None, landed: Any = None) -> None:
@@ -502,8 +223,8 @@ class HostPlacement:
         self._submit(s.numel, s.id, landed, body, finalize, self.errors.record, done)
 
     def _wait_idle(self, s: _Slot) -> None:
-        if self._forked:  # before the lock: a worker of the parent may have held it
-            raise RuntimeError(_FORKED)
+        if self._pool.forked:  # before the lock: a worker of the parent may have held it
+            raise RuntimeError(FORKED)
         with s.cond:
             while s.inflight:
                 s.cond.wait()
@@ -632,54 +353,17 @@ class HostPlacement:
         self.errors.check()
 
     def _run_external(self, batches: list, what: str) -> None:
-        """Run ``batches`` (``(landed, body, numel, finished)``: :meth:`_submit`'s, priority their
-        index) on the workers; wait for all and raise the first failure (not sticky: no slot is touched)."""
+        """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
         self._check_open()
         self.errors.check()
-        errors: list[BaseException] = []  # list.append is atomic
-        done, queued = threading.Semaphore(0), 0
-        for k, (landed, body, numel, finished) in enumerate(batches):
-            try:
-                self._submit(numel, k, landed, body, finished, errors.append, done.release)
-            except RuntimeError as exc:  # the pool has stopped: wait only for what it took
-                errors.append(exc)
-                break
-            queued += 1
-        for _ in range(queued):
-            done.acquire()
-        if errors:
-            exc = errors[0]
-            raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
+        run_batches(self._submit, batches, what)
 
     def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """The AdamW update of each :class:`ExternalUpdate` in this placement's convention on
-        ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
+        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
+        convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
         until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
         No slot is involved: the caller keeps the state and supplies each update's scalars."""
-        variant = C.variant_id(self.convention, platform)
-        tc_code, stats = self.tc_code, self._stats
-        batches = []
-        for k, it in enumerate(items):
-            if it.gdtype not in _KIND:
-                raise TypeError(f"update_external: gradient dtype {it.gdtype!r} is not float32, float16 or bfloat16")
-            numel = int(it.m.size)
-            for name, a in (("p", it.p), ("v", it.v)):
-                if a.size != numel:
-                    raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
-            out, okind = None, K.KIND_F32
-            if it.out_kind is not None and it.out is not None:
-                if it.out_kind not in _OUT_KIND:
-                    raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
-                out, okind = it.out, _OUT_KIND[it.out_kind]
-
-            def body(c, b, e, it=it, gkind=_KIND[it.gdtype], out=out, okind=okind):
-                if it.landed is not None:  # g, p and scalars may still be in flight
-                    it.landed.synchronize()
-                t = time.perf_counter()
-                K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
-                stats.add("update_s", time.perf_counter() - t)
-
-            batches.append((it.landed, body, numel, it.finished))
+        batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
 
@@ -687,25 +371,9 @@ class HostPlacement:
         """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the caller
         owns, from partials over blocks of :data:`NORM_BLOCK` elements summed in item, then block
         order (independent of threads and chunking); blocks until done."""
-        partials, batches = [], []
-        for g, gdtype, landed in grads:
-            if gdtype not in _KIND:
-                raise TypeError(f"sumsq_external: gradient dtype {gdtype!r} is not float32, float16 or bfloat16")
-            out = np.zeros(-(-int(g.size) // NORM_BLOCK), np.float64)
-            partials.append(out)
-
-            def body(c, b, e, g=g, kind=_KIND[gdtype], out=out, landed=landed):
-                if landed is not None:
-                    landed.synchronize()
-                K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK:])
-
-            batches.append((landed, body, int(g.size), None))
+        batches, partials = sumsq_batches(grads)
         self._run_external(batches, "sumsq_external")
-        total = 0.0
-        for out in partials:
-            for x in out.tolist():  # sequential: sum() of floats compensates (Python >= 3.12)
-                total += x
-        return total
+        return sum_partials(partials)
 
     def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work has run:
@@ -764,13 +432,14 @@ class HostPlacement:
         """Drain the queued work, join the workers and release the host buffers."""
         if self.closed:
             return
-        if not self._forked and threading.current_thread() in self._pool._threads:
+        forked = self._pool.forked
+        if not forked and self._pool.in_worker():
             # From a worker (e.g. a finalizer run by the garbage collector): let the workers drain and stop.
             self.closed = True
-            self._finalizer()
+            self._pool.stop()
             return
         try:
-            for s in self._slots if not self._forked else ():  # a child of os.fork() has no work to wait for
+            for s in self._slots if not forked else ():  # a child of os.fork() has no work to wait for
                 self._wait_idle(s)
                 if s.ready is not None:
                     try:
@@ -779,7 +448,7 @@ class HostPlacement:
                         pass
         finally:
             self.closed = True
-            self._finalizer()  # joins the workers (once; detached in a child of os.fork())
+            self._pool.stop()  # joins the workers (once; a no-op in a child of os.fork())
             for s in self._slots:
                 s.free()
             self._slots = []

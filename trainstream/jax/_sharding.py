@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from ._state import OffloadAdamWState
+
 __all__ = ["Layout", "check_traced", "in_manual_mesh", "init_state", "layout_of", "per_device"]
 
 
@@ -79,7 +81,6 @@ def check_traced(leaves, paths) -> None:
 def init_state(params, leaves, layout: Layout, host_memory: bool):
     """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this process's shards
     only, never through GPU memory)."""
-    from ._transform import OffloadAdamWState  # noqa: PLC0415
     mesh, kind = layout.mesh, "pinned_host" if host_memory else None
 
     def zeros(x, spec):

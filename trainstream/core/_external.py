@@ -1,0 +1,170 @@
+"""Updates over buffers the caller owns (the JAX adapter's: XLA's buffers), with no slot: the caller keeps the state
+and supplies each update's scalars (the contract's vector, one per tensor). Both placements take them, through the
+engine (:class:`~trainstream.core._engine.Engine`, also made without a framework backend for them):
+
+* :class:`ExternalUpdate`: flat NumPy views, updated by the host kernels on the host placement's workers
+  (``Engine.update_external``; blocks until every item has run);
+* :class:`DeviceUpdate`: device addresses, updated by the CUDA kernels that the device placement launches on the
+  caller's stream (``Engine.launch_external``; returns once queued), the state staged through its ring.
+
+This module checks the items and turns them into the placements' work. No torch or jax import.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .. import _host_kernels as K
+from ._budget import _ITEMSIZE
+from ._pool import WorkerError
+
+__all__ = ["DeviceUpdate", "ExternalUpdate", "KIND", "NORM_BLOCK", "device_groups", "run_batches", "sum_partials",
+           "sumsq_batches", "update_batches"]
+
+#: Element block of the gradient-norm partials (the host placement's chunk sizes are multiples of it).
+NORM_BLOCK = 4096
+
+#: The host kernels' codes of the gradient dtypes.
+KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
+_OUT_KIND = {"u": K.OUT_U, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}  # ExternalUpdate.out_kind
+
+#: A batch of the host workers: ``(landed, body(chunk, begin, end), numel, finished)``.
+Batch = tuple[Any, Callable[[int, int, int], None], int, Callable[[], None] | None]
+
+
+class ExternalUpdate(NamedTuple):
+    """One tensor's AdamW update over flat NumPy views of buffers the caller owns (e.g. XLA's), run by
+    :meth:`~trainstream.core._host.HostPlacement.update_external` with :func:`trainstream._host_kernels.adamw_chunk`."""
+
+    p: np.ndarray  # float32 weights or fp32 master, updated in place (read-only with out_kind "u")
+    m: np.ndarray  # float32 moments, in place
+    v: np.ndarray
+    g: np.ndarray  # the gradient: float32, or the uint16 bits of gdtype "float16"/"bfloat16"
+    gdtype: str
+    # None; the new weights rounded to out_kind "float16"/"bfloat16" (uint16 bits; may be g itself, each
+    # element read before it is overwritten); or with out_kind "u" (optax) the float32 update u before the lr
+    out: np.ndarray | None
+    out_kind: str | None
+    scalars: np.ndarray  # float32[N_SCALARS], read at the first chunk (the copy `landed` waits for may fill it)
+    landed: Any = None  # None, or an event (synchronize(), optionally query()) to wait for before reading g, p, scalars
+    finished: Callable[[], None] | None = None  # None, or called after the last chunk if none failed (e.g. upload out)
+
+
+def update_batches(items: Sequence[ExternalUpdate], variant: int, tc_code: int, stats: Any) -> list[Batch]:
+    """The workers' batch of each item (``stats.add("update_s", seconds)`` per chunk); every item is checked
+    before any batch is made (``TypeError``/``ValueError``)."""
+    batches = []
+    for k, it in enumerate(items):
+        if it.gdtype not in KIND:
+            raise TypeError(f"update_external: gradient dtype {it.gdtype!r} is not float32, float16 or bfloat16")
+        numel = int(it.m.size)
+        for name, a in (("p", it.p), ("v", it.v)):
+            if a.size != numel:
+                raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
+        out, okind = None, K.KIND_F32
+        if it.out_kind is not None and it.out is not None:
+            if it.out_kind not in _OUT_KIND:
+                raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
+            out, okind = it.out, _OUT_KIND[it.out_kind]
+
+        def body(c, b, e, it=it, gkind=KIND[it.gdtype], out=out, okind=okind):
+            if it.landed is not None:  # g, p and scalars may still be in flight
+                it.landed.synchronize()
+            t = time.perf_counter()
+            K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
+            stats.add("update_s", time.perf_counter() - t)
+
+        batches.append((it.landed, body, numel, it.finished))
+    return batches
+
+
+def run_batches(submit: Callable, batches: Sequence[Batch], what: str) -> None:
+    """Run ``batches`` on the host workers through ``submit`` (the host placement's, priority their index); wait
+    for all and raise the first failure as :class:`WorkerError` (not sticky: no slot is touched)."""
+    errors: list[BaseException] = []  # list.append is atomic
+    done, queued = threading.Semaphore(0), 0
+    for k, (landed, body, numel, finished) in enumerate(batches):
+        try:
+            submit(numel, k, landed, body, finished, errors.append, done.release)
+        except RuntimeError as exc:  # the pool has stopped: wait only for what it took
+            errors.append(exc)
+            break
+        queued += 1
+    for _ in range(queued):
+        done.acquire()
+    if errors:
+        exc = errors[0]
+        raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
+
+
+def sumsq_batches(grads: Sequence[tuple[np.ndarray, str, Any]]) -> tuple[list[Batch], list[np.ndarray]]:
+    """The workers' batches of the float64 sums of squares of ``(gradient, dtype, landed event or None)``, and
+    the partials they fill (one per :data:`NORM_BLOCK` elements; :func:`sum_partials` adds them up)."""
+    partials, batches = [], []
+    for g, gdtype, landed in grads:
+        if gdtype not in KIND:
+            raise TypeError(f"sumsq_external: gradient dtype {gdtype!r} is not float32, float16 or bfloat16")
+        out = np.zeros(-(-int(g.size) // NORM_BLOCK), np.float64)
+        partials.append(out)
+
+        def body(c, b, e, g=g, kind=KIND[gdtype], out=out, landed=landed):
+            if landed is not None:
+                landed.synchronize()
+            K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK:])
+
+        batches.append((landed, body, int(g.size), None))
+    return batches, partials
+
+
+def sum_partials(partials: Sequence[np.ndarray]) -> float:
+    """The partials summed in item, then block order (independent of threads and chunking)."""
+    total = 0.0
+    for out in partials:
+        for x in out.tolist():  # sequential: sum() of floats compensates (Python >= 3.12)
+            total += x
+    return total
+
+
+class DeviceUpdate(NamedTuple):
+    """One tensor's AdamW update by a CUDA kernel over buffers the caller owns (e.g. XLA's), launched by
+    :meth:`~trainstream.core._device.DevicePlacement.launch_external`. Every buffer is a device address; the state
+    lives in pinned host memory (its mapped address, which UVA makes its host address too)."""
+
+    weights: int  # the weights (dtype), updated in place; with ``u``: the float32 weights, read only
+    grad: int  # the gradient (gdtype), in GPU memory
+    m: int  # float32 moments in pinned host memory, updated in place
+    v: int
+    master: int  # the float32 master of fp16/bf16 weights (pinned host memory, in place); 0 for float32 weights
+    u: int  # 0; or (float32 weights, optax) a float32 buffer in GPU memory for the update u before the lr
+    numel: int
+    dtype: str  # of the weights
+    gdtype: str  # of the gradient
+    scalars: int  # the device address of its float32[N_SCALARS] scalars
+
+
+def device_groups(items: Sequence[DeviceUpdate]) -> dict[tuple, list]:
+    """The items grouped by launch kind, in first-seen order: ``("w", dtype, gdtype)`` (the new weights) or
+    ``("u", gdtype)`` (``u``); per item the :class:`~trainstream.core._ring.StagingRing` entry ``(state host
+    addresses (m, v[, master]), numel, item(lo, n, state device addresses) -> the kernel's item, None)``."""
+    groups: dict[tuple, list] = {}
+    for k, it in enumerate(items):
+        if it.dtype not in _ITEMSIZE or it.gdtype not in _ITEMSIZE:
+            raise TypeError(f"launch_external: item {k} has dtypes {it.dtype}/{it.gdtype}; the kernels take float32, "
+                            "float16 and bfloat16")
+        if bool(it.master) != (it.dtype != "float32") or (it.u and it.dtype != "float32"):
+            raise ValueError(f"launch_external: item {k}: {it.dtype} weights take "
+                             f"{'a master and no u' if it.dtype != 'float32' else 'no master'}")
+        key = ("u", it.gdtype) if it.u else ("w", it.dtype, it.gdtype)
+        state = (it.m, it.v, it.master) if it.master else (it.m, it.v)
+
+        def item(lo, n, d, it=it, pi=_ITEMSIZE[it.dtype], gi=_ITEMSIZE[it.gdtype]):
+            """The kernel item of elements lo:lo+n, the state at ``d`` (m, v[, master])."""
+            third = d[2] if it.master else (it.u + 4 * lo if it.u else 0)
+            return (it.weights + pi * lo, it.grad + gi * lo, third, d[0], d[1], n, it.scalars)
+
+        groups.setdefault(key, []).append((state, int(it.numel), item, None))
+    return groups
