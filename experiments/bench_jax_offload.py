@@ -92,12 +92,14 @@ def setups(lr, dev):
         def build(params, x):
             tx = tsj.offload_adamw(lr, mode=mode.split("_")[0])
             state = tx.init(params)
-            if mode.startswith("gpu"):  # the device's staging ring (a library internal, made at the first update):
-                from trainstream.jax import _gpu  # none for zero-copy; dropped so that ts_gpu makes one again
+            if mode.startswith("gpu"):  # the device's engine (a library internal): a fresh one per setup,
+                from trainstream.jax import _gpu  # zero-copy (no staging ring) for gpu_zc
 
-                _gpu._rings.pop(dev.id, None)
+                old = _gpu._device_engines.pop(dev.id, None)
+                if old is not None:
+                    old.close()
                 if mode == "gpu_zc":
-                    _gpu._rings[dev.id] = None
+                    _gpu.device_engine(dev.id).device.staged = False
 
             def step(p, s, x):
                 g = jax.grad(loss_fn)(p, x)

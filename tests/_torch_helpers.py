@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainstream.torch import OffloadAdamW, _params
+from trainstream.core import _host
+from trainstream.torch import OffloadAdamW
 
 VOCAB, CTX = 32, 12
 
@@ -28,7 +29,7 @@ class TinyTransformer(nn.Module):
 
 def chunked(n):
     """Optimizers built inside run work items of ``n`` elements (the engine's default: 2**20)."""
-    return mock.patch.object(_params, "CHUNK_SIZE", n)
+    return mock.patch.object(_host, "CHUNK_SIZE", n)
 
 
 def make_model(seed=0, dtype=torch.float32, d=32):

@@ -15,6 +15,7 @@ import pytest
 from trainstream import contract as C
 from trainstream import _device_kernels as dk
 from trainstream.core import _device as ge
+from trainstream.core import _ring
 
 HP = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0)
 
@@ -396,7 +397,7 @@ def simulated(monkeypatch):
     monkeypatch.setattr(dk, "launch_adamw_multi", kernel)
     monkeypatch.setattr(ge._cuda, "context", fake.context)
     monkeypatch.setattr(ge._cuda, "Event", fake.Event)
-    monkeypatch.setattr(ge, "RING_ELEMS", 64)  # small buffers: many pieces from small tensors
+    monkeypatch.setattr(_ring, "RING_ELEMS", 64)  # small buffers: many pieces from small tensors
     return fake, launched
 
 
@@ -524,8 +525,8 @@ def test_the_ring_frees_what_it_made_when_a_cuda_call_fails(simulated):
 
     fake.create_stream = create_stream
     with pytest.raises(RuntimeError, match="cuStreamCreate failed"):
-        ge.StagingRing(0, dk)
-    assert len(fake.mems) == ge.RING_DEPTH and all(m.freed for m in fake.mems) and ("destroy", 100) in fake.log
+        _ring.StagingRing(0, dk)
+    assert len(fake.mems) == _ring.RING_DEPTH and all(m.freed for m in fake.mems) and ("destroy", 100) in fake.log
     del fake.create_stream
 
     def failed_wait(stream):

@@ -17,7 +17,8 @@ from trainstream import _device_kernels as dk
 from trainstream import _hostmem
 from trainstream.core import _budget as B
 from trainstream.core import _engine as E
-from trainstream.torch import OffloadAdamW, _params
+from trainstream.core import _host
+from trainstream.torch import OffloadAdamW
 from trainstream.backends.torch import TorchBackend
 
 _PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.master_fp32": "masters",
@@ -317,7 +318,7 @@ def _model(dtype):
 def test_torch_plan_equals_the_allocation_and_trains(dtype, chunk, monkeypatch):
     model = _model(dtype)
     plan = OffloadAdamW.host_memory_plan(model.parameters())
-    monkeypatch.setattr(_params, "CHUNK_SIZE", chunk)
+    monkeypatch.setattr(_host, "CHUNK_SIZE", chunk)
     opt = OffloadAdamW(model.parameters(), lr=1e-2)
     st = opt.stats()
     numel = sum(p.numel() for p in model.parameters())

@@ -272,7 +272,7 @@ def test_torch_cpu_kernel_matches_torch_adamw():
 
 
 def _xla_cpu_fma():
-    from trainstream.jax._transform import _xla_cpu_fma as probe
+    from trainstream.backends.jax import xla_cpu_fma as probe
 
     return probe()
 

@@ -376,7 +376,7 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
     a launch closed once it holds MULTI_LAUNCH_ELEMS elements (3000 here, so that the tiny
     model takes several), and no launch per tensor; the weights stay bit-identical to
     torch.optim.AdamW (clipping: torch's clip_grad_norm_ on param.grad first, then c = 1)."""
-    import trainstream.core._device as ge
+    import trainstream.core._ring as ge
 
     monkeypatch.setattr(ge, "MULTI_LAUNCH_ELEMS", 3000)
     multi, single = _record_launches(monkeypatch)

@@ -40,7 +40,8 @@ from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, Work
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
            "NORM_BLOCK"]
 
-#: Elements per worker job, the default of ``chunk_size`` (read when a placement is made).
+#: Elements per worker job, the default of ``chunk_size`` (read when a placement is made). Not an adapter
+#: argument: nobody tunes it and no bit depends on it; tests set it to run small tensors in several chunks.
 CHUNK_SIZE = 1 << 20
 
 #: The host placement's counters (:class:`~trainstream.core._pool.Counters`).

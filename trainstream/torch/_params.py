@@ -18,15 +18,11 @@ from ..backends.torch import _DTYPE_NAME, TorchBackend, torch_cpu_code
 from ..core import Engine, _budget
 from . import _dist as D
 
-__all__ = ["AUTO_GPU_HEADROOM", "CHUNK_SIZE", "Slot", "Slots", "check_placement", "host_memory_plan"]
+__all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_placement", "host_memory_plan"]
 
 #: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for the caching allocator's later
 #: growth, other processes, fragmentation).
 AUTO_GPU_HEADROOM = 0.1
-
-#: Elements per work item of the engine's worker pool; ``None``: the engine's default (2**20). Not an argument:
-#: nobody tunes it and no bit depends on it; tests set it to run small tensors in several chunks.
-CHUNK_SIZE: int | None = None
 
 _HINT = ("less state per process (FSDP2, or zero_stage=1 under DDP: each rank holds its share), mode='gpu' or "
          "'hybrid' (no staging for the GPU share: 12 instead of 14 bytes per bf16 parameter, 8 instead of 16 per fp32)")
@@ -243,8 +239,6 @@ class Slots:
         args = dict(self.engine_args)
         if args["threads"] is None:  # this rank's share of the host
             args["threads"] = _cores.default_threads(D.local_world()[1], self.cores)
-        if CHUNK_SIZE is not None:
-            args["chunk_size"] = CHUNK_SIZE
         try:
             self.engine = Engine(TorchBackend(device), mode=self.mode, device_elems=self.device_elems,
                                  gpu_state_bytes=self.gpu_state_bytes, gpu_state_later=self.auto_gpu_state,
