@@ -125,7 +125,6 @@ def _instrument() -> None:
     _patch(_host.HostPlacement, "_submit", submit)
     _patch(_host_kernels, "adamw_chunk", kernel)
     _patch(_host.HostPlacement, "update_external", external)
-    _patch(_host.HostPlacement, "sumsq_external", external)
     _timed(_host.HostPlacement, "offload_grad", "offload_grad", lambda a: a[0] if a else -1)
     _timed(_host.HostPlacement, "wait_ready", "wait_ready", lambda a: a[0][0] if a and len(a[0]) else -1)
     _timed(_host.HostPlacement, "wait_step", "wait_step")
@@ -184,7 +183,7 @@ def summary(spans: list[Span], phases: tuple[str, ...] = ("forward", "backward",
     workers = sorted({s.thread for s in work})
     out: dict[str, Any] = {"workers": len(workers), "phases": []}
     calls = [s for s in spans if not s.thread.startswith(workers_prefix) and s.name not in phases]
-    kernels = ("update", "accumulate", "sumsq")
+    kernels = ("update", "accumulate")
     phase_spans = [s for s in spans if s.name in phases]
     origin = min((s.t0 for s in phase_spans), default=0.0)
     for ph in phase_spans:

@@ -496,50 +496,6 @@ def test_round_from_f32_exhaustive(kind):
     assert np.isnan(half_to_f32(back[~keep], kind)).all()
 
 
-# -- sum of squares --------------------------------------------------------------------------
-
-
-def _sumsq_in_documented_order(x64, block):
-    """The summation order of sumsq_blocks, restated in NumPy."""
-    lanes_n = K.SUMSQ_LANES
-    out = []
-    for b in range(0, x64.size, block):
-        blk = x64[b:b + block]
-        pad = (-blk.size) % lanes_n
-        rows = np.concatenate([blk, np.zeros(pad)]).reshape(-1, lanes_n)
-        lanes = np.zeros(lanes_n)
-        for r in rows:  # in order, lane by lane (adding +0.0 squares changes nothing)
-            lanes = lanes + r * r
-        w = lanes_n // 2
-        while w:
-            lanes[:w] = lanes[:w] + lanes[w:2 * w]
-            w //= 2
-        out.append(lanes[0])
-    return np.array(out)
-
-
-@pytest.mark.parametrize("gkind", KINDS, ids=lambda k: KIND_NAMES[k])
-def test_sumsq_blocks(gkind):
-    rng = np.random.default_rng(10 + gkind)
-    for n, block in [(1, 64), (4095, 1000), (4097, 4096), (65537, 4096), (10007, 977), (300, 7)]:
-        gbuf, g32 = make_grad(rng, n, gkind)
-        nb = -(-n // block)
-        whole = np.full(nb, np.nan)
-        K.sumsq_blocks(gbuf, gkind, 0, n, block, whole)
-        x64 = g32.astype(np.float64)
-        ref = np.array([np.sum(x64[b:b + block] ** 2) for b in range(0, n, block)])
-        np.testing.assert_allclose(whole, ref, rtol=1e-13, atol=0)
-        np.testing.assert_array_equal(whole, _sumsq_in_documented_order(x64, block))
-        # block-aligned uneven chunks give the same partials, bit for bit
-        cuts = np.unique(np.concatenate([[0, nb], rng.integers(0, nb + 1, 4)])) * block
-        cuts[-1] = n
-        parts = np.full(nb, np.nan)
-        for b, e in zip(cuts[:-1], cuts[1:]):
-            if b < e:
-                K.sumsq_blocks(gbuf, gkind, int(b), int(e), block, parts[b // block:])
-        np.testing.assert_array_equal(parts, whole)
-
-
 # -- the validating wrapper ----------------------------------------------------------------------
 
 
@@ -592,12 +548,12 @@ def _vectorisation_report(specs) -> list[dict]:
     """Compile *uncached* copies of kernel specialisations ``(kernel, key)`` (cached ones have no
     inspectable assembly) and summarise their machine code, one dict each: ``vector`` (packed
     arithmetic on ymm/zmm registers) and ``packed_ops`` (instruction -> count)."""
-    f32, u16, f64, i64 = types.float32[::1], types.uint16[::1], types.float64[::1], types.int64
+    f32, u16, i64 = types.float32[::1], types.uint16[::1], types.int64
     rows = []
     for kernel, key in specs:
         fn = K._BUILDERS[kernel](*key, cache=False)
-        src = f32 if key[1 if kernel == "adamw" else 0] == K.KIND_F32 else u16  # the gradient
-        sig = {"adamw": (f32, f32, f32, src, u16, i64, i64, f32), "sumsq": (src, i64, i64, i64, f64)}[kernel]
+        src = f32 if key[1] == K.KIND_F32 else u16  # the gradient
+        sig = (f32, f32, f32, src, u16, i64, i64, f32)
         fn.compile(sig)
         asm = fn.inspect_asm(fn.signatures[0])
         ops = Counter(_PACKED_OP.findall(asm))
@@ -617,7 +573,6 @@ def test_kernels_vectorise():
     rows = _vectorisation_report([
         ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
         ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
-        ("sumsq", (K.KIND_F16,)),
         ("adamw", (C.VARIANT_OPTAX_CPU, K.KIND_F32, K.KIND_F32, C.OX_CLIP | C.OX_NU_SWAP)),
     ])
     for r in rows:
@@ -627,8 +582,7 @@ def test_kernels_vectorise():
     assert ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
     ops = rows[1]["packed_ops"]
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
-    assert "vaddpd" in rows[2]["packed_ops"], rows[2]
-    ops = rows[3]["packed_ops"]  # optax/cpu: IEEE sqrt/div, FMAs, and the FTZ emulation
+    ops = rows[2]["packed_ops"]  # optax/cpu: IEEE sqrt/div, FMAs, and the FTZ emulation
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
 
 

@@ -1,5 +1,4 @@
-"""Numba host kernels: the AdamW update of :mod:`trainstream.contract` (:func:`adamw_chunk`) and sums
-of squares (:func:`sumsq_blocks`).
+"""Numba host kernels: the AdamW update of :mod:`trainstream.contract` (:func:`adamw_chunk`).
 
 Kernels work on flat, contiguous 1-D buffers over a half-open ``[begin, end)`` range (worker threads
 run disjoint chunks of one parameter), release the GIL and are cached on disk (a later process
@@ -42,7 +41,7 @@ from .contract import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_N
                        S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA,
                        VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA)
 
-__all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "sumsq_blocks", "fma32"]
+__all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "fma32"]
 
 KIND_F32 = 0
 KIND_F16 = 1
@@ -57,8 +56,6 @@ OUT_U = 4
 _VARIANTS = (VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA)
 _OPTS = dict(_JIT_OPTS, boundscheck=False)
 
-#: Lanes of the fixed summation order of :func:`sumsq_blocks`.
-SUMSQ_LANES = 64
 
 
 # -- LLVM intrinsics (fma32 and the bit casts are _jit's) --------------------------------------
@@ -343,47 +340,13 @@ def _build_adamw(variant: int, gkind: int, okind: int, mode: int = SQRT_IEEE, ca
     return adamw_kernel
 
 
-def _build_sumsq(gkind: int, cache: bool = True):
-    deps = _DEPS
-
-    @njit(key=(gkind,), **dict(_OPTS, cache=cache))
-    def sumsq_kernel(g, begin, end, block, out):
-        deps  # noqa: B018 (in the closure: the cache key)
-        # sumsq_blocks' order (no fast-math: LLVM vectorises the j loop over the lanes); x*x is exact in float64
-        lanes = np.zeros(SUMSQ_LANES)
-        ulanes = np.uint64(SUMSQ_LANES)
-        k = 0
-        start, stop_all, ublock = np.uint64(begin), np.uint64(end), np.uint64(block)
-        while start < stop_all:
-            stop = min(start + ublock, stop_all)
-            lanes[:] = 0.0
-            full = start + ((stop - start) // ulanes) * ulanes
-            for i in range(start, full, ulanes):
-                for j in range(ulanes):
-                    x = np.float64(_load(g[i + j], gkind))
-                    lanes[j] += x * x
-            for j in range(stop - full):  # tail: element full + j goes to lane j
-                x = np.float64(_load(g[full + j], gkind))
-                lanes[j] += x * x
-            w = SUMSQ_LANES // 2  # fixed pairwise tree over the lanes
-            while w > 0:
-                for j in range(w):
-                    lanes[j] += lanes[j + w]
-                w //= 2
-            out[k] = lanes[0]
-            k += 1
-            start = stop
-    return sumsq_kernel
-
-
-_BUILDERS = {"adamw": _build_adamw, "sumsq": _build_sumsq}
+_BUILDERS = {"adamw": _build_adamw}
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _VARIANTS for gk in _KINDS
               for ok in (_KINDS if gk == KIND_F32 else _KINDS + (OUT_IN_GRAD,))
               + ((OUT_U,) if vr in (VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA) else ())
               for md in (TC_CODES if vr == VARIANT_TORCH_CPU
                          else OX_CODES if vr == VARIANT_OPTAX_CPU else (SQRT_IEEE,))},
-    "sumsq": {(gk,) for gk in _KINDS},
 }
 _TABLE: dict = {}
 _TABLE_LOCK = threading.Lock()
@@ -430,17 +393,4 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     fn = _TABLE.get(("adamw", key)) or _specialisation("adamw", key)
     fn(p, m, v, g, out16, begin, end, s)
 
-
-def sumsq_blocks(g, gkind, begin, end, block, out):
-    """Float64 sums of squares of ``g`` over the fixed blocks ``[k*block, (k+1)*block)``.
-
-    ``begin`` must be a multiple of ``block`` (and ``end`` a multiple of it, or the end of
-    the buffer); ``out[k - begin // block]`` receives block ``k``. Summation order, fixed:
-    within a block starting at ``b``, lane ``j`` (``0 <= j < L``, ``L = SUMSQ_LANES = 64``)
-    sums ``g[b + j + L*q]**2`` for ``q = 0, 1, ...`` in order, starting from 0.0; then, for
-    ``w = L/2, L/4, ..., 1``: ``l[j] += l[j + w]`` for ``j < w``; the block's sum is
-    ``l[0]``. Blocks are fixed in element space, so the partials (and any sum of them taken
-    in block order) do not depend on how ``[0, n)`` was cut into chunks.
-    """
-    _specialisation("sumsq", (gkind,))(g, begin, end, block, out)
 

@@ -267,10 +267,6 @@ class Engine:
         (:meth:`trainstream.core._host.HostPlacement.update_external`)."""
         self._only("update_external", self.host, "host").update_external(items, platform)
 
-    def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
-        """:meth:`trainstream.core._host.HostPlacement.sumsq_external` (buffers the caller owns)."""
-        return self._only("sumsq_external", self.host, "host").sumsq_external(grads)
-
     def launch_external(self, items: Sequence[DeviceUpdate], stream: int) -> None:
         """The AdamW update of each :class:`~trainstream.core._external.DeviceUpdate` (buffers the caller owns) by
         the CUDA kernels, queued on ``stream``; returns once queued

@@ -22,11 +22,11 @@ from .. import _host_kernels as K
 from ._budget import _ITEMSIZE
 from ._pool import WorkerError
 
-__all__ = ["DeviceUpdate", "ExternalUpdate", "KIND", "NORM_BLOCK", "device_groups", "run_batches", "sum_partials",
-           "sumsq_batches", "update_batches"]
+__all__ = ["DeviceUpdate", "ExternalUpdate", "KIND", "CHUNK_ALIGN", "device_groups", "run_batches",
+           "update_batches"]
 
-#: Element block of the gradient-norm partials (the host placement's chunk sizes are multiples of it).
-NORM_BLOCK = 4096
+#: The host placement's chunk sizes are multiples of this many elements (whole cache lines and pages per chunk).
+CHUNK_ALIGN = 4096
 
 #: The host kernels' codes of the gradient dtypes.
 KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
@@ -99,34 +99,6 @@ def run_batches(submit: Callable, batches: Sequence[Batch], what: str) -> None:
     if errors:
         exc = errors[0]
         raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
-
-
-def sumsq_batches(grads: Sequence[tuple[np.ndarray, str, Any]]) -> tuple[list[Batch], list[np.ndarray]]:
-    """The workers' batches of the float64 sums of squares of ``(gradient, dtype, landed event or None)``, and
-    the partials they fill (one per :data:`NORM_BLOCK` elements; :func:`sum_partials` adds them up)."""
-    partials, batches = [], []
-    for g, gdtype, landed in grads:
-        if gdtype not in KIND:
-            raise TypeError(f"sumsq_external: gradient dtype {gdtype!r} is not float32, float16 or bfloat16")
-        out = np.zeros(-(-int(g.size) // NORM_BLOCK), np.float64)
-        partials.append(out)
-
-        def body(c, b, e, g=g, kind=KIND[gdtype], out=out, landed=landed):
-            if landed is not None:
-                landed.synchronize()
-            K.sumsq_blocks(g, kind, b, e, NORM_BLOCK, out[b // NORM_BLOCK:])
-
-        batches.append((landed, body, int(g.size), None))
-    return batches, partials
-
-
-def sum_partials(partials: Sequence[np.ndarray]) -> float:
-    """The partials summed in item, then block order (independent of threads and chunking)."""
-    total = 0.0
-    for out in partials:
-        for x in out.tolist():  # sequential: sum() of floats compensates (Python >= 3.12)
-            total += x
-    return total
 
 
 class DeviceUpdate(NamedTuple):

@@ -33,12 +33,12 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, NORM_BLOCK, ExternalUpdate, run_batches, sum_partials
-from ._external import sumsq_batches, update_batches
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches
+from ._external import update_batches
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
-           "NORM_BLOCK"]
+           "CHUNK_ALIGN"]
 
 #: Elements per worker job, the default of ``chunk_size`` (read when a placement is made). Not an adapter
 #: argument: nobody tunes it and no bit depends on it; tests set it to run small tensors in several chunks.
@@ -81,11 +81,11 @@ class _Slot:
 
 class HostPlacement:
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
-    slots, only :meth:`update_external` and :meth:`sumsq_external` (buffers the caller owns).
+    slots, only :meth:`update_external` (buffers the caller owns).
 
     Args (the engine's): ``threads``: workers (default: the usable cores, or ``cores``, but one; at least
     1); ``cores``: CPU ids to bind them to (None: unbound; Linux); ``chunk_size``: elements per chunk
-    (rounded up to a multiple of :data:`NORM_BLOCK`; None: :data:`CHUNK_SIZE`); ``convention``: ``"torch"`` or
+    (rounded up to a multiple of :data:`CHUNK_ALIGN`; None: :data:`CHUNK_SIZE`); ``convention``: ``"torch"`` or
     ``"optax"``; ``pin_moments``: ``exp_avg``/``exp_avg_sq`` page-locked (pageable by default: only host threads read
     them); ``tc_code``: the contract's torch/cpu code (``msqrt``'s mode | ``TC_NO_FMA``, probed by the
     adapter); ``worker_nice``: the workers' nice value (Linux, per thread): 5 yields the CPU to the threads
@@ -110,7 +110,7 @@ class HostPlacement:
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int):
             raise ValueError(f"worker_nice must be an integer nice value, got {worker_nice!r}")
         self.backend, self.convention, self.pin_moments, self.tc_code = backend, convention, pin_moments, int(tc_code)
-        self.chunk = -(-chunk_size // NORM_BLOCK) * NORM_BLOCK
+        self.chunk = -(-chunk_size // CHUNK_ALIGN) * CHUNK_ALIGN
         self._slots: list[_Slot] = []
         self.errors = errors if errors is not None else StickyError()
         self._stats = Counters(_STATS)
@@ -367,14 +367,6 @@ class HostPlacement:
         batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
-
-    def sumsq_external(self, grads: Sequence[tuple[np.ndarray, str, Any]]) -> float:
-        """Float64 sum of squares of ``(gradient, dtype, landed event or None)`` buffers the caller
-        owns, from partials over blocks of :data:`NORM_BLOCK` elements summed in item, then block
-        order (independent of threads and chunking); blocks until done."""
-        batches, partials = sumsq_batches(grads)
-        self._run_external(batches, "sumsq_external")
-        return sum_partials(partials)
 
     def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work has run:
