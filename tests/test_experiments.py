@@ -152,3 +152,16 @@ def test_bench_host_adamw_interleaved(tmp_path):
     assert res["torch_fused"]["x_torch_median"] == 1.0 and res["ceiling"]["of_ceiling_median"] == 1.0
     assert len(doc["summary"]["ours_x_torch_per_round"]) == 2
     assert doc["env"]["thp_enabled"] is None or "[" in doc["env"]["thp_enabled"]
+
+
+def test_bench_host_adamw_cases_check_themselves():
+    """The cases check their first pass (the kernels against the contract's reference) before
+    they are timed, over uneven ranges."""
+    script = load_script("bench_host_adamw")
+    assert script.split_ranges(100, 3) == [(0, 32), (32, 64), (64, 100)]
+    with script.Team(3) as team:
+        for case in (script.AdamWCase(team, 10_007), script.AdamWCase(team, 10_007, bf16=True),
+                     script.CeilingCase(team, 10_007), script.CeilingCase(team, 10_007, prefetch=False)):
+            case()
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        script.Team(0)
