@@ -1,5 +1,6 @@
-"""Helpers shared by the experiment scripts (no torch or jax import): the generated text,
-the run's provenance, and the equivalence studies' per-step records, table and plots.
+"""Helpers shared by the experiment scripts (no torch or jax import): the torch GPT's sizes,
+the generated text, the run's provenance, and the equivalence studies' per-step records,
+table and plots.
 
 The scripts run as ``python experiments/<name>.py`` (this folder is then on ``sys.path``)
 or are loaded by the tests from their files; each puts this folder on ``sys.path`` first.
@@ -21,6 +22,28 @@ except ImportError:  # pragma: no cover - tqdm is in the test extra
         return x
 
 REPO = Path(__file__).resolve().parent.parent
+#: models_torch.GPT's configurations: (layers, d_model, heads); parameters with the default vocabulary and context
+SIZES = {
+    "tiny": (2, 256, 4),  # 14.7M (12.9M of them the embedding)
+    "125m": (12, 768, 12),  # 124.5M
+    "350m": (24, 1024, 16),  # 354.9M
+    "1.3b": (24, 2048, 16),  # 1.314B
+    "3b": (26, 3072, 24),  # 3.103B (d 3072, head 128)
+    "5b": (24, 4096, 32),  # 5.043B
+    "7b": (32, 4096, 32),  # 6.654B (GPT-3 6.7B / LLaMA-7B width and depth)
+    "8b": (38, 4096, 32),  # 7.863B
+    "9b": (44, 4096, 32),  # 9.071B
+    "10b": (32, 5120, 40),  # 10.33B
+    "13b": (40, 5120, 40),  # 12.85B (GPT-3 13B width and depth)
+    "20b": (44, 6144, 48),  # 20.25B
+}
+VOCAB = 50304
+
+
+def param_count(size: str, vocab: int = VOCAB, ctx: int = 1024) -> int:
+    """Parameters of ``models_torch.GPT(*SIZES[size])``, without building it."""
+    layers, d, _ = SIZES[size]
+    return layers * (12 * d * d + 13 * d) + vocab * d + ctx * d + 2 * d
 
 
 def generated_text(n_sentences: int, seed: int) -> bytes:
