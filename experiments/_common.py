@@ -8,9 +8,13 @@ or are loaded by the tests from their files; each puts this folder on ``sys.path
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +101,43 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def provenance(script: str, argv: list[str] | None) -> dict:
+    """The run's script, command line, date (UTC), commit, CPU and cores: the head of its ``meta``."""
+    return dict(script=f"experiments/{script}",
+                command="python " + " ".join([f"experiments/{script}", *(argv if argv is not None else sys.argv[1:])]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
+                cpu=cpu_name(), cores=os.cpu_count())
+
+
 # -- the equivalence studies ------------------------------------------------------------------
+
+
+def study_args(ap, default_out: Path, devices_help: str) -> None:
+    """The options both equivalence studies take (``None`` defaults: :func:`fill_defaults`)."""
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300; --quick: 4)")
+    ap.add_argument("--quick", action="store_true", help="CI size: a few steps of a tiny model")
+    ap.add_argument("--devices", default=None, help=devices_help)
+    ap.add_argument("--batch", type=int, default=None, help="sequences per (micro-)batch (default 8; --quick: 4)")
+    ap.add_argument("--ctx", type=int, default=None, help="context length (default 64; --quick: 32)")
+    ap.add_argument("--d-model", type=int, default=None, help="width (default 64; --quick: 32)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine to 10%%)")
+    ap.add_argument("--threads", type=int, default=None, help="TrainStream's worker threads (default: its own)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def fill_defaults(args, quick: dict, full: dict):
+    """Where an option was not given: the CI size (``--quick``) or the full size, with a study's
+    own ``quick``/``full`` defaults on top."""
+    size = dict(steps=4, batch=4, ctx=32, d_model=32) if args.quick else dict(steps=300, batch=8, ctx=64, d_model=64)
+    for k, v in {**size, **(quick if args.quick else full)}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
 
@@ -144,6 +184,52 @@ def record_step(records: list, pairs: list, weights: dict, losses: dict) -> int:
             ps[key].append(value)
         worst = max(worst, m["max_ulp"])
     return worst
+
+
+def train_pairs(trainers: list, pairs: list, steps: int, batch_of, desc: str, quiet: bool, **fields) -> list[dict]:
+    """Train every trainer ``steps`` steps (step ``i`` on ``batch_of(i)``), recording each pair
+    ``(kind, a, b, promised, note)`` per step (:func:`record_step`), then close them. Returns the
+    records, each with ``fields`` (dtype, clip, ...) and its device (``device_type`` of a and b)."""
+    records = [dict(kind=k, a=a.label, b=b.label, device=a.device_type if a.device_type == b.device_type
+                    else f"{a.device_type} vs {b.device_type}", **fields, promised=promised, note=note,
+                    per_step=empty_per_step()) for k, a, b, promised, note in pairs]
+    try:
+        for step in tqdm(range(steps), desc=desc, disable=quiet, leave=False, file=sys.stderr):
+            batch = batch_of(step)
+            losses = {t: t.step(batch) for t in trainers}
+            record_step(records, pairs, {t: t.weights() for t in trainers}, losses)
+    finally:
+        for t in trainers:
+            t.close()
+    return records
+
+
+def run_study(name: str, title: str, about: str, meta: dict, args, settings: list, train_setting,
+              t_start: float) -> dict:
+    """Each setting through ``train_setting(setting) -> (records with summaries, description)``;
+    ``<out>/<name>.json`` and ``.md`` rewritten after each (a run cut short keeps what it did),
+    then the plots; prints the table and how many promised rows stayed bit-identical."""
+    comparisons: list = []
+
+    def write(complete: bool) -> dict:
+        result = dict(meta=dict(meta, runtime_s=time.perf_counter() - t_start, complete=complete), comparisons=comparisons)
+        save_result(args.out, name, result, markdown_table(result, title, about))
+        return result
+
+    for setting in settings:
+        records, desc = train_setting(setting)
+        comparisons += records
+        write(False)
+        print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
+    result = write(True)
+    out = Path(args.out)
+    plots = [] if args.no_plots else plot_divergence(result, out, title.split(":")[0])
+    result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.md"), *map(str, plots)]
+    print("\n" + markdown_table(result, title, about))
+    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
+    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
+          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
+    return result
 
 
 def summarize(ps: dict, clip_active_steps: int | None) -> dict:
