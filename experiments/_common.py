@@ -117,6 +117,7 @@ def study_args(ap, default_out: Path, devices_help: str) -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300; --quick: 4)")
     ap.add_argument("--quick", action="store_true", help="CI size: a few steps of a tiny model")
     ap.add_argument("--devices", default=None, help=devices_help)
+    ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default all; JAX's --quick: fp32,bf16)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per (micro-)batch (default 8; --quick: 4)")
     ap.add_argument("--ctx", type=int, default=None, help="context length (default 64; --quick: 32)")
     ap.add_argument("--d-model", type=int, default=None, help="width (default 64; --quick: 32)")
@@ -132,19 +133,17 @@ def study_args(ap, default_out: Path, devices_help: str) -> None:
 
 def fill_defaults(args, quick: dict, full: dict):
     """Where an option was not given: the CI size (``--quick``) or the full size, with a study's
-    own ``quick``/``full`` defaults on top."""
+    own ``quick``/``full`` defaults on top; ``args.dtypes`` as a checked list."""
     size = dict(steps=4, batch=4, ctx=32, d_model=32) if args.quick else dict(steps=300, batch=8, ctx=64, d_model=64)
-    for k, v in {**size, **(quick if args.quick else full)}.items():
+    for k, v in {**size, "dtypes": "fp32,bf16,fp16", **(quick if args.quick else full)}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if not set(args.dtypes.split(",")) <= {"fp32", "bf16", "fp16"}:
+        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of fp32, bf16, fp16")
+    args.dtypes = args.dtypes.split(",")
     return args
 
 PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
-
-
-def empty_per_step() -> dict:
-    """The per-step series of one comparison (a vs b), empty."""
-    return {k: [] for k in PER_STEP_KEYS}
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -171,33 +170,23 @@ def compare(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) 
             "max_ulp": int(ulp.max()), "max_rel": float(rel.max())}
 
 
-def record_step(records: list, pairs: list, weights: dict, losses: dict) -> int:
-    """Append one step to each comparison of ``pairs`` (``(kind, a, b, promised, note)``,
-    matching ``records``): losses, norms and :func:`compare`. Returns the step's largest
-    max-ULP distance."""
-    worst = 0
-    for rec, (_, a, b, _, _) in zip(records, pairs):
-        m = compare(weights[a], weights[b])
-        ps = rec["per_step"]
-        for key, value in (("loss_a", losses[a]), ("loss_b", losses[b]), ("norm_a", a.last_norm),
-                           ("norm_b", b.last_norm), *m.items()):
-            ps[key].append(value)
-        worst = max(worst, m["max_ulp"])
-    return worst
-
-
 def train_pairs(trainers: list, pairs: list, steps: int, batch_of, desc: str, quiet: bool, **fields) -> list[dict]:
-    """Train every trainer ``steps`` steps (step ``i`` on ``batch_of(i)``), recording each pair
-    ``(kind, a, b, promised, note)`` per step (:func:`record_step`), then close them. Returns the
-    records, each with ``fields`` (dtype, clip, ...) and its device (``device_type`` of a and b)."""
+    """Train every trainer ``steps`` steps (step ``i`` on ``batch_of(i)``), then close them. Returns
+    a record per pair ``(kind, a, b, promised, note)``, with ``fields`` (dtype, clip, ...), its
+    device (``device_type`` of a and b) and per step (:data:`PER_STEP_KEYS`) the losses, the
+    global norms and :func:`compare`."""
     records = [dict(kind=k, a=a.label, b=b.label, device=a.device_type if a.device_type == b.device_type
                     else f"{a.device_type} vs {b.device_type}", **fields, promised=promised, note=note,
-                    per_step=empty_per_step()) for k, a, b, promised, note in pairs]
+                    per_step={key: [] for key in PER_STEP_KEYS}) for k, a, b, promised, note in pairs]
     try:
         for step in tqdm(range(steps), desc=desc, disable=quiet, leave=False, file=sys.stderr):
             batch = batch_of(step)
             losses = {t: t.step(batch) for t in trainers}
-            record_step(records, pairs, {t: t.weights() for t in trainers}, losses)
+            weights = {t: t.weights() for t in trainers}
+            for rec, (_, a, b, _, _) in zip(records, pairs):
+                for key, value in (("loss_a", losses[a]), ("loss_b", losses[b]), ("norm_a", a.last_norm),
+                                   ("norm_b", b.last_norm), *compare(weights[a], weights[b]).items()):
+                    rec["per_step"][key].append(value)
     finally:
         for t in trainers:
             t.close()
@@ -209,11 +198,16 @@ def run_study(name: str, title: str, about: str, meta: dict, args, settings: lis
     """Each setting through ``train_setting(setting) -> (records with summaries, description)``;
     ``<out>/<name>.json`` and ``.md`` rewritten after each (a run cut short keeps what it did),
     then the plots; prints the table and how many promised rows stayed bit-identical."""
+    for s in meta["skipped"]:
+        print(f"skipped: {s}")
     comparisons: list = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     def write(complete: bool) -> dict:
         result = dict(meta=dict(meta, runtime_s=time.perf_counter() - t_start, complete=complete), comparisons=comparisons)
-        save_result(args.out, name, result, markdown_table(result, title, about))
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown_table(result, title, about))
         return result
 
     for setting in settings:
@@ -222,7 +216,6 @@ def run_study(name: str, title: str, about: str, meta: dict, args, settings: lis
         write(False)
         print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
     result = write(True)
-    out = Path(args.out)
     plots = [] if args.no_plots else plot_divergence(result, out, title.split(":")[0])
     result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.md"), *map(str, plots)]
     print("\n" + markdown_table(result, title, about))
@@ -275,14 +268,6 @@ def markdown_table(result: dict, title: str, about: str) -> str:
     if m["skipped"]:
         lines += ["", "Not run:"] + [f"- {s}" for s in m["skipped"]]
     return "\n".join(lines) + "\n"
-
-
-def save_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
-    """``<out>/<name>.json`` (the whole result) and ``<out>/<name>.md`` (its table)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.md").write_text(markdown)
 
 
 def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:

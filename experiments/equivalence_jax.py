@@ -272,11 +272,10 @@ def plan_setting(progs: Programs, init, gpu_devices: list):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     study_args(ap, DEFAULT_OUT, "comma list of cpu,gpu (default: what JAX sees)")
-    ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default all; --quick: fp32,bf16)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="the clipping setting's max_grad_norm (default 1.0; --quick: the median gradient norm of "
                          "the initial model over a few batches, so that some of its few steps clip)")
-    return fill_defaults(ap.parse_args(argv), dict(dtypes="fp32,bf16"), dict(dtypes="fp32,bf16,fp16", max_grad_norm=1.0))
+    return fill_defaults(ap.parse_args(argv), dict(dtypes="fp32,bf16"), dict(max_grad_norm=1.0))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -291,15 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["gpu"] if gpus else [])
     if "cpu" not in devices or not set(devices) <= {"cpu", "gpu"} or ("gpu" in devices and not gpus):
         raise SystemExit(f"--devices {','.join(devices)}: expected cpu, or cpu,gpu where JAX sees a GPU")
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= set(DTYPES):
-        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of {', '.join(DTYPES)}")
     gpu_devices = gpus[:1] if "gpu" in devices else []
     skipped = [] if gpu_devices else [
         "CUDA rows (optax.adamw on XLA:GPU vs XLA:CPU; offload_adamw mode='gpu' and mode='cpu' on the GPU): "
         + (f"no GPU visible to JAX (jax.devices() = {jax.devices()})" if not gpus else "--devices leaves gpu out")]
-    for s in skipped:
-        print(f"skipped: {s}")
     with jax.default_device(jax.devices("cpu")[0]):
         init = init_gpt(args.layers, args.d_model, args.ctx, args.seed)
         n_params = sum(x.size for x in jax.tree.leaves(init))
@@ -309,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
             norms = [float(progs.norm(progs.grad_fn(init, (x.astype(np.int32), y.astype(np.int32)))[1]))
                      for x, y in text_windows(8, args.batch, args.ctx, args.seed + 100)]
             args.max_grad_norm = float(f"{np.median(norms):.3g}")
-        settings = [(dt, clip) for dt in dtypes for clip in (None, args.max_grad_norm)]
+        settings = [(dt, clip) for dt in args.dtypes for clip in (None, args.max_grad_norm)]
         print(f"GPT (pure JAX) {n_params / 1e6:.3f}M parameters (d={args.d_model}, layers={args.layers}, "
               f"ctx={args.ctx}), batch {args.batch}; {args.steps} steps; devices {','.join(devices)}; "
               f"{len(settings)} settings; max_grad_norm {args.max_grad_norm}")
@@ -318,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
             versions=dict(jax=jax.__version__, optax=optax.__version__, numpy=np.__version__,
                           python=platform.python_version()),
             gpu=str(gpu_devices[0].device_kind) if gpu_devices else None,
-            devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
+            devices=devices, dtypes=args.dtypes, steps=args.steps, params=n_params,
             model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
             batch=args.batch, max_grad_norm=args.max_grad_norm, lr=args.lr, schedule="warmup_cosine_decay",
             b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, threads=args.threads, skipped=skipped)

@@ -173,7 +173,6 @@ def plan_setting(devices, dtype, clip, accum, init, args, gpu_ok: bool):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     study_args(ap, DEFAULT_OUT, "comma list of cpu,cuda (default: what exists)")
-    ap.add_argument("--dtypes", default="fp32,bf16,fp16")
     ap.add_argument("--max-grad-norm", type=float, default=0.5, help="the clipping setting's max_grad_norm")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches of the accumulation setting")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
@@ -193,9 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= set(DTYPES):
-        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of {', '.join(DTYPES)}")
     skipped, gpu_ok = [], False
     if "cuda" not in devices:
         skipped.append("CUDA rows (torch on CUDA, OffloadAdamW with CUDA parameters, CPU vs CUDA): "
@@ -210,20 +206,18 @@ def main(argv: list[str] | None = None) -> dict:
             gpu_ok = True
         except Exception as exc:  # noqa: BLE001 - report why and go on without it
             skipped.append(f"OffloadAdamW mode='gpu' and 'hybrid': {type(exc).__name__}: {exc}")
-    for s in skipped:
-        print(f"skipped: {s}")
     torch.manual_seed(args.seed)
     init = {k: v.clone() for k, v in build_model(args).state_dict().items()}
     n_params = sum(v.numel() for v in init.values())
     batches = text_batches(args.steps * args.accum, args.batch, args.ctx, args.seed)
-    settings = [(dt, clip, acc) for dt in dtypes for clip in (None, args.max_grad_norm) for acc in sorted({1, args.accum})]
+    settings = [(dt, clip, acc) for dt in args.dtypes for clip in (None, args.max_grad_norm) for acc in sorted({1, args.accum})]
     print(f"GPT {n_params / 1e6:.3f}M parameters (d={args.d_model}, layers={args.layers}, ctx={args.ctx}), "
           f"batch {args.batch}; {args.steps} steps; devices {','.join(devices)}; {len(settings)} settings")
     meta = dict(
         provenance("equivalence_torch.py", argv),
         versions=dict(torch=torch.__version__, numpy=np.__version__, python=platform.python_version()),
         gpu=torch.cuda.get_device_name(0) if "cuda" in devices else None,
-        devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
+        devices=devices, dtypes=args.dtypes, steps=args.steps, params=n_params,
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
         batch=args.batch, accum=args.accum, max_grad_norm=args.max_grad_norm, lr=args.lr, betas=[0.9, 0.95],
         eps=1e-8, weight_decay=0.1, torch_threads=torch.get_num_threads(), skipped=skipped)
