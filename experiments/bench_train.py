@@ -208,17 +208,21 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
         with _trace.span("step"):
             update()
 
+    def timed(fn) -> float:
+        """Seconds of ``fn()`` from one device synchronize to the next."""
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
     times, stats0 = [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         if i == warmup and hasattr(opt, "stats"):
             stats0 = opt.stats()
-        sync()
-        t0 = time.perf_counter()
-        one_step()
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(timed(one_step))
     first_step_s, times = times[0], times[warmup:]
     row = {}
     peak = allocated(peak=True)
@@ -234,23 +238,15 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
         del out
         row["mem_phases"] = phases
         if stream_steps:  # back to back, as a training loop runs; one drain at the end, counted
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(stream_steps):
-                one_step()
-            if hasattr(opt, "synchronize"):
-                opt.synchronize()
-            sync()
-            row["step_ms_stream"] = 1e3 * (time.perf_counter() - t0) / stream_steps
+            def stream():
+                for _ in range(stream_steps):
+                    one_step()
+                if hasattr(opt, "synchronize"):
+                    opt.synchronize()
+
+            row["step_ms_stream"] = 1e3 * timed(stream) / stream_steps
         if _base_name(setup) in IN_GPU:  # the forward alone: the clipping target's term
-            fwd = []
-            for _ in range(3):
-                sync()
-                t0 = time.perf_counter()
-                forward()
-                sync()
-                fwd.append(time.perf_counter() - t0)
-            row["forward_ms"] = 1e3 * statistics.median(fwd)
+            row["forward_ms"] = 1e3 * statistics.median(timed(forward) for _ in range(3))
     if trace_dir is not None:
         try:
             _trace.start()  # until stop(): the engine's methods wrapped to record spans
@@ -443,7 +439,7 @@ def main():
         return child_main(json.loads(args._child))
     t_start = time.perf_counter()
     cfgs = [(c.partition(":")[0], int(c.partition(":")[2] or 8)) for c in args.configs.split(",") if c]
-    for size in [c[0] for c in cfgs]:
+    for size, _ in cfgs:
         if size not in SIZES:
             ap.error(f"unknown model size {size!r} (known: {', '.join(SIZES)})")
     log_dir = (args.json + ".logs") if args.json else f"/tmp/bench_train_{os.getpid()}"
@@ -466,8 +462,9 @@ def main():
                 json.dump({"args": vars(args), "meta": meta, "rows": rows}, f, indent=1)
             os.replace(args.json + ".tmp", args.json)
 
-    def measure(setup, size, batch):
-        nonlocal prebuild
+    setups = [s for s in args.setups.split(",") if s]
+    plan = [(c, s) for c in cfgs for s in setups] if args.order == "config" else [(c, s) for s in setups for c in cfgs]
+    for (size, batch), setup in plan:
         row = {"setup": setup, "size": size, "batch": batch}
         if args.device != "cuda" and _base_name(setup).startswith(CUDA_ONLY):
             row["skipped"] = "needs CUDA"
@@ -490,11 +487,6 @@ def main():
         rows.append(row)
         print(one_line(row, time.perf_counter() - t_start), flush=True)
         save()
-
-    setups = [s for s in args.setups.split(",") if s]
-    plan = [(c, s) for c in cfgs for s in setups] if args.order == "config" else [(c, s) for s in setups for c in cfgs]
-    for (size, batch), setup in plan:
-        measure(setup, size, batch)
     if prebuild is not None:  # never waited for: stop it
         prebuild.kill()
     done = [r for r in rows if "step_ms_median" in r]
