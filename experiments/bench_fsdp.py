@@ -76,18 +76,14 @@ def _rss() -> int:
         return 0
 
 
-def _model(size: str, vocab: int, seq: int, device: torch.device) -> torch.nn.Module:
-    layers, d, heads = SIZES.get(size, (2, 64, 2))  # "micro": a smoke-test size
-    torch.manual_seed(0)
-    return GPT(layers, d, heads, vocab=vocab, ctx=seq).to(device)
-
-
 def build(setup: str, args, device: torch.device):
     """``(model, step(x) -> None, optimizer or None)`` of one setup."""
     name, *opts = setup.split("~")
     name, _, threads = name.partition("@")
     clip = 1.0 if "clip" in opts else None
-    model = _model(args.size, args.vocab, args.seq, device)
+    layers, d, heads = SIZES.get(args.size, (2, 64, 2))  # "micro": a smoke-test size
+    torch.manual_seed(0)
+    model = GPT(layers, d, heads, vocab=args.vocab, ctx=args.seq).to(device)
     if name == "ds_zero2_offload":
         from bench_train import deepspeed_engine  # noqa: PLC0415
 
