@@ -1,6 +1,5 @@
-"""python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--out experiments/plots]
-
-The plots of RESULTS.md against model size, from bench_train.py JSON files (numpy and
+# Run: python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--out experiments/plots]
+"""The plots of RESULTS.md against model size, from bench_train.py JSON files (numpy and
 matplotlib only, no GPU; the newest file wins per setup, size and batch):
 ``scaling_step_time.png``, the median step time (the MFU in the legend), and
 ``scaling_memory.png``, the peak GPU memory (solid) and host memory (dashed: the drop of
