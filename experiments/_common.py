@@ -138,10 +138,11 @@ def fill_defaults(args, quick: dict, full: dict):
     for k, v in {**size, "dtypes": "fp32,bf16,fp16", **(quick if args.quick else full)}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if not set(args.dtypes.split(",")) <= {"fp32", "bf16", "fp16"}:
-        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of fp32, bf16, fp16")
     args.dtypes = args.dtypes.split(",")
+    if not set(args.dtypes) <= {"fp32", "bf16", "fp16"}:
+        raise SystemExit(f"--dtypes {','.join(args.dtypes)!r}: expected some of fp32, bf16, fp16")
     return args
+
 
 PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
 
