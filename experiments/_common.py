@@ -1,5 +1,6 @@
-"""Helpers shared by the experiment scripts (no torch or jax import): the generated text,
-the run's provenance, and the equivalence studies' per-step records, table and plots.
+"""Helpers shared by the experiment scripts (no torch or jax import): the torch GPT's sizes,
+the generated text, the run's provenance, and the equivalence studies' per-step records,
+table and plots.
 
 The scripts run as ``python experiments/<name>.py`` (this folder is then on ``sys.path``)
 or are loaded by the tests from their files; each puts this folder on ``sys.path`` first.
@@ -7,9 +8,13 @@ or are loaded by the tests from their files; each puts this folder on ``sys.path
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,28 @@ except ImportError:  # pragma: no cover - tqdm is in the test extra
         return x
 
 REPO = Path(__file__).resolve().parent.parent
+#: models_torch.GPT's configurations: (layers, d_model, heads); parameters with the default vocabulary and context
+SIZES = {
+    "tiny": (2, 256, 4),  # 14.7M (12.9M of them the embedding)
+    "125m": (12, 768, 12),  # 124.5M
+    "350m": (24, 1024, 16),  # 354.9M
+    "1.3b": (24, 2048, 16),  # 1.314B
+    "3b": (26, 3072, 24),  # 3.103B (d 3072, head 128)
+    "5b": (24, 4096, 32),  # 5.043B
+    "7b": (32, 4096, 32),  # 6.654B (GPT-3 6.7B / LLaMA-7B width and depth)
+    "8b": (38, 4096, 32),  # 7.863B
+    "9b": (44, 4096, 32),  # 9.071B
+    "10b": (32, 5120, 40),  # 10.33B
+    "13b": (40, 5120, 40),  # 12.85B (GPT-3 13B width and depth)
+    "20b": (44, 6144, 48),  # 20.25B
+}
+VOCAB = 50304
+
+
+def param_count(size: str, vocab: int = VOCAB, ctx: int = 1024) -> int:
+    """Parameters of ``models_torch.GPT(*SIZES[size])``, without building it."""
+    layers, d, _ = SIZES[size]
+    return layers * (12 * d * d + 13 * d) + vocab * d + ctx * d + 2 * d
 
 
 def generated_text(n_sentences: int, seed: int) -> bytes:
@@ -74,14 +101,50 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def provenance(script: str, argv: list[str] | None) -> dict:
+    """The run's script, command line, date (UTC), commit, CPU and cores: the head of its ``meta``."""
+    return dict(script=f"experiments/{script}",
+                command="python " + " ".join([f"experiments/{script}", *(argv if argv is not None else sys.argv[1:])]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
+                cpu=cpu_name(), cores=os.cpu_count())
+
+
 # -- the equivalence studies ------------------------------------------------------------------
 
+
+def study_args(ap, default_out: Path, devices_help: str) -> None:
+    """The options both equivalence studies take (``None`` defaults: :func:`fill_defaults`)."""
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300; --quick: 4)")
+    ap.add_argument("--quick", action="store_true", help="CI size: a few steps of a tiny model")
+    ap.add_argument("--devices", default=None, help=devices_help)
+    ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default all; JAX's --quick: fp32,bf16)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per (micro-)batch (default 8; --quick: 4)")
+    ap.add_argument("--ctx", type=int, default=None, help="context length (default 64; --quick: 32)")
+    ap.add_argument("--d-model", type=int, default=None, help="width (default 64; --quick: 32)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine to 10%%)")
+    ap.add_argument("--threads", type=int, default=None, help="TrainStream's worker threads (default: its own)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def fill_defaults(args, quick: dict, full: dict):
+    """Where an option was not given: the CI size (``--quick``) or the full size, with a study's
+    own ``quick``/``full`` defaults on top; ``args.dtypes`` as a checked list."""
+    size = dict(steps=4, batch=4, ctx=32, d_model=32) if args.quick else dict(steps=300, batch=8, ctx=64, d_model=64)
+    for k, v in {**size, "dtypes": "fp32,bf16,fp16", **(quick if args.quick else full)}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.dtypes = args.dtypes.split(",")
+    if not set(args.dtypes) <= {"fp32", "bf16", "fp16"}:
+        raise SystemExit(f"--dtypes {','.join(args.dtypes)!r}: expected some of fp32, bf16, fp16")
+    return args
+
+
 PER_STEP_KEYS = ("loss_a", "loss_b", "bitid", "bitid_model", "max_ulp", "max_rel", "norm_a", "norm_b")
-
-
-def empty_per_step() -> dict:
-    """The per-step series of one comparison (a vs b), empty."""
-    return {k: [] for k in PER_STEP_KEYS}
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -108,19 +171,59 @@ def compare(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) 
             "max_ulp": int(ulp.max()), "max_rel": float(rel.max())}
 
 
-def record_step(records: list, pairs: list, weights: dict, losses: dict) -> int:
-    """Append one step to each comparison of ``pairs`` (``(kind, a, b, promised, note)``,
-    matching ``records``): losses, norms and :func:`compare`. Returns the step's largest
-    max-ULP distance."""
-    worst = 0
-    for rec, (_, a, b, _, _) in zip(records, pairs):
-        m = compare(weights[a], weights[b])
-        ps = rec["per_step"]
-        for key, value in (("loss_a", losses[a]), ("loss_b", losses[b]), ("norm_a", a.last_norm),
-                           ("norm_b", b.last_norm), *m.items()):
-            ps[key].append(value)
-        worst = max(worst, m["max_ulp"])
-    return worst
+def train_pairs(trainers: list, pairs: list, steps: int, batch_of, desc: str, quiet: bool, **fields) -> list[dict]:
+    """Train every trainer ``steps`` steps (step ``i`` on ``batch_of(i)``), then close them. Returns
+    a record per pair ``(kind, a, b, promised, note)``, with ``fields`` (dtype, clip, ...), its
+    device (``device_type`` of a and b) and per step (:data:`PER_STEP_KEYS`) the losses, the
+    global norms and :func:`compare`."""
+    records = [dict(kind=k, a=a.label, b=b.label, device=a.device_type if a.device_type == b.device_type
+                    else f"{a.device_type} vs {b.device_type}", **fields, promised=promised, note=note,
+                    per_step={key: [] for key in PER_STEP_KEYS}) for k, a, b, promised, note in pairs]
+    try:
+        for step in tqdm(range(steps), desc=desc, disable=quiet, leave=False, file=sys.stderr):
+            batch = batch_of(step)
+            losses = {t: t.step(batch) for t in trainers}
+            weights = {t: t.weights() for t in trainers}
+            for rec, (_, a, b, _, _) in zip(records, pairs):
+                for key, value in (("loss_a", losses[a]), ("loss_b", losses[b]), ("norm_a", a.last_norm),
+                                   ("norm_b", b.last_norm), *compare(weights[a], weights[b]).items()):
+                    rec["per_step"][key].append(value)
+    finally:
+        for t in trainers:
+            t.close()
+    return records
+
+
+def run_study(name: str, title: str, about: str, meta: dict, args, settings: list, train_setting,
+              t_start: float) -> dict:
+    """Each setting through ``train_setting(setting) -> (records with summaries, description)``;
+    ``<out>/<name>.json`` and ``.md`` rewritten after each (a run cut short keeps what it did),
+    then the plots; prints the table and how many promised rows stayed bit-identical."""
+    for s in meta["skipped"]:
+        print(f"skipped: {s}")
+    comparisons: list = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> dict:
+        result = dict(meta=dict(meta, runtime_s=time.perf_counter() - t_start, complete=complete), comparisons=comparisons)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown_table(result, title, about))
+        return result
+
+    for setting in settings:
+        records, desc = train_setting(setting)
+        comparisons += records
+        write(False)
+        print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
+    result = write(True)
+    plots = [] if args.no_plots else plot_divergence(result, out, title.split(":")[0])
+    result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.md"), *map(str, plots)]
+    print("\n" + markdown_table(result, title, about))
+    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
+    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
+          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
+    return result
 
 
 def summarize(ps: dict, clip_active_steps: int | None) -> dict:
@@ -166,14 +269,6 @@ def markdown_table(result: dict, title: str, about: str) -> str:
     if m["skipped"]:
         lines += ["", "Not run:"] + [f"- {s}" for s in m["skipped"]]
     return "\n".join(lines) + "\n"
-
-
-def save_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
-    """``<out>/<name>.json`` (the whole result) and ``<out>/<name>.md`` (its table)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.md").write_text(markdown)
 
 
 def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -43,7 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models_torch import GPT, SIZES  # noqa: E402
+from _common import SIZES  # noqa: E402
+from models_torch import GPT  # noqa: E402
 
 SETUPS = ("fsdp_gpu", "fsdp_cpu_offload", "ts_cpu", "ts_hybrid", "ds_zero2_offload")
 CUDA_ONLY = ("fsdp_cpu_offload", "ts_hybrid", "ds_zero2_offload")
@@ -52,11 +54,9 @@ HP = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 def _init(device: str) -> tuple[int, int, torch.device]:
     """Join torchrun's process group (or make one of a single process)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
     if device == "cuda":
@@ -76,18 +76,14 @@ def _rss() -> int:
         return 0
 
 
-def _model(size: str, vocab: int, seq: int, device: torch.device) -> torch.nn.Module:
-    layers, d, heads = SIZES.get(size, (2, 64, 2))  # "micro": a smoke-test size
-    torch.manual_seed(0)
-    return GPT(layers, d, heads, vocab=vocab, ctx=seq).to(device)
-
-
 def build(setup: str, args, device: torch.device):
     """``(model, step(x) -> None, optimizer or None)`` of one setup."""
     name, *opts = setup.split("~")
     name, _, threads = name.partition("@")
     clip = 1.0 if "clip" in opts else None
-    model = _model(args.size, args.vocab, args.seq, device)
+    layers, d, heads = SIZES.get(args.size, (2, 64, 2))  # "micro": a smoke-test size
+    torch.manual_seed(0)
+    model = GPT(layers, d, heads, vocab=args.vocab, ctx=args.seq).to(device)
     if name == "ds_zero2_offload":
         from bench_train import deepspeed_engine  # noqa: PLC0415
 
@@ -211,14 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
             name = setup.split("~")[0].split("@")[0]
             if device.type != "cuda" and name in CUDA_ONLY:
                 rows.append({"setup": setup, "skipped": "needs CUDA"})
-                continue
-            if name == "ds_zero2_offload":
-                try:
-                    import deepspeed  # noqa: F401, PLC0415
-                except ImportError:
-                    rows.append({"setup": setup, "skipped": "DeepSpeed is not installed"})
-                    continue
-            rows.append(run(setup, args, rank, world, device))
+            elif name == "ds_zero2_offload" and importlib.util.find_spec("deepspeed") is None:
+                rows.append({"setup": setup, "skipped": "DeepSpeed is not installed"})
+            else:
+                rows.append(run(setup, args, rank, world, device))
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
         result = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

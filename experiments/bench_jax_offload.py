@@ -55,23 +55,18 @@ def make_gpt(size: str, seq: int, batch: int, dtype, dev):
     return params, gpt_loss(heads), xy
 
 
-loss_fn = mlp_loss
-
-
-def setups(lr, dev):
+def setups(lr, dev, loss_fn):
+    """Per setup, ``build(params, x) -> (jitted step(p, s, x) -> (p, s), initial state)``."""
     s_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
     s_host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     opt = optax.adamw(lr)
 
     def optax_hbm(params, x):
-        state = opt.init(params)
-
         def step(p, s, x):
-            g = jax.grad(loss_fn)(p, x)
-            u, s = opt.update(g, s, p)
+            u, s = opt.update(jax.grad(loss_fn)(p, x), s, p)
             return optax.apply_updates(p, u), s
 
-        return jax.jit(step, donate_argnums=(0, 1)), state
+        return jax.jit(step, donate_argnums=(0, 1)), opt.init(params)
 
     def jax_pinned(params, x):
         state = opt.init(params)
@@ -101,12 +96,8 @@ def setups(lr, dev):
                 if mode == "gpu_zc":
                     _gpu.device_engine(dev.id).device.staged = False
 
-            def step(p, s, x):
-                g = jax.grad(loss_fn)(p, x)
-                return tx.step(g, s, p)
-
             # the state is arrays (host memory): donated, it is updated in place
-            return jax.jit(step, donate_argnums=(0, 1)), state
+            return jax.jit(lambda p, s, x: tx.step(jax.grad(loss_fn)(p, x), s, p), donate_argnums=(0, 1)), state
 
         return build
 
@@ -114,8 +105,38 @@ def setups(lr, dev):
             "ts_cpu": ts("cpu")}
 
 
-def copy_tree(t):
-    return jax.tree.map(lambda a: jnp.array(a, copy=True), t)
+def measure(name, build, params0, x, refs: dict, steps: int, warmup: int, dev) -> dict:
+    """One setup's row: 2 steps compared with optax in HBM's (``refs["optax_hbm"]``, its weights
+    after 2 steps, kept there when measured), ``warmup`` steps, then ``steps`` timed."""
+    step, state = build(params0, x)
+    p = jax.tree.map(lambda a: jnp.array(a, copy=True), params0)
+    ma = step.lower(p, state, x).compile().memory_analysis()
+    for _ in range(2):
+        p, state = step(p, state, x)
+    jax.block_until_ready(p)
+    got = [np.asarray(v, np.float32) for v in jax.tree.leaves(p)]
+    ref_after = refs.setdefault(name, got) if name == "optax_hbm" else refs.get("optax_hbm")
+    check, half = None, jnp.dtype(jax.tree.leaves(params0)[0].dtype) != jnp.float32
+    if ref_after is not None and not (half and name.startswith("ts_")):
+        # (with bf16 weights optax keeps bf16 moments and updates the bf16 weights,
+        # TrainStream an fp32 master: different numerics by design, no check)
+        dist = np.concatenate([np.abs(a - b).ravel() / LR for a, b in zip(got, ref_after)])
+        check = {"frac_off_by_1pct_lr": float((dist > 0.01).mean()), "max_in_lr": float(dist.max())}
+    for _ in range(warmup):
+        p, state = step(p, state, x)
+    jax.block_until_ready(p)
+    live = (dev.memory_stats() or {}).get("bytes_in_use", 0)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        p, state = step(p, state, x)
+        jax.block_until_ready(p)
+        times.append((time.perf_counter() - t0) * 1e3)
+    if name.startswith("ts_"):
+        tsj.close(state)
+    return {"ms": statistics.median(times), "ms_min": min(times), "device_args_gib": ma.argument_size_in_bytes / 2**30,
+            "device_out_gib": ma.output_size_in_bytes / 2**30, "device_temp_gib": ma.temp_size_in_bytes / 2**30,
+            "live_gib": live / 2**30, "check_vs_optax_hbm": check}
 
 
 def main(argv=None) -> int:
@@ -131,7 +152,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: mlp float32, gpt bfloat16)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    global loss_fn
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}; optax {optax.__version__}")
     if args.model.startswith("gpt"):
@@ -148,50 +168,11 @@ def main(argv=None) -> int:
         n = sum(a.size for a in jax.tree.leaves(params0))
         x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (args.batch, args.width), jnp.float32), dev)
         print(f"model: {len(params0)} x [{args.width} x {args.width}] = {n / 1e6:.1f}M params, batch {args.batch}")
-    builders = setups(LR, dev)
-    results, ref_after = {}, None
+    builders = setups(LR, dev, loss_fn)
+    results, refs = {}, {}
     for name in args.setups.split(","):
         try:
-            step, state = builders[name](params0, x)
-            p = copy_tree(params0)
-            # reference check: 2 steps against optax in HBM
-            compiled = step.lower(p, state, x).compile()
-            ma = compiled.memory_analysis()
-            for _ in range(2):
-                p, state = step(p, state, x)
-            jax.block_until_ready(p)
-            got = [np.asarray(v, np.float32) for v in jax.tree.leaves(p)]
-            if ref_after is None and name == "optax_hbm":
-                ref_after = got
-            check = None
-            half = jnp.dtype(jax.tree.leaves(params0)[0].dtype) != jnp.float32
-            if ref_after is not None and not (half and name.startswith("ts_")):
-                # (with bf16 weights optax keeps bf16 moments and updates the bf16 weights,
-                # TrainStream an fp32 master: different numerics by design, no check)
-                dist = np.concatenate([np.abs(a - b).ravel() / LR for a, b in zip(got, ref_after)])
-                check = {"frac_off_by_1pct_lr": float((dist > 0.01).mean()), "max_in_lr": float(dist.max())}
-            for _ in range(args.warmup):
-                p, state = step(p, state, x)
-            jax.block_until_ready(p)
-            live = (dev.memory_stats() or {}).get("bytes_in_use", 0)
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                p, state = step(p, state, x)
-                jax.block_until_ready(p)
-                times.append((time.perf_counter() - t0) * 1e3)
-            r = {
-                "ms": statistics.median(times),
-                "ms_min": min(times),
-                "device_args_gib": ma.argument_size_in_bytes / 2**30,
-                "device_out_gib": ma.output_size_in_bytes / 2**30,
-                "device_temp_gib": ma.temp_size_in_bytes / 2**30,
-                "live_gib": live / 2**30,
-                "check_vs_optax_hbm": check,
-            }
-            if name.startswith("ts_"):
-                tsj.close(state)
-            del p, state, step
+            r = measure(name, builders[name], params0, x, refs, args.steps, args.warmup, dev)
         except Exception as e:  # noqa: BLE001 - report and go on with the other setups
             r = {"error": f"{type(e).__name__}: {e}"[:500]}
         results[name] = r

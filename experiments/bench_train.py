@@ -1,5 +1,5 @@
 # Run (GPU machine): python experiments/bench_train.py --configs 125m:8,350m:8,1.3b:8,1.3b:24 --json $OUT/bench_train.json
-"""End-to-end training benchmark: the GPT of models_torch.py (``SIZES``: 125M to 20B; bf16
+"""End-to-end training benchmark: the GPT of models_torch.py (``_common.SIZES``: 125M to 20B; bf16
 matmuls) on batches of B x ``--seq`` tokens, every optimizer placement at the same
 numerics; per setup step time, tokens/s, MFU, peak GPU memory and peak host memory.
 
@@ -14,13 +14,12 @@ Setups (``--setups``):
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
   ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
 A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN``
-(worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~last``
-(gpu_params="last"), ``~resG`` (gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"),
-``~overlap`` (overlap_forward=model), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
+(worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
+(gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
+(overlap_forward=model), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
 ``git archive COMMIT trainstream | tar -x -C .base_tree && mv .base_tree/trainstream
 .base_tree/trainstream_base``). Any setup: ``~clipX`` (TrainStream max_grad_norm=X, in-GPU
-setups clip_grad_norm_; not torchao or DeepSpeed), ``~userclipX`` (the loop's own
-clip_grad_norm_ before step(), as HF Trainer does).
+setups clip_grad_norm_; not torchao or DeepSpeed).
 
 Each setup runs in a fresh subprocess with ``--timeout`` seconds, within ``--budget`` for the
 whole run; the JSON is rewritten after every setup. "step ms": median of ``--steps`` steps
@@ -31,9 +30,7 @@ machine's ``MemAvailable`` during the setup, sampled by the parent every 0.1 s
 ``host_state_gib``; below ``--host-reserve-gib`` the setup is killed as a host OOM. MFU =
 6 x params x tokens / step time / ``--peak-tflops`` (H200 bf16 dense: 989). ``--ckpt``
 checkpoints every block's activations in every setup; ``--lean`` keeps only the timed steps
-(no per-phase memory step, forward probe or back-to-back steps). ``--largest SETUPS --sizes
-... --batch B``: per setup the largest size that trains, by bisection. ``--trace SETUPS``:
-two more steps with the engine's host timeline (``_trace_report.py``), a Chrome trace file
+(no per-phase memory step, forward probe or back-to-back steps). ``--trace SETUPS``: two more steps with the engine's host timeline (``_trace_report.py``), a Chrome trace file
 per setup in ``--trace-dir``. ``--device cpu`` is a smoke test (CUDA-only setups skipped):
 ``python experiments/bench_train.py --device cpu --configs tiny:2 --seq 64 --vocab 512 --steps 2 --warmup 1 --lean``.
 """
@@ -57,8 +54,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _trace_report as _trace  # noqa: E402
-from _common import git_commit  # noqa: E402
-from models_torch import GPT, SIZES, VOCAB, param_count  # noqa: E402
+from _common import SIZES, VOCAB, git_commit  # noqa: E402
+from models_torch import GPT  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H200 SXM, bf16 tensor cores, dense
 HP = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
@@ -98,12 +95,11 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     def opt_value(prefix):
         return next((o[len(prefix):] for o in opts if o.startswith(prefix) and o[len(prefix):][:1].isdigit()), None)
 
-    unknown = [o for o in opts if o not in ("base", "auto", "last", "overlap") and not any(
-        o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", "userclip", *TS_OPTIONS))]
+    unknown = [o for o in opts if o not in ("base", "auto", "overlap") and not any(
+        o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", *TS_OPTIONS))]
     if unknown:
         raise ValueError(f"{setup}: unknown option(s) {', '.join('~' + o for o in unknown)} (see the module docstring)")
-    clip, user_clip = opt_value("clip"), opt_value("userclip")
-    clip, user_clip = (float(x) if x is not None else None for x in (clip, user_clip))
+    clip = float(opt_value("clip")) if opt_value("clip") is not None else None
     if clip is not None and name.endswith("_eager"):
         raise ValueError(f"{setup}: the eager path is off with clipping (use the setup without _eager)")
     torch.manual_seed(0)
@@ -125,7 +121,6 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
             if opt_value(prefix) is not None:
                 extra[arg] = parse(opt_value(prefix))
         extra.update({"gpu_state_bytes": "auto"} if "auto" in opts else {})
-        extra.update({"gpu_params": "last"} if "last" in opts else {})
         extra.update({"overlap_forward": model} if "overlap" in opts else {})
         mode = name[3:].removesuffix("_eager")
         if mode not in ("cpu", "gpu", "hybrid"):
@@ -143,8 +138,8 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     else:
         raise ValueError(f"unknown setup {setup!r}")
     clip_fn = None
-    if clip is not None and not name.startswith("ts_") or user_clip is not None:
-        clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, user_clip or clip)  # noqa: E731
+    if clip is not None and not name.startswith("ts_"):
+        clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, clip)  # noqa: E731
     return model, opt, name in ("amp_fused", "torchao_fp32"), name.endswith("_eager"), clip_fn
 
 
@@ -213,49 +208,45 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
         with _trace.span("step"):
             update()
 
+    def timed(fn) -> float:
+        """Seconds of ``fn()`` from one device synchronize to the next."""
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
     times, stats0 = [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         if i == warmup and hasattr(opt, "stats"):
             stats0 = opt.stats()
-        sync()
-        t0 = time.perf_counter()
-        one_step()
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(timed(one_step))
     first_step_s, times = times[0], times[warmup:]
     row = {}
     peak = allocated(peak=True)
     if not lean:  # one more step: the memory at the end of each phase and the peak within it
-        phases = {}
+        phases, out = {}, None
         for phase, fn in (("forward", forward), ("backward", backward), ("step", update)):
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            loss = fn() if phase == "forward" else fn(loss) if phase == "backward" else fn()
+            out = fn(out) if phase == "backward" else fn()  # the loss, kept until its backward
             sync()
             phases[phase] = {"end_gib": (allocated() - base) / 2**30, "peak_gib": (allocated(True) - base) / 2**30}
-        del loss
+        del out
         row["mem_phases"] = phases
         if stream_steps:  # back to back, as a training loop runs; one drain at the end, counted
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(stream_steps):
-                one_step()
-            if hasattr(opt, "synchronize"):
-                opt.synchronize()
-            sync()
-            row["step_ms_stream"] = 1e3 * (time.perf_counter() - t0) / stream_steps
+            def stream():
+                for _ in range(stream_steps):
+                    one_step()
+                if hasattr(opt, "synchronize"):
+                    opt.synchronize()
+
+            row["step_ms_stream"] = 1e3 * timed(stream) / stream_steps
         if _base_name(setup) in IN_GPU:  # the forward alone: the clipping target's term
-            fwd = []
-            for _ in range(3):
-                sync()
-                t0 = time.perf_counter()
-                forward()
-                sync()
-                fwd.append(time.perf_counter() - t0)
-            row["forward_ms"] = 1e3 * statistics.median(fwd)
+            row["forward_ms"] = 1e3 * statistics.median(timed(forward) for _ in range(3))
     if trace_dir is not None:
         try:
             _trace.start()  # until stop(): the engine's methods wrapped to record spans
@@ -393,26 +384,6 @@ def one_line(r: dict, elapsed: float) -> str:
             f"1st step {r['first_step_s']:.1f} s, wall {r.get('wall_s', math.nan):.0f} s")
 
 
-def search_largest(setup: str, sizes: list, first: str | None, runner) -> dict:
-    """The largest of ``sizes`` that ``setup`` trains, by bisection (fitting assumed monotonic in
-    the size): ``runner(size)`` returns a row, one without a step time does not fit. ``first``:
-    the size tried first."""
-    sizes = sorted(sizes, key=param_count)
-    lo, hi, tries = -1, len(sizes), []
-    mid = sizes.index(first) if first in sizes else (len(sizes) - 1) // 2
-    while lo + 1 < hi:
-        row = runner(sizes[mid])
-        fits = "step_ms_median" in row
-        tries.append({"size": sizes[mid], "fits": fits, "failure": row.get("failure"), "skipped": row.get("skipped")})
-        if row.get("skipped"):
-            break
-        lo, hi = (mid, hi) if fits else (lo, mid)
-        mid = (lo + hi) // 2
-    return {"largest_fit": sizes[lo] if lo >= 0 else None,
-            "largest_fit_params_B": param_count(sizes[lo]) / 1e9 if lo >= 0 else None,
-            "smallest_not_fit": sizes[hi] if hi < len(sizes) else None, "resolved": lo + 1 >= hi, "tries": tries}
-
-
 def print_tables(rows: list) -> None:
     """Step times against bf16 in-GPU and torchao fp32; the clipping target; memory by phase; traces."""
     print(f"\n{'config':10s} {'setup':20s} {'step ms':>8s} {'MFU':>5s} {'peak GiB':>8s} {'host GiB':>8s} {'vs bf16':>7s} "
@@ -442,7 +413,7 @@ def print_tables(rows: list) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=None, help="comma list of model:batch (default 350m:8 unless --largest)")
+    ap.add_argument("--configs", default="350m:8", help="comma list of model:batch")
     ap.add_argument("--setups", default="bf16_fused,amp_fused,ts_cpu,ts_cpu_eager,ts_gpu,torchao_fp32,torchao_bf16,ds_zero_offload")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
@@ -461,29 +432,23 @@ def main():
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--host-reserve-gib", type=float, default=2.5, help="kill a setup below this MemAvailable")
     ap.add_argument("--prebuild-ds", action="store_true", help="build DeepSpeed's cpu_adam in the background first")
-    ap.add_argument("--largest", default="", help="comma list of setups: the largest of --sizes each trains at --batch")
-    ap.add_argument("--sizes", default="1.3b,3b,5b,7b,10b,13b")
-    ap.add_argument("--batch", type=int, default=8, help="batch of the --largest search")
-    ap.add_argument("--first", default=None, help="the size the --largest search tries first")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child is not None:
         return child_main(json.loads(args._child))
     t_start = time.perf_counter()
-    configs = args.configs if args.configs is not None else ("" if args.largest else "350m:8")
-    cfgs = [(c.partition(":")[0], int(c.partition(":")[2] or 8)) for c in configs.split(",") if c]
-    sizes = [s for s in args.sizes.split(",") if s] if args.largest else []
-    for size in [c[0] for c in cfgs] + sizes:
+    cfgs = [(c.partition(":")[0], int(c.partition(":")[2] or 8)) for c in args.configs.split(",") if c]
+    for size, _ in cfgs:
         if size not in SIZES:
             ap.error(f"unknown model size {size!r} (known: {', '.join(SIZES)})")
     log_dir = (args.json + ".logs") if args.json else f"/tmp/bench_train_{os.getpid()}"
     os.makedirs(log_dir, exist_ok=True)
-    rows, largest = [], {}
+    rows = []
     meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
             "commit": git_commit(), "peak_flops": args.peak_tflops * 1e12}
     prebuild = None
-    if args.prebuild_ds and args.device == "cuda" and "ds_" in args.setups + args.largest:
+    if args.prebuild_ds and args.device == "cuda" and "ds_" in args.setups:
         prebuild = subprocess.Popen([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
                                      "CPUAdamBuilder().load()"], stdout=open(os.path.join(log_dir, "prebuild_ds.log"), "w"),
                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(19))
@@ -494,11 +459,12 @@ def main():
     def save():
         if args.json:
             with open(args.json + ".tmp", "w") as f:
-                json.dump({"args": vars(args), "meta": meta, "rows": rows, "largest_measured": largest}, f, indent=1)
+                json.dump({"args": vars(args), "meta": meta, "rows": rows}, f, indent=1)
             os.replace(args.json + ".tmp", args.json)
 
-    def measure(setup, size, batch, lean, purpose):
-        nonlocal prebuild
+    setups = [s for s in args.setups.split(",") if s]
+    plan = [(c, s) for c in cfgs for s in setups] if args.order == "config" else [(c, s) for s in setups for c in cfgs]
+    for (size, batch), setup in plan:
         row = {"setup": setup, "size": size, "batch": batch}
         if args.device != "cuda" and _base_name(setup).startswith(CUDA_ONLY):
             row["skipped"] = "needs CUDA"
@@ -511,32 +477,19 @@ def main():
                     prebuild = None
                 except subprocess.TimeoutExpired:
                     pass
-            name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{purpose}_{size}x{batch}_{setup}")
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{size}x{batch}_{setup}")
             spec = dict(setup=setup, size=size, batch=batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
                         device=args.device, trace_dir=args.trace_dir if setup in args.trace.split(",") else None,
-                        stream_steps=args.stream_steps, ckpt=args.ckpt, lean=lean, vocab=args.vocab,
+                        stream_steps=args.stream_steps, ckpt=args.ckpt, lean=args.lean, vocab=args.vocab,
                         peak_flops=args.peak_tflops * 1e12, out=os.path.join(log_dir, name + ".row.json"))
             row = run_isolated(spec, min(args.timeout, remaining()), os.path.join(log_dir, name + ".log"),
                                args.host_reserve_gib)
-        row["purpose"] = purpose
         rows.append(row)
         print(one_line(row, time.perf_counter() - t_start), flush=True)
         save()
-        return row
-
-    setups = [s for s in args.setups.split(",") if s]
-    plan = [(c, s) for c in cfgs for s in setups] if args.order == "config" else [(c, s) for s in setups for c in cfgs]
-    for (size, batch), setup in plan:
-        measure(setup, size, batch, args.lean, "bench")
-    for setup in filter(None, args.largest.split(",")):
-        res = largest[setup] = search_largest(setup, sizes, args.first,
-                                              lambda size, s=setup: measure(s, size, args.batch, True, "largest"))
-        print(f"largest {setup} at batch {args.batch}: {res['largest_fit']} ({res['largest_fit_params_B'] or 0:.2f}B "
-              f"params); does not fit: {res['smallest_not_fit']}", flush=True)
-        save()
     if prebuild is not None:  # never waited for: stop it
         prebuild.kill()
-    done = [r for r in rows if "step_ms_median" in r and r["purpose"] == "bench"]
+    done = [r for r in rows if "step_ms_median" in r]
     if done:
         print_tables(done)
     save()

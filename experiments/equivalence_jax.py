@@ -29,9 +29,7 @@ whose gradient is rounding noise: softmax ignores it). Outputs (``--out``):
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
 import platform
 import sys
 import time
@@ -45,10 +43,7 @@ import optax
 import trainstream.jax as tsj
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    REPO, cpu_name, empty_per_step, git_commit, markdown_table, plot_divergence, record_step, save_result,
-    summarize, text_windows, tqdm,
-)
+from _common import REPO, fill_defaults, provenance, run_study, study_args, summarize, text_windows, train_pairs  # noqa: E402
 from models_jax import VOCAB, gpt_loss, init_gpt  # noqa: E402
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -276,30 +271,11 @@ def plan_setting(progs: Programs, init, gpu_devices: list):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300; --quick: 4)")
-    ap.add_argument("--quick", action="store_true", help="CI size: a few steps of a tiny model")
-    ap.add_argument("--devices", default=None, help="comma list of cpu,gpu (default: what JAX sees)")
-    ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default all; --quick: fp32,bf16)")
+    study_args(ap, DEFAULT_OUT, "comma list of cpu,gpu (default: what JAX sees)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="the clipping setting's max_grad_norm (default 1.0; --quick: the median gradient norm of "
                          "the initial model over a few batches, so that some of its few steps clip)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per batch (default 8; --quick: 4)")
-    ap.add_argument("--ctx", type=int, default=None, help="context length (default 64; --quick: 32)")
-    ap.add_argument("--d-model", type=int, default=None, help="width (default 64; --quick: 32)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine to 10%%)")
-    ap.add_argument("--threads", type=int, default=None, help="offload_adamw worker threads (default: its own)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    for k, v in (dict(steps=4, batch=4, ctx=32, d_model=32, dtypes="fp32,bf16") if args.quick else
-                 dict(steps=300, batch=8, ctx=64, d_model=64, dtypes="fp32,bf16,fp16", max_grad_norm=1.0)).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
+    return fill_defaults(ap.parse_args(argv), dict(dtypes="fp32,bf16"), dict(max_grad_norm=1.0))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -314,16 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["gpu"] if gpus else [])
     if "cpu" not in devices or not set(devices) <= {"cpu", "gpu"} or ("gpu" in devices and not gpus):
         raise SystemExit(f"--devices {','.join(devices)}: expected cpu, or cpu,gpu where JAX sees a GPU")
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= set(DTYPES):
-        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of {', '.join(DTYPES)}")
     gpu_devices = gpus[:1] if "gpu" in devices else []
     skipped = [] if gpu_devices else [
         "CUDA rows (optax.adamw on XLA:GPU vs XLA:CPU; offload_adamw mode='gpu' and mode='cpu' on the GPU): "
         + (f"no GPU visible to JAX (jax.devices() = {jax.devices()})" if not gpus else "--devices leaves gpu out")]
-    for s in skipped:
-        print(f"skipped: {s}")
-    comparisons: list = []
     with jax.default_device(jax.devices("cpu")[0]):
         init = init_gpt(args.layers, args.d_model, args.ctx, args.seed)
         n_params = sum(x.size for x in jax.tree.leaves(init))
@@ -333,18 +303,16 @@ def main(argv: list[str] | None = None) -> dict:
             norms = [float(progs.norm(progs.grad_fn(init, (x.astype(np.int32), y.astype(np.int32)))[1]))
                      for x, y in text_windows(8, args.batch, args.ctx, args.seed + 100)]
             args.max_grad_norm = float(f"{np.median(norms):.3g}")
-        settings = [(dt, clip) for dt in dtypes for clip in (None, args.max_grad_norm)]
+        settings = [(dt, clip) for dt in args.dtypes for clip in (None, args.max_grad_norm)]
         print(f"GPT (pure JAX) {n_params / 1e6:.3f}M parameters (d={args.d_model}, layers={args.layers}, "
               f"ctx={args.ctx}), batch {args.batch}; {args.steps} steps; devices {','.join(devices)}; "
               f"{len(settings)} settings; max_grad_norm {args.max_grad_norm}")
         meta = dict(
-            script="experiments/equivalence_jax.py",
-            command="python " + " ".join(["experiments/equivalence_jax.py", *(argv if argv is not None else sys.argv[1:])]),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
+            provenance("equivalence_jax.py", argv),
             versions=dict(jax=jax.__version__, optax=optax.__version__, numpy=np.__version__,
                           python=platform.python_version()),
-            cpu=cpu_name(), cores=os.cpu_count(), gpu=str(gpu_devices[0].device_kind) if gpu_devices else None,
-            devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
+            gpu=str(gpu_devices[0].device_kind) if gpu_devices else None,
+            devices=devices, dtypes=args.dtypes, steps=args.steps, params=n_params,
             model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
             batch=args.batch, max_grad_norm=args.max_grad_norm, lr=args.lr, schedule="warmup_cosine_decay",
             b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, threads=args.threads, skipped=skipped)
@@ -355,42 +323,19 @@ def main(argv: list[str] | None = None) -> dict:
                  "[jit]`, else on the gradient of a separate jitted program; [eager]: outside jit. Notes on clipped "
                  "rows name the program the reference's global norm came from (see the script's docstring).")
 
-        def write(complete: bool) -> dict:
-            """The JSON and table so far (after every setting: a run cut short keeps what it did)."""
-            result = dict(meta=dict(meta, runtime_s=time.perf_counter() - t_start, complete=complete),
-                          comparisons=comparisons)
-            save_result(args.out, "equivalence_jax", result, markdown_table(result, TITLE, about))
-            return result
-
-        for dt_name, clip in settings:
+        def train_setting(setting):
+            dt_name, clip = setting
             trainers, pairs = plan_setting(Programs(args, DTYPES[dt_name], clip), init, gpu_devices)
-            records = [dict(kind=k, a=a.label, b=b.label, dtype=dt_name, clip=clip, promised=prom, note=note,
-                            device=a.device_type if a.device_type == b.device_type else f"{a.device_type} vs {b.device_type}",
-                            per_step=empty_per_step()) for k, a, b, prom, note in pairs]
             desc = f"{dt_name} clip={'off' if clip is None else clip}"
-            try:
-                for step in tqdm(range(args.steps), desc=desc, disable=args.no_progress, leave=False, file=sys.stderr):
-                    losses = {t: t.step(batches[step]) for t in trainers}
-                    record_step(records, pairs, {t: t.weights() for t in trainers}, losses)
-            finally:
-                for t in trainers:
-                    t.close()
+            records = train_pairs(trainers, pairs, args.steps, batches.__getitem__, desc, args.no_progress,
+                                  dtype=dt_name, clip=clip)
             for rec in records:
                 ps = rec["per_step"]  # optax clips where not (norm < M); the optax reference's norm is norm_b
                 norms = [n for n in ps["norm_b"] if n is not None] or [n for n in ps["norm_a"] if n is not None]
                 rec["summary"] = summarize(ps, sum(n >= clip for n in norms) if clip is not None and norms else None)
-            comparisons += records
-            write(False)
-            print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
-    result = write(True)
-    out = Path(args.out)
-    plots = [] if args.no_plots else plot_divergence(result, out, "offload_adamw vs optax.adamw")
-    result["files"] = [str(out / "equivalence_jax.json"), str(out / "equivalence_jax.md"), *map(str, plots)]
-    print("\n" + markdown_table(result, TITLE, about))
-    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
-    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
-          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
-    return result
+            return records, desc
+
+        return run_study("equivalence_jax", TITLE, about, meta, args, settings, train_setting, t_start)
 
 
 if __name__ == "__main__":

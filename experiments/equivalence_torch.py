@@ -26,7 +26,6 @@ and ``divergence_<dtype>.png``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import math
 import os
@@ -41,10 +40,7 @@ import torch
 from trainstream.torch import OffloadAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    REPO, cpu_name, empty_per_step, git_commit, markdown_table, plot_divergence, record_step, save_result,
-    summarize, tqdm,
-)
+from _common import REPO, fill_defaults, provenance, run_study, study_args, summarize, train_pairs  # noqa: E402
 from models_torch import GPT, loss_of, text_batches  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,7 +72,7 @@ class Trainer:
 
     def __init__(self, kind: str, device: torch.device, dtype: torch.dtype, init: dict, args, *,
                  clip: float | None, accum: int):
-        self.kind, self.device, self.clip, self.accum = kind, device, clip, accum
+        self.kind, self.device, self.device_type, self.clip, self.accum = kind, device, device.type, clip, accum
         self.model = build_model(args)
         self.model.load_state_dict(init)
         self.model.to(device=device, dtype=dtype)
@@ -176,30 +172,11 @@ def plan_setting(devices, dtype, clip, accum, init, args, gpu_ok: bool):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300; --quick: 4)")
-    ap.add_argument("--quick", action="store_true", help="CI size: a few steps of a tiny model")
-    ap.add_argument("--devices", default=None, help="comma list of cpu,cuda (default: what exists)")
-    ap.add_argument("--dtypes", default="fp32,bf16,fp16")
+    study_args(ap, DEFAULT_OUT, "comma list of cpu,cuda (default: what exists)")
     ap.add_argument("--max-grad-norm", type=float, default=0.5, help="the clipping setting's max_grad_norm")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches of the accumulation setting")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 8; --quick: 4)")
-    ap.add_argument("--ctx", type=int, default=None, help="context length (default 64; --quick: 32)")
-    ap.add_argument("--d-model", type=int, default=None, help="width (default 64; --quick: 32)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, cosine to 10%%)")
-    ap.add_argument("--threads", type=int, default=None, help="OffloadAdamW worker threads (default: its own)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    for k, v in (dict(steps=4, batch=4, ctx=32, d_model=32) if args.quick else
-                 dict(steps=300, batch=8, ctx=64, d_model=64)).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
+    return fill_defaults(ap.parse_args(argv), {}, {})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -215,9 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= set(DTYPES):
-        raise SystemExit(f"--dtypes {args.dtypes!r}: expected some of {', '.join(DTYPES)}")
     skipped, gpu_ok = [], False
     if "cuda" not in devices:
         skipped.append("CUDA rows (torch on CUDA, OffloadAdamW with CUDA parameters, CPU vs CUDA): "
@@ -232,65 +206,37 @@ def main(argv: list[str] | None = None) -> dict:
             gpu_ok = True
         except Exception as exc:  # noqa: BLE001 - report why and go on without it
             skipped.append(f"OffloadAdamW mode='gpu' and 'hybrid': {type(exc).__name__}: {exc}")
-    for s in skipped:
-        print(f"skipped: {s}")
     torch.manual_seed(args.seed)
     init = {k: v.clone() for k, v in build_model(args).state_dict().items()}
     n_params = sum(v.numel() for v in init.values())
     batches = text_batches(args.steps * args.accum, args.batch, args.ctx, args.seed)
-    settings = [(dt, clip, acc) for dt in dtypes for clip in (None, args.max_grad_norm) for acc in sorted({1, args.accum})]
+    settings = [(dt, clip, acc) for dt in args.dtypes for clip in (None, args.max_grad_norm) for acc in sorted({1, args.accum})]
     print(f"GPT {n_params / 1e6:.3f}M parameters (d={args.d_model}, layers={args.layers}, ctx={args.ctx}), "
           f"batch {args.batch}; {args.steps} steps; devices {','.join(devices)}; {len(settings)} settings")
     meta = dict(
-        script="experiments/equivalence_torch.py",
-        command="python " + " ".join(["experiments/equivalence_torch.py", *(argv if argv is not None else sys.argv[1:])]),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
+        provenance("equivalence_torch.py", argv),
         versions=dict(torch=torch.__version__, numpy=np.__version__, python=platform.python_version()),
-        cpu=cpu_name(), cores=os.cpu_count(), gpu=torch.cuda.get_device_name(0) if "cuda" in devices else None,
-        devices=devices, dtypes=dtypes, steps=args.steps, params=n_params,
+        gpu=torch.cuda.get_device_name(0) if "cuda" in devices else None,
+        devices=devices, dtypes=args.dtypes, steps=args.steps, params=n_params,
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, ctx=args.ctx, vocab=VOCAB),
         batch=args.batch, accum=args.accum, max_grad_norm=args.max_grad_norm, lr=args.lr, betas=[0.9, 0.95],
         eps=1e-8, weight_decay=0.1, torch_threads=torch.get_num_threads(), skipped=skipped)
     about = (f"GPT {n_params:,} parameters ({meta['model']}), batch {args.batch}, {args.steps} steps, lr {args.lr} "
              "(warmup + cosine), betas (0.9, 0.95), weight decay 0.1 on matrices; clip = max_grad_norm; "
              "accum = micro-batches per step.")
-    comparisons: list = []
 
-    def write(complete: bool) -> dict:
-        """The JSON and table so far (after every setting: a run cut short keeps what it did)."""
-        result = dict(meta=dict(meta, runtime_s=time.perf_counter() - t_start, complete=complete), comparisons=comparisons)
-        save_result(args.out, "equivalence_torch", result, markdown_table(result, TITLE, about))
-        return result
-
-    for dt_name, clip, acc in settings:
+    def train_setting(setting):
+        dt_name, clip, acc = setting
         trainers, pairs = plan_setting([torch.device(d) for d in devices], DTYPES[dt_name], clip, acc, init, args, gpu_ok)
-        records = [dict(kind=k, a=a.label, b=b.label, device=a.device.type if a.device == b.device else
-                        f"{a.device.type} vs {b.device.type}", dtype=dt_name, clip=clip, accum=acc,
-                        promised=prom, note=note, per_step=empty_per_step()) for k, a, b, prom, note in pairs]
         desc = f"{dt_name} clip={'off' if clip is None else clip} accum={acc}"
-        try:
-            for step in tqdm(range(args.steps), desc=desc, disable=args.no_progress, leave=False, file=sys.stderr):
-                micro = batches[step * args.accum: step * args.accum + acc]
-                losses = {t: t.step(micro) for t in trainers}
-                record_step(records, pairs, {t: t.weights() for t in trainers}, losses)
-        finally:
-            for t in trainers:
-                t.close()
+        records = train_pairs(trainers, pairs, args.steps, lambda step: batches[step * args.accum: step * args.accum + acc],
+                              desc, args.no_progress, dtype=dt_name, clip=clip, accum=acc)
         for rec in records:
             norms = [n for n in rec["per_step"]["norm_a"] if n is not None]
             rec["summary"] = summarize(rec["per_step"], sum(n > clip for n in norms) if clip is not None else None)
-        comparisons += records
-        write(False)
-        print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
-    result = write(True)
-    out = Path(args.out)
-    plots = [] if args.no_plots else plot_divergence(result, out, "OffloadAdamW vs torch.optim.AdamW")
-    result["files"] = [str(out / "equivalence_torch.json"), str(out / "equivalence_torch.md"), *map(str, plots)]
-    print("\n" + markdown_table(result, TITLE, about))
-    broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
-    print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
-          f"{len(broken)} of those not; {time.perf_counter() - t_start:.1f} s; outputs in {out}")
-    return result
+        return records, desc
+
+    return run_study("equivalence_torch", TITLE, about, meta, args, settings, train_setting, t_start)
 
 
 if __name__ == "__main__":

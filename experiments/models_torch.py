@@ -1,10 +1,10 @@
 """The GPT of the torch experiments, one definition for all of them (train_demo.py,
 bench_train.py, bench_fsdp.py, equivalence_torch.py): GPT-2-shaped, pre-LN, tied head.
 
-``SIZES`` names the configurations of the benchmarks (layers, width, heads); the studies
-build small ones directly. ``sdpa=False`` writes attention out (matmul, mask, softmax):
-the same deterministic kernels on every device, so that two models with identical weights
-compute identical gradients (the equivalence study compares such pairs).
+``_common.SIZES`` (readable without torch) names the benchmarks' configurations (layers,
+width, heads); the studies build small ones directly. ``sdpa=False`` writes attention out
+(matmul, mask, softmax): the same deterministic kernels on every device, so that two models
+with identical weights compute identical gradients (the equivalence study compares such pairs).
 """
 
 from __future__ import annotations
@@ -15,29 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from _common import text_windows
-
-SIZES = {  # (layers, d_model, heads); parameters with the default vocabulary and context
-    "tiny": (2, 256, 4),  # 14.7M (12.9M of them the embedding)
-    "125m": (12, 768, 12),  # 124.5M
-    "350m": (24, 1024, 16),  # 354.9M
-    "1.3b": (24, 2048, 16),  # 1.314B
-    "3b": (26, 3072, 24),  # 3.103B (d 3072, head 128)
-    "5b": (24, 4096, 32),  # 5.043B
-    "7b": (32, 4096, 32),  # 6.654B (GPT-3 6.7B / LLaMA-7B width and depth)
-    "8b": (38, 4096, 32),  # 7.863B
-    "9b": (44, 4096, 32),  # 9.071B
-    "10b": (32, 5120, 40),  # 10.33B
-    "13b": (40, 5120, 40),  # 12.85B (GPT-3 13B width and depth)
-    "20b": (44, 6144, 48),  # 20.25B
-}
-VOCAB = 50304
-
-
-def param_count(size: str, vocab: int = VOCAB, ctx: int = 1024) -> int:
-    """Parameters of ``GPT(*SIZES[size])``, without building it."""
-    layers, d, _ = SIZES[size]
-    return layers * (12 * d * d + 13 * d) + vocab * d + ctx * d + 2 * d
+from _common import VOCAB, text_windows
 
 
 class Block(nn.Module):

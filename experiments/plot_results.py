@@ -1,6 +1,5 @@
-"""python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--out experiments/plots]
-
-The plots of RESULTS.md against model size, from bench_train.py JSON files (numpy and
+# Run: python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--out experiments/plots]
+"""The plots of RESULTS.md against model size, from bench_train.py JSON files (numpy and
 matplotlib only, no GPU; the newest file wins per setup, size and batch):
 ``scaling_step_time.png``, the median step time (the MFU in the legend), and
 ``scaling_memory.png``, the peak GPU memory (solid) and host memory (dashed: the drop of
@@ -11,10 +10,10 @@ floor, its reason in the legend (GPU or host OOM: it does not fit; a timeout: no
 from __future__ import annotations
 
 import argparse
-import ast
 import io
 import json
 import os
+import sys
 
 import matplotlib
 
@@ -23,6 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import param_count  # noqa: E402
 COLORS = {"bf16_fused": "#7f7f7f", "amp_fused": "#b0b0b0", "torchao_fp32": "#d62728", "torchao_bf16": "#ff9896",
           "ds_zero_offload": "#9467bd", "ts_cpu": "#aec7e8", "ts_cpu_eager": "#1f77b4", "ts_gpu": "#98df8a",
           "ts_hybrid": "#2ca02c"}
@@ -37,15 +38,6 @@ def _save(fig, out: str) -> None:
     Image.open(buf).convert("RGB").quantize(colors=64).save(out, optimize=True)
 
 
-def _params_b(size: str) -> float:
-    """Billions of parameters of models_torch's ``SIZES[size]`` (read from its source: no torch import)."""
-    tree = ast.parse(open(os.path.join(HERE, "models_torch.py")).read())
-    sizes = next(ast.literal_eval(n.value) for n in tree.body
-                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "SIZES")
-    layers, d, _ = sizes[size]
-    return (layers * (12 * d * d + 13 * d) + 50304 * d + 1024 * d + 2 * d) / 1e9
-
-
 def load_scaling(paths: list[str]) -> list[dict]:
     """The rows of bench_train JSON files (the newest file wins per setup, size, batch)."""
     latest: dict = {}
@@ -54,7 +46,7 @@ def load_scaling(paths: list[str]) -> list[dict]:
             for r in json.load(f)["rows"]:
                 if "skipped" in r:
                     continue
-                r = dict(r, params_b=r["params_M"] / 1e3 if "params_M" in r else _params_b(r["size"]))
+                r = dict(r, params_b=r["params_M"] / 1e3 if "params_M" in r else param_count(r["size"]) / 1e9)
                 key = (r["setup"], r["size"], r["batch"])
                 if not (key in latest and "step_ms_median" in latest[key] and "step_ms_median" not in r):
                     latest[key] = r  # a measured row is not replaced by a failed retry

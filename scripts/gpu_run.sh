@@ -10,7 +10,6 @@
 #   fsdp   experiments/bench_fsdp.py, world size 1, FSDP_SIZE (350m; FT: 150) -> bench_fsdp.{log,json}
 #   host   experiments/bench_host_adamw.py, interleaved (HT: 120)   -> bench_host.{log,json}
 #   zc     experiments/bench_zero_copy.py (ZT: 150)                 -> bench_zero_copy.{log,json}
-#   probe  experiments/zero_copy_probe.py (PT: 120)                 -> zero_copy_probe.{log,json}
 #   jax    experiments/bench_jax_offload.py, the 268M MLP; JAX_GPT=350m adds the GPT (JT: 150) -> bench_jax*.{log,json}
 #   train  experiments/bench_train.py $TRAIN_ARGS (default --configs 350m:8; TT: 400) -> bench_train.{log,json}
 # The device tool of this workplace returns at most 8 files from $OUT, 2 folders deep, and runs a
@@ -65,10 +64,6 @@ fi
 if has zc; then
   timeout "${ZT:-150}" python3 experiments/bench_zero_copy.py --out "$OUT/bench_zero_copy.json" > "$OUT/bench_zero_copy.log" 2>&1
   tail -n 14 "$OUT/bench_zero_copy.log"
-fi
-if has probe; then
-  timeout "${PT:-120}" python3 experiments/zero_copy_probe.py --json "$OUT/zero_copy_probe.json" > "$OUT/zero_copy_probe.log" 2>&1
-  tail -n 12 "$OUT/zero_copy_probe.log"
 fi
 if has jax; then
   timeout "${JT:-150}" python3 experiments/bench_jax_offload.py --params 268M --json "$OUT/bench_jax.json" > "$OUT/bench_jax.log" 2>&1

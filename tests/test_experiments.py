@@ -122,23 +122,6 @@ def test_bench_train_host_oom_is_recorded_not_fatal(tmp_path):
     assert row["failure"] == "host_oom" and "MemAvailable" in row["error"] and "step_ms_median" not in row
 
 
-def test_bench_train_largest_bisection():
-    bt = load_script("bench_train")
-    sizes = ["1.3b", "3b", "5b", "7b", "10b", "13b"]
-    for limit, first, want, n_tries in ((8e9, "7b", "7b", 2), (8e9, None, "7b", 3), (1e9, None, None, 2),
-                                        (1e12, "13b", "13b", 1), (4e9, "7b", "3b", 3)):
-        tried = []
-
-        def runner(size, limit=limit, tried=tried):
-            tried.append(size)
-            fits = bt.param_count(size) < limit
-            return {"step_ms_median": 1.0} if fits else {"failure": "host_oom"}
-
-        res = bt.search_largest("ts_cpu", sizes, first, runner)
-        assert res["largest_fit"] == want and res["resolved"], (limit, first, res)
-        assert len(tried) == n_tries and len(set(tried)) == n_tries, tried
-
-
 def test_bench_host_adamw_interleaved(tmp_path):
     script = load_script("bench_host_adamw")
     out = tmp_path / "host.json"
@@ -152,3 +135,16 @@ def test_bench_host_adamw_interleaved(tmp_path):
     assert res["torch_fused"]["x_torch_median"] == 1.0 and res["ceiling"]["of_ceiling_median"] == 1.0
     assert len(doc["summary"]["ours_x_torch_per_round"]) == 2
     assert doc["env"]["thp_enabled"] is None or "[" in doc["env"]["thp_enabled"]
+
+
+def test_bench_host_adamw_cases_check_themselves():
+    """The cases check their first pass (the kernels against the contract's reference) before
+    they are timed, over uneven ranges."""
+    script = load_script("bench_host_adamw")
+    assert script.split_ranges(100, 3) == [(0, 32), (32, 64), (64, 100)]
+    with script.Team(3) as team:
+        for case in (script.AdamWCase(team, 10_007), script.AdamWCase(team, 10_007, bf16=True),
+                     script.CeilingCase(team, 10_007), script.CeilingCase(team, 10_007, prefetch=False)):
+            case()
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        script.Team(0)

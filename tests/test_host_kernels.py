@@ -586,25 +586,6 @@ def test_kernels_vectorise():
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
 
 
-# -- the micro-benchmark (smoke: it checks itself against the reference before timing) ------
-
-
-def test_benchmarks_smoke():
-    from _experiments import load_script
-
-    B = load_script("_host_bench")
-
-    r = B.benchmark_host_adamw(10_007, threads=3, repeats=2)
-    assert set(r) == {"ms", "gelems_per_s", "gbps", "threads", "numel"}
-    assert r["threads"] == 3 and r["numel"] == 10_007 and r["ms"] > 0
-    assert r["gbps"] == pytest.approx(r["gelems_per_s"] * 28)
-    assert B.benchmark_rmw_bandwidth(10_007, threads=2, repeats=2) > 0
-    assert B.benchmark_rmw_bandwidth(10_007, threads=1, repeats=1, prefetch=False) > 0
-    assert B.split_ranges(100, 3) == [(0, 32), (32, 64), (64, 100)]
-    with pytest.raises(ValueError, match="threads must be >= 1"):
-        B.benchmark_host_adamw(100, threads=0)
-
-
 def test_optax_cuda_clip_by_global_norm_matches_reference():
     """optax/cuda with OX_CLIP: g = (g / n) * M, host kernel bit-identical to the contract."""
     rng = np.random.default_rng(5)
