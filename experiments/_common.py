@@ -127,7 +127,6 @@ def study_args(ap, default_out: Path, devices_help: str) -> None:
     ap.add_argument("--threads", type=int, default=None, help="TrainStream's worker threads (default: its own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(default_out))
-    ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -217,8 +216,7 @@ def run_study(name: str, title: str, about: str, meta: dict, args, settings: lis
         write(False)
         print(f"  {desc}: {len(records)} comparisons, {time.perf_counter() - t_start:.1f} s so far", flush=True)
     result = write(True)
-    plots = [] if args.no_plots else plot_divergence(result, out, title.split(":")[0])
-    result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.md"), *map(str, plots)]
+    result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.md")]
     print("\n" + markdown_table(result, title, about))
     broken = [c for c in comparisons if c["promised"] and c["summary"]["min_bitid"] < 1.0]
     print(f"{len(comparisons)} comparisons, {sum(c['promised'] for c in comparisons)} promised bit-identical, "
@@ -270,46 +268,3 @@ def markdown_table(result: dict, title: str, about: str) -> str:
         lines += ["", "Not run:"] + [f"- {s}" for s in m["skipped"]]
     return "\n".join(lines) + "\n"
 
-
-def plot_divergence(result: dict, out: Path, title: str) -> list[Path]:
-    """``divergence_<dtype>.png``: max ULP and max relative error per step, a panel per
-    setting (clip, accum); solid: promised, dashed: reference vs reference, dotted: others."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    import matplotlib.ticker  # noqa: PLC0415
-
-    files = []
-    for dt in result["meta"]["dtypes"]:
-        mine = [c for c in result["comparisons"] if c["dtype"] == dt]
-        settings = sorted({(c["clip"] is not None, c.get("accum", 1)) for c in mine})
-        labels = list(dict.fromkeys(f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "") for c in mine))
-        fig, axes = plt.subplots(2, len(settings), figsize=(4.5 * len(settings), 6 + 0.2 * len(labels)),
-                                 squeeze=False, sharex=True)
-        handles = {}
-        for j, setting in enumerate(settings):
-            for c in (c for c in mine if (c["clip"] is not None, c.get("accum", 1)) == setting):
-                ps, label = c["per_step"], f"{c['a']} vs {c['b']}" + (f" ({c['note']})" if c["note"] else "")
-                steps = np.arange(1, len(ps["max_ulp"]) + 1)
-                style = "-" if c["promised"] else ("--" if c["kind"] == "reference-vs-reference" else ":")
-                i = labels.index(label)
-                kw = dict(lw=1.2, color=plt.get_cmap("tab10")(i % 10), marker="ox^sdv*P"[i % 8], markersize=3,
-                          markevery=max(1, len(steps) // 12), label=label)
-                handles.setdefault(label, axes[0, j].plot(steps, ps["max_ulp"], style, **kw)[0])
-                axes[1, j].plot(steps, ps["max_rel"], style, **kw)
-            axes[0, j].set_title(f"{dt}, clip {'on' if setting[0] else 'off'}, accum {setting[1]}", fontsize=9)
-            axes[0, j].set_yscale("symlog", linthresh=1)
-            axes[1, j].set_yscale("symlog", linthresh=1e-9)
-            axes[1, j].set_xlabel("step")
-            axes[1, j].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        axes[0, 0].set_ylabel("max distance (float32 ULPs)")
-        axes[1, 0].set_ylabel("max relative error")
-        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=1, fontsize=7, frameon=False)
-        fig.suptitle(f"{title}, {dt} (0 = bit-identical)", fontsize=10)
-        fig.tight_layout(rect=(0, min(0.6, 0.03 + 0.025 * len(handles)), 1, 0.97))
-        path = Path(out) / f"divergence_{dt}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        files.append(path)
-    return files

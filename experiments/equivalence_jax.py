@@ -23,7 +23,7 @@ offload_adamw (``mode="gpu"``, ``"cpu"``) vs optax on the GPU (approximate squar
 division: the contract bounds each step in ULPs). Where runs differ, max ULP and max rel
 come from weights near zero that change sign (chiefly the key third of the qkv biases,
 whose gradient is rounding noise: softmax ignores it). Outputs (``--out``):
-``equivalence_jax.json``, ``equivalence_jax.md`` and ``divergence_<dtype>.png``.
+``equivalence_jax.json`` and ``equivalence_jax.md``.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ references, each pair from identical weights on identical batches:
 Per step: the loss of each, the fraction of (fp32 master) weights bit-identical (and of
 the model's own weights), the max distance in float32 ULPs and the max relative error.
 Reference-vs-reference rows (default vs fused; CPU vs CUDA) show the differences users
-already accept. Outputs (``--out``): ``equivalence_torch.json``, ``equivalence_torch.md``
-and ``divergence_<dtype>.png``.
+already accept. Outputs (``--out``): ``equivalence_torch.json`` and ``equivalence_torch.md``.
 """
 
 from __future__ import annotations

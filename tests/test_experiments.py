@@ -27,16 +27,13 @@ def test_equivalence_torch_first_line_is_its_command():
     assert first.startswith("# Run: python experiments/equivalence_torch.py")
 
 
-def test_equivalence_torch_writes_json_markdown_and_plots(torch_equivalence):
+def test_equivalence_torch_writes_json_and_markdown(torch_equivalence):
     out, result = torch_equivalence
     saved = json.loads((out / "equivalence_torch.json").read_text())
     assert saved["comparisons"] == json.loads(json.dumps(result["comparisons"]))
     assert saved["meta"]["steps"] == 3
     table = (out / "equivalence_torch.md").read_text()
     assert table.count("\n| ") == len(result["comparisons"]) + 1  # header + one row each
-    for dt in ("fp32", "bf16", "fp16"):
-        png = out / f"divergence_{dt}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_equivalence_torch_promised_rows_bit_identical(torch_equivalence):

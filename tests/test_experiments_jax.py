@@ -32,7 +32,7 @@ def test_equivalence_jax_first_line_is_its_command():
     assert first.startswith("# Run: python experiments/equivalence_jax.py")
 
 
-def test_equivalence_jax_writes_json_markdown_and_plots(jax_equivalence):
+def test_equivalence_jax_writes_json_and_markdown(jax_equivalence):
     out, result = jax_equivalence
     saved = json.loads((out / "equivalence_jax.json").read_text())
     assert saved["comparisons"] == json.loads(json.dumps(result["comparisons"]))
@@ -40,9 +40,6 @@ def test_equivalence_jax_writes_json_markdown_and_plots(jax_equivalence):
     assert saved["meta"]["dtypes"] == ["fp32", "bf16"]
     table = (out / "equivalence_jax.md").read_text()
     assert table.count("\n| ") == len(result["comparisons"]) + 1  # header + one row each
-    for dt in ("fp32", "bf16"):
-        png = out / f"divergence_{dt}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # no GPU in CI: the CUDA rows are skipped with a printed reason
     if not saved["meta"]["gpu"]:
         assert any("CUDA rows" in s and "no GPU visible" in s for s in saved["meta"]["skipped"])

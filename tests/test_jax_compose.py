@@ -340,7 +340,7 @@ def _rss() -> int:
 def test_no_growth_across_init_step_close():
     """Cycles of a new optimizer, init, a jitted step, close: the process does not grow
     (nothing is kept between calls; the callbacks of equal configurations are shared).
-    experiments/jax_no_growth.py measures 100 cycles (data/2026-12-02_jax_no_growth_cpu.json)."""
+    A probe measured 100 cycles (experiments/RESULTS.md, data/2026-12-02_jax_no_growth_cpu.json)."""
     init, loss, batch = MODELS["mlp"]
     params = init(np.random.default_rng(0))
     b = batch(np.random.default_rng(1))

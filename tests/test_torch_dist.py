@@ -631,8 +631,8 @@ FSDP = [name for name, _ in JOBS["fsdp"]]
 
 #: Not run with CUDA tensors: torch's own full_state_dict gather segfaults there over gloo
 #: (2 ranks on one H200, torch 2.11: SIGSEGV in _functional_collectives.all_gather_tensor,
-#: reproduced with torch.optim.AdamW alone, no TrainStream: experiments/fsdp_full_state_dict_probe.py,
-#: experiments/log/2026-12-02_session_c.md). On CPU (gloo) it runs; on CUDA it needs NCCL, 2 GPUs.
+#: reproduced with torch.optim.AdamW alone, no TrainStream: experiments/RESULTS.md,
+#: data/2026-12-02_c_fsdp_probe_*.log). On CPU (gloo) it runs; on CUDA it needs NCCL, 2 GPUs.
 GLOO_CUDA_CRASH = {"dcp_full_state_dict": "torch's FSDP2 full_state_dict gather segfaults with CUDA tensors over "
                                           "gloo (torch.optim.AdamW alone too); needs NCCL on 2 GPUs"}
 DDP = [name for name, _ in JOBS["ddp"]]

@@ -5,7 +5,7 @@ No torch, no JAX.
 The host update streams four arrays at once: 4 KiB pages cost a TLB miss every 1024 fp32 elements
 of each, 2 MiB pages one every 512 Ki. Under THP's usual ``madvise`` only mappings that ask get huge
 pages (``torch.empty`` does not, unless ``THP_MEM_ALLOC_ENABLE=1``): :func:`empty` asks. Measured:
-``experiments/host_pages.py``, ``experiments/RESULTS.md``.
+``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
