@@ -376,7 +376,7 @@ def test_step_launches_several_tensors_at_once(mode, kw, monkeypatch):
     a launch closed once it holds MULTI_LAUNCH_ELEMS elements (3000 here, so that the tiny
     model takes several), and no launch per tensor; the weights stay bit-identical to
     torch.optim.AdamW (clipping: torch's clip_grad_norm_ on param.grad first, then c = 1)."""
-    import trainstream.core._ring as ge
+    import trainstream.core._device as ge
 
     monkeypatch.setattr(ge, "MULTI_LAUNCH_ELEMS", 3000)
     multi, single = _record_launches(monkeypatch)
@@ -653,7 +653,7 @@ def test_staged_state_spans_ring_buffers_bit_identical(mode, dtype):
     """A 2.4M-element weight (more than one staging-ring buffer, 2**21 elements) beside
     small tensors, plain and eager (gradient hooks): the same bits as torch.optim.AdamW
     (bf16: against fp32 masters); the ring in stats (72 MiB; hybrid: none, zero-copy)."""
-    import trainstream.core._device as ge
+    import trainstream.core._ring as ge
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1200, 2000), nn.Tanh(), nn.Linear(2000, 3)).to(DEV, dtype)
