@@ -92,9 +92,10 @@ def build_torch(fam: int, mkind: int, wkind: int, gkind: int, layout: int, amsgr
             if blocked:  # CPU float32 single/foreach with MKL's root: three passes over the strip
                 for i in range(lo, hi):
                     gi = load(g[i], gkind) * c
-                    if g16:
-                        gi = select(round_g, rt(gi, gkind), gi)
-                    gi = select(has_l2, mad(unfused, p[i], l2, gi), gi)
+                    if round_g:
+                        gi = rt(gi, gkind)
+                    if has_l2:
+                        gi = mad(unfused, p[i], l2, gi)
                     mo = m[i]
                     m[i] = mad(unfused, wl, gi - mo, select(small, mo, gi))
                     vi = mad(unfused, omb2 * gi, gi, v[i] * b2)
@@ -117,10 +118,10 @@ def build_torch(fam: int, mkind: int, wkind: int, gkind: int, layout: int, amsgr
                 continue
             for i in range(lo, hi):
                 gi = load(g[i], gkind) * c  # g = r_g(g * c); c < 0: maximize
-                if g16:
-                    gi = select(round_g, rt(gi, gkind), gi)
-                if fused:
-                    gi = select(has_div, gi / gdiv, gi)  # GradScaler's scale
+                if round_g:  # (loop-invariant: LLVM unswitches the loop)
+                    gi = rt(gi, gkind)
+                if has_div:  # GradScaler's scale
+                    gi = gi / gdiv
                 if w_self:
                     pi = load(w[i], mkind)
                 else:
@@ -139,7 +140,8 @@ def build_torch(fam: int, mkind: int, wkind: int, gkind: int, layout: int, amsgr
                     gl = fma32(pi, l2, gi)
                 else:
                     gl = mad(unfused, pi, l2, gi)
-                gi = select(has_l2, gl, gi)
+                if has_l2:  # (loop-invariant)
+                    gi = gl
                 if cuda_fused:
                     p1 = select(has_nlw, fma32(nlw, pi, pi), pi)  # param -= lr*wd*param
                     mi = fma32(b1, mo, fma32(nb1, gi, gi))

@@ -45,16 +45,16 @@ class TorchRecipe(NamedTuple):
 def resolve_impl(platform: str, *, fused: bool | None = None, foreach: bool | None = None,
                  lr_tensor: bool = False) -> str:
     """torch's choice of implementation (``torch.optim.adam``'s ``_default_to_fused_or_foreach``): ``fused=True``:
-    fused; ``foreach=True``: foreach; else CPU single-tensor, CUDA foreach, but single-tensor for a Tensor ``lr``
-    (without ``capturable``). ``fused=True`` with ``foreach=True``: ``RuntimeError`` as torch's."""
+    fused; ``foreach=True``: foreach, ``False``: single-tensor; else CPU single-tensor, CUDA foreach, but
+    single-tensor for a Tensor ``lr`` (without ``capturable``). ``fused=True`` with ``foreach=True``: ``RuntimeError`` as torch's."""
     if platform not in PLATFORMS:
         raise ValueError(f"Unknown platform {platform!r}; expected one of {PLATFORMS}")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if fused:
         return "fused"
-    if foreach:
-        return "foreach"
+    if foreach is not None:  # foreach=False: the single-tensor path, also on CUDA
+        return "foreach" if foreach else "single"
     return "foreach" if platform == "cuda" and not lr_tensor else "single"
 
 
