@@ -216,6 +216,8 @@ class Engine:
             placement, local = self._local(sid)
             param, dtype, platform, _, recipe = self._args[sid]
             st = self.state(sid, copy=False)  # once its queued work has run
+            if placement is self.host:  # the host's weights (float32: the weights themselves), not the device's
+                st["master"] = self.host._slot(local).master.array
             try:
                 new = self.device.add_param(param, self._numel[sid], dtype, platform, gpu_state=True, init=False,
                                             **self._dev_kw(recipe))

@@ -33,10 +33,8 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches
-from ._external import update_batches
-from ._hostslot import HostSlot as _Slot
-from ._hostslot import DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
+from ._hostslot import HostSlot as _Slot, DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
@@ -269,7 +267,9 @@ class HostPlacement:
         else:
             bias = self._powers.bias(recipe, s.step, hp)
             scalars = C.torch_scalars(recipe, hp, s.step, clip, grad_scale=grad_div, bias=bias)
-            threads = self._cpu_threads() if C.tails_follow_threads(recipe, self.tc_code) else 1
+            # fp16/bf16 Adam-L2 on the CPU: the tails follow torch.get_num_threads() now (the backend's cpu_threads)
+            threads = int(getattr(self.backend, "cpu_threads", int)() or 1) if C.tails_follow_threads(
+                recipe, self.tc_code) else 1
             kw = {"recipe": recipe, "vmax": None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.array,
                   "tails": C.torch_cpu_tails(recipe, s.numel, self.tc_code, threads)}
         variant = C.variant_id(self.convention, s.platform)
@@ -299,12 +299,6 @@ class HostPlacement:
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)
-
-    def _cpu_threads(self) -> int:
-        """``torch.get_num_threads()`` now (the backend's ``cpu_threads``; 1 without one): the scalar tails of
-        fp16/bf16 Adam-L2 on the CPU follow torch's thread chunks."""
-        fn = getattr(self.backend, "cpu_threads", None)
-        return int(fn()) if fn is not None else 1
 
     def wait_step(self) -> None:
         """Make the compute stream wait for every update queued so far (module docstring, 4.);
