@@ -1,4 +1,4 @@
-"""The host kernel of every torch recipe (``trainstream._host_kernels.adamw_chunk(recipe=...)``): against the real
+"""The host kernel of every torch recipe (``trainstream._host_kernels.adamw_chunk(..., recipe)``): against the real
 ``torch.optim.AdamW``/``Adam`` on the CPU bit for bit (the CPU recipes, the master scheme against torch on fp32
 master copies), and against the contract's reference for the CUDA recipes (whose reference the contract tests hold
 to the spec's emulation here, and to torch on a GPU). Each test compiles only the specialisations it checks."""

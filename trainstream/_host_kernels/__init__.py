@@ -130,8 +130,8 @@ def _segments(begin: int, end: int, tails) -> list[tuple[int, int, bool]]:
 
 
 # -- the raw kernels (the engine calls these; no validation beyond the codes) ----------------
-def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE, *, recipe=None,
-                vmax=None, tails=()):
+def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code=SQRT_IEEE, recipe=None, vmax=None,
+                tails=()):
     """One AdamW update of elements ``[begin, end)`` (:mod:`trainstream.contract`).
 
     Without ``recipe`` (the optax convention, or the torch convention's default fp32 arithmetic by ``variant``):

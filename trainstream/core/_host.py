@@ -261,7 +261,7 @@ class HostPlacement:
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
                         grad_div: float | None = None) -> None:
         s.step += 1
-        recipe, kw = s.recipe, {}
+        recipe, extra = s.recipe, ()
         if recipe is None:  # the optax convention
             scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
         else:
@@ -270,8 +270,8 @@ class HostPlacement:
             # fp16/bf16 Adam-L2 on the CPU: the tails follow torch.get_num_threads() now (the backend's cpu_threads)
             threads = int(getattr(self.backend, "cpu_threads", int)() or 1) if C.tails_follow_threads(
                 recipe, self.tc_code) else 1
-            kw = {"recipe": recipe, "vmax": None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.array,
-                  "tails": C.torch_cpu_tails(recipe, s.numel, self.tc_code, threads)}
+            extra = (recipe, None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.array,
+                     C.torch_cpu_tails(recipe, s.numel, self.tc_code, threads))  # recipe, vmax, tails
         variant = C.variant_id(self.convention, s.platform)
         m, v = s.exp_avg.array, s.exp_avg_sq.array
         g, gkind = (s.grad_sum.array, K.KIND_F32) if s.summed else (s.grad_stage.array, _KIND[s.dtype])
@@ -287,7 +287,7 @@ class HostPlacement:
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, **kw)
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
             self._stats.add("update_s", time.perf_counter() - t)
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
