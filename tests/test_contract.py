@@ -102,3 +102,17 @@ def test_block_sqrt_equals_the_scalar_form_in_every_mode():
         b = S._array_kernel(mode, True)(np.ascontiguousarray(x, np.float32))  # the kernels' blocked form
         same = (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
         assert same.all(), (S.MODE_NAMES[mode], x[~same][:5])
+
+
+def test_vector_width_follows_aten_capability():
+    """The probe's TC_VEC512 (64-byte vectors: the scalar tails' lengths) is ATen's AVX-512 level; at DEFAULT every
+    fp16/bf16 add(alpha=) element takes the two-rounding form (no tail to measure) and TC_NO_FMA is set."""
+    from trainstream.backends.torch import _l2_tail_width, torch_cpu_code
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    code, width = torch_cpu_code(), _l2_tail_width()
+    if cap == "DEFAULT":
+        assert width is None and code & C.TC_NO_FMA
+    else:
+        assert width == (64 if cap.startswith("AVX512") else 32) and not code & C.TC_NO_FMA
+        assert bool(code & C.TC_VEC512) == (width == 64)

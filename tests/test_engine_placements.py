@@ -64,6 +64,14 @@ class FakeDevice:
         self.resident = [sid for sid in self.resident if sid < n]
         self.e.truncate(n)
 
+    def state(self, sid):  # the device placement's: (master, m, v, step), copies
+        st = self.e.state(sid)
+        return self.e._slot(sid).master.array.copy(), st["exp_avg"], st["exp_avg_sq"], st["step"]
+
+    def load_state(self, sid, m, v, step, master=None):
+        self.e.load_state(sid, {"exp_avg": m, "exp_avg_sq": v, "step": step,
+                                **({} if master is None else {"master": master})})
+
     def stats(self):
         slots = [self.e._slot(sid) for sid in self.resident]
         return {**self.e.stats(), "gpu_state_params": float(len(slots)),
@@ -85,6 +93,11 @@ class FakeDevice:
         self.eager_calls += eager
         self._offload(updates)
         self.e.step([(sid, hp) for sid, hp, _, _ in updates])
+
+
+def _same_state(a, b):
+    """Two slots' state dicts hold the same keys and bits."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def _params(seed=0):
@@ -120,7 +133,7 @@ def test_split_equals_one_engine_and_dispatches_by_registration_order():
     for a, b in zip(whole_p, split_p):
         assert np.array_equal(a, b)
     for sid in range(4):
-        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+        assert _same_state(whole.state(sid), split.state(sid))
         assert split.get_step(sid) == 5
     st = split.stats()
     assert st["params"] == 4 and st["gpu_params"] == 2 and st["numel"] == 15100
@@ -392,7 +405,7 @@ def test_resident_share_in_every_mode_equals_one_engine(placement):
     for a, b in zip(whole_p, split_p):
         assert np.array_equal(a, b)
     for sid in range(4):
-        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+        assert _same_state(whole.state(sid), split.state(sid))
     st = split.stats()
     assert st["gpu_state_params"] == 3 and st["gpu_state_numel"] == 8100 and st["gpu_state_bytes"] == 64800
     frozen = split.add_param(np.zeros(10, np.float32), 10, "float32", "cpu", trainable=False)
@@ -424,17 +437,24 @@ def test_load_state_is_checked_before_either_placement_changes(placement):
             eng.add_param(np.ones(3, np.float32), 3, "float32", "cpu")]
     assert [eng.on_device(s) for s in sids] == [placement == "hybrid", False]
     for sid, n in zip(sids, (5, 3)):
-        eng.load_state(sid, np.full(n, 2.0), np.full(n, 3.0), 4)
-        for args, match in (((np.zeros(n + 1), np.zeros(n), 1), f"exp_avg of parameter slot {sid} has {n + 1} elem"),
-                            ((np.zeros(n), np.zeros(n - 1), 1), f"exp_avg_sq of parameter slot {sid} has {n - 1}"),
-                            ((np.zeros(n), np.zeros(n), 1, np.zeros(2)), f"master of parameter slot {sid} has 2"),
-                            ((np.zeros(n), np.zeros(n), -1), "step must be a non-negative integer, got -1"),
-                            ((np.zeros(n), np.zeros(n), True), "step must be a non-negative integer, got True"),
-                            ((np.zeros(n), np.zeros(n), 1.5), "step must be a non-negative integer, got 1.5")):
+        eng.load_state(sid, {"exp_avg": np.full(n, 2.0), "exp_avg_sq": np.full(n, 3.0), "step": 4})
+        z = np.zeros(n)
+        for state, match in (({"exp_avg": np.zeros(n + 1), "exp_avg_sq": z, "step": 1},
+                              f"exp_avg of parameter slot {sid} has {n + 1} elem"),
+                             ({"exp_avg": z, "exp_avg_sq": np.zeros(n - 1), "step": 1},
+                              f"exp_avg_sq of parameter slot {sid} has {n - 1}"),
+                             ({"exp_avg": z, "exp_avg_sq": z, "step": 1, "master": np.zeros(2)},
+                              f"master of parameter slot {sid} has 2"),
+                             ({"exp_avg": z, "exp_avg_sq": z}, f"the state of parameter slot {sid} lacks 'step'"),
+                             ({"exp_avg": z, "exp_avg_sq": z, "step": 1, "exp_avg_2": z}, "unknown state key"),
+                             ({"exp_avg": z, "exp_avg_sq": z, "step": -1}, "step must be a non-negative integer, got -1"),
+                             ({"exp_avg": z, "exp_avg_sq": z, "step": True}, "step must be a non-negative integer, got True"),
+                             ({"exp_avg": z, "exp_avg_sq": z, "step": 1.5}, "step must be a non-negative integer, got 1.5")):
             with pytest.raises(ValueError, match=match):
-                eng.load_state(sid, *args)
-        _, m, v, step = eng.state(sid)
-        assert (m == 2).all() and (v == 3).all() and step == 4
+                eng.load_state(sid, state)
+        st = eng.state(sid)
+        assert (st["exp_avg"] == 2).all() and (st["exp_avg_sq"] == 3).all() and st["step"] == 4
+        assert "master" not in st  # float32 weights are the parameter
     eng.close()
     assert eng.stats()["host_state_bytes"] == 0 and eng.stats()["params"] == 0
 
@@ -483,7 +503,7 @@ def test_make_resident_moves_state_mid_training_and_keeps_the_bits(placement):
     _train(whole, split, whole_p, rng, hp)
     for sid, (a, b) in enumerate(zip(whole_p, split_p)):
         assert np.array_equal(a, b), sid
-        assert all(np.array_equal(x, y) for x, y in zip(whole.state(sid)[:3], split.state(sid)[:3]))
+        assert _same_state(whole.state(sid), split.state(sid))
         assert split.get_step(sid) == 4
     assert split.move_state_to_gpu(0) == []  # nothing more fits
     assert split.has_gpu_state(split.add_param(np.zeros(25, np.float32), 25, "float32", "cpu"))  # 200 bytes left
@@ -515,7 +535,7 @@ def test_make_resident_failing_partway_leaves_every_slot_consistent():
     eng = E.Engine(Backend(), mode="cpu", threads=1, gpu_state_later=True, _device=lambda: gpu)
     for p in _params():
         eng.add_param(p, p.size, "float32", "cpu")
-    eng.load_state(1, np.full(3000, 2.0), np.full(3000, 3.0), 5)
+    eng.load_state(1, {"exp_avg": np.full(3000, 2.0), "exp_avg_sq": np.full(3000, 3.0), "step": 5})
     load = gpu.load_state
 
     def failing(sid, *a):
@@ -528,8 +548,8 @@ def test_make_resident_failing_partway_leaves_every_slot_consistent():
         eng.move_state_to_gpu(10**6)
     assert [eng.has_gpu_state(s) for s in range(4)] == [True, False, False, False]
     assert gpu.e.stats()["params"] == 1 and eng.host.stats()["params"] == 3
-    _, m, v, step = eng.state(1)
-    assert (m == 2).all() and (v == 3).all() and step == 5
+    st = eng.state(1)
+    assert (st["exp_avg"] == 2).all() and (st["exp_avg_sq"] == 3).all() and st["step"] == 5
     eng.close()
 
 

@@ -180,7 +180,7 @@ def _train(backend, steps=len(SCENARIOS), seed=0):
             eng.discard_grads()
     eng.synchronize()
     for sid in sids:
-        snapshots += list(eng.state(sid)[:3])
+        snapshots += list(eng.state(sid).values())
     eng.close()
     return snapshots
 

@@ -552,8 +552,12 @@ def _vectorisation_report(specs) -> list[dict]:
     rows = []
     for kernel, key in specs:
         fn = K._BUILDERS[kernel](*key, cache=False)
-        src = f32 if key[1] == K.KIND_F32 else u16  # the gradient
-        sig = (f32, f32, f32, src, u16, i64, i64, f32)
+        if kernel == "torch":  # (p, w, m, v, vmax, g, begin, end, s, tail)
+            st = f32 if key[1] == K.KIND_F32 else u16
+            sig = (f32, u16, st, st, st, f32 if key[3] == K.KIND_F32 else u16, i64, i64, f32, types.boolean)
+        else:
+            src = f32 if key[1] == K.KIND_F32 else u16  # the gradient
+            sig = (f32, f32, f32, src, u16, i64, i64, f32)
         fn.compile(sig)
         asm = fn.inspect_asm(fn.signatures[0])
         ops = Counter(_PACKED_OP.findall(asm))
@@ -571,9 +575,11 @@ def _target_has_avx2():
 def test_kernels_vectorise():
     """A few specialisations (uncached copies) carry packed sqrt/div/fma or conversions."""
     rows = _vectorisation_report([
-        ("adamw", (C.VARIANT_TORCH_CPU, K.KIND_F32, K.KIND_F32)),
-        ("adamw", (C.VARIANT_TORCH_CUDA, K.KIND_BF16, K.KIND_F16)),
+        ("torch", K.torch_key(C.TorchRecipe(), K.KIND_F32, 0)),
+        ("torch", K.torch_key(C.TorchRecipe("foreach", "cuda", "float16", master=True), K.KIND_BF16, 1)),
         ("adamw", (C.VARIANT_OPTAX_CPU, K.KIND_F32, K.KIND_F32, C.OX_CLIP | C.OX_NU_SWAP)),
+        ("torch", K.torch_key(C.TorchRecipe("single", "cpu", "bfloat16", decoupled=False), K.KIND_BF16, 3)),
+        ("torch", K.torch_key(C.TorchRecipe("fused", "cpu", "float16", amsgrad=True), K.KIND_F16, 3)),
     ])
     for r in rows:
         assert r["vector"], r
@@ -584,6 +590,8 @@ def test_kernels_vectorise():
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
     ops = rows[2]["packed_ops"]  # optax/cpu: IEEE sqrt/div, FMAs, and the FTZ emulation
     assert ops.get("vsqrtps") and ops.get("vdivps") and any(k.startswith("vfmadd") for k in ops), ops
+    for r in rows[3:]:  # fp16/bf16 state: the conversions and the root vectorise too
+        assert r["packed_ops"].get("vsqrtps") and r["packed_ops"].get("vdivps"), r
 
 
 def test_optax_cuda_clip_by_global_norm_matches_reference():

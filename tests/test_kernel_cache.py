@@ -21,8 +21,6 @@ from numba.core.caching import IndexDataCacheFile
 from trainstream import _host_kernels as H
 from trainstream import _jit
 from trainstream._cpu_sqrt import IEEE, MKL_SSE, available_modes
-from trainstream.contract import TC_NO_FMA, VARIANT_TORCH_CPU
-
 ROOT = Path(__file__).resolve().parent.parent
 
 # One torch/cpu AdamW specialisation (MKL's root where this target has it: the blocked path)
@@ -31,7 +29,7 @@ _SCRIPT = """
 import json, sys
 import numpy as np
 from trainstream import _cpu_sqrt as S, _host_kernels as H
-from trainstream.contract import VARIANT_TORCH_CPU, AdamWHyperParams, step_scalars
+from trainstream.contract import VARIANT_TORCH_CPU, AdamWHyperParams, TorchRecipe, step_scalars
 mode = int(sys.argv[1])
 n = 1000
 rng = np.random.default_rng(0)
@@ -41,7 +39,8 @@ s = step_scalars(AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1, "torch", "cp
 H.adamw_chunk(VARIANT_TORCH_CPU, p, m, v, g, H.KIND_F32, None, H.KIND_F32, 0, n, s, mode)
 root = S.sqrt_array(np.abs(g), mode)
 out = {}
-for name, fn in (("adamw", H._TABLE["adamw", (VARIANT_TORCH_CPU, 0, 0, mode)]), ("sqrt", S._array_kernel(mode, False))):
+adamw = H._TABLE["torch", H.torch_key(TorchRecipe(), H.KIND_F32, 0, mode)]
+for name, fn in (("adamw", adamw), ("sqrt", S._array_kernel(mode, False))):
     out[name] = [sum(fn.stats.cache_hits.values()), sum(fn.stats.cache_misses.values())]
 out["bits"] = [int(p.view(np.uint32).sum(dtype=np.uint64)), int(root.view(np.uint32).sum(dtype=np.uint64))]
 print(json.dumps(out))
@@ -82,7 +81,7 @@ def test_kernel_closures_hold_plain_distinct_values():
     seen = {}
     for kernel, keys in H._VALID_KEYS.items():
         for key in keys:
-            if kernel == "adamw" and key[0] == VARIANT_TORCH_CPU and key[3] & ~TC_NO_FMA not in available_modes():
+            if kernel == "torch" and key[:2] == (0, H.KIND_F32) and key[6] & 3 not in available_modes():
                 continue  # a sqrt mode this target cannot build
             fn = H._BUILDERS[kernel](*key, cache=False).py_func
             cells = tuple(c.cell_contents for c in fn.__closure__)
@@ -156,7 +155,7 @@ _ONE_KIND = """
 import json, sys
 import numpy as np
 from trainstream import _host_kernels as H
-from trainstream.contract import VARIANT_TORCH_CPU, AdamWHyperParams, step_scalars
+from trainstream.contract import VARIANT_TORCH_CPU, AdamWHyperParams, TorchRecipe, step_scalars
 s = step_scalars(AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1, "torch", "cpu")
 out = {}
 for gkind in map(int, sys.argv[1:]):
@@ -165,7 +164,7 @@ for gkind in map(int, sys.argv[1:]):
     g = g.view(np.uint16)[::2].copy() if gkind else g  # fp16/bf16 gradients: any 16-bit patterns
     m, v = np.zeros(1000, np.float32), np.zeros(1000, np.float32)
     H.adamw_chunk(VARIANT_TORCH_CPU, p, m, v, g, gkind, None, H.KIND_F32, 0, 1000, s, 0)
-    fn = H._TABLE["adamw", (VARIANT_TORCH_CPU, gkind, H.KIND_F32, 0)]
+    fn = H._TABLE["torch", H.torch_key(TorchRecipe(), gkind, 0, 0)]
     out[gkind] = [int(p.view(np.uint32).sum(dtype=np.uint64)), sum(fn.stats.cache_hits.values())]
 print(json.dumps(out))
 """

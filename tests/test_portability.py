@@ -96,8 +96,9 @@ def test_forced_isa_level(level, levels):
 @pytest.mark.isa
 def test_every_kernel_compiles_and_runs():
     """Every kernel, and each specialisation whose instructions depend on the target (every
-    torch/cpu sqrt mode it can compile, fused and not; optax/cpu with and without FMA),
-    builds and runs on a few elements; a missing instruction would abort the process."""
+    torch/cpu sqrt mode it can compile, fused and not; the fp16/bf16 and fused recipes with and
+    without FMA; optax/cpu with and without FMA), builds and runs on a few elements; a missing
+    instruction would abort the process."""
     import numpy as np
 
     from trainstream import contract as C
@@ -105,19 +106,34 @@ def test_every_kernel_compiles_and_runs():
     from trainstream import _host_kernels as K
 
     n = 37
-    keys = [(C.VARIANT_TORCH_CPU, 0, 0, m | f) for m in S.available_modes() for f in (0, C.TC_NO_FMA)]
-    keys += [(C.VARIANT_OPTAX_CPU, 0, 0, c) for c in (0, 15, C.OX_NO_FMA, 31)]
-    keys += [(v, gk, ok, 0) for v in (C.VARIANT_TORCH_CUDA, C.VARIANT_OPTAX_CUDA)
-             for gk, ok in ((0, 0), (1, 1), (2, 2), (2, K.OUT_IN_GRAD))]
-    for key in keys:
-        assert key in K._VALID_KEYS["adamw"], key
+    hp = C.AdamWHyperParams(0.1, 0.9, 0.999, 1e-8, 0.01)
+    half = {"float16": 0x3800, "bfloat16": 0x3F00}  # 0.5
+    recipes = [(C.TorchRecipe(), m | f) for m in S.available_modes() for f in (0, C.TC_NO_FMA)]
+    recipes += [(C.TorchRecipe(impl, "cpu", dt, amsgrad=True, decoupled=False), f)
+                for impl, dt in (("single", "bfloat16"), ("fused", "float16"), ("fused", "float32"))
+                for f in (0, C.TC_NO_FMA)]
+    recipes += [(C.TorchRecipe(impl, "cuda", dt), 0) for impl, dt in (("foreach", "float32"), ("single", "float16"),
+                                                                     ("fused", "bfloat16"))]
+    recipes += [(C.TorchRecipe("foreach", "cuda", "bfloat16", master=True), 0)]
+    for recipe, code in recipes:
+        recipe = C.check_recipe(recipe)
+        sd, kind = C.state_dtype(recipe), K.KIND[recipe.dtype]
+        st = [np.zeros(n, np.float32 if sd == "float32" else np.uint16) for _ in range(3)]
+        p = np.ones(n, np.float32) if sd == "float32" else None
+        w = np.full(n, 0x3F80 if recipe.dtype == "bfloat16" else 0x3C00, np.uint16) if recipe.dtype != "float32" else None
+        g = np.full(n, 0.5, np.float32) if recipe.dtype == "float32" else np.full(n, half[recipe.dtype], np.uint16)
+        s = C.torch_scalars(recipe, hp, 1)
+        K.adamw_chunk(0, p, st[0], st[1], g, kind, w, kind, 0, n, s, code, recipe=recipe, vmax=st[2] if recipe.amsgrad
+                      else None, tails=C.torch_cpu_tails(recipe, n, code))
+        assert (p != 1).all() if p is not None else (w != (0x3F80 if recipe.dtype == "bfloat16" else 0x3C00)).all(), \
+            (recipe, code)
+    for code in (0, 15, C.OX_NO_FMA, 31):
         p, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
-        g = np.full(n, 0x3F80, np.uint16) if key[1] else np.full(n, 0.5, np.float32)
-        out = np.zeros(n, np.uint16) if key[2] in (1, 2) else K._NO_OUT
-        s = C.step_scalars(C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01), 1,
-                           "optax" if key[0] in (C.VARIANT_OPTAX_CPU, C.VARIANT_OPTAX_CUDA) else "torch",
-                           "cpu" if key[0] in (C.VARIANT_TORCH_CPU, C.VARIANT_OPTAX_CPU) else "cuda")
-        if key[0] == C.VARIANT_OPTAX_CPU:
-            s[C.S_OX_CODE] = key[3]
-        K._specialisation("adamw", key)(p, m, v, g, out, 0, n, s)
-        assert np.isfinite(p).all() and (p != 1).all(), key
+        s = C.optax_step_scalars(hp, *C.optax_bias_corrections(0.9, 0.999, 1), code=code)
+        K.adamw_chunk(C.VARIANT_OPTAX_CPU, p, m, v, np.full(n, 0.5, np.float32), 0, None, 0, 0, n, s)
+        assert np.isfinite(p).all() and (p != 1).all(), code
+    for kind in (K.KIND_F32, K.KIND_F16, K.KIND_BF16):
+        acc = np.zeros(n, np.float32)
+        K.accumulate_chunk(acc, np.full(n, 0x3C00 if kind == K.KIND_F16 else 0x3F80, np.uint16) if kind
+                           else np.ones(n, np.float32), kind, 0, n, True)
+        assert (acc == 1).all(), kind

@@ -1,5 +1,6 @@
 """The torch side of the engine's :class:`~trainstream.core.Backend` (host buffers, side streams, events and
-copies for one device, CUDA or CPU) and the probe of torch's CPU arithmetic (:func:`torch_cpu_code`).
+copies for one device, CUDA or CPU; what the recipes read from torch at step time: ``torch.get_num_threads()``,
+CUDA's ``powf``) and the probe of torch's CPU arithmetic (:func:`torch_cpu_code`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,29 @@ class TorchBackend:
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(param.detach().reshape(-1))
 
+    @staticmethod
+    def param_to_host(param: torch.Tensor, out: np.ndarray) -> None:
+        """The parameter's own bits into ``out`` (float32, or uint16 for fp16/bf16), synchronously."""
+        host = torch.from_numpy(out if out.dtype == np.float32 else out.view(np.int16))
+        host.view(param.dtype).copy_(param.detach().reshape(-1))
+
+    @staticmethod
+    def cpu_threads() -> int:
+        """``torch.get_num_threads()`` now: the thread chunks of torch's CPU kernels (their scalar tails)."""
+        return torch.get_num_threads()
+
+    def device_pow(self, base: float, t0: int, count: int) -> np.ndarray:
+        """``powf(f(base), t)`` for ``t0 <= t < t0 + count`` (float32 ``t``), computed on the parameters' device
+        (CUDA's ``powf``, which the host cannot reproduce: CUDA fused's bias corrections), on a side stream."""
+        def run() -> np.ndarray:
+            b = torch.full((1,), float(base), dtype=torch.float32, device=self.device)
+            t = torch.arange(t0, t0 + count, dtype=torch.float32, device=self.device)
+            return torch.pow(b, t).cpu().numpy()
+        if not self.cuda:
+            return run()
+        with torch.cuda.stream(self.upd):  # waits for nothing on the compute stream
+            return run()
+
     def record_compute(self, param: torch.Tensor | None) -> _cuda.Event | None:
         return _cuda.Event(self.drv, self._compute_stream()) if self.cuda else None
 
@@ -136,13 +160,37 @@ class TorchBackend:
         return _cuda.Event(self.drv, self.h2d.cuda_stream) if self.cuda else None
 
 
+def _l2_tail_width() -> int | None:
+    """The scalar tail step of ATen's CPU ``bf16.add(other, alpha=)`` (``2 * Vectorized<BFloat16>::size()``: 32 with
+    32-byte vectors, 64 at AVX-512), measured on 127 elements where the vector loop's one rounding and the tail's two
+    differ in every element; None where all take the tail's form (ATen's DEFAULT level)."""
+    rng = np.random.default_rng(5)
+    alpha = C.round_to(np.float32(0.1), "bfloat16")
+    for _ in range(64):  # a (p, g) pair whose two forms differ
+        p, g = (C.round_to(rng.standard_normal(2).astype(np.float32), "bfloat16") for _ in range(2))
+        one = C.round_to(C.fma_f32(p, alpha, g), "bfloat16")
+        two = C.round_to(g + C.round_to(alpha * p, "bfloat16"), "bfloat16")
+        if one[0] != two[0]:
+            break
+    n = 127
+    tp, tg = (torch.full((n,), float(x[0]), dtype=torch.bfloat16) for x in (p, g))
+    got = tg.add(tp, alpha=float(alpha)).float().numpy()
+    tail = int(np.count_nonzero(got == two[0]))
+    if tail == n:
+        return None
+    return tail + 1 if got[n - tail:].tolist() == [two[0]] * tail and tail + 1 in (32, 64) else -(tail + 1)
+
+
 @functools.cache
 def torch_cpu_code() -> int:
     """The contract's torch/cpu code, probed once per process: the MKL sqrt path ``torch.sqrt`` takes (``_cpu_sqrt``)
-    | ``TC_NO_FMA`` if ATen's lerp is unfused. If no path Numba compiles matches, the correctly rounded root (within
-    ``TORCH_CPU_SQRT_MAX_ULP``) is used; for a lerp neither fused nor two roundings, the fused form; one warning."""
+    | ``TC_NO_FMA`` if ATen's lerp is unfused | ``TC_VEC512`` if its vectors are 64 bytes (AVX-512: the scalar
+    tails' lengths). If no path Numba compiles matches, the correctly rounded root (within
+    ``TORCH_CPU_SQRT_MAX_ULP``) is used; for a lerp neither fused nor two roundings, the fused form; for another
+    vector width, 32 bytes; one warning."""
     mode = _cpu_sqrt.detect_mode(lambda x: torch.from_numpy(x).sqrt().numpy())
     fused = _cpu_sqrt.detect_lerp_fma(lambda a, b, w: torch.from_numpy(a.copy()).lerp_(torch.from_numpy(b), w).numpy())
+    width = _l2_tail_width() if fused else None
     problems = []
     if mode is None:
         problems.append("torch.sqrt matches none of the MKL paths Numba can compile here (it may use instructions "
@@ -152,8 +200,11 @@ def torch_cpu_code() -> int:
     if fused is None:
         problems.append("Tensor.lerp_ is neither fused nor two roundings; the fused form is used")
         fused = True
+    if width is not None and width < 0:
+        problems.append(f"ATen's fp16/bf16 vector loops step {-width} elements (not 32 or 64); fp16/bf16 Adam-L2 and "
+                        "fused tails are placed as for 32-byte vectors")
     if problems:
         warnings.warn("TrainStream: updates of CPU parameters may differ from torch.optim.AdamW in the last bit on "
                       f"this host (torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
                       f"): {'; '.join(problems)}", RuntimeWarning, stacklevel=3)
-    return mode | (0 if fused else C.TC_NO_FMA)
+    return mode | (0 if fused else C.TC_NO_FMA) | (C.TC_VEC512 if width == 64 else 0)

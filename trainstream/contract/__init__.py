@@ -1,21 +1,25 @@
 """The AdamW arithmetic contract, defined once.
 
 Every kernel (Numba host kernels, the CUDA kernels of the top-level ``kernels/``) implements the
-per-element arithmetic written here. ``_reference.py`` is its executable form in NumPy, which the
-tests hold to every kernel and to the real references; ``_scalars.py`` lays out the per-step
-scalar vector (one index per meaning) and forms it as each reference does. Import every name
-from this package (``from trainstream import contract as C``), not from those modules.
+per-element arithmetic written here. ``_reference.py`` and ``_torch_reference.py`` are its executable form in
+NumPy, which the tests hold to every kernel and to the real references; ``_scalars.py`` lays out the per-step
+scalar vector (one index per meaning) and forms optax's, ``_torch.py`` names a torch slot's recipe
+(:class:`TorchRecipe`) and forms its scalars as torch does. Import every name from this package
+(``from trainstream import contract as C``), not from those modules.
 
 ====================  =====================================================================
-``p``                 fp32 master weight (the parameter itself when it is fp32)
-``m``, ``v``          ``exp_avg``, ``exp_avg_sq`` (fp32)
-``g``                 gradient, upcast to fp32 exactly (fp16/bf16 -> fp32 is exact)
-``c``                 clip coefficient (fp32; 1 when not clipping)
-``lr``                ``lr`` / ``learning_rate``
+``p``                 the weights as updated: the fp32 master, or the parameter's own values
+``m``, ``v``, ``vmax``  ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` (their state dtype's values)
+``g``                 gradient, upcast to fp32 exactly (fp16/bf16 -> fp32 is exact), or an fp32 sum
+``c``                 the gradient's multiplier (clip coefficient, ``GradScaler``'s inverse scale; 1)
+``lr``                ``lr`` / ``learning_rate`` (a Tensor ``lr``: its float32 value)
 ``b1``, ``b2``        ``betas`` / ``b1``, ``b2``
 ``eps``, ``wd``       ``eps``, ``weight_decay``
 ``t``                 the step number after increment (1 on the first update)
 ``f(x)``              ``x`` rounded to the nearest float32 (a host scalar)
+``RN(x)``             one float32 operation's rounding (written where the order matters)
+``r(x)``              a float32 value rounded to the *math dtype* (RN-even; identity for float32)
+``R(x)``              a host scalar cast to the math dtype, ``r(f(x))`` (exact in float32)
 ``fma(a, b, c)``      ``a*b + c`` rounded once (the FMA instruction)
 ====================  =====================================================================
 
@@ -27,55 +31,97 @@ reproduces), and reach a kernel as a float32 vector indexed by the ``S_*`` const
 
 Conventions
 -----------
-``torch`` reproduces ``torch.optim.AdamW`` (default single-tensor and foreach paths, bitwise
-equal) with ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` in float64. The gradient, both platforms:
-``g = g * c`` in float32, for an fp16/bf16 gradient rounded back, ``g = r(g * c)``; ``c`` stands
-for torch's in-place multiplications of ``param.grad`` before ``step()`` (``clip_grad_norm_``'s
-by the coefficient cast to the gradient's dtype, ``GradScaler.unscale_``'s by the float32
-inverse scale). (The CUDA kernels do not round yet: the torch adapter multiplies ``param.grad``
-with torch and gives them ``c = 1``.)
+``torch`` reproduces ``torch.optim.AdamW`` and ``torch.optim.Adam`` (torch 2.13 on the CPU, measured bit for bit;
+CUDA as noted per line), one :class:`TorchRecipe` per slot: ``impl`` (``single``, ``foreach``, ``fused``, resolved
+as torch resolves it), ``platform`` (the parameters' device: whose arithmetic), ``dtype``, ``master``, ``amsgrad``,
+``maximize``, ``decoupled`` (AdamW's decay; False: Adam's L2), ``lr_tensor``. The state has :func:`state_dtype`:
+the parameter's dtype, as torch keeps it (``zeros_like(param)``), or float32 with ``master`` (``master_weights=True``,
+TrainStream 0.1.1's scheme: the recipe's float32 lines applied to an fp32 master, the weights ``r(p)`` in the
+parameter's dtype; its reference is torch's optimizer on fp32 master copies). The *math dtype* that ``r`` rounds to
+is the state dtype. :func:`torch_scalars` forms every scalar below (``S_*`` in brackets) as torch forms it, from
+Python floats: ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` (C ``pow``; ``t`` stops at ``2**24``, torch's float32 step).
 
-* platform ``cpu`` (ATen's AVX2/AVX512 kernels; measured on torch 2.13)::
+The gradient, every recipe: ``g = r_g(g * c)`` (``r_g``: to the gradient's dtype; ``c`` stands for torch's
+in-place multiplications of ``param.grad`` before ``step()``: ``clip_grad_norm_``'s by the coefficient cast to the
+gradient's dtype, ``GradScaler.unscale_``'s by the float32 inverse scale) [``S_CLIP``]; ``maximize``: ``g = -g``,
+folded in as ``-c`` (exact). Fused kernels under ``GradScaler``: ``g = RN(g / f(scale))`` in float, unrounded
+[``S_GRAD_DIV``; 1: none] (``found_inf``: no update and no step, the adapter's). Adam's L2 (``decoupled`` False,
+``wd != 0``) adds ``p * alpha`` [``S_L2``, 0 for AdamW]; AdamW multiplies by ``decay`` [``S_DECAY``, 1 for Adam].
 
-      g  = g * c                                  # (fp16/bf16: r(g * c), above)
-      p1 = p * f(1 - lr*wd)                       # param.mul_(1 - lr*wd)
-      m  = fma(f(1-b1), g - m, m)                 # exp_avg.lerp_(g, 1-b1), weight < 0.5
-         = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
-      v  = fma(f(1-b2) * g, g, v * f(b2))         # exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2)
-      d  = msqrt(v) / f(sqrt(bc2)) + f(eps)       # true division by the host scalar
-      p  = p1 + (f(-lr/bc1) * m) / d              # param.addcdiv_(m, d, -lr/bc1)
+* ``cpu`` single/foreach (ATen's per-tensor ops; CPU foreach falls back to them): **every op rounds** to the math
+  dtype (for float32, ``r`` is the identity and these are TrainStream's long-standing torch/cpu lines)::
 
-  ATen's ``DEFAULT`` kernels (no AVX2, or ``ATEN_CPU_CAPABILITY=default``; :data:`TC_NO_FMA`)
-  do not fuse: the two FMAs are two roundings each (verified on torch 2.13 for ``1-b1`` below,
-  at and above 0.5; the other lines are the same at every level)::
+      g  = r(fma(p, alpha, g))                    # grad.add(param, alpha=wd); alpha = f(wd), R(wd) for fp16/bf16
+         = r(g + r(alpha * p))                    #   fp16/bf16 elements of a scalar tail (below)
+      p1 = r(p * decay)                           # param.mul_(1 - lr*wd): f(1-lr*wd), R(.) for fp16/bf16 foreach
+      m  = r(fma(w, g - m, m))                    # exp_avg.lerp_(g, w), w = f(1-b1) < 0.5    [S_OMB1, S_LERP_SMALL]
+         = r(fma(w - 1, g - m, g))                #   ... w >= 0.5
+      v  = r(fma(RN(f(1-b2) * g), g, r(v * B2)))  # mul_(b2).addcmul_(g, g, 1-b2); B2 = f(b2), R(b2) fp16/bf16 foreach
+      vmax = max(vmax, v)                         # torch.maximum: NaN propagates; s = vmax with amsgrad, else v
+      d  = RN(msqrt(s) / f(sqrt(bc2))) + E        # float32: MKL's root (below), true division   [S_SQRT_BC2, S_EPS]
+         = r(r(r(sqrt(s)) / f(sqrt(bc2))) + E)    # fp16/bf16: IEEE root; E = f(eps), R(eps) for fp16/bf16
+      p  = r(p1 + RN(RN(f(-lr/bc1) * m) / d))     # param.addcdiv_(m, d, -lr/bc1)                 [S_NEG_STEP]
 
-      m  = m + f(1-b1) * (g - m)                  # weight < 0.5
-         = g + (f(1-b1) - 1) * (g - m)            #   ... weight >= 0.5 (= g - (g-m)*(1-w))
-      v  = v * f(b2) + (f(1-b2) * g) * g
+  ``lr_tensor`` (a 0-dim float32 CPU tensor, single only): ``decay = f(1 - f(f(lr)*f(wd)))``,
+  ``-f(f(lr)/f(bc1))``: tensor arithmetic in float32.
 
-  ``msqrt`` is ``Tensor.sqrt()``, *not* IEEE ``sqrt``: MKL's ``vsSqrt``, whose path depends
-  on the CPU (vendor, vector width) and on ``MKL_ENABLE_INSTRUCTIONS`` (AMD EPYC kept the SSE
-  path at every setting), not on ATen's capability; :mod:`trainstream._cpu_sqrt` reproduces
-  the three paths (its modes). The torch/cpu *code*, the mode (bits 0-1) ``| TC_NO_FMA``, is
-  probed once from ``torch.sqrt`` and ``Tensor.lerp_`` (:func:`trainstream.backends.torch.torch_cpu_code`).
-  Where no mode Numba's target can compile reproduces torch's root (e.g. MKL's AVX-512 path,
-  Numba forced below AVX-512), the correctly rounded one is used with a warning
-  (:data:`TORCH_CPU_SQRT_MAX_ULP`). aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet
-  run): no MKL; NEON ``vsqrtq_f32`` (correctly rounded), a ``vfmaq_f32`` lerp: probed ``IEEE``, fused.
+* ``cpu`` fused (ATen's ``FusedAdamKernel``): the same arithmetic in float on **unrounded** values, each state
+  rounded **once**, at the store: ``r`` is the identity in these lines, the stores are ``r(p), r(m), r(v),
+  r(vmax)``; the root is IEEE; every scalar ``f(.)`` from double (``sqrt(bc2)`` by ``std::sqrt``; a Tensor
+  ``lr`` is ``f(lr)``)::
 
-* platform ``cuda`` (torch's default there is the *foreach* path, whose kernels nvcc
-  compiles with ``a + b*c`` contracted; measured on torch 2.11, H200)::
+      g  = fma(p, f(wd), g)   p1 = RN(p * f(1-lr*wd))   m = lerp as above
+      v  = fma(RN(f(1-b2) * g), g, RN(v * f(b2)))      # vector loop
+         = fma(v, f(b2), RN(RN(f(1-b2) * g) * g))      # scalar tail: the last numel % lanes elements
+      vmax = max(vmax, v) (vector: NaN propagates)  |  (vmax < v) ? v : vmax (tail)
+      d  = RN(RN(sqrt(s) / f(sqrt(bc2))) + f(eps))      p = RN(p1 + RN(RN(f(-lr/bc1) * m) / d))
 
-      g  = g * c
-      p1 = p * f(1 - lr*wd)                       # _foreach_mul_
-      m  = fma(f(1-b1), g - m, m)                 # _foreach_lerp_, weight < 0.5
-         = fma(f(1-b1) - 1, g - m, g)             #   ... weight >= 0.5
-      v  = fma(f(1-b2), g * g, v * f(b2))         # _foreach_mul_, _foreach_addcmul_
-      d  = sqrt(v) / f(sqrt(bc2)) + f(eps)        # _foreach_div_ (scalar list): true division
-      p  = fma(f(-lr/bc1), m / d, p1)             # _foreach_addcdiv_
+* ``cuda`` foreach (CUDA's default; verified on the H100, torch 2.11): per-op rounding, every scalar ``f(.)``
+  (never ``R``), nvcc's contractions, IEEE root::
 
-  (``foreach=False`` on CUDA multiplies by a reciprocal, ``d = sqrt(v) * f(1/sqrt(bc2)) +
-  f(eps)``: not a convention, it is the default nowhere.)
+      g  = r(fma(f(wd), p, g))     p1 = r(p * f(1-lr*wd))     m = r(fma-lerp as above)
+      v  = r(fma(f(1-b2), RN(g * g), r(v * f(b2))))          vmax = max(vmax, v) (NaN propagates)
+      d  = r(r(r(sqrt(s)) / f(sqrt(bc2))) + f(eps))
+      p  = r(fma(f(-lr/bc1), RN(m / d), p1))
+
+* ``cuda`` single (``foreach=False``; CUDA's default for a Tensor ``lr``): as foreach but the division by the CPU
+  scalar is a multiply by its reciprocal, computed in double (verified on the H100 for float32, where it differs
+  from ``RN(1/f(.))``), ``d = r(r(r(sqrt(s)) * f(1/sqrt(bc2))) + f(eps))`` [``S_INV_SQRT_BC2``]; a Tensor ``lr`` on
+  the CPU as on ``cpu``. (A Tensor ``lr`` on the CUDA device: not reproduced.)
+
+* ``cuda`` fused (2.13's ``FusedAdamMathFunctor``, opmath float; verified on the H100 with torch 2.11 but for
+  Adam's L2 in float32, which differs in ~1 % of ``m``: its ``g`` line is open): ``LR, B1, B2, WD, EPS = f(.)``,
+  ``bc1 = RN(1 - powf(B1, t))``, ``bc2 = RN(1 - powf(B2, t))`` with CUDA's ``powf`` (the host cannot reproduce it:
+  the caller passes both from the device to :func:`torch_scalars`), each state rounded once at the store::
+
+      g  = fma(p, WD, g)                          # Adam L2                                   [S_L2]
+      p1 = fma(-RN(LR * WD), p, p)                # AdamW: param -= lr*wd*param                [S_NEG_LR_WD]
+      m  = fma(B1, m, fma(-B1, g, g))             # std::fma, no lerp                          [S_BETA1]
+      v  = fma(B2, v, fma(-B2, RN(g*g), RN(g*g))) vmax = (vmax < v) ? v : vmax
+      d  = RN(RN(sqrt(s) / sqrtf(bc2)) + EPS)     p = RN(p1 + RN(RN(-RN(LR/bc1) * m) / d))
+
+CPU: the ISA-dependent pieces. ATen's ``DEFAULT`` level (no AVX2, or ``ATEN_CPU_CAPABILITY=default``;
+:data:`TC_NO_FMA`) has no FMA: every ``fma`` of the CPU lines is two roundings, ``RN(RN(a*b) + c)`` (the CUDA lines
+keep theirs). ``msqrt`` is ``Tensor.sqrt()`` of float32 state, *not* IEEE ``sqrt``: MKL's ``vsSqrt``, whose path
+depends on the CPU (vendor, vector width) and on ``MKL_ENABLE_INSTRUCTIONS`` (AMD EPYC kept the SSE path at every
+setting), not on ATen's level; :mod:`trainstream._cpu_sqrt` reproduces the three paths (its modes). fp16/bf16
+state and the fused kernel take IEEE roots. The scalar tails (:func:`torch_cpu_tails`; vectors of 32 bytes, 64 at
+AVX-512, :data:`TC_VEC512`): fused, the last ``numel % (vector bytes / itemsize of the math dtype)`` elements of the
+tensor; single/foreach fp16/bf16 Adam-L2, each thread chunk's last ``len % (vector bytes)`` elements, the chunks
+those of ``at::parallel_for``: one ``[0, n)`` below 32768 elements or with one thread, else
+``min(torch.get_num_threads(), ceil(n/32768))`` chunks of ``ceil(n/k)``: these bits depend on the thread count at
+step time (every element takes the tail form at DEFAULT). The torch/cpu *code*, the mode (bits 0-1)
+``| TC_NO_FMA | TC_VEC512``, is probed once per process from ``torch.sqrt``, ``Tensor.lerp_`` and a bf16
+``Tensor.add(alpha=)`` (:func:`trainstream.backends.torch.torch_cpu_code`). Where no mode Numba's target can compile
+reproduces torch's root (e.g. MKL's AVX-512 path, Numba forced below AVX-512), the correctly rounded one is used with
+a warning (:data:`TORCH_CPU_SQRT_MAX_ULP`). aarch64 (read from ATen's ``vml.h`` and ``vec128``, not yet run): no MKL;
+NEON ``vsqrtq_f32`` (correctly rounded), a ``vfmaq_f32`` lerp: probed ``IEEE``, fused.
+
+Numerical hazards (torch's own, reproduced): ``R(1e-8) == 0`` in fp16, so fp16 single/foreach with the default
+``eps`` divides ``0/0 = NaN`` where every gradient of an element was zero (torch's fp16 test inputs set
+``eps=0.1``); the fp16/bf16 per-op roundings lose small updates (``p1 = r(p * decay) == p`` for bf16 and
+``lr*wd < 2**-9``); Inf/NaN gradients propagate to the state and weights (no guard); ``std::max`` in the fused tails
+keeps ``vmax`` where ``v`` is NaN.
 
 ``optax`` reproduces ``optax.adamw`` (optionally ``optax.chain(optax.clip_by_global_norm(M),
 optax.adamw(...))`` and ``mask=``) as ``jax.jit`` compiles it, update and ``apply_updates`` in
@@ -167,7 +213,7 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
   FTZ unless ``xla_gpu_ftz``) and never rewrites to reciprocals (form D); ``cuda`` reads only
   the :data:`OX_CLIP` bit of the code.
 
-Numerical hazards: ``1 - lr*wd`` and ``-lr/bc1`` are rounded to float32 once (not per element);
+Numerical hazards (every convention): ``1 - lr*wd`` and ``-lr/bc1`` are rounded to float32 once (not per element);
 ``d`` is never zero for ``eps > 0``, but an Inf/NaN gradient propagates to ``m``, ``v`` and ``p``
 exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close to 1, tiny ``t``)
 only below float64 precision, far from any practical setting.
@@ -178,15 +224,22 @@ from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_
                          update_ulps)
 from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA,
                        OX_NU_SWAP, PLATFORMS, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS,
-                       S_LERP_SMALL, S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES,
-                       TC_NO_FMA, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
-                       AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections, optax_clip_scalars,
-                       optax_cpu_code, optax_scalar_matrix, optax_step_scalars, step_scalars, torch_step_scalars,
-                       validate_hyperparams, variant_id)
+                       S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR, S_NEG_LR_WD, S_NEG_STEP, S_OMB1,
+                       S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, TC_VEC512, VARIANT_OPTAX_CPU,
+                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, AdamWHyperParams, OptaxStepScalars,
+                       clip_coefficient, optax_bias_corrections, optax_clip_scalars, optax_cpu_code, optax_scalar_matrix,
+                       optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)
+from ._torch import (FAMILIES, IMPLS, TORCH_MAX_STEP, TorchRecipe, check_recipe, default_recipe, math_dtype,
+                     resolve_impl, state_dtype, tail_mask, tails_follow_threads, torch_cpu_tails, torch_family,
+                     torch_scalars)
+from ._torch_reference import torch_reference_update
 
 __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
     "optax_scalar_matrix", "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
+    "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",
+    "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask", "tails_follow_threads",
+    "torch_reference_update",
 ]

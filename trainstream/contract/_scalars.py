@@ -24,10 +24,11 @@ VARIANT_OPTAX_CUDA = 3
 # -- the per-step scalar vector: one index per meaning --------------------------------------
 # Shared indices mean the same quantity in both conventions; each convention's own slots hold 0.0 in
 # the other's vectors (1.0 in optax_scalar_matrix's rows, as jnp writes them), which its kernels never read.
+# The torch recipes' values per family: trainstream.contract._torch.torch_scalars (package docstring, "torch").
 # S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of clip_by_global_norm when
 # it triggers (else 1.0). The engine's max_grad_norm (torch's clip_grad_norm_ formula) uses it in both;
 # only the JAX adapter's clip_by_global_norm inputs reproduce optax's clipping.
-N_SCALARS = 16
+N_SCALARS = 20
 # both conventions
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
 S_OMB1 = 1  # f(1 - b1): torch's lerp weight, optax's weight of g in m
@@ -47,6 +48,11 @@ S_WD = 12  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
 S_NEG_LR = 13  # f(-lr)
 S_CLIP_DIV = 14  # with OX_CLIP (cpu and cuda): the gradient divisor (global norm, or 1.0)
 S_OX_CODE = 15  # the code (OX_* bits) as a float32 (cuda reads only OX_CLIP)
+# torch recipes (TorchRecipe), appended
+S_GRAD_DIV = 16  # fused: GradScaler's scale, g = g / scale (1.0: none)
+S_L2 = 17  # Adam's L2 weight decay, g += p * S_L2: f(wd), or R(wd) on CPU fp16/bf16 tensors; 0.0: none (AdamW)
+S_INV_SQRT_BC2 = 18  # cuda single-tensor: f(1 / sqrt(bc2)), the reciprocal of the CPU scalar in float64
+S_NEG_LR_WD = 19  # cuda fused AdamW: -RN(f(lr) * f(wd)), p1 = fma(S_NEG_LR_WD, p, p); 0.0: none
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
@@ -56,9 +62,10 @@ OX_CLIP = 8  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV first
 OX_NO_FMA = 16  # XLA:CPU without FMA3: every fma of the lines is RN(RN(a*b) + c)
 OX_CODES: tuple[int, ...] = tuple(range(32))
 
-# -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA -----------
+# -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA | TC_VEC512 ---
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
-TC_CODES: tuple[int, ...] = tuple(range(8))
+TC_VEC512 = 8  # ATen's AVX-512 kernels: 64-byte vectors (the scalar tails' lengths); else 32 bytes
+TC_CODES: tuple[int, ...] = tuple(range(16))
 
 
 class AdamWHyperParams(NamedTuple):
@@ -110,16 +117,10 @@ def _scalar_vector(slots: dict[int, Any]) -> np.ndarray:
 
 def torch_step_scalars(hp: AdamWHyperParams, step: int, clip: float | np.float32 = 1.0) -> np.ndarray:
     """Per-step scalars of the ``torch`` convention for update number ``step`` (>= 1), as
-    ``torch/optim/adam.py`` forms them in Python floats, rounded where ATen casts them."""
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the count after increment), got {step}")
-    lr, b1, b2, eps, wd = hp
-    t = float(step)  # torch keeps `step` as a float tensor and calls .item()
-    bc1 = 1 - b1**t
-    bc2 = 1 - b2**t
-    lerp_small = 1.0 if abs(float(np.float32(1 - b1))) < 0.5 else 0.0
-    return _scalar_vector({S_CLIP: clip, S_DECAY: 1 - lr * wd, S_OMB1: 1 - b1, S_LERP_SMALL: lerp_small,
-                           S_BETA2: b2, S_OMB2: 1 - b2, S_SQRT_BC2: bc2**0.5, S_EPS: eps, S_NEG_STEP: -(lr / bc1)})
+    ``torch/optim/adam.py`` forms them in Python floats, rounded where ATen casts them: those of the float32
+    recipes of torch's default implementations (CPU single-tensor, CUDA foreach: the same values)."""
+    from ._torch import TorchRecipe, torch_scalars  # noqa: PLC0415 (the recipes build on this module)
+    return torch_scalars(TorchRecipe(), hp, step, clip)
 
 
 def optax_bias_corrections(b1: float, b2: float, count, xp=np):

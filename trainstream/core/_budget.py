@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from .. import _hostmem
+from .. import contract as C
 from ..contract import ITEMSIZE as _ITEMSIZE
 
 __all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "WHERE", "assign", "check", "host_bytes", "hybrid_elems",
-           "place", "plan", "gpu_state_fits", "state_bytes"]
+           "place", "plan", "gpu_state_fits", "slot_layout", "state_bytes"]
 
 #: Where :func:`assign` puts a slot: its state kept in GPU memory (a device slot, resident), the device
 #: placement (state in host memory, updated by the GPU kernel) or the host placement. The last two are
@@ -30,19 +31,50 @@ MARGIN = 0.1
 PINNED_FRACTION = 0.5
 
 
-def state_bytes(numel: int, dtype: str) -> int:
-    """A device slot's state bytes (what a resident slot takes of ``gpu_state_bytes``): two fp32
-    moments and, for fp16/bf16 weights, an fp32 master, each buffer at least 4 bytes."""
-    return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
+def state_bytes(numel: int, dtype: str, recipe: C.TorchRecipe | None = None) -> int:
+    """A device slot's state bytes (what a resident slot takes of ``gpu_state_bytes``): the moments in the
+    recipe's state dtype (a third buffer with amsgrad) and an fp32 master where it keeps one (no recipe: two fp32
+    moments and, for fp16/bf16 weights, an fp32 master), each buffer at least 4 bytes."""
+    if recipe is None:
+        return max(4, 4 * int(numel)) * (2 if dtype == "float32" else 3)
+    item = _ITEMSIZE[C.state_dtype(recipe)]
+    moments = (3 if recipe.amsgrad else 2) * max(4, item * int(numel))
+    return moments + (max(4, 4 * int(numel)) if recipe.master and dtype != "float32" else 0)
 
 
-def gpu_state_fits(slots: Iterable[tuple[int, str, bool]], budget: int, used: int = 0) -> list[bool]:
-    """Which ``(numel, dtype, trainable)`` slots keep their state in GPU memory (the engine's rule,
+def slot_layout(recipe: C.TorchRecipe | None, dtype: str, grad_sums: bool = False) -> dict[str, tuple[str, str]]:
+    """A host slot's buffers (:class:`~trainstream.core._hostslot.HostSlot`'s names) -> ``(dtype, kind)``, kind
+    ``"state"`` (moments: pageable, pinned with ``pin_moments``), ``"pinned"`` or ``"pageable"``. ``recipe`` None:
+    the fp32-master layout (the optax convention, and torch callers that name no recipe). ``grad_sums``: a master's
+    fp32 gradient sums. A master's weight staging is not listed (the backend's ``weights_in_grad_stage``)."""
+    sd = "float32" if recipe is None else C.state_dtype(recipe)
+    out = {"exp_avg": (sd, "state"), "exp_avg_sq": (sd, "state")}
+    if recipe is not None and recipe.amsgrad:
+        out["max_exp_avg_sq"] = (sd, "state")
+    if dtype == "float32":
+        out["master"] = ("float32", "pinned")
+    elif sd == "float32":
+        out["master"] = ("float32", "pageable")
+        if grad_sums:
+            out["grad_sum"] = ("float32", "pageable")
+    else:
+        out["weights"] = (dtype, "pinned")
+    out["grad_stage"] = (dtype, "pinned")
+    return out
+
+
+#: The part of :data:`PARTS` each buffer of :func:`slot_layout` counts in.
+BUFFER_PART = {"exp_avg": "state", "exp_avg_sq": "state", "max_exp_avg_sq": "state", "master": "masters",
+               "weights": "masters", "grad_stage": "staging", "param_stage": "staging", "grad_sum": "staging"}
+
+
+def gpu_state_fits(slots: Iterable[tuple], budget: int, used: int = 0) -> list[bool]:
+    """Which ``(numel, dtype, trainable[, recipe])`` slots keep their state in GPU memory (the engine's rule,
     before the policy's): in order, each trainable slot whose :func:`state_bytes` fit in what
     ``used`` leaves of ``budget``."""
     out = []
-    for numel, dtype, trainable in slots:
-        need = state_bytes(numel, dtype)
+    for numel, dtype, trainable, *rest in slots:
+        need = state_bytes(numel, dtype, *rest[:1])
         out.append(bool(trainable) and budget > 0 and used + need <= budget)
         used += need if out[-1] else 0
     return out
@@ -90,16 +122,18 @@ def hybrid_elems(slots: Iterable[tuple[int, str, bool]], share: float, gpu_state
     return round(share * sum(int(n) for (n, _, t), r in zip(slots, resident) if t and not r))
 
 
-def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = False, can_pin: bool = True,
+def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bool = True,
                weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None) -> dict[str, int]:
-    """Host bytes of ``(numel, dtype, layout)`` slots as ``{part}_pinned`` and ``{part}_pageable`` per part
-    of :data:`PARTS`: ``state`` (moments), ``masters`` (fp32 weights), ``staging`` (transfers). Layouts:
+    """Host bytes of ``(numel, dtype, layout[, recipe[, grad_sums]])`` slots as ``{part}_pinned`` and
+    ``{part}_pageable`` per part of :data:`PARTS`: ``state`` (moments), ``masters`` (the weights the host updates:
+    fp32 masters and weights, or fp16/bf16 weights' own bits), ``staging`` (transfers, a master's fp32 gradient
+    sums). Layouts:
 
-    * ``"host"`` (:meth:`~trainstream.core._host.HostPlacement.add_param`): pageable moments (pinned with
-      ``pin_moments``; all pageable with ``can_pin`` False: torch with CPU parameters), an fp32 master
-      (pinned for a float32 parameter, whose upload it is), the pinned gradient staging, and for
-      fp16/bf16 a pinned weight staging unless the backend has ``weights_in_grad_stage``; each pinned
-      buffer as the backend's ``pinned_size`` counts it (torch: a power of two; None: its bytes);
+    * ``"host"`` (:meth:`~trainstream.core._host.HostPlacement.add_param`): :func:`slot_layout`'s buffers of the
+      ``recipe`` (None: the fp32-master layout): moments pageable (pinned with ``pin_moments``; all pageable with
+      ``can_pin`` False: torch with CPU parameters), the weights and the gradient staging pinned, a master
+      pageable, and for a master a pinned weight staging unless the backend has ``weights_in_grad_stage``;
+      each pinned buffer as the backend's ``pinned_size`` counts it (torch: a power of two; None: its bytes);
     * ``"device"`` (:meth:`~trainstream.core._device.DevicePlacement.add_param`, JAX ``mode="gpu"``):
       moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
     * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
@@ -113,16 +147,17 @@ def host_bytes(slots: Iterable[tuple[int, str, str]], *, pin_moments: bool = Fal
             nbytes = pinned_size(nbytes) if pinned and pinned_size is not None else nbytes
         out[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
 
-    for numel, dtype, layout in slots:
+    for numel, dtype, layout, *rest in slots:
         if layout not in LAYOUTS or dtype not in _ITEMSIZE:
             raise ValueError(f"host_bytes: unknown layout {layout!r} or dtype {dtype!r}")
         numel, item, half = int(numel), _ITEMSIZE[dtype], dtype != "float32"
         if layout == "host":
-            add("state", 4 * numel, pin_moments, True)
-            add("state", 4 * numel, pin_moments, True)
-            add("masters", 4 * numel, not half, True)
-            add("staging", item * numel, True, True)
-            if half and not weights_in_grad_stage:
+            recipe, sums = (rest + [None, False])[:2]
+            bufs = slot_layout(recipe, dtype, bool(sums))
+            for name, (bdtype, kind) in bufs.items():
+                add(BUFFER_PART[name], _ITEMSIZE[bdtype] * numel, pin_moments if kind == "state" else kind == "pinned",
+                    True)
+            if "master" in bufs and half and not weights_in_grad_stage:
                 add("staging", item * numel, True, True)
             continue
         pinned = layout != "arrays"

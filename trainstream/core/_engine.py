@@ -13,6 +13,7 @@ without a backend (the JAX adapter's) does only that. Imports neither torch nor 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from ._backend import Backend
 from ._budget import WHERE, assign, gpu_state_fits, state_bytes
 from ._external import DeviceUpdate, ExternalUpdate
 from ._host import HostPlacement
+from ._hostslot import STATE_KEYS
 from ._pool import StickyError, WorkerError
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
@@ -80,7 +82,7 @@ class Engine:
         self.gpu_state_used = 0
         self._where: list[tuple[bool, int]] = []  # slot -> (on the device, id in its placement)
         self._numel: list[int] = []
-        self._args: list[list] = []  # slot -> [param, dtype, platform, trainable] (move_state_to_gpu)
+        self._args: list[list] = []  # slot -> [param, dtype, platform, trainable, recipe] (move_state_to_gpu)
         self._gpu_state: list[int] = []  # slot -> bytes of its resident state (0: not resident)
 
     @property
@@ -95,15 +97,25 @@ class Engine:
         return [p for p in (self.device, self.host) if p is not None]
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, trainable: bool = True,
-                  on_device: bool | None = None, where: str | None = None) -> int:
-        """Register a flat parameter; returns its slot id. ``where`` (:data:`~trainstream.core._budget.WHERE`):
-        the adapter's answer from :func:`~trainstream.core._budget.assign` for this slot, taken as it is (it
-        asked with :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here
-        for this slot alone: resident where its state fits in what is left of ``gpu_state_bytes``, else by the
-        policy (``on_device``: ``hybrid``'s choice for it)."""
+                  on_device: bool | None = None, where: str | None = None,
+                  recipe: C.TorchRecipe | None = None) -> int:
+        """Register a flat parameter; returns its slot id. ``recipe`` (:class:`~trainstream.contract.TorchRecipe`,
+        torch convention): the slot's arithmetic and state layout; None: :func:`~trainstream.contract.default_recipe`
+        (the fp32-master scheme, without fp32 gradient sums; a recipe with ``master`` keeps them, for
+        ``offload_grad(accumulate=True)``). ``where`` (:data:`~trainstream.core._budget.WHERE`): the adapter's answer
+        from :func:`~trainstream.core._budget.assign` for this slot, taken as it is (it asked with
+        :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here for this slot
+        alone: resident where its state fits in what is left of ``gpu_state_bytes``, else by the policy
+        (``on_device``: ``hybrid``'s choice for it). A recipe the device kernels do not implement on the device:
+        ``NotImplementedError``."""
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
                                "caller owns (update_external, launch_external), it holds no parameters")
+        sums = recipe is not None and recipe.master and dtype != "float32"
+        if self.convention == "torch":
+            recipe = C.check_recipe(recipe if recipe is not None else C.default_recipe(platform, dtype))
+        elif recipe is not None:
+            raise ValueError("add_param: a TorchRecipe needs the torch convention")
         if where is None:
             where = assign([(numel, dtype, trainable)], self.mode, device_elems=self._budget,
                            device_used=self.device_elems_used, gpu_state_bytes=self.gpu_state_budget,
@@ -114,18 +126,35 @@ class Engine:
         if placement is None:
             raise ValueError(f"add_param: where={where!r} needs the {'host' if where == 'host' else 'device'} "
                              f"placement, which this engine (mode={self.mode!r}) does not have")
+        if where != "host" and not self._device_supports(recipe, platform, dtype):
+            raise NotImplementedError(f"TrainStream: the GPU kernels do not implement {recipe} yet; update it on the "
+                                      "host (mode='cpu', no gpu_state_bytes)")
         need = state_bytes(numel, dtype) if where == "gpu_state" else 0
         if need:
-            local = self.device.add_param(param, numel, dtype, platform, gpu_state=True)
+            local = self.device.add_param(param, numel, dtype, platform, gpu_state=True, **self._dev_kw(recipe))
             self.gpu_state_used += need
+        elif where == "host":
+            local = placement.add_param(param, numel, dtype, platform, recipe, sums)
         else:
-            local = placement.add_param(param, numel, dtype, platform)
-            self.device_elems_used += int(numel) if where == "device" else 0
+            local = placement.add_param(param, numel, dtype, platform, **self._dev_kw(recipe))
+            self.device_elems_used += int(numel)
         self._where.append((where != "host", local))
         self._numel.append(int(numel))
-        self._args.append([param, dtype, platform, trainable])
+        self._args.append([param, dtype, platform, trainable, recipe])
         self._gpu_state.append(need)
         return len(self._where) - 1
+
+    def _device_supports(self, recipe: C.TorchRecipe | None, platform: str, dtype: str) -> bool:
+        """Whether the device placement updates ``recipe``'s slots: its ``supports(recipe)`` where it has one, else
+        the default recipe only (the fp32-master scheme its kernels implemented before recipes)."""
+        fn = getattr(self.device, "supports", None)
+        if recipe is None or fn is not None:
+            return recipe is None or bool(fn(recipe))
+        return recipe == C.default_recipe(platform, dtype)
+
+    def _dev_kw(self, recipe: C.TorchRecipe | None) -> dict:
+        """The device placement's ``add_param`` takes ``recipe=`` where it has ``supports``."""
+        return {"recipe": recipe} if hasattr(self.device, "supports") else {}
 
     def on_device(self, sid: int) -> bool:
         """Whether slot ``sid`` is updated by the device placement (resident or not)."""
@@ -177,24 +206,28 @@ class Engine:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"move_state_to_gpu: nbytes must be an int >= 0, got {nbytes!r}")
         self.errors.check()
-        todo = [sid for sid, (r, a) in enumerate(zip(self._gpu_state, self._args)) if not r and a[3]]
+        todo = [sid for sid, (r, a) in enumerate(zip(self._gpu_state, self._args))
+                if not r and a[3] and self._device_supports(a[4], a[2], a[1])]
         self.gpu_state_budget += int(nbytes)
         fits = gpu_state_fits([(self._numel[sid], self._args[sid][1], True) for sid in todo], self.gpu_state_budget,
                          self.gpu_state_used)
         moved: list[int] = []
         for sid in (s for s, fit in zip(todo, fits) if fit):
             placement, local = self._local(sid)
-            param, dtype, platform, _ = self._args[sid]
-            master, m, v, step = self.state(sid, copy=False)  # once its queued work has run
+            param, dtype, platform, _, recipe = self._args[sid]
+            st = self.state(sid, copy=False)  # once its queued work has run
+            if placement is self.host:  # the host's weights (float32: the weights themselves), not the device's
+                st["master"] = self.host._slot(local).master.array
             try:
-                new = self.device.add_param(param, self._numel[sid], dtype, platform, gpu_state=True, init=False)
+                new = self.device.add_param(param, self._numel[sid], dtype, platform, gpu_state=True, init=False,
+                                            **self._dev_kw(recipe))
             except MemoryError as exc:
                 self.gpu_state_budget = self.gpu_state_used  # later slots are not resident either
                 warnings.warn(f"TrainStream: GPU memory for the state of slot {sid} was refused ({exc}); it and the "
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
                 break
             try:
-                self.device.load_state(new, m, v, step, master)
+                self._device_load(new, st)
             except BaseException:
                 self.device.truncate(new)
                 raise
@@ -212,10 +245,12 @@ class Engine:
         placement, local = self._local(sid)
         return placement.get_step(local)
 
-    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
-        """Take the gradient of host slot ``sid``; with ``update`` (the eager path: last micro-batch,
-        no clipping) queue its update right behind the copy."""
-        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update)
+    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
+                     accumulate: bool = False) -> None:
+        """Take the gradient of host slot ``sid``, replacing the one taken before, or with ``accumulate`` adding it
+        into the slot's fp32 sum (a slot registered with a ``master`` recipe of fp16/bf16 weights); with ``update``
+        (the eager path: last micro-batch, no clipping) queue its update right behind it."""
+        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate)
 
     def discard_grads(self) -> None:
         """Forget the gradients offloaded since the last step (``zero_grad``)."""
@@ -228,10 +263,13 @@ class Engine:
         self.device.step([(self._local_on(sid, True), hp, g, gd) for sid, hp, g, gd in updates],
                          eager=True, max_blocks=self.eager_blocks)
 
-    def step(self, updates: Sequence[tuple], coefs: dict[int, float] | None = None) -> None:
+    def step(self, updates: Sequence[tuple], coefs: dict[int, float] | None = None,
+             grad_div: dict[int, float] | None = None) -> None:
         """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a gradient are
         skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots; a host slot ignores
-        the last two). ``coefs``: per host slot, the multiplier of its staged gradient. With both placements
+        the last two). ``coefs``: per host slot, the multiplier of its staged gradient; ``grad_div``: per host
+        slot of a fused recipe, GradScaler's scale its gradient is divided by (``found_inf``: leave the slot out of
+        ``updates``, as torch's fused step skips it and its step count). With both placements
         the share holding the lowest slot (needed first by the next forward) is queued first; if the second
         share then fails to queue, the error is raised and left sticky (reload a checkpoint)."""
         self.errors.check()  # raise before anything is queued, not between the shares
@@ -240,10 +278,15 @@ class Engine:
         hst = [(local, u[1]) for u, (d, local) in zip(updates, where) if not d]
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
+        if grad_div:
+            if any(self._where[self._check_sid(sid)][0] for sid in grad_div):
+                raise NotImplementedError("step: grad_div for a device slot (the GPU kernels take no GradScaler scale "
+                                          "yet)")
+            grad_div = {self._where[sid][1]: c for sid, c in grad_div.items()}
         if self.host is None:
             return self.device.step(dev)
         if self.device is None:
-            return self.host.step(hst, coefs)
+            return self.host.step(hst, coefs, grad_div=grad_div)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
         # Host slots this step updates (frozen, unused and eagerly updated parameters hold no gradient).
         host_sids = [u[0] for u, (d, local) in zip(updates, where) if not d and self.host.has_grad(local)]
@@ -251,8 +294,8 @@ class Engine:
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             if dev:
                 self.device.step(dev)
-            return self.host.step(hst, coefs, check_errors=False)
-        self.host.step(hst, coefs, check_errors=False)
+            return self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
+        self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         try:
             if dev:
                 self.device.step(dev)
@@ -312,11 +355,22 @@ class Engine:
         if self.device is not None:
             self.device.wait_all()
 
-    def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work is done:
-        copies, or with ``copy=False`` a host slot's buffers themselves (a device slot's: copies)."""
+    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
+        """Slot ``sid``'s state once its queued work is done: ``step`` (int); ``exp_avg``, ``exp_avg_sq`` and with
+        amsgrad ``max_exp_avg_sq``, flat, in the recipe's :func:`~trainstream.contract.state_dtype` (float32, or the
+        uint16 bits of fp16/bf16); ``master`` (float32) for a master of fp16/bf16 weights. Copies, or with
+        ``copy=False`` a host slot's buffers themselves (a device slot's: copies)."""
         placement, local = self._local(sid)
-        return placement.state(local) if placement is self.device else placement.state(local, copy)
+        if placement is self.host:
+            return placement.state(local, copy)
+        master, m, v, step = placement.state(local)
+        out = {"step": int(step), "exp_avg": m, "exp_avg_sq": v}
+        if self._args[sid][1] != "float32":
+            out["master"] = master
+        return out
+
+    def _device_load(self, local: int, state: Mapping) -> None:
+        self.device.load_state(local, state["exp_avg"], state["exp_avg_sq"], state["step"], state.get("master"))
 
     def reload_param(self, sid: int, param: Any = None) -> None:
         """:meth:`trainstream.core._host.HostPlacement.reload_param`: weights changed outside."""
@@ -325,17 +379,32 @@ class Engine:
         if param is not None:
             self._args[sid][0] = param
 
-    def load_state(self, sid: int, exp_avg, exp_avg_sq, step, master=None) -> None:
-        """Replace the state of slot ``sid`` (sizes and ``step`` checked first); without ``master`` it is
-        re-read from the param."""
-        placement, local = self._local(sid)
-        for name, arr in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
-            if arr is not None and np.asarray(arr).size != self._numel[sid]:
-                raise ValueError(f"load_state: {name} of parameter slot {sid} has {np.asarray(arr).size} "
+    def load_state(self, sid: int, state: Mapping) -> None:
+        """Replace the state of slot ``sid`` by ``state`` (:meth:`state`'s keys; a float array is cast to the
+        state dtype as torch's ``load_state_dict`` casts it, uint16 arrays are fp16/bf16 bits). Everything is
+        checked before anything changes: keys, sizes, ``step``. Without ``master`` a master is re-read from the
+        weights; without a master the weights' own bits are."""
+        self._check_sid(sid)
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_state: expected a dict of the slot's state, got {type(state).__name__}")
+        recipe = self._args[sid][4]
+        need = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if recipe is not None and recipe.amsgrad else [])
+        if missing := [k for k in need if k not in state]:
+            raise ValueError(f"load_state: the state of parameter slot {sid} lacks {missing[0]!r}")
+        if unknown := [k for k in state if k not in STATE_KEYS]:
+            raise ValueError(f"load_state: unknown state key {unknown[0]!r} (expected {STATE_KEYS})")
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+            if state.get(key) is not None and np.asarray(state[key]).size != self._numel[sid]:
+                raise ValueError(f"load_state: {key} of parameter slot {sid} has {np.asarray(state[key]).size} "
                                  f"elements, expected {self._numel[sid]}")
+        step = state["step"]
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"load_state: step must be a non-negative integer, got {step!r}")
-        placement.load_state(local, exp_avg, exp_avg_sq, step, master)
+        placement, local = self._local(sid)
+        if placement is self.host:
+            placement.load_state(local, state)
+        else:
+            self._device_load(local, state)
 
     def stats(self) -> dict[str, float]:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5 both; with

@@ -4,8 +4,10 @@ no slot: the JAX adapter's). No torch or jax import: a :class:`Backend` supplies
 asynchronous copies, events and the compute stream (none for external updates only). Per parameter ("slot"):
 
 1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
-   was staged (the framework sums micro-batches); on the *eager* path the update is queued behind it.
-2. ``step`` queues each slot's update (its staged gradient times the adapter's ``coefs``).
+   was staged (the framework sums micro-batches), or with ``accumulate`` adding it into the fp32 sum of a
+   master (TrainStream 0.1.1's fp32 micro-batch sums); on the *eager* path the update is queued behind it.
+2. ``step`` queues each slot's update (its staged gradient, or the sum, times the adapter's ``coefs``), in the
+   arithmetic and state layout of the slot's recipe (:mod:`trainstream.core._hostslot`).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32 master,
    or the rounded fp16/bf16 staging) and records the slot's *ready* event. With the backend's
    ``weights_in_grad_stage`` they overwrite the gradient's staging, each element after it is read (the
@@ -20,10 +22,8 @@ A slot's batches run one after another; their chunks go to one queue shared by a
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -33,8 +33,8 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches
-from ._external import update_batches
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
+from ._hostslot import HostSlot as _Slot, DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
@@ -46,37 +46,6 @@ CHUNK_SIZE = 1 << 20
 
 #: The host placement's counters (:class:`~trainstream.core._pool.Counters`).
 _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
-
-
-@dataclass(eq=False)
-class _Slot:
-    id: int
-    param: Any
-    numel: int
-    dtype: str
-    platform: str
-    master: HostBuffer
-    exp_avg: HostBuffer
-    exp_avg_sq: HostBuffer
-    grad_stage: HostBuffer | None = None
-    param_stage: HostBuffer | None = None  # fp16/bf16 weights to upload; may be grad_stage
-    step: int = 0
-    # The gradient staging, as the caller made it: whether that copy is still the gradient to update from is
-    # the caller's to decide (the torch adapter's per-parameter record), never this slot's. ``staged``: an
-    # offload_grad since the slot's last update or discard_grads (step() updates only such a slot).
-    staged: bool = False
-    landed: Any = None  # completion event of the last gradient copy
-    grad_keep: Any = None  # the device gradient, alive until its copy completed
-    ready: Any = None  # completion event of the last weight upload
-    inflight: int = 0  # batches queued, running or chained
-    chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
-
-    def free(self) -> None:
-        self.nbytes, self.staged = (0, 0), False
-        self.master = self.exp_avg = self.exp_avg_sq = None  # type: ignore[assignment]
-        self.grad_stage = self.param_stage = self.grad_keep = self.ready = self.landed = self.param = None
 
 
 class HostPlacement:
@@ -118,6 +87,7 @@ class HostPlacement:
         self.threads = threads
         self.closed = False
         self._unwaited = False  # updates queued since the last wait_step
+        self._powers = DevicePowers(backend)
         self._pool = WorkerPool(self, threads, worker_nice, cores)
 
     def _check_open(self) -> None:
@@ -138,8 +108,11 @@ class HostPlacement:
         tally[0 if buf.pinned else 1] += size(nbytes) if buf.pinned and size is not None else nbytes
         return buf
 
-    def add_param(self, param: Any, numel: int, dtype: str, platform: str) -> int:
-        """Register a flat parameter; returns its slot id. Copies its value to the master."""
+    def add_param(self, param: Any, numel: int, dtype: str, platform: str, recipe: C.TorchRecipe | None = None,
+                  grad_sums: bool = False) -> int:
+        """Register a flat parameter; returns its slot id. Its buffers follow ``recipe`` (the torch convention; None:
+        :func:`~trainstream.contract.default_recipe`, the fp32-master scheme) with ``grad_sums`` (a master's fp32
+        gradient sums, for ``offload_grad(accumulate=True)``); the weights are read into them."""
         self._check_open()
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
@@ -148,19 +121,18 @@ class HostPlacement:
             raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
         if platform not in C.PLATFORMS:
             raise ValueError(f"Unknown platform {platform!r}; expected one of {C.PLATFORMS}")
-        numel = int(numel)
-        tally = [0, 0]  # counted once all are allocated (a failure drops them)
-        master = self._alloc(numel, "float32", dtype == "float32", "adamw.master_fp32", tally)
-        self.backend.param_to_host_f32(param, master.array)
-        m = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg", tally)
-        v = self._alloc(numel, "float32", self.pin_moments, "adamw.exp_avg_sq", tally)
-        m.array[:] = v.array[:] = 0
-        grad = self._alloc(numel, dtype, True, "grad.staging", tally)
-        stage = (None if dtype == "float32" else grad if self._weights_in_grad_stage
-                 else self._alloc(numel, dtype, True, "param.staging", tally))
-        self._slots.append(_Slot(len(self._slots), param, numel, dtype, platform, master, m, v, grad, stage,
-                                 nbytes=(tally[0], tally[1])))
-        return len(self._slots) - 1
+        if self.convention == "optax":
+            if recipe is not None:
+                raise ValueError("add_param: a TorchRecipe needs the torch convention")
+        else:
+            recipe = C.check_recipe(recipe if recipe is not None else C.default_recipe(platform, dtype))
+            if (recipe.platform, recipe.dtype) != (platform, dtype):
+                raise ValueError(f"add_param: the recipe is for {recipe.dtype} parameters on {recipe.platform}, the "
+                                 f"parameter is {dtype} on {platform}")
+        s = new_slot(len(self._slots), param, int(numel), dtype, platform, recipe, grad_sums, self._alloc,
+                     self.pin_moments, self._weights_in_grad_stage, self.backend)
+        self._slots.append(s)
+        return s.id
 
     def truncate(self, n: int) -> None:
         """Drop the slots registered after the first ``n`` (a failed registration)."""
@@ -236,14 +208,19 @@ class HostPlacement:
         if s.ready is not None:
             s.ready.synchronize()
 
-    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None) -> None:
-        """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one
-        staged before; with ``update`` (the eager path) queue its update right behind the copy."""
+    def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
+                     accumulate: bool = False) -> None:
+        """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one staged before,
+        or with ``accumulate`` adding it into the slot's fp32 sum (a master with ``grad_sums``; the first since the
+        last update starts the sum); with ``update`` (the eager path) queue its update right behind it."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
+        if accumulate and s.grad_sum is None:
+            raise ValueError(f"offload_grad(accumulate=True): parameter slot {sid} keeps no fp32 gradient sum (a "
+                             "master of fp16/bf16 weights registered with grad_sums)")
         t0 = time.perf_counter()
         self._wait_idle(s)  # the previous batch may still read the staging buffer
         self._stats.add("grad_stall_s", time.perf_counter() - t0)
@@ -256,6 +233,18 @@ class HostPlacement:
         s.grad_keep = None if getattr(self.backend, "copy_keeps_source_alive", False) else grad
         self._stats.add("grad_bytes", s.numel * _ITEMSIZE[s.dtype])
         s.staged = True
+        if accumulate and (s.summed or update is None):  # into the fp32 sum (an eager first one updates from staging)
+            fresh, landed, acc, stage, gkind = not s.summed, s.landed, s.grad_sum.array, s.grad_stage.array, _KIND[s.dtype]
+
+            def body(c: int, b: int, e: int) -> None:
+                if landed is not None:
+                    landed.synchronize()
+                K.accumulate_chunk(acc, stage, gkind, b, e, fresh)
+
+            s.summed = True
+            self._run_batch(s, body, None, landed)
+        elif not accumulate:
+            s.summed = False
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
             self._enqueue_update(s, update, np.float32(1.0), after)
@@ -266,16 +255,30 @@ class HostPlacement:
         for s in self._slots:
             if s.staged:
                 self._wait_idle(s)
-                s.staged, s.grad_keep = False, None
+                s.staged, s.summed, s.grad_keep = False, False, None
         self.errors.check()
 
-    def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any) -> None:
+    def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
+                        grad_div: float | None = None) -> None:
         s.step += 1
-        scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
+        recipe, extra = s.recipe, ()
+        if recipe is None:  # the optax convention
+            scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
+        else:
+            bias = self._powers.bias(recipe, s.step, hp)
+            scalars = C.torch_scalars(recipe, hp, s.step, clip, grad_scale=grad_div, bias=bias)
+            # fp16/bf16 Adam-L2 on the CPU: the tails follow torch.get_num_threads() now (the backend's cpu_threads)
+            threads = int(getattr(self.backend, "cpu_threads", int)() or 1) if C.tails_follow_threads(
+                recipe, self.tc_code) else 1
+            extra = (recipe, None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.array,
+                     C.torch_cpu_tails(recipe, s.numel, self.tc_code, threads))  # recipe, vmax, tails
         variant = C.variant_id(self.convention, s.platform)
-        p, m, v, g, gkind = s.master.array, s.exp_avg.array, s.exp_avg_sq.array, s.grad_stage.array, _KIND[s.dtype]
-        out, okind = (None, 0) if s.param_stage is None else (s.param_stage.array, gkind)
-        upload_src = s.master if s.param_stage is None else s.param_stage
+        m, v = s.exp_avg.array, s.exp_avg_sq.array
+        g, gkind = (s.grad_sum.array, K.KIND_F32) if s.summed else (s.grad_stage.array, _KIND[s.dtype])
+        p = None if s.master is None else s.master.array
+        out = s.weights if s.weights is not None else s.param_stage
+        out, okind = (None, 0) if out is None else (out.array, _KIND[s.dtype])
+        upload_src = s.upload_src
         landed, prev_ready, nbytes, tc_code = s.landed, s.ready, s.numel * _ITEMSIZE[s.dtype], self.tc_code
 
         def body(c: int, b: int, e: int) -> None:
@@ -284,7 +287,7 @@ class HostPlacement:
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code)
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
             self._stats.add("update_s", time.perf_counter() - t)
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
@@ -293,7 +296,7 @@ class HostPlacement:
             self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = time.perf_counter()
 
-        s.staged = False
+        s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)
 
@@ -316,20 +319,27 @@ class HostPlacement:
         self._stats.add("ready_stall_s", time.perf_counter() - t0)
 
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams]], coefs: dict[int, float] | None = None,
-             check_errors: bool = True) -> None:
+             check_errors: bool = True, grad_div: dict[int, float] | None = None) -> None:
         """Queue the update of every slot in ``updates`` that holds a gradient (an eagerly updated
         slot holds none). ``coefs``: per slot, the contract's ``c`` multiplying its staged gradient
-        (1.0 where absent). ``check_errors=False``: an error since the caller's check raises at the next call."""
+        (1.0 where absent); ``grad_div``: per slot of a fused recipe, GradScaler's scale its gradient is divided by
+        (``S_GRAD_DIV``). ``check_errors=False``: an error since the caller's check raises at the next call."""
         self._check_open()
         if check_errors:
             self.errors.check()
+        coefs, grad_div = coefs or {}, grad_div or {}
+        for sid, scale in grad_div.items():
+            r = self._slot(sid).recipe
+            if r is None or r.impl != "fused":
+                raise ValueError(f"step: grad_div for parameter slot {sid}, whose recipe is not fused (torch's other "
+                                 "implementations unscale by a multiplier: coefs)")
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
-        coefs = coefs or {}
         for sid, hp in updates:
             s = self._slot(sid)
             if s.staged:
-                self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), self.backend.record_compute(s.param))
+                self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), self.backend.record_compute(s.param),
+                                     grad_div.get(sid))
 
     def wait_ready(self, sids: Sequence[int]) -> None:
         """Make the compute stream wait until the new weights of ``sids`` are in place."""
@@ -368,47 +378,36 @@ class HostPlacement:
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
 
-    def state(self, sid: int, copy: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """``(master_fp32, exp_avg, exp_avg_sq, step)`` of slot ``sid`` once its queued work has run:
+    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
+        """Slot ``sid``'s state dict once its queued work has run (:func:`~trainstream.core._hostslot.slot_state`):
         copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
         self._wait_idle(s)
         self.errors.check()
-        bufs = (s.master.array, s.exp_avg.array, s.exp_avg_sq.array)
-        return (*(b.copy() if copy else b for b in bufs), s.step)
+        return slot_state(s, copy)
 
     def reload_param(self, sid: int, param: Any = None) -> None:
         """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
-        ``param``, same size and dtype): read them into the master, keeping an fp16/bf16 element's
-        fp32 master where it still rounds to the weight (:func:`trainstream.contract.merge_master`)."""
+        ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
         if param is not None:
             s.param = param
-        weights = np.empty(s.numel, np.float32)
-        self.backend.param_to_host_f32(s.param, weights)
-        C.merge_master(s.master.array, weights, s.dtype)
+        reload_weights(s, self.backend)
 
-    def load_state(self, sid: int, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, step: int,
-                   master: np.ndarray | None = None) -> None:
+    def load_state(self, sid: int, state: Mapping) -> None:
         """:meth:`Engine.load_state`, which checks the arguments."""
         self._check_open()
         s = self._slot(sid)
         self._settle(s)
-        s.exp_avg.array[:] = np.asarray(exp_avg, np.float32).reshape(-1)
-        s.exp_avg_sq.array[:] = np.asarray(exp_avg_sq, np.float32).reshape(-1)
-        if master is not None:
-            s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
-        else:
-            self.backend.param_to_host_f32(s.param, s.master.array)
-        s.step = int(step)  # a staged gradient stays staged: the caller says whether to update from it
+        load_slot_state(s, state, self.backend)
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
-        live = [s for s in self._slots if s.master is not None]  # not released
+        live = [s for s in self._slots if s.live]  # not released
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
         pinned, pageable = (sum(s.nbytes[k] for s in live) for k in (0, 1))
         return {
