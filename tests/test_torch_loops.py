@@ -48,7 +48,8 @@ def pair(device="cpu", mode="cpu", dtype=torch.float32, lr=1e-2, **kw):
     """Two equal models: one with torch.optim.AdamW, one with OffloadAdamW."""
     ref, ours = mlp(dtype=dtype, device=device), mlp(dtype=dtype, device=device)
     return (ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1),
-            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **mode_kw(mode), **kw))
+            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **mode_kw(mode),
+                               **({"master_weights": True} if dtype != torch.float32 else {}), **kw))
 
 
 def data(n, device="cpu", seed=1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -38,34 +38,71 @@ def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
     return out
 
 
-class StateView(Mapping):
-    """``OffloadAdamW.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}``.
-    A new dict per lookup: assigning into it changes nothing (edit tensors in place or load_state_dict)."""
+class StateView(MutableMapping):
+    """``opt.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}`` (also for a
+    tensor it does not hold, as torch's ``defaultdict``); other keys (``opt.state["note"] = ...``, as torch's hooks
+    write) are kept as given (``extras``) and go into ``state_dict()`` as they are. A parameter's entry is a new
+    read-only dict of views per lookup: edit its tensors in place, or use ``load_state_dict``."""
 
     def __init__(self, slots: Slots):
         self._slots = slots  # the registry, not the optimizer: no cycle, the optimizer stays collectable
+        self.extras: dict[Any, Any] = {}
 
     def _rec(self, param: object) -> Slot | None:
         return None if self._slots.closed else self._slots.of(param)  # type: ignore[arg-type]
 
-    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        rec = self._rec(param)
-        if rec is None:
-            raise KeyError(param)
-        return entry(self._slots, rec)
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, torch.Tensor):
+            return self.extras[key]
+        rec = self._rec(key)
+        return _Entry() if rec is None else _Entry(entry(self._slots, rec))
 
-    def __iter__(self):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            raise NotImplementedError("optimizer.state[param] cannot be assigned (the state lives in the engine): edit "
+                                      "its tensors in place, or use load_state_dict()")
+        self.extras[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            raise NotImplementedError("del optimizer.state[param]: the state lives in the engine; use "
+                                      "load_state_dict() with a state dict without that entry")
+        del self.extras[key]
+
+    def _stepped(self) -> list[torch.Tensor]:
         slots = self._slots
         if slots.closed or slots.engine is None:
-            return iter(())
-        return iter([rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0])
+            return []
+        return [rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0]
+
+    def __iter__(self):
+        return iter([*self._stepped(), *self.extras])
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._stepped()) + len(self.extras)
 
-    def __contains__(self, param: object) -> bool:
-        rec = self._rec(param)
+    def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
+        return dict, ({k: dict(v) if isinstance(v, _Entry) else v for k, v in self.items()},)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, torch.Tensor):
+            return key in self.extras
+        rec = self._rec(key)
         return rec is not None and self._slots.engine.get_step(rec.sid) > 0
+
+
+class _Entry(dict):
+    """One parameter's state as ``opt.state[param]`` shows it: views of the host state; assigning keys is refused
+    (the engine would never see it)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("optimizer.state[param] is a view of the engine's state: edit its tensors in place "
+                                  "(e.g. state['exp_avg'].zero_()), or use load_state_dict()")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
+        return dict, (dict(self),)
 
 
 def parse_entry(saved_id: Any, saved: dict[str, Any], p: torch.Tensor
