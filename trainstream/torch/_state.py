@@ -55,7 +55,9 @@ class StateView(MutableMapping):
         if not isinstance(key, torch.Tensor):
             return self.extras[key]
         rec = self._rec(key)
-        return _Entry() if rec is None else _Entry(entry(self._slots, rec))
+        if rec is None:
+            return _Entry()
+        return _Entry(entry(self._slots, rec), views=not self._slots.engine.on_device(rec.sid))
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if isinstance(key, torch.Tensor):
@@ -92,14 +94,36 @@ class StateView(MutableMapping):
 
 
 class _Entry(dict):
-    """One parameter's state as ``opt.state[param]`` shows it: views of the host state; assigning keys is refused
-    (the engine would never see it)."""
+    """One parameter's state as ``opt.state[param]`` shows it. Assigning a tensor of the entry's shape on the device
+    the state lives on copies its values into the state (``views``: host state; else only an equal value is
+    accepted); one on another device is a device move (Lightning's ``_optimizer_to_device``): the state stays
+    where the optimizer keeps it. Anything else is refused (the engine would never see it)."""
+
+    def __init__(self, values: dict | None = None, views: bool = False):
+        super().__init__(values or {})
+        self._views = views
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        cur = dict.get(self, key)
+        if not isinstance(value, torch.Tensor) or not isinstance(cur, torch.Tensor):
+            self._refuse()
+        if value is cur or D.local(value).device != D.local(cur).device:
+            return
+        if tuple(value.shape) != tuple(cur.shape):
+            raise ValueError(f"optimizer.state[param][{key!r}]: shape {tuple(value.shape)}, the state's is "
+                             f"{tuple(cur.shape)}")
+        if key == "step" or not self._views:
+            if torch.equal(D.local(value).to(D.local(cur).dtype), D.local(cur)):
+                return
+            self._refuse()
+        with torch.no_grad():
+            cur.copy_(value)
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("optimizer.state[param] is a view of the engine's state: edit its tensors in place "
+        raise NotImplementedError("optimizer.state[param] is the engine's state: edit its tensors in place "
                                   "(e.g. state['exp_avg'].zero_()), or use load_state_dict()")
 
-    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
+    __delitem__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
 
     def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
         return dict, (dict(self),)
