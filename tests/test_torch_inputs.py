@@ -142,7 +142,8 @@ def test_cuda_error_inputs_on_cpu_params(cls, kwargs):
 @pytest.mark.parametrize("kwargs", [
     dict(lr=-1.0), dict(eps=-1e-8), dict(betas=(0.9, 1.0)), dict(betas=(-0.1, 0.9)), dict(weight_decay=-1e-2),
     dict(betas=(0, 0.99)), dict(lr=torch.tensor([[0.1]]), foreach=True),
-    dict(betas=(torch.tensor([0.9, 0.8]), torch.tensor(0.99))), dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.8]))),
+    dict(betas=(torch.tensor([0.9, 0.8]), torch.tensor(0.99))),
+    dict(betas=(torch.tensor(0.9), torch.tensor([0.9, 0.8]))),
     dict(lr=float("nan")), dict(decoupled_weight_decay=True),
 ])
 @pytest.mark.parametrize("ours,ref", [(OffloadAdam, torch.optim.Adam), (OffloadAdamW, torch.optim.AdamW)],

@@ -634,7 +634,8 @@ def test_hyperparameter_edits_take_effect_as_torch(key, value):
 
 
 FLAG_EDITS = [("amsgrad", True), ("maximize", True), ("foreach", True), ("fused", True), ("capturable", True),
-              ("differentiable", True), ("decoupled_weight_decay", False), ("betas", (torch.tensor(0.9), torch.tensor(0.99))),
+              ("differentiable", True), ("decoupled_weight_decay", False),
+              ("betas", (torch.tensor(0.9), torch.tensor(0.99))),
               ("lr", torch.tensor(1e-3))]
 
 

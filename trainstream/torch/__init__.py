@@ -1,4 +1,4 @@
-"""PyTorch API: ``trainstream.torch.OffloadAdamW`` (``torch.optim.AdamW``) and ``OffloadAdam`` (``torch.optim.Adam``)."""
+"""PyTorch API: ``trainstream.torch.OffloadAdamW`` (for ``torch.optim.AdamW``) and ``OffloadAdam`` (``Adam``)."""
 
 from ._optimizer import OffloadAdam, OffloadAdamW
 

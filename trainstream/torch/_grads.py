@@ -46,7 +46,8 @@ class GradCapture:
     """The gradient side of one optimizer, over its registry ``slots``: hooks, the eager path (``eager``: inside
     ``last_micro_batch()``; ``done``: the slots it updated since the last ``step()``), the multipliers.
     ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``slot_hyper(record)``: its param group's
-    hyper-parameters now (the group checked against what the slot was registered for). Holds nothing of the optimizer (its hooks hold this object weakly)."""
+    hyper-parameters now (the group checked against what the slot was registered for). Holds nothing of the
+    optimizer (its hooks hold this object weakly)."""
 
     def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams]):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper

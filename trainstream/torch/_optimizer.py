@@ -398,8 +398,8 @@ class OffloadAdam(Optimizer):
         With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
         self._check_open()
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
-            raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters in a "
-                                      "run of several processes is not built: the updates would use this rank's "
+            raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters "
+                                      "in a run of several processes is not built: the updates would use this rank's "
                                       "unreduced gradients (before DDP's all-reduce). Leave it out (FSDP2 may use it).")
         if self.max_grad_norm is None and (self.mode == "gpu" or self._gpu_params == "last"):
             # GPU slots' eager hooks (hybrid with gpu_params="first": at step(), with the full grid: faster), new
@@ -562,9 +562,10 @@ class OffloadAdam(Optimizer):
         self._consolidated = None if state is None else {"state": state, "param_groups": own["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of torch's optimizer (DTensor values included: torch.distributed.checkpoint
-        passes it by keyword), with torch's load-state-dict pre-hooks (whose edits take effect) and post-hooks. The
-        param groups become the loaded ones, as torch's (flags a saved group lacks take torch's defaults;
+        """Load a state dict of this class or of torch's optimizer (DTensor values included:
+        torch.distributed.checkpoint passes it by keyword), with torch's load-state-dict pre-hooks (whose edits take
+        effect) and post-hooks. The param groups become the loaded ones, as torch's (flags a saved group lacks take
+        torch's defaults;
         ``OffloadAdamW``: decoupled weight decay). Everything is checked before anything changes (``ValueError``;
         ``NotImplementedError`` where a loaded group asks for other arithmetic than the parameters were registered
         with). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
