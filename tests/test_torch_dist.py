@@ -316,7 +316,8 @@ def _train(model, opt, steps, first, rank, device):
 
 def _make(cls, device, dtype=torch.float32):
     m = _fsdp(device, dtype=dtype)
-    return m, cls(m.parameters(), lr=LR, weight_decay=WD)
+    half = dict(master_weights=True) if cls is OffloadAdamW and dtype != torch.float32 else {}
+    return m, cls(m.parameters(), lr=LR, weight_decay=WD, **half)
 
 
 def _close(*opts):

@@ -55,7 +55,7 @@ def test_cuda_half_params_against_fp32_master(mode, dtype):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     with chunked(4096):
-        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode)
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, master_weights=True)
     for x in batches(30):
         x = x.to(DEV)
         step_beside_master(model, master, ref, ts, loss_of(model, x))
@@ -419,7 +419,7 @@ def test_multi_launch_bits_equal_one_launch_per_tensor(monkeypatch):
 
     def train(launch):
         params = build()
-        opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, mode="gpu")
+        opt = OffloadAdamW(params, lr=1e-2, weight_decay=0.1, mode="gpu", master_weights=True)
         for t in range(4):
             loss = sum(((p.float() - 0.1 * t) ** 2).sum() * (1 + k % 5) for k, p in enumerate(params))
             opt.zero_grad()
@@ -503,7 +503,8 @@ def test_resident_half_params_against_fp32_master(mode, dtype):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     with chunked(4096):
-        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes=RESIDENT)
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes=RESIDENT,
+                          master_weights=True)
     resident = [ts._engine.has_gpu_state(sid) for sid in range(len(master))]
     assert any(resident) and not all(resident)
     assert ts.stats()["gpu_state_bytes"] == sum(12 * p.numel() for p, r in zip(master, resident) if r)
@@ -546,7 +547,8 @@ def test_auto_resident_takes_the_free_gpu_memory_and_frees_the_host_state(mode):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     with chunked(4096):
-        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes="auto")
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, gpu_state_bytes="auto",
+                          master_weights=True)
     st = ts.stats()
     assert st["gpu_state_params"] == 0 and st["gpu_state_bytes"] == 0 and st["host_state_bytes"] > 0
     for i, x in enumerate(batches(10)):
@@ -614,7 +616,7 @@ def test_resident_state_is_in_gpu_memory_and_close_frees_it():
     budget = 8 * n + 12 * n
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
-    ts = OffloadAdamW(params, lr=1e-2, mode="gpu", gpu_state_bytes=budget + 1000)
+    ts = OffloadAdamW(params, lr=1e-2, mode="gpu", gpu_state_bytes=budget + 1000, master_weights=True)
     free1 = torch.cuda.mem_get_info()[0]
     st = ts.stats()
     assert st["gpu_state_bytes"] == budget and st["gpu_state_params"] == 2 and st["host_state_bytes"] == 8 * n
@@ -660,7 +662,8 @@ def test_staged_state_spans_ring_buffers_bit_identical(mode, dtype):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     extra = dict(gpu_share=0.9, gpu_params="first") if mode == "hybrid" else {}
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, **extra)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode, master_weights=dtype != torch.float32,
+                      **extra)
     assert model[0].weight.numel() > ge.RING_ELEMS
     for t in range(6):
         x = torch.randn(8, 1200, device=DEV, dtype=dtype)

@@ -221,15 +221,27 @@ def test_a_construction_failing_partway_leaves_nothing_on_the_parameters(monkeyp
     opt.close()
 
 
-def test_a_parameter_listed_twice_is_refused():
+def test_a_parameter_listed_twice_is_refused_at_step():
+    """torch warns at construction (its error input) and updates such a parameter once per listing; ours warns
+    the same and refuses the step that would update it, before anything changes."""
     model, _ = _pair()
     w = model[0].weight
-    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="more than once"):
-        OffloadAdamW([w, model[0].bias, w], lr=1e-2)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = OffloadAdamW([w, model[0].bias, w], lr=1e-2)
+    model(x).sum().backward()
+    before = w.detach().clone()
+    with pytest.raises(NotImplementedError, match="more than once"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    opt.close()
     opt = OffloadAdamW([{"params": [w]}], lr=1e-2)
-    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="more than once"):
+    with pytest.warns(UserWarning, match="duplicate"):
         opt.add_param_group({"params": [model[2].weight, model[2].weight]})
-    assert len(opt.param_groups) == 1
+    with pytest.raises(NotImplementedError, match="param group 1 lists a parameter more than once"):
+        opt.step()
+    opt.zero_grad()
+    opt.step()  # no gradient: nothing to refuse
     opt.close()
 
 

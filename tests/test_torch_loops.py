@@ -48,7 +48,8 @@ def pair(device="cpu", mode="cpu", dtype=torch.float32, lr=1e-2, **kw):
     """Two equal models: one with torch.optim.AdamW, one with OffloadAdamW."""
     ref, ours = mlp(dtype=dtype, device=device), mlp(dtype=dtype, device=device)
     return (ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1),
-            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **mode_kw(mode), **kw))
+            ours, OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **mode_kw(mode),
+                               **({"master_weights": True} if dtype != torch.float32 else {}), **kw))
 
 
 def data(n, device="cpu", seed=1):
@@ -222,7 +223,7 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     ref, _, ours, _ = pair(device, mode, dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ropt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
-    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, threads=2,
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, threads=2, master_weights=dtype != torch.float32,
                        max_grad_norm=0.05 if how == "max_grad_norm" else None, **mode_kw(mode))
     micro = 2 if how == "micro2" else 1
     for x in data(4, device):

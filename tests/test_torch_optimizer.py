@@ -91,7 +91,7 @@ def test_half_params_against_fp32_master(dtype, micro):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     with chunked(4096):
-        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2)
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, master_weights=True)
     slot = ts._engine.host._slot(0)
     assert slot.param_stage is slot.grad_stage
     for x in batches(20):
@@ -306,7 +306,7 @@ def test_failed_update_uploads_nothing(monkeypatch):
     model = make_model(dtype=torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
     with chunked(4096):
-        ts = OffloadAdamW(model.parameters(), threads=2)
+        ts = OffloadAdamW(model.parameters(), threads=2, master_weights=True)
     _step_with_failing_kernel(ts, model, monkeypatch)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
@@ -374,7 +374,7 @@ def test_load_state_dict_between_backward_and_step_keeps_the_gradients():
 
 def test_stale_master_from_a_torch_round_trip_is_not_restored():
     model = make_model(dtype=torch.bfloat16)
-    ts = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
+    ts = OffloadAdamW(model.parameters(), lr=1e-2, threads=1, master_weights=True)
     data = batches(8)
     for x in data[:3]:
         loss_of(model, x).backward()
@@ -387,7 +387,7 @@ def test_stale_master_from_a_torch_round_trip_is_not_restored():
         ref.zero_grad()
         loss_of(model, x).backward()
         ref.step()
-    ts2 = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
+    ts2 = OffloadAdamW(model.parameters(), lr=1e-2, threads=1, master_weights=True)
     with pytest.warns(RuntimeWarning, match="does not round to the current weights"):
         ts2.load_state_dict(ref.state_dict())
     for sid, p in enumerate(model.parameters()):

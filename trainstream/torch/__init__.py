@@ -1,5 +1,5 @@
-"""PyTorch API: ``trainstream.torch.OffloadAdamW``."""
+"""PyTorch API: ``trainstream.torch.OffloadAdamW`` (for ``torch.optim.AdamW``) and ``OffloadAdam`` (``Adam``)."""
 
-from ._optimizer import OffloadAdamW
+from ._optimizer import OffloadAdam, OffloadAdamW
 
-__all__ = ["OffloadAdamW"]
+__all__ = ["OffloadAdam", "OffloadAdamW"]

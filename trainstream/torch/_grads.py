@@ -45,11 +45,12 @@ class StagedCopy(NamedTuple):
 class GradCapture:
     """The gradient side of one optimizer, over its registry ``slots``: hooks, the eager path (``eager``: inside
     ``last_micro_batch()``; ``done``: the slots it updated since the last ``step()``), the multipliers.
-    ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``group_hyper(index)``: that param group's
-    hyper-parameters now. Holds nothing of the optimizer (its hooks hold this object weakly)."""
+    ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``slot_hyper(record)``: its param group's
+    hyper-parameters now (the group checked against what the slot was registered for). Holds nothing of the
+    optimizer (its hooks hold this object weakly)."""
 
-    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, group_hyper: Callable[[int], C.AdamWHyperParams]):
-        self.slots, self.gate, self.clipping, self.group_hyper = slots, gate, clipping, group_hyper
+    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams]):
+        self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
         self.done: set[int] = set()
 
@@ -87,9 +88,9 @@ class GradCapture:
             if rec.sid in self.done:
                 raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
                                    f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+            hp = self.slot_hyper(rec)  # first: a group edit it cannot follow raises before anything changes
             self.slots.follow(rec)  # an edited weight is re-read before the update
             self.done.add(rec.sid)
-            hp = self.group_hyper(rec.group)
             if on_device:
                 engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
             else:

@@ -1,64 +1,104 @@
-"""``OffloadAdamW``: the ``torch.optim.Optimizer`` over the engine (``trainstream.core``), whose arithmetic is the
-contract's (``trainstream.contract``). This module is the torch.optim API; it delegates to parameter
-registration and placement (:mod:`._params`), gradient capture (:mod:`._grads`), ``overlap_forward``'s gate
-(:mod:`._gate`), the state as torch shows it (:mod:`._state`) and torch.distributed's part (:mod:`._dist`).
+"""``OffloadAdam`` and ``OffloadAdamW``: the ``torch.optim.Optimizer`` classes over the engine (``trainstream.core``),
+whose arithmetic is the contract's (``trainstream.contract``). This module is the torch.optim API (torch's
+signatures, validation, hooks, state dicts, copies); it delegates what a param group asks for to :mod:`._recipe`,
+parameter registration and placement to :mod:`._params`, gradient capture to :mod:`._grads`, ``overlap_forward``'s
+gate to :mod:`._gate`, the state as torch shows it to :mod:`._state` and torch.distributed's part to :mod:`._dist`.
 No arithmetic lives here; buffers, streams and copies are :mod:`trainstream.backends.torch`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import _to_scalar
 
 from .. import contract as C
 from ..core import _budget
 from . import _dist as D
 from . import _params as P
+from . import _recipe as R
 from . import _state as S
 from ._gate import Gate
 from ._grads import GradCapture
 
-__all__ = ["OffloadAdamW"]
-
-_GROUP_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                    decoupled_weight_decay=True)
+__all__ = ["OffloadAdam", "OffloadAdamW"]
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    """Refuse what OffloadAdamW does not implement, before any state changes."""
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
-        if group.get(flag):
-            raise NotImplementedError(f"OffloadAdamW does not implement {flag}")
-    if not group.get("decoupled_weight_decay", True):
-        raise NotImplementedError("OffloadAdamW implements decoupled weight decay only")
-    _hp(group)
+def _validate(lr: Any, betas: Any, eps: Any, weight_decay: Any, foreach: Any, capturable: Any) -> tuple:
+    """``torch.optim.Adam.__init__``'s checks, in its order, with its exception types and messages (torch 2.13);
+    returns ``betas`` as torch keeps them."""
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i in (0, 1):
+        if isinstance(betas[i], torch.Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+            if betas[i].numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    return tuple(map(_to_scalar, betas))
 
 
 def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
-    """A param group's hyper-parameters, as the contract takes them."""
-    return C.validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    """A param group's hyper-parameters, as the contract takes them (a Tensor ``lr``: its value)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr.item())
+    return C.validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
 
 
 def _release(slots: P.Slots, gate: Gate) -> None:
-    """What one :class:`OffloadAdamW` releases, once, by close() or its collection (not a copy's, e.g.
-    LightningOptimizer's): its hooks and its engine (queued work finished first)."""
+    """What one optimizer releases, once, by close() or its collection (not a copy's, e.g. LightningOptimizer's):
+    its hooks and its engine (queued work finished first)."""
     gate.remove()
     slots.release()
 
 
-class OffloadAdamW(Optimizer):
-    r"""AdamW with its state in host memory, bit-identical to ``torch.optim.AdamW``.
+class OffloadAdam(Optimizer):
+    r"""``torch.optim.Adam`` with its state in host memory, bit-identical to it; :class:`OffloadAdamW` is
+    ``torch.optim.AdamW``'s counterpart (the same machinery, as torch's ``AdamW`` subclasses ``Adam``).
 
-    A drop-in replacement: the same arguments, param groups, LR schedulers, ``zero_grad``, ``step(closure)``,
-    ``state`` and ``state_dict`` (keys ``step``, ``exp_avg``, ``exp_avg_sq``: checkpoints move to and from
-    ``torch.optim.AdamW``). The moments and the fp32 masters of fp16/bf16 parameters live in host memory (or,
-    within ``gpu_state_bytes``, in GPU memory). In an existing loop it changes memory and speed, nothing else
-    (:meth:`last_micro_batch` and ``overlap_forward`` are opt-ins that trade a rule below for speed):
+    A drop-in replacement: torch's arguments in torch's order, its validation, param groups (named parameters too),
+    LR schedulers, ``zero_grad``, ``step(closure)``, every ``Optimizer`` hook, ``state`` and ``state_dict`` (keys
+    ``step``, ``exp_avg``, ``exp_avg_sq``: checkpoints move to and from torch's optimizer). The moments (and the fp32
+    masters of ``master_weights=True``) live in host memory (or, within ``gpu_state_bytes``, in GPU memory). In an
+    existing loop it changes memory and speed, nothing else (:meth:`last_micro_batch` and ``overlap_forward`` are
+    opt-ins that trade a rule below for speed). What cannot be offered raises ``NotImplementedError`` naming why,
+    where it is set (constructor, ``add_param_group``, ``load_state_dict``, or the ``step()`` after a group edit):
+
+    * ``differentiable=True``, ``capturable=True`` and Tensor ``betas``: never (the update runs outside autograd
+      and outside any CUDA graph).
+    * Not built yet: ``fused=True``, ``amsgrad``, ``maximize``, a Tensor ``lr``, Adam's L2 weight decay
+      (``decoupled_weight_decay=False`` with ``weight_decay != 0``), fp16/bf16 parameters without
+      ``master_weights=True``, torch's single-tensor implementation on CUDA (``foreach=False``).
+    * A group edited after its parameters were registered so that it asks for other arithmetic (e.g. ``amsgrad``
+      or ``foreach`` toggled mid-run); hyper-parameter edits (``lr``, ``betas``, ``eps``, ``weight_decay``) take
+      effect at the next step, as torch's.
+    * A parameter listed twice in a group: torch warns and updates it twice per step; ``step()`` refuses it.
+
+    The rules of a loop:
 
     * Gradients stay in ``param.grad`` (summed over micro-batches in the parameter's dtype). A hook copies each to
       pinned host memory as backward produces it; ``step()`` uses that copy, copies ``param.grad`` again where it
@@ -70,6 +110,8 @@ class OffloadAdamW(Optimizer):
     * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same shape,
       dtype and device) are what it updates next (fp16/bf16: an element keeps its fp32 master where that still
       rounds to the weight). It sees a changed ``param._version`` or storage, so not ``p.data.mul_(...)``.
+    * ``copy.deepcopy(opt)`` and pickling give an independent optimizer with a copy of the state over the copied
+      parameters (torch's semantics; its own engine and worker threads); ``copy.copy`` raises.
 
     Several processes (``torch.distributed``), each rank offloading only what it updates:
 
@@ -84,14 +126,17 @@ class OffloadAdamW(Optimizer):
       Each rank updates every parameter, or with ``zero_stage=1`` its partition. Not with :meth:`last_micro_batch`.
 
     Args:
-      params: parameters or param groups, as for ``torch.optim.AdamW``: float32, float16 or bfloat16,
-        contiguous, dense, all on one device (CUDA, or CPU).
-      lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` a float, not a Tensor).
+      params: parameters, ``(name, parameter)`` pairs or param groups, as for ``torch.optim.Adam``: float32,
+        float16 or bfloat16, contiguous, dense, all on one device (CUDA, or CPU).
+      lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable, differentiable, fused,
+        decoupled_weight_decay: as ``torch.optim.Adam`` (the list above says what raises ``NotImplementedError``).
+      master_weights: fp16/bf16 parameters get an fp32 master and fp32 moments (TrainStream 0.1.1's scheme) instead
+        of state in their dtype as torch keeps it. Default False.
       max_grad_norm: if set, ``step()`` first runs :meth:`clip_grad_norm` over the parameters in group order.
       mode: ``"cpu"`` (default: host threads update), ``"gpu"`` (a GPU kernel; the host state streams through a
         72 MiB ring of GPU buffers, ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (up to ``gpu_share`` of the
         trainable elements by the GPU kernel reading their host state over PCIe, beside the host threads); the last
-        two need CUDA parameters. Each parameter gets its updating mode's bits (both ``torch.optim.AdamW``'s on CUDA).
+        two need CUDA parameters. Each parameter gets its updating mode's bits (both torch's on CUDA).
       overlap_forward: a module (the model) whose next forward may start before the update has finished, each
         module waiting for its own weights (forward pre-hooks, outside Dynamo's graphs); reads of the weights
         outside that forward (``state_dict``, an EMA) then need :meth:`synchronize`.
@@ -127,25 +172,36 @@ class OffloadAdamW(Optimizer):
         available host memory, else pageable (``stats()["host_plan_pin_moments"]``). Default False.
       host_margin: the host memory the optimizer will take (:meth:`host_memory_plan`) must fit in what the host
         has less this fraction, checked before allocating: else ``MemoryError`` naming the bytes. None: no check.
-      amsgrad, maximize: ``True`` raises ``NotImplementedError``.
 
-    Invalid arguments raise ``ValueError`` (``TypeError``: a Tensor ``lr``, a non-Module ``overlap_forward``, an
-    unsupported parameter dtype).
+    Invalid arguments raise torch's exceptions (``ValueError``; ``TypeError`` for a non-iterable ``params``;
+    ``RuntimeError`` for ``fused`` with ``foreach`` or ``differentiable``) and ours ``ValueError`` (``TypeError``:
+    a non-Module ``overlap_forward``, an unsupported parameter dtype).
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
+    _torch_name = "Adam"  # the torch.optim class it reproduces
+    _force_decoupled = False  # OffloadAdamW: decoupled weight decay, re-forced on every loaded group (as AdamW)
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, *, foreach: bool | None = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 decoupled_weight_decay: bool = False, master_weights: bool = False,
                  max_grad_norm: float | None = None, mode: str = "cpu", overlap_forward: torch.nn.Module | None = None,
+                 gpu_state_bytes: int | str = 0, gpu_share: float = 0.3, gpu_params: str = "first",
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
-                 eager_blocks: int | None = None, gpu_state_bytes: int = 0, gpu_share: float = 0.3,
-                 gpu_params: str = "first", pin_moments: bool = False, host_margin: float | None = _budget.MARGIN,
-                 amsgrad: bool = False, maximize: bool = False):
-        if isinstance(lr, torch.Tensor):
-            raise TypeError("OffloadAdamW: a Tensor lr is not supported; pass a float")
-        C.validate_hyperparams(lr, betas, eps, weight_decay)
-        _check_group(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize))
+                 eager_blocks: int | None = None, pin_moments: bool = False,
+                 host_margin: float | None = _budget.MARGIN):
+        # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
+        self._init_kwargs = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
+            maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+            max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
+            gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
+            zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
+            host_margin=host_margin)
+        betas = _validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
@@ -159,8 +215,11 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"Invalid eager_blocks: {eager_blocks!r} (must be an int >= 1 or None)")
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
+        if not isinstance(master_weights, bool):
+            raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
+        self.master_weights = master_weights
         self._zero = D.ZeroPartition(gated) if zero_stage else None  # zero_stage=1: which rank owns each parameter
         self._consolidated: dict[str, Any] | None = None  # zero_stage=1: consolidate_state_dict()'s
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -168,20 +227,28 @@ class OffloadAdamW(Optimizer):
         self._slots = P.Slots(mode=mode, gpu_state_bytes=gpu_state_bytes, gpu_share=gpu_share, gpu_params=gpu_params,
                               host_margin=host_margin, worker_cores=worker_cores, threads=threads,
                               pin_moments=pin_moments, worker_nice=worker_nice, eager_blocks=eager_blocks, gated=gated)
+        self._state_view = S.StateView(self._slots)  # opt.state: the engine's, per parameter
         self._gate = Gate(self._slots, gated)
         ref = weakref.ref(self)
         self._grads = GradCapture(self._slots, self._gate, clipping=self.max_grad_norm is not None,
-                                  group_hyper=lambda i: _hp(ref().param_groups[i]))
+                                  slot_hyper=lambda rec: ref()._slot_hyper(rec))
         self._last_norm: torch.Tensor | None = None
         # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._release = weakref.finalize(self, _release, self._slots, self._gate)
         self._deferred = True  # add_param_group inside __init__: registered once every group is known (one plan)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_GROUP_FLAGS))
-        self.state = S.StateView(self._slots)  # type: ignore[assignment]  # the engine's, per parameter
-        self._deferred = False
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
         try:
-            self._slots.start([(p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"]
-                               if self._mine(p)], hook=self._grads.hook)
+            super().__init__(params, defaults)
+            if fused:  # torch's checks, after the parameters'
+                if differentiable:
+                    raise RuntimeError("`fused` does not support `differentiable`")
+                if foreach:
+                    raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+            self._deferred = False
+            self._slots.start([t for gi, g in enumerate(self.param_groups) for t in self._group_slots(gi, g)],
+                              hook=self._grads.hook)
         except BaseException:  # nothing of a half-built optimizer stays on the parameters
             self._release()
             raise
@@ -197,23 +264,90 @@ class OffloadAdamW(Optimizer):
     def _closed(self) -> bool:
         return self._slots.closed
 
+    @property
+    def state(self) -> S.StateView:
+        """Per parameter, its state as torch shows it (views of the host state; :class:`~._state.StateView`)."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # Optimizer.__init__'s empty defaultdict, or a user's reset (opt.state = defaultdict(dict)): fresh state.
+        if value is self.__dict__.get("_state_view"):
+            return
+        if isinstance(value, Mapping) and len(value) == 0:
+            if self._engine is not None:
+                self._check_open("state")
+                self._load({}, {})
+            return
+        raise NotImplementedError(f"{type(self).__name__}.state cannot be replaced by another mapping (the state "
+                                  "lives in the engine): use load_state_dict(), or assign an empty mapping to reset it")
+
+    # -- param groups: what each asks for ---------------------------------------------------
+
+    def _where(self, gi: int) -> str:
+        return f"{type(self).__name__} param group {gi}"
+
+    def _group_slots(self, gi: int, group: dict[str, Any]) -> list[tuple[torch.Tensor, int, R.TorchRecipe]]:
+        """The ``(parameter, group index, recipe)`` of group ``gi``'s parameters this rank registers (each once),
+        after the refusals (:func:`._recipe.refuse`, :func:`._recipe.unbuilt`)."""
+        where = self._where(gi)
+        R.refuse(group, where)
+        impl = R.impl_of(group, group["params"])
+        out, seen = [], set()
+        for p in group["params"]:
+            if p in seen or not self._mine(p):
+                continue
+            seen.add(p)
+            r = R.recipe(group, p, impl, self.master_weights)
+            R.unbuilt(r, group, where)
+            out.append((p, gi, r))
+        return out
+
+    def _check_group(self, gi: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """Group ``gi`` as it is now, over ``params`` (at a step: those with a gradient), against what its registered
+        parameters were built for: refused where it asks for what cannot be offered or followed."""
+        if not params:
+            return
+        where = self._where(gi)
+        R.refuse(group, where)
+        impl = R.impl_of(group, params)
+        for p in params:
+            rec = self._slots.of(p)
+            if rec is not None:  # (a parameter's own dtype or device changes are Slots.follow's to refuse)
+                r = R.recipe(group, p, impl, self.master_weights)._replace(platform=rec.recipe.platform,
+                                                                           dtype=rec.recipe.dtype)
+                R.changed(rec.recipe, r, where)
+                R.unbuilt(r, group, where)
+
+    def _check_groups(self) -> None:
+        """At ``step()``: every group as it is now (edits since the last step), before anything changes."""
+        for gi, g in enumerate(self.param_groups):
+            with_grad = [p for p in g["params"] if p.grad is not None]
+            if len(set(with_grad)) != len(with_grad):
+                raise NotImplementedError(
+                    f"{self._where(gi)} lists a parameter more than once: torch.optim.{self._torch_name} "
+                    "updates it once per listing (and warned at construction); list each parameter once")
+            self._check_group(gi, g, with_grad)
+
+    def _slot_hyper(self, rec: P.Slot) -> C.AdamWHyperParams:
+        """A slot's group's hyper-parameters now, for an update started from its gradient hook (last_micro_batch)."""
+        group = self.param_groups[rec.group]
+        self._check_group(rec.group, group, [rec.param])
+        return _hp(group)
+
     # -- parameters -------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         n_groups = len(self.param_groups)
-        super().add_param_group(param_group)
-        listed = self.param_groups[-1]["params"]
+        super().add_param_group(param_group)  # torch's checks and defaults (and its warning on duplicates)
+        listed = list(dict.fromkeys(self.param_groups[-1]["params"]))
         zero = None if self._zero is None else self._zero.snapshot()
         try:
-            if len({id(p) for p in listed}) != len(listed):
-                raise ValueError(f"OffloadAdamW: parameter group {n_groups} lists a parameter more than once "
-                                 "(torch.optim.AdamW would update it once per listing); list each parameter once")
-            _check_group(self.param_groups[-1])
             if self._zero is not None:
                 self._zero.add_group(listed)
             if self._deferred:  # inside __init__
                 return
-            self._slots.add([(p, n_groups) for p in listed if self._mine(p)], hook=self._grads.hook)
+            self._slots.add(self._group_slots(n_groups, self.param_groups[-1]), hook=self._grads.hook)
         except BaseException:  # leave the optimizer exactly as it was (the registry unwinds itself)
             del self.param_groups[n_groups:]
             if zero is not None:
@@ -245,9 +379,9 @@ class OffloadAdamW(Optimizer):
     def _check_open(self, what: str | None = None) -> None:
         """Refuse calls once closed, and checkpoint method ``what`` between a last_micro_batch() backward and step()."""
         if self._closed:
-            raise RuntimeError("OffloadAdamW is closed")
+            raise RuntimeError(f"{type(self).__name__} is closed")
         if what is not None and self._grads.done:
-            raise RuntimeError(f"OffloadAdamW.{what}() between a last_micro_batch() backward and step(): "
+            raise RuntimeError(f"{type(self).__name__}.{what}() between a last_micro_batch() backward and step(): "
                                f"{len(self._grads.done)} parameters are updated already; call step() first")
 
     @contextlib.contextmanager
@@ -264,8 +398,8 @@ class OffloadAdamW(Optimizer):
         With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
         self._check_open()
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
-            raise NotImplementedError("OffloadAdamW.last_micro_batch() with plain (non-DTensor) parameters in a "
-                                      "run of several processes is not built: the updates would use this rank's "
+            raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters "
+                                      "in a run of several processes is not built: the updates would use this rank's "
                                       "unreduced gradients (before DDP's all-reduce). Leave it out (FSDP2 may use it).")
         if self.max_grad_norm is None and (self.mode == "gpu" or self._gpu_params == "last"):
             # GPU slots' eager hooks (hybrid with gpu_params="first": at step(), with the full grid: faster), new
@@ -308,6 +442,7 @@ class OffloadAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()  # the groups as they are now: refused before anything changes
         engine = self._engine
         if engine is None and self._zero is None:
             return loss
@@ -370,28 +505,47 @@ class OffloadAdamW(Optimizer):
                 **{k: float(v) for k, v in where.items()}}
 
     # -- checkpoints ------------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A ``torch.optim.AdamW``-compatible state dict whose tensors are views of the host state, as torch's are of
-        its own (DTensors laid out as FSDP2's parameters). Per parameter: ``step`` (float32 scalar tensor), ``exp_avg``,
-        ``exp_avg_sq`` (float32, the parameter's shape) and, for fp16/bf16 parameters, ``master_param`` (the fp32
-        master: resuming is bit-exact). With ``zero_stage=1``: copies of the whole state gathered to this rank by the
-        last :meth:`consolidate_state_dict` (a ``step()`` since discards them; ``RuntimeError`` without them)."""
+        """A state dict in torch's format whose tensors are views of the host state, as torch's are of its own
+        (DTensors laid out as FSDP2's parameters), with torch's state-dict pre- and post-hooks. Per parameter: ``step``
+        (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (float32, the parameter's shape) and, with
+        ``master_weights=True`` for fp16/bf16 parameters, ``master_param`` (the fp32 master: resuming is bit-exact).
+        With ``zero_stage=1``: copies of the whole state gathered to this rank by the last
+        :meth:`consolidate_state_dict` (a ``step()`` since discards them; ``RuntimeError`` without them)."""
         self._check_open("state_dict")
+        if self._zero is not None and self._consolidated is None:
+            raise RuntimeError(f"{type(self).__name__}(zero_stage=1).state_dict(): each rank holds only its "
+                               "partition. Call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
+                               "on that rank (with no step() between)")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         if self._zero is None:
-            return self._own_state_dict()
-        if self._consolidated is None:
-            raise RuntimeError("OffloadAdamW(zero_stage=1).state_dict(): each rank holds only its partition. Call "
-                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank "
-                               "(with no step() between)")
-        return self._consolidated
+            state_dict = self._own_state_dict()
+        else:
+            state_dict = {"state": {**self._consolidated["state"], **self._state_view.extras},
+                          "param_groups": copy.copy(self._consolidated["param_groups"])}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _own_state_dict(self) -> dict[str, Any]:
-        """This rank's state (views), keyed by each parameter's index in the groups."""
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        state = {index[rec.param]: entry for rec in self._slots if (entry := S.entry(self._slots, rec))}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-                  for g in self.param_groups]
+        """This rank's state (views), keyed as torch keys it (each parameter by its first position in the groups),
+        and the entries of other keys (``opt.state["key"] = ...``) as they are."""
+        index: dict[int, int] = {}
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            index.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in index})
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            start += len(packed["params"])
+            groups.append(packed)
+        state = {index[id(rec.param)]: entry for rec in self._slots
+                 if id(rec.param) in index and (entry := S.entry(self._slots, rec))}
+        state.update(self._state_view.extras)
         return {"state": state, "param_groups": groups}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -402,34 +556,75 @@ class OffloadAdamW(Optimizer):
         if self._zero is None:
             return
         own = self._own_state_dict()
+        for key in self._state_view.extras:
+            own["state"].pop(key, None)
         state = D.gather_state(own["state"], to)
         self._consolidated = None if state is None else {"state": state, "param_groups": own["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from ``OffloadAdamW`` or ``torch.optim.AdamW`` (DTensor values included:
-        torch.distributed.checkpoint passes it by keyword). Every entry is checked before anything changes
-        (``ValueError``). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
+        """Load a state dict of this class or of torch's optimizer (DTensor values included:
+        torch.distributed.checkpoint passes it by keyword), with torch's load-state-dict pre-hooks (whose edits take
+        effect) and post-hooks. The param groups become the loaded ones, as torch's (flags a saved group lacks take
+        torch's defaults;
+        ``OffloadAdamW``: decoupled weight decay). Everything is checked before anything changes (``ValueError``;
+        ``NotImplementedError`` where a loaded group asks for other arithmetic than the parameters were registered
+        with). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
         self._check_open("load_state_dict")
-        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', got "
+                             f"{type(state_dict).__name__}")
+        state_dict = dict(state_dict)  # shallow copy, as torch's
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
-                             f"{len(self.param_groups)}")
+            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
+                             f"than the optimizer ({len(self.param_groups)})")
         for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"loaded state dict's parameter group {i} has {len(sg['params'])} parameters, "
-                                 f"the optimizer's has {len(g['params'])}")
-            _check_group({**self.defaults, **sg})
-        id_map = {saved_id: p for g, sg in zip(self.param_groups, saved_groups)
-                  for p, saved_id in zip(g["params"], sg["params"])}
-        loads = {}  # slot -> (exp_avg, exp_avg_sq, step, master or None)
+                raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group: group {i} has {len(sg['params'])} parameters saved, "
+                                 f"{len(g['params'])} here")
+        new_groups = [self._loaded_group(g, sg) for g, sg in zip(self.param_groups, saved_groups)]
+        for gi, g in enumerate(new_groups):
+            self._check_group(gi, g, list(g["params"]))
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            id_map.update(zip(sg["params"], g["params"]))
+        loads, extras = {}, {}  # slot -> (exp_avg, exp_avg_sq, step, master or None); other keys: kept as they are
         for saved_id, entry in state_dict["state"].items():
-            if saved_id not in id_map:
+            if saved_id in id_map:
+                rec = self._slots.of(id_map[saved_id])
+                if rec is not None:  # else another rank's (zero_stage=1)
+                    loads[rec.sid] = S.parse_entry(saved_id, entry, id_map[saved_id])
+            elif isinstance(saved_id, int):
                 raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
-            rec = self._slots.of(id_map[saved_id])
-            if rec is not None:  # else another rank's (zero_stage=1)
-                loads[rec.sid] = S.parse_entry(saved_id, entry, id_map[saved_id])
+            else:
+                extras[saved_id] = entry
+        self._load(loads, extras)
+        self.param_groups[:] = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """A loaded group as torch makes it: the saved keys, this group's parameters (and names, if the saved group
+        has none), the flags it lacks at torch's defaults (``Adam.__setstate__``; ``AdamW``'s decoupled decay)."""
+        new = {**saved, "params": group["params"]}
+        if "param_names" in group and "param_names" not in saved:
+            new["param_names"] = group["param_names"]
+        for key, value in R.FLAGS.items():
+            new.setdefault(key, value)
+        if self._force_decoupled:
+            new["decoupled_weight_decay"] = True
+        return new
+
+    def _load(self, loads: dict[int, tuple], extras: dict[Any, Any]) -> None:
+        """Give each slot its loaded state (``loads``), or fresh state where none (as torch's); ``extras``: the
+        state's other keys."""
         for rec in self._slots:
             self._slots.follow(rec)  # a replaced storage first (the masters are checked against it)
         self._consolidated = None
@@ -444,11 +639,69 @@ class OffloadAdamW(Optimizer):
             rec.version = D.version(rec.param)
         self._gate.clear()
         self._grads.done.clear()
-        for g, sg in zip(self.param_groups, saved_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
+        self._state_view.extras.clear()
+        self._state_view.extras.update(extras)
+
+    # -- copies -----------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling copy: the constructor's arguments, the param groups (their parameters)
+        and the state per parameter (views, copied by them). The copy is an independent optimizer, as torch's."""
+        self._check_open("__getstate__")
+        if self._zero is not None:
+            raise NotImplementedError(f"copy.deepcopy/pickle of {type(self).__name__}(zero_stage=1): each rank holds "
+                                      "only its partition; save consolidate_state_dict() + state_dict() instead")
+        state = {rec.param: entry for rec in self._slots if (entry := S.entry(self._slots, rec))}
+        return {"init_kwargs": self._init_kwargs, "param_groups": [dict(g) for g in self.param_groups],
+                "state": state, "extras": dict(self._state_view.extras)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Build the optimizer a :meth:`__getstate__` describes (its own engine and workers), then load its state."""
+        if "init_kwargs" not in state:
+            raise TypeError(f"{type(self).__name__}.__setstate__: not a state of {type(self).__name__}.__getstate__ "
+                            "(use load_state_dict for a state dict)")
+        OffloadAdam.__init__(self, state["param_groups"], **state["init_kwargs"])
+        loads = {}
+        for p, entry in state["state"].items():
+            rec = self._slots.of(p)
+            if rec is not None:
+                loads[rec.sid] = S.parse_entry(rec.sid, entry, p)
+        self._load(loads, state["extras"])
+
+    def __copy__(self):
+        raise NotImplementedError(f"copy.copy of {type(self).__name__}: a shallow copy would share the host state "
+                                  "with this optimizer; use copy.deepcopy (an independent optimizer) or this one")
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Finish queued work, stop the worker threads, free host memory, remove hooks."""
         self._release()  # once; drains queued work (a worker failure was raised already)
+
+
+class OffloadAdamW(OffloadAdam):
+    r"""``torch.optim.AdamW`` with its state in host memory, bit-identical to it: :class:`OffloadAdam` with decoupled
+    weight decay (``weight_decay`` default 0.01; no ``decoupled_weight_decay`` argument, as ``AdamW``), the arguments
+    in ``torch.optim.AdamW``'s order. Everything else (``master_weights``, modes, refusals, the loop's rules) is
+    :class:`OffloadAdam`'s."""
+
+    _torch_name = "AdamW"
+    _force_decoupled = True
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 master_weights: bool = False, max_grad_norm: float | None = None, mode: str = "cpu",
+                 overlap_forward: torch.nn.Module | None = None, gpu_state_bytes: int | str = 0,
+                 gpu_share: float = 0.3, gpu_params: str = "first", threads: int | None = None,
+                 worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
+                 eager_blocks: int | None = None, pin_moments: bool = False,
+                 host_margin: float | None = _budget.MARGIN):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
+                         mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
+                         gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
+                         zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
+                         pin_moments=pin_moments, host_margin=host_margin)

@@ -17,6 +17,7 @@ from .. import _cores
 from ..backends.torch import _DTYPE_NAME, TorchBackend, torch_cpu_code
 from ..core import Engine, _budget
 from . import _dist as D
+from . import _recipe as R
 
 __all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_placement", "host_memory_plan"]
 
@@ -89,6 +90,7 @@ class Slot:
     ptr: int  # data_ptr() of the (local) storage the engine writes
     version: Any  # D.version(param) when the engine last read it (the engine's own writes move none)
     meta: tuple  # (dtype, shape, device) of the local tensor
+    recipe: R.TorchRecipe  # its arithmetic, fixed at registration (trainstream.torch._recipe)
     staged: Any = None  # _grads.StagedCopy: the hook's copy of param.grad in the engine's staging, or None
     hook: Any = None  # handle of its gradient hook (a host slot's, _grads.GradCapture.hook)
     gpu_hook: Any = None  # handle of a GPU slot's eager hook (installed by last_micro_batch)
@@ -136,26 +138,26 @@ class Slots:
         """``p``'s record, or None where it is not registered (e.g. another rank's under zero_stage=1)."""
         return self._of.get(p)
 
-    def start(self, pairs: Sequence[tuple[torch.Tensor, int]], hook: Callable[[Slot], None] | None = None
-              ) -> list[Slot]:
-        """Register the ``(parameter, group index)`` pairs of a new optimizer (:meth:`add`): hybrid's share sized
-        over them, the GPU share from the last parameter backwards with ``gpu_params="last"``."""
+    def start(self, pairs: Sequence[tuple[torch.Tensor, int, R.TorchRecipe]],
+              hook: Callable[[Slot], None] | None = None) -> list[Slot]:
+        """Register the ``(parameter, group index, recipe)`` triples of a new optimizer (:meth:`add`): hybrid's share
+        sized over them, the GPU share from the last parameter backwards with ``gpu_params="last"``."""
         if self.mode == "hybrid":
-            self.device_elems = _budget.hybrid_elems(_facts([p for p, _ in pairs]), self.gpu_share,
+            self.device_elems = _budget.hybrid_elems(_facts([p for p, _, _ in pairs]), self.gpu_share,
                                                      self.gpu_state_bytes)
         return self.add(pairs, last=self.gpu_params == "last", hook=hook)
 
-    def add(self, pairs: Sequence[tuple[torch.Tensor, int]], last: bool = False,
+    def add(self, pairs: Sequence[tuple[torch.Tensor, int, R.TorchRecipe]], last: bool = False,
             hook: Callable[[Slot], None] | None = None) -> list[Slot]:
-        """Register ``(parameter, group index)`` pairs, all or none: each is checked, then the host memory
+        """Register ``(parameter, group index, recipe)`` triples, all or none: each is checked, then the host memory
         (pinned moments that would not fit become pageable), before anything is allocated; ``hook(record)`` after
         each (its gradient hook). Returns the records."""
         n, plan, pin = len(self._records), self.host_plan, self.engine_args["pin_moments"]
-        flat = [p for p, _ in pairs]
+        flat = [p for p, _, _ in pairs]
         try:
             where = self._reserve(flat, last)
-            for (p, group), w in zip(pairs, where):
-                rec = self._register(p, group, w)
+            for (p, group, recipe), w in zip(pairs, where):
+                rec = self._register(p, group, w, recipe)
                 if hook is not None:
                     hook(rec)
         except BaseException:  # leave the registry exactly as it was
@@ -250,18 +252,18 @@ class Slots:
                               f"or 'trainstream[cuda13]' ({exc})") from exc
         self.device = device
 
-    def _register(self, p: torch.Tensor, group: int, where: str) -> Slot:
-        """Give ``p`` (checked) of param group ``group`` a slot ``where`` the core said; for a DTensor its local
-        shard, maybe empty. The first one builds the engine."""
+    def _register(self, p: torch.Tensor, group: int, where: str, recipe: R.TorchRecipe) -> Slot:
+        """Give ``p`` (checked) of param group ``group`` a slot ``where`` the core said, with the arithmetic of
+        ``recipe``; for a DTensor its local shard, maybe empty. The first one builds the engine."""
         loc = D.local(p)
         if self.engine is None:
             self._build_engine(loc.device)
         # Through loc.data: the engine's own writes move no _version.
         with _cores.bound(self.cores):  # the host state's first touch: on the workers' cores
             sid = self.engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
-                                        trainable=p.requires_grad, where=where)
+                                        trainable=p.requires_grad, where=where, **R.engine_kwargs(recipe))
         assert sid == len(self._records)
-        rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device))
+        rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device), recipe)
         self._records.append(rec)
         self._of[p] = rec
         return rec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -38,34 +38,95 @@ def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
     return out
 
 
-class StateView(Mapping):
-    """``OffloadAdamW.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}``.
-    A new dict per lookup: assigning into it changes nothing (edit tensors in place or load_state_dict)."""
+class StateView(MutableMapping):
+    """``opt.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}`` (also for a
+    tensor it does not hold, as torch's ``defaultdict``); other keys (``opt.state["note"] = ...``, as torch's hooks
+    write) are kept as given (``extras``) and go into ``state_dict()`` as they are. A parameter's entry is a new
+    read-only dict of views per lookup: edit its tensors in place, or use ``load_state_dict``."""
 
     def __init__(self, slots: Slots):
         self._slots = slots  # the registry, not the optimizer: no cycle, the optimizer stays collectable
+        self.extras: dict[Any, Any] = {}
 
     def _rec(self, param: object) -> Slot | None:
         return None if self._slots.closed else self._slots.of(param)  # type: ignore[arg-type]
 
-    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        rec = self._rec(param)
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, torch.Tensor):
+            return self.extras[key]
+        rec = self._rec(key)
         if rec is None:
-            raise KeyError(param)
-        return entry(self._slots, rec)
+            return _Entry()
+        return _Entry(entry(self._slots, rec), views=not self._slots.engine.on_device(rec.sid))
 
-    def __iter__(self):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            raise NotImplementedError("optimizer.state[param] cannot be assigned (the state lives in the engine): edit "
+                                      "its tensors in place, or use load_state_dict()")
+        self.extras[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if isinstance(key, torch.Tensor):
+            raise NotImplementedError("del optimizer.state[param]: the state lives in the engine; use "
+                                      "load_state_dict() with a state dict without that entry")
+        del self.extras[key]
+
+    def _stepped(self) -> list[torch.Tensor]:
         slots = self._slots
         if slots.closed or slots.engine is None:
-            return iter(())
-        return iter([rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0])
+            return []
+        return [rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0]
+
+    def __iter__(self):
+        return iter([*self._stepped(), *self.extras])
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._stepped()) + len(self.extras)
 
-    def __contains__(self, param: object) -> bool:
-        rec = self._rec(param)
+    def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
+        return dict, ({k: dict(v) if isinstance(v, _Entry) else v for k, v in self.items()},)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, torch.Tensor):
+            return key in self.extras
+        rec = self._rec(key)
         return rec is not None and self._slots.engine.get_step(rec.sid) > 0
+
+
+class _Entry(dict):
+    """One parameter's state as ``opt.state[param]`` shows it. Assigning a tensor of the entry's shape on the device
+    the state lives on copies its values into the state (``views``: host state; else only an equal value is
+    accepted); one on another device is a device move (Lightning's ``_optimizer_to_device``): the state stays
+    where the optimizer keeps it. Anything else is refused (the engine would never see it)."""
+
+    def __init__(self, values: dict | None = None, views: bool = False):
+        super().__init__(values or {})
+        self._views = views
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        cur = dict.get(self, key)
+        if not isinstance(value, torch.Tensor) or not isinstance(cur, torch.Tensor):
+            self._refuse()
+        if value is cur or D.local(value).device != D.local(cur).device:
+            return
+        if tuple(value.shape) != tuple(cur.shape):
+            raise ValueError(f"optimizer.state[param][{key!r}]: shape {tuple(value.shape)}, the state's is "
+                             f"{tuple(cur.shape)}")
+        if key == "step" or not self._views:
+            if torch.equal(D.local(value).to(D.local(cur).dtype), D.local(cur)):
+                return
+            self._refuse()
+        with torch.no_grad():
+            cur.copy_(value)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("optimizer.state[param] is the engine's state: edit its tensors in place "
+                                  "(e.g. state['exp_avg'].zero_()), or use load_state_dict()")
+
+    __delitem__ = update = setdefault = pop = popitem = clear = _refuse  # type: ignore[assignment]
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
+        return dict, (dict(self),)
 
 
 def parse_entry(saved_id: Any, saved: dict[str, Any], p: torch.Tensor
