@@ -387,6 +387,20 @@ class HostPlacement:
         self.errors.check()
         return slot_state(s, copy)
 
+    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
+        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
+        self._check_open()
+        self._slot(sid).recipe = recipe
+
+    def grad_sum(self, sid: int) -> np.ndarray | None:
+        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
+        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.errors.check()
+        return s.grad_sum.array if s.summed else None
+
     def reload_param(self, sid: int, param: Any = None) -> None:
         """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
         ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
