@@ -84,9 +84,9 @@ def test_threads_and_chunks_identical(threads, chunk):
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_params_against_fp32_master(dtype, micro):
-    """fp16/bf16 weights against torch.optim.AdamW on an fp32 master whose gradient is the
-    parameter's (micro-batches summed in its dtype, as param.grad sums them); the rounded
-    weights staged in the gradient's buffer."""
+    """master_weights=True: fp16/bf16 weights against torch.optim.AdamW on an fp32 master whose gradient is the
+    fp32 sum of the micro-batches' gradients (param.grad holds the last micro-batch's); the rounded weights staged
+    in the gradient's buffer."""
     model = make_model(dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
@@ -95,10 +95,10 @@ def test_half_params_against_fp32_master(dtype, micro):
     slot = ts._engine.host._slot(0)
     assert slot.param_stage is slot.grad_stage
     for x in batches(20):
-        for part in x.chunk(micro):
+        for k, part in enumerate(x.chunk(micro)):
             loss_of(model, part).backward()
-        for m, p in zip(master, model.parameters()):
-            m.grad = p.grad.float()
+            for m, p in zip(master, model.parameters()):
+                m.grad = p.grad.float() if k == 0 else m.grad + p.grad.float()
         ts.step()
         ts.zero_grad()
         ref.step()
