@@ -14,6 +14,8 @@ failure names the first step, array and elements that differ, with their inputs.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,7 @@ import pytest
 
 from trainstream import contract as C
 from trainstream import _device_kernels as dk
+from trainstream import _device_recipes as R
 from _experiments import load_script
 
 gpu = pytest.mark.gpu
@@ -158,16 +161,45 @@ def test_kernel_sources_match_contract_constants():
     dk.check_kernel_constants()
 
 
-def test_every_kernel_name_is_defined_in_the_source():
-    src = dk.kernel_source(dk.ADAMW_SOURCE)
+def test_every_kernel_name_is_defined_in_the_program():
+    """Every name the loader compiles (the conventions' and the recipes') is an extern "C" kernel of the program:
+    the macros' expansions, checked by reading the sources the way the preprocessor would not (names built from
+    token pastes): each conventions kernel by its TS_VARIANT / TS_VARIANT_GRADS lines, each recipe kernel by
+    TS_TORCH_IMPL / TS_TORCH_GRADS."""
+    src = dk.program_source()
     for v in VARIANTS:
         for pd in dk.DTYPES:
             for gd in dk.DTYPES:
-                name = dk.adamw_kernel_name(v, pd, gd)
-                vname, pname, gname = name.removeprefix("adamw_").rsplit("_", 2)
-                assert f"TS_DEFINE_ADAMW_VARIANT({vname}," in src, name
-                assert f"TS_DEFINE_ADAMW_GRADS(VNAME, VARIANT, {pname}," in src, name
-                assert f"TS_DEFINE_ADAMW(VNAME, VARIANT, PNAME, P, {gname}," in src, name
+                vname, pname, gname = dk.adamw_kernel_name(v, pd, gd).removeprefix("adamw_").rsplit("_", 2)
+                assert f"TS_VARIANT({vname}," in src
+                assert f"TS_VARIANT_GRADS(VN, M, {pname}," in src and f"adamw_##VN##_##PN##_{gname}," in src
+    names = dk.recipe_kernel_names()
+    assert len(names) == len(set(names)) == 30
+    for name in names:
+        impl, p, g, st = name.removeprefix("adamw_torch_").split("_")
+        assert f"TS_TORCH_IMPL({impl}," in src and f"adamw_torch_##IMPL##_##PN##_{g}_##SN," in src
+        assert re.search(rf"TS_TORCH_GRADS\(IMPL, \w+, {p}, \w+, {st}, \w+\)", src), name
+
+
+def test_program_compiles_for_hopper_with_nvcc(tmp_path):
+    """Where nvcc is installed (no GPU needed): the program as the loader joins it compiles for sm_90 with the
+    loader's options, defines every kernel the loader loads, and keeps its state in registers (no local memory)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    src = tmp_path / "adamw_program.cu"
+    src.write_text(dk.program_source())
+    opts = [o.replace("--fmad=", "-fmad=").replace("--ftz=", "-ftz=").replace("--prec-", "-prec-")
+            for o in dk.COMPILE_OPTIONS]
+    out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", *opts, "-Xptxas", "-v", "-o", str(tmp_path / "a.cubin"),
+                          str(src)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    compiled = set(re.findall(r"Compiling entry function '(\w+)'", out.stderr))
+    names = ([dk.adamw_kernel_name(v, p, g) for v in VARIANTS for p in dk.DTYPES for g in dk.DTYPES]
+             + [dk.adamw_u_kernel_name(C.VARIANT_OPTAX_CUDA, g) for g in dk.DTYPES] + dk.recipe_kernel_names())
+    assert set(names) <= compiled, sorted(set(names) - compiled)
+    assert "bytes stack frame" not in out.stderr or " 0 bytes stack frame" in out.stderr
+    assert not re.search(r"[1-9]\d* bytes (spill stores|stack frame)", out.stderr), out.stderr[-4000:]
 
 
 def test_kernel_sources_are_package_data():
@@ -175,7 +207,10 @@ def test_kernel_sources_are_package_data():
     test_readonly_install.py), in a checkout from its top-level kernels/; a missing one raises
     FileNotFoundError naming it."""
     root = Path(dk.__file__).resolve().parents[1]
-    assert dk.kernel_source(dk.ADAMW_SOURCE) == (root / "kernels" / dk.ADAMW_SOURCE).read_text()
+    assert sorted(p.name for p in (root / "kernels").glob("*.cu")) == sorted(dk.KERNEL_SOURCES)
+    for name in dk.KERNEL_SOURCES:
+        assert dk.kernel_source(name) == (root / "kernels" / name).read_text()
+    assert dk.program_source().startswith(dk.kernel_source(dk.ADAMW_SOURCE))
     with pytest.raises(FileNotFoundError, match=r"trainstream/kernels/no_such\.cu"):
         dk.kernel_source("no_such.cu")
     assert not hasattr(dk, "KERNEL_DIR")
@@ -281,8 +316,9 @@ def test_multi_batch_layout_matches_the_kernel_source():
     body = body[:body.index("};")]
     fields = [line.split(";")[0].split()[-1].lstrip("*") for line in body.splitlines()[1:] if ";" in line]
     assert fields == [name for name, _ in dk._MultiItem._fields_]
-    assert ctypes.sizeof(dk._MultiItem) == 128
-    assert ctypes.sizeof(dk._MultiBatch) == dk.MULTI_MAX * 128 <= 4096
+    assert f"#define TS_SCALAR_SETS {dk.SCALAR_SETS}" in src and "TsScalars sets[TS_SCALAR_SETS];" in src
+    assert ctypes.sizeof(dk._MultiItem) == 88
+    assert ctypes.sizeof(dk._MultiBatch) == dk.SCALAR_SETS * 4 * R.N_SCALARS + dk.MULTI_MAX * 88 == 3488 <= 4096
 
 
 def test_dtype_names():
