@@ -14,8 +14,10 @@ import pytest
 
 from trainstream import contract as C
 from trainstream import _device_kernels as dk
+from trainstream import _device_recipes as R
 from trainstream.core import _device as ge
 from trainstream.core import _ring
+import _cuda_recipes_ref as X
 
 HP = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0)
 
@@ -70,13 +72,13 @@ def launches(monkeypatch):
 
     def alloc_mapped(nbytes, device=None):
         ptr = next(addresses)
-        buffers[ptr] = np.zeros(nbytes // 4, np.float32)
+        buffers[ptr] = np.zeros(nbytes, np.uint8)
         return ptr, ptr, lambda: None
 
-    def multi(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
-        items = list(items)
-        record.append((pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items], max_blocks,
-                       [tuple(it[2:5]) for it in items]))
+    def multi(recipe, gd, items, stream=0, *, device=None, max_blocks=None):
+        items = [R.TorchItem(*it) for it in items]
+        record.append((recipe.dtype, gd, [it.n for it in items], [float(it.scalars[C.S_CLIP]) for it in items],
+                       max_blocks, [(it.master, it.m, it.v) for it in items]))
         if fail_at[0] is not None and len(record) == fail_at[0]:
             raise RuntimeError("launch refused")
         return len(items)
@@ -84,8 +86,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
     monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
-    monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr][:n])
-    monkeypatch.setattr(dk, "launch_adamw_multi", multi)
+    monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr].view(dtype)[:n])
+    monkeypatch.setattr(R, "launch_torch_multi", multi)
     return record, fail_at
 
 
@@ -224,9 +226,10 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     st = eng.stats()
     assert (st["gpu_state_bytes"], st["host_state_bytes"], st["gpu_state_params"], st["gpu_state_numel"]) == \
         (76, 32, 2, 8)
-    master, m, v, step = eng.state(b)
-    assert np.array_equal(master, weights[2000]) and not m.any() and not v.any() and step == 0
-    assert np.array_equal(eng.state(a)[0], weights[1000])  # fp32: the weights are the master
+    sb = eng.state(b)
+    assert sorted(sb) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    assert np.array_equal(sb["master"], weights[2000]) and not sb["exp_avg"].any() and not sb["exp_avg_sq"].any()
+    assert sb["step"] == 0 and sorted(eng.state(a)) == ["exp_avg", "exp_avg_sq", "step"]  # fp32: no master
     eng.step([(a, HP, 5000, "float32"), (c, HP, 5064, "float32")])
     eng.step([(b, HP, 6000, "bfloat16")])
     ptrs = [p for r in record for p in r[5]]
@@ -234,20 +237,29 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     assert ptrs[1][0] == 0 and ptrs[1][1] not in [x.dev_ptr for x in allocs]  # mapped
     assert ptrs[2] == (allocs[4].dev_ptr, allocs[2].dev_ptr, allocs[3].dev_ptr)
     assert [eng.get_step(s) for s in (a, b, c)] == [1, 1, 1]
-    eng.load_state(a, np.full(5, 2.0), np.full((1, 5), 3.0), 7)
-    master, m, v, step = eng.state(a)
-    assert (m == 2).all() and (v == 3).all() and step == 7 and np.array_equal(allocs[0].data, m)
+    eng.load_state(a, {"exp_avg": np.full(5, 2.0), "exp_avg_sq": np.full((1, 5), 3.0), "step": 7})
+    sa = eng.state(a)
+    assert (sa["exp_avg"] == 2).all() and (sa["exp_avg_sq"] == 3).all() and sa["step"] == 7
+    assert np.array_equal(allocs[0].data, sa["exp_avg"])
     kept = np.array([0.5001, -1.25, 3.0], np.float32)  # 0.5001 rounds to the bf16 weight 0.5
-    eng.load_state(b, np.ones(3), np.ones(3), 2, master=kept)
+    eng.load_state(b, np.ones(3), np.ones(3), 2, kept)  # the positional form
     assert np.array_equal(allocs[4].data, kept)
     weights[2000] = np.array([0.5, 8.0, 3.0], np.float32)  # edited outside: element 1
     eng.reload_param(b)
     want = kept.copy()
     C.merge_master(want, weights[2000], "bfloat16")
     assert want[0] == kept[0] and want[1] == 8.0
-    assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)[0], want)
-    eng.load_state(b, np.zeros(3), np.zeros(3), 0)  # no master: re-read from the weights
+    assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)["master"], want)
+    eng.load_state(b, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": 0})  # no master: the weights
     assert np.array_equal(allocs[4].data, weights[2000])
+    for bad, match in [({"exp_avg": np.zeros(3), "step": 0}, "takes"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(4), "step": 0}, "has 4 elements"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": -1}, "non-negative"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": 0,
+                         "max_exp_avg_sq": np.zeros(3)}, "takes")]:
+        with pytest.raises(ValueError, match=match):
+            eng.load_state(b, bad)
+    assert np.array_equal(allocs[4].data, weights[2000])  # nothing written by a refused load
     eng.truncate(1)
     assert [x.freed for x in allocs] == [False, False, True, True, True]
     st = eng.stats()
@@ -281,9 +293,11 @@ def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memor
     a = eng.add_param(1000, 4, "bfloat16", "cuda", gpu_state=True, init=False)
     b = eng.add_param(2000, 3, "float32", "cuda")  # mapped
     assert reads == [] and all(np.isnan(x.data).all() for x in allocs)  # m, v, master: unwritten
-    eng.load_state(a, np.full(4, 2.0), np.full(4, 3.0), 6, master=np.arange(4, dtype=np.float32))
-    master, m, v, step = eng.state(a)
-    assert (m == 2).all() and (v == 3).all() and step == 6 and np.array_equal(master, np.arange(4))
+    eng.load_state(a, {"exp_avg": np.full(4, 2.0), "exp_avg_sq": np.full(4, 3.0), "step": 6,
+                       "master": np.arange(4, dtype=np.float32)})
+    st = eng.state(a)
+    assert (st["exp_avg"] == 2).all() and (st["exp_avg_sq"] == 3).all() and st["step"] == 6
+    assert np.array_equal(st["master"], np.arange(4))
     before = eng.stats()
     eng.release(a)
     assert all(x.freed for x in allocs)
@@ -305,8 +319,15 @@ def _view(ptr, n, dtype):
     return np.frombuffer((ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr), dtype, count=n)
 
 
+def _storage(dt):
+    return np.float32 if dt == "float32" else np.uint16
+
+
 def _as_f32(ptr, n, dt):
-    return _view(ptr, n, np.float32).copy() if dt == "float32" else C.bf16_bits_to_f32(_view(ptr, n, np.uint16))
+    if dt == "float32":
+        return _view(ptr, n, np.float32).copy()
+    bits = _view(ptr, n, np.uint16)
+    return bits.view(np.float16).astype(np.float32) if dt == "float16" else C.bf16_bits_to_f32(bits)
 
 
 class _FakeCuda:
@@ -374,27 +395,29 @@ def simulated(monkeypatch):
         fake.mems = getattr(fake, "mems", []) + [Mem(nbytes)]
         return fake.mems[-1]
 
-    def kernel(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
-        items = list(items)
+    def kernel(recipe, gd, items, stream=0, *, device=None, max_blocks=None):
+        items = [R.TorchItem(*it) for it in items]
         assert len(items) <= dk.MULTI_MAX
-        launched.append((stream, [it[3] for it in items], [it[5] for it in items]))
-        for pp, gp, wp, mp, vp, n, sc in items:
-            p = _view(wp, n, np.float32).copy() if pd != "float32" else _as_f32(pp, n, pd)
-            m, v = _view(mp, n, np.float32), _view(vp, n, np.float32)
-            p2, m2, v2 = C.reference_update(p, m.copy(), v.copy(), _as_f32(gp, n, gd), sc, "torch", "cuda")
-            m[:], v[:] = m2, v2
-            if pd == "float32":
-                _view(pp, n, np.float32)[:] = p2
-            else:
-                _view(wp, n, np.float32)[:] = p2
-                _view(pp, n, np.uint16)[:] = (C.round_to(p2, pd).view(np.uint32) >> 16).astype(np.uint16)
+        launched.append((stream, [it.m for it in items], [it.n for it in items]))
+        sd, pd = R.state_dtype(recipe), recipe.dtype
+        for it in items:
+            n = it.n
+            p = _as_f32(it.master, n, "float32") if it.master else _as_f32(it.param, n, pd)
+            x = _as_f32(it.vmax, n, sd) if it.vmax else None
+            p2, m2, v2, x2, _ = X.recipe_step(recipe, p, _as_f32(it.grad, n, gd), _as_f32(it.m, n, sd),
+                                              _as_f32(it.v, n, sd), x, it.scalars, it.flags, grad_dtype=gd,
+                                              base=it.base)
+            for ptr, vals, dt in ((it.m, m2, sd), (it.v, v2, sd), (it.vmax, x2, sd), (it.master, p2, "float32"),
+                                  (it.param, X.rnd(p2, pd), pd)):
+                if ptr:
+                    _view(ptr, n, _storage(dt))[:] = R._round_to_state(vals, dt)
         return len(items)
 
     monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
     monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
     monkeypatch.setattr(dk, "alloc_device", alloc_device)
-    monkeypatch.setattr(dk, "launch_adamw_multi", kernel)
+    monkeypatch.setattr(R, "launch_torch_multi", kernel)
     monkeypatch.setattr(ge._cuda, "context", fake.context)
     monkeypatch.setattr(ge._cuda, "Event", fake.Event)
     monkeypatch.setattr(_ring, "RING_ELEMS", 64)  # small buffers: many pieces from small tensors
@@ -407,12 +430,24 @@ class _MemBackend(_Backend):
     def data_ptr(self, tensor):
         return tensor.ctypes.data
 
-    def param_to_host_f32(self, param, out):
-        out[:] = param if param.dtype == np.float32 else C.bf16_bits_to_f32(param)
+    def param_to_host_f32(self, param, out):  # fp32, fp16, or bf16 as its uint16 bits
+        out[:] = param.astype(np.float32) if param.dtype != np.uint16 else C.bf16_bits_to_f32(param)
 
 
-LAYOUT = ([("float32", 150), ("float32", 3), ("float32", 0), ("bfloat16", 17), ("bfloat16", 64), ("bfloat16", 130)]
-          + [("float32", 5)] * 40 + [("float32", 64), ("float32", 1)])
+def _stored(x, dt):
+    """float values as a parameter of dtype dt: float32, float16, or bf16 bits."""
+    return x if dt == "float32" else (x.astype(np.float16) if dt == "float16" else C.f32_to_bf16_bits(x))
+
+
+_REC = {  # recipes of the ring's layout (None: the default, foreach on an fp32 master)
+    "bf16": dict(impl="foreach"), "f16fa": dict(impl="fused", amsgrad=True, decoupled=False),
+    "bf16m": dict(impl="fused", master=True), "f32sa": dict(impl="single", amsgrad=True, maximize=True),
+    "bf16sa": dict(impl="single", amsgrad=True, decoupled=False)}
+LAYOUT = ([("float32", 150, None), ("float32", 3, None), ("float32", 0, None), ("bfloat16", 17, None),
+           ("bfloat16", 64, None), ("bfloat16", 130, None), ("bfloat16", 150, "bf16"), ("float16", 97, "f16fa"),
+           ("bfloat16", 200, "bf16m"), ("float32", 70, "f32sa"), ("bfloat16", 33, "bf16sa")]
+          + [("float32", 5, None)] * 40 + [("float32", 64, None), ("float32", 1, None)])
+HPW = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.1)
 
 
 def _run_layout(staged: bool, steps: int = 3):
@@ -421,15 +456,14 @@ def _run_layout(staged: bool, steps: int = 3):
     eng = ge.DevicePlacement(be)
     eng.staged = staged
     params, sids = [], []
-    for dt, n in LAYOUT:
+    for dt, n, rk in LAYOUT:
         w = rng.standard_normal(n).astype(np.float32)
-        params.append(w if dt == "float32" else (C.round_to(w, dt).view(np.uint32) >> 16).astype(np.uint16))
-        sids.append(eng.add_param(params[-1], n, dt, "cuda"))
+        params.append(_stored(w, dt))
+        rec = None if rk is None else R.TorchRecipe(platform="cuda", dtype=dt, **_REC[rk])
+        sids.append(eng.add_param(params[-1], n, dt, "cuda", recipe=rec))
     for step in range(steps):
-        grads = [(rng.standard_normal(n) * 1e-2).astype(np.float32) for _, n in LAYOUT]
-        grads = [g if dt == "float32" else (C.round_to(g, dt).view(np.uint32) >> 16).astype(np.uint16)
-                 for g, (dt, _) in zip(grads, LAYOUT)]
-        eng.step([(sid, HP, g, dt) for sid, g, (dt, _) in zip(sids, grads, LAYOUT)])
+        grads = [_stored((rng.standard_normal(n) * 1e-2).astype(np.float32), dt) for dt, n, _ in LAYOUT]
+        eng.step([(sid, HP if rk is None else HPW, g, dt) for sid, g, (dt, _, rk) in zip(sids, grads, LAYOUT)])
     return eng, params, [eng.state(sid) for sid in sids]
 
 
@@ -442,15 +476,18 @@ def test_staged_updates_equal_zero_copy_updates_for_every_piece_layout(simulated
     launched_staged = list(launched)
     launched.clear()
     direct, p_d, st_d = _run_layout(False)
-    assert all(np.array_equal(a, b) for a, b in zip(p_s, p_d))
-    for (ws, ms, vs, ks), (wd, md, vd, kd) in zip(st_s, st_d):
-        assert np.array_equal(ws, wd) and np.array_equal(ms, md) and np.array_equal(vs, vd) and ks == kd == 3
-    assert any(np.abs(m).sum() > 0 for _, m, _, _ in st_s)  # the updates did something
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(p_s, p_d))
+    for a, b in zip(st_s, st_d):
+        assert sorted(a) == sorted(b) and a["step"] == b["step"] == 3
+        assert all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a if k != "step")
+    assert any(np.abs(st["exp_avg"].astype(np.float32)).sum() > 0 for st in st_s)  # the updates did something
+    assert sum("max_exp_avg_sq" in st for st in st_s) == 3 and st_s[7]["exp_avg"].dtype == np.uint16
     ring = staged._ring
     bases = {m.dev_ptr for m in ring.mem}
     assert all(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched_staged for ptr in ms)
-    assert all(any((ptr - b) % 64 == 0 <= ptr - b < 4 * 64 for b in bases)  # pieces start 64-byte aligned
+    assert all(any((ptr - b) % 64 == 0 for b in bases)  # arrays start 64-byte aligned
                for _, ms, _ in launched_staged for ptr in ms)
+    assert max(len(ns) for _, _, ns in launched_staged) > 1  # several pieces in one launch
     assert not any(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched for ptr in ms)
     assert staged.stats()["staging_ring_bytes"] == 3 * 3 * 4 * 64 and direct.stats()["staging_ring_bytes"] == 0
     staged.close()
