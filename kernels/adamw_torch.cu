@@ -89,7 +89,8 @@ struct TsFused {
       g = __fdiv_rn(g, s[TS_S_GRAD_DIV]);  // grad /= *grad_scale_ptr
       graw = g;                            // grad_to_store, written back (before maximize)
     }
-    g = ts_round<G>(__fmul_rn(g, s[TS_S_CLIP]));  // r(g * c) as TsOps; maximize: c < 0 (exact)
+    g = __fmul_rn(g, s[TS_S_CLIP]);  // maximize: c = -1 (exact); a clip on param.grad (c != +-1, no grad_scale)
+    if (!(f & TS_F_GRAD_SCALE)) g = ts_round<G>(g);  // is rounded to its dtype, as TsOps; g / scale is not
     if (f & TS_F_L2) {
       const int ii = (f & TS_F_TORCH_VEC) ? (int)(idx & 3) : (int)((idx >> 9) & 3);
       if (!ams && !(f & TS_F_GRAD_SCALE) && ((f & TS_F_MAXIMIZE) || ii == 0))

@@ -52,7 +52,9 @@ def recipe_step(recipe, p, g, m, v, vmax, s, flags, *, grad_dtype=None, base=0, 
             if flags & R.F_GRAD_SCALE:
                 g = (g / s[S["S_GRAD_DIV"]]).astype(np.float32)
                 g_back = g
-            g = rnd(g * s[S["S_CLIP"]], gd)
+            g = (g * s[S["S_CLIP"]]).astype(np.float32)
+            if not flags & R.F_GRAD_SCALE:
+                g = rnd(g, gd)
             if flags & R.F_L2:
                 wd = s[S["S_L2"]]
                 idx = base + np.arange(p.size)
