@@ -80,6 +80,27 @@ def test_program_compiles_for_hopper_with_nvcc(tmp_path):
     assert frames and max(frames) <= 16, out.stderr[-4000:]  # a few bytes at most (calls of the IEEE slow paths)
 
 
+def test_launch_layout_matches_the_compiled_structs(tmp_path):
+    """Where nvcc is installed: sizes and field offsets of TsMultiItem / TsMultiBatch as the compiler lays them out
+    equal the ctypes mirrors the launcher fills."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    import ctypes
+    fields = [name for name, _ in dk._MultiItem._fields_]
+    prog = ("#include <cstdio>\n#include <cstddef>\n" + dk.program_source() + "\nint main() {\n"
+            '  printf("%zu %zu %zu\\n", sizeof(TsMultiItem), sizeof(TsMultiBatch), offsetof(TsMultiBatch, items));\n'
+            + "".join(f'  printf("%zu\\n", offsetof(TsMultiItem, {f}));\n' for f in fields) + "  return 0;\n}\n")
+    (tmp_path / "layout.cu").write_text(prog)
+    out = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.cu")],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split()
+    want = [ctypes.sizeof(dk._MultiItem), ctypes.sizeof(dk._MultiBatch), dk._MultiBatch.items.offset]
+    want += [getattr(dk._MultiItem, f).offset for f in fields]
+    assert [int(x) for x in got] == want
+
+
 def test_kernel_sources_are_package_data():
     """The .cu files are read from the package data (importlib.resources; tests/test_wheel_install.py,
     test_readonly_install.py), in a checkout from its top-level kernels/; a missing one raises
