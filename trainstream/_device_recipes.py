@@ -2,9 +2,8 @@
 :class:`TorchRecipe`, its per-step scalars (as torch 2.11 forms them on CUDA), its per-tensor flags, and the launcher.
 No torch or jax import; CuPy on first launch (:mod:`trainstream._device_kernels`).
 
-The recipe, its scalar layout and the scalar function belong to :mod:`trainstream.contract` (issue 34's plan); until
-the contract defines them, this module holds the plan's versions (``TorchRecipe``, the ``S_*`` indices appended after
-the optax ones) and uses the contract's where it has them. What the CUDA recipes compute, per implementation:
+The recipe, its scalar layout and its scalars are :mod:`trainstream.contract`'s (``TorchRecipe``, ``S_*``,
+``torch_scalars``); this module maps them onto the kernels. What the CUDA recipes compute, per implementation:
 
 * ``foreach`` (torch's CUDA default) and ``single`` (``foreach=False``; a Tensor ``lr``): one kernel per tensor op,
   each result rounded to the state dtype; the same lines except the division by ``sqrt(bc2)``: ``foreach`` divides
@@ -27,42 +26,14 @@ __all__ = ["TorchRecipe", "state_dtype", "SCALAR_INDEX", "N_SCALARS", "F_L2", "F
            "F_GRAD_SCALE", "F_TORCH_VEC", "F_SINGLE", "IMPLS", "check_recipe", "recipe_kernel_name",
            "cuda_scalars", "recipe_flags", "torch_vector_path", "TorchItem", "launch_torch_multi"]
 
-IMPLS = ("single", "foreach", "fused")
-
-if hasattr(C, "TorchRecipe"):
-    TorchRecipe = C.TorchRecipe
-else:
-    class TorchRecipe(NamedTuple):  # issue 34's plan (PLAN34.md), until trainstream.contract defines it
-        """One torch slot's arithmetic: ``impl`` (single/foreach/fused), ``platform`` (cpu/cuda), the parameter
-        ``dtype``, ``master`` (fp32 master and moments), torch's ``amsgrad``/``maximize``, ``decoupled`` (AdamW,
-        or Adam's L2 decay when False) and ``lr_tensor`` (lr is a Tensor)."""
-        impl: str
-        platform: str
-        dtype: str
-        master: bool = False
-        amsgrad: bool = False
-        maximize: bool = False
-        decoupled: bool = True
-        lr_tensor: bool = False
-
-
-def state_dtype(recipe) -> str:
-    """The dtype of the recipe's moments: float32 with a master or fp32 weights, else the weights' dtype."""
-    if hasattr(C, "state_dtype"):
-        return C.state_dtype(recipe)
-    return "float32" if recipe.master or recipe.dtype == "float32" else recipe.dtype
-
-
-# -- the scalar layout: the contract's indices, then the plan's (appended after the optax ones) ------------------
-_PLANNED = {"S_GRAD_DIV": 16, "S_L2": 17, "S_INV_SQRT_BC2": 18, "S_NEG_LR_WD": 19,
-            "S_STEP": 20}  # S_STEP: the float32 step count t, for the fused kernels' device powf
-#: Every scalar index the kernels read: name -> index (the contract's where it defines the name).
-SCALAR_INDEX: dict[str, int] = {
-    **{k: getattr(C, k) for k in dir(C) if k.startswith("S_") and isinstance(getattr(C, k), int)},
-    **{k: getattr(C, k, v) for k, v in _PLANNED.items()}}
+IMPLS = C.IMPLS
+TorchRecipe = C.TorchRecipe
+state_dtype = C.state_dtype
+#: Every scalar index the kernels read: name -> index (the contract's).
+SCALAR_INDEX: dict[str, int] = {k: getattr(C, k) for k in dir(C)
+                                if k.startswith("S_") and isinstance(getattr(C, k), int)}
 #: Length of the kernels' scalar vector (``TS_N_SCALARS``).
-N_SCALARS = max(C.N_SCALARS, max(SCALAR_INDEX.values()) + 1)
-_S = SCALAR_INDEX
+N_SCALARS = C.N_SCALARS
 
 # -- per-tensor flags (TS_F_* of kernels/adamw.cu) ------------------------------------------------------------
 F_L2 = 1  # Adam's L2 decay (weight_decay != 0, not decoupled)
@@ -100,42 +71,12 @@ def recipe_kernel_name(recipe, grad_dtype: str) -> str:
 def cuda_scalars(recipe, hp: C.AdamWHyperParams, step: int, *, clip: float = 1.0,
                  grad_div: float = 1.0) -> np.ndarray:
     """The float32 scalar vector (:data:`N_SCALARS`) of update number ``step`` (>= 1, the count after increment) of
-    ``recipe`` on CUDA, as torch 2.11 forms its scalars (``hp.lr``: a Tensor lr's float32 value). ``clip``: the
+    ``recipe`` on CUDA: :func:`trainstream.contract.torch_scalars` (``hp.lr``: a Tensor lr's float32 value; fused
+    kernels read ``S_STEP`` and ``S_NEG_LR`` and form the bias corrections with the device's ``powf``). ``clip``: the
     gradient's multiplier (1.0: the framework clipped ``param.grad``; maximize folds in as ``-clip``). ``grad_div``:
     fused with GradScaler, the gradient's divisor (``grad_scale``)."""
     check_recipe(recipe)
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the count after increment), got {step}")
-    lr, b1, b2, eps, wd = (float(x) for x in hp)
-    f32 = np.float32
-    s = np.zeros(N_SCALARS, np.float32)
-    s[_S["S_CLIP"]] = -clip if recipe.maximize else clip
-    s[_S["S_GRAD_DIV"]] = grad_div
-    s[_S["S_EPS"]] = eps
-    s[_S["S_BETA2"]] = b2
-    if not recipe.decoupled:
-        s[_S["S_L2"]] = wd
-    if recipe.impl == "fused":  # ATen's FusedAdamMathFunctor: static_cast<float> of each double argument
-        s[_S["S_BETA1"]] = b1
-        s[_S["S_NEG_LR"]] = -f32(lr)
-        s[_S["S_NEG_LR_WD"]] = -(f32(lr) * f32(wd)) if recipe.decoupled else 0.0
-        s[_S["S_STEP"]] = f32(step)  # torch's float32 step, after _foreach_add_(steps, 1)
-        return s
-    t = float(f32(step))  # step_t.item(): the float32 count as a Python float
-    bc1, bc2 = 1 - b1**t, 1 - b2**t
-    bc2_sqrt = bc2**0.5
-    s[_S["S_OMB1"]] = 1 - b1
-    s[_S["S_LERP_SMALL"]] = 1.0 if abs(float(f32(1 - b1))) < 0.5 else 0.0
-    s[_S["S_OMB2"]] = 1 - b2
-    s[_S["S_SQRT_BC2"]] = bc2_sqrt
-    s[_S["S_INV_SQRT_BC2"]] = 1.0 / bc2_sqrt
-    if recipe.lr_tensor:  # lr a (CPU) float32 tensor: 1 - lr*wd and lr / bc1 in float32 tensor ops
-        s[_S["S_DECAY"]] = f32(1) - f32(f32(lr) * f32(wd)) if recipe.decoupled else 1.0
-        s[_S["S_NEG_STEP"]] = -f32(f32(lr) / f32(bc1))
-    else:
-        s[_S["S_DECAY"]] = 1 - lr * wd if recipe.decoupled else 1.0
-        s[_S["S_NEG_STEP"]] = -(lr / bc1)
-    return s
+    return C.torch_scalars(recipe, hp, step, clip, grad_scale=None if grad_div == 1.0 else grad_div)
 
 
 def torch_vector_path(numel: int, itemsize: int, *ptrs: int) -> bool:

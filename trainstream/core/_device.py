@@ -362,6 +362,26 @@ class DevicePlacement:
         """The slot's recipe (None: the optax convention's kernels)."""
         return self._slot(sid).recipe
 
+    def supports(self, recipe) -> bool:
+        """Whether these kernels run ``recipe`` (:func:`trainstream._device_recipes.check_recipe`; torch convention)."""
+        if self.convention != "torch":
+            return False
+        try:
+            R.check_recipe(recipe)
+        except NotImplementedError:
+            return False
+        return True
+
+    def set_recipe(self, sid: int, recipe) -> None:
+        """Slot ``sid``'s next updates follow ``recipe``, of the slot's state layout (the engine checked it)."""
+        self._check_open()
+        s = self._slot(sid)
+        R.check_recipe(recipe)
+        if s.recipe is None or (s.recipe.dtype, R.state_dtype(s.recipe), s.recipe.amsgrad) != \
+                (recipe.dtype, R.state_dtype(recipe), recipe.amsgrad):
+            raise ValueError(f"set_recipe: device slot {sid} is laid out for {s.recipe}, not for {recipe}")
+        s.recipe = recipe  # (launches already queued keep the kernel and scalars they were given)
+
     def state(self, sid: int, copy: bool = True) -> dict:
         """The slot's state once its queued work has run: ``step`` (int), ``exp_avg``, ``exp_avg_sq``, with amsgrad
         ``max_exp_avg_sq`` (flat arrays of the state dtype: float32, or the uint16 bits of fp16/bf16), with a master

@@ -292,8 +292,8 @@ class Engine:
              grad_div: dict[int, float] | None = None) -> None:
         """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a gradient are
         skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots; a host slot ignores
-        the last two). ``coefs``: per host slot, the multiplier of its staged gradient; ``grad_div``: per host
-        slot of a fused recipe, GradScaler's scale its gradient is divided by (``found_inf``: leave the slot out of
+        the last two). ``coefs``: per host slot, the multiplier of its staged gradient; ``grad_div``: per slot of a
+        fused recipe, GradScaler's scale its gradient is divided by (``found_inf``: leave the slot out of
         ``updates``, as torch's fused step skips it and its step count). With both placements
         the share holding the lowest slot (needed first by the next forward) is queued first; if the second
         share then fails to queue, the error is raised and left sticky (reload a checkpoint)."""
@@ -303,13 +303,12 @@ class Engine:
         hst = [(local, u[1]) for u, (d, local) in zip(updates, where) if not d]
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
+        dev_div = {}
         if grad_div:
-            if any(self._where[self._check_sid(sid)][0] for sid in grad_div):
-                raise NotImplementedError("step: grad_div for a device slot (the GPU kernels take no GradScaler scale "
-                                          "yet)")
-            grad_div = {self._where[sid][1]: c for sid, c in grad_div.items()}
+            dev_div = {self._where[sid][1]: c for sid, c in grad_div.items() if self._where[self._check_sid(sid)][0]}
+            grad_div = {self._where[sid][1]: c for sid, c in grad_div.items() if not self._where[sid][0]}
         if self.host is None:
-            return self.device.step(dev)
+            return self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
         if self.device is None:
             return self.host.step(hst, coefs, grad_div=grad_div)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
@@ -318,12 +317,12 @@ class Engine:
         dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             if dev:
-                self.device.step(dev)
+                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
             return self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         try:
             if dev:
-                self.device.step(dev)
+                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
         except BaseException as exc:
             self.errors.record(RuntimeError("hybrid step: the device share's update failed after the host share's "
                                             f"was queued ({type(exc).__name__}: {exc})"))
