@@ -64,10 +64,10 @@ def ordered_params(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[dic
 
 
 class Trainer:
-    """One model and one optimizer. For fp16/bf16 models the torch trainers keep fp32 master
-    copies: after the half model's backward (and, with clipping, ``clip_grad_norm_`` on its
-    half gradients, parameters in the optimizer's order) they upcast the gradients, step
-    AdamW on the masters and round them into the model: the loop a user writes."""
+    """One model and one optimizer. For fp16/bf16 models TrainStream runs ``master_weights=True`` and the torch
+    trainers keep fp32 master copies: they sum each micro-batch's gradients in fp32 on the masters (as Megatron's
+    fp32 main grads), clip there (``clip_grad_norm_``, parameters in the optimizer's order), step AdamW on the
+    masters and round them into the model."""
 
     def __init__(self, kind: str, device: torch.device, dtype: torch.dtype, init: dict, args, *,
                  clip: float | None, accum: int):
@@ -81,7 +81,8 @@ class Trainer:
         hp = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         self.masters = None
         if kind in _MODE:
-            self.opt = OffloadAdamW(groups, **hp, max_grad_norm=clip, mode=_MODE[kind], threads=args.threads)
+            self.opt = OffloadAdamW(groups, **hp, max_grad_norm=clip, mode=_MODE[kind], threads=args.threads,
+                                    master_weights=self.half)
         else:
             if self.half:
                 self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
@@ -111,17 +112,17 @@ class Trainer:
                     loss.backward()
             else:
                 loss.backward()
+            if self.masters is not None:  # the micro-batch's gradients summed in fp32
+                for m, p in zip(self.masters, self.params):
+                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                    p.grad = None
             losses.append(loss.detach())
         if self.kind in _MODE:
             self.opt.step()
             self.last_norm = self.opt.last_grad_norm() if self.clip is not None else None
         else:
             if self.clip is not None:
-                self.last_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
-            if self.masters is not None:
-                for m, p in zip(self.masters, self.params):
-                    m.grad = p.grad.float()
-                    p.grad = None
+                self.last_norm = float(torch.nn.utils.clip_grad_norm_(self.masters or self.params, self.clip))
             self.opt.step()
             if self.masters is not None:
                 with torch.no_grad():

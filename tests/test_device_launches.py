@@ -1,8 +1,8 @@
-"""How ``DevicePlacement.step`` groups its launches and stages host-memory state through its
-ring, on CPU: the kernels' launcher and the CUDA backend are replaced by recorders, or the
-kernel by the contract's reference on the same pointers (no CuPy, no GPU). What the launches compute is
-tested on the GPU (``tests/test_device_kernels.py``: a launch of many == launches of one ==
-the contract; ``tests/test_torch_gpu.py``: bit-identity with ``torch.optim.AdamW``)."""
+"""How ``DevicePlacement.step`` groups its launches and keeps state resident in GPU memory, on CPU: the kernels'
+launcher and the CUDA backend are replaced by recorders (no CuPy, no GPU); its staging ring: tests/test_device_ring.py.
+What the launches compute is tested on the GPU (``tests/test_device_kernels.py``: a launch of many == launches of
+one == the contract; ``tests/test_device_recipes_gpu.py``: bit-identity with torch's recipes on CUDA;
+``tests/test_torch_gpu.py``: with ``torch.optim.AdamW`` through the adapter)."""
 
 from __future__ import annotations
 
@@ -14,50 +14,11 @@ import pytest
 
 from trainstream import contract as C
 from trainstream import _device_kernels as dk
+from trainstream import _device_recipes as R
 from trainstream.core import _device as ge
-from trainstream.core import _ring
+from _device_fakes import _Backend
 
 HP = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0)
-
-
-class _Event:
-    ids = itertools.count()
-
-    def __init__(self):
-        self.id = next(self.ids)
-
-    def synchronize(self):
-        pass
-
-
-class _Backend:
-    """Pointers are plain ints (``data_ptr`` returns the 'tensor' itself)."""
-
-    device_index = 0
-
-    def __init__(self):
-        self.waits: list[int] = []
-
-    def update_stream(self):
-        return 0
-
-    def update_wait(self, event):
-        pass
-
-    def record_update(self):
-        return _Event()
-
-    def record_compute(self, param):
-        return None
-
-    def data_ptr(self, tensor):
-        return tensor
-
-    def param_to_host_f32(self, param, out):
-        out[:] = 0
-
-    def wait_on_compute(self, event, param):
-        self.waits.append(event.id)
 
 
 @pytest.fixture
@@ -70,13 +31,13 @@ def launches(monkeypatch):
 
     def alloc_mapped(nbytes, device=None):
         ptr = next(addresses)
-        buffers[ptr] = np.zeros(nbytes // 4, np.float32)
+        buffers[ptr] = np.zeros(nbytes, np.uint8)
         return ptr, ptr, lambda: None
 
-    def multi(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
-        items = list(items)
-        record.append((pd, gd, [it[5] for it in items], [float(it[6][C.S_CLIP]) for it in items], max_blocks,
-                       [tuple(it[2:5]) for it in items]))
+    def multi(recipe, gd, items, stream=0, *, device=None, max_blocks=None):
+        items = [R.TorchItem(*it) for it in items]
+        record.append((recipe.dtype, gd, [it.n for it in items], [float(it.scalars[C.S_CLIP]) for it in items],
+                       max_blocks, [(it.master, it.m, it.v) for it in items]))
         if fail_at[0] is not None and len(record) == fail_at[0]:
             raise RuntimeError("launch refused")
         return len(items)
@@ -84,8 +45,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
     monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
-    monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr][:n])
-    monkeypatch.setattr(dk, "launch_adamw_multi", multi)
+    monkeypatch.setattr(dk, "host_view", lambda ptr, n, dtype=np.float32: buffers[ptr].view(dtype)[:n])
+    monkeypatch.setattr(R, "launch_torch_multi", multi)
     return record, fail_at
 
 
@@ -224,9 +185,10 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     st = eng.stats()
     assert (st["gpu_state_bytes"], st["host_state_bytes"], st["gpu_state_params"], st["gpu_state_numel"]) == \
         (76, 32, 2, 8)
-    master, m, v, step = eng.state(b)
-    assert np.array_equal(master, weights[2000]) and not m.any() and not v.any() and step == 0
-    assert np.array_equal(eng.state(a)[0], weights[1000])  # fp32: the weights are the master
+    sb = eng.state(b)
+    assert sorted(sb) == ["exp_avg", "exp_avg_sq", "master", "step"]
+    assert np.array_equal(sb["master"], weights[2000]) and not sb["exp_avg"].any() and not sb["exp_avg_sq"].any()
+    assert sb["step"] == 0 and sorted(eng.state(a)) == ["exp_avg", "exp_avg_sq", "step"]  # fp32: no master
     eng.step([(a, HP, 5000, "float32"), (c, HP, 5064, "float32")])
     eng.step([(b, HP, 6000, "bfloat16")])
     ptrs = [p for r in record for p in r[5]]
@@ -234,20 +196,29 @@ def test_resident_slots_keep_their_state_in_device_memory(launches, device_memor
     assert ptrs[1][0] == 0 and ptrs[1][1] not in [x.dev_ptr for x in allocs]  # mapped
     assert ptrs[2] == (allocs[4].dev_ptr, allocs[2].dev_ptr, allocs[3].dev_ptr)
     assert [eng.get_step(s) for s in (a, b, c)] == [1, 1, 1]
-    eng.load_state(a, np.full(5, 2.0), np.full((1, 5), 3.0), 7)
-    master, m, v, step = eng.state(a)
-    assert (m == 2).all() and (v == 3).all() and step == 7 and np.array_equal(allocs[0].data, m)
+    eng.load_state(a, {"exp_avg": np.full(5, 2.0), "exp_avg_sq": np.full((1, 5), 3.0), "step": 7})
+    sa = eng.state(a)
+    assert (sa["exp_avg"] == 2).all() and (sa["exp_avg_sq"] == 3).all() and sa["step"] == 7
+    assert np.array_equal(allocs[0].data, sa["exp_avg"])
     kept = np.array([0.5001, -1.25, 3.0], np.float32)  # 0.5001 rounds to the bf16 weight 0.5
-    eng.load_state(b, np.ones(3), np.ones(3), 2, master=kept)
+    eng.load_state(b, np.ones(3), np.ones(3), 2, kept)  # the positional form
     assert np.array_equal(allocs[4].data, kept)
     weights[2000] = np.array([0.5, 8.0, 3.0], np.float32)  # edited outside: element 1
     eng.reload_param(b)
     want = kept.copy()
     C.merge_master(want, weights[2000], "bfloat16")
     assert want[0] == kept[0] and want[1] == 8.0
-    assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)[0], want)
-    eng.load_state(b, np.zeros(3), np.zeros(3), 0)  # no master: re-read from the weights
+    assert np.array_equal(allocs[4].data, want) and np.array_equal(eng.state(b)["master"], want)
+    eng.load_state(b, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": 0})  # no master: the weights
     assert np.array_equal(allocs[4].data, weights[2000])
+    for bad, match in [({"exp_avg": np.zeros(3), "step": 0}, "takes"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(4), "step": 0}, "has 4 elements"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": -1}, "non-negative"),
+                       ({"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3), "step": 0,
+                         "max_exp_avg_sq": np.zeros(3)}, "takes")]:
+        with pytest.raises(ValueError, match=match):
+            eng.load_state(b, bad)
+    assert np.array_equal(allocs[4].data, weights[2000])  # nothing written by a refused load
     eng.truncate(1)
     assert [x.freed for x in allocs] == [False, False, True, True, True]
     st = eng.stats()
@@ -281,9 +252,11 @@ def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memor
     a = eng.add_param(1000, 4, "bfloat16", "cuda", gpu_state=True, init=False)
     b = eng.add_param(2000, 3, "float32", "cuda")  # mapped
     assert reads == [] and all(np.isnan(x.data).all() for x in allocs)  # m, v, master: unwritten
-    eng.load_state(a, np.full(4, 2.0), np.full(4, 3.0), 6, master=np.arange(4, dtype=np.float32))
-    master, m, v, step = eng.state(a)
-    assert (m == 2).all() and (v == 3).all() and step == 6 and np.array_equal(master, np.arange(4))
+    eng.load_state(a, {"exp_avg": np.full(4, 2.0), "exp_avg_sq": np.full(4, 3.0), "step": 6,
+                       "master": np.arange(4, dtype=np.float32)})
+    st = eng.state(a)
+    assert (st["exp_avg"] == 2).all() and (st["exp_avg_sq"] == 3).all() and st["step"] == 6
+    assert np.array_equal(st["master"], np.arange(4))
     before = eng.stats()
     eng.release(a)
     assert all(x.freed for x in allocs)
@@ -295,249 +268,3 @@ def test_a_slot_made_for_loaded_state_and_a_released_slot(launches, device_memor
     assert eng.add_param(3000, 2, "float32", "cuda") == 2  # the released ids stay taken
     eng.truncate(0)
     eng.close()
-
-
-# -- the staging ring: the kernel simulated by the contract on real memory -----------------------
-
-
-def _view(ptr, n, dtype):
-    dtype = np.dtype(dtype)
-    return np.frombuffer((ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr), dtype, count=n)
-
-
-def _as_f32(ptr, n, dt):
-    return _view(ptr, n, np.float32).copy() if dt == "float32" else C.bf16_bits_to_f32(_view(ptr, n, np.uint16))
-
-
-class _FakeCuda:
-    """trainstream._cuda's context and events: copies run at once (ctypes.memmove), every
-    call is logged as (op, stream, ...); events are complete when recorded."""
-
-    def __init__(self):
-        self.log, self.streams, self.events = [], itertools.count(100), itertools.count()
-        self.complete = True  # what an event's query() answers
-
-    def context(self, device):
-        return self
-
-    def create_stream(self):
-        return next(self.streams)
-
-    def destroy_stream(self, stream):
-        self.log.append(("destroy", stream))
-
-    def stream_synchronize(self, stream):
-        self.log.append(("sync", stream))
-
-    def stream_wait_event(self, stream, event):
-        self.log.append(("wait", stream, event.id))
-
-    def memcpy_htod_async(self, dst, src, nbytes, stream):
-        self.log.append(("h2d", stream, dst))
-        ctypes.memmove(dst, src, nbytes)
-
-    def memcpy_dtoh_async(self, dst, src, nbytes, stream):
-        self.log.append(("d2h", stream, src))
-        ctypes.memmove(dst, src, nbytes)
-
-    def Event(self, ctx, stream):  # noqa: N802 - stands for the class
-        ev = _Event()
-        self.log.append(("record", stream, ev.id))
-        ev.query = lambda: self.complete
-        return ev
-
-
-@pytest.fixture
-def simulated(monkeypatch):
-    """Real host memory behind every pointer; the launcher applies the contract's update
-    (torch/cuda) to what the pointers address; GPU allocations and the CUDA layer faked
-    (``fake.refuse = True`` refuses GPU allocations). Returns (fake CUDA, launch log)."""
-    keep, fake, launched = [], _FakeCuda(), []
-    fake.refuse = False
-
-    def alloc_mapped(nbytes, device=None):
-        a = np.zeros(nbytes // 4, np.float32)
-        keep.append(a)
-        return a.ctypes.data, a.ctypes.data, lambda: None
-
-    class Mem:
-        def __init__(self, nbytes):
-            self.data = np.full(nbytes // 4, np.nan, np.float32)
-            self.dev_ptr, self.nbytes, self.freed = self.data.ctypes.data, nbytes, False
-
-        def free(self):
-            self.freed = True
-
-    def alloc_device(nbytes, device=None):
-        if fake.refuse:
-            raise MemoryError(f"could not allocate {nbytes} bytes of GPU memory")
-        fake.mems = getattr(fake, "mems", []) + [Mem(nbytes)]
-        return fake.mems[-1]
-
-    def kernel(variant, pd, gd, items, stream=0, *, device=None, max_blocks=None):
-        items = list(items)
-        assert len(items) <= dk.MULTI_MAX
-        launched.append((stream, [it[3] for it in items], [it[5] for it in items]))
-        for pp, gp, wp, mp, vp, n, sc in items:
-            p = _view(wp, n, np.float32).copy() if pd != "float32" else _as_f32(pp, n, pd)
-            m, v = _view(mp, n, np.float32), _view(vp, n, np.float32)
-            p2, m2, v2 = C.reference_update(p, m.copy(), v.copy(), _as_f32(gp, n, gd), sc, "torch", "cuda")
-            m[:], v[:] = m2, v2
-            if pd == "float32":
-                _view(pp, n, np.float32)[:] = p2
-            else:
-                _view(wp, n, np.float32)[:] = p2
-                _view(pp, n, np.uint16)[:] = (C.round_to(p2, pd).view(np.uint32) >> 16).astype(np.uint16)
-        return len(items)
-
-    monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})
-    monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
-    monkeypatch.setattr(dk, "alloc_mapped", alloc_mapped)
-    monkeypatch.setattr(dk, "alloc_device", alloc_device)
-    monkeypatch.setattr(dk, "launch_adamw_multi", kernel)
-    monkeypatch.setattr(ge._cuda, "context", fake.context)
-    monkeypatch.setattr(ge._cuda, "Event", fake.Event)
-    monkeypatch.setattr(_ring, "RING_ELEMS", 64)  # small buffers: many pieces from small tensors
-    return fake, launched
-
-
-class _MemBackend(_Backend):
-    """Tensors are NumPy arrays (fp32, or bf16 bits as uint16) at real addresses."""
-
-    def data_ptr(self, tensor):
-        return tensor.ctypes.data
-
-    def param_to_host_f32(self, param, out):
-        out[:] = param if param.dtype == np.float32 else C.bf16_bits_to_f32(param)
-
-
-LAYOUT = ([("float32", 150), ("float32", 3), ("float32", 0), ("bfloat16", 17), ("bfloat16", 64), ("bfloat16", 130)]
-          + [("float32", 5)] * 40 + [("float32", 64), ("float32", 1)])
-
-
-def _run_layout(staged: bool, steps: int = 3):
-    rng = np.random.default_rng(0)
-    be = _MemBackend()
-    eng = ge.DevicePlacement(be)
-    eng.staged = staged
-    params, sids = [], []
-    for dt, n in LAYOUT:
-        w = rng.standard_normal(n).astype(np.float32)
-        params.append(w if dt == "float32" else (C.round_to(w, dt).view(np.uint32) >> 16).astype(np.uint16))
-        sids.append(eng.add_param(params[-1], n, dt, "cuda"))
-    for step in range(steps):
-        grads = [(rng.standard_normal(n) * 1e-2).astype(np.float32) for _, n in LAYOUT]
-        grads = [g if dt == "float32" else (C.round_to(g, dt).view(np.uint32) >> 16).astype(np.uint16)
-                 for g, (dt, _) in zip(grads, LAYOUT)]
-        eng.step([(sid, HP, g, dt) for sid, g, (dt, _) in zip(sids, grads, LAYOUT)])
-    return eng, params, [eng.state(sid) for sid in sids]
-
-
-def test_staged_updates_equal_zero_copy_updates_for_every_piece_layout(simulated):
-    """Tensors spanning several ring buffers, many small ones (more than MULTI_MAX pieces per
-    buffer), empty ones, fp32 and bf16 with masters, 3 steps (the ring wraps): the same
-    weights, moments and masters as the kernel reading the mapped state directly."""
-    fake, launched = simulated
-    staged, p_s, st_s = _run_layout(True)
-    launched_staged = list(launched)
-    launched.clear()
-    direct, p_d, st_d = _run_layout(False)
-    assert all(np.array_equal(a, b) for a, b in zip(p_s, p_d))
-    for (ws, ms, vs, ks), (wd, md, vd, kd) in zip(st_s, st_d):
-        assert np.array_equal(ws, wd) and np.array_equal(ms, md) and np.array_equal(vs, vd) and ks == kd == 3
-    assert any(np.abs(m).sum() > 0 for _, m, _, _ in st_s)  # the updates did something
-    ring = staged._ring
-    bases = {m.dev_ptr for m in ring.mem}
-    assert all(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched_staged for ptr in ms)
-    assert all(any((ptr - b) % 64 == 0 <= ptr - b < 4 * 64 for b in bases)  # pieces start 64-byte aligned
-               for _, ms, _ in launched_staged for ptr in ms)
-    assert not any(any(0 <= ptr - b < 3 * 4 * 64 for b in bases) for _, ms, _ in launched for ptr in ms)
-    assert staged.stats()["staging_ring_bytes"] == 3 * 3 * 4 * 64 and direct.stats()["staging_ring_bytes"] == 0
-    staged.close()
-    assert all(m.freed for m in ring.mem) and [op for op, *_ in fake.log[-2:]] == ["destroy", "destroy"]
-    direct.close()
-
-
-def test_the_ring_orders_its_copies(simulated):
-    """Per buffer: copies in (ring's h2d stream), the kernel waits for them on the update
-    stream, copies back wait for the kernel (d2h stream); a buffer is refilled only after its
-    last copy back, and a slot's state copied in only after its previous copy back."""
-    fake, _ = simulated
-    eng, _, _ = _run_layout(True, steps=2)
-    ring = eng._ring
-    h2d, d2h = ring.h2d, ring.d2h
-    recorded = {ev: st for op, st, *rest in fake.log if op == "record" for ev in rest}
-    waits = [(st, ev) for op, st, *rest in fake.log if op == "wait" for ev in rest]
-    assert (0, next(ev for ev, st in recorded.items() if st == h2d)) in waits  # kernel after its copies in
-    assert any(st == d2h and recorded[ev] == 0 for st, ev in waits)  # copies back after the kernel
-    refills = [ev for st, ev in waits if st == h2d]
-    assert refills and all(recorded[ev] == d2h for ev in refills)  # only ever after copies back
-    ops = [(op, st) for op, st, *_ in fake.log if op in ("h2d", "d2h")]
-    assert {st for op, st in ops if op == "h2d"} == {h2d} and {st for op, st in ops if op == "d2h"} == {d2h}
-    eng.close()
-
-
-def test_a_slots_state_is_copied_in_after_its_last_copy_back(simulated):
-    """With copies still in flight (events not complete), the next step copies each slot's
-    state in only after the ring's H2D stream has waited for that slot's previous copy back
-    (one buffer per step here: the second step fills another buffer, no refill wait)."""
-    fake, _ = simulated
-    fake.complete = False
-    be = _MemBackend()
-    eng = ge.DevicePlacement(be)
-    params = [np.zeros(n, np.float32) for n in (3, 40)]
-    sids = [eng.add_param(p, p.size, "float32", "cuda") for p in params]
-    ups = [(sid, HP, np.ones(p.size, np.float32), "float32") for sid, p in zip(sids, params)]
-    eng.step(ups)
-    before = {eng._slot(sid).copied_back.id for sid in sids}
-    h2d, start = eng._ring.h2d, len(fake.log)
-    eng.step(ups)
-    waited = {ev for op, st, *rest in fake.log[start:] if op == "wait" and st == h2d for ev in rest}
-    assert len(before) == 1 and before <= waited and eng._ring.next == 2
-    assert all(eng._slot(sid).copied_back.id not in before for sid in sids)
-    eng.close()
-
-
-def test_no_gpu_memory_for_the_ring_warns_and_reads_over_pcie(simulated):
-    fake, launched = simulated
-    fake.refuse = True
-    with pytest.warns(RuntimeWarning, match="no GPU memory for the staging ring"):
-        eng, params, states = _run_layout(True, steps=1)
-    assert eng._ring is None and not eng.staged and eng.stats()["staging_ring_bytes"] == 0
-    fake.refuse = False
-    launched.clear()
-    _, params_d, states_d = _run_layout(False, steps=1)
-    assert all(np.array_equal(a, b) for a, b in zip(params, params_d))
-    eng.close()
-
-
-def test_the_ring_frees_what_it_made_when_a_cuda_call_fails(simulated):
-    """A second stream refused: the buffers and the first stream are released before the
-    error reaches the caller. A failed wait in close(): buffers and streams released anyway;
-    the placement's close() after its own failed wait still releases the ring and the slots."""
-    fake, _ = simulated
-    streams = iter([100])
-
-    def create_stream():
-        for st in streams:
-            return st
-        raise RuntimeError("cuStreamCreate failed: CUDA_ERROR_OUT_OF_MEMORY")
-
-    fake.create_stream = create_stream
-    with pytest.raises(RuntimeError, match="cuStreamCreate failed"):
-        _ring.StagingRing(0, dk)
-    assert len(fake.mems) == _ring.RING_DEPTH and all(m.freed for m in fake.mems) and ("destroy", 100) in fake.log
-    del fake.create_stream
-
-    def failed_wait(stream):
-        raise RuntimeError("cuStreamSynchronize failed: CUDA_ERROR_LAUNCH_FAILED")
-
-    eng, _, _ = _run_layout(True, steps=1)
-    ring = eng._ring
-    bufs, streams, fake.log = list(ring.mem), (ring.h2d, ring.d2h), []
-    fake.stream_synchronize = failed_wait
-    eng._slots[0].settle = lambda: failed_wait(0)  # the placement's own wait fails first
-    with pytest.raises(RuntimeError, match="cuStreamSynchronize failed"):
-        eng.close()
-    assert eng.closed and eng._ring is None and eng._slots == [] and ring.mem == []
-    assert all(m.freed for m in bufs) and [st for op, st in fake.log if op == "destroy"] == list(streams)

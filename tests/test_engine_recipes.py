@@ -225,3 +225,31 @@ def test_device_slots_refuse_recipes_their_kernels_lack():
     with pytest.raises(ValueError, match="recipe is for float32 parameters on cuda"):
         eng.add_param(torch.zeros(1000).view(-1), 1000, "bfloat16", "cuda", recipe=C.TorchRecipe("fused", "cuda"))
     eng.close()
+
+
+def test_host_refuses_cuda_fused_adam_l2_before_anything_changes():
+    """CUDA fused Adam-L2 without maximize, amsgrad or GradScaler (position-dependent roundings): the host refuses the
+    update (step and the eager path) naming mode='gpu', and the slot is as before; with maximize, a GradScaler scale,
+    AdamW's decay or weight_decay 0 it updates."""
+    eng = _engine()
+    n = 1000
+    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.1)
+    sid = eng.add_param(torch.zeros(n).view(-1), n, "float32", "cuda",
+                        recipe=C.TorchRecipe("fused", "cuda", decoupled=False))
+    g = torch.full((n,), 0.5)
+    eng.offload_grad(sid, g.clone(), "float32")
+    with pytest.raises(NotImplementedError, match="mode='gpu'"):
+        eng.step([(sid, hp)])
+    with pytest.raises(NotImplementedError, match="mode='gpu'"):
+        eng.offload_grad(sid, g.clone(), "float32", update=hp)
+    eng.synchronize()
+    assert eng.state(sid)["step"] == 0
+    eng.step([(sid, hp._replace(weight_decay=0.0))])
+    eng.offload_grad(sid, g.clone(), "float32")
+    eng.step([(sid, hp)], grad_div={sid: 2.0})
+    eng.set_recipe(sid, C.TorchRecipe("fused", "cuda", decoupled=False, maximize=True))
+    eng.offload_grad(sid, g.clone(), "float32")
+    eng.step([(sid, hp)])
+    eng.synchronize()
+    assert eng.state(sid)["step"] == 3
+    eng.close()

@@ -15,14 +15,16 @@ import torch
 
 from trainstream import _device_kernels as dk
 from trainstream import _hostmem
+from trainstream import contract as C
 from trainstream.core import _budget as B
 from trainstream.core import _engine as E
 from trainstream.core import _host
 from trainstream.torch import OffloadAdamW
 from trainstream.backends.torch import TorchBackend
 
-_PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.master_fp32": "masters",
-         "grad.staging": "staging", "param.staging": "staging"}
+_PART = {"adamw.exp_avg": "state", "adamw.exp_avg_sq": "state", "adamw.max_exp_avg_sq": "state",
+         "adamw.master_fp32": "masters", "adamw.weights": "masters", "grad.staging": "staging",
+         "param.staging": "staging", "grad.sum_fp32": "staging"}  # trainstream.core._budget's parts
 _ITEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -224,7 +226,7 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
     part) are those the plan predicted, for a first group and a group added later that finds
     part of both budgets taken. The engine's device placement is the real one over faked
     CUDA allocations."""
-    from trainstream.torch._params import _facts, _plan
+    from trainstream.torch._params import _facts, _plan, grad_sums
 
     def params(slots):
         return [torch.nn.Parameter(torch.zeros(n, dtype=getattr(torch, d if dtypes == "mixed" else dtypes)),
@@ -249,13 +251,14 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
             res = B.gpu_state_fits(_facts(group), budget_bytes, eng.gpu_state_used)
             where = B.assign(_facts(group), mode, device_elems=share, device_used=eng.device_elems_used,
                              gpu_state_bytes=budget_bytes, gpu_state_used=eng.gpu_state_used, last=last)
-            plan = _plan(group, where, pin_moments, None, cuda)
+            recipes = [C.default_recipe("cuda", str(p.dtype)[6:]) for p in group]  # the fp32-master scheme
+            plan = _plan(group, where, recipes, pin_moments, None, cuda)
             on_gpu = [w == "device" for w in where]
             assert not any(r and g for r, g in zip(res, on_gpu))
             assert [w == "gpu_state" for w in where] == res
-            for p, w in zip(group, where):
+            for p, w, r in zip(group, where, recipes):  # as the adapter registers them (_params.Slots.add)
                 eng.add_param(np.zeros(p.numel(), np.float32), p.numel(), str(p.dtype)[6:], "cuda",
-                              trainable=p.requires_grad, where=w)
+                              trainable=p.requires_grad, where=w, recipe=r, grad_sums=grad_sums(p, r, w))
             n0 = len(placed)
             placed += group
             assert [eng.has_gpu_state(s) for s in range(n0, len(placed))] == res
@@ -313,24 +316,27 @@ def _model(dtype):
     return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.GELU(), torch.nn.Linear(300, 7)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# host bytes per parameter: fp32 weights, moments, gradient staging; bf16 as torch keeps it (bf16 moments, weights,
+# gradient staging); master_weights=True: fp32 master and moments, bf16 staging, fp32 gradient sums
+@pytest.mark.parametrize("dtype,master,per_param", [(torch.float32, False, 16), (torch.bfloat16, False, 8),
+                                                    (torch.bfloat16, True, 18)])
 @pytest.mark.parametrize("chunk", [4096, 1 << 20])
-def test_torch_plan_equals_the_allocation_and_trains(dtype, chunk, monkeypatch):
+def test_torch_plan_equals_the_allocation_and_trains(dtype, master, per_param, chunk, monkeypatch):
     model = _model(dtype)
-    plan = OffloadAdamW.host_memory_plan(model.parameters())
+    plan = OffloadAdamW.host_memory_plan(model.parameters(), master_weights=master)
     monkeypatch.setattr(_host, "CHUNK_SIZE", chunk)
-    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, master_weights=master)
     st = opt.stats()
     numel = sum(p.numel() for p in model.parameters())
     assert st["host_plan_needed"] == plan["needed"] == st["pageable_state_bytes"] == st["host_state_bytes"]
-    assert plan["needed"] == numel * (12 + dtype.itemsize) and plan["pinned"] == 0  # CPU: nothing pinned
+    assert plan["needed"] == numel * per_param and plan["pinned"] == 0  # CPU: nothing pinned
     assert st["host_plan_fits"] == 1 and st["host_plan_available"] > 0
     model(torch.randn(4, 64, dtype=dtype)).float().square().mean().backward()
     opt.step()
     # a group added later is checked and counted too
     extra = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
     opt.add_param_group({"params": [extra]})
-    assert opt.stats()["host_plan_needed"] == plan["needed"] + 1000 * (12 + dtype.itemsize) \
+    assert opt.stats()["host_plan_needed"] == plan["needed"] + 1000 * per_param \
         == opt.stats()["host_state_bytes"]
     opt.close()
 
@@ -437,12 +443,14 @@ def test_torch_hybrid_plan_follows_the_split():
     itself needs CUDA parameters, see test_gpu_hybrid_plan_equals_the_engine_bytes)."""
     params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2000, 2000, 300)]
     for order, on_gpu in (("first", [True, False, True]), ("last", [False, True, True])):
-        plan = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.56, gpu_params=order)
+        plan = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.56, gpu_params=order,
+                                             master_weights=True)
         host = sum(p.numel() for p, g in zip(params, on_gpu) if not g)
         dev = 4300 - host
         assert plan["state_pageable"] == 8 * host and plan["masters_pageable"] == 4 * host  # host share
         assert plan["state_pinned"] == 8 * dev and plan["masters_pinned"] == 4 * dev  # mapped, GPU share
-        assert plan["staging_pageable"] == 2 * host and plan["needed"] == 14 * host + 12 * dev
+        # the host share's bf16 staging and fp32 gradient sums
+        assert plan["staging_pageable"] == 6 * host and plan["needed"] == 18 * host + 12 * dev
     with pytest.raises(ValueError, match="mode"):
         OffloadAdamW.host_memory_plan(params, mode="tpu")
     # the constructor's checks of the placement arguments, not a plan of what it refuses
@@ -462,15 +470,16 @@ def test_torch_hybrid_plan_follows_the_split():
 
 
 def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():
-    """gpu_state_bytes: the first parameters whose state fits (first fit, 12 bytes per
+    """gpu_state_bytes (master_weights=True): the first parameters whose state fits (first fit, 12 bytes per
     bf16 element) take no host memory, and hybrid's share is of the rest."""
     params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2000, 3000, 300)]
-    whole = OffloadAdamW.host_memory_plan(params)
+    whole = OffloadAdamW.host_memory_plan(params, master_weights=True)
     # 30,000 bytes hold the state of 2000 (24,000) and then 300 (3,600) elements, not 3000's.
-    plan = OffloadAdamW.host_memory_plan(params, gpu_state_bytes=30_000)
+    plan = OffloadAdamW.host_memory_plan(params, gpu_state_bytes=30_000, master_weights=True)
     assert B.gpu_state_fits([(p.numel(), "bfloat16", True) for p in params], 30_000) == [True, False, True]
-    assert plan["needed"] == whole["needed"] * 3000 // 5300 == 14 * 3000
-    hyb = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.5, gpu_state_bytes=24_000)
+    assert plan["needed"] == whole["needed"] * 3000 // 5300 == 18 * 3000
+    hyb = OffloadAdamW.host_memory_plan(params, mode="hybrid", gpu_share=0.5, gpu_state_bytes=24_000,
+                                        master_weights=True)
     # resident: the 2000; of the other 3300 elements a share of 1650: the 300 fit, 3000 not
     assert hyb["state_pinned"] == 8 * 300 and hyb["state_pageable"] == 8 * 3000
 

@@ -139,7 +139,8 @@ def test_cuda_recipes_match_the_contract(impl, dtype):
     """The CUDA recipes' host kernels (``mode="cpu"`` on CUDA parameters) against the contract's reference, bit for
     bit: L2 and decoupled, maximize, amsgrad, a Tensor lr, GradScaler (fused), 10 steps, uneven chunks."""
     n, steps = 4099, 10
-    for (cls, kw), scale in ((CONFIGS[1], None), (CONFIGS[2], 8.0), (CONFIGS[3], None), (CONFIGS[5], None)):
+    for (cls, kw), scale in ((CONFIGS[1], None), (CONFIGS[2], 8.0), (CONFIGS[2], None), (CONFIGS[3], None),
+                             (CONFIGS[5], None)):
         if impl == "foreach" and kw.get("lr") == "T" or scale is not None and impl != "fused":
             continue
         p0, grads = data(n, steps, 4)
@@ -155,6 +156,30 @@ def test_cuda_recipes_match_the_contract(impl, dtype):
             slot.step(bits(g, dtype), dtype, s, chunks=_uneven(n, t))
             got = slot.state()
             assert all(nbad(got[k], st[k]) == 0 for k in got), (cls, kw, t)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_fused_l2_with_maximize_is_the_device_kernels(dtype):
+    """CUDA fused Adam-L2 with maximize rounds ``g + p*wd`` twice at every element: the contract's reference (which
+    the host kernels follow) against the emulation of the device kernels that replays the H100 log; without maximize
+    the two differ at torch's positional elements, and the engine refuses that update on the host."""
+    from _cuda_recipes_ref import recipe_step  # noqa: PLC0415
+
+    from trainstream import _device_recipes as DR  # noqa: PLC0415
+    n = 4099
+    rng = np.random.default_rng(3)
+    p = C.round_to(rng.standard_normal(n).astype(np.float32), dtype)
+    g = C.round_to(rng.standard_normal(n).astype(np.float32) * 1e-3, dtype)
+    hp = C.AdamWHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.1)
+    for maximize in (True, False):
+        recipe = C.TorchRecipe("fused", "cuda", dtype, maximize=maximize, decoupled=False)
+        s = DR.cuda_scalars(recipe, hp, 1)
+        z = np.zeros(n, np.float32)
+        want = C.torch_reference_update(recipe, {"p": p, "m": z, "v": z}, g, s)
+        got = recipe_step(recipe, p, g, z, z, None, s, DR.recipe_flags(recipe, hp), grad_dtype=dtype)
+        differ = sum(int(np.sum(a.view(np.uint32) != b.view(np.uint32)))
+                     for a, b in ((got[1], want["m"]), (got[2], want["v"])))
+        assert differ == 0 if maximize else differ > 0 or dtype != "float32", (maximize, differ)  # (bf16: rounded)
 
 
 def test_accumulate_kernel_sums_in_fp32():

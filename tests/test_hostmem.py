@@ -67,7 +67,7 @@ def test_alignment_slack_stays_out_of_memory():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bits_on_huge_pages(dtype, monkeypatch):
     """A 1024x1024 layer (4 MiB of fp32 state per array, so the huge-page path is taken)
-    trained against torch.optim.AdamW on an fp32 master."""
+    trained with master_weights=True against torch.optim.AdamW on an fp32 master."""
     calls = []
     real_empty = _hostmem.empty
     monkeypatch.setattr(_hostmem, "empty", lambda *a, **k: calls.append(a[0]) or real_empty(*a, **k))
@@ -76,7 +76,7 @@ def test_bits_on_huge_pages(dtype, monkeypatch):
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     with chunked(1 << 16):
-        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2)
+        ts = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=2, master_weights=True)
     st = ts._engine.host._slot(0)
     # moments (and the bf16 weights' master) through _hostmem
     assert 1024 * 1024 in calls

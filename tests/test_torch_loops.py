@@ -219,7 +219,8 @@ def test_module_zero_grad_dcgan_pattern(device, mode):
 def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     """opt.clip_grad_norm / max_grad_norm (no second copy of the gradients) and the user's
     own clip_grad_norm_ (copied again at step()): the bits of clip_grad_norm_ + AdamW;
-    bf16 against AdamW on an fp32 master with the clipped bf16 gradients."""
+    bf16 (master_weights=True) against AdamW on an fp32 master whose gradients are the fp32 sums of the
+    micro-batches', clipped there (the user's clip_grad_norm_ of param.grad: the clipped bf16 gradients)."""
     ref, _, ours, _ = pair(device, mode, dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ropt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
@@ -227,10 +228,19 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
                        max_grad_norm=0.05 if how == "max_grad_norm" else None, **mode_kw(mode))
     micro = 2 if how == "micro2" else 1
     for x in data(4, device):
-        for part in x.chunk(micro):
+        for k, part in enumerate(x.chunk(micro)):
             loss_fn(ref, part).backward()
             loss_fn(ours, part).backward()
-        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            for p, q in zip(master, ref.parameters()):  # fp32 sums of the micro-batches' gradients
+                p.grad = q.grad.float() if k == 0 else p.grad + q.grad.float()
+                if micro > 1:
+                    q.grad = None
+        if how == "clip_grad_norm_":  # one micro-batch: clipped in param.grad's dtype, then copied
+            n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            for p, q in zip(master, ref.parameters()):
+                p.grad = q.grad.float()
+        else:
+            n_ref = torch.nn.utils.clip_grad_norm_(master, 0.05)
         if how in ("method", "micro2"):
             n = opt.clip_grad_norm(0.05)
         elif how == "clip_grad_norm_":
@@ -239,8 +249,7 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
         if how == "max_grad_norm":
             n = opt.last_grad_norm()
         assert float(n) == float(n_ref) and float(n_ref) > 0.05  # clipping active
-        for p, q in zip(master, ref.parameters()):
-            p.grad = q.grad.float()
+        for q in ref.parameters():
             q.grad = None
         ropt.step()
         with torch.no_grad():

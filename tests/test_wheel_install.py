@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("adamw.cu",)  # in kernels/ of the checkout, trainstream/kernels/ of the wheel
+SOURCES = ("adamw.cu", "adamw_body.cu", "adamw_torch.cu", "adamw_variants.cu")  # kernels/; trainstream/kernels/
 #: Build outputs and environments of a checkout, left out of the copy that is built.
 _NOT_COPIED = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".numba_cache", ".whl"}
 
@@ -54,7 +54,7 @@ from trainstream.torch import OffloadAdamW
 
 # the sources, read through the package (no CuPy needed for the text)
 sources = {name: hashlib.sha256(dk.kernel_source(name).encode()).hexdigest()
-           for name in (dk.ADAMW_SOURCE,)}
+           for name in dk.KERNEL_SOURCES}
 dk.check_kernel_constants()
 
 VOCAB, CTX = 32, 12
@@ -153,7 +153,7 @@ def installed(tmp_path_factory):
           "--disable-pip-version-check", "-q", wheels[0]], env=_child_env())
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                         env=_child_env()).stdout.strip())
-    assert (purelib / "trainstream" / "kernels" / SOURCES[0]).is_file()
+    assert all((purelib / "trainstream" / "kernels" / n).is_file() for n in SOURCES)
     # this interpreter's packages, not the checkout (nor the tests folder pytest added)
     paths = []
     for p in sys.path:

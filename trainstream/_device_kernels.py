@@ -1,6 +1,7 @@
-"""CuPy loader and launcher of the ``gpu`` mode kernels (the checkout's ``kernels/adamw.cu``, installed as the package
-data ``trainstream/kernels/adamw.cu``: the cuda platform's arithmetic of each :mod:`trainstream.contract` convention,
-torch/cuda and optax/cuda; the cpu platforms' is the host kernels'): compiled once per device, launched
+"""CuPy loader and launcher of the ``gpu`` mode kernels (the checkout's ``kernels/*.cu``, installed as the package
+data ``trainstream/kernels/``: the cuda platform's arithmetic of each :mod:`trainstream.contract` convention,
+torch/cuda and optax/cuda, and of torch's CUDA recipes, :mod:`trainstream._device_recipes`; the cpu platforms' is the
+host kernels'): compiled once per device, launched
 asynchronously on raw pointers and a raw ``cudaStream_t`` (a plain ``int``: ``0`` the legacy default stream, torch's
 ``cuda_stream``, CuPy's ``ptr``, XLA's stream of an FFI handler); the caller orders the launches against the
 gradient's producers and the weights' readers. State pointers address mapped pinned host memory or GPU memory. CuPy
@@ -22,27 +23,22 @@ import ctypes
 import functools
 import math
 import os
-import re
 import threading
-from importlib import resources
-from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
 from . import _cuda
+from . import _device_recipes as R
 from . import contract as C
+from ._device_sources import (ADAMW_SOURCE, ADAMW_THREADS, KERNEL_SOURCES, MULTI_MAX, SCALAR_SETS, _UNUSED_BLOCK,
+                              _VARIANT_NAMES, KernelItem, _MultiBatch, _MultiItem, _Scalars,  # noqa: F401
+                              check_kernel_constants, kernel_source, program_source)
 
-__all__ = ["ADAMW_SOURCE", "kernel_source", "ADAMW_THREADS", "DTYPES", "adamw_kernel_name", "check_kernel_constants",
-           "compile_kernels", "launch_adamw", "launch_adamw_multi", "launch_adamw_u_multi", "U_VARIANTS",
-           "adamw_u_kernel_name", "MULTI_MAX", "alloc_mapped", "alloc_device", "host_view", "check_stream",
-           "set_sync_launches"]
-
-#: The CUDA source (:func:`kernel_source`).
-ADAMW_SOURCE = "adamw.cu"
-
-#: Block size; the .cu file defines the same number (checked at load time).
-ADAMW_THREADS = 256
+__all__ = ["ADAMW_SOURCE", "KERNEL_SOURCES", "kernel_source", "program_source", "ADAMW_THREADS", "DTYPES",
+           "adamw_kernel_name", "check_kernel_constants", "compile_kernels", "launch_adamw", "launch_adamw_multi",
+           "launch_adamw_u_multi", "U_VARIANTS", "adamw_u_kernel_name", "MULTI_MAX", "SCALAR_SETS", "KernelItem",
+           "launch_items", "alloc_mapped", "alloc_device", "host_view", "check_stream", "set_sync_launches"]
 
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
@@ -50,35 +46,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float": "float32", "fp32": "float32", "f32": "float32",
                   "half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16"}
-#: The variants with CUDA kernels (``TS_VARIANT_*`` in the source): the cuda platform of each convention.
-_VARIANT_NAMES = {C.VARIANT_TORCH_CUDA: "torch_cuda", C.VARIANT_OPTAX_CUDA: "optax_cuda"}
 _HOST_ONLY = {C.VARIANT_TORCH_CPU: "torch/cpu", C.VARIANT_OPTAX_CPU: "optax/cpu"}
-
-
-class _Scalars(ctypes.Structure):
-    """``struct TsScalars { float s[TS_N_SCALARS]; }``: the kernel's by-value scalar parameter."""
-    _fields_ = [("s", ctypes.c_float * C.N_SCALARS)]
-
-
-#: Tensors per multi-tensor launch (``TS_MULTI_MAX`` in the kernel source).
-MULTI_MAX = 32
-#: ``block_start`` of a launch's unused items (``TS_UNUSED_BLOCK``): above every block index.
-_UNUSED_BLOCK = 2**31 - 1
-
-
-class _MultiItem(ctypes.Structure):
-    """``struct TsMultiItem``: one tensor of a launch (128 bytes)."""
-    _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("master", ctypes.c_void_p),
-                ("m", ctypes.c_void_p), ("v", ctypes.c_void_p), ("n", ctypes.c_longlong),
-                ("block_start", ctypes.c_int), ("nblocks", ctypes.c_int), ("scalars", _Scalars),
-                ("scalars_dev", ctypes.c_void_p)]
-
-
-class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the kernel's by-value parameter (4096 bytes, the 4 KiB that every
-    CUDA driver accepts for a launch's parameters); the unused items after the tensors have
-    ``block_start`` :data:`_UNUSED_BLOCK`."""
-    _fields_ = [("items", _MultiItem * MULTI_MAX)]
 
 
 # -- CuPy, lazily --------------------------------------------------------------------------
@@ -100,53 +68,6 @@ def set_sync_launches(enabled: bool) -> None:
     """Synchronise the stream after every launch (debugging: faults raise at the launch)."""
     global _sync_launches
     _sync_launches = bool(enabled)
-
-
-# -- the sources and their constants -------------------------------------------------------
-def kernel_source(name: str) -> str:
-    """The text of the CUDA source ``name`` (:data:`ADAMW_SOURCE`; no GPU needed), read from the package data
-    ``trainstream/kernels/`` (a wheel, also read-only, or a strict editable install: setuptools maps the checkout's
-    top-level ``kernels/`` there), else from the top-level ``kernels/`` of the source checkout this package is in (a
-    checkout on ``sys.path``, or setuptools' default editable install, which imports the checkout's ``trainstream/``).
-    ``FileNotFoundError`` naming the places looked at if absent."""
-    packaged = resources.files("trainstream") / "kernels" / name
-    places = [packaged]
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file():  # a source checkout, not site-packages
-        places.append(root / "kernels" / name)
-    for path in places:
-        try:
-            return path.read_text(encoding="utf-8")
-        except OSError:
-            continue
-    raise FileNotFoundError(f"TrainStream CUDA source {name} not found in {', '.join(map(str, places))}: the "
-                            f"install lacks the package data trainstream/kernels/{name}; reinstall from the wheel or "
-                            "the checkout")
-
-
-_DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*$", re.MULTILINE)
-
-
-def check_kernel_constants() -> None:
-    """Check the ``#define``\\ s of the .cu file against :mod:`trainstream.contract`: every scalar index (``TS_S_*``,
-    ``TS_N_SCALARS``), the variants of :func:`adamw_kernel_name` (``TS_VARIANT_*``) and ``TS_OX_CLIP`` (the one optax
-    code bit the cuda platform reads) must be defined with the contract's value, any other ``TS_OX_*`` too; also
-    :data:`ADAMW_THREADS` and the launch layout (``TS_MULTI_MAX``, ``TS_UNUSED_BLOCK``). ``RuntimeError`` listing
-    every difference (no GPU)."""
-    adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
-    contract = {"TS_" + name: getattr(C, name) for name in dir(C)
-                if name.startswith(("S_", "VARIANT_", "OX_")) and isinstance(getattr(C, name), int)}
-    required = {"TS_N_SCALARS": C.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS, "TS_MULTI_MAX": MULTI_MAX,
-                "TS_UNUSED_BLOCK": _UNUSED_BLOCK, "TS_OX_CLIP": C.OX_CLIP}
-    required.update({k: v for k, v in contract.items() if k.startswith("TS_S_")})
-    required.update({f"TS_VARIANT_{name.upper()}": v for v, name in _VARIANT_NAMES.items()})
-    problems = [f"{ADAMW_SOURCE}: {key} is {adamw.get(key)}, the contract says {want}"
-                for key, want in sorted({**contract, **required}.items())
-                if (key in required or key in adamw) and adamw.get(key) != want]
-    problems += [f"{ADAMW_SOURCE}: {key} has no counterpart in trainstream.contract" for key in sorted(adamw)
-                 if key.startswith(("TS_S_", "TS_VARIANT_", "TS_OX_")) and key not in contract]
-    if problems:
-        raise RuntimeError("TrainStream kernels out of sync with the contract:\n  " + "\n  ".join(problems))
 
 
 def _dtype_name(dtype) -> str:
@@ -226,9 +147,9 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
         if dev not in _kernels:
             check_kernel_constants()
             if not _modules:
-                _modules["adamw"] = cp.RawModule(code=kernel_source(ADAMW_SOURCE), options=COMPILE_OPTIONS)
+                _modules["adamw"] = cp.RawModule(code=program_source(), options=COMPILE_OPTIONS)
             names = ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
-                     + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES])
+                     + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES] + recipe_kernel_names())
             table = {}
             with cp.cuda.Device(dev):
                 sm_count = multiprocessor_count(dev)
@@ -238,6 +159,19 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
                     table[name] = _Kernel(name, function, int(function.ptr), max(1, per_sm) * sm_count)
             _kernels[dev] = table
     return {k: v.max_grid for k, v in _kernels[dev].items()}
+
+
+def recipe_kernel_names() -> list[str]:
+    """The kernels of torch's CUDA recipes (:func:`trainstream._device_recipes.recipe_kernel_name`): op-by-op and
+    fused, for each weight dtype with its own or fp32 state, and each gradient dtype."""
+    return [f"adamw_torch_{impl}_{_SUFFIX[p]}_{_SUFFIX[g]}_{_SUFFIX[st]}" for impl in ("ops", "fused")
+            for p in DTYPES for st in dict.fromkeys((p, "float32")) for g in DTYPES]
+
+
+def program_function(name: str, device: int | None = None):
+    """A ``cupy.RawKernel``-like function of the compiled program (e.g. the GPU tests' diagnostic kernels)."""
+    compile_kernels(device)
+    return _modules["adamw"].get_function(name)
 
 
 def _kernel(device: int, name: str) -> _Kernel:
@@ -341,16 +275,15 @@ def launch_adamw_u_multi(variant: int, grad_dtype,
 
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
                         named: bool, emit_u: bool = False) -> int:
-    """The one launcher (``named``: messages name the item, ``items[k].``; ``emit_u``: the kernels that
+    """The conventions' launcher (``named``: messages name the item, ``items[k].``; ``emit_u``: the kernels that
     write ``u`` into each item's third pointer). Null pointers pass only in an empty item."""
     kernel_name = (adamw_u_kernel_name(variant, grad_dtype) if emit_u  # checks the variant, then the dtypes
                    else adamw_kernel_name(variant, param_dtype, grad_dtype))
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
+    flags = R.F_DECAY if variant == C.VARIANT_TORCH_CUDA else 0  # torch/cuda: p * f(1 - lr*wd), always
     items = list(items)
     if len(items) > MULTI_MAX:
         raise ValueError(f"launch_adamw_multi takes at most {MULTI_MAX} tensors, got {len(items)}")
-    if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
-        raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
     checked = []
     for k, item in enumerate(items):
         pre, dot = (f"items[{k}]: ", f"items[{k}].") if named else ("", "")
@@ -371,34 +304,65 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
             master_ptr = _check_ptr(f"{dot}master_ptr (required for {pd} weights)", master_ptr, 4, allow_null=empty)
         elif master_ptr and not emit_u:
             raise ValueError(f"{pre}fp32 weights are their own master: pass master_ptr=0")
-        if isinstance(scalars, (int, np.integer)):
-            sc = _check_ptr(f"{dot}scalars_ptr", scalars, 4)
-        else:
-            sc = np.ascontiguousarray(scalars, dtype=np.float32)
-            if sc.shape != (C.N_SCALARS,):
-                raise ValueError(f"{pre}scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
+        sc = _scalar_vector(scalars, pre, dot)
         if not empty:
-            checked.append((param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc))
-    if not checked:
+            checked.append(KernelItem(param_ptr, grad_ptr, int(master_ptr or 0), m_ptr, v_ptr, 0, n, sc, 0, flags))
+    return launch_items(kernel_name, checked, stream, device, max_blocks)
+
+
+def _scalar_vector(scalars, pre: str = "", dot: str = "") -> np.ndarray | int:
+    """A scalar vector as the kernels take it: an ``int`` (a device pointer: the kernels read the optax convention's
+    slots there), or float32 of the contract's ``N_SCALARS`` or the kernels' (zero-padded to the kernels')."""
+    if isinstance(scalars, (int, np.integer)):
+        return _check_ptr(f"{dot}scalars_ptr", scalars, 4)
+    sc = np.ascontiguousarray(scalars, dtype=np.float32)
+    if sc.shape not in ((C.N_SCALARS,), (R.N_SCALARS,)):
+        raise ValueError(f"{pre}scalars must have shape ({R.N_SCALARS},), got {sc.shape}")
+    if sc.size < R.N_SCALARS:
+        sc = np.concatenate([sc, np.zeros(R.N_SCALARS - sc.size, np.float32)])
+    return sc
+
+
+def launch_items(kernel_name: str, items: list[KernelItem], stream: int = 0, device: int | None = None,
+                 max_blocks: int | None = None) -> int:
+    """Launch kernel ``kernel_name`` over checked, non-empty :class:`KernelItem`\\ s, in launches of up to
+    :data:`MULTI_MAX` tensors and :data:`SCALAR_SETS` distinct scalar vectors (in order, on ``stream``). Each tensor
+    gets the blocks of its size (:func:`_grid_for`, also capped at ``max_blocks``) and grid-strides over them.
+    Returns the tensors launched."""
+    if max_blocks is not None and (isinstance(max_blocks, bool) or int(max_blocks) != max_blocks or max_blocks < 1):
+        raise ValueError(f"max_blocks must be an int >= 1 or None, got {max_blocks!r}")
+    if not items:
         return 0
     dev = _device_index(device)
     kernel = _kernel(dev, kernel_name)
     cap = kernel.max_grid if max_blocks is None else min(kernel.max_grid, int(max_blocks))
-    batch = _MultiBatch()
-    start = 0
-    for k, (param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, n, sc) in enumerate(checked):
-        it = batch.items[k]
-        it.param, it.grad, it.master, it.m, it.v = param_ptr, grad_ptr, master_ptr or None, m_ptr, v_ptr
-        it.n, it.nblocks, it.block_start = n, _grid_for(n, cap), start
-        start += it.nblocks
-        if isinstance(sc, int):
-            it.scalars_dev = sc
+    batch, sets, count, start = _MultiBatch(), {}, 0, 0
+
+    def flush():
+        for k in range(count, MULTI_MAX):
+            batch.items[k].block_start = _UNUSED_BLOCK
+        _launch(dev, kernel, start, ADAMW_THREADS, [batch], stream)
+
+    for it in items:
+        key = None if isinstance(it.scalars, int) else it.scalars.tobytes()
+        if count == MULTI_MAX or (key is not None and key not in sets and len(sets) == SCALAR_SETS):
+            flush()
+            batch, sets, count, start = _MultiBatch(), {}, 0, 0
+        t = batch.items[count]
+        t.param, t.grad, t.master, t.m, t.v = it.param, it.grad, it.master or None, it.m, it.v
+        t.vmax, t.n, t.base, t.flags = it.vmax or None, it.n, it.base, it.flags
+        t.nblocks, t.block_start = _grid_for(it.n, cap), start
+        if key is None:
+            t.scalars_dev = it.scalars
         else:
-            ctypes.memmove(ctypes.addressof(it.scalars), sc.ctypes.data, sc.nbytes)
-    for k in range(len(checked), MULTI_MAX):
-        batch.items[k].block_start = _UNUSED_BLOCK
-    _launch(dev, kernel, start, ADAMW_THREADS, [batch], stream)
-    return len(checked)
+            if key not in sets:
+                sets[key] = len(sets)
+                ctypes.memmove(ctypes.addressof(batch.sets[sets[key]]), it.scalars.ctypes.data, it.scalars.nbytes)
+            t.sidx = sets[key]
+        start += t.nblocks
+        count += 1
+    flush()
+    return len(items)
 
 
 # -- mapped pinned host memory ---------------------------------------------------------------

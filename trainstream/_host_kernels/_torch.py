@@ -63,6 +63,8 @@ def build_torch(fam: int, mkind: int, wkind: int, gkind: int, layout: int, amsgr
         has_div = fused and gdiv != np.float32(0.0) and gdiv != np.float32(1.0)
         l2, decay, nlw = s[S_L2], s[S_DECAY], s[S_NEG_LR_WD]
         has_l2, has_nlw = l2 != np.float32(0.0), nlw != np.float32(0.0)
+        # CUDA fused Adam-L2 with maximize, no amsgrad, no GradScaler: RN(g + RN(p*wd)) (kernels/adamw_torch.cu)
+        l2_two = cuda_fused and not ams and not has_div and c < np.float32(0.0)
         small = s[S_LERP_SMALL] != np.float32(0.0)
         omb1 = s[S_OMB1]
         wl = omb1 if small else omb1 - np.float32(1.0)  # lerp: fma(w, g - m, m) | fma(w - 1, g - m, g)
@@ -137,7 +139,7 @@ def build_torch(fam: int, mkind: int, wkind: int, gkind: int, layout: int, amsgr
                 elif cuda_per_op:
                     gl = rt(fma32(l2, pi, gi), mkind)
                 elif cuda_fused:
-                    gl = fma32(pi, l2, gi)
+                    gl = select(l2_two, gi + pi * l2, fma32(pi, l2, gi))
                 else:
                     gl = mad(unfused, pi, l2, gi)
                 if has_l2:  # (loop-invariant)

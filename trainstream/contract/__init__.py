@@ -89,16 +89,22 @@ folded in as ``-c`` (exact). Fused kernels under ``GradScaler``: ``g = RN(g / f(
   from ``RN(1/f(.))``), ``d = r(r(r(sqrt(s)) * f(1/sqrt(bc2))) + f(eps))`` [``S_INV_SQRT_BC2``]; a Tensor ``lr`` on
   the CPU as on ``cpu``. (A Tensor ``lr`` on the CUDA device: not reproduced.)
 
-* ``cuda`` fused (2.13's ``FusedAdamMathFunctor``, opmath float; verified on the H100 with torch 2.11 but for
-  Adam's L2 in float32, which differs in ~1 % of ``m``: its ``g`` line is open): ``LR, B1, B2, WD, EPS = f(.)``,
+* ``cuda`` fused (2.13's ``FusedAdamMathFunctor``, opmath float; verified on the H100 with torch 2.11):
+  ``LR, B1, B2, WD, EPS = f(.)``,
   ``bc1 = RN(1 - powf(B1, t))``, ``bc2 = RN(1 - powf(B2, t))`` with CUDA's ``powf`` (the host cannot reproduce it:
   the caller passes both from the device to :func:`torch_scalars`), each state rounded once at the store::
 
-      g  = fma(p, WD, g)                          # Adam L2                                   [S_L2]
+      g  = fma(p, WD, g)                          # Adam L2 (see below)                       [S_L2]
       p1 = fma(-RN(LR * WD), p, p)                # AdamW: param -= lr*wd*param                [S_NEG_LR_WD]
       m  = fma(B1, m, fma(-B1, g, g))             # std::fma, no lerp                          [S_BETA1]
       v  = fma(B2, v, fma(-B2, RN(g*g), RN(g*g))) vmax = (vmax < v) ? v : vmax
       d  = RN(RN(sqrt(s) / sqrtf(bc2)) + EPS)     p = RN(p1 + RN(RN(-RN(LR/bc1) * m) / d))
+
+  Adam's L2 line is ``RN(g + RN(p*WD))`` instead where nvcc did not contract it (SASS of torch 2.11's kernel):
+  every element with ``maximize``, and without ``maximize`` the first of each 4-element group of torch's unrolled
+  loop, a position that depends on the tensors' alignment on the GPU; never with amsgrad or a GradScaler. The host
+  reproduces the ``maximize`` case and refuses the positional one (the device kernels reproduce both:
+  ``kernels/adamw_torch.cu``).
 
 CPU: the ISA-dependent pieces. ATen's ``DEFAULT`` level (no AVX2, or ``ATEN_CPU_CAPABILITY=default``;
 :data:`TC_NO_FMA`) has no FMA: every ``fma`` of the CPU lines is two roundings, ``RN(RN(a*b) + c)`` (the CUDA lines
@@ -225,7 +231,7 @@ from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_
 from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA,
                        OX_NU_SWAP, PLATFORMS, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS,
                        S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR, S_NEG_LR_WD, S_NEG_STEP, S_OMB1,
-                       S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, TC_VEC512, VARIANT_OPTAX_CPU,
+                       S_OMB2, S_OX_CODE, S_STEP, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, TC_VEC512, VARIANT_OPTAX_CPU,
                        VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, AdamWHyperParams, OptaxStepScalars,
                        clip_coefficient, optax_bias_corrections, optax_clip_scalars, optax_cpu_code, optax_scalar_matrix,
                        optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)

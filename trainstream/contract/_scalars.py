@@ -28,7 +28,7 @@ VARIANT_OPTAX_CUDA = 3
 # S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of clip_by_global_norm when
 # it triggers (else 1.0). The engine's max_grad_norm (torch's clip_grad_norm_ formula) uses it in both;
 # only the JAX adapter's clip_by_global_norm inputs reproduce optax's clipping.
-N_SCALARS = 20
+N_SCALARS = 21
 # both conventions
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
 S_OMB1 = 1  # f(1 - b1): torch's lerp weight, optax's weight of g in m
@@ -53,6 +53,7 @@ S_GRAD_DIV = 16  # fused: GradScaler's scale, g = g / scale (1.0: none)
 S_L2 = 17  # Adam's L2 weight decay, g += p * S_L2: f(wd), or R(wd) on CPU fp16/bf16 tensors; 0.0: none (AdamW)
 S_INV_SQRT_BC2 = 18  # cuda single-tensor: f(1 / sqrt(bc2)), the reciprocal of the CPU scalar in float64
 S_NEG_LR_WD = 19  # cuda fused AdamW: -RN(f(lr) * f(wd)), p1 = fma(S_NEG_LR_WD, p, p); 0.0: none
+S_STEP = 20  # cuda fused on the device: the float32 step t, for the kernel's own powf (the host takes S_SQRT_BC2, S_NEG_STEP)
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1

@@ -12,7 +12,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._scalars import (ITEMSIZE, PLATFORMS, S_BETA1, S_BETA2, S_CLIP, S_DECAY, S_EPS, S_GRAD_DIV, S_INV_SQRT_BC2, S_L2,
-                       S_LERP_SMALL, S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_SQRT_BC2, TC_NO_FMA, TC_VEC512,
+                       S_LERP_SMALL, S_NEG_LR, S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_SQRT_BC2, S_STEP, TC_NO_FMA,
+                       TC_VEC512,
                        AdamWHyperParams, _scalar_vector)
 
 IMPLS: tuple[str, ...] = ("single", "foreach", "fused")
@@ -137,7 +138,8 @@ def torch_scalars(recipe: TorchRecipe, hp: AdamWHyperParams, step: int, clip: fl
             bias = (f32(1) - np.power(B1, f32(t)), f32(1) - np.power(B2, f32(t)))
         bc1, bc2 = f32(bias[0]), f32(bias[1])
         out.update({S_BETA1: B1, S_BETA2: B2, S_EPS: EPS, S_SQRT_BC2: f32(np.sqrt(bc2)),
-                    S_NEG_STEP: -(LR / bc1), S_NEG_LR_WD: -(LR * WD) if decays else 0.0, S_L2: WD if l2 else 0.0})
+                    S_NEG_STEP: -(LR / bc1), S_NEG_LR_WD: -(LR * WD) if decays else 0.0, S_L2: WD if l2 else 0.0,
+                    S_NEG_LR: -LR, S_STEP: f32(t)})  # the device kernel forms bc1, bc2 itself from these two
         return _scalar_vector(out)
     bc1, bc2 = 1 - b1**t, 1 - b2**t
     per_op16 = fam == "cpu_default" and k != "float32"  # CPU ops on fp16/bf16 tensors: some scalars cast to k

@@ -63,8 +63,10 @@ def torch_reference_update(recipe: TorchRecipe, state: dict, g, scalars, *, grad
         l2, vmax = s[S_L2], state.get("vmax")
         if fam == "cuda_fused":
             B1, B2 = s[S_BETA1], s[S_BETA2]
-            if l2 != 0:
-                g = fma_f32(p, l2, g)  # unverified for fp32: see the package docstring
+            if l2 != 0 and not recipe.amsgrad and s[S_GRAD_DIV] == 1 and s[S_CLIP] < 0:  # maximize: two roundings
+                g = (g + (p * l2).astype(_F32)).astype(_F32)
+            elif l2 != 0:  # (without maximize, some positions round twice: not reproduced, package docstring)
+                g = fma_f32(p, l2, g)
             p1 = fma_f32(s[S_NEG_LR_WD], p, p) if s[S_NEG_LR_WD] != 0 else p
             m = fma_f32(B1, m, fma_f32(-B1, g, g))
             gg = (g * g).astype(_F32)

@@ -3,8 +3,11 @@ parameters per launch at ``step``, one from a gradient hook) that read the gradi
 in place, with the contract's arithmetic: of its slots, or of buffers the caller owns
 (:meth:`DevicePlacement.launch_external`, no slot: the JAX adapter's ``mode="gpu"``).
 
-A slot's state (``exp_avg``, ``exp_avg_sq``, the fp32 master of fp16/bf16 weights) lives in mapped pinned host memory,
-or for a slot added ``resident`` in GPU memory (``gpu_state_bytes``; the same kernels, so the same bits). Host state is
+Each slot has a recipe (:class:`~trainstream._device_recipes.TorchRecipe`: torch's foreach, single-tensor or fused
+arithmetic on CUDA, state in the weights' dtype or fp32 with a master; :mod:`trainstream._device_recipes`). Its state
+(``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad, the fp32 master of a master recipe's fp16/bf16 weights;
+:mod:`trainstream.core._device_state`) lives in mapped pinned host memory, or for a slot added ``resident`` in GPU
+memory (``gpu_state_bytes``; the same kernels, so the same bits). Host state is
 *staged* (:class:`~trainstream.core._ring.StagingRing`: 0.99 of the bidirectional PCIe rate) or read by the kernel over
 PCIe (*zero-copy*: 0.83; H200, experiments/RESULTS.md); the engine stages in ``gpu`` mode only.
 
@@ -18,15 +21,17 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from collections.abc import Mapping
+from typing import Any, Sequence
 
 import numpy as np
 
 from .. import _cuda
+from .. import _device_recipes as R
 from .. import contract as C
 from ._backend import DeviceBackend
 from ._budget import _ITEMSIZE
+from ._device_state import GpuSlot, alloc_buf, check_state, read_buf, to_storage, write_buf
 from ._external import DeviceUpdate, device_groups
 from ._ring import StagingRing, staging_ring
 
@@ -39,39 +44,6 @@ EAGER_SM_FRACTION = 0.25
 #: Elements of one multi-tensor launch of ``step()`` (a larger tensor goes alone): ~1 ms of PCIe
 #: traffic for bf16 weights, ~20x a launch's host cost, and the next forward starts after a few tensors.
 MULTI_LAUNCH_ELEMS = 1 << 22
-
-
-@dataclass(eq=False)
-class _Buf:
-    """One fp32 state buffer: mapped host memory (``host``, a view at ``host_ptr``), or resident GPU memory (``mem``);
-    the kernels take ``dev_ptr``."""
-
-    host: np.ndarray | None
-    dev_ptr: int
-    free: Callable[[], None]
-    nbytes: int
-    mem: Any = None
-    host_ptr: int = 0
-
-
-@dataclass(eq=False)
-class _GpuSlot:
-    id: int
-    param: Any
-    numel: int
-    dtype: str
-    exp_avg: _Buf
-    exp_avg_sq: _Buf
-    master: _Buf | None
-    step: int = 0
-    ready: Any = None  # the weights are updated (compute waits on it)
-    grad_keep: Any = None
-    copied_back: Any = None  # staged: the state is back in host memory
-
-    def settle(self) -> None:
-        for ev in (self.ready, self.copied_back):
-            if ev is not None:
-                ev.synchronize()
 
 
 class DevicePlacement:
@@ -94,7 +66,7 @@ class DevicePlacement:
         self.device = int(backend.device_index if backend is not None else device)
         dk.compile_kernels(self.device)
         self._eager_grid = max(1, int(dk.multiprocessor_count(self.device) * EAGER_SM_FRACTION))
-        self._slots: list[_GpuSlot] = []
+        self._slots: list[GpuSlot] = []
         self.closed = False
         self._steps = self._eager_updates = 0
         self._launch_s = self._ready_stall_s = 0.0
@@ -107,21 +79,6 @@ class DevicePlacement:
         if self.closed:
             raise RuntimeError("TrainStream engine is closed")
 
-    def _alloc(self, numel: int, what: str, owned: list, gpu_state: bool) -> _Buf:
-        nbytes = max(4, numel * 4)
-        try:
-            if gpu_state:
-                mem = self._dk.alloc_device(nbytes, self.device)
-                buf = _Buf(None, mem.dev_ptr, mem.free, nbytes, mem)
-            else:
-                host_ptr, dev_ptr, free = self._dk.alloc_mapped(nbytes, self.device)
-                buf = _Buf(self._dk.host_view(host_ptr, numel, np.float32), dev_ptr, free, nbytes, host_ptr=host_ptr)
-        except MemoryError as exc:
-            where = "GPU-resident state (gpu_state_bytes)" if gpu_state else "gpu mode"
-            raise MemoryError(f"TrainStream {where}, {what}: {exc}") from exc
-        owned.append(buf)
-        return buf
-
     @staticmethod
     def _release(bufs) -> None:
         for buf in bufs:
@@ -129,25 +86,13 @@ class DevicePlacement:
                 buf.host = None  # drop the view before the memory goes
                 buf.free()
 
-    def _read(self, buf: _Buf, numel: int) -> np.ndarray:
-        """A copy of a state buffer; a resident one is read (and written, :meth:`_write`) on the update stream."""
-        if buf.host is not None:
-            return buf.host.copy()
-        out = np.empty(numel, np.float32)
-        buf.mem.to_host(out.ctypes.data, out.nbytes, self.backend.update_stream())
-        return out
-
-    def _write(self, buf: _Buf, values) -> None:
-        if buf.host is not None:
-            buf.host[:] = values
-            return
-        a = np.ascontiguousarray(values, np.float32).reshape(-1)
-        buf.mem.from_host(a.ctypes.data, a.nbytes, self.backend.update_stream())
-
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, gpu_state: bool = False,
-                  init: bool = True) -> int:
+                  init: bool = True, recipe=None) -> int:
         """Register a flat parameter; returns its slot id. ``gpu_state``: its state in GPU memory. ``init`` False:
-        the state is left unset, for the caller's :meth:`load_state`."""
+        the state is left unset, for the caller's :meth:`load_state`. ``recipe``
+        (:class:`~trainstream._device_recipes.TorchRecipe`, convention torch only): the slot's arithmetic and state
+        layout; None: torch's foreach arithmetic on an fp32 master (the ``master_weights`` scheme). A recipe the
+        kernels do not run raises ``NotImplementedError`` naming it."""
         self._check_open()
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
@@ -157,32 +102,48 @@ class DevicePlacement:
                              if gpu_state else "gpu mode needs CUDA parameters (the update runs on the GPU)")
         if dtype not in _ITEMSIZE:
             raise TypeError(f"TrainStream supports float32, float16 and bfloat16 parameters, got {dtype}")
-        owned: list[_Buf] = []
+        if self.convention != "torch":
+            if recipe is not None:
+                raise ValueError(f"a recipe ({recipe!r}) is torch's; this placement computes {self.convention}")
+            sd, ams, master = "float32", False, dtype != "float32"
+        else:
+            recipe = R.TorchRecipe("foreach", "cuda", dtype, master=True) if recipe is None else recipe
+            R.check_recipe(recipe)
+            if recipe.dtype != dtype:
+                raise ValueError(f"{recipe!r} is for {recipe.dtype} parameters, this one is {dtype}")
+            sd, ams = R.state_dtype(recipe), bool(recipe.amsgrad)
+            master = sd == "float32" and dtype != "float32"
+        owned: list = []
         try:
-            m = self._alloc(numel, "adamw.exp_avg", owned, gpu_state)
-            v = self._alloc(numel, "adamw.exp_avg_sq", owned, gpu_state)
-            master = self._alloc(numel, "adamw.master_fp32", owned, gpu_state) if dtype != "float32" else None
-            for buf in (m, v) if init else ():
+            m = alloc_buf(self._dk, self.device, numel, sd, "adamw.exp_avg", owned, gpu_state)
+            v = alloc_buf(self._dk, self.device, numel, sd, "adamw.exp_avg_sq", owned, gpu_state)
+            vmax = alloc_buf(self._dk, self.device, numel, sd, "adamw.max_exp_avg_sq", owned, gpu_state) if ams \
+                else None
+            mw = alloc_buf(self._dk, self.device, numel, "float32", "adamw.master_fp32", owned, gpu_state) if master \
+                else None
+            for buf in (m, v, vmax) if init else ():
+                if buf is None:
+                    continue
                 if gpu_state:
                     buf.mem.zero(self.backend.update_stream())
                 else:
                     buf.host[:] = 0
-            if master is not None and init:
-                weights = master.host if not gpu_state else np.empty(numel, np.float32)
+            if mw is not None and init:
+                weights = mw.host if not gpu_state else np.empty(numel, np.float32)
                 self.backend.param_to_host_f32(param, weights)
                 if gpu_state:
-                    self._write(master, weights)
+                    write_buf(mw, weights, self.backend.update_stream())
         except BaseException:
             self._release(owned)  # nothing leaks from a half-built slot
             raise
-        self._slots.append(_GpuSlot(len(self._slots), param, int(numel), dtype, m, v, master))
+        self._slots.append(GpuSlot(len(self._slots), param, int(numel), dtype, recipe, m, v, vmax, mw))
         return len(self._slots) - 1
 
     def has_gpu_state(self, sid: int) -> bool:
         """Whether slot ``sid``'s state is in GPU memory."""
         return self._slot(sid).exp_avg.mem is not None
 
-    def _slot(self, sid: int) -> _GpuSlot:
+    def _slot(self, sid: int) -> GpuSlot:
         if not 0 <= sid < len(self._slots):
             raise IndexError(f"TrainStream engine: no parameter slot {sid!r}")
         return self._slots[sid]
@@ -190,7 +151,7 @@ class DevicePlacement:
     def truncate(self, n: int) -> None:
         """Drop (and free) the slots registered after the first ``n``."""
         for s in self._slots[n:]:
-            self._release((s.exp_avg, s.exp_avg_sq, s.master))
+            self._release(s.bufs().values())
         del self._slots[n:]
 
     def release(self, sid: int) -> None:
@@ -198,8 +159,9 @@ class DevicePlacement:
         self._check_open()
         s = self._slot(sid)
         s.settle()
-        self._release((s.exp_avg, s.exp_avg_sq, s.master))
-        s.exp_avg = s.exp_avg_sq = s.master = s.grad_keep = s.ready = s.copied_back = None  # type: ignore[assignment]
+        self._release(s.bufs().values())
+        s.exp_avg = s.exp_avg_sq = s.max_exp_avg_sq = s.master = None  # type: ignore[assignment]
+        s.grad_keep = s.ready = s.copied_back = None
 
     def get_step(self, sid: int) -> int:
         return self._slot(sid).step
@@ -212,16 +174,22 @@ class DevicePlacement:
                 raise TypeError(f"gradient of parameter slot {sid} has unsupported dtype {gdtype}")
 
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]], *, eager: bool = False,
-             max_blocks: int | None = None) -> None:
+             max_blocks: int | None = None, grad_div: Mapping[int, float] | None = None) -> None:
         """Launch the update of each ``(slot, hyper-parameters, grad tensor, grad dtype)``; the gradients are contiguous
         device tensors of the parameter's size, already clipped and scaled by the framework. Returns once the kernels
         are queued on the update stream, after the compute stream's work so far. ``eager``: from a gradient hook
         (counted as eager updates, not a step). ``max_blocks``: grid cap of the kernels (eager default:
-        :data:`EAGER_SM_FRACTION`)."""
+        :data:`EAGER_SM_FRACTION`). ``grad_div``: ``{slot: scale}`` of fused slots stepped with GradScaler's
+        ``grad_scale`` (the kernel divides the gradient by it and writes the result back, as torch's fused kernel)."""
         self._check_open()
         be = self.backend
         t0 = time.perf_counter()
         self.check_grads(updates)
+        for sid in grad_div or ():
+            rec = self._slot(sid).recipe
+            if rec is None or rec.impl != "fused":
+                raise ValueError(f"grad_div: parameter slot {sid} ({rec!r}) is not fused: GradScaler unscales its "
+                                 "gradient before the step")
         if eager:
             self._eager_updates += len(updates)
             if max_blocks is None:
@@ -230,51 +198,78 @@ class DevicePlacement:
             self._steps += 1
         be.update_wait(be.record_compute(None))  # what produced the gradients precedes the update
         self._unwaited = True
-        self._launch_grouped(updates, be.update_stream(), max_blocks)
+        self._launch_grouped(updates, be.update_stream(), max_blocks, grad_div or {})
         self._launch_s += time.perf_counter() - t0
 
-    def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None) -> None:
-        """Launch consecutive updates of one dtype pair together, up to ``MULTI_MAX`` tensors and
+    def _kernel_key(self, s: GpuSlot, gdtype: str) -> tuple:
+        """Slots of one key share a launch: the kernel (and amsgrad: whether items carry max_exp_avg_sq)."""
+        if s.recipe is None:
+            return (self.convention, s.dtype, gdtype)
+        return (R.recipe_kernel_name(s.recipe, gdtype), bool(s.recipe.amsgrad))
+
+    def _launch_grouped(self, updates, stream: int, max_blocks: int | None = None, grad_div=None) -> None:
+        """Launch consecutive updates of one kernel together, up to ``MULTI_MAX`` tensors and
         :data:`MULTI_LAUNCH_ELEMS` elements (with ``max_blocks`` one tensor per launch), one ready event per launch.
         A slot listed twice goes into the next launch."""
         cap = self._dk.MULTI_MAX if max_blocks is None else 1
-        group: list[tuple[_GpuSlot, Any, Any, str]] = []
-        elems = 0
+        group: list[tuple[GpuSlot, Any, Any, str]] = []
+        key, elems = None, 0
         for sid, hp, grad, gdtype in updates:
             s = self._slot(sid)
-            if group and ((s.dtype, gdtype) != (group[0][0].dtype, group[0][3]) or len(group) == cap
-                          or elems + s.numel > MULTI_LAUNCH_ELEMS or any(x[0] is s for x in group)):
-                self._launch_group(group, stream, max_blocks)
+            k = self._kernel_key(s, gdtype)
+            if group and (k != key or len(group) == cap or elems + s.numel > MULTI_LAUNCH_ELEMS
+                          or any(x[0] is s for x in group)):
+                self._launch_group(group, stream, max_blocks, grad_div or {})
                 group, elems = [], 0
             group.append((s, hp, grad, gdtype))
-            elems += s.numel
+            key, elems = k, elems + s.numel
         if group:
-            self._launch_group(group, stream, max_blocks)
+            self._launch_group(group, stream, max_blocks, grad_div or {})
 
-    def _launch_group(self, group, stream: int, max_blocks: int | None) -> None:
+    def _item(self, s: GpuSlot, hp, grad, gd: str, grad_div):
+        """``(arrays, item)`` of one slot's update: its state buffers (in the ring's order) and ``item(lo, n, ptrs)``,
+        the kernel item of elements ``lo:lo+n`` with the state at ``ptrs`` (one per buffer)."""
+        be = self.backend
+        pp, gp = be.data_ptr(s.param), be.data_ptr(grad)
+        pi, gi = _ITEMSIZE[s.dtype], _ITEMSIZE[gd]
+        bufs = list(s.bufs().values())
+        if s.recipe is None:  # the conventions' kernels: (param, grad, master, m, v, n, scalars)
+            sc = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
+            half = s.master is not None
+            return bufs, lambda lo, n, d: (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc)
+        rec = s.recipe
+        scale = grad_div.get(s.id)
+        sc = R.cuda_scalars(rec, hp, s.step + 1, grad_div=1.0 if scale is None else float(scale))
+        torch_vec = (s.numel % 4 == 0 if s.master is not None  # torch updates a master: a fresh fp32 tensor
+                     else R.torch_vector_path(s.numel, pi, pp, gp))
+        flags = R.recipe_flags(rec, hp, grad_scale=scale is not None, torch_vec=torch_vec)
+        ams, mw = s.max_exp_avg_sq is not None, s.master is not None
+        return bufs, lambda lo, n, d: R.TorchItem(pp + pi * lo, gp + gi * lo, d[-1] if mw else 0, d[0], d[1],
+                                                  d[2] if ams else 0, n, sc, flags, lo)
+
+    def _launch_group(self, group, stream: int, max_blocks: int | None, grad_div) -> None:
         """Launch ``group`` (its staged slots through the ring) and record its ready event."""
-        be, variant = self.backend, C.variant_id(self.convention, "cuda")
-        pd, gd = group[0][0].dtype, group[0][3]
-        pi, gi = _ITEMSIZE[pd], _ITEMSIZE[gd]
+        be = self.backend
+        s0, gd = group[0][0], group[0][3]
         ring = self._staging_ring() if any(s.exp_avg.host is not None for s, *_ in group) else None
         direct, entries, staged = [], [], []
         for s, hp, grad, _ in group:
-            scalars = C.step_scalars(hp, s.step + 1, self.convention, "cuda")
-            pp, gp, half = be.data_ptr(s.param), be.data_ptr(grad), s.master is not None
+            bufs, item = self._item(s, hp, grad, gd, grad_div)
             if ring is None or s.exp_avg.host is None:
-                direct.append((pp, gp, s.master.dev_ptr if half else 0, s.exp_avg.dev_ptr, s.exp_avg_sq.dev_ptr,
-                               s.numel, scalars))
+                direct.append(item(0, s.numel, [b.dev_ptr for b in bufs]))
                 continue
-            bufs = (s.exp_avg, s.exp_avg_sq) + ((s.master,) if half else ())
             staged.append(s)
-            entries.append(([b.host_ptr for b in bufs], s.numel,
-                            lambda lo, n, d, pp=pp, gp=gp, half=half, sc=scalars:
-                            (pp + pi * lo, gp + gi * lo, d[2] if half else 0, d[0], d[1], n, sc),
-                            s.copied_back))
+            entries.append(([(b.host_ptr, b.itemsize) for b in bufs], s.numel, item, s.copied_back))
 
-        def launch(batch):
-            self._dk.launch_adamw_multi(variant, pd, gd, batch, stream=stream, device=self.device,
-                                        max_blocks=max_blocks)
+        if s0.recipe is None:
+            variant = C.variant_id(self.convention, "cuda")
+
+            def launch(batch):
+                self._dk.launch_adamw_multi(variant, s0.dtype, gd, batch, stream=stream, device=self.device,
+                                            max_blocks=max_blocks)
+        else:
+            def launch(batch):
+                R.launch_torch_multi(s0.recipe, gd, batch, stream=stream, device=self.device, max_blocks=max_blocks)
 
         if direct:
             launch(direct)
@@ -352,45 +347,80 @@ class DevicePlacement:
         if s.master is not None:
             weights = np.empty(s.numel, np.float32)
             self.backend.param_to_host_f32(s.param, weights)
-            master = s.master.host if s.master.host is not None else self._read(s.master, s.numel)
+            stream = self.backend.update_stream()
+            master = read_buf(s.master, s.numel, stream, copy=False)
             C.merge_master(master, weights, s.dtype)
             if s.master.host is None:
-                self._write(s.master, master)
+                write_buf(s.master, master, stream)
 
     def drain(self) -> None:
         for s in self._slots:
             s.settle()
             s.grad_keep = None
 
-    def state(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        s = self._slot(sid)
-        s.settle()
-        if s.master is not None:
-            master = self._read(s.master, s.numel)
-        else:
-            master = np.empty(s.numel, np.float32)
-            self.backend.param_to_host_f32(s.param, master)
-        return master, self._read(s.exp_avg, s.numel), self._read(s.exp_avg_sq, s.numel), s.step
+    def recipe(self, sid: int):
+        """The slot's recipe (None: the optax convention's kernels)."""
+        return self._slot(sid).recipe
 
-    def load_state(self, sid, exp_avg, exp_avg_sq, step, master=None) -> None:
+    def supports(self, recipe) -> bool:
+        """Whether these kernels run ``recipe`` (:func:`trainstream._device_recipes.check_recipe`; torch convention)."""
+        if self.convention != "torch":
+            return False
+        try:
+            R.check_recipe(recipe)
+        except NotImplementedError:
+            return False
+        return True
+
+    def set_recipe(self, sid: int, recipe) -> None:
+        """Slot ``sid``'s next updates follow ``recipe``, of the slot's state layout (the engine checked it)."""
+        self._check_open()
+        s = self._slot(sid)
+        R.check_recipe(recipe)
+        if s.recipe is None or (s.recipe.dtype, R.state_dtype(s.recipe), s.recipe.amsgrad) != \
+                (recipe.dtype, R.state_dtype(recipe), recipe.amsgrad):
+            raise ValueError(f"set_recipe: device slot {sid} is laid out for {s.recipe}, not for {recipe}")
+        s.recipe = recipe  # (launches already queued keep the kernel and scalars they were given)
+
+    def state(self, sid: int, copy: bool = True) -> dict:
+        """The slot's state once its queued work has run: ``step`` (int), ``exp_avg``, ``exp_avg_sq``, with amsgrad
+        ``max_exp_avg_sq`` (flat arrays of the state dtype: float32, or the uint16 bits of fp16/bf16), with a master
+        ``master`` (float32). ``copy=False``: mapped state as views (GPU-resident state is copied anyway)."""
         s = self._slot(sid)
         s.settle()
-        self._write(s.exp_avg, np.asarray(exp_avg, np.float32).reshape(-1))
-        self._write(s.exp_avg_sq, np.asarray(exp_avg_sq, np.float32).reshape(-1))
-        if s.master is not None:
-            if master is None:
-                master = s.master.host if s.master.host is not None else np.empty(s.numel, np.float32)
-                self.backend.param_to_host_f32(s.param, master)
-            if master is not s.master.host:
-                self._write(s.master, np.asarray(master, np.float32).reshape(-1))
-        s.step = int(step)
+        stream = self.backend.update_stream() if self.backend is not None else 0
+        out = {k: read_buf(b, s.numel, stream, copy) for k, b in s.bufs().items()}
+        return {"step": s.step, **out}
+
+    def load_state(self, sid: int, state, *legacy) -> None:
+        """Set the slot's state from a dict with :meth:`state`'s keys (``master`` optional: without it, a slot with a
+        master takes the weights'); arrays of the state dtype (uint16 bits for fp16/bf16, or values of the dtype).
+        Every key and size is checked before anything is written. (The positional form ``(exp_avg, exp_avg_sq,
+        step, master=None)`` of the fp32 scheme is accepted too.)"""
+        s = self._slot(sid)
+        if not isinstance(state, Mapping):  # (exp_avg, exp_avg_sq, step, master=None)
+            names = ("exp_avg", "exp_avg_sq", "step", "master")
+            state = dict(zip(names, (state, *legacy)))
+        step = check_state(s, state)
+        s.settle()
+        stream = self.backend.update_stream()
+        for k, buf in s.bufs().items():
+            if k == "master":
+                master = state.get("master")
+                if master is None:
+                    master = np.empty(s.numel, np.float32)
+                    self.backend.param_to_host_f32(s.param, master)
+                write_buf(buf, np.asarray(master, np.float32).reshape(-1), stream)
+            else:
+                write_buf(buf, to_storage(state[k], buf.dtype), stream)
+        s.step = step
 
     def stats(self) -> dict[str, float]:
         """:meth:`trainstream.core._engine.Engine.stats`; ``host_state_bytes``: the mapped state;
         ``staging_ring_bytes`` is 0 before the first update."""
         live = [s for s in self._slots if s.exp_avg is not None]  # not released
         resident = [s for s in live if s.exp_avg.mem is not None]
-        bufs = [b for s in live for b in (s.exp_avg, s.exp_avg_sq, s.master) if b is not None]
+        bufs = [b for s in live for b in s.bufs().values()]
         mapped = float(sum(b.nbytes for b in bufs if b.mem is None))
         return {
             "params": float(len(live)), "numel": float(sum(s.numel for s in live)),

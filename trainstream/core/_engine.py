@@ -98,11 +98,12 @@ class Engine:
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, trainable: bool = True,
                   on_device: bool | None = None, where: str | None = None,
-                  recipe: C.TorchRecipe | None = None) -> int:
+                  recipe: C.TorchRecipe | None = None, grad_sums: bool | None = None) -> int:
         """Register a flat parameter; returns its slot id. ``recipe`` (:class:`~trainstream.contract.TorchRecipe`,
         torch convention): the slot's arithmetic and state layout; None: :func:`~trainstream.contract.default_recipe`
         (the fp32-master scheme, without fp32 gradient sums; a recipe with ``master`` keeps them, for
-        ``offload_grad(accumulate=True)``). ``where`` (:data:`~trainstream.core._budget.WHERE`): the adapter's answer
+        ``offload_grad(accumulate=True)``; ``grad_sums=False``: a host slot without them).
+        ``where`` (:data:`~trainstream.core._budget.WHERE`): the adapter's answer
         from :func:`~trainstream.core._budget.assign` for this slot, taken as it is (it asked with
         :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here for this slot
         alone: resident where its state fits in what is left of ``gpu_state_bytes``, else by the policy
@@ -111,7 +112,7 @@ class Engine:
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
                                "caller owns (update_external, launch_external), it holds no parameters")
-        sums = recipe is not None and recipe.master and dtype != "float32"
+        sums = recipe is not None and recipe.master and dtype != "float32" and grad_sums is not False
         if self.convention == "torch":
             recipe = C.check_recipe(recipe if recipe is not None else C.default_recipe(platform, dtype))
         elif recipe is not None:
@@ -155,6 +156,24 @@ class Engine:
     def _dev_kw(self, recipe: C.TorchRecipe | None) -> dict:
         """The device placement's ``add_param`` takes ``recipe=`` where it has ``supports``."""
         return {"recipe": recipe} if hasattr(self.device, "supports") else {}
+
+    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
+        """Slot ``sid``'s updates from now on follow ``recipe`` (torch's param-group edits and loaded groups: another
+        implementation, ``maximize``, a Tensor ``lr``, Adam's L2), whose state layout must be the slot's (platform,
+        dtype, ``master``, ``amsgrad``: else ``ValueError``); one the device kernels lack: ``NotImplementedError``."""
+        self._check_sid(sid)
+        recipe, old = C.check_recipe(recipe), self._args[sid][4]
+        layout = ("platform", "dtype", "master", "amsgrad")
+        if old is None or any(getattr(old, k) != getattr(recipe, k) for k in layout):
+            raise ValueError(f"set_recipe: slot {sid}'s state is laid out for {old}, not for {recipe} (only the "
+                             "arithmetic may change: impl, maximize, decoupled, lr_tensor)")
+        placement, local = self._local(sid)
+        if placement is self.device and not (self._device_supports(recipe, recipe.platform, recipe.dtype)
+                                             and hasattr(self.device, "set_recipe")):
+            raise NotImplementedError(f"TrainStream: the GPU kernels do not implement {recipe}; it is updated on "
+                                      "the GPU, so its recipe cannot become that one")
+        placement.set_recipe(local, recipe)
+        self._args[sid][4] = recipe
 
     def on_device(self, sid: int) -> bool:
         """Whether slot ``sid`` is updated by the device placement (resident or not)."""
@@ -252,6 +271,12 @@ class Engine:
         (the eager path: last micro-batch, no clipping) queue its update right behind it."""
         self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate)
 
+    def grad_sum(self, sid: int) -> np.ndarray | None:
+        """Host slot ``sid``'s fp32 gradient sum (``offload_grad(accumulate=True)``) once its queued work has run,
+        the buffer itself (the adapter scales it in place as the framework scales gradients), or None where the
+        slot's staged gradient is not a sum."""
+        return self.host.grad_sum(self._local_on(sid, False))
+
     def discard_grads(self) -> None:
         """Forget the gradients offloaded since the last step (``zero_grad``)."""
         if self.host is not None:
@@ -267,8 +292,8 @@ class Engine:
              grad_div: dict[int, float] | None = None) -> None:
         """Queue the update of each ``(slot, hyper-parameters)`` (host slots; those without a gradient are
         skipped) or ``(slot, hyper-parameters, grad tensor, grad dtype)`` (device slots; a host slot ignores
-        the last two). ``coefs``: per host slot, the multiplier of its staged gradient; ``grad_div``: per host
-        slot of a fused recipe, GradScaler's scale its gradient is divided by (``found_inf``: leave the slot out of
+        the last two). ``coefs``: per host slot, the multiplier of its staged gradient; ``grad_div``: per slot of a
+        fused recipe, GradScaler's scale its gradient is divided by (``found_inf``: leave the slot out of
         ``updates``, as torch's fused step skips it and its step count). With both placements
         the share holding the lowest slot (needed first by the next forward) is queued first; if the second
         share then fails to queue, the error is raised and left sticky (reload a checkpoint)."""
@@ -278,13 +303,12 @@ class Engine:
         hst = [(local, u[1]) for u, (d, local) in zip(updates, where) if not d]
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
+        dev_div = {}
         if grad_div:
-            if any(self._where[self._check_sid(sid)][0] for sid in grad_div):
-                raise NotImplementedError("step: grad_div for a device slot (the GPU kernels take no GradScaler scale "
-                                          "yet)")
-            grad_div = {self._where[sid][1]: c for sid, c in grad_div.items()}
+            dev_div = {self._where[sid][1]: c for sid, c in grad_div.items() if self._where[self._check_sid(sid)][0]}
+            grad_div = {self._where[sid][1]: c for sid, c in grad_div.items() if not self._where[sid][0]}
         if self.host is None:
-            return self.device.step(dev)
+            return self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
         if self.device is None:
             return self.host.step(hst, coefs, grad_div=grad_div)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
@@ -293,12 +317,12 @@ class Engine:
         dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             if dev:
-                self.device.step(dev)
+                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
             return self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         try:
             if dev:
-                self.device.step(dev)
+                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
         except BaseException as exc:
             self.errors.record(RuntimeError("hybrid step: the device share's update failed after the host share's "
                                             f"was queued ({type(exc).__name__}: {exc})"))

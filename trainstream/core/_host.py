@@ -218,6 +218,8 @@ class HostPlacement:
         s = self._slot(sid)
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
+        if update is not None:
+            _check_host_recipe(s.recipe, update, None)
         if accumulate and s.grad_sum is None:
             raise ValueError(f"offload_grad(accumulate=True): parameter slot {sid} keeps no fp32 gradient sum (a "
                              "master of fp16/bf16 weights registered with grad_sums)")
@@ -333,6 +335,8 @@ class HostPlacement:
             if r is None or r.impl != "fused":
                 raise ValueError(f"step: grad_div for parameter slot {sid}, whose recipe is not fused (torch's other "
                                  "implementations unscale by a multiplier: coefs)")
+        for sid, hp in updates:  # before anything is queued: a refusal leaves every slot as it was
+            _check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         for sid, hp in updates:
@@ -386,6 +390,20 @@ class HostPlacement:
         self._wait_idle(s)
         self.errors.check()
         return slot_state(s, copy)
+
+    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
+        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
+        self._check_open()
+        self._slot(sid).recipe = recipe
+
+    def grad_sum(self, sid: int) -> np.ndarray | None:
+        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
+        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.errors.check()
+        return s.grad_sum.array if s.summed else None
 
     def reload_param(self, sid: int, param: Any = None) -> None:
         """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
@@ -444,3 +462,17 @@ class HostPlacement:
             for s in self._slots:
                 s.free()
             self._slots = []
+
+
+def _check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
+    """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
+    decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
+    torch's unrolled loop and once elsewhere, the positions depending on the tensors' alignment on the GPU
+    (``kernels/adamw_torch.cu``); the device kernels reproduce it."""
+    if (recipe is not None and recipe.platform == "cuda" and recipe.impl == "fused" and not recipe.decoupled
+            and float(hp.weight_decay) != 0.0 and not recipe.amsgrad and not recipe.maximize and grad_div is None):
+        raise NotImplementedError(
+            "Adam's L2 weight decay with fused=True on CUDA parameters (no amsgrad, maximize or GradScaler) is not "
+            "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
+            "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
+            "reproduce it), AdamW (decoupled decay), or fused=False.")

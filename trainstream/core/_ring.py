@@ -14,25 +14,29 @@ from .. import _cuda
 
 __all__ = ["RING_DEPTH", "RING_ELEMS", "StagingRing", "staging_ring"]
 
-#: :class:`StagingRing`: fp32 elements per state array per buffer (8 MiB), and buffers: 72 MiB of GPU
-#: memory, 0.986 (fp32) / 0.987 (bf16) of the bidirectional memcpy rate (H200, experiments/RESULTS.md).
+#: :class:`StagingRing`: each buffer holds ``12 * RING_ELEMS`` bytes (24 MiB: 2M elements of three fp32 arrays,
+#: 6M of two bf16 ones), and buffers: 72 MiB of GPU memory, 0.986 (fp32) / 0.987 (bf16) of the bidirectional
+#: memcpy rate (H200, experiments/RESULTS.md).
 RING_ELEMS = 1 << 21
 RING_DEPTH = 3
-_ALIGN = 16  # elements: every staged piece starts 64-byte aligned (the kernel's vector path)
+_ALIGN = 16  # elements: a piece that splits a tensor ends at a multiple of 16 (the next piece's vector path)
+_ARRAY_ALIGN = 64  # bytes: every staged array starts 64-byte aligned
 
 
 class StagingRing:
-    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the state of a few
-    tensors, or a piece of one (64-byte aligned), is copied in on the H2D stream after the buffer's last copy back and
-    the entry's ``wait`` event, updated by the kernel on the caller's stream (the same bits as zero-copy), and copied
-    back on the D2H stream."""
+    """Staged AdamW updates of pinned host-memory state, for both adapters. Per ring buffer the state arrays of a
+    few tensors, or of a piece of one (each array 64-byte aligned; any element sizes: fp32, 16-bit state, an fp32
+    master, max_exp_avg_sq), are copied in on the H2D stream after the buffer's last copy back and the entry's
+    ``wait`` event, updated by the kernel on the caller's stream (the same bits as zero-copy), and copied back on
+    the D2H stream."""
 
     def __init__(self, device: int, dk):
         self.ctx, self.dk = _cuda.context(device), dk
         self.mem: list = []
         self.h2d = self.d2h = None
         try:
-            self.mem = [dk.alloc_device(3 * 4 * RING_ELEMS, device) for _ in range(RING_DEPTH)]
+            self.arena = 3 * 4 * RING_ELEMS  # bytes per buffer
+            self.mem = [dk.alloc_device(self.arena, device) for _ in range(RING_DEPTH)]
             self.h2d = self.ctx.create_stream()
             self.d2h = self.ctx.create_stream()  # a failure here: close() destroys h2d
         except BaseException:
@@ -45,30 +49,52 @@ class StagingRing:
         self.lock = threading.Lock()
 
     def run(self, launch: Callable[[list], Any], entries: Sequence, stream: int, after: Any = None) -> list:
-        """Queue the updates of ``entries``, each ``(host_ptrs, n, item, wait)``: the host addresses of its fp32 state
-        arrays (m, v[, master]), its element count, ``item(lo, n, dev_ptrs)`` -> the kernel item of elements
-        ``lo:lo+n`` at the staged arrays' device addresses, and an event (or None) to copy in after. ``launch(items)``
-        queues one launch (at most ``MULTI_MAX`` items) on ``stream``, after ``after``. Returns per entry the event of
-        its last copy back (None for an empty one)."""
+        """Queue the updates of ``entries``, each ``(arrays, n, item, wait)``: its state arrays in pinned host memory,
+        each a host address (fp32) or ``(host address, bytes per element)``, its element count, ``item(lo, n,
+        dev_ptrs)`` -> the kernel item of elements ``lo:lo+n`` at the staged arrays' device addresses, and an event
+        (or None) to copy in after. ``launch(items)`` queues the updates of up to ``MULTI_MAX`` items on ``stream``,
+        after ``after``. Returns per entry the event of its last copy back (None for an empty one)."""
         done: list = [None] * len(entries)
         with self.lock:
             if after is not None:
                 self.ctx.stream_wait_event(self.h2d, after)
             pieces: list = []
             pos = 0
-            for e, (_, total, _, _) in enumerate(entries):
+            for e, (arrays, total, _, _) in enumerate(entries):
+                sizes = [a[1] if isinstance(a, tuple) else 4 for a in arrays]
                 lo = 0
                 while lo < total:
-                    n = min(total - lo, RING_ELEMS - pos)
+                    n = self._fit(sizes, pos, total - lo)
+                    if n == 0:  # this buffer is full
+                        self._dispatch(launch, entries, pieces, stream, done)
+                        pieces, pos = [], 0
+                        continue
                     pieces.append((e, lo, n, pos))
-                    pos = -(-(pos + n) // _ALIGN) * _ALIGN
+                    pos += self._span(sizes, n)
                     lo += n
-                    if pos >= RING_ELEMS or len(pieces) == self.dk.MULTI_MAX:
+                    if len(pieces) == self.dk.MULTI_MAX:
                         self._dispatch(launch, entries, pieces, stream, done)
                         pieces, pos = [], 0
             if pieces:
                 self._dispatch(launch, entries, pieces, stream, done)
         return done
+
+    @staticmethod
+    def _span(sizes, n: int) -> int:
+        """Bytes that arrays of ``sizes`` bytes per element take for ``n`` elements, each 64-byte aligned."""
+        return sum(-(-n * sz // _ARRAY_ALIGN) * _ARRAY_ALIGN for sz in sizes)
+
+    def _fit(self, sizes, pos: int, remaining: int) -> int:
+        """Elements of the next piece at byte ``pos`` of a buffer: all ``remaining`` if they fit, else the most
+        that fit, a multiple of ``_ALIGN`` (0: none; never 0 in an empty buffer)."""
+        free = self.arena - pos
+        if self._span(sizes, remaining) <= free:
+            return remaining
+        n = max(0, free - _ARRAY_ALIGN * len(sizes)) // sum(sizes) // _ALIGN * _ALIGN
+        if n == 0 and pos == 0:
+            raise ValueError(f"staging ring: a buffer of {self.arena} bytes cannot hold {_ALIGN} elements of "
+                             f"arrays of {sizes} bytes per element")
+        return n
 
     def _dispatch(self, launch, entries, pieces, stream, done) -> None:
         ctx, k = self.ctx, self.next
@@ -78,11 +104,15 @@ class StagingRing:
             ctx.stream_wait_event(self.h2d, self.freed[k])  # the buffer's last copy back
         copies, items = [], []
         for e, lo, n, pos in pieces:
-            ptrs, _, item, wait = entries[e]
+            arrays, _, item, wait = entries[e]
             if lo == 0 and wait is not None and not wait.query():
                 ctx.stream_wait_event(self.h2d, wait)  # the entry's previous update's state
-            dev = [base + 4 * (a * RING_ELEMS + pos) for a in range(3)]
-            copies += [(dev[a], ptr + 4 * lo, 4 * n) for a, ptr in enumerate(ptrs)]
+            dev, at = [], base + pos
+            for a in arrays:
+                ptr, sz = a if isinstance(a, tuple) else (a, 4)
+                dev.append(at)
+                copies.append((at, ptr + sz * lo, sz * n))
+                at += -(-n * sz // _ARRAY_ALIGN) * _ARRAY_ALIGN
             items.append(item(lo, n, dev))
         for d, h, nb in copies:
             ctx.memcpy_htod_async(d, h, nb, self.h2d)

@@ -65,13 +65,13 @@ def state_view(param: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
 
 
 def local_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a loaded state tensor ``t`` of parameter ``p``, float32 on the CPU (for a DTensor ``p``,
+    """This rank's part of a loaded state tensor ``t`` of parameter ``p``, on the CPU in its dtype (for a DTensor ``p``,
     the local tensor of a DTensor ``t``, as torch.distributed.checkpoint's ``set_optimizer_state_dict`` passes it)."""
     if is_dtensor(p) and not is_dtensor(t):
         raise ValueError("OffloadAdamW.load_state_dict: a DTensor (FSDP2) parameter's state must be a DTensor laid "
                          "out as it (torch.distributed.checkpoint's set_optimizer_state_dict gives that, also from a "
                          f"full state dict); got a {type(t).__name__} of shape {tuple(t.shape)}")
-    return local(t.detach()).to("cpu", torch.float32)
+    return local(t.detach()).to("cpu")
 
 
 # -- ranks and host resources ----------------------------------------------------------------

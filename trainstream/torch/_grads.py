@@ -7,13 +7,21 @@ That record alone says whether the copy is still the gradient to update from: ``
 (:meth:`GradCapture.updates`) uses it, times the multiplier applied to ``param.grad`` since (the contract's
 ``c``), or copies ``param.grad`` again where it changed in another way; the engine updates what it is told.
 Under ``last_micro_batch()`` (the eager path) a hook takes the gradient and starts its update at once.
+
+``master_weights=True`` (a slot with ``sums``): each micro-batch's gradient is added into an fp32 sum on the host
+(TrainStream 0.1.1's scheme), and ``param.grad`` holds the last micro-batch's gradient only (a hook before each
+accumulation lets the next one replace it). Clipping (``max_grad_norm``, :meth:`GradCapture.clip`) and GradScaler's
+unscaling inside ``step()`` act on those sums (torch's norm of them, their float32 multiplication on the host); an
+in-place change of ``param.grad`` after several micro-batches cannot reach the sum and is refused at ``step()``.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import contract as C
@@ -71,8 +79,25 @@ class GradCapture:
         handle = rec.param.register_post_accumulate_grad_hook(hook)
         if gpu:
             rec.gpu_hook = handle
-        else:
-            rec.hook = handle
+            return
+        rec.hook = handle
+        if rec.sums and rec.pre_hook is None:
+            def before(grad: torch.Tensor) -> None:
+                grads = ref()
+                if grads is not None and not grads.slots.closed:
+                    grads._before(grads.slots[sid])
+            rec.pre_hook = rec.param.register_hook(before)
+
+    @staticmethod
+    def _before(rec: Slot) -> None:
+        """A slot with sums, as autograd is about to accumulate the next micro-batch's gradient: ``param.grad`` (added
+        into the fp32 sum already) makes way for it; one changed in place since cannot, and ``step()`` refuses."""
+        p = rec.param
+        if rec.summed and p.grad is not None:
+            if rec.staged is not None and rec.staged.current(p):
+                p.grad = None
+            else:
+                rec.broken = True
 
     def _ready(self, rec: Slot) -> None:
         """``rec``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
@@ -94,12 +119,16 @@ class GradCapture:
             if on_device:
                 engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
             else:
-                engine.offload_grad(rec.sid, *self.local_grad(rec), hp)
+                if rec.broken:
+                    raise RuntimeError(_refusal(rec))
+                engine.offload_grad(rec.sid, *self.local_grad(rec), hp, accumulate=rec.sums)
+                rec.summed = 0
             self.gate.mark([rec.sid])
             p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
         elif self._hook_copies(p):  # else step() copies it
             grad = p.grad
-            engine.offload_grad(rec.sid, *self.local_grad(rec), None)
+            engine.offload_grad(rec.sid, *self.local_grad(rec), None, accumulate=rec.sums)
+            rec.summed += rec.sums
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
@@ -144,6 +173,11 @@ class GradCapture:
         Returns ``(updates, coefs, eager)`` for ``Engine.step`` (``eager``: the slots updated from hooks); every
         staged copy and eager mark is consumed."""
         engine, eager = self.slots.engine, self.done
+        groups = list(groups)
+        for rec in (self.slots.of(p) for g in groups for p in g["params"]):  # refused before anything changes
+            if rec is not None and rec.summed and rec.sid not in eager and rec.param.grad is not None and (
+                    rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
+                raise RuntimeError(_refusal(rec))
         self.done = set()
         updates, coefs = [], {}
         for group in groups:
@@ -153,6 +187,7 @@ class GradCapture:
                 if rec is None:
                     continue
                 copy, rec.staged = rec.staged, None
+                rec.summed, rec.broken = 0, False
                 if p.grad is None or rec.sid in eager:
                     continue  # no gradient: no update, as torch's
                 if engine.on_device(rec.sid):
@@ -166,22 +201,38 @@ class GradCapture:
         return updates, coefs, eager
 
     def forget(self) -> None:
-        """Drop every staged copy (``zero_grad``, or gradients unscaled in place): ``step()`` copies again."""
+        """Drop every staged copy and sum (``zero_grad``, or gradients unscaled in place): ``step()`` copies again."""
         for rec in self.slots:
             rec.staged = None
+            rec.summed, rec.broken = 0, False
+
+    def _sums(self) -> list[Slot]:
+        """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""
+        return [rec for rec in self.slots if rec.summed and not rec.broken and rec.staged is not None
+                and rec.staged.current(rec.param)]
 
     # -- multipliers: torch's clipping and unscaling of param.grad, the same c on the copies --------------------
 
-    def multiply(self, op: Callable[[], None], mult: dict[torch.dtype, float]) -> None:
+    def multiply(self, op: Callable[[], None], mult: dict[torch.dtype, float], sum_mult: float) -> bool:
         """Run ``op``, torch's in-place multiplication of ``param.grad``s; a staged copy equal to its gradient before
-        gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else, or on a second one: re-copied)."""
+        gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else, or on a second one: re-copied); an
+        fp32 sum is multiplied by ``sum_mult`` on the host, in float32 as torch multiplies fp32 gradients. Returns
+        whether every such sum is finite after it (GradScaler's check of them)."""
         current = [rec for rec in self.slots if rec.staged is not None and rec.staged.current(rec.param)]
         op()
+        finite = True
         for rec in current:
             grad = rec.param.grad
+            if rec.summed:
+                s = self.slots.engine.grad_sum(rec.sid)
+                np.multiply(s, np.float32(sum_mult), out=s)
+                finite = finite and bool(np.isfinite(s).all())
+                rec.staged = rec.staged._replace(version=D.version(grad))
+                continue
             c = mult.get(grad.dtype)
             if c is not None and rec.staged.coef is None:
                 rec.staged = rec.staged._replace(version=D.version(grad), coef=c)
+        return finite
 
     def clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool,
              foreach: bool | None) -> torch.Tensor:
@@ -190,25 +241,38 @@ class GradCapture:
         if self.done:
             raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its gradients "
                                "were taken by their updates (use max_grad_norm=, which turns the eager path off)")
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite, foreach)
+        sums = {rec.param: rec for rec in self._sums()}  # master_weights: the norm of the fp32 sums (on the host)
+        grads = [torch.from_numpy(self.slots.engine.grad_sum(sums[p].sid)) if p in sums else p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         if params:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s lines
+            c = float(D.local(coef))
             self.multiply(lambda: torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach),
-                          {coef.dtype: float(D.local(coef))})
+                          {coef.dtype: c}, c)
         return total
 
-    def amp(self, found_inf: torch.Tensor, scale: torch.Tensor | None, params: list[torch.Tensor]) -> bool:
+    def amp(self, found_inf: torch.Tensor, scale: torch.Tensor | None, params: list[torch.Tensor]
+            ) -> tuple[bool, dict[int, float]]:
         """GradScaler's ``step(opt)`` set ``found_inf`` and ``grad_scale`` (``scale``; None once the user unscaled in
-        place): returns whether to skip the step, else unscales ``param.grad`` (``params``: those with a gradient)
-        as ``GradScaler.unscale_`` does."""
+        place). Returns ``(skip, grad_div)``: whether to skip the step (a fused slot's entry is made, as torch's
+        fused step makes it before skipping), else the fused slots' scale (``Engine.step(grad_div=)``: their kernel
+        divides), the others' ``param.grad`` (``params``: those with a gradient) unscaled as ``GradScaler.unscale_``
+        does (fp32 sums: on the host; a non-finite sum GradScaler did not see skips the step, with a warning)."""
         if self.done:
             raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates used the scaled "
                                "gradients. Use one or the other; reload a checkpoint (load_state_dict) to continue.")
+        fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
         if found_inf.item():
-            return True  # skipped, as GradScaler skips torch.optim.AdamW's step
+            for rec in fused:
+                rec.touched = True
+            return True, {}  # skipped, as GradScaler skips torch.optim.AdamW's step
         if scale is None:  # unscaled in place by GradScaler.unscale_ (no _version change)
+            if summed := [rec for rec in self.slots if rec.summed > 1]:
+                raise RuntimeError(_refusal(summed[0], "GradScaler.unscale_(optimizer)"))
             self.forget()
-            return False
+            return False, {}
+        grad_div = {rec.sid: float(scale) for rec in fused}
+        params = [p for p in params if self.slots.of(p) is None or self.slots.of(p).sid not in grad_div]
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}
         for grad in (D.local(p.grad) for p in params):  # a DTensor's shard: the same bits, no dispatch
@@ -217,5 +281,17 @@ class GradCapture:
         def unscale():
             for (dev, _), grads in by_kind.items():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1, device=dev), inv.to(dev))
-        self.multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)))
-        return False
+        if self.multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)), float(inv)):
+            return False, grad_div
+        warnings.warn("OffloadAdamW(master_weights=True): an fp32 gradient sum is not finite where GradScaler's check "
+                      "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "
+                      "GPU memory, but GradScaler does not lower its scale for it", RuntimeWarning, stacklevel=4)
+        return True, {}
+
+
+def _refusal(rec: Slot, what: str = "clip_grad_norm_, GradScaler.unscale_ or by hand") -> str:
+    """Why a slot's fp32 gradient sum cannot follow an in-place change of ``param.grad``."""
+    return (f"OffloadAdamW(master_weights=True): param.grad of parameter {rec.sid} was changed in place ({what}) "
+            "after micro-batch gradients were summed in fp32 on the host; param.grad holds only the last micro-batch's "
+            "gradient, so the change cannot reach the sum. Clip with max_grad_norm= or opt.clip_grad_norm() (they "
+            "clip the fp32 sums) and let GradScaler unscale inside step() (no scaler.unscale_(opt)).")

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
@@ -303,36 +302,49 @@ class OffloadAdam(Optimizer):
             out.append((p, gi, r))
         return out
 
-    def _check_group(self, gi: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _check_group(self, gi: int, group: dict[str, Any], params: list[torch.Tensor]) -> list[tuple[P.Slot, Any]]:
         """Group ``gi`` as it is now, over ``params`` (at a step: those with a gradient), against what its registered
-        parameters were built for: refused where it asks for what cannot be offered or followed."""
+        parameters were built for: refused where it asks for what cannot be offered or followed. Returns the
+        ``(record, recipe)`` of each parameter whose arithmetic it changes (:func:`_follow` applies them)."""
         if not params:
-            return
+            return []
         where = self._where(gi)
         R.refuse(group, where)
         impl = R.impl_of(group, params)
+        out = []
         for p in params:
             rec = self._slots.of(p)
             if rec is not None:  # (a parameter's own dtype or device changes are Slots.follow's to refuse)
                 r = R.recipe(group, p, impl, self.master_weights)._replace(platform=rec.recipe.platform,
                                                                            dtype=rec.recipe.dtype)
-                R.changed(rec.recipe, r, where)
                 R.unbuilt(r, group, where)
+                if R.changed(rec.recipe, r, where):
+                    out.append((rec, r))
+        return out
 
-    def _check_groups(self) -> None:
+    def _follow(self, changes: list[tuple[P.Slot, Any]]) -> None:
+        """Give each slot its group's new arithmetic (:meth:`_check_group`), as torch's next step follows an edit."""
+        for rec, r in changes:
+            if rec.recipe != r:
+                self._engine.set_recipe(rec.sid, r)
+                rec.recipe = r
+
+    def _check_groups(self) -> list[tuple[P.Slot, Any]]:
         """At ``step()``: every group as it is now (edits since the last step), before anything changes."""
+        changes = []
         for gi, g in enumerate(self.param_groups):
             with_grad = [p for p in g["params"] if p.grad is not None]
             if len(set(with_grad)) != len(with_grad):
                 raise NotImplementedError(
                     f"{self._where(gi)} lists a parameter more than once: torch.optim.{self._torch_name} "
                     "updates it once per listing (and warned at construction); list each parameter once")
-            self._check_group(gi, g, with_grad)
+            changes += self._check_group(gi, g, with_grad)
+        return changes
 
     def _slot_hyper(self, rec: P.Slot) -> C.AdamWHyperParams:
         """A slot's group's hyper-parameters now, for an update started from its gradient hook (last_micro_batch)."""
         group = self.param_groups[rec.group]
-        self._check_group(rec.group, group, [rec.param])
+        self._follow(self._check_group(rec.group, group, [rec.param]))
         return _hp(group)
 
     # -- parameters -------------------------------------------------------------------------
@@ -358,13 +370,16 @@ class OffloadAdam(Optimizer):
     @staticmethod
     def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
                          gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
-                         pin_moments: bool = False, host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
+                         pin_moments: bool = False, host_margin: float | None = _budget.MARGIN,
+                         amsgrad: bool = False, master_weights: bool = False) -> dict[str, float]:
         """The host memory ``OffloadAdamW(params, ...)`` will take, and what the host has, without allocating
         anything: bytes per part (``state_pinned``, ``state_pageable``, ``masters_*``, ``staging_*``), ``pinned``,
         ``pageable``, ``needed``, ``available``, ``usable``, ``pin_moments`` and ``fits`` (see
-        :func:`trainstream.core._budget.plan`); after construction also in :meth:`stats` as ``host_plan_*``."""
+        :func:`trainstream.core._budget.plan`); after construction also in :meth:`stats` as ``host_plan_*``. Pass the
+        optimizer's ``amsgrad`` and ``master_weights`` (the state's layout; a group's own ``amsgrad`` counts)."""
         return P.host_memory_plan(params, mode=mode, gpu_share=gpu_share, gpu_params=gpu_params,
-                                  gpu_state_bytes=gpu_state_bytes, pin_moments=pin_moments, host_margin=host_margin)
+                                  gpu_state_bytes=gpu_state_bytes, pin_moments=pin_moments, host_margin=host_margin,
+                                  amsgrad=amsgrad, master_weights=master_weights)
 
     def _mine(self, p: torch.Tensor) -> bool:
         """Whether this rank holds ``p``'s state (all but zero_stage=1's parameters of other ranks)."""
@@ -426,12 +441,13 @@ class OffloadAdam(Optimizer):
         self._last_norm = self._grads.clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
         return self._last_norm
 
-    def _amp(self) -> bool:
-        """GradScaler's protocol (``_step_supports_amp_scaling``): whether to skip this step; else ``param.grad`` is
-        unscaled as ``GradScaler.unscale_`` does (:meth:`trainstream.torch._grads.GradCapture.amp`)."""
+    def _amp(self) -> tuple[bool, dict[int, float]]:
+        """GradScaler's protocol (``_step_supports_amp_scaling``): whether to skip this step, and the fused slots'
+        scales (their kernels divide, as torch's fused step); the others' ``param.grad`` is unscaled as
+        ``GradScaler.unscale_`` does (:meth:`trainstream.torch._grads.GradCapture.amp`)."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
-            return False
+            return False, {}
         return self._grads.amp(found_inf, getattr(self, "grad_scale", None), self._params_with_grads())
 
     @torch.no_grad()
@@ -442,13 +458,15 @@ class OffloadAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_groups()  # the groups as they are now: refused before anything changes
+        changes = self._check_groups()  # the groups as they are now: refused before anything changes
         engine = self._engine
         if engine is None and self._zero is None:
             return loss
         if engine is not None:
             engine.check_error()
-        if self._amp():
+            self._follow(changes)
+        skip, grad_div = self._amp()
+        if skip:
             return loss
         self._consolidated = None
         for rec in self._slots:
@@ -460,7 +478,8 @@ class OffloadAdam(Optimizer):
         self._gate.mark(u[0] for u in updates)  # first: if the engine raises part-way, what it queued is waited for
         if engine is not None:
             try:
-                engine.step(updates, coefs=coefs)
+                engine.step(updates, coefs=coefs, grad_div={u[0]: grad_div[u[0]] for u in updates
+                                                             if u[0] in grad_div})
             finally:
                 if not self._gate.active:
                     engine.wait_step()  # every reader on the current stream sees the new weights
@@ -590,22 +609,22 @@ class OffloadAdam(Optimizer):
                                  f"optimizer's group: group {i} has {len(sg['params'])} parameters saved, "
                                  f"{len(g['params'])} here")
         new_groups = [self._loaded_group(g, sg) for g, sg in zip(self.param_groups, saved_groups)]
-        for gi, g in enumerate(new_groups):
-            self._check_group(gi, g, list(g["params"]))
+        changes = [c for gi, g in enumerate(new_groups) for c in self._check_group(gi, g, list(g["params"]))]
         id_map = {}
         for sg, g in zip(saved_groups, self.param_groups):
             id_map.update(zip(sg["params"], g["params"]))
-        loads, extras = {}, {}  # slot -> (exp_avg, exp_avg_sq, step, master or None); other keys: kept as they are
+        loads, extras = {}, {}  # slot -> its state (Engine.load_state's dict); other keys: kept as they are
         for saved_id, entry in state_dict["state"].items():
             if saved_id in id_map:
                 rec = self._slots.of(id_map[saved_id])
                 if rec is not None:  # else another rank's (zero_stage=1)
-                    loads[rec.sid] = S.parse_entry(saved_id, entry, id_map[saved_id])
+                    loads[rec.sid] = S.parse_entry(saved_id, entry, id_map[saved_id], rec.recipe)
             elif isinstance(saved_id, int):
                 raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
             else:
                 extras[saved_id] = entry
         self._load(loads, extras)
+        self._follow(changes)
         self.param_groups[:] = new_groups
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -632,8 +651,8 @@ class OffloadAdam(Optimizer):
         if engine is not None:
             engine.drain()
             for rec in self._slots:  # no saved state: a fresh parameter, as in torch
-                zeros = np.zeros(D.local(rec.param).numel(), np.float32)
-                engine.load_state(rec.sid, *loads.get(rec.sid, (zeros, zeros, 0, None)))
+                rec.touched, rec.summed = rec.sid in loads, 0  # a loaded entry stays, step 0 too (torch)
+                engine.load_state(rec.sid, loads.get(rec.sid) or S.fresh(D.local(rec.param).numel(), rec.recipe))
             engine.clear_error()  # every slot is consistent again
         for rec in self._slots:  # the masters follow the weights as they are now
             rec.version = D.version(rec.param)
@@ -665,7 +684,7 @@ class OffloadAdam(Optimizer):
         for p, entry in state["state"].items():
             rec = self._slots.of(p)
             if rec is not None:
-                loads[rec.sid] = S.parse_entry(rec.sid, entry, p)
+                loads[rec.sid] = S.parse_entry(rec.sid, entry, p, rec.recipe)
         self._load(loads, state["extras"])
 
     def __copy__(self):

@@ -51,14 +51,21 @@ def _facts(flat: Sequence[torch.Tensor]) -> list[tuple[int, str, bool]]:
     return [(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad) for p in flat]
 
 
-def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], pin_moments: bool, margin: float | None,
-          device: torch.device | None) -> dict[str, float]:
-    """The host memory plan (:func:`trainstream.core._budget.plan`) of registering ``flat`` where
+def grad_sums(p: torch.Tensor, recipe: R.TorchRecipe, where: str) -> bool:
+    """Whether ``p``'s slot sums its micro-batch gradients in fp32 on the host (``master_weights=True``): a host
+    slot of a master, a plain parameter in a single process (its hook sees each micro-batch's gradient; FSDP2 and
+    DDP accumulate ``param.grad`` themselves, in its dtype)."""
+    return recipe.master and where == "host" and not D.is_dtensor(p) and D.world()[1] == 1
+
+
+def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], recipes: Sequence[R.TorchRecipe], pin_moments: bool,
+          margin: float | None, device: torch.device | None) -> dict[str, float]:
+    """The host memory plan (:func:`trainstream.core._budget.plan`) of registering ``flat`` with ``recipes`` where
     :func:`~trainstream.core._budget.assign` put them (resident state takes none; unsupported dtypes left out)."""
     device = device or next((D.local(p).device for p in flat), None)
     cuda = device is not None and device.type == "cuda"
-    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], w)
-             for p, w in zip(flat, where) if p.dtype in _DTYPE_NAME and w != "gpu_state"]
+    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], w, r, grad_sums(p, r, w))
+             for p, w, r in zip(flat, where, recipes) if p.dtype in _DTYPE_NAME and w != "gpu_state"]
     return _budget.plan(slots, margin=margin, pin_moments=pin_moments, can_pin=cuda,
                         weights_in_grad_stage=TorchBackend.weights_in_grad_stage,
                         pinned_size=TorchBackend.pinned_size if cuda else None)
@@ -66,17 +73,24 @@ def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], pin_moments: bool,
 
 def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
                      gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
-                     pin_moments: bool = False, host_margin: float | None = _budget.MARGIN) -> dict[str, float]:
+                     pin_moments: bool = False, host_margin: float | None = _budget.MARGIN, amsgrad: bool = False,
+                     master_weights: bool = False) -> dict[str, float]:
     """:meth:`OffloadAdamW.host_memory_plan`: the plan of a new optimizer over ``params``, nothing allocated."""
     check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
     groups = list(params)
-    flat = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])] \
-        if groups and isinstance(groups[0], dict) else groups
+    if not (groups and isinstance(groups[0], dict)):
+        groups = [{"params": groups}]
+    flat, recipes = [], []
+    for g in groups:
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        group = {"amsgrad": amsgrad, **g}
+        flat += ps
+        recipes += [R.recipe(group, p, "single", master_weights) for p in ps]
     resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
     facts = _facts(flat)
     share = _budget.hybrid_elems(facts, gpu_share, resident) if mode == "hybrid" else 0
     where = _budget.assign(facts, mode, device_elems=share, gpu_state_bytes=resident, last=gpu_params == "last")
-    return _plan(flat, where, pin_moments, host_margin, None)
+    return _plan(flat, where, recipes, pin_moments, host_margin, None)
 
 
 @dataclass(eq=False)
@@ -92,14 +106,19 @@ class Slot:
     meta: tuple  # (dtype, shape, device) of the local tensor
     recipe: R.TorchRecipe  # its arithmetic, fixed at registration (trainstream.torch._recipe)
     staged: Any = None  # _grads.StagedCopy: the hook's copy of param.grad in the engine's staging, or None
+    sums: bool = False  # master_weights of fp16/bf16 weights: micro-batch gradients summed in fp32 on the host
+    summed: int = 0  # the micro-batch gradients in that sum since the last step (0: none)
+    touched: bool = False  # a fused step GradScaler skipped before the first update (torch made the entry then)
     hook: Any = None  # handle of its gradient hook (a host slot's, _grads.GradCapture.hook)
     gpu_hook: Any = None  # handle of a GPU slot's eager hook (installed by last_micro_batch)
+    pre_hook: Any = None  # with sums: handle of the hook that lets the next micro-batch's gradient replace param.grad
+    broken: bool = False  # with sums: param.grad was changed in place between micro-batches (step() refuses)
 
     def remove_hooks(self) -> None:
-        for handle in (self.hook, self.gpu_hook):
+        for handle in (self.hook, self.gpu_hook, self.pre_hook):
             if handle is not None:
                 handle.remove()
-        self.hook = self.gpu_hook = None
+        self.hook = self.gpu_hook = self.pre_hook = None
 
 
 class Slots:
@@ -155,7 +174,7 @@ class Slots:
         n, plan, pin = len(self._records), self.host_plan, self.engine_args["pin_moments"]
         flat = [p for p, _, _ in pairs]
         try:
-            where = self._reserve(flat, last)
+            where = self._reserve(flat, [r for _, _, r in pairs], last)
             for (p, group, recipe), w in zip(pairs, where):
                 rec = self._register(p, group, w, recipe)
                 if hook is not None:
@@ -189,7 +208,7 @@ class Slots:
         if self.engine is not None and self.engine.host is not None:
             self.engine.host.pin_moments = pin
 
-    def _reserve(self, flat: list[torch.Tensor], last: bool) -> list[str]:
+    def _reserve(self, flat: list[torch.Tensor], recipes: list[R.TorchRecipe], last: bool) -> list[str]:
         """Check each new parameter (:meth:`_check_new`), ask the core where each goes and check the host memory
         that takes; returns where each goes (:data:`trainstream.core._budget.WHERE`)."""
         for i, p in enumerate(flat, len(self._records)):
@@ -199,7 +218,7 @@ class Slots:
                                device_used=eng.device_elems_used if eng is not None else 0,
                                gpu_state_bytes=self.gpu_state_bytes,
                                gpu_state_used=eng.gpu_state_used if eng is not None else 0, last=last)
-        plan = _plan(flat, where, pin, self.host_margin, self.device)
+        plan = _plan(flat, where, recipes, pin, self.host_margin, self.device)
         _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
                                      if plan["pin_moments"] else ""))
         if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
@@ -260,10 +279,13 @@ class Slots:
             self._build_engine(loc.device)
         # Through loc.data: the engine's own writes move no _version.
         with _cores.bound(self.cores):  # the host state's first touch: on the workers' cores
+            sums = grad_sums(p, recipe, where)
             sid = self.engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
-                                        trainable=p.requires_grad, where=where, **R.engine_kwargs(recipe))
+                                        trainable=p.requires_grad, where=where, grad_sums=sums,
+                                        **R.engine_kwargs(recipe))
         assert sid == len(self._records)
-        rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device), recipe)
+        rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device), recipe,
+                   sums=sums)
         self._records.append(rec)
         self._of[p] = rec
         return rec
@@ -300,5 +322,8 @@ class Slots:
             self.gpu_state_bytes = self.engine.gpu_state_budget  # what parameters added later may take
             for rec in self._records:
                 if rec.hook is not None and self.engine.on_device(rec.sid):
-                    rec.hook.remove()
-                    rec.hook = rec.staged = None
+                    for handle in (rec.hook, rec.pre_hook):
+                        if handle is not None:
+                            handle.remove()
+                    rec.hook = rec.pre_hook = rec.staged = None
+                    rec.sums, rec.summed = False, 0

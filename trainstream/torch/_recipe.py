@@ -3,37 +3,23 @@ them (:func:`impl_of`, :func:`recipe`), what can never be offered (:func:`refuse
 compute yet (:func:`unbuilt`: the one place that refuses arithmetic, at construction, ``add_param_group``,
 ``load_state_dict`` and every ``step()``).
 
-Integration with the engine of issue 34 (``trainstream.contract.TorchRecipe``, ``Engine.add_param(recipe=...)``)
-touches this module only: the three places marked ``INTEGRATION``.
+A slot's arithmetic is a :class:`trainstream.contract.TorchRecipe`, handed to ``Engine.add_param(recipe=...)``
+(:func:`engine_kwargs`); the engine computes every recipe on the host and refuses itself (``NotImplementedError``)
+one that a device placement's kernels lack.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from ..backends.torch import _DTYPE_NAME
+from ..contract import TorchRecipe
 from . import _dist as D
 
-__all__ = ["TorchRecipe", "FLAGS", "impl_of", "recipe", "refuse", "unbuilt", "changed", "engine_kwargs"]
-
-
-# INTEGRATION(arith): `from ..contract import TorchRecipe` replaces this stand-in (same fields; built by keyword).
-class TorchRecipe(NamedTuple):
-    """A slot's arithmetic (PLAN34): torch's implementation (``"single" | "foreach" | "fused"``), the parameters'
-    device type (whose arithmetic), the parameter's dtype name, ``master_weights``, torch's flags."""
-
-    impl: str
-    platform: str
-    dtype: str
-    master: bool
-    amsgrad: bool
-    maximize: bool
-    decoupled: bool
-    lr_tensor: bool
+__all__ = ["TorchRecipe", "FLAGS", "LAYOUT", "impl_of", "recipe", "refuse", "unbuilt", "changed", "engine_kwargs"]
 
 
 #: The flags of a torch Adam/AdamW param group and their values when a loaded group lacks them (``Adam.__setstate__``).
@@ -55,8 +41,9 @@ def impl_of(group: dict[str, Any], params: Sequence[torch.Tensor]) -> str:
 
 def recipe(group: dict[str, Any], p: torch.Tensor, impl: str, master_weights: bool) -> TorchRecipe:
     """Parameter ``p``'s recipe in ``group`` (``impl``: :func:`impl_of` of the group)."""
-    return TorchRecipe(impl=impl, platform=D.local(p).device.type, dtype=_DTYPE_NAME.get(p.dtype, str(p.dtype)),
-                       master=bool(master_weights), amsgrad=bool(group.get("amsgrad")),
+    dtype = _DTYPE_NAME.get(p.dtype, str(p.dtype))
+    return TorchRecipe(impl=impl, platform=D.local(p).device.type, dtype=dtype,
+                       master=bool(master_weights) and dtype != "float32", amsgrad=bool(group.get("amsgrad")),
                        maximize=bool(group.get("maximize")),
                        decoupled=bool(group.get("decoupled_weight_decay", True)),
                        lr_tensor=isinstance(group.get("lr"), torch.Tensor))
@@ -80,48 +67,37 @@ def refuse(group: dict[str, Any], where: str) -> None:
 
 
 def unbuilt(r: TorchRecipe, group: dict[str, Any], where: str) -> None:
-    """INTEGRATION(arith): the one place that refuses arithmetic the engine does not compute yet. Today's engine
-    computes torch's default/foreach AdamW in float32 (fp16/bf16 parameters: only with an fp32 master,
-    ``master_weights=True``), on the CPU either implementation (the same bits), on CUDA foreach. Once the engine
-    takes a recipe (``Engine.add_param(recipe=...)``), this keeps only what that engine refuses itself."""
-    why = None
-    if r.impl == "fused":
-        why = "fused=True (torch's fused kernel's bits) is not built yet; pass fused=None"
-    elif r.amsgrad:
-        why = "amsgrad=True is not built yet"
-    elif r.maximize:
-        why = "maximize=True is not built yet"
-    elif r.lr_tensor:
-        why = "a Tensor lr is not built yet; pass a float"
-    elif not r.decoupled and _nonzero(group.get("weight_decay", 0.0)):
-        why = ("Adam's L2 weight decay (decoupled_weight_decay=False with weight_decay != 0) is not built yet; "
-               "decoupled_weight_decay=True gives AdamW")
-    elif r.dtype in ("float16", "bfloat16") and not r.master:
-        why = (f"{r.dtype} parameters with their state in {r.dtype}, as torch keeps it, are not built yet; "
-               "master_weights=True keeps an fp32 master and fp32 moments")
-    elif r.platform == "cuda" and r.impl == "single":
-        why = "torch's single-tensor implementation on CUDA (foreach=False, or a Tensor lr) is not built yet"
-    if why is not None:
-        raise NotImplementedError(f"{where}: {why}")
-
-
-def _nonzero(wd: Any) -> bool:
-    return not isinstance(wd, numbers.Real) or wd != 0
-
-
-def changed(old: TorchRecipe, new: TorchRecipe, where: str) -> None:
-    """A group edited after its parameters were registered (or a loaded checkpoint's group) asks for another
-    arithmetic: refused, naming what changed. INTEGRATION(arith): where the engine can re-set a slot's recipe
-    (PLAN34 has no such call), a change it supports may be followed here instead."""
-    if old != new:
-        what = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in zip(TorchRecipe._fields, old, new) if a != b)
+    """The one place that refuses arithmetic the engine does not reproduce (``NotImplementedError`` naming why): a
+    Tensor ``lr`` on a CUDA device (torch reads it on the device in float32 arithmetic of its own, not reproduced;
+    a CPU Tensor ``lr`` is). Everything else is a :class:`~trainstream.contract.TorchRecipe` the host computes;
+    the device placement refuses at registration what its kernels lack (``mode="cpu"`` then)."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
         raise NotImplementedError(
-            f"{where}: the group now asks for other arithmetic than its parameters were registered with ({what}); "
+            f"{where}: a Tensor lr on {lr.device} is not reproduced (torch's {r.impl} implementation reads it on the "
+            "device); pass a float, or a CPU tensor (e.g. torch.tensor(1e-3))")
+
+
+#: The fields of a recipe that fix its slot's state layout (no group edit may change them mid-run).
+LAYOUT = ("platform", "dtype", "master", "amsgrad")
+
+
+def changed(old: TorchRecipe, new: TorchRecipe, where: str) -> bool:
+    """Whether a group edited after its parameters were registered (or a loaded checkpoint's group) asks for other
+    arithmetic, ``new`` instead of ``old``: the engine follows a change of implementation, ``maximize``,
+    ``decoupled_weight_decay`` or a Tensor ``lr`` (``Engine.set_recipe``), as torch's optimizer does from its next
+    step; one of the state's layout (``amsgrad`` toggled) is refused, naming what changed."""
+    if old == new:
+        return False
+    if fixed := [k for k in LAYOUT if getattr(old, k) != getattr(new, k)]:
+        what = ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in fixed)
+        raise NotImplementedError(
+            f"{where}: the group now asks for another state layout than its parameters were registered with ({what}); "
             "changing it mid-run is not followed. Build the optimizer with these settings (or load a checkpoint "
             "into one built with them).")
+    return True
 
 
 def engine_kwargs(r: TorchRecipe) -> dict[str, Any]:
-    """INTEGRATION(arith): ``{"recipe": r}`` once ``Engine.add_param`` takes one; today's engine computes the only
-    arithmetic :func:`unbuilt` lets through, its default."""
-    return {}
+    """``Engine.add_param``'s arguments for a slot of recipe ``r``."""
+    return {"recipe": r}

@@ -1,8 +1,9 @@
 """The optimizer state as ``torch.optim.AdamW`` shows it, for :class:`~trainstream.torch.OffloadAdamW`:
 ``opt.state`` (:class:`StateView`), the entries of ``state_dict()`` (:func:`entry`: views of the engine's host
 state, DTensors laid out as FSDP2's parameters) and the checks of an entry ``load_state_dict()`` takes
-(:func:`parse_entry`). Keys: ``step``, ``exp_avg``, ``exp_avg_sq`` and, for fp16/bf16 parameters,
-``master_param`` (checkpoints move to and from ``torch.optim.AdamW``).
+(:func:`parse_entry`). Keys as torch's: ``step``, ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) in
+the parameter's dtype, and with ``master_weights=True`` float32 moments and ``master_param`` for fp16/bf16 parameters
+(checkpoints move to and from ``torch.optim.AdamW`` both ways, for both schemes).
 """
 
 from __future__ import annotations
@@ -15,26 +16,44 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import contract as C
+from ..backends.torch import _TORCH_DTYPE
 from . import _dist as D
 from ._params import Slot, Slots
 
-__all__ = ["StateView", "entry", "parse_entry"]
+__all__ = ["StateView", "entry", "fresh", "parse_entry"]
+
+
+#: The engine's state keys -> torch's state-dict keys.
+_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq",
+         "master": "master_param"}
+
+
+def _tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
+    """A flat host state array as a tensor of ``dtype`` sharing its memory (uint16 bits: an fp16/bf16 view)."""
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).view(_TORCH_DTYPE[dtype])
+    return torch.from_numpy(a)
 
 
 def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
     """``rec``'s ``state_dict()`` entry once its queued work has run (GPU-resident state: copies), or ``{}`` before
-    its first update."""
-    master, m, v, step = slots.engine.state(rec.sid, copy=False)
-    if step == 0:
+    its first update (as torch's, whose fused implementation makes the entry at a step GradScaler skips:
+    ``rec.touched``). Keys as torch's: ``step`` (a float32 scalar tensor; fused: on the parameter's device),
+    ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) in the state dtype (the parameter's, or float32
+    with ``master_weights=True``), and a master's ``master_param`` (float32); views of the host state."""
+    st = slots.engine.state(rec.sid, copy=False)
+    if st["step"] == 0 and not rec.touched:
         return {}
-    p = rec.param
+    p, r = rec.param, rec.recipe
+    sd = C.state_dtype(r)
 
-    def view(a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
-        t = torch.from_numpy(a).view(D.local(p).shape)
+    def view(key: str, a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
+        t = _tensor(a, "float32" if key == "master" else sd).view(D.local(p).shape)
         return D.state_view(p, t) if D.is_dtensor(p) else t
-    out = {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": view(m), "exp_avg_sq": view(v)}
-    if p.dtype != torch.float32:
-        out["master_param"] = view(master)
+    device = D.local(p).device if r.impl == "fused" else "cpu"  # torch keeps a fused step on the device
+    out = {"step": torch.tensor(float(st["step"]), dtype=torch.float32, device=device)}
+    out.update({_KEYS[k]: view(k, st[k]) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master") if k in st})
     return out
 
 
@@ -129,29 +148,48 @@ class _Entry(dict):
         return dict, (dict(self),)
 
 
-def parse_entry(saved_id: Any, saved: dict[str, Any], p: torch.Tensor
-                ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
-    """The loaded state entry ``saved`` of parameter ``p`` (its id ``saved_id`` in the state dict), checked
-    (``ValueError`` naming what is wrong): ``(exp_avg, exp_avg_sq, step, master or None)`` of this rank's part,
-    flat float32. A saved fp32 master is kept only where it still rounds to the live weights (else a warning:
-    one through ``torch.optim.AdamW`` is stale, and the master is re-read from the weights)."""
-    if missing := [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in saved]:
-        raise ValueError(f"loaded state for parameter {saved_id} lacks '{missing[0]}'")
-    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+def parse_entry(saved_id: Any, saved: dict[str, Any], p: torch.Tensor, recipe: C.TorchRecipe) -> dict[str, Any]:
+    """The loaded state entry ``saved`` of parameter ``p`` (its id ``saved_id`` in the state dict) of ``recipe``,
+    checked (``ValueError`` naming what is wrong), as ``Engine.load_state`` takes it: this rank's part, flat, cast to
+    the state dtype as torch's ``load_state_dict`` casts state to the parameter's dtype (fp16/bf16: their bits); from
+    or for either scheme (an fp32 master's state loads into torch's fp16/bf16 state and back). A saved fp32 master is
+    kept only where it still rounds to the live weights (else a warning: one through ``torch.optim.AdamW`` is stale,
+    and the master is re-read from the weights)."""
+    need = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if recipe.amsgrad else ())
+    if missing := [key for key in need if key not in saved]:
+        extra = " (amsgrad=True: a checkpoint of amsgrad=False lacks it)" if missing[0] == "max_exp_avg_sq" else ""
+        raise ValueError(f"loaded state for parameter {saved_id} lacks '{missing[0]}'{extra}")
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
         if key in saved and tuple(saved[key].shape) != tuple(p.shape):
             raise ValueError(f"loaded state '{key}' of parameter {saved_id} has shape "
                              f"{tuple(saved[key].shape)}, the parameter has {tuple(p.shape)}")
     step = float(saved["step"].item() if isinstance(saved["step"], torch.Tensor) else saved["step"])
     if not math.isfinite(step) or step < 0 or step != int(step):
         raise ValueError(f"loaded state of parameter {saved_id} has invalid step {step}")
-    master = None
-    if "master_param" in saved and p.dtype != torch.float32:
-        value = D.local_value(saved["master_param"], p)
+    sd = _TORCH_DTYPE[C.state_dtype(recipe)]
+    out: dict[str, Any] = {"step": int(step)}
+    for key in need[1:]:
+        out[key] = _array(D.local_value(saved[key], p).to(sd))
+    if "master_param" in saved and recipe.master:
+        value = D.local_value(saved["master_param"], p).to(torch.float32)
         if torch.equal(value.to(p.dtype), D.local(p).detach().to("cpu")):
-            master = value.contiguous().view(-1).numpy()
+            out["master"] = _array(value)
         else:
             warnings.warn(f"OffloadAdamW.load_state_dict: the saved fp32 master of parameter {saved_id} does "
                           "not round to the current weights (trained further without it); re-read from the "
                           "weights", RuntimeWarning, stacklevel=3)
-    m, v = (D.local_value(saved[k], p).contiguous().view(-1).numpy() for k in ("exp_avg", "exp_avg_sq"))
-    return m, v, int(step), master
+    return out
+
+
+def fresh(numel: int, recipe: C.TorchRecipe) -> dict[str, Any]:
+    """The state of a parameter without saved state (as torch's): step 0, zero moments."""
+    zeros = np.zeros(numel, np.float32)
+    return {"step": 0, "exp_avg": zeros, "exp_avg_sq": zeros, **({"max_exp_avg_sq": zeros} if recipe.amsgrad else {})}
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values, flat: float32, or the uint16 bits of fp16/bf16."""
+    t = t.contiguous().view(-1)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
