@@ -524,7 +524,6 @@ class OffloadAdam(Optimizer):
                 **{k: float(v) for k, v in where.items()}}
 
     # -- checkpoints ------------------------------------------------------------------------
-    # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """A state dict in torch's format whose tensors are views of the host state, as torch's are of its own
