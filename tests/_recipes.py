@@ -155,7 +155,9 @@ def emulate_cuda(impl: str, dtype: str, o: dict, st: dict, g: np.ndarray, t: int
             if wd != 0:
                 if o["decoupled"]:
                     p = _fma(-F(LR * WD), p, p)
-                else:
+                elif o["maximize"] and not o["amsgrad"] and o.get("grad_scale") is None:  # not contracted (H100 SASS)
+                    g = (g + (p * WD).astype(F)).astype(F)
+                else:  # (without maximize torch's positional split: kernels/adamw_torch.cu; the host refuses it)
                     g = _fma(p, WD, g)
             m = _fma(B1, m, _fma(-B1, g, g))
             gg = (g * g).astype(F)
