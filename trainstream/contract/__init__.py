@@ -219,15 +219,18 @@ exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close t
 only below float64 precision, far from any practical setting.
 """
 
+from ._optax_reference import optax_reference_update, round_xla, xla_rsqrt
 from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_SQRT_MAX_ULP, bf16_bits_to_f32,
                          f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
                          update_ulps)
-from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA,
-                       OX_NU_SWAP, PLATFORMS, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS,
-                       S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR, S_NEG_LR_WD, S_NEG_STEP, S_OMB1,
-                       S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, TC_VEC512, VARIANT_OPTAX_CPU,
-                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, AdamWHyperParams, OptaxStepScalars,
-                       clip_coefficient, optax_bias_corrections, optax_clip_scalars, optax_cpu_code, optax_scalar_matrix,
+from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_CODES, OX_FORM_R, OX_HALF,
+                       OX_MU_BF16, OX_MU_F32, OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV,
+                       PLATFORMS, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV,
+                       S_DECAY, S_EPS, S_EPS_ROOT, S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR,
+                       S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA,
+                       TC_VEC512, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
+                       AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections,
+                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_scalar_matrix,
                        optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)
 from ._torch import (FAMILIES, IMPLS, TORCH_MAX_STEP, TorchRecipe, check_recipe, default_recipe, math_dtype,
                      resolve_impl, state_dtype, tail_mask, tails_follow_threads, torch_cpu_tails, torch_family,
@@ -237,7 +240,8 @@ from ._torch_reference import torch_reference_update
 __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
-    "optax_scalar_matrix", "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
+    "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
+    "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",
     "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask", "tails_follow_threads",
