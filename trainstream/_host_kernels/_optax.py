@@ -80,6 +80,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
             r1d = ftz(np.float32(1.0) / rx(z_d1, dk))
             z_r1 = r1d if bf16 else rx(r1d, dk)
         r1b1 = rx(z_r1 * z_b1, dk) if pure else z_r1  # fp16 b1 == 0.5: the update recomputes m with RH(r1*b1)
+        r2b2 = rx(z_r2 * z_b2, dk) if pure else z_r2  # and b2 == 0.5: v with RH(r2*b2)
         mb = z_b1mu if mu_bf16 else z_b1
         decays = z_wd != np.float32(0.0)
         has_er = z_er != np.float32(0.0)
@@ -115,7 +116,10 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         vi = rx(rx(gg + vo, dk) * z_b2, dk)
                     else:
                         vi = rx(rx(z_omb2 * gg, dk) + rx(z_b2 * vo, dk), dk)
-                    vh = rx(vi * z_r2, dk)
+                    if b2_half and not bf16:  # the update's loop recomputes v: (gg + v_old) * RH(r2*b2)
+                        vh = rx(rx(gg + vo, dk) * r2b2, dk)
+                    else:
+                        vh = rx(vi * z_r2, dk)
                     vh = select(has_er, rx(vh + z_er, dk), vh)
                     if nesterov:
                         num = rx(rx(z_b1 * rx(mi * z_r1n, dk), dk) + rx(z_omb1 * rx(gi * z_r1, dk), dk), dk)

@@ -128,11 +128,14 @@ def _half_lines(p, m, v, g, s, code, dtype):
     # the corrections in the dtype; their reciprocals in float32 (bf16) or in half (fp16)
     recip = (lambda d: z(_F32(1) / z(d))) if dtype == "bfloat16" else (lambda d: R(_F32(1) / d))  # noqa: E731
     r1, r2, r1n = (recip(s[k]) for k in (S_BC1, S_BC2_OPTAX, S_BC1_NEXT))
-    m_old = m
+    m_old, v_old = m, v
     m = R(R(g + m) * B1) if code & OX_B1_HALF else R(R(C1 * g) + R(B1 * m))
     gg = R(g * g)
     v = R(R(gg + v) * B2) if code & OX_B2_HALF else R(R(C2 * gg) + R(B2 * v))
-    vh = R(R(v * r2) + er)
+    if code & OX_B2_HALF and dtype == "float16":  # the update's loop recomputes v: (gg + v_old) * RH(r2*b2)
+        vh = R(R(R(gg + v_old) * R(r2 * B2)) + er)
+    else:
+        vh = R(R(v * r2) + er)
     if code & OX_NESTEROV:
         num = R(R(B1 * R(m * r1n)) + R(C1 * R(g * r1)))
     elif code & OX_B1_HALF and dtype == "float16":  # the update's loop recomputes m: (g + m_old) * RH(r1*b1)

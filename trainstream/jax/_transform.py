@@ -29,14 +29,17 @@ from . import _gpu, _plan, _sharding
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
-__all__ = ["OffloadTransformation", "offload_adamw"]
+__all__ = ["OffloadTransformation", "offload_adam", "offload_adamw"]
 
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
 
 
 # offload_adamw's checked arguments (threads None: decided when the first update is traced)
-_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
-                                 "after_clip mode threads worker_nice host_margin")
+_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps eps_root mu_dtype weight_decay mask nesterov "
+                                 "max_grad_norm master_weights xla_fused_grads after_clip mode threads worker_nice "
+                                 "host_margin")
+# one leaf's state: mu's and nu's dtype names, whether it has an fp32 master
+_Family = collections.namedtuple("_Family", "mu nu master")
 
 
 def _paths(tree) -> list[str]:
@@ -99,6 +102,39 @@ def _check_host_state(mu, nu, master, paths) -> None:
                     "to tx.init(params)'s shardings (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
 
 
+def _family(cfg: _Config, dtype: str, path: str) -> _Family:
+    """The state of a leaf of ``dtype`` as optax keeps it: mu in ``mu_dtype`` (default the leaf's), nu in the leaf's
+    dtype; with ``master_weights`` an fp16/bf16 leaf's fp32 master and float32 moments."""
+    if dtype != "float32" and cfg.master_weights:
+        if cfg.mu_dtype not in (None, "float32"):
+            raise NotImplementedError(f"TrainStream offload_adamw: master_weights=True keeps mu in float32 (the fp32 "
+                                      f"master's lines), not mu_dtype={cfg.mu_dtype} (leaf {path})")
+        return _Family("float32", "float32", True)
+    mu = cfg.mu_dtype or dtype
+    allowed = ("float32", "bfloat16") if dtype == "float32" else (dtype, "float32")
+    if mu not in allowed:
+        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={mu} on the {dtype} leaf {path}: the host "
+                                  f"kernels reproduce optax's lines for mu in {' or '.join(allowed)} there")
+    return _Family(mu, dtype, False)
+
+
+def _check_cuda_config(cfg: _Config, fams, paths) -> None:
+    """On a GPU the kernels have optax.adamw's default float32 lines only (:data:`trainstream.contract`'s
+    optax/cuda), with fp32 masters for fp16/bf16 leaves."""
+    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", not (_is_number(cfg.eps_root)
+                                  and cfg.eps_root == 0.0)), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
+           if bad]
+    for f, path in zip(fams, paths):
+        if f.mu != "float32" or f.nu != "float32":
+            why.append(f"leaf {path}'s state in {f.mu}/{f.nu} (optax's default for fp16/bf16 leaves, or mu_dtype; "
+                       "master_weights=True keeps an fp32 master there)")
+            break
+    if why:
+        raise NotImplementedError("TrainStream offload_adamw on a GPU: the CUDA and host optax/cuda lines cover "
+                                  "optax.adamw's float32 state only; not yet " + ", ".join(why) +
+                                  " (issue 35, item 4: XLA:GPU's lines for them are not measured)")
+
+
 def _check_gpu_mode(platform: str, cfg: _Config) -> None:
     """``mode="gpu"`` needs a CUDA GPU and the parameters on it."""
     if cfg.mode != "gpu":
@@ -127,27 +163,30 @@ class _Impl:
 
     def init(self, params) -> OffloadAdamWState:
         leaves, paths = jax.tree.leaves(params), _paths(params)
-        for x, p in zip(leaves, paths):
-            _leaf_dtype_name(x, p)
+        fams = [_family(self.cfg, _leaf_dtype_name(x, p), p) for x, p in zip(leaves, paths)]
         platform = _platform_of(leaves)
         _check_gpu_mode(platform, self.cfg)
+        if platform == "cuda":
+            _check_cuda_config(self.cfg, fams, paths)
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
         layout = self._remember_layout(params, leaves, paths)
         if layout is not None:
-            return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
+            return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda", families=fams)
         if platform == "cuda":
             return _gpu.init(params, leaves)
-        f32 = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)  # noqa: E731
-        master = lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32)  # noqa: E731
-        return OffloadAdamWState(jnp.zeros([], jnp.int32), *(jax.tree.map(f, params) for f in (f32, f32, master)))
+        treedef = jax.tree.structure(params)
+        col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, fams)])  # noqa: E731
+        return OffloadAdamWState(jnp.zeros([], jnp.int32), col(lambda x, f: jnp.zeros(jnp.shape(x), f.mu)),
+                                 col(lambda x, f: jnp.zeros(jnp.shape(x), f.nu)),
+                                 col(lambda x, f: jnp.asarray(x, jnp.float32) if f.master else None))
 
     def host_plan(self, leaves, paths, platform: str) -> dict[str, float]:
         """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
         (this process's shards; a replicated leaf once per device)."""
         layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
-        slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]
+        slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]  # (upper bound)
         return _budget.plan(slots, margin=self.cfg.host_margin)
 
     def _flatten(self, grads, state, params):
@@ -168,21 +207,48 @@ class _Impl:
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
             raise ValueError(f"{differs}: {len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} "
                              f"(nu), {len(master)} (master)")
-        kinds = []
+        kinds, fams = [], []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
             kinds.append(_leaf_dtype_name(p, path))
+            fams.append(fam := _family(self.cfg, kinds[i], path))
             shape = tuple(np.shape(p))
             if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != np.dtype(p.dtype):
                 raise ValueError(f"TrainStream offload_adamw: gradient {path} is {tuple(np.shape(g))} {g.dtype}, "
                                  f"its parameter {shape} {p.dtype}: it must have the parameter's shape and dtype")
-            checked = [("mu", mu[i]), ("nu", nu[i])] + ([("master", master[i])] if kinds[i] != "float32" else [])
-            for what, a in checked:
-                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.float32:
+            checked = [("mu", mu[i], fam.mu), ("nu", nu[i], fam.nu)] + ([("master", master[i], "float32")]
+                                                                         if fam.master else [])
+            for what, a, want in checked:
+                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(want):
                     got = None if a is None else (tuple(np.shape(a)), str(a.dtype))
-                    raise ValueError(f"{differs}: {what} of leaf {path} is {got}, the parameter {shape} {p.dtype}")
-            if kinds[i] == "float32" and master[i] is not None:
-                raise ValueError(f"{differs}: leaf {path} is float32 now but has an fp32 master in the state")
-        return p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master
+                    raise ValueError(f"{differs}: {what} of leaf {path} is {got}, expected {shape} {want} for the "
+                                     f"parameter {p.dtype} (mu_dtype={self.cfg.mu_dtype}, master_weights="
+                                     f"{self.cfg.master_weights})")
+            if not fam.master and master[i] is not None:
+                raise ValueError(f"{differs}: leaf {path} ({kinds[i]}, master_weights={self.cfg.master_weights}) has "
+                                 "an fp32 master in the state")
+        return p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master
+
+    def _code(self, n: int, numel: int, fused: bool, kind: str, fam: _Family, path: str) -> int:
+        """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`)."""
+        cfg = self.cfg
+        num = lambda x: float(x) if _is_number(x) else None  # noqa: E731 (an array: XLA folds nothing)
+        half = kind != "float32" and not fam.master
+        max_norm = cfg.after_clip if cfg.after_clip is not None else cfg.max_grad_norm
+        if half and cfg.max_grad_norm is not None:
+            raise NotImplementedError(f"TrainStream offload_adamw: max_grad_norm with the {kind} leaf {path}'s state "
+                                      f"in {fam.mu}/{fam.nu}: no host lines yet for optax's clip there (chain "
+                                      "optax.clip_by_global_norm before offload_adamw, or master_weights=True)")
+        code = C.optax_cpu_code(n, numel, None if half else max_norm, fused_grad=fused, fma=xb.xla_cpu_fma(),
+                                x64=bool(jax.config.jax_enable_x64), dtype=kind,
+                                mu_dtype=None if fam.master else fam.mu, master=fam.master, nesterov=cfg.nesterov,
+                                b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
+        if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
+            code &= ~C.OX_CLIP
+        if not C.optax_code_valid(code):
+            raise NotImplementedError(f"TrainStream offload_adamw: no host lines for leaf {path} ({kind}) in this "
+                                      f"configuration (optax/cpu code {code}: nesterov={cfg.nesterov} with eps == 0 "
+                                      "or b1/b2 == 0.5 in a mixed mu_dtype, whose FMA pairing XLA varies)")
+        return code
 
     def _apply(self, grads, state, params, emit_u: bool):
         """One traced update: ``(updates or new params, new state)``."""
@@ -191,15 +257,16 @@ class _Impl:
         if any(isinstance(x, batching.BatchTracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
             raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update has no batching rule; vmap "
                                       "a model's loss, not its optimizer (several models: one optimizer state each)")
-        p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
+        p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master = self._flatten(grads, state, params)
         n, platform = len(p_leaves), _platform_of(p_leaves + g_leaves)
         manual, key = _sharding.in_manual_mesh(), _layout_key(params, p_leaves)  # manual: the arrays are local
         if not manual and key not in self._layouts:
             _sharding.check_traced(p_leaves, paths)
         layout = None if manual else self._layouts.get(key)
         _check_gpu_mode(platform, cfg)
-        halves = [i for i, k in enumerate(kinds) if k != "float32"]
+        halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         if platform == "cuda":
+            _check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
@@ -210,23 +277,19 @@ class _Impl:
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
-            fma, x64 = xb.xla_cpu_fma(), bool(jax.config.jax_enable_x64)
-            if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
-                codes = [C.optax_cpu_code(n, k, cfg.after_clip, fma=fma, x64=x64) & ~C.OX_CLIP for k in numels]
-            else:
-                codes = [C.optax_cpu_code(n, k, cfg.max_grad_norm, fused_grad=f, fma=fma, x64=x64)
-                         for k, f in zip(numels, fused)]
+            codes = [self._code(n, k, f, kind, fam, path) for k, f, kind, fam, path in
+                     zip(numels, fused, kinds, fams, paths)]
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
         norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves]) if optax_clip else None
         sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
                                    eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
-                                   max_norm=cfg.max_grad_norm, xp=jnp)
+                                   max_norm=cfg.max_grad_norm, xp=jnp, eps_root=cfg.eps_root, dtypes=kinds)
         # on the CPU the weights passed in win over a master they no longer match
         masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) if platform == "cpu" else master[i]
                    for i in halves]
-        plan = _plan.plan_for(cfg, kinds, numels, emit_u, platform)
+        plan = _plan.plan_for(cfg, kinds, numels, emit_u, platform, fams)
         run = functools.partial(_gpu.apply if platform == "cuda" else _plan.cpu_apply, plan)
         if layout is not None:  # each device's callback on its own shards
             placeholder = platform == "cpu" and emit_u  # update's fp16/bf16 leaves: no first output
@@ -258,13 +321,15 @@ class _Impl:
             self._eager[emit_u] = jax.jit(lambda g, s, p: self._apply(g, s, p, emit_u))
         return self._eager[emit_u](grads, state, params)
 
-    def update(self, updates, state, params=None):
+    def update(self, updates, state, params=None, **extra_args):
+        """optax's ``update``; ``extra_args`` (optax's extra-arguments protocol) are ignored, as optax.adamw's."""
+        del extra_args
         return self._run(updates, state, params, emit_u=True)
 
 
-class OffloadTransformation(optax.GradientTransformation):
-    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`: ``init`` and ``update`` as
-    optax.adamw's (params required), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
+class OffloadTransformation(optax.GradientTransformationExtraArgs):
+    """The :class:`optax.GradientTransformationExtraArgs` returned by :func:`offload_adamw` and :func:`offload_adam`:
+    ``init`` and ``update`` as optax.adamw's (params required; extra keyword arguments ignored), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
     :func:`state_dict`, :func:`load_state_dict` and :func:`close` as static methods."""
 
     __slots__ = ()
@@ -302,23 +367,29 @@ def _static(name: str, x, default, positive: bool = True):
 
 
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  weight_decay: float = 1e-4, *, max_grad_norm: float | None = None, mask: Any = None,
+                  eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float | Callable = 1e-4, mask: Any = None,
+                  *, nesterov: bool = False, master_weights: bool = False, max_grad_norm: float | None = None,
                   xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
                   threads: int | None = None, worker_nice: int = 5,
                   host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
-    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
-    on the host (Numba kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
+    """``optax.adamw`` (its signature, in its order) with its state in host memory, updated on the host (Numba
+    kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
 
     Args:
       learning_rate: a float, an optax schedule (``count -> lr``) or an array (``optax.inject_hyperparams``).
-      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or arrays.
+      b1, b2, eps, eps_root, weight_decay (a float or a schedule), mask, nesterov: as ``optax.adamw``'s; floats or
+        arrays.
+      mu_dtype: as ``optax.adamw``'s: mu's dtype (None: the leaf's). The state is optax's: nu in the leaf's dtype,
+        mu in ``mu_dtype``, so an fp16/bf16 leaf keeps fp16/bf16 moments and no master (optax's default).
+      master_weights: fp16/bf16 leaves keep a float32 master and float32 moments instead (the PyTorch adapter's
+        ``master_weights=True``): optax.adamw on float32 parameters fed the upcast gradients, the weights its
+        rounding; ``mu_dtype`` None or float32.
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
         (optax's norm of the float32-upcast gradients, in the program). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
         callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...,
         after_clip_by_global_norm=M))`` (optax's clip consumes the gradient first, as in optax's program) stayed
         bit-identical there.
-      mask: as ``optax.adamw``'s (leaves with False get no weight decay).
       xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
         in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
         Default: none. XLA:CPU only.
@@ -334,6 +405,11 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
         staging) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
         fraction, raising ``MemoryError`` before any array is made. None: no check.
+
+    Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
+    than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU anything
+    but optax's float32 state (fp16/bf16 leaves need ``master_weights=True`` there), ``nesterov``, ``eps_root`` and
+    ``eps = 0`` (issue 35, item 4).
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
@@ -360,13 +436,20 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
-    hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    if all(_is_number(v) or (k == "lr" and callable(v)) for k, v in hyper.items()):
-        C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps, weight_decay)
+    hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    if all(_is_number(v) or (k in ("lr", "weight_decay") and callable(v)) for k, v in hyper.items()):
+        C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps,
+                               0.0 if callable(weight_decay) else weight_decay)
+        if not (eps_root >= 0 and math.isfinite(eps_root)):
+            raise ValueError(f"eps_root must be a finite float >= 0, got {eps_root}")
     else:
         for k, v in hyper.items():
             if not (_is_number(v) or callable(v) or hasattr(v, "dtype")):
                 raise TypeError(f"TrainStream offload_adamw: {k} must be a float or an array, got {type(v).__name__}")
+    mu_name = _mu_dtype_name(mu_dtype)
+    for name, flag in (("nesterov", nesterov), ("master_weights", master_weights)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"TrainStream offload_adamw: {name} must be a bool, got {type(flag).__name__}")
     if max_grad_norm is not None:
         if not _is_number(max_grad_norm):
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
@@ -382,6 +465,34 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     host_margin = _static("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, xla_fused_grads,
-                         fl(after_clip), mode, threads, worker_nice, host_margin))
+    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
+                         bool(nesterov), fl(max_grad_norm), bool(master_weights), xla_fused_grads, fl(after_clip), mode,
+                         threads, worker_nice, host_margin))
     return OffloadTransformation(impl.init, impl.update)
+
+
+def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                 eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, **options
+                 ) -> OffloadTransformation:
+    """``optax.adam`` (its signature, in its order) with its state in host memory: :func:`offload_adamw` without
+    weight decay (optax.adam's update bits: ``add_decayed_weights`` of 0 adds nothing). ``options``: the keyword-only
+    options of :func:`offload_adamw` (``master_weights``, ``mode``, ...)."""
+    for name in ("weight_decay", "mask"):
+        if name in options:
+            raise TypeError(f"offload_adam() got an unexpected keyword argument {name!r} (optax.adam has none; "
+                            "use offload_adamw)")
+    return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov, **options)
+
+
+def _mu_dtype_name(mu_dtype) -> str | None:
+    """``mu_dtype`` as optax canonicalises it (None: the leaf's), by name; float64 and complex refused."""
+    if mu_dtype is None:
+        return None
+    try:
+        dt = np.dtype(jax.dtypes.canonicalize_dtype(mu_dtype))
+    except TypeError as exc:
+        raise TypeError(f"TrainStream offload_adamw: mu_dtype {mu_dtype!r} is not a dtype: {exc}") from None
+    if dt not in _DTYPES:
+        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={dt}: the host kernels keep state in float32, "
+                                  "float16 or bfloat16 only")
+    return _DTYPES[dt]
