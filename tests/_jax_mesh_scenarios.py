@@ -246,7 +246,7 @@ def scenario_bf16():
     mesh = mesh_1d()
     params = params_on(mesh, SPECS_1D, BF16)
     xs = batches(3, seed=3)
-    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0, master_weights=True)
     ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
     s = tx.init(params)
     assert has_specs(s.master, SPECS_1D) and all(x.dtype == F32 for x in jax.tree.leaves(s.master))

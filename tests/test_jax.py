@@ -119,7 +119,7 @@ def test_bf16_params_match_fp32_master_reference():
     master = jax.tree.map(lambda x: x.astype(F32), params)  # the master starts as the bf16 weights
     kw = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, mask=decay_mask)
     ref = optax.adamw(SCHEDULE, **kw)
-    tx = tsj.offload_adamw(SCHEDULE, **kw)
+    tx = tsj.offload_adamw(SCHEDULE, **kw, master_weights=True)  # the fp32-master scheme (opt-in)
     s_ref, s = ref.init(master), tx.init(params)
 
     @jax.jit

@@ -138,7 +138,7 @@ def test_bf16_master_gives_way_to_replaced_weights():
     in, the weights are taken (upcast) as the master; elsewhere the master is kept."""
     init, loss, batch = MODELS["mlp"]
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init(np.random.default_rng(3)))
-    tx = tsj.offload_adamw(1e-3, **KW)
+    tx = tsj.offload_adamw(1e-3, **KW, master_weights=True)
     step = jax.jit(lambda p, s, b: tx.step(jax.grad(loss)(p, b), s, p))
     rng = np.random.default_rng(4)
     p, s = step(params, tx.init(params), batch(rng))
@@ -198,7 +198,7 @@ def test_orbax_saves_and_restores_the_state_as_it_is(tmp_path, dtype):
     init, loss, batch = MODELS["mlp"]
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: x.astype(dtype) if x.ndim > 1 else x, init(rng))
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask, max_grad_norm=1.0, master_weights=True)
 
     @jax.jit
     def step(p, s, b):

@@ -472,16 +472,16 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
 
 
 def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, **options
-                 ) -> OffloadTransformation:
+                 eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, master_weights: bool = False,
+                 max_grad_norm: float | None = None, xla_fused_grads: Any = None,
+                 after_clip_by_global_norm: float | None = None, mode: str = "cpu", threads: int | None = None,
+                 worker_nice: int = 5, host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adam`` (its signature, in its order) with its state in host memory: :func:`offload_adamw` without
-    weight decay (optax.adam's update bits: ``add_decayed_weights`` of 0 adds nothing). ``options``: the keyword-only
-    options of :func:`offload_adamw` (``master_weights``, ``mode``, ...)."""
-    for name in ("weight_decay", "mask"):
-        if name in options:
-            raise TypeError(f"offload_adam() got an unexpected keyword argument {name!r} (optax.adam has none; "
-                            "use offload_adamw)")
-    return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov, **options)
+    weight decay (optax.adam's bits: ``add_decayed_weights`` of 0 adds nothing), the same keyword-only options."""
+    return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov,
+                         master_weights=master_weights, max_grad_norm=max_grad_norm, xla_fused_grads=xla_fused_grads,
+                         after_clip_by_global_norm=after_clip_by_global_norm, mode=mode, threads=threads,
+                         worker_nice=worker_nice, host_margin=host_margin)
 
 
 def _mu_dtype_name(mu_dtype) -> str | None:
