@@ -279,9 +279,9 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     ``nesterov``; ``b1``, ``b2``, ``eps``: those that are Python numbers (None: an array, which XLA cannot fold);
     ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe)."""
     half = dtype != "float32" and not master
-    mu = dtype if mu_dtype is None or not half and mu_dtype == "float32" else mu_dtype
     if master and mu_dtype not in (None, "float32"):
         raise ValueError(f"the fp32 master's lines keep mu in float32, not {mu_dtype}")
+    mu = "float32" if master else dtype if mu_dtype is None or not half and mu_dtype == "float32" else mu_dtype
     if half:
         code = OX_HALF | (OX_MU_F32 if mu == "float32" else 0)
         if mu not in (dtype, "float32"):
