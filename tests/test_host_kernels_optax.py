@@ -57,6 +57,9 @@ CASES = [
     pytest.param(C.OX_HALF | C.OX_MU_F32, "bfloat16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_MU_F32 | C.OX_NESTEROV, "bfloat16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_MU_F32, "float16", {}, marks=_full),
+    pytest.param(C.OX_HALF | C.OX_HALF_DIV, "bfloat16", {}, marks=_full),
+    pytest.param(C.OX_HALF | C.OX_HALF_DIV | C.OX_RSQRT | C.OX_NESTEROV, "float16", {}, marks=_full),
+    pytest.param(C.OX_HALF | C.OX_HALF_DIV | C.OX_MU_F32 | C.OX_NESTEROV, "bfloat16", {}, marks=_full),
 ]
 
 

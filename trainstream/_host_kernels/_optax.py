@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _cpu_sqrt, _jit, contract
 from .._jit import source_stamp
-from ..contract import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
+from ..contract import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
                         OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1,
                         S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR, S_OMB1, S_OMB2, S_OX_CODE,
                         S_WD, VARIANT_OPTAX_CPU)
@@ -46,6 +46,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
     nesterov, rsqrt, rsqrt_div, b1_half, b2_half = (
         (ox & b) != 0 for b in (OX_NESTEROV, OX_RSQRT, OX_RSQRT_DIV, OX_B1_HALF, OX_B2_HALF))
     half, mu_f32, mu_bf16 = (ox & OX_HALF) != 0, (ox & OX_MU_F32) != 0, (ox & OX_MU_BF16) != 0
+    hdiv = (ox & OX_HALF_DIV) != 0  # one-element fp16/bf16 leaf: x / d, not x * (1/d)
     pure = half and not mu_f32  # params, mu, nu in the leaf's dtype
     mixed = half and mu_f32
     dk = gkind  # the leaf's kind (fp16/bf16 state)
@@ -75,6 +76,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                 z_r1, z_r2, z_r1n = z_r1, z_r2, z_r1n
             else:
                 z_r1, z_r2, z_r1n = rx(z_r1, dk), rx(z_r2, dk), rx(z_r1n, dk)
+        d1h, d2h = rx(z_d1, dk), rx(z_d2, dk)  # the corrections in the leaf's dtype (mixed, one element)
         if mixed:
             z_r2 = z_r2 if bf16 else rx(z_r2, dk)
             r1d = ftz(np.float32(1.0) / rx(z_d1, dk))
@@ -118,13 +120,19 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         vi = rx(rx(z_omb2 * gg, dk) + rx(z_b2 * vo, dk), dk)
                     if b2_half and not bf16:  # the update's loop recomputes v: (gg + v_old) * RH(r2*b2)
                         vh = rx(rx(gg + vo, dk) * r2b2, dk)
+                    elif hdiv:
+                        vh = rx(vi / z_d2, dk)
                     else:
                         vh = rx(vi * z_r2, dk)
                     vh = select(has_er, rx(vh + z_er, dk), vh)
-                    if nesterov:
+                    if nesterov and hdiv:
+                        num = rx(rx(z_b1 * rx(mi / z_d1n, dk), dk) + rx(z_omb1 * rx(gi / z_d1, dk), dk), dk)
+                    elif nesterov:
                         num = rx(rx(z_b1 * rx(mi * z_r1n, dk), dk) + rx(z_omb1 * rx(gi * z_r1, dk), dk), dk)
                     elif b1_half and not bf16:
                         num = rx(rx(gi + mo, dk) * r1b1, dk)
+                    elif hdiv:
+                        num = rx(mi / z_d1, dk)
                     else:
                         num = rx(mi * z_r1, dk)
                     if rsqrt:
@@ -156,12 +164,12 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         vi = rx(rx(gg + vo, dk) * z_b2, dk)
                     else:
                         vi = rx(rx(z_omb2 * gg, dk) + rx(z_b2 * vo, dk), dk)
-                    vh = rx(vi * z_r2, dk)
+                    vh = rx(vi / d2h, dk) if hdiv else rx(vi * z_r2, dk)
                     vh = select(has_er, rx(vh + z_er, dk), vh)
                     sq = rx(np.float32(math.sqrt(vh)), dk)
                     den = ftz(sq + z_eps) if bf16 else rx(sq + z_eps, dk)
                     if nesterov:
-                        gn = rx(gi * z_r1, dk)
+                        gn = rx(gi / d1h, dk) if hdiv else rx(gi * z_r1, dk)
                         cg = ftz(z_omb1 * gn) if bf16 else rx(z_omb1 * gn, dk)
                         u = ftz(ftz(mad_xla(ox_unfused, z_b1, ftz(mi / z_d1n), cg)) / den)
                     else:

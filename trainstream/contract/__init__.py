@@ -193,6 +193,20 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   fused lines hold. The adapter probes XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias
   corrections did not change).
 
+  *Every argument and dtype of optax.adam/adamw* (:func:`optax_family`, the lines one for one in
+  :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(v/d2 + eps_root)``), ``nesterov``
+  (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
+  (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
+  :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
+  ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
+  rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
+  no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
+  :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with
+  ``mu_dtype=float32`` (:data:`OX_MU_F32`) a float32 mu. Each constant is optax's in its dtype (weak-typed Python
+  floats rounded to the array's dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16
+  state, ``mu_dtype=bfloat16`` on fp16 leaves, ``b == 0.5`` on one-element fp16/bf16 leaves, nesterov with
+  ``OX_RSQRT`` on float32 leaves.
+
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
       g  = g * c                                   # c: the clip coefficient, S_CLIP
@@ -224,6 +238,7 @@ from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_
                          f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
                          update_ulps)
 from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_CODES, OX_FORM_R, OX_HALF,
+                       OX_HALF_DIV,
                        OX_MU_BF16, OX_MU_F32, OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV,
                        PLATFORMS, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV,
                        S_DECAY, S_EPS, S_EPS_ROOT, S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR,

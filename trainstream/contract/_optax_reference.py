@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._reference import bf16_bits_to_f32, f32_to_bf16_bits, fma_f32, ftz
-from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
+from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
                        OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT, S_BC2_OPTAX,
                        S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR, S_OMB1, S_OMB2,
                        S_OX_CODE, S_WD, optax_code_valid)
@@ -128,6 +128,9 @@ def _half_lines(p, m, v, g, s, code, dtype):
     # the corrections in the dtype; their reciprocals in float32 (bf16) or in half (fp16)
     recip = (lambda d: z(_F32(1) / z(d))) if dtype == "bfloat16" else (lambda d: R(_F32(1) / d))  # noqa: E731
     r1, r2, r1n = (recip(s[k]) for k in (S_BC1, S_BC2_OPTAX, S_BC1_NEXT))
+    d1, d2, d1n = (z(s[k]) for k in (S_BC1, S_BC2_OPTAX, S_BC1_NEXT))
+    div = code & OX_HALF_DIV  # a one-element leaf: x / d (in float32 for bf16, in half for fp16), not x * (1/d)
+    sc = lambda x, d, r: R(x / d) if div else R(x * r)  # noqa: E731
     m_old, v_old = m, v
     m = R(R(g + m) * B1) if code & OX_B1_HALF else R(R(C1 * g) + R(B1 * m))
     gg = R(g * g)
@@ -135,13 +138,13 @@ def _half_lines(p, m, v, g, s, code, dtype):
     if code & OX_B2_HALF and dtype == "float16":  # the update's loop recomputes v: (gg + v_old) * RH(r2*b2)
         vh = R(R(R(gg + v_old) * R(r2 * B2)) + er)
     else:
-        vh = R(R(v * r2) + er)
+        vh = R(sc(v, d2, r2) + er)
     if code & OX_NESTEROV:
-        num = R(R(B1 * R(m * r1n)) + R(C1 * R(g * r1)))
+        num = R(R(B1 * sc(m, d1n, r1n)) + R(C1 * sc(g, d1, r1)))
     elif code & OX_B1_HALF and dtype == "float16":  # the update's loop recomputes m: (g + m_old) * RH(r1*b1)
         num = R(R(g + m_old) * R(r1 * B1))
     else:
-        num = R(m * r1)
+        num = sc(m, d1, r1)
     if code & OX_RSQRT:  # float16 with eps == 0 in the dtype: XLA's half rsqrt, RH(1/RN(sqrt)) (checked per process)
         u = R(num * R(_F32(1) / z(np.sqrt(vh))))
     else:
@@ -167,11 +170,11 @@ def _mixed_lines(p, m, v, g, s, code, dtype):
         r2 = R(_F32(1) / d2)
     gg = R(g * g)
     v = R(R(gg + v) * B2) if code & OX_B2_HALF else R(R(C2 * gg) + R(B2 * v))
-    vh = R(R(v * r2) + er)
+    vh = R(R(v / R(d2)) + er) if code & OX_HALF_DIV else R(R(v * r2) + er)
     den = z(R(np.sqrt(vh)) + eps) if bf16 else R(R(np.sqrt(vh)) + eps)
     if code & OX_NESTEROV:
         r1 = z(_F32(1) / R(d1)) if bf16 else R(_F32(1) / R(d1))
-        gn = R(g * r1)
+        gn = R(g / R(d1)) if code & OX_HALF_DIV else R(g * r1)
         num = fma(B1, z(m / d1n), z(C1 * gn)) if bf16 else fma(B1, z(m / d1n), R(C1 * gn))
         u = z(num / den)
     else:

@@ -73,12 +73,15 @@ OX_B2_HALF = 512  # likewise (1-b2)*g*g + b2*v -> (g*g + v)*b2
 OX_HALF = 1024  # optax's state of an fp16/bf16 leaf: nu (and mu, but with OX_MU_F32) in its dtype, no master
 OX_MU_F32 = 2048  # mu_dtype=float32 on an fp16/bf16 leaf (with OX_HALF)
 OX_MU_BF16 = 4096  # mu_dtype=bfloat16 on a float32 leaf
+OX_HALF_DIV = 8192  # OX_HALF on a one-element leaf: the divisions by the corrections stay divisions (no reciprocal)
 
 
 def optax_code_valid(code: int) -> bool:
     """Whether ``code`` is an optax/cpu code (:func:`optax_cpu_code` gives only these): a family (float32, its
     ``OX_MU_BF16``, ``OX_HALF`` with or without ``OX_MU_F32``) and the bits its lines read."""
-    if not 0 <= code < 2 * OX_MU_BF16:
+    if not 0 <= code < 2 * OX_HALF_DIV:
+        return False
+    if code & OX_HALF_DIV and (not code & OX_HALF or code & (OX_B1_HALF | OX_B2_HALF)):  # b == 0.5 there: not read
         return False
     half, mixed = code & OX_HALF, code & (OX_MU_F32 | OX_MU_BF16)
     if (code & OX_MU_F32 and not half) or (code & OX_MU_BF16 and half) or (code & OX_RSQRT_DIV and not code & OX_RSQRT):
@@ -94,7 +97,7 @@ def optax_code_valid(code: int) -> bool:
     return not (code & OX_MU_BF16 and code & OX_B1_HALF)
 
 
-OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_MU_BF16) if optax_code_valid(c))
+OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
 
 # -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA | TC_VEC512 ---
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
@@ -283,7 +286,7 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
         raise ValueError(f"the fp32 master's lines keep mu in float32, not {mu_dtype}")
     mu = "float32" if master else dtype if mu_dtype is None or not half and mu_dtype == "float32" else mu_dtype
     if half:
-        code = OX_HALF | (OX_MU_F32 if mu == "float32" else 0)
+        code = OX_HALF | (OX_MU_F32 if mu == "float32" else 0) | (OX_HALF_DIV if numel == 1 else 0)
         if mu not in (dtype, "float32"):
             raise ValueError(f"no optax/cpu lines for a {dtype} leaf with mu_dtype {mu}")
     else:
@@ -304,6 +307,9 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):  # mu's line is of one dtype only without mu_dtype
         if b is not None and (bit == OX_B2_HALF or not mixed) and _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
             code |= bit
+            if code & OX_HALF_DIV:
+                raise ValueError(f"no optax/cpu lines for a one-element {dtype} leaf with b{1 if bit == OX_B1_HALF else 2}"
+                                 " == 0.5 in the dtype")
     if max_norm is not None:
         if half:
             raise ValueError("optax/cpu clipping (OX_CLIP) has no lines for fp16/bf16 state")

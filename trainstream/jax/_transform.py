@@ -1,5 +1,5 @@
-"""JAX adapter: ``offload_adamw``, optax.adamw whose state lives in host memory, and its
-:class:`OffloadTransformation`.
+"""JAX adapter: ``offload_adamw`` and ``offload_adam``, optax.adamw and optax.adam (their signatures) whose state
+lives in host memory, and their :class:`OffloadTransformation` (the checked arguments: :mod:`._config`).
 
 No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
 in the user's program (only XLA reproduces XLA's bias corrections, schedule and global norm); the update is a contract
@@ -10,7 +10,6 @@ the state goes in aliased to the outputs (in place where donated), nothing kept 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -26,20 +25,13 @@ from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
 from . import _gpu, _plan, _sharding
+from ._config import (Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
+                      static_arg)
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
 __all__ = ["OffloadTransformation", "offload_adam", "offload_adamw"]
 
-_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
-
-
-# offload_adamw's checked arguments (threads None: decided when the first update is traced)
-_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps eps_root mu_dtype weight_decay mask nesterov "
-                                 "max_grad_norm master_weights xla_fused_grads after_clip mode threads worker_nice "
-                                 "host_margin")
-# one leaf's state: mu's and nu's dtype names, whether it has an fp32 master
-_Family = collections.namedtuple("_Family", "mu nu master")
 
 
 def _paths(tree) -> list[str]:
@@ -48,14 +40,6 @@ def _paths(tree) -> list[str]:
 
 def _layout_key(params, leaves) -> tuple:
     return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
-
-
-def _leaf_dtype_name(x, path: str) -> str:
-    dt = np.dtype(x.dtype)
-    if dt not in _DTYPES:
-        raise TypeError(f"TrainStream offload_adamw supports float32, float16 and bfloat16 parameters; "
-                        f"leaf {path} has dtype {dt}")
-    return _DTYPES[dt]
 
 
 def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
@@ -102,40 +86,7 @@ def _check_host_state(mu, nu, master, paths) -> None:
                     "to tx.init(params)'s shardings (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
 
 
-def _family(cfg: _Config, dtype: str, path: str) -> _Family:
-    """The state of a leaf of ``dtype`` as optax keeps it: mu in ``mu_dtype`` (default the leaf's), nu in the leaf's
-    dtype; with ``master_weights`` an fp16/bf16 leaf's fp32 master and float32 moments."""
-    if dtype != "float32" and cfg.master_weights:
-        if cfg.mu_dtype not in (None, "float32"):
-            raise NotImplementedError(f"TrainStream offload_adamw: master_weights=True keeps mu in float32 (the fp32 "
-                                      f"master's lines), not mu_dtype={cfg.mu_dtype} (leaf {path})")
-        return _Family("float32", "float32", True)
-    mu = cfg.mu_dtype or dtype
-    allowed = ("float32", "bfloat16") if dtype == "float32" else (dtype, "float32")
-    if mu not in allowed:
-        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={mu} on the {dtype} leaf {path}: the host "
-                                  f"kernels reproduce optax's lines for mu in {' or '.join(allowed)} there")
-    return _Family(mu, dtype, False)
-
-
-def _check_cuda_config(cfg: _Config, fams, paths) -> None:
-    """On a GPU the kernels have optax.adamw's default float32 lines only (:data:`trainstream.contract`'s
-    optax/cuda), with fp32 masters for fp16/bf16 leaves."""
-    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", not (_is_number(cfg.eps_root)
-                                  and cfg.eps_root == 0.0)), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
-           if bad]
-    for f, path in zip(fams, paths):
-        if f.mu != "float32" or f.nu != "float32":
-            why.append(f"leaf {path}'s state in {f.mu}/{f.nu} (optax's default for fp16/bf16 leaves, or mu_dtype; "
-                       "master_weights=True keeps an fp32 master there)")
-            break
-    if why:
-        raise NotImplementedError("TrainStream offload_adamw on a GPU: the CUDA and host optax/cuda lines cover "
-                                  "optax.adamw's float32 state only; not yet " + ", ".join(why) +
-                                  " (issue 35, item 4: XLA:GPU's lines for them are not measured)")
-
-
-def _check_gpu_mode(platform: str, cfg: _Config) -> None:
+def _check_gpu_mode(platform: str, cfg: Config) -> None:
     """``mode="gpu"`` needs a CUDA GPU and the parameters on it."""
     if cfg.mode != "gpu":
         return
@@ -149,7 +100,7 @@ def _check_gpu_mode(platform: str, cfg: _Config) -> None:
 
 
 class _Impl:
-    def __init__(self, cfg: _Config):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self._eager: dict = {}  # emit_u -> the jitted update for calls outside jit
         self._layouts: dict = {}  # _layout_key -> the layout of the last concrete init (None: single-device)
@@ -163,11 +114,11 @@ class _Impl:
 
     def init(self, params) -> OffloadAdamWState:
         leaves, paths = jax.tree.leaves(params), _paths(params)
-        fams = [_family(self.cfg, _leaf_dtype_name(x, p), p) for x, p in zip(leaves, paths)]
+        fams = [family(self.cfg, leaf_dtype_name(x, p), p) for x, p in zip(leaves, paths)]
         platform = _platform_of(leaves)
         _check_gpu_mode(platform, self.cfg)
         if platform == "cuda":
-            _check_cuda_config(self.cfg, fams, paths)
+            check_cuda_config(self.cfg, fams, paths)
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
@@ -186,7 +137,7 @@ class _Impl:
         """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
         (this process's shards; a replicated leaf once per device)."""
         layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
-        slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]  # (upper bound)
+        slots = [(_host_numel(x), leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]  # (upper bound)
         return _budget.plan(slots, margin=self.cfg.host_margin)
 
     def _flatten(self, grads, state, params):
@@ -209,8 +160,8 @@ class _Impl:
                              f"(nu), {len(master)} (master)")
         kinds, fams = [], []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
-            kinds.append(_leaf_dtype_name(p, path))
-            fams.append(fam := _family(self.cfg, kinds[i], path))
+            kinds.append(leaf_dtype_name(p, path))
+            fams.append(fam := family(self.cfg, kinds[i], path))
             shape = tuple(np.shape(p))
             if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != np.dtype(p.dtype):
                 raise ValueError(f"TrainStream offload_adamw: gradient {path} is {tuple(np.shape(g))} {g.dtype}, "
@@ -228,7 +179,7 @@ class _Impl:
                                  "an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master
 
-    def _code(self, n: int, numel: int, fused: bool, kind: str, fam: _Family, path: str) -> int:
+    def _code(self, n: int, numel: int, fused: bool, kind: str, fam: Family, path: str) -> int:
         """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`)."""
         cfg = self.cfg
         num = lambda x: float(x) if _is_number(x) else None  # noqa: E731 (an array: XLA folds nothing)
@@ -238,10 +189,13 @@ class _Impl:
             raise NotImplementedError(f"TrainStream offload_adamw: max_grad_norm with the {kind} leaf {path}'s state "
                                       f"in {fam.mu}/{fam.nu}: no host lines yet for optax's clip there (chain "
                                       "optax.clip_by_global_norm before offload_adamw, or master_weights=True)")
-        code = C.optax_cpu_code(n, numel, None if half else max_norm, fused_grad=fused, fma=xb.xla_cpu_fma(),
-                                x64=bool(jax.config.jax_enable_x64), dtype=kind,
-                                mu_dtype=None if fam.master else fam.mu, master=fam.master, nesterov=cfg.nesterov,
-                                b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
+        try:
+            code = C.optax_cpu_code(n, numel, None if half else max_norm, fused_grad=fused, fma=xb.xla_cpu_fma(),
+                                    x64=bool(jax.config.jax_enable_x64), dtype=kind,
+                                    mu_dtype=None if fam.master else fam.mu, master=fam.master,
+                                    nesterov=cfg.nesterov, b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
+        except ValueError as exc:  # the contract has no lines for it
+            raise NotImplementedError(f"TrainStream offload_adamw: leaf {path}: {exc}") from None
         if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
             code &= ~C.OX_CLIP
         if not C.optax_code_valid(code):
@@ -266,7 +220,7 @@ class _Impl:
         _check_gpu_mode(platform, cfg)
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         if platform == "cuda":
-            _check_cuda_config(cfg, fams, paths)
+            check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
         fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
@@ -350,22 +304,6 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
     close = staticmethod(close)
 
 
-def _static(name: str, x, default, positive: bool = True):
-    """An argument that changes no bit: an int checked here, or ``host_margin`` (checked by ``_budget.plan``).
-    optax.inject_hyperparams passes every number as an array too (a tracer in the update): a traced one falls back
-    to its default (name it in static_args to keep another)."""
-    if isinstance(x, jax.core.Tracer):
-        x = default
-    elif hasattr(x, "dtype") and np.ndim(x) == 0:
-        x = x.item()
-    if name == "host_margin" or (x is None and default is None):  # threads None: decided at the first update
-        return x
-    if isinstance(x, bool) or not isinstance(x, int) or (positive and x < 1):
-        what = "a positive int" if positive else "an int"
-        raise ValueError(f"{name} must be {what}{' or None' if default is None else ''}, got {x!r}")
-    return x
-
-
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float | Callable = 1e-4, mask: Any = None,
                   *, nesterov: bool = False, master_weights: bool = False, max_grad_norm: float | None = None,
@@ -417,9 +355,11 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     give the leaves whose state stays in GPU memory ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
     ``mode="gpu"``'s bits), the rest ``offload_adamw``.
 
-    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits (so ``apply_updates``
-    and optax's wrappers give the reference program's), ``step`` the same new weights directly. An fp16/bf16 leaf's
-    fp32 master is optax's on fp32 parameters fed the upcast gradients, the weights its rounding (``update`` returns
+    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits in optax's dtype (so
+    ``apply_updates`` and optax's wrappers give the reference program's), ``step`` the same new weights directly, for
+    float32, float16 and bfloat16 leaves and every argument above (the state in optax's dtypes, the contract's
+    optax/cpu families). With ``master_weights=True`` an fp16/bf16 leaf's fp32 master is optax's on fp32 parameters
+    fed the upcast gradients, the weights its rounding (``update`` returns
     the float32 difference ``apply_updates`` turns into it); on the CPU a master that does not round to the weights
     passed in is replaced by them (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU
     ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the
@@ -446,7 +386,7 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         for k, v in hyper.items():
             if not (_is_number(v) or callable(v) or hasattr(v, "dtype")):
                 raise TypeError(f"TrainStream offload_adamw: {k} must be a float or an array, got {type(v).__name__}")
-    mu_name = _mu_dtype_name(mu_dtype)
+    mu_name = mu_dtype_name(mu_dtype)
     for name, flag in (("nesterov", nesterov), ("master_weights", master_weights)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"TrainStream offload_adamw: {name} must be a bool, got {type(flag).__name__}")
@@ -460,12 +400,12 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
     if after_clip is not None and max_grad_norm is not None:
         raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
-    threads = _static("threads", threads, None)
-    worker_nice = _static("worker_nice", worker_nice, 5, positive=False)
-    host_margin = _static("host_margin", host_margin, _budget.MARGIN)
+    threads = static_arg("threads", threads, None)
+    worker_nice = static_arg("worker_nice", worker_nice, 5, positive=False)
+    host_margin = static_arg("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
+    impl = _Impl(Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
                          bool(nesterov), fl(max_grad_norm), bool(master_weights), xla_fused_grads, fl(after_clip), mode,
                          threads, worker_nice, host_margin))
     return OffloadTransformation(impl.init, impl.update)
@@ -482,17 +422,3 @@ def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0
                          master_weights=master_weights, max_grad_norm=max_grad_norm, xla_fused_grads=xla_fused_grads,
                          after_clip_by_global_norm=after_clip_by_global_norm, mode=mode, threads=threads,
                          worker_nice=worker_nice, host_margin=host_margin)
-
-
-def _mu_dtype_name(mu_dtype) -> str | None:
-    """``mu_dtype`` as optax canonicalises it (None: the leaf's), by name; float64 and complex refused."""
-    if mu_dtype is None:
-        return None
-    try:
-        dt = np.dtype(jax.dtypes.canonicalize_dtype(mu_dtype))
-    except TypeError as exc:
-        raise TypeError(f"TrainStream offload_adamw: mu_dtype {mu_dtype!r} is not a dtype: {exc}") from None
-    if dt not in _DTYPES:
-        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={dt}: the host kernels keep state in float32, "
-                                  "float16 or bfloat16 only")
-    return _DTYPES[dt]
