@@ -137,11 +137,11 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     Without ``recipe`` (the optax convention, or the torch convention's default fp32 arithmetic by ``variant``):
     ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place (optax/cpu's fp16/bf16 families,
     :func:`~trainstream.contract.optax_family`: ``p``, ``v`` and (without ``OX_MU_F32``) ``m`` the uint16 bits of
-    ``gkind``, ``OX_MU_BF16``: ``m`` bfloat16 bits; ``okind`` 0 or :data:`OUT_U`); ``g`` the gradient (float32 for ``gkind`` 0,
-    uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights rounded to ``okind``
-    (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each gradient is read before its weight
-    overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16``, a float32 array, receives ``u``; ``p`` is only
-    read. ``s``: the contract's scalar vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
+    ``gkind``, ``OX_MU_BF16``: ``m`` bfloat16 bits; ``okind`` 0 or :data:`OUT_U`); ``g`` the gradient (float32 for
+    ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights rounded to
+    ``okind`` (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each gradient is read before
+    its weight overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16`` receives ``u`` (float32, or the
+    leaf's bits for fp16/bf16 state); ``p`` is only read. ``s``: the contract's scalar vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
     code. With ``recipe`` (a :class:`~trainstream.contract.TorchRecipe`; ``variant`` is ignored): ``m``, ``v`` and
     (amsgrad) ``vmax`` in the state dtype (float32, or the uint16 bits of fp16/bf16); without a master (fp16/bf16
     state) ``p`` is None and ``out16`` holds the weights' bits, read and written; else as above, ``okind`` the

@@ -17,10 +17,10 @@ import numpy as np
 
 from .. import _cpu_sqrt, _jit, contract
 from .._jit import source_stamp
-from ..contract import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
-                        OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1,
-                        S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR, S_OMB1, S_OMB2, S_OX_CODE,
-                        S_WD, VARIANT_OPTAX_CPU)
+from ..contract import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32,
+                        OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT,
+                        S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR,
+                        S_OMB1, S_OMB2, S_OX_CODE, S_WD, VARIANT_OPTAX_CPU)
 from . import _ops
 from ._ops import AHEAD, KIND_BF16, KIND_F16, KIND_F32, LINE, OPTS, STRIP, ftz, load, mad_xla, njit, prefetch_r, \
     prefetch_w, round16, round_xla, rsqrt_estimate, rx, select

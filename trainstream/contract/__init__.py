@@ -259,6 +259,7 @@ __all__ = [
     "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",
-    "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask", "tails_follow_threads",
+    "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask",
+    "tails_follow_threads",
     "torch_reference_update",
 ]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from ._reference import bf16_bits_to_f32, f32_to_bf16_bits, fma_f32, ftz
-from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32, OX_MU_SWAP,
-                       OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT, S_BC2_OPTAX,
-                       S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR, S_OMB1, S_OMB2,
-                       S_OX_CODE, S_WD, optax_code_valid)
+from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32,
+                       OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT,
+                       S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR,
+                       S_OMB1, S_OMB2, S_OX_CODE, S_WD, optax_code_valid)
 
 _F32 = np.float32
 _TINY = _F32(2.0**-126)

@@ -305,11 +305,12 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             and _in_dtype(eps, math_dtype) == 0.0:  # XLA drops + 0 and rewrites / sqrt to * rsqrt
         code |= OX_RSQRT | (OX_RSQRT_DIV if rsqrt_div and not half else 0)
     for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):  # mu's line is of one dtype only without mu_dtype
-        if b is not None and (bit == OX_B2_HALF or not mixed) and _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
+        if b is not None and (bit == OX_B2_HALF or not mixed) and \
+                _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
             code |= bit
             if code & OX_HALF_DIV:
-                raise ValueError(f"no optax/cpu lines for a one-element {dtype} leaf with b{1 if bit == OX_B1_HALF else 2}"
-                                 " == 0.5 in the dtype")
+                which = 1 if bit == OX_B1_HALF else 2
+                raise ValueError(f"no optax/cpu lines for a one-element {dtype} leaf with b{which} == 0.5 in the dtype")
     if max_norm is not None:
         if half:
             raise ValueError("optax/cpu clipping (OX_CLIP) has no lines for fp16/bf16 state")

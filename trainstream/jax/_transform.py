@@ -25,13 +25,11 @@ from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
 from . import _gpu, _plan, _sharding
-from ._config import (Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
-                      static_arg)
+from ._config import Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name, static_arg
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
 __all__ = ["OffloadTransformation", "offload_adam", "offload_adamw"]
-
 
 
 def _paths(tree) -> list[str]:
@@ -169,7 +167,7 @@ class _Impl:
             checked = [("mu", mu[i], fam.mu), ("nu", nu[i], fam.nu)] + ([("master", master[i], "float32")]
                                                                          if fam.master else [])
             for what, a, want in checked:
-                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(want):
+                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != jnp.dtype(want):
                     got = None if a is None else (tuple(np.shape(a)), str(a.dtype))
                     raise ValueError(f"{differs}: {what} of leaf {path} is {got}, expected {shape} {want} for the "
                                      f"parameter {p.dtype} (mu_dtype={self.cfg.mu_dtype}, master_weights="
@@ -283,8 +281,9 @@ class _Impl:
 
 class OffloadTransformation(optax.GradientTransformationExtraArgs):
     """The :class:`optax.GradientTransformationExtraArgs` returned by :func:`offload_adamw` and :func:`offload_adam`:
-    ``init`` and ``update`` as optax.adamw's (params required; extra keyword arguments ignored), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
-    :func:`state_dict`, :func:`load_state_dict` and :func:`close` as static methods."""
+    ``init`` and ``update`` as optax.adamw's (params required; extra keyword arguments ignored), plus :meth:`step`,
+    :meth:`host_memory_plan` and the module functions :func:`state_dict`, :func:`load_state_dict` and :func:`close`
+    as static methods."""
 
     __slots__ = ()
 
