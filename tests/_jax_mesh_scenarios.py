@@ -275,6 +275,33 @@ def scenario_bf16():
         same_bits(upd(p_before, s_before, g), p, f"bf16 update + apply_updates step {t + 1}")
 
 
+def scenario_bf16_state():
+    """bf16 leaves sharded with optax's default state (bf16 mu and nu, sharded as the params, no master): update +
+    apply_updates and step equal optax.adamw's program, bit for bit."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D, BF16)
+    xs = batches(3, seed=3)
+    tx, ref = tsj.offload_adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1)
+    s = tx.init(params)
+    assert has_specs(s.mu, SPECS_1D) and all(x.dtype == BF16 for x in jax.tree.leaves((s.mu, s.nu)))
+    grad = jax.jit(jax.grad(loss))
+    step = jax.jit(lambda p, s, g: tx.step(g, s, p))
+
+    def upd(opt):
+        return jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+
+    ours_u, ref_u = upd(tx), upd(ref)
+    p, pu, pr, su, sr = params, params, params, s, ref.init(params)
+    for t, x in enumerate(xs):
+        g = grad(pr, x)
+        p, s = step(p, s, g)
+        pu, su = ours_u(pu, su, g)
+        pr, sr = ref_u(pr, sr, g)
+        same_bits(pu, pr, f"bf16 state update step {t + 1}")
+        same_bits(p, pr, f"bf16 state step {t + 1}")
+        same_bits((su.mu, su.nu), (sr[0].mu, sr[0].nu), f"bf16 moments step {t + 1}")
+
+
 def scenario_clip_2d():
     """A 2 x 2 mesh (leaves sharded over one axis, both, a tuple of axes, and replicated):
     max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view), some
@@ -324,7 +351,7 @@ def scenario_orbax():
     mesh = mesh_1d()
     params = params_on(mesh, SPECS_1D, BF16)
     xs = batches(6, seed=5)
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, max_grad_norm=1.0, master_weights=True)
     full, s_full = train(tx, params, xs)
     half, s_half = train(tx, params, xs[:3])
     d = tempfile.mkdtemp()
@@ -437,7 +464,7 @@ def scenario_gpu_path():
                             params = {k: jnp.asarray(np.asarray(v)) for k, v in params.items()}
                         put = (lambda t, like=params, dt=dtype: {k: jax.device_put(jnp.asarray(v, dt), like[k].sharding)
                                                                  for k, v in t.items()})
-                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2)
+                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2, master_weights=True)
                         for via in vias:
                             def body(p, s, g, via=via, tx=tx):
                                 if via == "step":
