@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
-from . import _gpu, _plan, _sharding
+from . import _detect, _gpu, _plan, _sharding
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
@@ -35,8 +35,8 @@ _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.
 
 
 # offload_adamw's checked arguments (threads None: decided when the first update is traced)
-_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
-                                 "after_clip mode threads worker_nice host_margin")
+_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask "
+                                 "mode threads worker_nice host_margin")
 
 
 def _paths(tree) -> list[str]:
@@ -202,7 +202,6 @@ class _Impl:
         if platform == "cuda":
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
-        fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
         if layout is None:
             numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
@@ -211,11 +210,8 @@ class _Impl:
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
             fma, x64 = xb.xla_cpu_fma(), bool(jax.config.jax_enable_x64)
-            if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
-                codes = [C.optax_cpu_code(n, k, cfg.after_clip, fma=fma, x64=x64) & ~C.OX_CLIP for k in numels]
-            else:
-                codes = [C.optax_cpu_code(n, k, cfg.max_grad_norm, fused_grad=f, fma=fma, x64=x64)
-                         for k, f in zip(numels, fused)]
+            codes = [C.optax_cpu_code(n, k, cfg.max_grad_norm, fma=fma, x64=x64) for k in numels]
+            codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg)  # XLA's pairing in this program
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
@@ -303,7 +299,7 @@ def _static(name: str, x, default, positive: bool = True):
 
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   weight_decay: float = 1e-4, *, max_grad_norm: float | None = None, mask: Any = None,
-                  xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
+                  mode: str = "cpu",
                   threads: int | None = None, worker_nice: int = 5,
                   host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
@@ -315,16 +311,9 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
         (optax's norm of the float32-upcast gradients, in the program). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
-        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...,
-        after_clip_by_global_norm=M))`` (optax's clip consumes the gradient first, as in optax's program) stayed
-        bit-identical there.
+        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...))``
+        (optax's clip consumes the gradient first, as in optax's program) stayed bit-identical there.
       mask: as ``optax.adamw``'s (leaves with False get no weight decay).
-      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
-        in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
-        Default: none. XLA:CPU only.
-      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
-        on XLA:CPU (``max_grad_norm=M``'s FMA pairing; ``max_grad_norm=M`` is the simpler way to write that chain);
-        excludes ``max_grad_norm``.
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
@@ -372,16 +361,11 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
-    after_clip = after_clip_by_global_norm
-    if after_clip is not None and not (_is_number(after_clip) and after_clip > 0):
-        raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
-    if after_clip is not None and max_grad_norm is not None:
-        raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
     threads = _static("threads", threads, None)
     worker_nice = _static("worker_nice", worker_nice, 5, positive=False)
     host_margin = _static("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, xla_fused_grads,
-                         fl(after_clip), mode, threads, worker_nice, host_margin))
+    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, mode, threads,
+                         worker_nice, host_margin))
     return OffloadTransformation(impl.init, impl.update)

@@ -1,0 +1,471 @@
+"""Which FMA pairing XLA:CPU gives optax's moment lines in the user's program: read from XLA at trace time.
+
+In a step jitted whole, XLA:CPU copies the element-wise producer of a gradient (``clip_by_global_norm``'s select,
+``MultiSteps``' running mean, ``lax.pmean``'s ``/ n``, a gradient element-wise in the parameters, a reduction) into
+each of optax's moment loops. The values stay the same, but LLVM then contracts the other product of
+``C1*g + B1*m`` (``C2*g*g + B2*v``) into its FMA, per leaf ("Fused gradients" in :mod:`trainstream.contract`). A buffer
+handed to a callback cannot tell; the program being traced can:
+
+1. :func:`_trace_graph` walks back from each gradient leaf, within the trace, through what XLA:CPU fuses into a
+   consumer loop (element-wise operations, broadcasts, reshapes, slices, reductions, ...) to the values XLA
+   materialises anyway (the program's arguments, collectives, control flow, calls, random bits), taking a
+   non-fusible producer (``dot_general``, ``scatter-add``, a nested ``jit``, ...) with its inputs as boundaries,
+   since XLA fuses consumers *into* it; literals and captured constants stay constants (XLA folds them).
+2. If some leaf has a fusible producer, :func:`_calibrate` compiles that graph (the boundaries as arguments) twice:
+   feeding ``optax.adamw`` (this configuration: hyper-parameters, schedule, mask, ``clip_by_global_norm`` for
+   ``max_grad_norm``) and ``apply_updates``, the reference; and alone with the adapter's scalars, the gradient as our
+   callback receives it. It runs both on random inputs and keeps, per leaf, the pairing bits whose contract lines
+   reproduce the reference's new weights and moments bit for bit. Once per graph structure and configuration
+   (cached for the process).
+3. A leaf no pairing reproduces, a graph over :data:`MAX_EQNS` equations, a probe that fails, or a JAX whose tracers
+   do not expose their producers: the contract's default code and one warning naming :data:`FUSED_MAX_ULP`.
+
+Private JAX API: only :func:`_trace_graph` uses it (``DynamicJaxprTracer.parent``, a ``TracingEqn`` with
+``primitive``/``params``/``in_tracers``/``outvars``; ``tracer.val``, a ``Var`` or ``core.Literal``;
+``trace.frame.constvar_to_val``), written against and tested with jax :data:`TESTED_JAX`. On a JAX without them
+it raises :class:`Unavailable` and the adapter falls back as in 3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+import time
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import contract as C
+
+__all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats"]
+
+#: The jax versions :func:`_trace_graph` was written against and tested with.
+TESTED_JAX = ("0.10.2",)
+#: Per-step distance (``contract.update_ulps`` of the weights and moments) of a wrong pairing, the largest the
+#: probe measured over the compositions of tests/test_jax_compose.py (1-3 ULP typical; MultiSteps' running mean
+#: the largest). It compounds over steps. The bound of every fallback warning.
+FUSED_MAX_ULP = 10.0
+#: Beyond this many equations in a producer graph the probe is not run (default code, warned).
+MAX_EQNS = 400
+#: The pairing bits calibrated (the contract's moment lines' two pairings each).
+PAIRING = C.OX_NU_SWAP | C.OX_MU_SWAP
+
+# what XLA:CPU may fuse into (copy into) the moment update's loops: element-wise, layout and reduction operations
+FUSIBLE = frozenset((
+    "add", "add_any", "sub", "mul", "div", "rem", "neg", "max", "min", "abs", "sign", "pow", "integer_pow", "square",
+    "sqrt", "rsqrt", "cbrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv",
+    "sin", "cos", "tan", "atan2", "floor", "ceil", "round", "is_finite", "nextafter", "clamp", "select_n",
+    "convert_element_type", "reduce_precision", "real", "imag", "conj", "copy", "copy_p", "device_put",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "rev", "pad", "slice", "concatenate", "transpose",
+    "split", "iota", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin",
+))
+# materialised by XLA (never fused into a consumer), and not re-run by the probe: boundaries at their outputs
+OPAQUE = frozenset((
+    "psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "psum_scatter",
+    "psum_invariant", "pbroadcast", "pvary", "axis_index", "cond", "while", "scan", "shard_map", "xla_pmap",
+    "pure_callback", "io_callback", "debug_callback", "buffer_callback", "callback", "rng_bit_generator",
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
+    "threefry2x32", "optimization_barrier", "sharding_constraint", "mesh_cast", "reshard", "custom_linear_solve",
+))
+# reshapes that leave a buffer as it is (a materialised value stays materialised through them)
+BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "copy", "copy_p", "device_put"))
+_MIN_ELEMS = 48  # elements seen per leaf before its pairing is settled (a one-element leaf: 48 trials)
+_MAX_TRIALS = 64
+
+
+class Unavailable(RuntimeError):
+    """This JAX's tracers do not expose their producers (the private API of :func:`_trace_graph`)."""
+
+
+class _Eqn(NamedTuple):
+    primitive: Any
+    params: dict
+    ins: tuple  # ("v", ref) or ("c", index into Graph.consts)
+    outs: tuple  # refs of its results
+
+
+class Graph(NamedTuple):
+    """The producer graph of the gradient leaves, with no tracer in it."""
+    eqns: tuple  # _Eqn, in topological order
+    inputs: tuple  # (ref, shape, dtype, alias): the boundary values; alias: the params leaf it is, or None
+    consts: tuple  # constant values (literals, captured arrays)
+    outs: tuple  # per leaf: ("v", ref) or ("c", index)
+    fused: tuple  # per leaf: computed by a fusible operation (XLA may copy it into the update's loops): calibrated
+    complete: bool  # False: the walk stopped at MAX_EQNS
+
+    def key(self) -> str:
+        h = hashlib.sha1()
+        for e in self.eqns:
+            h.update(f"{e.primitive.name}|{sorted((k, repr(v)) for k, v in e.params.items())}|{e.ins}|{e.outs};"
+                     .encode())
+        h.update(repr([(r, s, str(d), a) for r, s, d, a in self.inputs]).encode())
+        for c in self.consts:
+            a = np.asarray(c)
+            h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
+        h.update(repr(self.outs).encode())
+        return h.hexdigest()
+
+
+def _trace_graph(g_leaves, p_leaves) -> Graph:
+    """The producer graph of ``g_leaves`` within their trace. The only use of JAX's private API (jax 0.10.2:
+    ``DynamicJaxprTracer.parent``/``.val``, ``TracingEqn``, ``core.Literal``, ``frame.constvar_to_val``); raises
+    :class:`Unavailable` where they are missing or differ."""
+    try:
+        from jax._src import core as jcore  # noqa: PLC0415
+        from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415
+        literal, tracer_type = jcore.Literal, pe.DynamicJaxprTracer
+        if "parent" not in getattr(tracer_type, "__slots__", ()):
+            raise Unavailable(f"jax {jax.__version__}: DynamicJaxprTracer has no 'parent'")
+        return _walk(g_leaves, p_leaves, literal, tracer_type)
+    except Unavailable:
+        raise
+    except (ImportError, AttributeError, KeyError, TypeError) as e:
+        raise Unavailable(f"jax {jax.__version__}: {type(e).__name__}: {e}") from None
+
+
+def _walk(g_leaves, p_leaves, literal, tracer_type) -> Graph:
+    refs: dict[int, int] = {}  # id(Var) -> ref
+    keep = []  # the Vars behind refs, alive while walking (ids stay unique)
+    consts, const_ids = [], {}
+    inputs, eqns, eqn_done = [], [], set()
+    alias = {id(p.val): i for i, p in enumerate(p_leaves) if isinstance(p, tracer_type)}
+    complete = True
+
+    def ref_of(var):
+        if id(var) not in refs:
+            refs[id(var)] = len(refs)
+            keep.append(var)
+        return refs[id(var)]
+
+    def const_of(t):
+        """("c", index) for a literal or a captured constant, else None."""
+        val = t.val
+        if isinstance(val, literal):
+            c = val.val
+        else:
+            c = t._trace.frame.constvar_to_val.get(val)
+            if c is None:
+                return None
+        if id(val) not in const_ids:
+            const_ids[id(val)] = len(consts)
+            consts.append(c)
+            keep.append(val)
+        return ("c", const_ids[id(val)])
+
+    def as_input(t):
+        r = ref_of(t.val)
+        if r not in seen_inputs:
+            seen_inputs.add(r)
+            inputs.append((r, tuple(t.aval.shape), np.dtype(t.aval.dtype), alias.get(id(t.val))))
+        return ("v", r)
+
+    seen_inputs: set[int] = set()
+    visited: dict[int, tuple] = {}  # id(Var) -> its atom
+    stack = [("visit", t) for t in reversed(g_leaves)]
+    while stack:
+        op, x = stack.pop()
+        if op == "emit":
+            par = x
+            ins = tuple(visited[id(t.val)] for t in par.in_tracers)
+            eqns.append(_Eqn(par.primitive, dict(par.params), ins, tuple(ref_of(v) for v in par.outvars)))
+            continue
+        t = x
+        if not isinstance(t, tracer_type):  # a concrete leaf: a constant to the program
+            if id(t) not in visited:
+                visited[id(t)] = ("c", len(consts))
+                consts.append(t)
+                keep.append(t)
+            continue
+        if id(t.val) in visited:
+            continue
+        c = const_of(t)
+        if c is not None:
+            visited[id(t.val)] = c
+            continue
+        par = t.parent
+        name = par.primitive.name if par is not None else None
+        if par is None or name in OPAQUE or (par.primitive.multiple_results and name not in FUSIBLE) \
+                or not complete:
+            visited[id(t.val)] = as_input(t)
+            continue
+        if id(par) in eqn_done:  # another result of an equation already taken
+            visited[id(t.val)] = ("v", ref_of(t.val))
+            continue
+        eqn_done.add(id(par))
+        for v in par.outvars:
+            visited[id(v)] = ("v", ref_of(v))
+        if len(eqn_done) > MAX_EQNS:
+            complete = False
+        stack.append(("emit", par))
+        if name in FUSIBLE:
+            stack.extend(("visit", x) for x in reversed(par.in_tracers))
+        else:  # materialised by XLA, but XLA fuses its consumers into it: taken one level deep
+            for x in par.in_tracers:
+                if id(x.val) not in visited:
+                    visited[id(x.val)] = const_of(x) or as_input(x)
+    outs = tuple(visited[id(t.val) if isinstance(t, tracer_type) else id(t)] for t in g_leaves)
+    return Graph(tuple(eqns), tuple(inputs), tuple(consts), outs, tuple(_computed(t, tracer_type) for t in g_leaves),
+                 complete)
+
+
+def _computed(t, tracer_type) -> bool:
+    """Whether XLA computes leaf ``t`` in the consumer's loop: its producer, past reshapes of a buffer (XLA's
+    bitcasts: ``pmap``'s squeeze of each replica's argument), is a fusible operation."""
+    while isinstance(t, tracer_type) and t.parent is not None and t.parent.primitive.name in BITCASTS \
+            and len(t.parent.in_tracers) == 1:
+        t = t.parent.in_tracers[0]
+    return isinstance(t, tracer_type) and t.parent is not None and t.parent.primitive.name in FUSIBLE
+
+
+# -- the probe ------------------------------------------------------------------------------------------------
+
+
+def _replay(graph: Graph, vals, p_leaves):
+    """The graph's leaves, re-evaluated from its boundary values (``p_leaves`` for the params it aliases)."""
+    env = {}
+    for (r, _, _, a), v in zip(graph.inputs, vals):
+        env[r] = p_leaves[a] if a is not None else v
+
+    def get(atom):
+        kind, i = atom
+        return graph.consts[i] if kind == "c" else env[i]
+
+    for e in graph.eqns:
+        res = e.primitive.bind(*map(get, e.ins), **e.params)
+        for r, v in zip(e.outs, res if e.primitive.multiple_results else [res]):
+            env[r] = v
+    return [get(o) for o in graph.outs]
+
+
+_ADAMW_ARGS = frozenset(inspect.signature(optax.adamw).parameters) - {"mask"}
+_SCALAR_ARGS = frozenset(inspect.signature(C.optax_scalar_matrix).parameters) - {
+    "count", "codes", "decays", "global_norm", "max_norm", "xp"}
+# a stand-in value per hyper-parameter that is traced in the user's program (optax.inject_hyperparams): an argument
+# of the probe, as in the program, so XLA folds nothing of it
+_STAND_IN = {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 1e-4}
+
+
+def _hyper_of(cfg) -> dict:
+    """The configuration's arguments of optax.adamw (those ``cfg`` has)."""
+    return {k: getattr(cfg, k) for k in sorted(_ADAMW_ARGS | _SCALAR_ARGS) if hasattr(cfg, k)}
+
+
+def _hyper_key(hyper: dict) -> tuple:
+    out = []
+    for k, v in hyper.items():
+        if isinstance(v, jax.core.Tracer):
+            out.append((k, "traced", str(v.aval)))
+        elif hasattr(v, "dtype") and not isinstance(v, np.generic):
+            a = np.asarray(v)
+            out.append((k, "array", str(a.dtype), a.tobytes()))
+        else:
+            out.append((k, v))
+    return tuple(out)
+
+
+class _Probe:
+    """The two probe programs of one graph and configuration, and the calibration."""
+
+    def __init__(self, graph, p_avals, codes, decays, hyper, max_norm):
+        self.graph, self.p_avals, self.codes, self.decays, self.max_norm = graph, p_avals, codes, decays, max_norm
+        self.traced = [k for k, v in hyper.items() if isinstance(v, jax.core.Tracer)]
+        self.traced_avals = [(np.dtype(hyper[k].aval.dtype), tuple(hyper[k].aval.shape)) for k in self.traced]
+        self.fixed = {k: v for k, v in hyper.items() if k not in self.traced}
+
+    def _hyper(self, hyp):
+        h = dict(self.fixed)
+        h.update(zip(self.traced, hyp))
+        return h
+
+    def _tx(self, h):
+        kw = {k: v for k, v in h.items() if k in _ADAMW_ARGS}
+        mask = None if all(self.decays) else list(self.decays)
+        tx = optax.adamw(**kw, mask=mask)
+        return optax.chain(optax.clip_by_global_norm(self.max_norm), tx) if self.max_norm is not None else tx
+
+    def reference(self, bvals, hyp, p, m, v, count):
+        g = _replay(self.graph, bvals, p)
+        tx = self._tx(self._hyper(hyp))
+        s = optax.tree_utils.tree_set(tx.init(p), count=count, mu=m, nu=v)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), optax.tree_utils.tree_get(s, "mu"), optax.tree_utils.tree_get(s, "nu")
+
+    def ours(self, bvals, hyp, p, count):
+        """What the adapter's callback receives: the gradient materialised and the scalar matrix."""
+        g = _replay(self.graph, bvals, p)
+        h = self._hyper(hyp)
+        norm = optax.tree.norm([x.astype(jnp.float32) for x in g]) if self.max_norm is not None else None
+        sc = C.optax_scalar_matrix(count, self.codes, self.decays, global_norm=norm, max_norm=self.max_norm, xp=jnp,
+                                   **{k: v for k, v in h.items() if k in _SCALAR_ARGS})
+        return g, sc.scalars
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        """Per leaf: (the pairing bits to use, the largest per-step ULP distance measured with them: 0 when exact)."""
+        n = len(self.p_avals)
+        ref_c, ours_c = jax.jit(self.reference), jax.jit(self.ours)
+        state = jax.eval_shape(lambda p: self._tx(self._hyper(
+            [np.zeros(s, d) for d, s in self.traced_avals])).init(p), [jax.ShapeDtypeStruct(s, d) for s, d in
+                                                                      self.p_avals])
+        mu_dt = [np.dtype(a.dtype) for a in optax.tree_utils.tree_get(state, "mu")]
+        nu_dt = [np.dtype(a.dtype) for a in optax.tree_utils.tree_get(state, "nu")]
+        hyp = [np.asarray(_STAND_IN.get(k, 0.5), d).reshape(s) for k, (d, s) in zip(self.traced, self.traced_avals)]
+        h = self._hyper(hyp)
+        b1, b2 = float(np.asarray(h.get("b1", 0.9))), float(np.asarray(h.get("b2", 0.999)))
+        f32 = np.float32
+        calibrated = [self.graph.fused[i] and np.dtype(d) == np.float32 and mu_dt[i] == np.float32
+                      and nu_dt[i] == np.float32 for i, (_, d) in enumerate(self.p_avals)]
+        cands = [[(self.codes[i] & ~PAIRING) | sw for sw in sorted({self.codes[i] & PAIRING, 0, C.OX_NU_SWAP,
+                                                                    C.OX_MU_SWAP, PAIRING},
+                                                                   key=lambda s, c=self.codes[i]: s != c & PAIRING)]
+                 for i in range(n)]
+        bad = [np.zeros(len(c), np.int64) for c in cands]
+        worst = [np.zeros(len(c)) for c in cands]
+        seen = np.zeros(n, np.int64)
+        rng = np.random.default_rng(0)
+        trials = 0
+        while trials < _MAX_TRIALS and any(calibrated[i] and seen[i] < _MIN_ELEMS for i in range(n)):
+            trials += 1
+            bvals = [_random(rng, s, d) for _, s, d, _ in self.graph.inputs]
+            p = [_random(rng, s, d, spread=False) for s, d in self.p_avals]
+            count = np.int32(rng.integers(0, 60))
+            G, S = ours_c(bvals, hyp, p, count)
+            G, S = [np.asarray(x) for x in G], np.asarray(S)
+            # moments of the gradient's size, so that both products of each moment line weigh alike (where the
+            # pairings differ most often)
+            m = [(np.asarray(g, np.float64) * (1 - b1) / b1 * _factor(rng, g.shape, signed=True)).astype(mu_dt[i])
+                 for i, g in enumerate(G)]
+            v = [(np.square(np.asarray(g, np.float64)) * (1 - b2) / b2 * _factor(rng, g.shape)).astype(nu_dt[i])
+                 for i, g in enumerate(G)]
+            P, M, V = ref_c(bvals, hyp, p, m, v, count)
+            for i in range(n):
+                if not calibrated[i] or seen[i] >= _MIN_ELEMS:
+                    continue
+                seen[i] += G[i].size
+                want = [np.asarray(x, f32).ravel() for x in (P[i], M[i], V[i])]
+                prev = [np.asarray(x, f32).ravel() for x in (p[i], m[i], v[i])]
+                for j, code in enumerate(cands[i]):
+                    s = S[i].copy()
+                    s[C.S_OX_CODE] = code
+                    got = C.reference_update(*prev, np.asarray(G[i], f32).ravel(), s, "optax", "cpu")
+                    for a, w, pv in zip(got, want, prev):
+                        same = (a.view(np.uint32) == w.view(np.uint32)) | (np.isnan(a) & np.isnan(w))
+                        bad[i][j] += int(np.count_nonzero(~same))
+                        if not same.all():
+                            worst[i][j] = max(worst[i][j], float(np.nanmax(C.update_ulps(a, w, pv))))
+        out = []
+        for i in range(n):
+            if not calibrated[i]:
+                out.append((self.codes[i] & PAIRING, 0.0))
+                continue
+            exact = [j for j in range(len(cands[i])) if bad[i][j] == 0]
+            j = exact[0] if exact else int(np.argmin(worst[i]))
+            out.append((cands[i][j] & PAIRING, 0.0 if exact else max(float(worst[i][j]), 1.0)))
+        self.trials = trials
+        return out
+
+
+def _random(rng, shape, dtype, spread=True):
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dt, np.integer):
+        return rng.integers(0, 7, shape).astype(dt)
+    x = rng.standard_normal(shape)
+    if spread:  # over six decades
+        x = x * np.exp(rng.uniform(-7, 7, shape))
+    return np.asarray(x).astype(dt)
+
+
+def _factor(rng, shape, signed=False):
+    f = np.exp(rng.uniform(-1.5, 1.5, shape))
+    return f * rng.choice([-1.0, 1.0], shape) if signed else f
+
+
+# -- the adapter's hook ---------------------------------------------------------------------------------------
+
+_cache: dict = {}
+_CACHE_KEPT = 256
+_lock = threading.Lock()
+_warned: set = set()
+#: Counters for tests and the first-trace cost: probes run, cache hits, seconds spent probing, graphs seen.
+stats = {"probes": 0, "hits": 0, "seconds": 0.0, "materialised": 0, "fallbacks": 0}
+
+
+def _warn_once(key, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=5)
+
+
+_FALLBACK = ("TrainStream offload_adamw: {why}; leaves whose gradient XLA:CPU computes inside optax's update in the "
+             "reference program (a gradient made in the same jit: clip_by_global_norm, MultiSteps, pmean, "
+             "element-wise or reduced gradients) get the contract's default FMA pairing and can differ from the same "
+             "program around optax.adamw by up to {bound:g} ULP per step (compounding over steps)")
+
+
+_INEXACT = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are computed by XLA:CPU inside optax's update in "
+            "the reference program in a way that matches no FMA pairing of the contract (e.g. a constant of the "
+            "gradient folded with the moment line's): they get the closest pairing and can differ from the same "
+            "program around optax.adamw by up to {bound:g} ULP per step, as the probe measured (compounding "
+            "over steps); computing the gradient in a jit of its own makes them exact")
+
+
+def fused_codes(codes, g_leaves, p_leaves, decays, cfg) -> list[int]:
+    """``codes`` (each leaf's :func:`trainstream.contract.optax_cpu_code`) with the pairing bits XLA:CPU compiles
+    for optax's update of this program's gradients (see the module docstring). ``decays``: False for a leaf masked
+    out of weight decay; ``cfg``: offload_adamw's checked arguments (its optax.adamw arguments and
+    ``max_grad_norm``)."""
+    codes = [int(c) for c in codes]
+    if not any(isinstance(g, jax.core.Tracer) for g in g_leaves):
+        return codes
+    try:
+        graph = _trace_graph(g_leaves, p_leaves)
+    except Unavailable as e:
+        stats["fallbacks"] += 1
+        _warn_once("unavailable", _FALLBACK.format(
+            why=f"this JAX does not show a gradient's producer at trace time ({e}; tested with jax "
+                f"{', '.join(TESTED_JAX)})", bound=FUSED_MAX_ULP))
+        return codes
+    if not any(graph.fused):
+        stats["materialised"] += 1
+        return codes
+    if not graph.complete:
+        stats["fallbacks"] += 1
+        _warn_once("large", _FALLBACK.format(why=f"a gradient's producer graph has over {MAX_EQNS} element-wise "
+                                                 "operations, too many to calibrate", bound=FUSED_MAX_ULP))
+        return codes
+    hyper = _hyper_of(cfg)
+    max_norm = getattr(cfg, "max_grad_norm", None)
+    p_avals = tuple((tuple(np.shape(p)), np.dtype(p.dtype)) for p in p_leaves)
+    key = (graph.key(), p_avals, tuple(codes), tuple(bool(d) for d in decays), _hyper_key(hyper), max_norm)
+    with _lock:
+        res = _cache.get(key)
+        if res is not None:
+            stats["hits"] += 1
+        else:
+            t0 = time.perf_counter()
+            try:
+                with jax.ensure_compile_time_eval():  # run now, not staged into the user's program
+                    res = _Probe(graph, p_avals, codes, list(decays), hyper, max_norm).calibrate()
+            except Exception as e:  # noqa: BLE001 - the user's program must not fail for the probe's sake
+                stats["fallbacks"] += 1
+                _warn_once(("probe", type(e).__name__), _FALLBACK.format(
+                    why=f"the pairing probe failed ({type(e).__name__}: {str(e)[:200]})", bound=FUSED_MAX_ULP))
+                return codes
+            finally:
+                stats["seconds"] += time.perf_counter() - t0
+            stats["probes"] += 1
+            _cache[key] = res
+            while len(_cache) > _CACHE_KEPT:
+                _cache.pop(next(iter(_cache)))
+    inexact = [bound for _, bound in res if bound]
+    if inexact:
+        _warn_once(("inexact", key[0]), _INEXACT.format(k=len(inexact), n=len(res), bound=max(inexact)))
+    return [(c & ~PAIRING) | sw for c, (sw, _) in zip(codes, res)]
