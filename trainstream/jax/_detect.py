@@ -11,14 +11,18 @@ handed to a callback cannot tell; the program being traced can:
    materialises anyway (the program's arguments, collectives, control flow, calls, random bits), taking a
    non-fusible producer (``dot_general``, ``scatter-add``, a nested ``jit``, ...) with its inputs as boundaries,
    since XLA fuses consumers *into* it; literals and captured constants stay constants (XLA folds them).
-2. If some leaf has a fusible producer, :func:`_calibrate` compiles that graph (the boundaries as arguments) twice:
-   feeding ``optax.adamw`` (this configuration: hyper-parameters, schedule, mask, ``clip_by_global_norm`` for
-   ``max_grad_norm``) and ``apply_updates``, the reference; and alone with the adapter's scalars, the gradient as our
-   callback receives it. It runs both on random inputs and keeps, per leaf, the pairing bits whose contract lines
+2. If some leaf is computed by a fusible operation (not merely a reshape of a buffer, as ``pmap``'s squeeze of
+   each replica's argument), :class:`._probe.Probe` compiles that graph (the boundaries as arguments) twice:
+   feeding optax's reference (this configuration: hyper-parameters, schedule, mask, ``clip_by_global_norm`` for
+   ``max_grad_norm``) and ``apply_updates``; and alone with the adapter's scalars, the gradient as our callback
+   receives it. It runs both on random inputs and keeps, per leaf, the pairing bits whose contract lines
    reproduce the reference's new weights and moments bit for bit. Once per graph structure and configuration
-   (cached for the process).
-3. A leaf no pairing reproduces, a graph over :data:`MAX_EQNS` equations, a probe that fails, or a JAX whose tracers
-   do not expose their producers: the contract's default code and one warning naming :data:`FUSED_MAX_ULP`.
+   (cached for the process): two compilations of the graph at the first trace (about 1 s for a small MLP, 3-8 s
+   for a small transformer under ``clip_by_global_norm``, whose norm takes every gradient into the graph).
+3. A leaf no pairing reproduces (XLA folded a constant of its gradient with the moment line's): the closest
+   pairing and one warning with the per-step distance the probe measured. A graph over :data:`MAX_EQNS`
+   equations, a probe that fails, or a JAX whose tracers do not expose their producers: the contract's default
+   code and one warning naming :data:`FUSED_MAX_ULP`.
 
 Private JAX API: only :func:`_trace_graph` uses it (``DynamicJaxprTracer.parent``, a ``TracingEqn`` with
 ``primitive``/``params``/``in_tracers``/``outvars``; ``tracer.val``, a ``Var`` or ``core.Literal``;
@@ -29,18 +33,15 @@ it raises :class:`Unavailable` and the adapter falls back as in 3.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import threading
 import time
 import warnings
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from .. import contract as C
+from ._probe import PAIRING, Probe, hyper_key, hyper_of
 
 __all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats"]
 
@@ -52,9 +53,6 @@ TESTED_JAX = ("0.10.2",)
 FUSED_MAX_ULP = 10.0
 #: Beyond this many equations in a producer graph the probe is not run (default code, warned).
 MAX_EQNS = 400
-#: The pairing bits calibrated (the contract's moment lines' two pairings each).
-PAIRING = C.OX_NU_SWAP | C.OX_MU_SWAP
-
 # what XLA:CPU may fuse into (copy into) the moment update's loops: element-wise, layout and reduction operations
 FUSIBLE = frozenset((
     "add", "add_any", "sub", "mul", "div", "rem", "neg", "max", "min", "abs", "sign", "pow", "integer_pow", "square",
@@ -76,8 +74,6 @@ OPAQUE = frozenset((
 ))
 # reshapes that leave a buffer as it is (a materialised value stays materialised through them)
 BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "copy", "copy_p", "device_put"))
-_MIN_ELEMS = 48  # elements seen per leaf before its pairing is settled (a one-element leaf: 48 trials)
-_MAX_TRIALS = 64
 
 
 class Unavailable(RuntimeError):
@@ -224,170 +220,6 @@ def _computed(t, tracer_type) -> bool:
     return isinstance(t, tracer_type) and t.parent is not None and t.parent.primitive.name in FUSIBLE
 
 
-# -- the probe ------------------------------------------------------------------------------------------------
-
-
-def _replay(graph: Graph, vals, p_leaves):
-    """The graph's leaves, re-evaluated from its boundary values (``p_leaves`` for the params it aliases)."""
-    env = {}
-    for (r, _, _, a), v in zip(graph.inputs, vals):
-        env[r] = p_leaves[a] if a is not None else v
-
-    def get(atom):
-        kind, i = atom
-        return graph.consts[i] if kind == "c" else env[i]
-
-    for e in graph.eqns:
-        res = e.primitive.bind(*map(get, e.ins), **e.params)
-        for r, v in zip(e.outs, res if e.primitive.multiple_results else [res]):
-            env[r] = v
-    return [get(o) for o in graph.outs]
-
-
-_ADAMW_ARGS = frozenset(inspect.signature(optax.adamw).parameters) - {"mask"}
-_SCALAR_ARGS = frozenset(inspect.signature(C.optax_scalar_matrix).parameters) - {
-    "count", "codes", "decays", "global_norm", "max_norm", "xp"}
-# a stand-in value per hyper-parameter that is traced in the user's program (optax.inject_hyperparams): an argument
-# of the probe, as in the program, so XLA folds nothing of it
-_STAND_IN = {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 1e-4}
-
-
-def _hyper_of(cfg) -> dict:
-    """The configuration's arguments of optax.adamw (those ``cfg`` has)."""
-    return {k: getattr(cfg, k) for k in sorted(_ADAMW_ARGS | _SCALAR_ARGS) if hasattr(cfg, k)}
-
-
-def _hyper_key(hyper: dict) -> tuple:
-    out = []
-    for k, v in hyper.items():
-        if isinstance(v, jax.core.Tracer):
-            out.append((k, "traced", str(v.aval)))
-        elif hasattr(v, "dtype") and not isinstance(v, np.generic):
-            a = np.asarray(v)
-            out.append((k, "array", str(a.dtype), a.tobytes()))
-        else:
-            out.append((k, v))
-    return tuple(out)
-
-
-class _Probe:
-    """The two probe programs of one graph and configuration, and the calibration."""
-
-    def __init__(self, graph, p_avals, codes, decays, hyper, max_norm):
-        self.graph, self.p_avals, self.codes, self.decays, self.max_norm = graph, p_avals, codes, decays, max_norm
-        self.traced = [k for k, v in hyper.items() if isinstance(v, jax.core.Tracer)]
-        self.traced_avals = [(np.dtype(hyper[k].aval.dtype), tuple(hyper[k].aval.shape)) for k in self.traced]
-        self.fixed = {k: v for k, v in hyper.items() if k not in self.traced}
-
-    def _hyper(self, hyp):
-        h = dict(self.fixed)
-        h.update(zip(self.traced, hyp))
-        return h
-
-    def _tx(self, h):
-        kw = {k: v for k, v in h.items() if k in _ADAMW_ARGS}
-        mask = None if all(self.decays) else list(self.decays)
-        tx = optax.adamw(**kw, mask=mask)
-        return optax.chain(optax.clip_by_global_norm(self.max_norm), tx) if self.max_norm is not None else tx
-
-    def reference(self, bvals, hyp, p, m, v, count):
-        g = _replay(self.graph, bvals, p)
-        tx = self._tx(self._hyper(hyp))
-        s = optax.tree_utils.tree_set(tx.init(p), count=count, mu=m, nu=v)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), optax.tree_utils.tree_get(s, "mu"), optax.tree_utils.tree_get(s, "nu")
-
-    def ours(self, bvals, hyp, p, count):
-        """What the adapter's callback receives: the gradient materialised and the scalar matrix."""
-        g = _replay(self.graph, bvals, p)
-        h = self._hyper(hyp)
-        norm = optax.tree.norm([x.astype(jnp.float32) for x in g]) if self.max_norm is not None else None
-        sc = C.optax_scalar_matrix(count, self.codes, self.decays, global_norm=norm, max_norm=self.max_norm, xp=jnp,
-                                   **{k: v for k, v in h.items() if k in _SCALAR_ARGS})
-        return g, sc.scalars
-
-    def calibrate(self) -> list[tuple[int, float]]:
-        """Per leaf: (the pairing bits to use, the largest per-step ULP distance measured with them: 0 when exact)."""
-        n = len(self.p_avals)
-        ref_c, ours_c = jax.jit(self.reference), jax.jit(self.ours)
-        state = jax.eval_shape(lambda p: self._tx(self._hyper(
-            [np.zeros(s, d) for d, s in self.traced_avals])).init(p), [jax.ShapeDtypeStruct(s, d) for s, d in
-                                                                      self.p_avals])
-        mu_dt = [np.dtype(a.dtype) for a in optax.tree_utils.tree_get(state, "mu")]
-        nu_dt = [np.dtype(a.dtype) for a in optax.tree_utils.tree_get(state, "nu")]
-        hyp = [np.asarray(_STAND_IN.get(k, 0.5), d).reshape(s) for k, (d, s) in zip(self.traced, self.traced_avals)]
-        h = self._hyper(hyp)
-        b1, b2 = float(np.asarray(h.get("b1", 0.9))), float(np.asarray(h.get("b2", 0.999)))
-        f32 = np.float32
-        calibrated = [self.graph.fused[i] and np.dtype(d) == np.float32 and mu_dt[i] == np.float32
-                      and nu_dt[i] == np.float32 for i, (_, d) in enumerate(self.p_avals)]
-        cands = [[(self.codes[i] & ~PAIRING) | sw for sw in sorted({self.codes[i] & PAIRING, 0, C.OX_NU_SWAP,
-                                                                    C.OX_MU_SWAP, PAIRING},
-                                                                   key=lambda s, c=self.codes[i]: s != c & PAIRING)]
-                 for i in range(n)]
-        bad = [np.zeros(len(c), np.int64) for c in cands]
-        worst = [np.zeros(len(c)) for c in cands]
-        seen = np.zeros(n, np.int64)
-        rng = np.random.default_rng(0)
-        trials = 0
-        while trials < _MAX_TRIALS and any(calibrated[i] and seen[i] < _MIN_ELEMS for i in range(n)):
-            trials += 1
-            bvals = [_random(rng, s, d) for _, s, d, _ in self.graph.inputs]
-            p = [_random(rng, s, d, spread=False) for s, d in self.p_avals]
-            count = np.int32(rng.integers(0, 60))
-            G, S = ours_c(bvals, hyp, p, count)
-            G, S = [np.asarray(x) for x in G], np.asarray(S)
-            # moments of the gradient's size, so that both products of each moment line weigh alike (where the
-            # pairings differ most often)
-            m = [(np.asarray(g, np.float64) * (1 - b1) / b1 * _factor(rng, g.shape, signed=True)).astype(mu_dt[i])
-                 for i, g in enumerate(G)]
-            v = [(np.square(np.asarray(g, np.float64)) * (1 - b2) / b2 * _factor(rng, g.shape)).astype(nu_dt[i])
-                 for i, g in enumerate(G)]
-            P, M, V = ref_c(bvals, hyp, p, m, v, count)
-            for i in range(n):
-                if not calibrated[i] or seen[i] >= _MIN_ELEMS:
-                    continue
-                seen[i] += G[i].size
-                want = [np.asarray(x, f32).ravel() for x in (P[i], M[i], V[i])]
-                prev = [np.asarray(x, f32).ravel() for x in (p[i], m[i], v[i])]
-                for j, code in enumerate(cands[i]):
-                    s = S[i].copy()
-                    s[C.S_OX_CODE] = code
-                    got = C.reference_update(*prev, np.asarray(G[i], f32).ravel(), s, "optax", "cpu")
-                    for a, w, pv in zip(got, want, prev):
-                        same = (a.view(np.uint32) == w.view(np.uint32)) | (np.isnan(a) & np.isnan(w))
-                        bad[i][j] += int(np.count_nonzero(~same))
-                        if not same.all():
-                            worst[i][j] = max(worst[i][j], float(np.nanmax(C.update_ulps(a, w, pv))))
-        out = []
-        for i in range(n):
-            if not calibrated[i]:
-                out.append((self.codes[i] & PAIRING, 0.0))
-                continue
-            exact = [j for j in range(len(cands[i])) if bad[i][j] == 0]
-            j = exact[0] if exact else int(np.argmin(worst[i]))
-            out.append((cands[i][j] & PAIRING, 0.0 if exact else max(float(worst[i][j]), 1.0)))
-        self.trials = trials
-        return out
-
-
-def _random(rng, shape, dtype, spread=True):
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dt, np.integer):
-        return rng.integers(0, 7, shape).astype(dt)
-    x = rng.standard_normal(shape)
-    if spread:  # over six decades
-        x = x * np.exp(rng.uniform(-7, 7, shape))
-    return np.asarray(x).astype(dt)
-
-
-def _factor(rng, shape, signed=False):
-    f = np.exp(rng.uniform(-1.5, 1.5, shape))
-    return f * rng.choice([-1.0, 1.0], shape) if signed else f
-
-
 # -- the adapter's hook ---------------------------------------------------------------------------------------
 
 _cache: dict = {}
@@ -441,10 +273,10 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg) -> list[int]:
         _warn_once("large", _FALLBACK.format(why=f"a gradient's producer graph has over {MAX_EQNS} element-wise "
                                                  "operations, too many to calibrate", bound=FUSED_MAX_ULP))
         return codes
-    hyper = _hyper_of(cfg)
+    hyper = hyper_of(cfg)
     max_norm = getattr(cfg, "max_grad_norm", None)
     p_avals = tuple((tuple(np.shape(p)), np.dtype(p.dtype)) for p in p_leaves)
-    key = (graph.key(), p_avals, tuple(codes), tuple(bool(d) for d in decays), _hyper_key(hyper), max_norm)
+    key = (graph.key(), p_avals, tuple(codes), tuple(bool(d) for d in decays), hyper_key(hyper), max_norm)
     with _lock:
         res = _cache.get(key)
         if res is not None:
@@ -452,8 +284,7 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg) -> list[int]:
         else:
             t0 = time.perf_counter()
             try:
-                with jax.ensure_compile_time_eval():  # run now, not staged into the user's program
-                    res = _Probe(graph, p_avals, codes, list(decays), hyper, max_norm).calibrate()
+                res = Probe(graph, p_avals, codes, list(decays), hyper, max_norm).calibrate()
             except Exception as e:  # noqa: BLE001 - the user's program must not fail for the probe's sake
                 stats["fallbacks"] += 1
                 _warn_once(("probe", type(e).__name__), _FALLBACK.format(
