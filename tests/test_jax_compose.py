@@ -80,6 +80,16 @@ def test_chain_clip_by_global_norm(model, max_norm):
     _same(_train(ours, model, 12, moments=True)[0], _train(ref, model, 12, moments=True)[0], f"chain clip {model}")
 
 
+def test_chain_of_element_wise_transformations():
+    """chain(zero_nans(), clip(0.01), ours): optax's element-wise transformations before ours, computed through
+    nested jits (jnp.where, jnp.clip) that XLA inlines and copies into optax's moment loops."""
+    def wrap(tx):
+        return optax.chain(optax.zero_nans(), optax.clip(0.01), tx)
+
+    _same(_train(wrap(tsj.offload_adamw(1e-3, **KW)), "mlp", 6, moments=True)[0],
+          _train(wrap(optax.adamw(1e-3, **KW)), "mlp", 6, moments=True)[0], "chain zero_nans clip")
+
+
 @pytest.mark.parametrize("model", _BOTH)
 def test_multisteps(model):
     """optax.MultiSteps(ours, 3): the inner update runs at every micro-step (as optax's) and

@@ -72,6 +72,9 @@ OPAQUE = frozenset((
     "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
     "threefry2x32", "optimization_barrier", "sharding_constraint", "mesh_cast", "reshard", "custom_linear_solve",
 ))
+# calls XLA inlines (walked through)
+CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+                   "custom_vjp_call"))
 # reshapes that leave a buffer as it is (a materialised value stays materialised through them)
 BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "copy", "copy_p", "device_put"))
 
@@ -187,7 +190,7 @@ def _walk(g_leaves, p_leaves, literal, tracer_type) -> Graph:
             continue
         par = t.parent
         name = par.primitive.name if par is not None else None
-        if par is None or name in OPAQUE or (par.primitive.multiple_results and name not in FUSIBLE) \
+        if par is None or name in OPAQUE or (par.primitive.multiple_results and name not in FUSIBLE | CALLS) \
                 or not complete:
             visited[id(t.val)] = as_input(t)
             continue
@@ -200,7 +203,7 @@ def _walk(g_leaves, p_leaves, literal, tracer_type) -> Graph:
         if len(eqn_done) > MAX_EQNS:
             complete = False
         stack.append(("emit", par))
-        if name in FUSIBLE:
+        if name in FUSIBLE or name in CALLS:  # XLA inlines calls: their inputs' producers may fuse through them
             stack.extend(("visit", x) for x in reversed(par.in_tracers))
         else:  # materialised by XLA, but XLA fuses its consumers into it: taken one level deep
             for x in par.in_tracers:
@@ -213,11 +216,45 @@ def _walk(g_leaves, p_leaves, literal, tracer_type) -> Graph:
 
 def _computed(t, tracer_type) -> bool:
     """Whether XLA computes leaf ``t`` in the consumer's loop: its producer, past reshapes of a buffer (XLA's
-    bitcasts: ``pmap``'s squeeze of each replica's argument), is a fusible operation."""
-    while isinstance(t, tracer_type) and t.parent is not None and t.parent.primitive.name in BITCASTS \
-            and len(t.parent.in_tracers) == 1:
-        t = t.parent.in_tracers[0]
-    return isinstance(t, tracer_type) and t.parent is not None and t.parent.primitive.name in FUSIBLE
+    bitcasts: ``pmap``'s squeeze of each replica's argument) and into the calls XLA inlines (``jnp.clip``,
+    ``jnp.where``: nested jits), is a fusible operation."""
+    while isinstance(t, tracer_type) and t.parent is not None:
+        par = t.parent
+        name = par.primitive.name
+        if name in BITCASTS and len(par.in_tracers) == 1:
+            t = par.in_tracers[0]
+            continue
+        if name in CALLS:
+            inner = _jaxpr_computed(par.params, [id(v) for v in par.outvars].index(id(t.val)))
+            if isinstance(inner, bool):
+                return inner
+            t = par.in_tracers[inner]
+            continue
+        return name in FUSIBLE
+    return False
+
+
+def _jaxpr_computed(params, k: int) -> bool | int:
+    """:func:`_computed` of the ``k``-th result of a call (its ``params``): a bool, or the index of the call's
+    argument that result is (through bitcasts)."""
+    closed = next(params[n] for n in ("jaxpr", "call_jaxpr", "fun_jaxpr") if n in params)
+    jaxpr = getattr(closed, "jaxpr", closed)
+    producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+    v = jaxpr.outvars[k]
+    while id(v) in producer:
+        e = producer[id(v)]
+        name = e.primitive.name
+        if name in BITCASTS and len(e.invars) == 1:
+            v = e.invars[0]
+        elif name in CALLS:
+            inner = _jaxpr_computed(e.params, [id(o) for o in e.outvars].index(id(v)))
+            if isinstance(inner, bool):
+                return inner
+            v = e.invars[inner]
+        else:
+            return name in FUSIBLE
+    ids = [id(x) for x in jaxpr.invars]
+    return ids.index(id(v)) if id(v) in ids else False
 
 
 # -- the adapter's hook ---------------------------------------------------------------------------------------
