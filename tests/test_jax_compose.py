@@ -161,13 +161,18 @@ def test_a_gradient_no_pairing_reproduces_is_warned_once():
 
 def test_probe_cached_and_fallback_warned_once(monkeypatch):
     """The pairing probe runs once per program structure and configuration (a second optimizer tracing the same
-    step hits the cache); where the producers cannot be read (another JAX), the default pairing and one warning
-    naming the contract's bound."""
+    step hits the cache); a graph over MAX_EQNS operations is read from the part nearest the gradients, with a
+    warning; where the producers cannot be read (another JAX), the default pairing and one warning naming the
+    contract's bound."""
     from trainstream.jax import _detect
     before = dict(_detect.stats)
     for _ in range(2):
         _run_elementwise(tsj.offload_adamw(0.1, weight_decay=1e-3), "rosenbrock", 2)
     assert _detect.stats["probes"] - before["probes"] <= 1 and _detect.stats["hits"] > before["hits"]
+
+    monkeypatch.setattr(_detect, "MAX_EQNS", 3)  # a graph larger than that: read from its 3 nearest operations
+    with pytest.warns(RuntimeWarning, match="read from the 3 nearest the gradients"):
+        _run_elementwise(tsj.offload_adamw(0.1, weight_decay=1e-3), "rosenbrock", 2)
 
     def unavailable(*a):
         raise _detect.Unavailable("test")
