@@ -80,6 +80,29 @@ def test_chain_clip_by_global_norm(model, max_norm):
     _same(_train(ours, model, 12, moments=True)[0], _train(ref, model, 12, moments=True)[0], f"chain clip {model}")
 
 
+def test_gradients_used_after_the_update():
+    """The gradients' norm logged after the update in the same jit (a consumer the trace has not reached when the
+    pairing is read): XLA still fuses optax's update as without it, bit for bit."""
+    init, loss, batch = MODELS["mlp"]
+    params = init(np.random.default_rng(3))
+
+    def run(tx):
+        @jax.jit
+        def step(p, s, b):
+            g = jax.grad(loss)(p, b)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, optax.tree.norm(g)
+
+        p, s, rng, out = params, tx.init(params), np.random.default_rng(4), []
+        for _ in range(6):
+            p, s, n = step(p, s, batch(rng))
+            out.append((p, _moments(s), n))
+        return out
+
+    chain = lambda tx: optax.chain(optax.clip_by_global_norm(0.05), tx)  # noqa: E731
+    _same(run(chain(tsj.offload_adamw(1e-3, **KW))), run(chain(optax.adamw(1e-3, **KW))), "norm logged after")
+
+
 def test_chain_of_element_wise_transformations():
     """chain(zero_nans(), clip(0.01), ours): optax's element-wise transformations before ours, computed through
     nested jits (jnp.where, jnp.clip) that XLA inlines and copies into optax's moment loops."""
