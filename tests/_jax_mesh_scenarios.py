@@ -305,7 +305,7 @@ def scenario_bf16_state():
 def scenario_clip_2d():
     """A 2 x 2 mesh (leaves sharded over one axis, both, a tuple of axes, and replicated):
     max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view), some
-    steps clipped and some not, update and step; chain(clip, after_clip_by_global_norm)."""
+    steps clipped and some not, update and step; chain(clip_by_global_norm, ours)."""
     mesh = mesh_2d()
     params = params_on(mesh, SPECS_2D)
     xs = batches(4, seed=4)
@@ -321,7 +321,7 @@ def scenario_clip_2d():
         same_runs(got, want, f"max_grad_norm {via}")
         assert has_specs(s.mu, SPECS_2D)
     chained = optax.chain(optax.clip_by_global_norm(m),
-                          tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=m))
+                          tsj.offload_adamw(1e-2, weight_decay=0.1))
     got, _ = train(chained, params, xs)
     same_runs(got, want, "chain")
 
@@ -498,8 +498,7 @@ SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if na
 def multi_process():
     """4 global devices over 2 processes: each process's callbacks get only its own
     devices' shards; clipped updates against optax on every process, across an orbax save
-    and restore: bit for bit as ``chain(clip_by_global_norm(M), offload_adamw(
-    after_clip_by_global_norm=M))``; with ``max_grad_norm=M`` within 1 ULP: on an AVX2 host,
+    and restore: bit for bit as ``chain(clip_by_global_norm(M), offload_adamw(...))``; with ``max_grad_norm=M`` within 1 ULP: on an AVX2 host,
     over processes only, XLA:CPU computes w2's gradient for our callback in other roundings
     than in optax's program (w2's moments after one step: optax's equal C1 * the gradient
     jitted alone, ours differ in 5 of 32), and 1 weight of 190 ends 1 ULP off after 3 steps."""
@@ -519,7 +518,7 @@ def multi_process():
     want, _ = train(ref, params, xs)
     mgn, _ = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.5), params, xs)
     tx = optax.chain(optax.clip_by_global_norm(0.5),
-                     tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=0.5))
+                     tsj.offload_adamw(1e-2, weight_decay=0.1))
     with CallbackShapes() as cb:
         got, s = train(tx, params, xs[:2])
     ck = ocp.StandardCheckpointer()  # every process writes its shards

@@ -167,20 +167,20 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
 
   *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a gradient
   that reaches the moment-update fusion materialised: always when ``update`` is jitted apart,
-  and in a step jitted whole for gradients of matmuls and multi-element reductions (every leaf
-  of the tests' MLP and transformer). XLA:CPU may instead fuse a gradient's computation into
-  the moment updates (seen for a ``(1,)`` leaf whose gradient is a full reduction, small
-  leaves with a gradient element-wise in the parameter, bf16 gradients cast in the update's
-  program); LLVM then contracts the *other* products, ``OX_NU_SWAP | OX_MU_SWAP`` (with
-  clipping nothing changed in the cases probed). A buffer does not tell: the JAX adapter takes
-  the affected leaves as ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the
-  moment update, e.g. of a loss quadratic in a scalar) match no pairing. Verified
-  (tests/test_jax_compose.py): ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped
-  gradient (``max_norm=M``'s pairing without :data:`OX_CLIP`:
-  ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s accumulated one
-  (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients fused into the
-  update under ``jax.pmap`` (several leaves match no code; reduced in a program of their own
-  they are exact), and in x64 mode float64 gradients cast to float32 in the update's program.
+  and in a step jitted whole for gradients of matmuls and multi-element reductions. XLA:CPU
+  may instead recompute a gradient's element-wise producer inside each moment loop
+  (``clip_by_global_norm``'s select, ``MultiSteps``' running mean, ``lax.pmean``'s ``* 0.5``
+  folded into the moment's constants, a gradient element-wise in the parameters, a full
+  reduction for a ``(1,)`` leaf); the values are the same, but LLVM then contracts the other
+  product: :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP` or both, per leaf, depending on the pattern,
+  the leaf's size and the constants XLA folds. A buffer does not tell: the JAX adapter reads
+  the pairing from XLA when the step is traced (``trainstream.jax._detect``: the gradient's
+  producer graph compiled feeding optax's update, each leaf given the bits that reproduce it
+  bit for bit). Bound where no pairing reproduces XLA's program (XLA folds a gradient's
+  constant into the moment line, e.g. ``sum(x ** 3)``'s ``3 * x ** 2``; x64 mode's float64
+  gradients cast in the update's program): the per-step distance the probe measured, warned
+  once (1-3 ULP of ``update_ulps`` seen, up to 10 under ``MultiSteps``: the bound stated
+  where it is not measured); it compounds over steps.
 
   A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
   ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*

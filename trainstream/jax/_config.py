@@ -19,8 +19,7 @@ DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.d
 
 # offload_adamw's checked arguments (threads None: decided when the first update is traced)
 Config = collections.namedtuple("Config", "learning_rate b1 b2 eps eps_root mu_dtype weight_decay mask nesterov "
-                                "max_grad_norm master_weights xla_fused_grads after_clip mode threads worker_nice "
-                                "host_margin")
+                                "max_grad_norm master_weights mode threads worker_nice host_margin")
 # one leaf's state: mu's and nu's dtype names, whether it has an fp32 master
 Family = collections.namedtuple("Family", "mu nu master")
 

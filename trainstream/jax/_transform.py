@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
-from . import _gpu, _plan, _sharding
+from . import _detect, _gpu, _plan, _sharding
 from ._config import Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name, static_arg
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
@@ -177,25 +177,23 @@ class _Impl:
                                  "an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master
 
-    def _code(self, n: int, numel: int, fused: bool, kind: str, fam: Family, path: str) -> int:
-        """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`)."""
+    def _code(self, n: int, numel: int, kind: str, fam: Family, path: str) -> int:
+        """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`) with the default pairing of
+        a materialised gradient; :func:`._detect.fused_codes` then sets the pairing bits XLA:CPU gives the program."""
         cfg = self.cfg
         num = lambda x: float(x) if _is_number(x) else None  # noqa: E731 (an array: XLA folds nothing)
         half = kind != "float32" and not fam.master
-        max_norm = cfg.after_clip if cfg.after_clip is not None else cfg.max_grad_norm
         if half and cfg.max_grad_norm is not None:
             raise NotImplementedError(f"TrainStream offload_adamw: max_grad_norm with the {kind} leaf {path}'s state "
                                       f"in {fam.mu}/{fam.nu}: no host lines yet for optax's clip there (chain "
                                       "optax.clip_by_global_norm before offload_adamw, or master_weights=True)")
         try:
-            code = C.optax_cpu_code(n, numel, None if half else max_norm, fused_grad=fused, fma=xb.xla_cpu_fma(),
+            code = C.optax_cpu_code(n, numel, None if half else cfg.max_grad_norm, fma=xb.xla_cpu_fma(),
                                     x64=bool(jax.config.jax_enable_x64), dtype=kind,
                                     mu_dtype=None if fam.master else fam.mu, master=fam.master,
                                     nesterov=cfg.nesterov, b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
         except ValueError as exc:  # the contract has no lines for it
             raise NotImplementedError(f"TrainStream offload_adamw: leaf {path}: {exc}") from None
-        if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
-            code &= ~C.OX_CLIP
         if not C.optax_code_valid(code):
             raise NotImplementedError(f"TrainStream offload_adamw: no host lines for leaf {path} ({kind}) in this "
                                       f"configuration (optax/cpu code {code}: nesterov={cfg.nesterov} with eps == 0 "
@@ -221,7 +219,6 @@ class _Impl:
             check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
-        fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
         if layout is None:
             numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
@@ -229,8 +226,9 @@ class _Impl:
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
-            codes = [self._code(n, k, f, kind, fam, path) for k, f, kind, fam, path in
-                     zip(numels, fused, kinds, fams, paths)]
+            codes = [self._code(n, k, kind, fam, path) for k, kind, fam, path in zip(numels, kinds, fams, paths)]
+            # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
+            codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams])
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
@@ -306,8 +304,7 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float | Callable = 1e-4, mask: Any = None,
                   *, nesterov: bool = False, master_weights: bool = False, max_grad_norm: float | None = None,
-                  xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
-                  threads: int | None = None, worker_nice: int = 5,
+                  mode: str = "cpu", threads: int | None = None, worker_nice: int = 5,
                   host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adamw`` (its signature, in its order) with its state in host memory, updated on the host (Numba
     kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
@@ -324,15 +321,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
         (optax's norm of the float32-upcast gradients, in the program). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
-        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...,
-        after_clip_by_global_norm=M))`` (optax's clip consumes the gradient first, as in optax's program) stayed
-        bit-identical there.
-      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
-        in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
-        Default: none. XLA:CPU only.
-      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
-        on XLA:CPU (``max_grad_norm=M``'s FMA pairing; ``max_grad_norm=M`` is the simpler way to write that chain);
-        excludes ``max_grad_norm``.
+        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...))``
+        (optax's clip consumes the gradient first, as in optax's program) stayed bit-identical there.
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
@@ -394,30 +384,23 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
-    after_clip = after_clip_by_global_norm
-    if after_clip is not None and not (_is_number(after_clip) and after_clip > 0):
-        raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
-    if after_clip is not None and max_grad_norm is not None:
-        raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
     threads = static_arg("threads", threads, None)
     worker_nice = static_arg("worker_nice", worker_nice, 5, positive=False)
     host_margin = static_arg("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
     impl = _Impl(Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
-                         bool(nesterov), fl(max_grad_norm), bool(master_weights), xla_fused_grads, fl(after_clip), mode,
-                         threads, worker_nice, host_margin))
+                        bool(nesterov), fl(max_grad_norm), bool(master_weights), mode, threads, worker_nice,
+                        host_margin))
     return OffloadTransformation(impl.init, impl.update)
 
 
 def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                  eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, master_weights: bool = False,
-                 max_grad_norm: float | None = None, xla_fused_grads: Any = None,
-                 after_clip_by_global_norm: float | None = None, mode: str = "cpu", threads: int | None = None,
+                 max_grad_norm: float | None = None, mode: str = "cpu", threads: int | None = None,
                  worker_nice: int = 5, host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adam`` (its signature, in its order) with its state in host memory: :func:`offload_adamw` without
     weight decay (optax.adam's bits: ``add_decayed_weights`` of 0 adds nothing), the same keyword-only options."""
     return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov,
-                         master_weights=master_weights, max_grad_norm=max_grad_norm, xla_fused_grads=xla_fused_grads,
-                         after_clip_by_global_norm=after_clip_by_global_norm, mode=mode, threads=threads,
+                         master_weights=master_weights, max_grad_norm=max_grad_norm, mode=mode, threads=threads,
                          worker_nice=worker_nice, host_margin=host_margin)
