@@ -135,10 +135,10 @@ _ELEMENTWISE = {  # optax's test_optimization problems (its alias tests), and a 
 }
 
 
-def _run_elementwise(opt, problem, steps):
-    """``steps`` jitted steps on a problem of _ELEMENTWISE (the gradient in the same jit): ``(weights, (mu, nu))``
-    after each."""
-    params, loss = _ELEMENTWISE[problem]
+def _run_elementwise(opt, problem, steps, params=None):
+    """``steps`` jitted steps on a problem of _ELEMENTWISE (the gradient in the same jit; ``params``: its own by
+    default): ``(weights, (mu, nu))`` after each."""
+    params, loss = _ELEMENTWISE[problem] if params is None else (params, _ELEMENTWISE[problem][1])
 
     @jax.jit
     def step(p, s):
@@ -159,6 +159,31 @@ def test_gradient_elementwise_in_the_params(problem):
     weights and moments bit for bit against optax.adamw with no argument."""
     _same(_run_elementwise(tsj.offload_adamw(0.1, weight_decay=1e-4), problem, 300),
           _run_elementwise(optax.adamw(0.1, weight_decay=1e-4), problem, 300), problem)
+
+
+@pytest.mark.parametrize("dtype, kw", [(jnp.bfloat16, {}), (jnp.float16, {}), (jnp.bfloat16, dict(mu_dtype=jnp.float32)),
+                                       (jnp.bfloat16, dict(nesterov=True))])
+def test_gradient_elementwise_half_state(dtype, kw):
+    """optax's fp16/bf16 state (mu_dtype=float32 and nesterov too): the probe reads (or, with no FMA in the lines,
+    checks) the pairing of a gradient computed in the same jit; weights and moments bit for bit, alone and under
+    MultiSteps, with no warning."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="TrainStream", category=RuntimeWarning)
+        for problem, wrap in (("leaves", lambda t: t), ("parabola", lambda t: optax.MultiSteps(t, 2))):
+            params = jax.tree.map(lambda x: x.astype(dtype), _ELEMENTWISE[problem][0])
+            got, want = (_run_elementwise(wrap(f(0.1, weight_decay=1e-4, **kw)), problem, 30, params)
+                         for f in (tsj.offload_adamw, optax.adamw))
+            _same(got, want, f"{problem} {jnp.dtype(dtype).name} {kw}")
+
+
+def test_untrusted_families_are_warned(monkeypatch):
+    """The float32 lines of nesterov, eps == 0 and mu_dtype=bfloat16: the probe's pairing is a best guess there
+    (a fused gradient changes more than the moments' pairing): one warning naming the bound."""
+    from trainstream.jax import _detect
+    monkeypatch.setattr(_detect, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=f"best guess.*up to {_detect.FUSED_MAX_ULP:g} ULP per step"):
+        _run_elementwise(optax.MultiSteps(tsj.offload_adamw(0.1, weight_decay=1e-4, nesterov=True), 2), "parabola", 2)
 
 
 def test_a_wrong_pairing_fails(monkeypatch):

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._probe import PAIRING, Probe, hyper_key, hyper_of
+from ._probe import PAIRING, Probe, hyper_key, hyper_of, trusted
 
 __all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats"]
 
@@ -319,9 +319,15 @@ _INEXACT = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are compute
 
 
 _MASTER = ("TrainStream offload_adamw: {k} leaves with an fp32 master (master_weights=True) have a gradient XLA:CPU "
-           "may compute inside the update in the reference program; their FMA pairing is not read (their reference "
-           "is optax on float32 parameters, not this program): the contract's default pairing, which can differ "
-           "from optax.adamw on the float32 master by up to {bound:g} ULP per step (compounding over steps)")
+           "may compute inside the update; their FMA pairing is not read from XLA (their reference is optax.adamw "
+           "on the float32 master, not this program): the contract's default pairing, which can differ from it by up "
+           "to {bound:g} ULP per step (compounding over steps); computing the gradient in a jit of its own makes "
+           "them exact")
+_GUESSED = ("TrainStream offload_adamw: {k} leaves (nesterov, eps == 0, mu_dtype=bfloat16 or b == 0.5 with FMA lines) "
+            "have a gradient XLA:CPU computes inside optax's update in the reference program; the FMA pairing read "
+            "from XLA is a best guess for these lines (trainstream.jax._probe.trusted): they can differ from the "
+            "same program around optax.adamw by up to {bound:g} ULP per step (compounding over steps); computing "
+            "the gradient in a jit of its own makes them exact")
 
 
 def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=None) -> list[int]:
@@ -329,8 +335,9 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
     for optax's update of this program's gradients (see the module docstring); the other bits (the family) stay.
     ``decays``: False for a leaf masked out of weight decay; ``cfg``: offload_adamw's checked arguments (its
     optax.adamw arguments and ``max_grad_norm``); ``dtypes``: each leaf's dtype name (default float32);
-    ``masters``: True for a leaf with an fp32 master (not calibrated: its default pairing, warned once where
-    its gradient is computed in the program)."""
+    ``masters``: True for a leaf with an fp32 master (not probed: its code's pairing). Where such a leaf's
+    gradient, or one of a family the probe does not :func:`._probe.trusted`, is computed in the program: one
+    warning naming :data:`FUSED_MAX_ULP`."""
     codes = [int(c) for c in codes]
     n = len(codes)
     dtypes = tuple(dtypes) if dtypes is not None else ("float32",) * n
@@ -348,10 +355,14 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
     if not any(graph.fused):
         stats["materialised"] += 1
         return codes
+    skip = masters
     skipped = sum(f and m for f, m in zip(graph.fused, masters))
     if skipped:
         _warn_once("master", _MASTER.format(k=skipped, bound=FUSED_MAX_ULP))
-    if all(m for f, m in zip(graph.fused, masters) if f):
+    guessed = sum(f and not m and not trusted(c) for f, m, c in zip(graph.fused, masters, codes))
+    if guessed:
+        _warn_once("guessed", _GUESSED.format(k=guessed, bound=FUSED_MAX_ULP))
+    if all(skip[i] for i in range(n) if graph.fused[i]):
         return codes
     if not graph.complete:
         _warn_once("large", _TRUNCATED.format(n=MAX_EQNS, bound=FUSED_MAX_ULP))
@@ -359,7 +370,7 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
     max_norm = getattr(cfg, "max_grad_norm", None)
     p_avals = tuple((tuple(np.shape(p)), np.dtype(p.dtype)) for p in p_leaves)
     key = (graph.key(), p_avals, tuple(codes), tuple(bool(d) for d in decays), hyper_key(hyper), max_norm, dtypes,
-           masters)
+           skip)
     with _lock:
         res = _cache.get(key)
         if res is not None:
@@ -367,7 +378,7 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
         else:
             t0 = time.perf_counter()
             try:
-                res = Probe(graph, p_avals, codes, list(decays), hyper, max_norm, dtypes, masters).calibrate()
+                res = Probe(graph, p_avals, codes, list(decays), hyper, max_norm, dtypes, skip).calibrate()
             except Exception as e:  # noqa: BLE001 - the user's program must not fail for the probe's sake
                 stats["fallbacks"] += 1
                 _warn_once(("probe", type(e).__name__), _FALLBACK.format(
