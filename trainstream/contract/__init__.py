@@ -180,7 +180,13 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   constant into the moment line, e.g. ``sum(x ** 3)``'s ``3 * x ** 2``; x64 mode's float64
   gradients cast in the update's program): the per-step distance the probe measured, warned
   once (1-3 ULP of ``update_ulps`` seen, up to 10 under ``MultiSteps``: the bound stated
-  where it is not measured); it compounds over steps.
+  where it is not measured); it compounds over steps. Per family: the pairing read held bit for
+  bit for the float32 lines (``eps > 0``, ``eps_root``, clip) and for fp16/bf16 state
+  (:data:`OX_HALF`, with :data:`OX_MU_F32` or :data:`OX_NESTEROV` too; without :data:`OX_MU_F32`
+  its lines have no FMA and no pairing bit). With :data:`OX_NESTEROV`, :data:`OX_RSQRT` or
+  :data:`OX_MU_BF16` in the float32 lines, and :data:`OX_B1_HALF`/:data:`OX_B2_HALF`, a fused
+  gradient changes more than the moments' pairing: the closest pairing, warned once with the
+  10 ULP bound; fp32-master leaves keep the default pairing, warned likewise.
 
   A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
   ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*
