@@ -186,7 +186,8 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   its lines have no FMA and no pairing bit). With :data:`OX_NESTEROV`, :data:`OX_RSQRT` or
   :data:`OX_MU_BF16` in the float32 lines, and :data:`OX_B1_HALF`/:data:`OX_B2_HALF`, a fused
   gradient changes more than the moments' pairing: the closest pairing, warned once with the
-  10 ULP bound; fp32-master leaves keep the default pairing, warned likewise.
+  10 ULP bound. fp32-master leaves keep the default pairing: their reference is optax on the
+  float32 master fed the upcast gradients materialised (an upcast fused into it pairs otherwise).
 
   A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
   ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*

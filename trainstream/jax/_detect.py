@@ -318,11 +318,6 @@ _INEXACT = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are compute
             "over steps); computing the gradient in a jit of its own makes them exact")
 
 
-_MASTER = ("TrainStream offload_adamw: {k} leaves with an fp32 master (master_weights=True) have a gradient XLA:CPU "
-           "may compute inside the update; their FMA pairing is not read from XLA (their reference is optax.adamw "
-           "on the float32 master, not this program): the contract's default pairing, which can differ from it by up "
-           "to {bound:g} ULP per step (compounding over steps); computing the gradient in a jit of its own makes "
-           "them exact")
 _GUESSED = ("TrainStream offload_adamw: {k} leaves (nesterov, eps == 0, mu_dtype=bfloat16 or b == 0.5 with FMA lines) "
             "have a gradient XLA:CPU computes inside optax's update in the reference program; the FMA pairing read "
             "from XLA is a best guess for these lines (trainstream.jax._probe.trusted): they can differ from the "
@@ -335,9 +330,10 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
     for optax's update of this program's gradients (see the module docstring); the other bits (the family) stay.
     ``decays``: False for a leaf masked out of weight decay; ``cfg``: offload_adamw's checked arguments (its
     optax.adamw arguments and ``max_grad_norm``); ``dtypes``: each leaf's dtype name (default float32);
-    ``masters``: True for a leaf with an fp32 master (not probed: its code's pairing). Where such a leaf's
-    gradient, or one of a family the probe does not :func:`._probe.trusted`, is computed in the program: one
-    warning naming :data:`FUSED_MAX_ULP`."""
+    ``masters``: True for a leaf with an fp32 master: not probed, its code's pairing (its reference is optax.adamw
+    on the float32 master fed the upcast gradients materialised, which no program around optax.adamw on the
+    fp16/bf16 leaves computes). Where a gradient of a family the probe does not :func:`._probe.trusted` is
+    computed in the program: one warning naming :data:`FUSED_MAX_ULP`."""
     codes = [int(c) for c in codes]
     n = len(codes)
     dtypes = tuple(dtypes) if dtypes is not None else ("float32",) * n
@@ -356,9 +352,6 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
         stats["materialised"] += 1
         return codes
     skip = masters
-    skipped = sum(f and m for f, m in zip(graph.fused, masters))
-    if skipped:
-        _warn_once("master", _MASTER.format(k=skipped, bound=FUSED_MAX_ULP))
     guessed = sum(f and not m and not trusted(c) for f, m, c in zip(graph.fused, masters, codes))
     if guessed:
         _warn_once("guessed", _GUESSED.format(k=guessed, bound=FUSED_MAX_ULP))

@@ -11,7 +11,8 @@ lines (any ``eps > 0``, ``eps_root``, schedule, mask, clip) and optax's fp16/bf1
 with an FMA, and ``b == 0.5``) a fused gradient changes more than the moments' pairing: the probe's pick is the
 closest it finds (seen exact for most leaves, but under ``MultiSteps`` and on small element-wise problems the
 program's own values later differed) and :mod:`._detect` warns once. Leaves with an fp32 master
-(``master_weights=True``) are not probed: their reference is optax on float32 parameters, not this program.
+(``master_weights=True``) are not probed: their reference is optax.adamw on the float32 master fed the upcast
+gradients materialised (the contract's default pairing), not a program around optax.adamw on the fp16/bf16 leaves.
 """
 
 from __future__ import annotations

@@ -316,8 +316,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       mu_dtype: as ``optax.adamw``'s: mu's dtype (None: the leaf's). The state is optax's: nu in the leaf's dtype,
         mu in ``mu_dtype``, so an fp16/bf16 leaf keeps fp16/bf16 moments and no master (optax's default).
       master_weights: fp16/bf16 leaves keep a float32 master and float32 moments instead (the PyTorch adapter's
-        ``master_weights=True``): optax.adamw on float32 parameters fed the upcast gradients, the weights its
-        rounding; ``mu_dtype`` None or float32.
+        ``master_weights=True``): optax.adamw on float32 parameters fed the upcast gradients (materialised: the
+        default FMA pairing, not read from the program), the weights its rounding; ``mu_dtype`` None or float32.
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
         (optax's norm of the float32-upcast gradients, in the program). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
