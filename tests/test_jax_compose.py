@@ -161,8 +161,8 @@ def test_gradient_elementwise_in_the_params(problem):
           _run_elementwise(optax.adamw(0.1, weight_decay=1e-4), problem, 300), problem)
 
 
-@pytest.mark.parametrize("dtype, kw", [(jnp.bfloat16, {}), (jnp.float16, {}), (jnp.bfloat16, dict(mu_dtype=jnp.float32)),
-                                       (jnp.bfloat16, dict(nesterov=True))])
+@pytest.mark.parametrize("dtype, kw", [(jnp.bfloat16, {}), (jnp.float16, {}),
+                                       (jnp.bfloat16, dict(mu_dtype=jnp.float32)), (jnp.bfloat16, dict(nesterov=True))])
 def test_gradient_elementwise_half_state(dtype, kw):
     """optax's fp16/bf16 state (mu_dtype=float32 and nesterov too): the probe reads (or, with no FMA in the lines,
     checks) the pairing of a gradient computed in the same jit; weights and moments bit for bit, alone and under
