@@ -85,7 +85,7 @@ def setups(lr, dev, loss_fn):
 
     def ts(mode):
         def build(params, x):
-            tx = tsj.offload_adamw(lr, mode=mode.split("_")[0])
+            tx = tsj.offload_adamw(lr, mode=mode.split("_")[0], master_weights=True)  # fp32 masters
             state = tx.init(params)
             if mode.startswith("gpu"):  # the device's engine (a library internal): a fresh one per setup,
                 from trainstream.jax import _gpu  # zero-copy (no staging ring) for gpu_zc

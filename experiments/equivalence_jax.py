@@ -194,7 +194,7 @@ class OffloadTrainer:
         self.kind, self.progs, self.device, self.mode, self.last_norm = kind, progs, device, mode, None
         self.device_type = "cpu" if device is None else device.platform
         self.tx = tsj.offload_adamw(progs.schedule, **progs.hp, max_grad_norm=progs.clip, threads=progs.args.threads,
-                                    mode=mode)
+                                    mode=mode, master_weights=True)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, F32).astype(progs.dtype), init)
         if device is not None:
             self.params = jax.device_put(self.params, device)

@@ -21,7 +21,7 @@
 
 // ---- constants checked by trainstream._device_kernels.check_kernel_constants --------------------------------
 // the per-step float32 scalar vector: indices are trainstream.contract.S_*
-#define TS_N_SCALARS 21
+#define TS_N_SCALARS 24
 #define TS_S_CLIP 0
 #define TS_S_OMB1 1
 #define TS_S_BETA2 2
@@ -43,6 +43,9 @@
 #define TS_S_INV_SQRT_BC2 18
 #define TS_S_NEG_LR_WD 19
 #define TS_S_STEP 20
+#define TS_S_EPS_ROOT 21
+#define TS_S_BC1_NEXT 22
+#define TS_S_BETA1_MU 23
 // the optax code's bit that optax/cuda reads (scalars[TS_S_OX_CODE]): trainstream.contract.OX_CLIP
 #define TS_OX_CLIP 8
 // the kernel variants: trainstream.contract.VARIANT_TORCH_CUDA, VARIANT_OPTAX_CUDA
@@ -83,7 +86,7 @@ struct TsMultiItem {
   int flags;                 // TS_F_* (torch's recipes; the conventions' kernels ignore them)
 };
 
-// The kernel's one by-value parameter (3488 bytes: within the 4 KiB every CUDA driver accepts): up to
+// The kernel's one by-value parameter (3584 bytes: within the 4 KiB every CUDA driver accepts): up to
 // TS_SCALAR_SETS distinct scalar vectors (a launch's tensors share a few: one per group and step count),
 // then the tensors by increasing block_start, then the unused items.
 struct TsMultiBatch {

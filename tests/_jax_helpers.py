@@ -105,13 +105,6 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def fused_grads(params):
-    """The leaves whose gradient XLA:CPU fuses into optax's moment update in a train step
-    jitted as a whole: the MLP's (1,)-shaped ``scale`` (its gradient is a full reduction).
-    Found by comparing with the reference; see "Fused gradients" in the contract."""
-    return jax.tree.map(lambda p: p.shape == (1,), params)
-
-
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=5, decay_steps=50, end_value=1e-4)
 
 

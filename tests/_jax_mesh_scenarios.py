@@ -246,7 +246,7 @@ def scenario_bf16():
     mesh = mesh_1d()
     params = params_on(mesh, SPECS_1D, BF16)
     xs = batches(3, seed=3)
-    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0, master_weights=True)
     ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
     s = tx.init(params)
     assert has_specs(s.master, SPECS_1D) and all(x.dtype == F32 for x in jax.tree.leaves(s.master))
@@ -275,10 +275,37 @@ def scenario_bf16():
         same_bits(upd(p_before, s_before, g), p, f"bf16 update + apply_updates step {t + 1}")
 
 
+def scenario_bf16_state():
+    """bf16 leaves sharded with optax's default state (bf16 mu and nu, sharded as the params, no master): update +
+    apply_updates and step equal optax.adamw's program, bit for bit."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D, BF16)
+    xs = batches(3, seed=3)
+    tx, ref = tsj.offload_adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1)
+    s = tx.init(params)
+    assert has_specs(s.mu, SPECS_1D) and all(x.dtype == BF16 for x in jax.tree.leaves((s.mu, s.nu)))
+    grad = jax.jit(jax.grad(loss))
+    step = jax.jit(lambda p, s, g: tx.step(g, s, p))
+
+    def upd(opt):
+        return jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+
+    ours_u, ref_u = upd(tx), upd(ref)
+    p, pu, pr, su, sr = params, params, params, s, ref.init(params)
+    for t, x in enumerate(xs):
+        g = grad(pr, x)
+        p, s = step(p, s, g)
+        pu, su = ours_u(pu, su, g)
+        pr, sr = ref_u(pr, sr, g)
+        same_bits(pu, pr, f"bf16 state update step {t + 1}")
+        same_bits(p, pr, f"bf16 state step {t + 1}")
+        same_bits((su.mu, su.nu), (sr[0].mu, sr[0].nu), f"bf16 moments step {t + 1}")
+
+
 def scenario_clip_2d():
     """A 2 x 2 mesh (leaves sharded over one axis, both, a tuple of axes, and replicated):
     max_grad_norm == chain(clip_by_global_norm, adamw) (the norm in the global view), some
-    steps clipped and some not, update and step; chain(clip, after_clip_by_global_norm)."""
+    steps clipped and some not, update and step; chain(clip_by_global_norm, ours)."""
     mesh = mesh_2d()
     params = params_on(mesh, SPECS_2D)
     xs = batches(4, seed=4)
@@ -294,7 +321,7 @@ def scenario_clip_2d():
         same_runs(got, want, f"max_grad_norm {via}")
         assert has_specs(s.mu, SPECS_2D)
     chained = optax.chain(optax.clip_by_global_norm(m),
-                          tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=m))
+                          tsj.offload_adamw(1e-2, weight_decay=0.1))
     got, _ = train(chained, params, xs)
     same_runs(got, want, "chain")
 
@@ -324,7 +351,7 @@ def scenario_orbax():
     mesh = mesh_1d()
     params = params_on(mesh, SPECS_1D, BF16)
     xs = batches(6, seed=5)
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, max_grad_norm=1.0)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, max_grad_norm=1.0, master_weights=True)
     full, s_full = train(tx, params, xs)
     half, s_half = train(tx, params, xs[:3])
     d = tempfile.mkdtemp()
@@ -437,7 +464,7 @@ def scenario_gpu_path():
                             params = {k: jnp.asarray(np.asarray(v)) for k, v in params.items()}
                         put = (lambda t, like=params, dt=dtype: {k: jax.device_put(jnp.asarray(v, dt), like[k].sharding)
                                                                  for k, v in t.items()})
-                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2)
+                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2, master_weights=True)
                         for via in vias:
                             def body(p, s, g, via=via, tx=tx):
                                 if via == "step":
@@ -471,8 +498,7 @@ SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if na
 def multi_process():
     """4 global devices over 2 processes: each process's callbacks get only its own
     devices' shards; clipped updates against optax on every process, across an orbax save
-    and restore: bit for bit as ``chain(clip_by_global_norm(M), offload_adamw(
-    after_clip_by_global_norm=M))``; with ``max_grad_norm=M`` within 1 ULP: on an AVX2 host,
+    and restore: bit for bit as ``chain(clip_by_global_norm(M), offload_adamw(...))``; with ``max_grad_norm=M`` within 1 ULP: on an AVX2 host,
     over processes only, XLA:CPU computes w2's gradient for our callback in other roundings
     than in optax's program (w2's moments after one step: optax's equal C1 * the gradient
     jitted alone, ours differ in 5 of 32), and 1 weight of 190 ends 1 ULP off after 3 steps."""
@@ -492,7 +518,7 @@ def multi_process():
     want, _ = train(ref, params, xs)
     mgn, _ = train(tsj.offload_adamw(1e-2, weight_decay=0.1, max_grad_norm=0.5), params, xs)
     tx = optax.chain(optax.clip_by_global_norm(0.5),
-                     tsj.offload_adamw(1e-2, weight_decay=0.1, after_clip_by_global_norm=0.5))
+                     tsj.offload_adamw(1e-2, weight_decay=0.1))
     with CallbackShapes() as cb:
         got, s = train(tx, params, xs[:2])
     ck = ocp.StandardCheckpointer()  # every process writes its shards

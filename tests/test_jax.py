@@ -19,7 +19,6 @@ from _jax_helpers import (  # noqa: E402
     _copy,
     assert_tree_bits,
     decay_mask,
-    fused_grads,
     mlp_batch,
     mlp_init,
     mlp_loss,
@@ -67,7 +66,7 @@ def test_jit_matches_optax_adamw_schedule_mask(model):
     params = init(rng)
     kw = dict(b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.05, mask=decay_mask)
     ref = optax.adamw(SCHEDULE, **kw)
-    tx = tsj.offload_adamw(SCHEDULE, xla_fused_grads=fused_grads, **kw)
+    tx = tsj.offload_adamw(SCHEDULE, **kw)
     p_ref, s_ref = _copy(params), ref.init(params)
     p, s = _copy(params), tx.init(params)
     traces = []
@@ -119,7 +118,7 @@ def test_bf16_params_match_fp32_master_reference():
     master = jax.tree.map(lambda x: x.astype(F32), params)  # the master starts as the bf16 weights
     kw = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, mask=decay_mask)
     ref = optax.adamw(SCHEDULE, **kw)
-    tx = tsj.offload_adamw(SCHEDULE, **kw)
+    tx = tsj.offload_adamw(SCHEDULE, **kw, master_weights=True)  # the fp32-master scheme (opt-in)
     s_ref, s = ref.init(master), tx.init(params)
 
     @jax.jit
@@ -149,7 +148,7 @@ def test_single_leaf_pytree():
     """A bare array as the whole pytree (XLA:CPU compiles optax differently for it)."""
     rng = np.random.default_rng(4)
     w = jnp.asarray(rng.standard_normal((20, 15)).astype(np.float32))
-    # a matmul makes the gradient (an element-wise one would be fused, see fused_grads)
+    # a matmul makes the gradient (an element-wise one: tests/test_jax_compose.py)
     loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
     ref, tx = optax.adamw(1e-2, weight_decay=0.1), tsj.offload_adamw(1e-2, weight_decay=0.1)
     p_ref, s_ref, p, s = w, ref.init(w), jnp.array(w, copy=True), tx.init(w)

@@ -103,7 +103,8 @@ def test_gpu_mode_is_optax_on_the_gpu_bit_for_bit(via, dtype, clip):
     updates themselves equal optax.adamw's jitted on the GPU, step after step."""
     dev = _gpu()
     params = _params(jnp.dtype(dtype), dev)
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="gpu")
+    tx = tsj.offload_adamw(SCHEDULE, master_weights=True, weight_decay=1e-2, mask=_mask, max_grad_norm=clip,
+                           mode="gpu")
     ref = _ref_tx(SCHEDULE, clip)
 
     def ours(p, s, g):
@@ -149,7 +150,8 @@ def test_cpu_mode_within_the_contract_bound(dtype, clip):
     the step (IEEE sqrt and division on the host, XLA:GPU's approximations there)."""
     dev = _gpu()
     params = _params(jnp.dtype(dtype), dev)
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="cpu")
+    tx = tsj.offload_adamw(SCHEDULE, master_weights=True, weight_decay=1e-2, mask=_mask, max_grad_norm=clip,
+                           mode="cpu")
     ref = _ref_tx(SCHEDULE, clip)
 
     @jax.jit
@@ -214,10 +216,11 @@ def test_optax_wrappers_in_gpu_mode_are_optax_bit_for_bit(wrap):
     gs = [_grads(rng, params, dev, exact_norm=True) for _ in range(6)]
     kw = dict(weight_decay=0.05)
     if wrap == "chain_clip":
-        ours = optax.chain(optax.clip_by_global_norm(0.5), tsj.offload_adamw(1e-3, mode="gpu", **kw))
+        ours = optax.chain(optax.clip_by_global_norm(0.5),
+                           tsj.offload_adamw(1e-3, master_weights=True, mode="gpu", **kw))
         ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, **kw))
     elif wrap == "multisteps":
-        ours = optax.MultiSteps(tsj.offload_adamw(1e-3, mode="gpu", **kw), 2)
+        ours = optax.MultiSteps(tsj.offload_adamw(1e-3, master_weights=True, mode="gpu", **kw), 2)
         ref = optax.MultiSteps(optax.adamw(1e-3, **kw), 2)
     elif wrap == "inject_hyperparams":
         ours = optax.inject_hyperparams(tsj.offload_adamw, static_args=("mode",))(
@@ -225,7 +228,7 @@ def test_optax_wrappers_in_gpu_mode_are_optax_bit_for_bit(wrap):
         ref = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, b1=0.85, **kw)
     else:
         mask = {k: k in ("a", "e") for k in params}
-        ours, ref = optax.masked(tsj.offload_adamw(1e-3, mode="gpu", **kw), mask), optax.masked(optax.adamw(1e-3, **kw), mask)
+        ours, ref = optax.masked(tsj.offload_adamw(1e-3, master_weights=True, mode="gpu", **kw), mask), optax.masked(optax.adamw(1e-3, **kw), mask)
     a, sa = _train(ours, params, gs, dev)
     b, _ = _train(ref, params, gs, dev)
     for t, (x, y) in enumerate(zip(a, b)):
@@ -273,12 +276,12 @@ def test_nnx_optimizer_and_orbax_in_gpu_mode():
             step(model, opt, grads(model, x))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
-    _same(train(tsj.offload_adamw(1e-2, weight_decay=0.1, mode="gpu")),
+    _same(train(tsj.offload_adamw(1e-2, master_weights=True, weight_decay=0.1, mode="gpu")),
           train(optax.adamw(1e-2, weight_decay=0.1)), "nnx.Optimizer")
 
     params = _params(jnp.bfloat16, dev, seed=6)
     gs = [_grads(rng, params, dev) for _ in range(6)]
-    tx = tsj.offload_adamw(SCHEDULE, weight_decay=0.1, mask=_mask, mode="gpu")
+    tx = tsj.offload_adamw(SCHEDULE, master_weights=True, weight_decay=0.1, mask=_mask, mode="gpu")
 
     @jax.jit
     def step(p, s, g):
@@ -325,7 +328,7 @@ def test_no_optimizer_state_in_gpu_memory(mode):
               for k in ("w1", "w2")}
     x = jax.device_put(jnp.asarray(rng.standard_normal((64, 1024)).astype(np.float32)), dev)
     pbytes = sum(a.nbytes for a in params.values())
-    tx = tsj.offload_adamw(1e-3, mode=mode)
+    tx = tsj.offload_adamw(1e-3, master_weights=True, mode=mode)
     before = dev.memory_stats()["bytes_in_use"]
     state = tx.init(params)
     after = dev.memory_stats()["bytes_in_use"]
@@ -364,7 +367,7 @@ def test_train_step_with_gradients_in_the_same_program(mode, clip):
         return jnp.mean((a @ p["w"] + p["b"] - y) ** 2)
 
     ref_tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-2)) if clip else optax.adamw(1e-2)
-    tx = tsj.offload_adamw(1e-2, max_grad_norm=clip, mode=mode)
+    tx = tsj.offload_adamw(1e-2, master_weights=True, max_grad_norm=clip, mode=mode)
 
     def make(opt):
         @jax.jit
@@ -394,7 +397,7 @@ def test_eager_equals_jit_and_the_state_is_pure(mode):
     p0 = _params(jnp.float32, dev, seed=3)
     rng = np.random.default_rng(4)
     gs = [_grads(rng, p0, dev) for _ in range(3)]
-    tx = tsj.offload_adamw(1e-3, max_grad_norm=1.0, mode=mode)
+    tx = tsj.offload_adamw(1e-3, master_weights=True, max_grad_norm=1.0, mode=mode)
     pa, sa = p0, tx.init(p0)
     pb, sb = p0, tx.init(p0)
     jstep = jax.jit(tx.step)
@@ -414,7 +417,7 @@ def test_state_dict_round_trip_between_modes_on_gpu():
     rng = np.random.default_rng(6)
     gs = [_grads(rng, p0, dev) for _ in range(6)]
     kw = dict(weight_decay=1e-2, mask=_mask)
-    tx = tsj.offload_adamw(1e-3, mode="gpu", **kw)
+    tx = tsj.offload_adamw(1e-3, master_weights=True, mode="gpu", **kw)
     step = jax.jit(tx.step)
     p, s = p0, tx.init(p0)
     for g in gs[:3]:
@@ -424,7 +427,7 @@ def test_state_dict_round_trip_between_modes_on_gpu():
     for g in gs[3:]:
         p, s = step(g, s, p)
     for mode in ("gpu", "cpu"):
-        tx2 = tsj.offload_adamw(1e-3, mode=mode, **kw)
+        tx2 = tsj.offload_adamw(1e-3, master_weights=True, mode=mode, **kw)
         s2 = tx2.load_state_dict(tx2.init(p_ck), ckpt)
         _host_state(s2)
         assert int(s2.count) == 3
@@ -440,8 +443,8 @@ def test_bad_input_on_gpu():
     params = _params(jnp.float32, dev)
     cpu_params = jax.tree.map(lambda a: jax.device_put(a, jax.devices("cpu")[0]), params)
     with pytest.raises(ValueError, match="mode='gpu'.*parameters are on the CPU"):
-        tsj.offload_adamw(1e-3, mode="gpu").init(cpu_params)
-    tx = tsj.offload_adamw(1e-3, mode="gpu")
+        tsj.offload_adamw(1e-3, master_weights=True, mode="gpu").init(cpu_params)
+    tx = tsj.offload_adamw(1e-3, master_weights=True, mode="gpu")
     s = tx.init(params)
     g = jax.tree.map(jnp.zeros_like, params)
     on_device = s._replace(mu=jax.tree.map(lambda a: jax.device_put(np.asarray(a), dev), s.mu))
@@ -480,7 +483,7 @@ def test_sharded_over_a_one_device_mesh(mode, dtype, tmp_path):
     rng = np.random.default_rng(10)
     gs = [_grads(rng, params, dev, exact_norm=True) for _ in range(6)]
     kw = dict(weight_decay=1e-2, mask=_mask, max_grad_norm=0.5, mode=mode)
-    tx, tx1 = tsj.offload_adamw(SCHEDULE, **kw), tsj.offload_adamw(SCHEDULE, **kw)
+    tx, tx1 = (tsj.offload_adamw(SCHEDULE, master_weights=True, **kw) for _ in range(2))
     ref = _ref_tx(SCHEDULE, 0.5)
 
     def make(opt):

@@ -79,7 +79,7 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     rng = np.random.default_rng(1)
     gs = [_grads(rng, params) for _ in range(4)]
     want_p, want_m, want_v = _reference(params, gs, lr, wd)
-    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2)
+    tx = tsj.offload_adamw(lr, master_weights=True, weight_decay=wd, mask=_mask, mode=mode, threads=2)
     for donate in (True, False):
         for via in ("step", "update"):
             s = tx.init(params)
@@ -157,7 +157,7 @@ def test_gpu_path_compositions_keep_the_state_in_host_memory(simulated_gpu):
 
     kinds = lambda s: {x.sharding.memory_kind for x in jax.tree.leaves(s) if x.ndim}  # noqa: E731
     for mode in ("gpu", "cpu"):
-        base = tsj.offload_adamw(1e-2, mode=mode, threads=2)
+        base = tsj.offload_adamw(1e-2, master_weights=True, mode=mode, threads=2)
         p_plain, s_plain = run(base)
         p_scan, s_scan = run(base, scan=True)
         for a, b in zip(jax.tree.leaves(p_scan), jax.tree.leaves(p_plain)):
@@ -177,7 +177,7 @@ def test_gpu_path_compositions_keep_the_state_in_host_memory(simulated_gpu):
 
 def test_gpu_path_refuses_state_in_device_memory(simulated_gpu):
     params = _params(jnp.float32)
-    tx = tsj.offload_adamw(1e-2, mode="gpu")
+    tx = tsj.offload_adamw(1e-2, master_weights=True, mode="gpu")
     s = tx.init(params)
     on_device = s._replace(mu=jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices("cpu")[0]), s.mu))
     g = _grads(np.random.default_rng(3), params)

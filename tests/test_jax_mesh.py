@@ -15,7 +15,8 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jax_mesh_scenarios.py")
-SCENARIOS = ["fp32", "clip_2d", "bf16", "explicit_axes", "orbax", "user_shard_map", "errors", "gpu_path"]
+SCENARIOS = ["fp32", "clip_2d", "bf16", "bf16_state", "explicit_axes", "orbax", "user_shard_map", "errors",
+             "gpu_path"]
 
 
 def _start(*args):
@@ -59,9 +60,9 @@ def test_sharded_scenario(scenarios, name):
     """fp32: update + apply_updates, step, eager update (rows, columns, replicated and
     one-element-per-shard leaves; the state keeps the shardings; each callback gets its
     device's shards). clip_2d: a 2 x 2 mesh, max_grad_norm and chain(clip_by_global_norm,
-    ...). bf16: fp32 masters. explicit_axes: a mesh of Explicit axes. orbax: save /
-    restore into an abstract target / resume. user_shard_map: inside the user's
-    shard_map. errors: clear errors. gpu_path: the pinned_host path (CUDA calls
+    ...). bf16: fp32 masters (master_weights=True). bf16_state: optax's bf16 moments.
+    explicit_axes: a mesh of Explicit axes. orbax: save / restore into an abstract target /
+    resume. user_shard_map: inside the user's shard_map. errors: clear errors. gpu_path: the pinned_host path (CUDA calls
     simulated) against its single-device run."""
     assert re.search(rf"^SCENARIO {re.escape(name)} ok$", scenarios, re.M), _section(scenarios, name)
 

@@ -50,7 +50,7 @@ class _MultiItem(ctypes.Structure):
 
 
 class _MultiBatch(ctypes.Structure):
-    """``struct TsMultiBatch``: the kernel's by-value parameter (3488 bytes, within the 4 KiB that every CUDA
+    """``struct TsMultiBatch``: the kernel's by-value parameter (3584 bytes, within the 4 KiB that every CUDA
     driver accepts for a launch's parameters): :data:`SCALAR_SETS` scalar vectors, then :data:`MULTI_MAX` items;
     the unused items after the tensors have ``block_start`` :data:`_UNUSED_BLOCK`."""
     _fields_ = [("sets", _Scalars * SCALAR_SETS), ("items", _MultiItem * MULTI_MAX)]

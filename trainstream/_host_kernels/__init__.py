@@ -37,11 +37,11 @@ from ._ops import load as _load
 from ._ops import prefetch_r as _prefetch_r
 from ._ops import prefetch_w as _prefetch_w
 from ._ops import round16 as _round16
-from ._optax import OUT_IN_GRAD, OUT_U, build_adamw
+from ._optax import OUT_IN_GRAD, OUT_U, build_adamw, rsqrt_estimate_array
 from ._torch import W_IN_GRAD, W_NONE, W_OUT, W_SELF, build_accumulate, build_torch
 
 __all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "KIND", "OUT_IN_GRAD", "OUT_U", "adamw_chunk", "accumulate_chunk",
-           "torch_key", "fma32"]
+           "torch_key", "fma32", "rsqrt_estimate_array"]
 
 #: The kernels' codes of the dtypes.
 KIND = {"float32": KIND_F32, "float16": KIND_F16, "bfloat16": KIND_BF16}
@@ -135,11 +135,13 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     """One AdamW update of elements ``[begin, end)`` (:mod:`trainstream.contract`).
 
     Without ``recipe`` (the optax convention, or the torch convention's default fp32 arithmetic by ``variant``):
-    ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place; ``g`` the gradient (float32 for ``gkind`` 0,
-    uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights rounded to ``okind``
-    (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each gradient is read before its weight
-    overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16``, a float32 array, receives ``u``; ``p`` is only
-    read. ``s``: the contract's scalar vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
+    ``p`` fp32 master and ``m``/``v`` fp32 moments, updated in place (optax/cpu's fp16/bf16 families,
+    :func:`~trainstream.contract.optax_family`: ``p``, ``v`` and (without ``OX_MU_F32``) ``m`` the uint16 bits of
+    ``gkind``, ``OX_MU_BF16``: ``m`` bfloat16 bits; ``okind`` 0 or :data:`OUT_U`); ``g`` the gradient (float32 for
+    ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights rounded to
+    ``okind`` (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each gradient is read before
+    its weight overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16`` receives ``u`` (float32, or the
+    leaf's bits for fp16/bf16 state); ``p`` is only read. ``s``: the contract's scalar vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
     code. With ``recipe`` (a :class:`~trainstream.contract.TorchRecipe`; ``variant`` is ignored): ``m``, ``v`` and
     (amsgrad) ``vmax`` in the state dtype (float32, or the uint16 bits of fp16/bf16); without a master (fp16/bf16
     state) ``p`` is None and ``out16`` holds the weights' bits, read and written; else as above, ``okind`` the
@@ -147,9 +149,12 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     :func:`~trainstream.contract.torch_cpu_tails`. Unchecked: buffers must be C-contiguous, long enough, and
     disjoint but for ``out16 is g`` (the callers check)."""
     if recipe is None and variant in _OPTAX:
+        mode = int(s[C.S_OX_CODE]) if variant == VARIANT_OPTAX_CPU else 0
         if okind == OUT_U:
-            if out16 is None or out16.dtype != np.float32:
-                raise ValueError("adamw_chunk: okind OUT_U writes u into a float32 out")
+            want = np.uint16 if mode & C.OX_HALF and not mode & C.OX_MU_F32 else np.float32  # u in optax's dtype
+            if out16 is None or out16.dtype != want:
+                raise ValueError(f"adamw_chunk: okind OUT_U with optax code {mode} writes u into a {np.dtype(want)} "
+                                 "out")
         elif out16 is None:
             okind, out16 = KIND_F32, _NO_OUT
         elif out16 is g and okind != KIND_F32:
@@ -157,7 +162,6 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
                 raise ValueError(f"adamw_chunk: weights written into the gradient buffer must keep its kind ({gkind}), "
                                  f"got {okind}")
             okind, out16 = OUT_IN_GRAD, _NO_OUT
-        mode = int(s[C.S_OX_CODE]) if variant == VARIANT_OPTAX_CPU else 0
         _kernel("adamw", (variant, gkind, okind, mode))(p, m, v, g, out16, begin, end, s)
         return
     if recipe is None:

@@ -171,6 +171,40 @@ def rt(x, kind):
     return load(round16(x, kind), kind)
 
 
+@njit(inline="always", **OPTS)
+def round_xla(x, kind):
+    """float32 -> uint16 bits of ``kind`` (1 fp16, 2 bf16) as XLA:CPU converts: :func:`round16`, but a NaN keeps its
+    sign (and in fp16 the top of its payload): ``sign | 0x7E00 | mantissa >> 13``, ``sign | 0x7FC0``."""
+    u = _bits_f32(x)
+    sign = np.uint32((u >> _U16) & np.uint32(0x8000))
+    if kind == KIND_F16:
+        nan = np.uint32(sign | np.uint32(0x7E00) | ((u >> np.uint32(13)) & np.uint32(0x3FF)))
+    else:
+        nan = np.uint32(sign | np.uint32(0x7FC0))
+    return np.uint16(select(x != x, nan, np.uint32(round16(x, kind))))
+
+
+@njit(inline="always", **OPTS)
+def rx(x, kind):
+    """XLA:CPU's rounding of a flushed float32 result to ``kind`` and back: ``load(round_xla(ftz(x)))``."""
+    return load(round_xla(ftz(x), kind), kind)
+
+
+@intrinsic
+def rsqrt_estimate(typingctx, x):
+    """This CPU's ``1/sqrt`` estimate of float32 ``x`` (SSE's ``rsqrtss``, the vendor's table: what XLA:CPU's
+    ``rsqrt`` starts from); x86-64 only (compiled only by the kernels that need it)."""
+    if x != types.float32:
+        return None
+    def codegen(context, builder, signature, args):
+        v4 = ir.VectorType(ir.FloatType(), 4)
+        fn = builder.module.declare_intrinsic("llvm.x86.sse.rsqrt.ss", fnty=ir.FunctionType(v4, [v4]))
+        lane = ir.Constant(ir.IntType(32), 0)
+        vec = builder.insert_element(ir.Constant(v4, [ir.Constant(ir.FloatType(), 0.0)] * 4), args[0], lane)
+        return builder.extract_element(builder.call(fn, [vec]), lane)
+    return types.float32(x), codegen
+
+
 __all__ = ["KIND_F32", "KIND_F16", "KIND_BF16", "KINDS", "OPTS", "STRIP", "AHEAD", "LINE", "select", "mad", "ftz",
            "mad_xla", "max_nan", "prefetch_r", "prefetch_w", "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16",
-           "load", "round16", "rt", "fma32"]
+           "load", "round16", "rt", "round_xla", "rx", "rsqrt_estimate", "fma32"]

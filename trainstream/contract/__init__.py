@@ -173,20 +173,27 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
 
   *Fused gradients* (a limit of any optimizer outside XLA): these pairings hold for a gradient
   that reaches the moment-update fusion materialised: always when ``update`` is jitted apart,
-  and in a step jitted whole for gradients of matmuls and multi-element reductions (every leaf
-  of the tests' MLP and transformer). XLA:CPU may instead fuse a gradient's computation into
-  the moment updates (seen for a ``(1,)`` leaf whose gradient is a full reduction, small
-  leaves with a gradient element-wise in the parameter, bf16 gradients cast in the update's
-  program); LLVM then contracts the *other* products, ``OX_NU_SWAP | OX_MU_SWAP`` (with
-  clipping nothing changed in the cases probed). A buffer does not tell: the JAX adapter takes
-  the affected leaves as ``xla_fused_grads``. Rarer cases (a gradient XLA simplifies with the
-  moment update, e.g. of a loss quadratic in a scalar) match no pairing. Verified
-  (tests/test_jax_compose.py): ``optax.chain(optax.clip_by_global_norm(M), adamw)``'s clipped
-  gradient (``max_norm=M``'s pairing without :data:`OX_CLIP`:
-  ``after_clip_by_global_norm=M``), ``optax.MultiSteps``'s accumulated one
-  (``xla_fused_grads=True``). Not reproduced: a ``lax.pmean`` of gradients fused into the
-  update under ``jax.pmap`` (several leaves match no code; reduced in a program of their own
-  they are exact), and in x64 mode float64 gradients cast to float32 in the update's program.
+  and in a step jitted whole for gradients of matmuls and multi-element reductions. XLA:CPU
+  may instead recompute a gradient's element-wise producer inside each moment loop
+  (``clip_by_global_norm``'s select, ``MultiSteps``' running mean, ``lax.pmean``'s ``* 0.5``
+  folded into the moment's constants, a gradient element-wise in the parameters, a full
+  reduction for a ``(1,)`` leaf); the values are the same, but LLVM then contracts the other
+  product: :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP` or both, per leaf, depending on the pattern,
+  the leaf's size and the constants XLA folds. A buffer does not tell: the JAX adapter reads
+  the pairing from XLA when the step is traced (``trainstream.jax._detect``: the gradient's
+  producer graph compiled feeding optax's update, each leaf given the bits that reproduce it
+  bit for bit). Bound where no pairing reproduces XLA's program (XLA folds a gradient's
+  constant into the moment line, e.g. ``sum(x ** 3)``'s ``3 * x ** 2``; x64 mode's float64
+  gradients cast in the update's program): the per-step distance the probe measured, warned
+  once (1-3 ULP of ``update_ulps`` seen, up to 10 under ``MultiSteps``: the bound stated
+  where it is not measured); it compounds over steps. Per family: the pairing read held bit for
+  bit for the float32 lines (``eps > 0``, ``eps_root``, clip) and for fp16/bf16 state
+  (:data:`OX_HALF`, with :data:`OX_MU_F32` or :data:`OX_NESTEROV` too; without :data:`OX_MU_F32`
+  its lines have no FMA and no pairing bit). With :data:`OX_NESTEROV`, :data:`OX_RSQRT` or
+  :data:`OX_MU_BF16` in the float32 lines, and :data:`OX_B1_HALF`/:data:`OX_B2_HALF`, a fused
+  gradient changes more than the moments' pairing: the closest pairing, warned once with the
+  10 ULP bound. fp32-master leaves keep the default pairing: their reference is optax on the
+  float32 master fed the upcast gradients materialised (an upcast fused into it pairs otherwise).
 
   A custom call hands ``u`` back to the program, where ``scale_by_learning_rate`` and
   ``apply_updates`` fuse into the same ``fma(f(-lr), u, p)``. ``apply_updates`` jitted *apart*
@@ -198,6 +205,20 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   (3- and 7-leaf MLPs, a single leaf, with and without clipping); at ``AVX2`` and ``AVX512`` the
   fused lines hold. The adapter probes XLA:CPU with one jitted ``a*b + c`` (``powf`` and the bias
   corrections did not change).
+
+  *Every argument and dtype of optax.adam/adamw* (:func:`optax_family`, the lines one for one in
+  :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(v/d2 + eps_root)``), ``nesterov``
+  (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
+  (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
+  :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
+  ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
+  rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
+  no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
+  :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with
+  ``mu_dtype=float32`` (:data:`OX_MU_F32`) a float32 mu. Each constant is optax's in its dtype (weak-typed Python
+  floats rounded to the array's dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16
+  state, ``mu_dtype=bfloat16`` on fp16 leaves, ``b == 0.5`` on one-element fp16/bf16 leaves, nesterov with
+  ``OX_RSQRT`` on float32 leaves.
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 
@@ -225,15 +246,19 @@ exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close t
 only below float64 precision, far from any practical setting.
 """
 
+from ._optax_reference import optax_reference_update, round_xla, xla_rsqrt
 from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_SQRT_MAX_ULP, bf16_bits_to_f32,
                          f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
                          update_ulps)
-from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA,
-                       OX_NU_SWAP, PLATFORMS, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS,
-                       S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR, S_NEG_LR_WD, S_NEG_STEP, S_OMB1,
-                       S_OMB2, S_OX_CODE, S_STEP, S_SQRT_BC2, S_WD, TC_CODES, TC_NO_FMA, TC_VEC512, VARIANT_OPTAX_CPU,
-                       VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA, AdamWHyperParams, OptaxStepScalars,
-                       clip_coefficient, optax_bias_corrections, optax_clip_scalars, optax_cpu_code, optax_scalar_matrix,
+from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_CODES, OX_FORM_R, OX_HALF,
+                       OX_HALF_DIV,
+                       OX_MU_BF16, OX_MU_F32, OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV,
+                       PLATFORMS, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV,
+                       S_DECAY, S_EPS, S_EPS_ROOT, S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR,
+                       S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_STEP, S_WD, TC_CODES, TC_NO_FMA,
+                       TC_VEC512, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
+                       AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections,
+                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_scalar_matrix,
                        optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)
 from ._torch import (FAMILIES, IMPLS, TORCH_MAX_STEP, TorchRecipe, check_recipe, default_recipe, math_dtype,
                      resolve_impl, state_dtype, tail_mask, tails_follow_threads, torch_cpu_tails, torch_family,
@@ -243,9 +268,11 @@ from ._torch_reference import torch_reference_update
 __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
-    "optax_scalar_matrix", "OptaxStepScalars", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
+    "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
+    "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",
-    "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask", "tails_follow_threads",
+    "state_dtype", "math_dtype", "torch_family", "torch_scalars", "torch_cpu_tails", "tail_mask",
+    "tails_follow_threads",
     "torch_reference_update",
 ]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._scalars import (OX_CLIP, OX_CODES, OX_FORM_R, OX_MU_SWAP, OX_NO_FMA, OX_NU_SWAP, S_BC1, S_BC2_OPTAX, S_BETA1,
-                       S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL, S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2,
-                       S_OX_CODE, S_SQRT_BC2, S_WD, VARIANT_OPTAX_CPU, VARIANT_TORCH_CPU, variant_id)
+from ._scalars import (OX_CLIP, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL,
+                       S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, VARIANT_OPTAX_CPU,
+                       VARIANT_TORCH_CPU, variant_id)
 
 # -- where bit-identity is impossible: the bounds, in float32 ULPs --------------------------
 #: ``Tensor.sqrt()`` on the CPU (MKL's high-accuracy ``vsSqrt``) against the correctly rounded
@@ -118,8 +118,9 @@ def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray,
     variant = variant_id(convention, platform)
     s = np.asarray(scalars, np.float32)
     p, m, v = (np.asarray(a, np.float32) for a in (p, m, v))
-    if variant == VARIANT_OPTAX_CPU:
-        return _reference_optax_cpu(p, m, v, np.asarray(g, np.float32), s)
+    if variant == VARIANT_OPTAX_CPU:  # the float32 lines (an fp16/bf16 leaf's master too)
+        from ._optax_reference import optax_reference_update  # noqa: PLC0415 (it builds on this module)
+        return optax_reference_update(p, m, v, g, s)[:3]
     with np.errstate(all="ignore"):
         g0 = g
         g = np.asarray(g, np.float32) * s[S_CLIP]
@@ -156,32 +157,6 @@ def ftz(x) -> np.ndarray:
     """Denormals to signed zero (XLA:CPU's FTZ on results, DAZ on operands)."""
     x = np.asarray(x, np.float32)
     return np.where(np.abs(x) < _F32_TINY, np.copysign(np.float32(0.0), x), x).astype(np.float32)
-
-
-def _reference_optax_cpu(p, m, v, g, s):
-    """The optax/cpu lines of the module docstring, with FTZ/DAZ on every operation."""
-    code = int(s[S_OX_CODE])
-    if float(code) != float(s[S_OX_CODE]) or code not in OX_CODES:
-        raise ValueError(f"scalars[S_OX_CODE] = {s[S_OX_CODE]!r} is not an optax/cpu code")
-    z = ftz
-    B1, C1, B2, C2 = z(s[S_BETA1]), z(s[S_OMB1]), z(s[S_BETA2]), z(s[S_OMB2])
-    d1, d2, eps, wd, neg_lr = z(s[S_BC1]), z(s[S_BC2_OPTAX]), z(s[S_EPS]), z(s[S_WD]), z(s[S_NEG_LR])
-    mul, div = z(s[S_CLIP]), z(s[S_CLIP_DIV])
-    fma = (lambda a, b, c: z(a * b) + c) if code & OX_NO_FMA else fma_f32
-    with np.errstate(all="ignore"):
-        p, m, v, g = z(p), z(m), z(v), z(g)
-        g = z(z(g / div) * mul) if code & OX_CLIP else z(g * mul)
-        m = z(fma(B1, m, z(C1 * g))) if code & OX_MU_SWAP else z(fma(C1, g, z(B1 * m)))
-        gg = z(g * g)
-        v = z(fma(B2, v, z(C2 * gg))) if code & OX_NU_SWAP else z(fma(C2, gg, z(B2 * v)))
-        if code & OX_FORM_R:
-            r1, r2 = z(np.float32(1.0) / d1), z(np.float32(1.0) / d2)
-            q = z(z(m * r1) / z(np.sqrt(z(v * r2)) + eps))
-        else:
-            q = z(m / z(d1 * z(np.sqrt(z(v / d2)) + eps)))
-        u = z(fma(wd, p, q)) if wd != 0 else q
-        p = z(fma(neg_lr, u, p))
-    return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)
 
 
 def update_ulps(got: np.ndarray, want: np.ndarray, prev: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ VARIANT_OPTAX_CUDA = 3
 # S_CLIP multiplies the gradient in both conventions: torch's c, optax's M of clip_by_global_norm when
 # it triggers (else 1.0). The engine's max_grad_norm (torch's clip_grad_norm_ formula) uses it in both;
 # only the JAX adapter's clip_by_global_norm inputs reproduce optax's clipping.
-N_SCALARS = 21
+N_SCALARS = 24
 # both conventions
 S_CLIP = 0  # c: fp32 gradient multiplier (1.0 when not clipping)
 S_OMB1 = 1  # f(1 - b1): torch's lerp weight, optax's weight of g in m
@@ -54,14 +54,50 @@ S_L2 = 17  # Adam's L2 weight decay, g += p * S_L2: f(wd), or R(wd) on CPU fp16/
 S_INV_SQRT_BC2 = 18  # cuda single-tensor: f(1 / sqrt(bc2)), the reciprocal of the CPU scalar in float64
 S_NEG_LR_WD = 19  # cuda fused AdamW: -RN(f(lr) * f(wd)), p1 = fma(S_NEG_LR_WD, p, p); 0.0: none
 S_STEP = 20  # cuda fused on the device: the float32 step t, for the kernel's own powf (the host takes S_SQRT_BC2, S_NEG_STEP)
+# optax convention, appended (optax/cpu; the optax/cuda lines have none of them)
+S_EPS_ROOT = 21  # eps_root, added to nu_hat under the root (0.0: optax's default, the same bits as none)
+S_BC1_NEXT = 22  # nesterov: 1 - b1**(t+1) (optax's bias correction of mu one step ahead)
+S_BETA1_MU = 23  # b1 as it multiplies the stored mu (OX_MU_BF16: the bfloat16 constant); else S_BETA1
 
-# -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled (see the docstring) -------
+# -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled, and the leaf's dtype family (the docstring) -
 OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
 OX_NU_SWAP = 2  # v = fma(b2, v, RN((1-b2)*gg)) (clip in the chain, or a fused gradient)
 OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with clip; fused gradients)
 OX_CLIP = 8  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV first
 OX_NO_FMA = 16  # XLA:CPU without FMA3: every fma of the lines is RN(RN(a*b) + c)
-OX_CODES: tuple[int, ...] = tuple(range(32))
+OX_NESTEROV = 32  # nesterov=True: mu_hat = b1*m/d1n + (1-b1)*g/d1
+OX_RSQRT = 64  # XLA's rewrite of m / (sqrt(v) + 0) into m * rsqrt(v) (a constant eps that is 0 in the dtype)
+OX_RSQRT_DIV = 128  # XLA:CPU's float32 rsqrt is RN(1 / RN(sqrt(x))) (else the estimate and one Newton step)
+OX_B1_HALF = 256  # XLA's factoring (1-b1)*g + b1*m -> (g + m)*b1: the constants R(1-b1) == R(b1)
+OX_B2_HALF = 512  # likewise (1-b2)*g*g + b2*v -> (g*g + v)*b2
+OX_HALF = 1024  # optax's state of an fp16/bf16 leaf: nu (and mu, but with OX_MU_F32) in its dtype, no master
+OX_MU_F32 = 2048  # mu_dtype=float32 on an fp16/bf16 leaf (with OX_HALF)
+OX_MU_BF16 = 4096  # mu_dtype=bfloat16 on a float32 leaf
+OX_HALF_DIV = 8192  # OX_HALF on a one-element leaf: the divisions by the corrections stay divisions (no reciprocal)
+
+
+def optax_code_valid(code: int) -> bool:
+    """Whether ``code`` is an optax/cpu code (:func:`optax_cpu_code` gives only these): a family (float32, its
+    ``OX_MU_BF16``, ``OX_HALF`` with or without ``OX_MU_F32``) and the bits its lines read."""
+    if not 0 <= code < 2 * OX_HALF_DIV:
+        return False
+    if code & OX_HALF_DIV and (not code & OX_HALF or code & (OX_B1_HALF | OX_B2_HALF)):  # b == 0.5 there: not read
+        return False
+    half, mixed = code & OX_HALF, code & (OX_MU_F32 | OX_MU_BF16)
+    if (code & OX_MU_F32 and not half) or (code & OX_MU_BF16 and half) or (code & OX_RSQRT_DIV and not code & OX_RSQRT):
+        return False
+    if not half and code & OX_NESTEROV and code & OX_RSQRT:  # XLA's pairing there varies with the pytree
+        return False
+    if half and code & (OX_FORM_R | OX_CLIP):  # the reciprocal form always; clipping is refused
+        return False
+    if half and mixed and code & (OX_RSQRT | OX_B1_HALF | OX_NU_SWAP):
+        return False
+    if half and not mixed and code & (OX_RSQRT_DIV | OX_NU_SWAP | OX_MU_SWAP | OX_NO_FMA):  # no FMA in those lines
+        return False
+    return not (code & OX_MU_BF16 and code & OX_B1_HALF)
+
+
+OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
 
 # -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA | TC_VEC512 ---
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
@@ -140,44 +176,82 @@ class OptaxStepScalars(NamedTuple):
     step_size: Any  # the factor of scale_by_learning_rate, as optax forms it (-lr)
 
 
-def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, weight_decay, global_norm=None,
-                        max_norm=None, xp=np) -> OptaxStepScalars:
-    """The ``optax`` convention's per-step scalar matrix, one row per leaf (``codes``: each
-    leaf's :func:`optax_cpu_code`; ``decays``: False for a leaf masked out of weight decay).
+def optax_family(code: int, dtype: str = "float32") -> tuple[str, str, str, str]:
+    """The dtypes of a leaf of ``dtype`` whose code is ``code``, as optax computes them: ``(g, mu, mu state,
+    update)``: the gradient's (and nu's: the leaf's, float32 for the fp32 master's lines), the pre-cast first
+    moment's (``(1-b1)*g + b1*mu``), the stored mu's (``mu_dtype``), the update's."""
+    g = dtype if code & OX_HALF else "float32"
+    mu = g if code & OX_HALF and not code & OX_MU_F32 else "float32"
+    return g, mu, "bfloat16" if code & OX_MU_BF16 else mu, mu
 
-    Every entry is written as optax.adamw (0.2.8) writes it, so that with ``xp=jax.numpy`` in
+
+def _const(x, dtype: str, xp, cast: bool = False):
+    """``x`` (a Python float or an array of optax's hyper-parameters) as optax's arithmetic applies it to an array of
+    ``dtype``, as a float32 array: a Python float is converted to ``dtype`` (weak typing), an array promotes with
+    it (``cast``: converted to ``dtype``, as ``jnp.array(x, dtype=...)``)."""
+    if xp is np:  # NumPy stand-in (references and tests): ml_dtypes converts through float32
+        x = np.asarray(x)
+        if dtype == "float32" or (not cast and x.dtype == np.float32):  # a float32 array promotes
+            return x.astype(np.float32)
+        if dtype == "float16":
+            return x.astype(np.float16).astype(np.float32)
+        from ._reference import round_to  # noqa: PLC0415
+        return round_to(x.astype(np.float32), dtype)
+    dt = xp.dtype(dtype)
+    return (xp.asarray(x, dt) if cast else x * xp.ones((), dt)).astype(xp.float32)
+
+
+def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, weight_decay, global_norm=None,
+                        max_norm=None, xp=np, eps_root=0.0, dtypes=None) -> OptaxStepScalars:
+    """The ``optax`` convention's per-step scalar matrix, one row per leaf (``codes``: each
+    leaf's :func:`optax_cpu_code`; ``decays``: False for a leaf masked out of weight decay;
+    ``dtypes``: each leaf's dtype name, default float32).
+
+    Every entry is written as optax.adam/adamw (0.2.8) writes it, so that with ``xp=jax.numpy`` in
     the caller's jitted program XLA computes the reference's bits for any hyper-parameters
-    (Python floats, or float32 arrays from ``optax.inject_hyperparams``), in x64 mode too:
-    ``d1 = (1 - b1**t).astype(float32)`` (the power in the ambient precision); ``f32(1 - b1)``,
-    ``f32(b1)`` (weak-typed for a Python float), likewise ``b2``, ``eps``, ``weight_decay``;
-    ``step_size = -1 * lr``, a schedule taken at the count *before* the increment; the clip
-    slots from ``global_norm`` and ``max_norm`` on the rows whose code has :data:`OX_CLIP`.
+    (Python floats, or arrays from ``optax.inject_hyperparams``), in x64 mode too:
+    ``d1 = 1 - b1**t`` (the power in the hyper-parameter's precision) cast to the dtype of the moment it
+    corrects (:func:`optax_family`), likewise ``d2``, ``1 - b1**(t+1)``; ``1 - b1``, ``b1``, ``b2``, ``1 - b2``,
+    ``eps``, ``eps_root``, ``weight_decay`` (a schedule: at the count before the increment) as they multiply or
+    add to the arrays of their dtypes; ``step_size = -1 * lr`` (a schedule: at the count before the increment,
+    cast to the update's dtype); the clip slots from ``global_norm`` and ``max_norm`` on the rows whose code has
+    :data:`OX_CLIP`. Each family's constants are rounded to float32 from their dtype's values (exact).
     """
     codes = np.asarray(codes, np.int64).reshape(-1)
     decays = np.asarray(decays, bool).reshape(-1)
     n = codes.size
+    dtypes = ["float32"] * n if dtypes is None else list(dtypes)
     f32 = np.float32
     count = xp.asarray(count, dtype=xp.int32)
     i32_max = xp.asarray(np.iinfo(np.int32).max, xp.int32)
-    count_inc = xp.where(count < i32_max, count + xp.asarray(1, xp.int32), i32_max)
-    if callable(learning_rate):
-        step_size = xp.asarray(-1 * learning_rate(count), dtype=f32)
-    else:
-        step_size = -1 * learning_rate
+    inc = lambda c: xp.where(c < i32_max, c + xp.asarray(1, xp.int32), i32_max)  # noqa: E731 (safe_increment)
+    count_inc = inc(count)
+    lr_fn = callable(learning_rate)
+    step_size = -1 * learning_rate(count) if lr_fn else -1 * learning_rate
+    wd = weight_decay(count) if callable(weight_decay) else weight_decay
+    d1, d2, d1n = (xp.asarray(1 - b ** c) for b, c in ((b1, count_inc), (b2, count_inc), (b1, inc(count_inc))))
     one = xp.asarray(1.0, f32)
-    cols = [one] * N_SCALARS
-    for i, x in ((S_WD, weight_decay), (S_OMB1, 1 - b1), (S_BETA1, b1), (S_BETA2, b2), (S_OMB2, 1 - b2)):
-        cols[i] = xp.asarray(x, f32)
-    cols[S_BC1] = xp.asarray(1 - b1**count_inc).astype(f32)
-    cols[S_BC2_OPTAX] = xp.asarray(1 - b2**count_inc).astype(f32)
-    cols[S_EPS] = xp.asarray(eps, f32)
-    cols[S_NEG_LR] = xp.asarray(step_size, f32)
-    if max_norm is not None:
-        norm = xp.asarray(global_norm)
-        trigger = norm < max_norm
-        cols[S_CLIP_DIV] = xp.where(trigger, one, norm.astype(f32))
-        cols[S_CLIP] = xp.where(trigger, one, xp.asarray(max_norm, f32))
-    base = xp.stack([xp.asarray(c).astype(f32).reshape(()) for c in cols])
+    rows, index = [], {}
+    for i in range(n):
+        g, mu, mu_state, upd = optax_family(int(codes[i]), dtypes[i])
+        key = (g, mu, mu_state, upd)
+        if key not in index:
+            cols = [one] * N_SCALARS
+            for k, x, dt in ((S_OMB1, 1 - b1, g), (S_BETA1, b1, mu), (S_BETA1_MU, b1, mu_state), (S_BETA2, b2, g),
+                             (S_OMB2, 1 - b2, g), (S_EPS, eps, g), (S_EPS_ROOT, eps_root, g), (S_WD, wd, g)):
+                cols[k] = _const(x, dt, xp)
+            cols[S_NEG_LR] = _const(step_size, upd, xp, cast=lr_fn)
+            cols[S_BC1], cols[S_BC1_NEXT] = (_const(d, mu, xp, cast=True) for d in (d1, d1n))
+            cols[S_BC2_OPTAX] = _const(d2, g, xp, cast=True)
+            if max_norm is not None:
+                norm = xp.asarray(global_norm)
+                trigger = norm < max_norm
+                cols[S_CLIP_DIV] = xp.where(trigger, one, norm.astype(f32))
+                cols[S_CLIP] = xp.where(trigger, one, xp.asarray(max_norm, f32))
+            index[key] = len(rows)
+            rows.append(xp.stack([xp.asarray(c).astype(f32).reshape(()) for c in cols]))
+    base = xp.stack(rows)[np.asarray([index[optax_family(int(c), d)] for c, d in zip(codes, dtypes)], np.int64)] \
+        if n else xp.zeros((0, N_SCALARS), f32)
     keep = np.ones((n, N_SCALARS), bool)
     fixed = np.zeros((n, N_SCALARS), np.float32)
     keep[:, S_OX_CODE] = False
@@ -186,25 +260,64 @@ def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, wei
     no_clip = (codes & OX_CLIP) == 0
     keep[no_clip, S_CLIP] = keep[no_clip, S_CLIP_DIV] = False
     fixed[no_clip, S_CLIP] = fixed[no_clip, S_CLIP_DIV] = 1.0
-    mat = xp.where(keep, xp.broadcast_to(base, (n, N_SCALARS)), fixed)
+    mat = xp.where(keep, base, fixed)
     return OptaxStepScalars(count_inc, mat, step_size)
 
 
+def _in_dtype(x, dtype: str) -> float:
+    """A Python float as a constant of ``dtype`` (:func:`_const` with NumPy)."""
+    return float(_const(float(x), dtype, np))
+
+
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
-                   fma: bool = True, x64: bool = False) -> int:
+                   fma: bool = True, x64: bool = False, *, dtype: str = "float32", mu_dtype: str | None = None,
+                   master: bool = False, nesterov: bool = False, b1: float | None = None, b2: float | None = None,
+                   eps: float | None = None, rsqrt_div: bool = False) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, by the module docstring's rules: ``n_leaves``
     leaves in the optimised pytree, ``numel`` elements in this leaf; ``max_norm``: ``M`` of a
     ``clip_by_global_norm`` chained before adamw, or None; ``fused_grad``: XLA fuses this leaf's
     gradient into the moment update ("Fused gradients"; no effect with clipping); ``fma``: XLA:CPU's
-    target has FMA3; ``x64``: ``jax_enable_x64`` is on."""
-    code = OX_FORM_R if (numel > 1 and (n_leaves == 1 or x64)) else 0
-    if not fma:
+    target has FMA3; ``x64``: ``jax_enable_x64`` is on. The leaf's family: ``dtype`` (its name), ``mu_dtype``
+    (optax's, None: the leaf's), ``master`` (the fp32 master's float32 lines for an fp16/bf16 leaf).
+    ``nesterov``; ``b1``, ``b2``, ``eps``: those that are Python numbers (None: an array, which XLA cannot fold);
+    ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe)."""
+    half = dtype != "float32" and not master
+    if master and mu_dtype not in (None, "float32"):
+        raise ValueError(f"the fp32 master's lines keep mu in float32, not {mu_dtype}")
+    mu = "float32" if master else dtype if mu_dtype is None or not half and mu_dtype == "float32" else mu_dtype
+    if half:
+        code = OX_HALF | (OX_MU_F32 if mu == "float32" else 0) | (OX_HALF_DIV if numel == 1 else 0)
+        if mu not in (dtype, "float32"):
+            raise ValueError(f"no optax/cpu lines for a {dtype} leaf with mu_dtype {mu}")
+    else:
+        code = OX_MU_BF16 if mu == "bfloat16" else 0
+        if mu not in ("float32", "bfloat16", dtype):
+            raise ValueError(f"no optax/cpu lines for a float32 leaf with mu_dtype {mu}")
+    mixed = code & (OX_MU_F32 | OX_MU_BF16)
+    math_dtype = dtype if half else "float32"
+    if nesterov:
+        code |= OX_NESTEROV
+    if not half and numel > 1 and (n_leaves == 1 or x64):
+        code |= OX_FORM_R
+    if not fma and (mixed or not half):
         code |= OX_NO_FMA
+    if eps is not None and (not half or dtype == "float16" and not mixed) \
+            and _in_dtype(eps, math_dtype) == 0.0:  # XLA drops + 0 and rewrites / sqrt to * rsqrt
+        code |= OX_RSQRT | (OX_RSQRT_DIV if rsqrt_div and not half else 0)
+    for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):  # mu's line is of one dtype only without mu_dtype
+        if b is not None and (bit == OX_B2_HALF or not mixed) and \
+                _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
+            code |= bit
+            if code & OX_HALF_DIV:
+                which = 1 if bit == OX_B1_HALF else 2
+                raise ValueError(f"no optax/cpu lines for a one-element {dtype} leaf with b{which} == 0.5 in the dtype")
     if max_norm is not None:
+        if half:
+            raise ValueError("optax/cpu clipping (OX_CLIP) has no lines for fp16/bf16 state")
         code |= OX_CLIP | OX_NU_SWAP
         if numel == 1 and not (n_leaves > 1 and np.float32(max_norm) == np.float32(1.0)):
             code |= OX_MU_SWAP
-    elif fused_grad:
+    elif fused_grad and not half:
         code |= OX_NU_SWAP | OX_MU_SWAP
     return code
 

@@ -53,11 +53,17 @@ class Plan:
     """What the callbacks of one traced update need, shared by equal configurations; static (the compiled
     program keeps it through its callbacks), so it holds no array. ``cfg``: ``offload_adamw``'s checked arguments."""
 
-    __slots__ = ("n", "kinds", "numels", "halves", "emit_u", "mode", "engine_key", "gpu", "__weakref__")
+    __slots__ = ("n", "kinds", "numels", "halves", "mu_kinds", "nu_kinds", "u_kinds", "emit_u", "mode", "engine_key",
+                 "gpu", "__weakref__")
 
-    def __init__(self, cfg, kinds, numels, emit_u: bool, platform: str):
+    def __init__(self, cfg, kinds, numels, emit_u: bool, platform: str, families=None):
         self.n, self.kinds, self.numels, self.emit_u = len(kinds), tuple(kinds), tuple(numels), emit_u
-        self.halves = tuple(i for i, k in enumerate(kinds) if k != "float32")
+        if families is None:  # float32 state, fp32 masters of fp16/bf16 leaves
+            families = [("float32", "float32", k != "float32") for k in kinds]
+        self.halves = tuple(i for i, f in enumerate(families) if f[2])  # the leaves with an fp32 master
+        self.mu_kinds, self.nu_kinds = tuple(f[0] for f in families), tuple(f[1] for f in families)
+        # optax's update's dtype: nu's where mu is of the leaf's dtype, else float32 (float32 mu)
+        self.u_kinds = tuple(nu if mu == nu else "float32" for mu, nu, _ in families)
         self.mode = cfg.mode
         threads = cfg.threads or _cores.default_threads(_sharding._local_processes())
         self.engine_key = (threads, cfg.worker_nice)
@@ -81,12 +87,12 @@ class Plan:
             if i in master_of:  # step: the master's rounding into the params' buffer
                 p = view(master_of[i], "float32")
                 out, out_kind = (None, None) if self.emit_u else (view(outs[i], kind), kind)
-            elif self.emit_u:
-                p, out, out_kind = view(params[i], "float32"), view(outs[i], "float32"), "u"
+            elif self.emit_u:  # (fp16/bf16 state: the weights' and u's bits)
+                p, out, out_kind = view(params[i], kind), view(outs[i], self.u_kinds[i]), "u"
             else:
-                p, out, out_kind = view(outs[i], "float32"), None, None  # aliased to the params
-            items.append(ExternalUpdate(p, view(mus[i], "float32"), view(nus[i], "float32"), g[i], kind, out,
-                                        out_kind, s[i]))
+                p, out, out_kind = view(outs[i], kind), None, None  # aliased to the params
+            items.append(ExternalUpdate(p, view(mus[i], self.mu_kinds[i]), view(nus[i], self.nu_kinds[i]), g[i], kind,
+                                        out, out_kind, s[i]))
         self.engine.update_external(items, "cpu")
 
 
@@ -100,14 +106,15 @@ _plans: dict = {}
 _plans_lock = threading.Lock()
 
 
-def plan_for(cfg, kinds, numels, emit_u: bool, platform: str) -> Plan:
+def plan_for(cfg, kinds, numels, emit_u: bool, platform: str, families=None) -> Plan:
     """The plan of a layout, shared by equal configurations (the most recent ones kept): XLA's compile cache
     keys programs by their callbacks, so a new ``offload_adamw`` or jit of an equal one compiles nothing new."""
     static = tuple(v if is_number(v) or v is None or isinstance(v, str) else
                    (("callable", v) if callable(v) else "array") for v in cfg)
-    key = (static, tuple(kinds), tuple(numels), emit_u, platform)
+    families = None if families is None else tuple(tuple(f) for f in families)
+    key = (static, tuple(kinds), tuple(numels), emit_u, platform, families)
     with _plans_lock:
-        made = _plans[key] = _plans.pop(key, None) or Plan(cfg, kinds, numels, emit_u, platform)  # last: newest
+        made = _plans[key] = _plans.pop(key, None) or Plan(cfg, kinds, numels, emit_u, platform, families)
         while len(_plans) > _PLANS_KEPT:
             _plans.pop(next(iter(_plans)))
     return made
@@ -116,9 +123,11 @@ def plan_for(cfg, kinds, numels, emit_u: bool, platform: str) -> Plan:
 def cpu_apply(plan: Plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     """``plan``'s update on XLA:CPU: one callback (:meth:`Plan.__call__`) over one device's leaves."""
     n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
-    first = [sds((0,) if k != "float32" else np.shape(p), f32) if plan.emit_u else sds(np.shape(p), p.dtype)
-             for p, k in zip(p_leaves, plan.kinds)]
-    result = first + [sds(np.shape(p), f32) for p in p_leaves] * 2 + [sds(np.shape(m), f32) for m in masters]
+    first = [(sds((0,), f32) if i in plan.halves else sds(np.shape(p), jnp.dtype(plan.u_kinds[i]))) if plan.emit_u
+             else sds(np.shape(p), p.dtype) for i, p in enumerate(p_leaves)]
+    result = (first + [sds(np.shape(p), jnp.dtype(k)) for p, k in zip(p_leaves, plan.mu_kinds)]
+              + [sds(np.shape(p), jnp.dtype(k)) for p, k in zip(p_leaves, plan.nu_kinds)]
+              + [sds(np.shape(m), f32) for m in masters])
     aliases = {2 + 2 * n + j: n + j for j in range(2 * n + len(masters))}  # the state, from the first moment
     if not plan.emit_u:
         aliases.update({2 + n + i: i for i in range(n)})  # params -> new params, in place

@@ -13,6 +13,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -78,18 +79,22 @@ def check_traced(leaves, paths) -> None:
                              "concrete arrays (a traced array carries none); call tx.init(params) outside jit first")
 
 
-def init_state(params, leaves, layout: Layout, host_memory: bool):
+def init_state(params, leaves, layout: Layout, host_memory: bool, families=None):
     """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this process's shards
-    only, never through GPU memory)."""
+    only, never through GPU memory). ``families``: per leaf ``(mu dtype, nu dtype, has a master)`` (default: float32
+    moments, a master for fp16/bf16 leaves)."""
     mesh, kind = layout.mesh, "pinned_host" if host_memory else None
+    fams = families or [("float32", "float32", np.dtype(x.dtype) != np.float32) for x in leaves]
+    of = {id(x): f for x, f in zip(leaves, fams)}
 
-    def zeros(x, spec):
+    def zeros(x, spec, which=0):
         local = NamedSharding(mesh, spec).shard_shape(np.shape(x))
+        dt = jnp.dtype(of[id(x)][which])
         return jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
-                                            lambda _: np.zeros(local, np.float32))
+                                            lambda _: np.zeros(local, dt))
 
     def master(x, spec):
-        if np.dtype(x.dtype) == np.float32:
+        if not of[id(x)][2]:
             return None
         shards = [jax.device_put(np.asarray(s.data).astype(np.float32),
                                  SingleDeviceSharding(s.device, memory_kind=kind)) for s in x.addressable_shards]
@@ -99,7 +104,7 @@ def init_state(params, leaves, layout: Layout, host_memory: bool):
     treedef = jax.tree.structure(params)
     col = lambda f: jax.tree.unflatten(treedef, [f(x, s) for x, s in zip(leaves, layout.specs)])  # noqa: E731
     count = jax.make_array_from_callback((), NamedSharding(mesh, PartitionSpec()), lambda _: np.zeros((), np.int32))
-    return OffloadAdamWState(count, col(zeros), col(zeros), col(master))
+    return OffloadAdamWState(count, col(zeros), col(lambda x, s: zeros(x, s, 1)), col(master))
 
 
 def per_device(fn, layout: Layout, first_specs, halves):

@@ -16,8 +16,9 @@ __all__ = ["OffloadAdamWState", "close", "is_none", "load_state_dict", "state_di
 class OffloadAdamWState(NamedTuple):
     """The state of :func:`~trainstream.jax.offload_adamw`, shaped as optax's ``ScaleByAdamState`` (so optax's wrappers, flax's
     ``nnx.Optimizer`` and orbax handle it as optax.adamw's). ``count``: int32, the updates so far. ``mu``, ``nu``:
-    float32 trees shaped like the parameters. ``master``: the float32 master of each fp16/bf16 leaf, None for
-    float32 leaves. On a GPU the moments and masters are ``memory_kind="pinned_host"`` arrays."""
+    trees shaped like the parameters, in optax's dtypes (nu the leaf's, mu ``mu_dtype`` or the leaf's; float32 with
+    ``master_weights=True``). ``master``: the float32 master of each fp16/bf16 leaf with ``master_weights=True``,
+    else None. On a GPU the moments and masters are ``memory_kind="pinned_host"`` arrays."""
 
     count: Any
     mu: Any
@@ -31,8 +32,9 @@ def is_none(x) -> bool:
 
 
 def state_dict(state: OffloadAdamWState, params=None) -> dict:
-    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy copies, in ``torch.optim.AdamW``'s names; ``master``:
-    each leaf's float32 master, for float32 leaves the weights themselves (pass ``params`` if there are any). Whole
+    """``{"count", "master", "exp_avg", "exp_avg_sq"}`` as NumPy copies, in ``torch.optim.AdamW``'s names (the moments
+    in the state's dtypes); ``master``: each leaf's float32 master, for leaves without one the weights themselves,
+    upcast (pass ``params`` if there are any). Whole
     arrays only: the state of several processes (``jax.distributed``) raises ``ValueError``; save it with orbax."""
     for x in jax.tree.leaves(state):
         if not getattr(x, "is_fully_addressable", True):
@@ -43,7 +45,7 @@ def state_dict(state: OffloadAdamWState, params=None) -> dict:
     masters = jax.tree.leaves(state.master, is_leaf=is_none)
     if any(m is None for m in masters):
         if params is None:
-            raise ValueError("TrainStream state_dict: the float32 leaves are their own master: pass params")
+            raise ValueError("TrainStream state_dict: leaves without an fp32 master are their own: pass params")
         p_leaves = jax.tree.leaves(params)
         if len(p_leaves) != len(masters):
             raise ValueError(f"TrainStream state_dict: params have {len(p_leaves)} leaves, the state {len(masters)}")
@@ -77,8 +79,8 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
                                  f"{tuple(np.shape(a))}, the parameter has {tuple(np.shape(like[i]))}")
         cols[k] = leaves
 
-    def put(a, ref, dtype=np.float32):
-        a = np.asarray(a, dtype)
+    def put(a, ref, dtype=None):
+        a = np.asarray(a, ref.dtype if dtype is None else dtype)  # the state's dtype (optax's)
         sh = getattr(ref, "sharding", None)
         return jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
 
@@ -87,7 +89,7 @@ def load_state_dict(state: OffloadAdamWState, sd: dict) -> OffloadAdamWState:
         raise ValueError("TrainStream load_state_dict: checkpoint lacks 'master' (fp16/bf16 leaves)")
     mu = [put(a, r) for a, r in zip(cols["exp_avg"], like)]
     nu = [put(a, r) for a, r in zip(cols["exp_avg_sq"], jax.tree.leaves(state.nu))]
-    master = [None if m is None else put(cols["master"][i], m) for i, m in enumerate(old_m)]
+    master = [None if m is None else put(cols["master"][i], m, np.float32) for i, m in enumerate(old_m)]
     return OffloadAdamWState(put(count, state.count, np.int32), jax.tree.unflatten(treedef, mu),
                              jax.tree.unflatten(treedef, nu), jax.tree.unflatten(treedef, master))
 

@@ -1,5 +1,5 @@
-"""JAX adapter: ``offload_adamw``, optax.adamw whose state lives in host memory, and its
-:class:`OffloadTransformation`.
+"""JAX adapter: ``offload_adamw`` and ``offload_adam``, optax.adamw and optax.adam (their signatures) whose state
+lives in host memory, and their :class:`OffloadTransformation` (the checked arguments: :mod:`._config`).
 
 No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
 in the user's program (only XLA reproduces XLA's bias corrections, schedule and global norm); the update is a contract
@@ -10,7 +10,6 @@ the state goes in aliased to the outputs (in place where donated), nothing kept 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -25,18 +24,12 @@ from jax.sharding import PartitionSpec as P
 from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
-from . import _gpu, _plan, _sharding
+from . import _detect, _gpu, _plan, _sharding
+from ._config import Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name, static_arg
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
-__all__ = ["OffloadTransformation", "offload_adamw"]
-
-_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
-
-
-# offload_adamw's checked arguments (threads None: decided when the first update is traced)
-_Config = collections.namedtuple("_Config", "learning_rate b1 b2 eps weight_decay max_grad_norm mask xla_fused_grads "
-                                 "after_clip mode threads worker_nice host_margin")
+__all__ = ["OffloadTransformation", "offload_adam", "offload_adamw"]
 
 
 def _paths(tree) -> list[str]:
@@ -45,14 +38,6 @@ def _paths(tree) -> list[str]:
 
 def _layout_key(params, leaves) -> tuple:
     return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
-
-
-def _leaf_dtype_name(x, path: str) -> str:
-    dt = np.dtype(x.dtype)
-    if dt not in _DTYPES:
-        raise TypeError(f"TrainStream offload_adamw supports float32, float16 and bfloat16 parameters; "
-                        f"leaf {path} has dtype {dt}")
-    return _DTYPES[dt]
 
 
 def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
@@ -99,7 +84,7 @@ def _check_host_state(mu, nu, master, paths) -> None:
                     "to tx.init(params)'s shardings (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
 
 
-def _check_gpu_mode(platform: str, cfg: _Config) -> None:
+def _check_gpu_mode(platform: str, cfg: Config) -> None:
     """``mode="gpu"`` needs a CUDA GPU and the parameters on it."""
     if cfg.mode != "gpu":
         return
@@ -113,7 +98,7 @@ def _check_gpu_mode(platform: str, cfg: _Config) -> None:
 
 
 class _Impl:
-    def __init__(self, cfg: _Config):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self._eager: dict = {}  # emit_u -> the jitted update for calls outside jit
         self._layouts: dict = {}  # _layout_key -> the layout of the last concrete init (None: single-device)
@@ -127,27 +112,30 @@ class _Impl:
 
     def init(self, params) -> OffloadAdamWState:
         leaves, paths = jax.tree.leaves(params), _paths(params)
-        for x, p in zip(leaves, paths):
-            _leaf_dtype_name(x, p)
+        fams = [family(self.cfg, leaf_dtype_name(x, p), p) for x, p in zip(leaves, paths)]
         platform = _platform_of(leaves)
         _check_gpu_mode(platform, self.cfg)
+        if platform == "cuda":
+            check_cuda_config(self.cfg, fams, paths)
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
         layout = self._remember_layout(params, leaves, paths)
         if layout is not None:
-            return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda")
+            return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda", families=fams)
         if platform == "cuda":
             return _gpu.init(params, leaves)
-        f32 = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)  # noqa: E731
-        master = lambda x: None if np.dtype(x.dtype) == np.float32 else jnp.asarray(x, jnp.float32)  # noqa: E731
-        return OffloadAdamWState(jnp.zeros([], jnp.int32), *(jax.tree.map(f, params) for f in (f32, f32, master)))
+        treedef = jax.tree.structure(params)
+        col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, fams)])  # noqa: E731
+        return OffloadAdamWState(jnp.zeros([], jnp.int32), col(lambda x, f: jnp.zeros(jnp.shape(x), f.mu)),
+                                 col(lambda x, f: jnp.zeros(jnp.shape(x), f.nu)),
+                                 col(lambda x, f: jnp.asarray(x, jnp.float32) if f.master else None))
 
     def host_plan(self, leaves, paths, platform: str) -> dict[str, float]:
         """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
         (this process's shards; a replicated leaf once per device)."""
         layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
-        slots = [(_host_numel(x), _leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]
+        slots = [(_host_numel(x), leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]  # (upper bound)
         return _budget.plan(slots, margin=self.cfg.host_margin)
 
     def _flatten(self, grads, state, params):
@@ -168,21 +156,49 @@ class _Impl:
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
             raise ValueError(f"{differs}: {len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} "
                              f"(nu), {len(master)} (master)")
-        kinds = []
+        kinds, fams = [], []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
-            kinds.append(_leaf_dtype_name(p, path))
+            kinds.append(leaf_dtype_name(p, path))
+            fams.append(fam := family(self.cfg, kinds[i], path))
             shape = tuple(np.shape(p))
             if tuple(np.shape(g)) != shape or np.dtype(g.dtype) != np.dtype(p.dtype):
                 raise ValueError(f"TrainStream offload_adamw: gradient {path} is {tuple(np.shape(g))} {g.dtype}, "
                                  f"its parameter {shape} {p.dtype}: it must have the parameter's shape and dtype")
-            checked = [("mu", mu[i]), ("nu", nu[i])] + ([("master", master[i])] if kinds[i] != "float32" else [])
-            for what, a in checked:
-                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.float32:
+            checked = [("mu", mu[i], fam.mu), ("nu", nu[i], fam.nu)] + ([("master", master[i], "float32")]
+                                                                         if fam.master else [])
+            for what, a, want in checked:
+                if a is None or tuple(np.shape(a)) != shape or np.dtype(a.dtype) != jnp.dtype(want):
                     got = None if a is None else (tuple(np.shape(a)), str(a.dtype))
-                    raise ValueError(f"{differs}: {what} of leaf {path} is {got}, the parameter {shape} {p.dtype}")
-            if kinds[i] == "float32" and master[i] is not None:
-                raise ValueError(f"{differs}: leaf {path} is float32 now but has an fp32 master in the state")
-        return p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master
+                    raise ValueError(f"{differs}: {what} of leaf {path} is {got}, expected {shape} {want} for the "
+                                     f"parameter {p.dtype} (mu_dtype={self.cfg.mu_dtype}, master_weights="
+                                     f"{self.cfg.master_weights})")
+            if not fam.master and master[i] is not None:
+                raise ValueError(f"{differs}: leaf {path} ({kinds[i]}, master_weights={self.cfg.master_weights}) has "
+                                 "an fp32 master in the state")
+        return p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master
+
+    def _code(self, n: int, numel: int, kind: str, fam: Family, path: str) -> int:
+        """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`) with the default pairing of
+        a materialised gradient; :func:`._detect.fused_codes` then sets the pairing bits XLA:CPU gives the program."""
+        cfg = self.cfg
+        num = lambda x: float(x) if _is_number(x) else None  # noqa: E731 (an array: XLA folds nothing)
+        half = kind != "float32" and not fam.master
+        if half and cfg.max_grad_norm is not None:
+            raise NotImplementedError(f"TrainStream offload_adamw: max_grad_norm with the {kind} leaf {path}'s state "
+                                      f"in {fam.mu}/{fam.nu}: no host lines yet for optax's clip there (chain "
+                                      "optax.clip_by_global_norm before offload_adamw, or master_weights=True)")
+        try:
+            code = C.optax_cpu_code(n, numel, None if half else cfg.max_grad_norm, fma=xb.xla_cpu_fma(),
+                                    x64=bool(jax.config.jax_enable_x64), dtype=kind,
+                                    mu_dtype=None if fam.master else fam.mu, master=fam.master,
+                                    nesterov=cfg.nesterov, b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
+        except ValueError as exc:  # the contract has no lines for it
+            raise NotImplementedError(f"TrainStream offload_adamw: leaf {path}: {exc}") from None
+        if not C.optax_code_valid(code):
+            raise NotImplementedError(f"TrainStream offload_adamw: no host lines for leaf {path} ({kind}) in this "
+                                      f"configuration (optax/cpu code {code}: nesterov={cfg.nesterov} with eps == 0 "
+                                      "or b1/b2 == 0.5 in a mixed mu_dtype, whose FMA pairing XLA varies)")
+        return code
 
     def _apply(self, grads, state, params, emit_u: bool):
         """One traced update: ``(updates or new params, new state)``."""
@@ -191,18 +207,18 @@ class _Impl:
         if any(isinstance(x, batching.BatchTracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
             raise NotImplementedError("TrainStream offload_adamw under jax.vmap: its update has no batching rule; vmap "
                                       "a model's loss, not its optimizer (several models: one optimizer state each)")
-        p_leaves, g_leaves, p_def, paths, kinds, mu, nu, master = self._flatten(grads, state, params)
+        p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master = self._flatten(grads, state, params)
         n, platform = len(p_leaves), _platform_of(p_leaves + g_leaves)
         manual, key = _sharding.in_manual_mesh(), _layout_key(params, p_leaves)  # manual: the arrays are local
         if not manual and key not in self._layouts:
             _sharding.check_traced(p_leaves, paths)
         layout = None if manual else self._layouts.get(key)
         _check_gpu_mode(platform, cfg)
-        halves = [i for i, k in enumerate(kinds) if k != "float32"]
+        halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         if platform == "cuda":
+            check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
-        fused = _resolve_mask(cfg.xla_fused_grads, params, p_def, "xla_fused_grads", False)
         if layout is None:
             numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
@@ -210,23 +226,20 @@ class _Impl:
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
-            fma, x64 = xb.xla_cpu_fma(), bool(jax.config.jax_enable_x64)
-            if cfg.after_clip is not None:  # the gradients arrive clipped: the pairing is clip's
-                codes = [C.optax_cpu_code(n, k, cfg.after_clip, fma=fma, x64=x64) & ~C.OX_CLIP for k in numels]
-            else:
-                codes = [C.optax_cpu_code(n, k, cfg.max_grad_norm, fused_grad=f, fma=fma, x64=x64)
-                         for k, f in zip(numels, fused)]
+            codes = [self._code(n, k, kind, fam, path) for k, kind, fam, path in zip(numels, kinds, fams, paths)]
+            # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
+            codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams])
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
         norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves]) if optax_clip else None
         sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
                                    eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
-                                   max_norm=cfg.max_grad_norm, xp=jnp)
+                                   max_norm=cfg.max_grad_norm, xp=jnp, eps_root=cfg.eps_root, dtypes=kinds)
         # on the CPU the weights passed in win over a master they no longer match
         masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) if platform == "cpu" else master[i]
                    for i in halves]
-        plan = _plan.plan_for(cfg, kinds, numels, emit_u, platform)
+        plan = _plan.plan_for(cfg, kinds, numels, emit_u, platform, fams)
         run = functools.partial(_gpu.apply if platform == "cuda" else _plan.cpu_apply, plan)
         if layout is not None:  # each device's callback on its own shards
             placeholder = platform == "cpu" and emit_u  # update's fp16/bf16 leaves: no first output
@@ -258,14 +271,17 @@ class _Impl:
             self._eager[emit_u] = jax.jit(lambda g, s, p: self._apply(g, s, p, emit_u))
         return self._eager[emit_u](grads, state, params)
 
-    def update(self, updates, state, params=None):
+    def update(self, updates, state, params=None, **extra_args):
+        """optax's ``update``; ``extra_args`` (optax's extra-arguments protocol) are ignored, as optax.adamw's."""
+        del extra_args
         return self._run(updates, state, params, emit_u=True)
 
 
-class OffloadTransformation(optax.GradientTransformation):
-    """The :class:`optax.GradientTransformation` returned by :func:`offload_adamw`: ``init`` and ``update`` as
-    optax.adamw's (params required), plus :meth:`step`, :meth:`host_memory_plan` and the module functions
-    :func:`state_dict`, :func:`load_state_dict` and :func:`close` as static methods."""
+class OffloadTransformation(optax.GradientTransformationExtraArgs):
+    """The :class:`optax.GradientTransformationExtraArgs` returned by :func:`offload_adamw` and :func:`offload_adam`:
+    ``init`` and ``update`` as optax.adamw's (params required; extra keyword arguments ignored), plus :meth:`step`,
+    :meth:`host_memory_plan` and the module functions :func:`state_dict`, :func:`load_state_dict` and :func:`close`
+    as static methods."""
 
     __slots__ = ()
 
@@ -285,46 +301,28 @@ class OffloadTransformation(optax.GradientTransformation):
     close = staticmethod(close)
 
 
-def _static(name: str, x, default, positive: bool = True):
-    """An argument that changes no bit: an int checked here, or ``host_margin`` (checked by ``_budget.plan``).
-    optax.inject_hyperparams passes every number as an array too (a tracer in the update): a traced one falls back
-    to its default (name it in static_args to keep another)."""
-    if isinstance(x, jax.core.Tracer):
-        x = default
-    elif hasattr(x, "dtype") and np.ndim(x) == 0:
-        x = x.item()
-    if name == "host_margin" or (x is None and default is None):  # threads None: decided at the first update
-        return x
-    if isinstance(x, bool) or not isinstance(x, int) or (positive and x < 1):
-        what = "a positive int" if positive else "an int"
-        raise ValueError(f"{name} must be {what}{' or None' if default is None else ''}, got {x!r}")
-    return x
-
-
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  weight_decay: float = 1e-4, *, max_grad_norm: float | None = None, mask: Any = None,
-                  xla_fused_grads: Any = None, after_clip_by_global_norm: float | None = None, mode: str = "cpu",
-                  threads: int | None = None, worker_nice: int = 5,
+                  eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float | Callable = 1e-4, mask: Any = None,
+                  *, nesterov: bool = False, master_weights: bool = False, max_grad_norm: float | None = None,
+                  mode: str = "cpu", threads: int | None = None, worker_nice: int = 5,
                   host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
-    """``optax.adamw`` with its state (fp32 moments, fp32 masters of fp16/bf16 weights) in host memory, updated
-    on the host (Numba kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
+    """``optax.adamw`` (its signature, in its order) with its state in host memory, updated on the host (Numba
+    kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
 
     Args:
       learning_rate: a float, an optax schedule (``count -> lr``) or an array (``optax.inject_hyperparams``).
-      b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` = 0, no Nesterov); floats or arrays.
+      b1, b2, eps, eps_root, weight_decay (a float or a schedule), mask, nesterov: as ``optax.adamw``'s; floats or
+        arrays.
+      mu_dtype: as ``optax.adamw``'s: mu's dtype (None: the leaf's). The state is optax's: nu in the leaf's dtype,
+        mu in ``mu_dtype``, so an fp16/bf16 leaf keeps fp16/bf16 moments and no master (optax's default).
+      master_weights: fp16/bf16 leaves keep a float32 master and float32 moments instead (the PyTorch adapter's
+        ``master_weights=True``): optax.adamw on float32 parameters fed the upcast gradients (materialised: the
+        default FMA pairing, not read from the program), the weights its rounding; ``mu_dtype`` None or float32.
       max_grad_norm: if given, ``optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adamw(...))``
         (optax's norm of the float32-upcast gradients, in the program). Hazard: over several processes on an AVX2 host
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
-        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...,
-        after_clip_by_global_norm=M))`` (optax's clip consumes the gradient first, as in optax's program) stayed
-        bit-identical there.
-      mask: as ``optax.adamw``'s (leaves with False get no weight decay).
-      xla_fused_grads: like ``mask``: True for the leaves whose gradient XLA:CPU fuses into optax's moment update
-        in the reference program ("Fused gradients" in the contract), e.g. every leaf under ``optax.MultiSteps``.
-        Default: none. XLA:CPU only.
-      after_clip_by_global_norm: ``M`` when this follows ``optax.clip_by_global_norm(M)`` in an ``optax.chain``
-        on XLA:CPU (``max_grad_norm=M``'s FMA pairing; ``max_grad_norm=M`` is the simpler way to write that chain);
-        excludes ``max_grad_norm``.
+        callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...))``
+        (optax's clip consumes the gradient first, as in optax's program) stayed bit-identical there.
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
@@ -335,15 +333,22 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         staging) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
         fraction, raising ``MemoryError`` before any array is made. None: no check.
 
+    Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
+    than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU anything
+    but optax's float32 state (fp16/bf16 leaves need ``master_weights=True`` there), ``nesterov``, ``eps_root`` and
+    ``eps = 0`` (issue 35, item 4).
+
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
     State in GPU memory is not built for JAX (XLA refuses one custom call whose outputs mix host and GPU memory):
     give the leaves whose state stays in GPU memory ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
     ``mode="gpu"``'s bits), the rest ``offload_adamw``.
 
-    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits (so ``apply_updates``
-    and optax's wrappers give the reference program's), ``step`` the same new weights directly. An fp16/bf16 leaf's
-    fp32 master is optax's on fp32 parameters fed the upcast gradients, the weights its rounding (``update`` returns
+    Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits in optax's dtype (so
+    ``apply_updates`` and optax's wrappers give the reference program's), ``step`` the same new weights directly, for
+    float32, float16 and bfloat16 leaves and every argument above (the state in optax's dtypes, the contract's
+    optax/cpu families). With ``master_weights=True`` an fp16/bf16 leaf's fp32 master is optax's on fp32 parameters
+    fed the upcast gradients, the weights its rounding (``update`` returns
     the float32 difference ``apply_updates`` turns into it); on the CPU a master that does not round to the weights
     passed in is replaced by them (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU
     ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the
@@ -360,28 +365,42 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     """
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode must be 'cpu' or 'gpu', got {mode!r}")
-    hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    if all(_is_number(v) or (k == "lr" and callable(v)) for k, v in hyper.items()):
-        C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps, weight_decay)
+    hyper = dict(lr=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    if all(_is_number(v) or (k in ("lr", "weight_decay") and callable(v)) for k, v in hyper.items()):
+        C.validate_hyperparams(0.0 if callable(learning_rate) else learning_rate, (b1, b2), eps,
+                               0.0 if callable(weight_decay) else weight_decay)
+        if not (eps_root >= 0 and math.isfinite(eps_root)):
+            raise ValueError(f"eps_root must be a finite float >= 0, got {eps_root}")
     else:
         for k, v in hyper.items():
             if not (_is_number(v) or callable(v) or hasattr(v, "dtype")):
                 raise TypeError(f"TrainStream offload_adamw: {k} must be a float or an array, got {type(v).__name__}")
+    mu_name = mu_dtype_name(mu_dtype)
+    for name, flag in (("nesterov", nesterov), ("master_weights", master_weights)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"TrainStream offload_adamw: {name} must be a bool, got {type(flag).__name__}")
     if max_grad_norm is not None:
         if not _is_number(max_grad_norm):
             raise TypeError(f"max_grad_norm must be a float, got {type(max_grad_norm).__name__}")
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite float, got {max_grad_norm}")
-    after_clip = after_clip_by_global_norm
-    if after_clip is not None and not (_is_number(after_clip) and after_clip > 0):
-        raise ValueError(f"after_clip_by_global_norm must be a positive float, got {after_clip!r}")
-    if after_clip is not None and max_grad_norm is not None:
-        raise ValueError("after_clip_by_global_norm (a clip before this in a chain) excludes max_grad_norm")
-    threads = _static("threads", threads, None)
-    worker_nice = _static("worker_nice", worker_nice, 5, positive=False)
-    host_margin = _static("host_margin", host_margin, _budget.MARGIN)
+    threads = static_arg("threads", threads, None)
+    worker_nice = static_arg("worker_nice", worker_nice, 5, positive=False)
+    host_margin = static_arg("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
-    impl = _Impl(_Config(*map(fl, (learning_rate, b1, b2, eps, weight_decay, max_grad_norm)), mask, xla_fused_grads,
-                         fl(after_clip), mode, threads, worker_nice, host_margin))
+    impl = _Impl(Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
+                        bool(nesterov), fl(max_grad_norm), bool(master_weights), mode, threads, worker_nice,
+                        host_margin))
     return OffloadTransformation(impl.init, impl.update)
+
+
+def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                 eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, master_weights: bool = False,
+                 max_grad_norm: float | None = None, mode: str = "cpu", threads: int | None = None,
+                 worker_nice: int = 5, host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
+    """``optax.adam`` (its signature, in its order) with its state in host memory: :func:`offload_adamw` without
+    weight decay (optax.adam's bits: ``add_decayed_weights`` of 0 adds nothing), the same keyword-only options."""
+    return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov,
+                         master_weights=master_weights, max_grad_norm=max_grad_norm, mode=mode, threads=threads,
+                         worker_nice=worker_nice, host_margin=host_margin)

@@ -1,0 +1,318 @@
+"""optax's own alias tests for adam/adamw (optax/_src/alias_test.py, shipped in optax's wheel) run against
+``offload_adam``/``offload_adamw`` on XLA:CPU, and their computations compared bit for bit with optax's: the
+parameterised hyper-parameters, ``test_optimization`` on its small problems, dtype preservation and explicit
+``mu_dtype``, no recompilation on the second call, ``inject_hyperparams``, ``lax.cond`` stability, ``MultiSteps``.
+
+optax's tests check tolerances only; the bitwise companions below run the same inputs through both and compare
+params, updates, mu and nu. The gradients are arguments of the compared programs: where XLA fuses a gradient's producer
+into optax's update (``test_optimization``'s own step), the pairing is chosen at trace time (issue 35, item 2).
+"""
+
+import functools
+import itertools
+import os
+import sys
+import types
+import unittest
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jnp = jax.numpy
+
+import trainstream.jax as tsj  # noqa: E402
+
+from _jax_helpers import assert_tree_bits  # noqa: E402
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
+    pytest.skip("these tests run JAX on the CPU backend", allow_module_level=True)
+
+#: complex, float64 leaves or mu_dtype: refused by the adapter with a message naming the dtypes it keeps
+REFUSED = ("supports float32, float16 and bfloat16", "mu_dtype=complex64", "mu_dtype=float64")
+
+
+def _alias_test_module():
+    """optax's alias_test (its sklearn import is for the L-BFGS tests only: a stub is enough)."""
+    for name in ("sklearn", "sklearn.datasets", "sklearn.linear_model"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["sklearn"].datasets = sys.modules["sklearn.datasets"]
+    sys.modules["sklearn"].linear_model = sys.modules["sklearn.linear_model"]
+    try:
+        from optax._src import alias_test  # noqa: PLC0415
+    except ImportError as exc:  # pragma: no cover - optax without its tests or absl
+        pytest.skip(f"optax's alias_test is not importable: {exc}")
+    return alias_test
+
+
+def _cases() -> list[tuple[str, dict]]:
+    """(absl's method name, its parameters) of the adam/adamw cases, in absl.parameterized.product's order."""
+    at = _alias_test_module()
+    opts = at._OPTIMIZERS_UNDER_TEST
+    grids = {
+        "test_optimization": (opts, dict(target=("parabola", "rosenbrock"), dtype=("float32", "complex64"))),
+        "test_optimizers_accept_extra_args": (opts, {}),
+        "test_optimizers_can_be_wrapped_in_inject_hyperparams": (opts, {}),
+        "test_explicit_dtype": (None, dict(params_dtype=("bfloat16", "float32", "complex64", None),
+                                           state_dtype=("bfloat16", "float32", "complex64", None),
+                                           opt_name=("sgd_mom", "adam", "adamw"))),
+        "test_preserve_dtype": (opts, dict(dtype=("bfloat16", "float32"))),
+        "test_state_shape_dtype_shard_stability": (opts, dict(dtype=("float16", "bfloat16", "float32", "float64",
+                                                                     "complex64", "complex128"))),
+        "test_gradient_accumulation": (opts, dict(dtype=("bfloat16", "float32"))),
+    }
+    out = []
+    for name, (seq, grid) in grids.items():
+        axes = ([list(seq)] if seq is not None else []) + [[{k: v} for v in vals] for k, vals in grid.items()]
+        for i, combo in enumerate(itertools.product(*axes)):
+            d = {}
+            for c in combo:
+                d.update(c)
+            if d.get("opt_name") in ("adam", "adamw"):
+                out.append((f"{name}{i}", d))
+    return out
+
+
+def _refused(params: dict) -> bool:
+    dts = {str(params.get(k)) for k in ("dtype", "params_dtype", "state_dtype")}
+    return bool(dts & {"complex64", "complex128", "float64"})
+
+
+@pytest.fixture
+def alias_module(monkeypatch):
+    """optax's alias_test with ``alias.adam``/``alias.adamw`` swapped for ours, as a user would swap them in."""
+    at = _alias_test_module()
+    monkeypatch.setattr(at.alias, "adam", tsj.offload_adam)
+    monkeypatch.setattr(at.alias, "adamw", tsj.offload_adamw)
+    return at
+
+
+@pytest.mark.parametrize("name,params", _cases(), ids=lambda x: str(x))
+def test_optax_alias_case(alias_module, name, params):
+    """Each adam/adamw case of optax's alias tests passes with ours, or (complex, float64) fails with our refusal."""
+    at = alias_module
+    assert hasattr(at.AliasTest, name), f"optax's alias_test has no {name}: the grid of _cases() moved"
+    result = unittest.TestResult()
+    at.AliasTest(name).run(result)
+    problems = result.errors + result.failures
+    text = "\n".join(tb for _, tb in problems)
+    if _refused(params):
+        assert problems and any(r in text for r in REFUSED), f"{name} {params}: expected a refusal, got:\n{text}"
+    else:
+        assert not problems, f"{name} {params}:\n{text}"
+        assert not result.skipped, result.skipped
+
+
+# -- bit for bit against optax --------------------------------------------------------------------------------------
+def _pair(name: str, *args, **kwargs):
+    ref, ours = (optax.adam, tsj.offload_adam) if name == "adam" else (optax.adamw, tsj.offload_adamw)
+    return ref(*args, **kwargs), ours(*args, **kwargs)
+
+
+def _run(opt, params, grads, jit_update=True):
+    """Jitted update + apply_updates over the gradients: (params, updates, mu, nu) after each step."""
+    @jax.jit
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    p, s, out = params, opt.init(params), []
+    for g in grads:
+        p, s, u = step(p, s, g)
+        mu = optax.tree.get(s, "mu")
+        nu = optax.tree.get(s, "nu")
+        out.append((p, u, mu, nu))
+    return out
+
+
+def _compare(ref, ours, params, grads, what):
+    for t, (a, b) in enumerate(zip(_run(ours, params, grads), _run(ref, params, grads))):
+        for k, part in enumerate(("params", "updates", "mu", "nu")):
+            assert_tree_bits(a[k], b[k], f"{what} step {t + 1} {part}")
+
+
+def _problem(dtype, steps=6, seed=0, one_element=True):
+    """A 3-leaf tree (multi-element, vector, one element) and gradients over 5 decades."""
+    rng = np.random.default_rng(seed)
+    shapes = {"w": (9, 7), "b": (5,), "s": (1,)} if one_element else {"w": (9, 7), "b": (5,)}
+    params = {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+    grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-4, 1), dtype) for k, s in shapes.items()}
+             for _ in range(steps)]
+    return params, grads
+
+
+#: every configuration's kernel compiles in 5 s (float32) to 50 s (fp16/bf16 state) on a cold Numba cache: the CI
+#: runs those the alias cases compile anyway, TRAINSTREAM_OPTAX_GRID=1 all
+FULL = os.environ.get("TRAINSTREAM_OPTAX_GRID") == "1"
+_full = pytest.mark.skipif(not FULL, reason="its own kernel's compile: TRAINSTREAM_OPTAX_GRID=1 runs it")
+
+# optax.adam/adamw's keyword arguments, per parameter dtype (each a code family of the contract)
+HYPER = [
+    ("adamw", {}, "float32"),
+    ("adam", {}, "float32"),
+    ("adamw", {}, "bfloat16"),
+    ("adamw", dict(one_element=False), "float16"),  # the fp16 kernel the alias cases compile
+    pytest.param("adam", {}, "float16", marks=_full),  # and the one-element leaf's (OX_HALF_DIV)
+    pytest.param("adamw", dict(nesterov=True, eps_root=1e-6), "float32", marks=_full),
+    pytest.param("adam", dict(eps=0.0), "float32", marks=_full),
+    pytest.param("adamw", dict(b1=0.5, b2=0.5, weight_decay=0.3), "float32", marks=_full),
+    pytest.param("adamw", dict(mu_dtype=jnp.bfloat16), "float32", marks=_full),
+    pytest.param("adamw", dict(nesterov=True), "bfloat16", marks=_full),
+    pytest.param("adamw", dict(mu_dtype=jnp.float32), "bfloat16", marks=_full),
+    pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True), "float16", marks=_full),
+    pytest.param("adamw", dict(b1=0.5, b2=0.5), "float16", marks=_full),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,dtype", HYPER, ids=lambda x: str(x))
+def test_hyperparameters_bitwise(name, kwargs, dtype):
+    """optax.adam/adamw's arguments on float32, bfloat16 and float16 leaves: params, updates, mu and nu bit for bit
+    (the state in optax's dtypes)."""
+    kwargs = dict(kwargs)
+    one = kwargs.pop("one_element", True)
+    ref, ours = _pair(name, 1e-2, **kwargs)
+    half_b = dtype != "float32" and 0.5 in (kwargs.get("b1"), kwargs.get("b2"))  # one-element leaves refused there
+    params, grads = _problem(dtype, one_element=one and not half_b)
+    _compare(ref, ours, params, grads, f"{name} {kwargs} {dtype}")
+
+
+def test_refused_configuration_names_itself():
+    """A one-element fp16/bf16 leaf with b1 == 0.5 (XLA's lines there not read): NotImplementedError naming it."""
+    params = {"s": jnp.ones((1,), jnp.bfloat16)}
+    tx = tsj.offload_adamw(1e-2, b1=0.5)
+    with pytest.raises(NotImplementedError, match=r"one-element bfloat16 leaf with b1 == 0.5"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
+def test_positional_order_is_optax():
+    """The fifth positional argument is eps_root and the sixth mu_dtype, as optax's (not weight_decay)."""
+    params, grads = _problem("float32", steps=3)
+    ref = optax.adamw(0.1, 0.9, 0.999, 1e-8, 1e-6, None, 0.3)
+    ours = tsj.offload_adamw(0.1, 0.9, 0.999, 1e-8, 1e-6, None, 0.3)
+    _compare(ref, ours, params, grads, "positional")
+    with pytest.raises(TypeError, match="weight_decay"):
+        tsj.offload_adam(0.1, weight_decay=0.1)  # optax.adam has none
+
+
+@pytest.mark.parametrize("target", ["parabola", "rosenbrock"])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_optimization_bitwise(name, target):
+    """test_optimization's problems, 300 steps with learning_rate 0.1: the gradient computed in its own program,
+    fed to the update (params, mu and nu bit for bit at every step)."""
+    at = _alias_test_module()
+    init, _, objective = getattr(at, f"_setup_{target}")(jnp.float32)
+    grad = jax.jit(jax.grad(objective))
+    ref, ours = _pair(name, 0.1)
+    runs = []
+    for opt in (ours, ref):
+        @jax.jit
+        def step(p, s, g, opt=opt):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        p, s, hist = init, opt.init(init), []
+        for _ in range(300):
+            p, s = step(p, s, grad(p))
+            hist.append((p, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
+        runs.append(hist)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert_tree_bits(a, b, f"{name} {target} step {t + 1}")
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_inject_hyperparams_bitwise(name):
+    """test_optimizers_can_be_wrapped_in_inject_hyperparams' inputs: updates and states of ours plain and injected
+    equal optax's plain and injected, bit for bit."""
+    params = [jnp.negative(jnp.ones((2, 3))), jnp.ones((2, 5, 2))]
+    grads = [jnp.ones((2, 3)), jnp.negative(jnp.ones((2, 5, 2)))]
+    factory = {"adam": (optax.adam, tsj.offload_adam), "adamw": (optax.adamw, tsj.offload_adamw)}[name]
+    outs = []
+    for f in factory:
+        for opt in (f(learning_rate=0.1), optax.inject_hyperparams(f)(learning_rate=0.1)):
+            u, s = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
+            outs.append((u, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
+    assert_tree_bits(outs[2], outs[0], f"{name} plain")
+    assert_tree_bits(outs[3], outs[1], f"{name} inject_hyperparams")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_lax_cond_and_preserve_dtype_bitwise(dtype):
+    """test_state_shape_dtype_shard_stability's program (the update inside lax.cond) and test_preserve_dtype's:
+    the update in the gradient's dtype, params and state bit for bit."""
+    p0, fin = jnp.array([-1.0, 10.0, 1.0], dtype), jnp.array([1.0, -1.0, 1.0], dtype)
+
+    def objective(x):
+        return jnp.sum(jnp.abs(x - fin) ** 2)
+
+    runs = []
+    for opt in _pair("adamw", 0.1):
+        @jax.jit
+        def step(params, state, opt=opt):
+            updates = jax.grad(objective)(params)
+            cond = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
+            updates, state = jax.lax.cond(cond, lambda: opt.update(updates, state, params), lambda: (params, state))
+            return optax.apply_updates(params, updates), state, updates
+
+        p, s, hist = p0, opt.init(p0), []
+        for _ in range(3):
+            p, s, u = step(p, s)
+            assert u.dtype == jnp.dtype(dtype) and p.dtype == jnp.dtype(dtype)
+            hist.append((p, u, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
+        runs.append(hist)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert_tree_bits(a, b, f"{dtype} lax.cond step {t + 1}")
+
+
+@pytest.mark.parametrize("mu_dtype", [None, "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_state_dtypes_as_optax(dtype, mu_dtype):
+    """test_explicit_dtype: the state's dtypes and shapes as optax's, for every supported pairing (float16 leaves
+    with mu_dtype=bfloat16 are refused: optax computes that mu in float32 and rounds it, lines not built here)."""
+    params = {"a": jnp.zeros((3, 2), dtype), "b": jnp.zeros((1,), dtype)}
+    ref, ours = _pair("adamw", 0.1, mu_dtype=mu_dtype)
+    if dtype == "float16" and mu_dtype == "bfloat16":
+        with pytest.raises(NotImplementedError, match="mu_dtype=bfloat16"):
+            ours.init(params)
+        return
+    want, got = ref.init(params), ours.init(params)
+    for part in ("mu", "nu"):
+        w, g = optax.tree.get(want, part), optax.tree.get(got, part)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), g) == jax.tree.map(lambda x: (x.shape, x.dtype), w), part
+    assert optax.tree.get(got, "count").dtype == optax.tree.get(want, "count").dtype
+
+
+def test_master_weights_opt_in():
+    """master_weights=True: fp16/bf16 leaves keep a float32 master and float32 moments (optax.adamw on the upcast
+    master, the weights its rounding), the previous scheme."""
+    params, grads = _problem("bfloat16", steps=3)
+    ours = tsj.offload_adamw(1e-2, master_weights=True)
+    state = ours.init(params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((state.mu, state.nu, state.master)))
+    ref = optax.adamw(1e-2)
+    master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    ref_state = ref.init(master)
+    @jax.jit
+    def ref_step(g, s, p):
+        u, s = ref.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(ours.step)
+    for g in grads:
+        params, state = step(g, state, params)
+        g32 = jax.tree.map(lambda x: np.asarray(x).astype(np.float32), g)  # upcast outside (else a fused convert)
+        master, ref_state = ref_step(g32, ref_state, master)
+        assert_tree_bits(state.master, master, "master")
+        assert_tree_bits(params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), "weights")
+    with pytest.raises(NotImplementedError, match="master_weights=True keeps mu in float32"):
+        tsj.offload_adamw(1e-2, mu_dtype=jnp.bfloat16, master_weights=True).init(params)
+
+
+def test_extra_args_through_chain():
+    """optax's extra-arguments protocol: update(..., **extra) accepted and ignored, in a chain too."""
+    params, grads = _problem("float32", steps=2)
+    for opt in (tsj.offload_adamw(0.1), optax.chain(optax.scale(1.0), tsj.offload_adam(0.1))):
+        assert isinstance(opt, optax.GradientTransformationExtraArgs)
+        s = opt.init(params)
+        u, s = jax.jit(functools.partial(opt.update, value=jnp.float32(1.0)))(grads[0], s, params)
+        assert jax.tree.structure(u) == jax.tree.structure(params)

@@ -1,0 +1,96 @@
+"""The arguments of :func:`trainstream.jax.offload_adamw`, checked (:class:`Config`), and the state each leaf keeps
+as optax does (:func:`family`): the dtype names of its moments, whether it has an fp32 master (``master_weights``).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._plan import is_number as _is_number
+
+__all__ = ["DTYPES", "Config", "Family", "check_cuda_config", "family", "leaf_dtype_name", "mu_dtype_name",
+           "static_arg"]
+
+DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
+
+# offload_adamw's checked arguments (threads None: decided when the first update is traced)
+Config = collections.namedtuple("Config", "learning_rate b1 b2 eps eps_root mu_dtype weight_decay mask nesterov "
+                                "max_grad_norm master_weights mode threads worker_nice host_margin")
+# one leaf's state: mu's and nu's dtype names, whether it has an fp32 master
+Family = collections.namedtuple("Family", "mu nu master")
+
+
+def leaf_dtype_name(x, path: str) -> str:
+    """The name of leaf ``x``'s dtype; ``TypeError`` for any but float32, float16 and bfloat16."""
+    dt = np.dtype(x.dtype)
+    if dt not in DTYPES:
+        raise TypeError(f"TrainStream offload_adamw supports float32, float16 and bfloat16 parameters; "
+                        f"leaf {path} has dtype {dt}")
+    return DTYPES[dt]
+
+
+def family(cfg: Config, dtype: str, path: str) -> Family:
+    """The state of a leaf of ``dtype`` as optax keeps it: mu in ``mu_dtype`` (default the leaf's), nu in the leaf's
+    dtype; with ``master_weights`` an fp16/bf16 leaf's fp32 master and float32 moments."""
+    if dtype != "float32" and cfg.master_weights:
+        if cfg.mu_dtype not in (None, "float32"):
+            raise NotImplementedError(f"TrainStream offload_adamw: master_weights=True keeps mu in float32 (the fp32 "
+                                      f"master's lines), not mu_dtype={cfg.mu_dtype} (leaf {path})")
+        return Family("float32", "float32", True)
+    mu = cfg.mu_dtype or dtype
+    allowed = ("float32", "bfloat16") if dtype == "float32" else (dtype, "float32")
+    if mu not in allowed:
+        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={mu} on the {dtype} leaf {path}: the host "
+                                  f"kernels reproduce optax's lines for mu in {' or '.join(allowed)} there")
+    return Family(mu, dtype, False)
+
+
+def check_cuda_config(cfg: Config, fams, paths) -> None:
+    """On a GPU the kernels have optax.adamw's default float32 lines only (:data:`trainstream.contract`'s
+    optax/cuda), with fp32 masters for fp16/bf16 leaves."""
+    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", not (_is_number(cfg.eps_root)
+                                  and cfg.eps_root == 0.0)), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
+           if bad]
+    for f, path in zip(fams, paths):
+        if f.mu != "float32" or f.nu != "float32":
+            why.append(f"leaf {path}'s state in {f.mu}/{f.nu} (optax's default for fp16/bf16 leaves, or mu_dtype; "
+                       "master_weights=True keeps an fp32 master there)")
+            break
+    if why:
+        raise NotImplementedError("TrainStream offload_adamw on a GPU: the CUDA and host optax/cuda lines cover "
+                                  "optax.adamw's float32 state only; not yet " + ", ".join(why) +
+                                  " (issue 35, item 4: XLA:GPU's lines for them are not measured)")
+
+
+def static_arg(name: str, x, default, positive: bool = True):
+    """An argument that changes no bit: an int checked here, or ``host_margin`` (checked by ``_budget.plan``).
+    optax.inject_hyperparams passes every number as an array too (a tracer in the update): a traced one falls back
+    to its default (name it in static_args to keep another)."""
+    if isinstance(x, jax.core.Tracer):
+        x = default
+    elif hasattr(x, "dtype") and np.ndim(x) == 0:
+        x = x.item()
+    if name == "host_margin" or (x is None and default is None):  # threads None: decided at the first update
+        return x
+    if isinstance(x, bool) or not isinstance(x, int) or (positive and x < 1):
+        what = "a positive int" if positive else "an int"
+        raise ValueError(f"{name} must be {what}{' or None' if default is None else ''}, got {x!r}")
+    return x
+
+
+def mu_dtype_name(mu_dtype) -> str | None:
+    """``mu_dtype`` as optax canonicalises it (None: the leaf's), by name; float64 and complex refused."""
+    if mu_dtype is None:
+        return None
+    try:
+        dt = np.dtype(jax.dtypes.canonicalize_dtype(mu_dtype))
+    except TypeError as exc:
+        raise TypeError(f"TrainStream offload_adamw: mu_dtype {mu_dtype!r} is not a dtype: {exc}") from None
+    if dt not in DTYPES:
+        raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={dt}: the host kernels keep state in float32, "
+                                  "float16 or bfloat16 only")
+    return DTYPES[dt]
