@@ -501,8 +501,11 @@ def test_jax_plan_equals_the_state_and_refuses_before_allocating(monkeypatch):
     def nbytes(tree):
         return sum(x.nbytes for x in jax.tree.leaves(tree))
 
-    assert plan["state_pageable"] == nbytes(state.mu) + nbytes(state.nu)
-    assert plan["masters_pageable"] == nbytes(state.master) == 4 * (300 * 64 + 35)
+    assert plan["state_pageable"] == nbytes(state.mu) + nbytes(state.nu) == 4 * 300 * 64 + 8 * 300 + 4 * 35
+    assert plan["masters_pageable"] == nbytes(state.master) == 0  # optax's state: fp16/bf16 moments, no master
+    master = offload_adamw(1e-3, master_weights=True)
+    assert master.host_memory_plan(params)["masters_pageable"] == nbytes(master.init(params).master) \
+        == 4 * (300 * 64 + 35)
     assert plan["pinned"] == plan["staging_pageable"] == 0 and plan["fits"] == 1
     _avail(monkeypatch, 10_000)
     made = []
@@ -531,8 +534,8 @@ def test_jax_plan_counts_this_process_shards():
         plan = tx.host_memory_plan(params)
         state = tx.init(params)
         held = lambda t: sum(s.data.nbytes for x in jax.tree.leaves(t) for s in x.addressable_shards)
-        assert plan["state_pageable"] == held(state.mu) + held(state.nu) == 8 * (64 * 8 + 4 * 10), plan
-        assert plan["masters_pageable"] == held(state.master) == 4 * 64 * 8, plan
+        assert plan["state_pageable"] == held(state.mu) + held(state.nu) == 4 * 64 * 8 + 8 * 4 * 10, plan
+        assert plan["masters_pageable"] == held(state.master) == 0, plan
         print("ok")
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")

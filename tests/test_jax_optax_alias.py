@@ -34,15 +34,21 @@ REFUSED = ("supports float32, float16 and bfloat16", "mu_dtype=complex64", "mu_d
 
 
 def _alias_test_module():
-    """optax's alias_test (its sklearn import is for the L-BFGS tests only: a stub is enough)."""
-    for name in ("sklearn", "sklearn.datasets", "sklearn.linear_model"):
-        sys.modules.setdefault(name, types.ModuleType(name))
+    """optax's alias_test (its sklearn import is for the L-BFGS tests only: a stub is enough, removed from
+    ``sys.modules`` right after the import, since a module without ``__spec__`` breaks ``importlib.util.find_spec``
+    for the tests after this one in the process, torch's dynamo among them)."""
+    stubs = [n for n in ("sklearn", "sklearn.datasets", "sklearn.linear_model") if n not in sys.modules]
+    for name in stubs:
+        sys.modules[name] = types.ModuleType(name)
     sys.modules["sklearn"].datasets = sys.modules["sklearn.datasets"]
     sys.modules["sklearn"].linear_model = sys.modules["sklearn.linear_model"]
     try:
         from optax._src import alias_test  # noqa: PLC0415
     except ImportError as exc:  # pragma: no cover - optax without its tests or absl
         pytest.skip(f"optax's alias_test is not importable: {exc}")
+    finally:
+        for name in stubs:
+            del sys.modules[name]
     return alias_test
 
 

@@ -138,7 +138,10 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
       moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
     * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
     * ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
-      weights and update (JAX ``mode="cpu"`` on a GPU)."""
+      weights and update (JAX ``mode="cpu"`` on a GPU).
+
+    A JAX slot of these three layouts may add ``(mu dtype, nu dtype, master)``, the optax state it keeps (default
+    ``("float32", "float32", dtype != "float32")``, the fp32-master layout)."""
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
@@ -161,10 +164,13 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
                 add("staging", item * numel, True, True)
             continue
         pinned = layout != "arrays"
-        nbytes = max(4, 4 * numel) if layout == "device" else 4 * numel  # DevicePlacement maps >= 4 B
-        add("state", 2 * nbytes, pinned)
-        if half:
-            add("masters", nbytes, pinned)
+        mu, nu, master = rest[0] if rest else ("float32", "float32", half)
+
+        def size(d: str) -> int:  # DevicePlacement maps >= 4 B
+            return max(4, _ITEMSIZE[d] * numel) if layout == "device" else _ITEMSIZE[d] * numel
+        add("state", size(mu) + size(nu), pinned)
+        if master:
+            add("masters", size("float32"), pinned)
         if layout == "staged":
             add("staging", item * numel + (0 if half else 8 * numel), True)
     return out

@@ -135,7 +135,11 @@ class _Impl:
         """:func:`trainstream.core._budget.plan` of the state of ``leaves`` on ``platform``
         (this process's shards; a replicated leaf once per device)."""
         layout = "arrays" if platform != "cuda" else "device" if self.cfg.mode == "gpu" else "staged"
-        slots = [(_host_numel(x), leaf_dtype_name(x, p), layout) for x, p in zip(leaves, paths)]  # (upper bound)
+        slots = []
+        for x, p in zip(leaves, paths):  # (upper bound)
+            dtype = leaf_dtype_name(x, p)
+            f = family(self.cfg, dtype, p)
+            slots.append((_host_numel(x), dtype, layout, (f.mu, f.nu, f.master)))
         return _budget.plan(slots, margin=self.cfg.host_margin)
 
     def _flatten(self, grads, state, params):
