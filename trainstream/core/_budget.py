@@ -140,8 +140,9 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
     * ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
       weights and update (JAX ``mode="cpu"`` on a GPU).
 
-    A JAX slot of these three layouts may add ``(mu dtype, nu dtype, master)``, the optax state it keeps (default
-    ``("float32", "float32", dtype != "float32")``, the fp32-master layout)."""
+    A slot of these three layouts may add its recipe (torch: the recipe's state dtype, ``max_exp_avg_sq``, a master
+    only for fp32 state of fp16/bf16 weights) or ``(mu dtype, nu dtype, master)`` (JAX: the optax state it keeps);
+    default the fp32-master layout."""
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
@@ -164,11 +165,17 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
                 add("staging", item * numel, True, True)
             continue
         pinned = layout != "arrays"
-        mu, nu, master = rest[0] if rest else ("float32", "float32", half)
+        extra = rest[0] if rest else None
+        if isinstance(extra, C.TorchRecipe):  # a torch device slot: its recipe's state (DevicePlacement.add_param)
+            sd = C.state_dtype(extra)
+            moments, master = [sd] * (3 if extra.amsgrad else 2), half and sd == "float32"
+        else:
+            mu, nu, master = extra if extra is not None else ("float32", "float32", half)
+            moments = [mu, nu]
 
         def size(d: str) -> int:  # DevicePlacement maps >= 4 B
             return max(4, _ITEMSIZE[d] * numel) if layout == "device" else _ITEMSIZE[d] * numel
-        add("state", size(mu) + size(nu), pinned)
+        add("state", sum(size(d) for d in moments), pinned)
         if master:
             add("masters", size("float32"), pinned)
         if layout == "staged":

@@ -1,6 +1,7 @@
 """``OffloadAdam`` and ``OffloadAdamW``: the ``torch.optim.Optimizer`` classes over the engine (``trainstream.core``),
 whose arithmetic is the contract's (``trainstream.contract``). This module is the torch.optim API (torch's
-signatures, validation, hooks, state dicts, copies); it delegates what a param group asks for to :mod:`._recipe`,
+signatures, hooks, copies); it delegates torch's validation and what a param group asks for to :mod:`._recipe`,
+state dicts to :mod:`._checkpoint`,
 parameter registration and placement to :mod:`._params`, gradient capture to :mod:`._grads`, ``overlap_forward``'s
 gate to :mod:`._gate`, the state as torch shows it to :mod:`._state` and torch.distributed's part to :mod:`._dist`.
 No arithmetic lives here; buffers, streams and copies are :mod:`trainstream.backends.torch`'s.
@@ -9,14 +10,12 @@ No arithmetic lives here; buffers, streams and copies are :mod:`trainstream.back
 from __future__ import annotations
 
 import contextlib
-import copy
 import weakref
 from collections.abc import Mapping
 from typing import Any, Iterable
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.optimizer import _to_scalar
 
 from .. import contract as C
 from ..core import _budget
@@ -24,48 +23,11 @@ from . import _dist as D
 from . import _params as P
 from . import _recipe as R
 from . import _state as S
+from ._checkpoint import Checkpoints
 from ._gate import Gate
 from ._grads import GradCapture
 
 __all__ = ["OffloadAdam", "OffloadAdamW"]
-
-
-def _validate(lr: Any, betas: Any, eps: Any, weight_decay: Any, foreach: Any, capturable: Any) -> tuple:
-    """``torch.optim.Adam.__init__``'s checks, in its order, with its exception types and messages (torch 2.13);
-    returns ``betas`` as torch keeps them."""
-    if isinstance(lr, torch.Tensor):
-        if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
-            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i in (0, 1):
-        if isinstance(betas[i], torch.Tensor):
-            if not capturable and foreach:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
-            if betas[i].numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element")
-    return tuple(map(_to_scalar, betas))
-
-
-def _hp(group: dict[str, Any]) -> C.AdamWHyperParams:
-    """A param group's hyper-parameters, as the contract takes them (a Tensor ``lr``: its value)."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = float(lr.item())
-    return C.validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
 
 
 def _release(slots: P.Slots, gate: Gate) -> None:
@@ -75,106 +37,44 @@ def _release(slots: P.Slots, gate: Gate) -> None:
     slots.release()
 
 
-class OffloadAdam(Optimizer):
+class OffloadAdam(Checkpoints, Optimizer):
     r"""``torch.optim.Adam`` with its state in host memory, bit-identical to it; :class:`OffloadAdamW` is
-    ``torch.optim.AdamW``'s counterpart (the same machinery, as torch's ``AdamW`` subclasses ``Adam``).
+    ``torch.optim.AdamW``'s counterpart (the same machinery, as torch's ``AdamW`` subclasses ``Adam``). The user's
+    guide, with every rule of a loop and of torch.distributed: ``docs/torch.md``.
 
-    A drop-in replacement: torch's arguments in torch's order, its validation, param groups (named parameters too),
-    LR schedulers, ``zero_grad``, ``step(closure)``, every ``Optimizer`` hook, ``state`` and ``state_dict`` (keys
-    ``step``, ``exp_avg``, ``exp_avg_sq``: checkpoints move to and from torch's optimizer). The moments (and the fp32
-    masters of ``master_weights=True``) live in host memory (or, within ``gpu_state_bytes``, in GPU memory). In an
-    existing loop it changes memory and speed, nothing else (:meth:`last_micro_batch` and ``overlap_forward`` are
-    opt-ins that trade a rule below for speed). What cannot be offered raises ``NotImplementedError`` naming why,
-    where it is set (constructor, ``add_param_group``, ``load_state_dict``, or the ``step()`` after a group edit):
-
-    * ``differentiable=True``, ``capturable=True`` and Tensor ``betas``: never (the update runs outside autograd
-      and outside any CUDA graph).
-    * Not built yet: ``fused=True``, ``amsgrad``, ``maximize``, a Tensor ``lr``, Adam's L2 weight decay
-      (``decoupled_weight_decay=False`` with ``weight_decay != 0``), fp16/bf16 parameters without
-      ``master_weights=True``, torch's single-tensor implementation on CUDA (``foreach=False``).
-    * A group edited after its parameters were registered so that it asks for other arithmetic (e.g. ``amsgrad``
-      or ``foreach`` toggled mid-run); hyper-parameter edits (``lr``, ``betas``, ``eps``, ``weight_decay``) take
-      effect at the next step, as torch's.
-    * A parameter listed twice in a group: torch warns and updates it twice per step; ``step()`` refuses it.
-
-    The rules of a loop:
-
-    * Gradients stay in ``param.grad`` (summed over micro-batches in the parameter's dtype). A hook copies each to
-      pinned host memory as backward produces it; ``step()`` uses that copy, copies ``param.grad`` again where it
-      changed since (``clip_grad_norm_``, ``GradScaler``, by hand) and skips parameters whose ``grad`` is ``None``.
-      Clipping (``max_grad_norm``, :meth:`clip_grad_norm`) and ``GradScaler``'s unscaling act on ``param.grad``
-      as torch's own ops; the host copy gets the same multiplier, bit for bit.
-    * ``step()`` returns once the host update has run and, with CUDA parameters, makes the current stream wait
-      (on the GPU) for the uploads of the new weights: no ``synchronize()`` needed.
-    * Weights changed outside the optimizer (in place, ``model.load_state_dict``, ``p.data = ...`` of the same shape,
-      dtype and device) are what it updates next (fp16/bf16: an element keeps its fp32 master where that still
-      rounds to the weight). It sees a changed ``param._version`` or storage, so not ``p.data.mul_(...)``.
-    * ``copy.deepcopy(opt)`` and pickling give an independent optimizer with a copy of the state over the copied
-      parameters (torch's semantics; its own engine and worker threads); ``copy.copy`` raises.
-
-    Several processes (``torch.distributed``), each rank offloading only what it updates:
-
-    * FSDP2 (``fully_shard``): build it on the sharded parameters (DTensors); each rank registers its local shard
-      (uneven or empty included), hooked after FSDP2's reduce-scatter. Clipping is a collective (torch's DTensor
-      norm). Unless ``max_grad_norm`` is set, ``step()``, not the hook, copies each shard's gradient (torch 2.13's
-      in-place foreach ops move no DTensor version counter). ``state`` and ``state_dict()`` hold DTensor views of
-      the host state, laid out as the parameters, for torch.distributed.checkpoint (also to and from
-      ``torch.optim.AdamW``). HSDP, ``MixedPrecisionPolicy`` and ``gpu_state_bytes`` (per rank, the local shards
-      that fit) need nothing more. Not with ``CPUOffloadPolicy`` or ``overlap_forward``.
-    * DDP (any reduction after backward): plain parameters' gradients are taken at ``step()``, never by the hook.
-      Each rank updates every parameter, or with ``zero_stage=1`` its partition. Not with :meth:`last_micro_batch`.
+    A drop-in replacement: torch's arguments in torch's order, its validation and exception types, param groups
+    (named parameters too), LR schedulers, ``zero_grad``, ``step(closure)``, every ``Optimizer`` hook, ``state`` and
+    ``state_dict`` (keys ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``: checkpoints move to and from
+    torch's optimizer), ``copy.deepcopy`` and pickling. Each param group's implementation (``foreach``, single-tensor,
+    ``fused``), flags (``amsgrad``, ``maximize``, a Tensor ``lr``, Adam's L2 or decoupled decay) and dtype select the
+    arithmetic reproduced (:class:`trainstream.contract.TorchRecipe`). Gradients stay in ``param.grad``; ``step()``
+    returns with the new weights in place (on CUDA: the current stream waits for their upload). What cannot be
+    offered raises ``NotImplementedError`` naming why, where it is set (constructor, ``add_param_group``,
+    ``load_state_dict``, or the ``step()`` after a group edit): ``differentiable=True``, ``capturable=True``, Tensor
+    ``betas``, a Tensor ``lr`` on a CUDA device, CUDA ``fused=True`` with Adam's L2 decay on the host, a group edit
+    that changes the state's layout (``amsgrad`` toggled).
 
     Args:
-      params: parameters, ``(name, parameter)`` pairs or param groups, as for ``torch.optim.Adam``: float32,
-        float16 or bfloat16, contiguous, dense, all on one device (CUDA, or CPU).
-      lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable, differentiable, fused,
-        decoupled_weight_decay: as ``torch.optim.Adam`` (the list above says what raises ``NotImplementedError``).
-      master_weights: fp16/bf16 parameters get an fp32 master and fp32 moments (TrainStream 0.1.1's scheme) instead
-        of state in their dtype as torch keeps it. Default False.
+      params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable, differentiable, fused,
+        decoupled_weight_decay: as ``torch.optim.Adam``'s (parameters float32, float16 or bfloat16, contiguous,
+        dense, all on one device).
+      master_weights: fp16/bf16 parameters get an fp32 master and fp32 moments, their micro-batch gradients summed
+        in fp32 on the host, instead of state in their dtype as torch keeps it. Default False.
       max_grad_norm: if set, ``step()`` first runs :meth:`clip_grad_norm` over the parameters in group order.
-      mode: ``"cpu"`` (default: host threads update), ``"gpu"`` (a GPU kernel; the host state streams through a
-        72 MiB ring of GPU buffers, ``stats()["staging_ring_bytes"]``) or ``"hybrid"`` (up to ``gpu_share`` of the
-        trainable elements by the GPU kernel reading their host state over PCIe, beside the host threads); the last
-        two need CUDA parameters. Each parameter gets its updating mode's bits (both torch's on CUDA).
-      overlap_forward: a module (the model) whose next forward may start before the update has finished, each
-        module waiting for its own weights (forward pre-hooks, outside Dynamo's graphs); reads of the weights
-        outside that forward (``state_dict``, an EMA) then need :meth:`synchronize`.
-      gpu_state_bytes: GPU memory, in bytes, for optimizer state (any mode; CUDA parameters; default 0). Trainable
-        parameters whose state (8 bytes per element, 12 for fp16/bf16) fits in what is left, in order (also of a
-        later ``add_param_group``), keep and update it there (same bits, no PCIe traffic) at ``step()``, or under
-        :meth:`last_micro_batch` from their hooks (``gpu`` mode; ``hybrid`` with ``gpu_params="last"``). Allocated
-        at construction outside torch's caching allocator (``stats()["gpu_state_bytes"]``), freed by :meth:`close`;
-        ``state``/``state_dict()`` hold host copies, ``load_state_dict`` copies back. ``"auto"``: all state offloaded
-        at first (as the host memory check assumes: for the largest model pass bytes); after the first ``step()``
-        that updates, what fits in the GPU memory then free (the step's peak held by torch's pool) less
-        ``AUTO_GPU_HEADROOM`` (a tenth) of the total moves there, same bits, freeing its host memory (pinned: to
-        torch's cache); that step is not overlapped.
-      gpu_share: ``hybrid``: the fraction of the trainable elements not kept in GPU memory that the kernel updates;
-        parameters, in ``gpu_params`` order (also later ones), go to it while they fit, else to the host. The default
-        0.3 was near the fastest for 125M-1.3B GPTs on an H200 with 16 host cores (depends on host memory vs PCIe).
-      gpu_params: ``hybrid``: ``"first"`` (default): the GPU share from the first parameter on (what the next
-        forward needs first). ``"last"``: from the last backwards (their gradients come first); with
-        :meth:`last_micro_batch` their kernels run during the rest of backward.
-      threads: host worker threads. Default: this process's share of its CPU affinity (divided by torchrun's
-        ``LOCAL_WORLD_SIZE``, else the world size) less one, at least 1; with ``worker_cores``, its cores less one.
-      worker_cores: bind the host workers (and the host state's first touch): ``None`` (default), ``"auto"``
-        (this local rank's disjoint slice, of its GPU's NUMA node where ``/sys`` tells it and local rank r
-        drives GPU r) or a list of CPU ids. Linux only; elsewhere ignored.
-      zero_stage: ``0`` (default) or ``1``: ZeRO stage 1 over the default process group for replicated plain
-        parameters (DDP): each rank holds the state of, and updates, only its partition (ZeroRedundancyOptimizer's),
-        then broadcasts its new weights in ``step()``. Checkpoints: :meth:`consolidate_state_dict`.
-      worker_nice: the host workers' nice value (``cpu``, ``hybrid``; Linux); the default 5 yields to the threads
-        driving the GPU, 19 is faster with ``hybrid`` and :meth:`last_micro_batch` unless a busy loader starves them.
-      eager_blocks: the grid cap, in blocks, of the kernels launched from hooks under :meth:`last_micro_batch`
-        (the bits do not depend on it). ``None``: a quarter of the GPU's multiprocessors, leaving backward the rest.
-      pin_moments: keep the moments page-locked (``cpu`` mode) while all pinned memory stays within half of the
-        available host memory, else pageable (``stats()["host_plan_pin_moments"]``). Default False.
-      host_margin: the host memory the optimizer will take (:meth:`host_memory_plan`) must fit in what the host
-        has less this fraction, checked before allocating: else ``MemoryError`` naming the bytes. None: no check.
-
-    Invalid arguments raise torch's exceptions (``ValueError``; ``TypeError`` for a non-iterable ``params``;
-    ``RuntimeError`` for ``fused`` with ``foreach`` or ``differentiable``) and ours ``ValueError`` (``TypeError``:
-    a non-Module ``overlap_forward``, an unsupported parameter dtype).
+      mode: ``"cpu"`` (host threads update), ``"gpu"`` (a GPU kernel, the host state streamed through a ring of GPU
+        buffers) or ``"hybrid"`` (``gpu_share`` of the trainable elements, in ``gpu_params`` order, by the kernel
+        reading host state over PCIe, the rest by the host threads); the last two need CUDA parameters and CuPy.
+      overlap_forward: a module whose next forward may start before the update has finished (each module waits
+        for its own weights); other reads of the weights then need :meth:`synchronize`.
+      gpu_state_bytes: GPU memory, in bytes, for the state of the parameters that fit, in order (same bits), or
+        ``"auto"``: what is free after the first step, less ``AUTO_GPU_HEADROOM`` of the total.
+      threads, worker_cores, worker_nice, eager_blocks: the host workers (count, binding, nice value) and the grid
+        cap of the kernels launched from hooks under :meth:`last_micro_batch` (the bits do not depend on them).
+      zero_stage: ``1``: ZeRO stage 1 over the default process group (DDP); checkpoints via
+        :meth:`consolidate_state_dict`.
+      pin_moments, host_margin: page-locked moments (``cpu`` mode, while pinned memory stays within half of the
+        available memory); the fraction of host memory left free by the check before allocating (``MemoryError``
+        naming the bytes; None: no check).
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -200,7 +100,7 @@ class OffloadAdam(Optimizer):
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
             host_margin=host_margin)
-        betas = _validate(lr, betas, eps, weight_decay, foreach, capturable)
+        betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
         if overlap_forward is not None and not isinstance(overlap_forward, torch.nn.Module):
@@ -345,7 +245,7 @@ class OffloadAdam(Optimizer):
         """A slot's group's hyper-parameters now, for an update started from its gradient hook (last_micro_batch)."""
         group = self.param_groups[rec.group]
         self._follow(self._check_group(rec.group, group, [rec.param]))
-        return _hp(group)
+        return R.hyper(group)
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -474,7 +374,7 @@ class OffloadAdam(Optimizer):
             self._grads.hook(rec)  # a host slot unfrozen after construction
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
-        updates, coefs, eager = self._grads.updates(self.param_groups, _hp)
+        updates, coefs, eager = self._grads.updates(self.param_groups, R.hyper)
         self._gate.mark(u[0] for u in updates)  # first: if the engine raises part-way, what it queued is waited for
         if engine is not None:
             try:
@@ -522,143 +422,6 @@ class OffloadAdam(Optimizer):
         return {**({} if self._engine is None else self._engine.stats()),
                 **{f"host_plan_{k}": v for k, v in self._slots.host_plan.items()},
                 **{k: float(v) for k, v in where.items()}}
-
-    # -- checkpoints ------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """A state dict in torch's format whose tensors are views of the host state, as torch's are of its own
-        (DTensors laid out as FSDP2's parameters), with torch's state-dict pre- and post-hooks. Per parameter: ``step``
-        (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` (float32, the parameter's shape) and, with
-        ``master_weights=True`` for fp16/bf16 parameters, ``master_param`` (the fp32 master: resuming is bit-exact).
-        With ``zero_stage=1``: copies of the whole state gathered to this rank by the last
-        :meth:`consolidate_state_dict` (a ``step()`` since discards them; ``RuntimeError`` without them)."""
-        self._check_open("state_dict")
-        if self._zero is not None and self._consolidated is None:
-            raise RuntimeError(f"{type(self).__name__}(zero_stage=1).state_dict(): each rank holds only its "
-                               "partition. Call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
-                               "on that rank (with no step() between)")
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        if self._zero is None:
-            state_dict = self._own_state_dict()
-        else:
-            state_dict = {"state": {**self._consolidated["state"], **self._state_view.extras},
-                          "param_groups": copy.copy(self._consolidated["param_groups"])}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def _own_state_dict(self) -> dict[str, Any]:
-        """This rank's state (views), keyed as torch keys it (each parameter by its first position in the groups),
-        and the entries of other keys (``opt.state["key"] = ...``) as they are."""
-        index: dict[int, int] = {}
-        groups, start = [], 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            index.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in index})
-            packed["params"] = [index[id(p)] for p in g["params"]]
-            start += len(packed["params"])
-            groups.append(packed)
-        state = {index[id(rec.param)]: entry for rec in self._slots
-                 if id(rec.param) in index and (entry := S.entry(self._slots, rec))}
-        state.update(self._state_view.extras)
-        return {"state": state, "param_groups": groups}
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """``zero_stage=1``: gather every rank's partition of the state on rank ``to``, whose :meth:`state_dict` then
-        returns all of it in ``torch.optim.AdamW``'s format (ZeroRedundancyOptimizer's protocol; Lightning calls it
-        wherever it exists). A collective: every rank calls it. Otherwise a no-op."""
-        self._check_open("consolidate_state_dict")
-        if self._zero is None:
-            return
-        own = self._own_state_dict()
-        for key in self._state_view.extras:
-            own["state"].pop(key, None)
-        state = D.gather_state(own["state"], to)
-        self._consolidated = None if state is None else {"state": state, "param_groups": own["param_groups"]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of torch's optimizer (DTensor values included:
-        torch.distributed.checkpoint passes it by keyword), with torch's load-state-dict pre-hooks (whose edits take
-        effect) and post-hooks. The param groups become the loaded ones, as torch's (flags a saved group lacks take
-        torch's defaults;
-        ``OffloadAdamW``: decoupled weight decay). Everything is checked before anything changes (``ValueError``;
-        ``NotImplementedError`` where a loaded group asks for other arithmetic than the parameters were registered
-        with). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
-        self._check_open("load_state_dict")
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', got "
-                             f"{type(state_dict).__name__}")
-        state_dict = dict(state_dict)  # shallow copy, as torch's
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        if "param_groups" not in state_dict or "state" not in state_dict:
-            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
-                             f"than the optimizer ({len(self.param_groups)})")
-        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
-                                 f"optimizer's group: group {i} has {len(sg['params'])} parameters saved, "
-                                 f"{len(g['params'])} here")
-        new_groups = [self._loaded_group(g, sg) for g, sg in zip(self.param_groups, saved_groups)]
-        changes = [c for gi, g in enumerate(new_groups) for c in self._check_group(gi, g, list(g["params"]))]
-        id_map = {}
-        for sg, g in zip(saved_groups, self.param_groups):
-            id_map.update(zip(sg["params"], g["params"]))
-        loads, extras = {}, {}  # slot -> its state (Engine.load_state's dict); other keys: kept as they are
-        for saved_id, entry in state_dict["state"].items():
-            if saved_id in id_map:
-                rec = self._slots.of(id_map[saved_id])
-                if rec is not None:  # else another rank's (zero_stage=1)
-                    loads[rec.sid] = S.parse_entry(saved_id, entry, id_map[saved_id], rec.recipe)
-            elif isinstance(saved_id, int):
-                raise ValueError(f"loaded state dict has state for unknown parameter id {saved_id}")
-            else:
-                extras[saved_id] = entry
-        self._load(loads, extras)
-        self._follow(changes)
-        self.param_groups[:] = new_groups
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-        """A loaded group as torch makes it: the saved keys, this group's parameters (and names, if the saved group
-        has none), the flags it lacks at torch's defaults (``Adam.__setstate__``; ``AdamW``'s decoupled decay)."""
-        new = {**saved, "params": group["params"]}
-        if "param_names" in group and "param_names" not in saved:
-            new["param_names"] = group["param_names"]
-        for key, value in R.FLAGS.items():
-            new.setdefault(key, value)
-        if self._force_decoupled:
-            new["decoupled_weight_decay"] = True
-        return new
-
-    def _load(self, loads: dict[int, tuple], extras: dict[Any, Any]) -> None:
-        """Give each slot its loaded state (``loads``), or fresh state where none (as torch's); ``extras``: the
-        state's other keys."""
-        for rec in self._slots:
-            self._slots.follow(rec)  # a replaced storage first (the masters are checked against it)
-        self._consolidated = None
-        engine = self._engine
-        if engine is not None:
-            engine.drain()
-            for rec in self._slots:  # no saved state: a fresh parameter, as in torch
-                rec.touched, rec.summed = rec.sid in loads, 0  # a loaded entry stays, step 0 too (torch)
-                engine.load_state(rec.sid, loads.get(rec.sid) or S.fresh(D.local(rec.param).numel(), rec.recipe))
-            engine.clear_error()  # every slot is consistent again
-        for rec in self._slots:  # the masters follow the weights as they are now
-            rec.version = D.version(rec.param)
-        self._gate.clear()
-        self._grads.done.clear()
-        self._state_view.extras.clear()
-        self._state_view.extras.update(extras)
 
     # -- copies -----------------------------------------------------------------------------
 

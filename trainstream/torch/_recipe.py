@@ -13,13 +13,53 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim.optimizer import _default_to_fused_or_foreach, _to_scalar
 
 from ..backends.torch import _DTYPE_NAME
+from .. import contract as C
 from ..contract import TorchRecipe
 from . import _dist as D
 
-__all__ = ["TorchRecipe", "FLAGS", "LAYOUT", "impl_of", "recipe", "refuse", "unbuilt", "changed", "engine_kwargs"]
+__all__ = ["TorchRecipe", "FLAGS", "LAYOUT", "validate", "hyper", "impl_of", "recipe", "refuse", "unbuilt", "changed",
+           "engine_kwargs"]
+
+
+def validate(lr: Any, betas: Any, eps: Any, weight_decay: Any, foreach: Any, capturable: Any) -> tuple:
+    """``torch.optim.Adam.__init__``'s checks, in its order, with its exception types and messages (torch 2.13);
+    returns ``betas`` as torch keeps them."""
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i in (0, 1):
+        if isinstance(betas[i], torch.Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+            if betas[i].numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    return tuple(map(_to_scalar, betas))
+
+
+def hyper(group: dict[str, Any]) -> C.AdamWHyperParams:
+    """A param group's hyper-parameters, as the contract takes them (a Tensor ``lr``: its value)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr.item())
+    return C.validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
 
 
 #: The flags of a torch Adam/AdamW param group and their values when a loaded group lacks them (``Adam.__setstate__``).
