@@ -89,7 +89,7 @@ class FakeDevice:
             if not self.e.has_grad(sid):
                 self.e.offload_grad(sid, grad, gdtype)
 
-    def step(self, updates, *, eager=False, max_blocks=None):
+    def step(self, updates, *, eager=False, max_blocks=None, grad_div=None):
         self.eager_calls += eager
         self._offload(updates)
         self.e.step([(sid, hp) for sid, hp, _, _ in updates])

@@ -312,14 +312,12 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
 
 def _scalar_vector(scalars, pre: str = "", dot: str = "") -> np.ndarray | int:
     """A scalar vector as the kernels take it: an ``int`` (a device pointer: the kernels read the optax convention's
-    slots there), or float32 of the contract's ``N_SCALARS`` or the kernels' (zero-padded to the kernels')."""
+    slots there), or float32 of the contract's ``N_SCALARS``."""
     if isinstance(scalars, (int, np.integer)):
         return _check_ptr(f"{dot}scalars_ptr", scalars, 4)
     sc = np.ascontiguousarray(scalars, dtype=np.float32)
-    if sc.shape not in ((C.N_SCALARS,), (R.N_SCALARS,)):
-        raise ValueError(f"{pre}scalars must have shape ({R.N_SCALARS},), got {sc.shape}")
-    if sc.size < R.N_SCALARS:
-        sc = np.concatenate([sc, np.zeros(R.N_SCALARS - sc.size, np.float32)])
+    if sc.shape != (C.N_SCALARS,):
+        raise ValueError(f"{pre}scalars must have shape ({C.N_SCALARS},), got {sc.shape}")
     return sc
 
 

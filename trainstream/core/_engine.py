@@ -308,7 +308,7 @@ class Engine:
             dev_div = {self._where[sid][1]: c for sid, c in grad_div.items() if self._where[self._check_sid(sid)][0]}
             grad_div = {self._where[sid][1]: c for sid, c in grad_div.items() if not self._where[sid][0]}
         if self.host is None:
-            return self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
+            return self.device.step(dev, grad_div=dev_div)
         if self.device is None:
             return self.host.step(hst, coefs, grad_div=grad_div)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
@@ -317,12 +317,12 @@ class Engine:
         dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             if dev:
-                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
+                self.device.step(dev, grad_div=dev_div)
             return self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         self.host.step(hst, coefs, check_errors=False, grad_div=grad_div)
         try:
             if dev:
-                self.device.step(dev, **({"grad_div": dev_div} if dev_div else {}))
+                self.device.step(dev, grad_div=dev_div)
         except BaseException as exc:
             self.errors.record(RuntimeError("hybrid step: the device share's update failed after the host share's "
                                             f"was queued ({type(exc).__name__}: {exc})"))
