@@ -6,7 +6,7 @@ numerics; per setup step time, tokens/s, MFU, peak GPU memory and peak host memo
 Setups (``--setups``):
   amp_fused        fp32 weights + bf16 autocast + torch.optim.AdamW(fused=True) in GPU memory
   bf16_fused       bf16 weights + torch.optim.AdamW(fused=True) in GPU memory
-  ts_cpu           bf16 weights, OffloadAdamW mode="cpu" (fp32 master and moments on the host)
+  ts_cpu           bf16 weights, OffloadAdamW mode="cpu" (torch's bf16 state on the host, 4 B/param)
   ts_gpu           bf16 weights, OffloadAdamW mode="gpu"
   ts_hybrid        bf16 weights, OffloadAdamW mode="hybrid"
   ts_*_eager       the same, the update started during backward (``last_micro_batch()``)
@@ -16,7 +16,8 @@ Setups (``--setups``):
 A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN``
 (worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
 (gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
-(overlap_forward=model), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
+(overlap_forward=model), ``~fused`` (fused=True: bf16_fused's bits), ``~master``
+(master_weights=True: fp32 master and moments), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
 ``git archive COMMIT trainstream | tar -x -C .base_tree && mv .base_tree/trainstream
 .base_tree/trainstream_base``). Any setup: ``~clipX`` (TrainStream max_grad_norm=X, in-GPU
 setups clip_grad_norm_; not torchao or DeepSpeed).
@@ -95,7 +96,7 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     def opt_value(prefix):
         return next((o[len(prefix):] for o in opts if o.startswith(prefix) and o[len(prefix):][:1].isdigit()), None)
 
-    unknown = [o for o in opts if o not in ("base", "auto", "overlap") and not any(
+    unknown = [o for o in opts if o not in ("base", "auto", "overlap", "fused", "master") and not any(
         o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", *TS_OPTIONS))]
     if unknown:
         raise ValueError(f"{setup}: unknown option(s) {', '.join('~' + o for o in unknown)} (see the module docstring)")
@@ -122,6 +123,8 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
                 extra[arg] = parse(opt_value(prefix))
         extra.update({"gpu_state_bytes": "auto"} if "auto" in opts else {})
         extra.update({"overlap_forward": model} if "overlap" in opts else {})
+        extra.update({"fused": True} if "fused" in opts else {})
+        extra.update({"master_weights": True} if "master" in opts else {})
         mode = name[3:].removesuffix("_eager")
         if mode not in ("cpu", "gpu", "hybrid"):
             raise ValueError(f"unknown setup {setup!r}")
