@@ -105,10 +105,11 @@ class ParamGroups:
                     continue
                 seen = first.setdefault(p, gi)
                 if seen != gi or p in here:
-                    twice = f"param groups {seen} and {gi}" if seen != gi else "its group more than once"
+                    twice = f"that param group {seen} lists too" if seen != gi else "more than once"
                     raise NotImplementedError(
-                        f"{self._name(gi, pos, p)} is listed in {twice}: torch.optim.{self._torch_name} updates it "
-                        "once per listing (and warns or raises where the groups are built); list each parameter once")
+                        f"{self._where(gi)} lists a parameter {twice} (position {pos}, shape {tuple(p.shape)}): "
+                        f"torch.optim.{self._torch_name} updates it once per listing (and warns or raises where the "
+                        "groups are built); list each parameter once")
                 here.add(p)
                 with_grad.append(p)
                 rec = self._slots.of(p)
