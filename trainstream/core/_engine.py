@@ -215,6 +215,17 @@ class Engine:
         for per_slot in (self._where, self._numel, self._args, self._gpu_state):
             del per_slot[n:]
 
+    def release(self, sid: int) -> None:
+        """Free slot ``sid``'s state once its queued work has run (its parameter left the optimizer); the id stays
+        taken by an empty slot, which no later call may name."""
+        placement, local = self._local(sid)
+        placement.release(local)
+        if self._where[sid][0] and not self._gpu_state[sid]:
+            self.device_elems_used -= self._numel[sid]
+        self.gpu_state_used -= self._gpu_state[sid]
+        self._gpu_state[sid] = 0
+        self._args[sid][0], self._args[sid][3] = None, False  # move_state_to_gpu leaves it
+
     def move_state_to_gpu(self, nbytes: int) -> list[int]:
         """Raise the resident budget by ``nbytes`` and move into GPU memory, from either placement, the state
         of the trainable slots not resident yet that fits in what is left of it, in slot order; each keeps its

@@ -55,8 +55,15 @@ class Checkpoints:
             packed["params"] = [index[id(p)] for p in g["params"]]
             start += len(packed["params"])
             groups.append(packed)
-        state = {index[id(rec.param)]: entry for rec in self._slots
-                 if id(rec.param) in index and (entry := S.entry(self._slots, rec))}
+        held = [(rec.param, entry) for rec in self._slots.live() if (entry := S.entry(self._slots, rec))]
+        state = {}
+        for p, entry in [*held, *self._state_view.pending.items()]:
+            if id(p) not in index:  # torch's state_dict raises KeyError here too
+                raise KeyError(f"{type(self).__name__}.state_dict(): a parameter of shape {tuple(p.shape)} that is in "
+                               "no param group has state (it was replaced in param_groups after an update, as torch's "
+                               "optimizer, whose state_dict() raises KeyError too): move its entry to its replacement "
+                               "(opt.state[new] = opt.state.pop(old)) or drop it (del opt.state[old])")
+            state[index[id(p)]] = entry
         state.update(self._state_view.extras)
         return {"state": state, "param_groups": groups}
 
@@ -82,6 +89,7 @@ class Checkpoints:
         ``NotImplementedError`` where a loaded group asks for other arithmetic than the parameters were registered
         with). With ``zero_stage=1`` every rank takes the whole dict and keeps its partition."""
         self._check_open("load_state_dict")
+        self._sync()  # the groups' parameters as they are now, each registered
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', got "
                              f"{type(state_dict).__name__}")
@@ -137,6 +145,10 @@ class Checkpoints:
     def _load(self, loads: dict[int, tuple], extras: dict[Any, Any]) -> None:
         """Give each slot its loaded state (``loads``), or fresh state where none (as torch's); ``extras``: the
         state's other keys."""
+        for rec in self._slots.live():
+            if rec.group is None:  # torch's state is replaced whole: that of parameters in no group goes
+                self._slots.drop(rec)
+        self._state_view.pending.clear()
         for rec in self._slots:
             self._slots.follow(rec)  # a replaced storage first (the masters are checked against it)
         self._consolidated = None

@@ -2,7 +2,7 @@
 whose arithmetic is the contract's (``trainstream.contract``). This module is the torch.optim API (torch's
 signatures, hooks, copies); it delegates torch's validation and what a param group asks for to :mod:`._recipe`,
 state dicts to :mod:`._checkpoint`,
-parameter registration and placement to :mod:`._params`, gradient capture to :mod:`._grads`, ``overlap_forward``'s
+the param groups as they are now (parameters added or replaced) to :mod:`._groups`, parameter registration and placement to :mod:`._params`, gradient capture to :mod:`._grads`, ``overlap_forward``'s
 gate to :mod:`._gate`, the state as torch shows it to :mod:`._state` and torch.distributed's part to :mod:`._dist`.
 No arithmetic lives here; buffers, streams and copies are :mod:`trainstream.backends.torch`'s.
 """
@@ -17,7 +17,6 @@ from typing import Any, Iterable
 import torch
 from torch.optim import Optimizer
 
-from .. import contract as C
 from ..core import _budget
 from . import _dist as D
 from . import _params as P
@@ -26,6 +25,7 @@ from . import _state as S
 from ._checkpoint import Checkpoints
 from ._gate import Gate
 from ._grads import GradCapture
+from ._groups import ParamGroups
 
 __all__ = ["OffloadAdam", "OffloadAdamW"]
 
@@ -37,7 +37,7 @@ def _release(slots: P.Slots, gate: Gate) -> None:
     slots.release()
 
 
-class OffloadAdam(Checkpoints, Optimizer):
+class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
     r"""``torch.optim.Adam`` with its state in host memory, bit-identical to it; :class:`OffloadAdamW` is
     ``torch.optim.AdamW``'s counterpart (the same machinery, as torch's ``AdamW`` subclasses ``Adam``). The user's
     guide, with every rule of a loop and of torch.distributed: ``docs/torch.md``.
@@ -146,8 +146,7 @@ class OffloadAdam(Checkpoints, Optimizer):
                 if foreach:
                     raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
             self._deferred = False
-            self._slots.start([t for gi, g in enumerate(self.param_groups) for t in self._group_slots(gi, g)],
-                              hook=self._grads.hook)
+            self._sync()  # every parameter registered at once (one plan)
         except BaseException:  # nothing of a half-built optimizer stays on the parameters
             self._release()
             raise
@@ -181,92 +180,6 @@ class OffloadAdam(Checkpoints, Optimizer):
         raise NotImplementedError(f"{type(self).__name__}.state cannot be replaced by another mapping (the state "
                                   "lives in the engine): use load_state_dict(), or assign an empty mapping to reset it")
 
-    # -- param groups: what each asks for ---------------------------------------------------
-
-    def _where(self, gi: int) -> str:
-        return f"{type(self).__name__} param group {gi}"
-
-    def _group_slots(self, gi: int, group: dict[str, Any]) -> list[tuple[torch.Tensor, int, R.TorchRecipe]]:
-        """The ``(parameter, group index, recipe)`` of group ``gi``'s parameters this rank registers (each once),
-        after the refusals (:func:`._recipe.refuse`, :func:`._recipe.unbuilt`)."""
-        where = self._where(gi)
-        R.refuse(group, where)
-        impl = R.impl_of(group, group["params"])
-        out, seen = [], set()
-        for p in group["params"]:
-            if p in seen or not self._mine(p):
-                continue
-            seen.add(p)
-            r = R.recipe(group, p, impl, self.master_weights)
-            R.unbuilt(r, group, where)
-            out.append((p, gi, r))
-        return out
-
-    def _check_group(self, gi: int, group: dict[str, Any], params: list[torch.Tensor]) -> list[tuple[P.Slot, Any]]:
-        """Group ``gi`` as it is now, over ``params`` (at a step: those with a gradient), against what its registered
-        parameters were built for: refused where it asks for what cannot be offered or followed. Returns the
-        ``(record, recipe)`` of each parameter whose arithmetic it changes (:func:`_follow` applies them)."""
-        if not params:
-            return []
-        where = self._where(gi)
-        R.refuse(group, where)
-        impl = R.impl_of(group, params)
-        out = []
-        for p in params:
-            rec = self._slots.of(p)
-            if rec is not None:  # (a parameter's own dtype or device changes are Slots.follow's to refuse)
-                r = R.recipe(group, p, impl, self.master_weights)._replace(platform=rec.recipe.platform,
-                                                                           dtype=rec.recipe.dtype)
-                R.unbuilt(r, group, where)
-                if R.changed(rec.recipe, r, where):
-                    out.append((rec, r))
-        return out
-
-    def _follow(self, changes: list[tuple[P.Slot, Any]]) -> None:
-        """Give each slot its group's new arithmetic (:meth:`_check_group`), as torch's next step follows an edit."""
-        for rec, r in changes:
-            if rec.recipe != r:
-                self._engine.set_recipe(rec.sid, r)
-                rec.recipe = r
-
-    def _check_groups(self) -> list[tuple[P.Slot, Any]]:
-        """At ``step()``: every group as it is now (edits since the last step), before anything changes."""
-        changes = []
-        for gi, g in enumerate(self.param_groups):
-            with_grad = [p for p in g["params"] if p.grad is not None]
-            if len(set(with_grad)) != len(with_grad):
-                raise NotImplementedError(
-                    f"{self._where(gi)} lists a parameter more than once: torch.optim.{self._torch_name} "
-                    "updates it once per listing (and warned at construction); list each parameter once")
-            changes += self._check_group(gi, g, with_grad)
-        return changes
-
-    def _slot_hyper(self, rec: P.Slot) -> C.AdamWHyperParams:
-        """A slot's group's hyper-parameters now, for an update started from its gradient hook (last_micro_batch)."""
-        group = self.param_groups[rec.group]
-        self._follow(self._check_group(rec.group, group, [rec.param]))
-        return R.hyper(group)
-
-    # -- parameters -------------------------------------------------------------------------
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        n_groups = len(self.param_groups)
-        super().add_param_group(param_group)  # torch's checks and defaults (and its warning on duplicates)
-        listed = list(dict.fromkeys(self.param_groups[-1]["params"]))
-        zero = None if self._zero is None else self._zero.snapshot()
-        try:
-            if self._zero is not None:
-                self._zero.add_group(listed)
-            if self._deferred:  # inside __init__
-                return
-            self._slots.add(self._group_slots(n_groups, self.param_groups[-1]), hook=self._grads.hook)
-        except BaseException:  # leave the optimizer exactly as it was (the registry unwinds itself)
-            del self.param_groups[n_groups:]
-            if zero is not None:
-                self._zero.restore(zero)
-            raise
-        self._gate.forget_modules()
-
     @staticmethod
     def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
                          gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
@@ -280,10 +193,6 @@ class OffloadAdam(Checkpoints, Optimizer):
         return P.host_memory_plan(params, mode=mode, gpu_share=gpu_share, gpu_params=gpu_params,
                                   gpu_state_bytes=gpu_state_bytes, pin_moments=pin_moments, host_margin=host_margin,
                                   amsgrad=amsgrad, master_weights=master_weights)
-
-    def _mine(self, p: torch.Tensor) -> bool:
-        """Whether this rank holds ``p``'s state (all but zero_stage=1's parameters of other ranks)."""
-        return self._zero is None or self._zero.mine(p)
 
     def _params_with_grads(self) -> list[torch.Tensor]:
         """Every parameter with a gradient, in group order (zero_stage=1: every rank's)."""
@@ -312,6 +221,7 @@ class OffloadAdam(Checkpoints, Optimizer):
         ``load_state_dict()`` raise until ``step()``. Not with several processes and plain (non-DTensor) parameters.
         With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
         self._check_open()
+        self._sync()  # a parameter that left the groups is not updated from its hook
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
             raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters "
                                       "in a run of several processes is not built: the updates would use this rank's "
@@ -358,7 +268,8 @@ class OffloadAdam(Checkpoints, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        changes = self._check_groups()  # the groups as they are now: refused before anything changes
+        self._sync()  # the groups as they are now: parameters added, replaced or removed since
+        changes = self._check_groups()  # refused before anything changes
         engine = self._engine
         if engine is None and self._zero is None:
             return loss
@@ -433,6 +344,7 @@ class OffloadAdam(Checkpoints, Optimizer):
             raise NotImplementedError(f"copy.deepcopy/pickle of {type(self).__name__}(zero_stage=1): each rank holds "
                                       "only its partition; save consolidate_state_dict() + state_dict() instead")
         state = {rec.param: entry for rec in self._slots if (entry := S.entry(self._slots, rec))}
+        state.update(self._state_view.pending)  # entries moved to parameters not registered yet
         return {"init_kwargs": self._init_kwargs, "param_groups": [dict(g) for g in self.param_groups],
                 "state": state, "extras": dict(self._state_view.extras)}
 

@@ -100,7 +100,7 @@ class Slot:
 
     sid: int  # its slot id in the engine (registration order)
     param: torch.Tensor
-    group: int  # the index of its param group
+    group: int | None  # the index of its param group; None: it left every group (its state kept, as torch keeps it)
     ptr: int  # data_ptr() of the (local) storage the engine writes
     version: Any  # D.version(param) when the engine last read it (the engine's own writes move none)
     meta: tuple  # (dtype, shape, device) of the local tensor
@@ -113,6 +113,11 @@ class Slot:
     gpu_hook: Any = None  # handle of a GPU slot's eager hook (installed by last_micro_batch)
     pre_hook: Any = None  # with sums: handle of the hook that lets the next micro-batch's gradient replace param.grad
     broken: bool = False  # with sums: param.grad was changed in place between micro-batches (step() refuses)
+    released: bool = False  # its state freed (Slots.drop): the record stays only to keep the slot ids
+
+    def holds_state(self, engine: Engine) -> bool:
+        """Whether torch would hold a state entry for it (updated once, or a fused step GradScaler skipped)."""
+        return not self.released and (self.touched or engine.get_step(self.sid) > 0)
 
     def remove_hooks(self) -> None:
         for handle in (self.hook, self.gpu_hook, self.pre_hook):
@@ -123,7 +128,9 @@ class Slot:
 
 class Slots:
     """The registered parameters of one optimizer, in slot order, the engine holding their state (built by the
-    first one) and the host memory plan checked so far (``host_plan``). Holds nothing of the optimizer: its
+    first one) and the host memory plan checked so far (``host_plan``). Iterating gives the *members* (parameters
+    in a param group as of the optimizer's last look, :meth:`ParamGroups._sync`); :meth:`live` adds the records
+    whose parameter left every group but whose state torch would keep. Holds nothing of the optimizer: its
     finalizer releases it (:meth:`release`)."""
 
     def __init__(self, *, mode: str, gpu_state_bytes: int | str, gpu_share: float, gpu_params: str,
@@ -148,7 +155,35 @@ class Slots:
         return len(self._records)
 
     def __iter__(self) -> Iterator[Slot]:
-        return iter(self._records)
+        return iter([rec for rec in self._records if rec.group is not None])
+
+    def live(self) -> list[Slot]:
+        """The records holding a slot: members, and parameters that left every group with their state."""
+        return [rec for rec in self._records if not rec.released]
+
+    def empty(self) -> bool:
+        """Whether no record holds a slot (nothing registered yet, or every one dropped)."""
+        return not self.live()
+
+    def leave(self, rec: Slot) -> None:
+        """``rec``'s parameter left every param group: its hooks go (it is never updated again unless it comes
+        back); its state stays where torch would keep one (:meth:`Slot.holds_state`), else it is freed (:meth:`drop`)."""
+        rec.remove_hooks()
+        rec.staged, rec.summed, rec.broken, rec.group = None, 0, False, None
+        if not rec.holds_state(self.engine):
+            self.drop(rec)
+
+    def drop(self, rec: Slot) -> None:
+        """Free ``rec``'s slot and forget its parameter (the id stays taken). Once no slot is held, the engine is
+        closed: the next parameter starts a new one (e.g. on the device the model was moved to)."""
+        rec.remove_hooks()
+        self.engine.release(rec.sid)
+        self._of.pop(rec.param, None)
+        rec.released, rec.group, rec.param, rec.staged = True, None, None, None
+        if self.empty():
+            engine, self.engine, self.device, self.cores = self.engine, None, None, None
+            self._records, self.host_plan = [], {}
+            engine.close()
 
     def __getitem__(self, sid: int) -> Slot:
         return self._records[sid]
@@ -158,23 +193,25 @@ class Slots:
         return self._of.get(p)
 
     def start(self, pairs: Sequence[tuple[torch.Tensor, int, R.TorchRecipe]],
-              hook: Callable[[Slot], None] | None = None) -> list[Slot]:
-        """Register the ``(parameter, group index, recipe)`` triples of a new optimizer (:meth:`add`): hybrid's share
-        sized over them, the GPU share from the last parameter backwards with ``gpu_params="last"``."""
+              hook: Callable[[Slot], None] | None = None, names: Sequence[str] | None = None) -> list[Slot]:
+        """Register the ``(parameter, group index, recipe)`` triples of a new optimizer, or the first ones after every
+        slot was dropped (:meth:`add`): hybrid's share sized over them, the GPU share from the last parameter
+        backwards with ``gpu_params="last"``."""
         if self.mode == "hybrid":
             self.device_elems = _budget.hybrid_elems(_facts([p for p, _, _ in pairs]), self.gpu_share,
                                                      self.gpu_state_bytes)
-        return self.add(pairs, last=self.gpu_params == "last", hook=hook)
+        return self.add(pairs, last=self.gpu_params == "last", hook=hook, names=names)
 
     def add(self, pairs: Sequence[tuple[torch.Tensor, int, R.TorchRecipe]], last: bool = False,
-            hook: Callable[[Slot], None] | None = None) -> list[Slot]:
+            hook: Callable[[Slot], None] | None = None, names: Sequence[str] | None = None) -> list[Slot]:
         """Register ``(parameter, group index, recipe)`` triples, all or none: each is checked, then the host memory
         (pinned moments that would not fit become pageable), before anything is allocated; ``hook(record)`` after
-        each (its gradient hook). Returns the records."""
+        each (its gradient hook); ``names``: how errors name each (default ``parameter <slot id>``). Returns the
+        records."""
         n, plan, pin = len(self._records), self.host_plan, self.engine_args["pin_moments"]
         flat = [p for p, _, _ in pairs]
         try:
-            where = self._reserve(flat, [r for _, _, r in pairs], last)
+            where = self._reserve(flat, [r for _, _, r in pairs], last, names)
             for (p, group, recipe), w in zip(pairs, where):
                 rec = self._register(p, group, w, recipe)
                 if hook is not None:
@@ -208,11 +245,12 @@ class Slots:
         if self.engine is not None and self.engine.host is not None:
             self.engine.host.pin_moments = pin
 
-    def _reserve(self, flat: list[torch.Tensor], recipes: list[R.TorchRecipe], last: bool) -> list[str]:
+    def _reserve(self, flat: list[torch.Tensor], recipes: list[R.TorchRecipe], last: bool,
+                 names: Sequence[str] | None = None) -> list[str]:
         """Check each new parameter (:meth:`_check_new`), ask the core where each goes and check the host memory
         that takes; returns where each goes (:data:`trainstream.core._budget.WHERE`)."""
-        for i, p in enumerate(flat, len(self._records)):
-            self._check_new(p, i, self.device or D.local(flat[0]).device)
+        for j, (i, p) in enumerate(enumerate(flat, len(self._records))):
+            self._check_new(p, names[j] if names else f"parameter {i}", self.device or D.local(flat[0]).device)
         eng, pin = self.engine, self.engine_args["pin_moments"]
         where = _budget.assign(_facts(flat), self.mode, device_elems=self.device_elems,
                                device_used=eng.device_elems_used if eng is not None else 0,
@@ -226,20 +264,21 @@ class Slots:
         self.host_plan = {k: v + self.host_plan.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
         return where
 
-    def _check_new(self, p: torch.Tensor, index: int, device: torch.device) -> None:
-        """Refuse parameter ``p`` (slot ``index``) before anything is allocated; ``device``: the earlier parameters'."""
+    def _check_new(self, p: torch.Tensor, name: str, device: torch.device) -> None:
+        """Refuse parameter ``p`` (``name``: how to name it) before anything is allocated; ``device``: the earlier
+        parameters'."""
         loc = D.local(p)
         if p.dtype not in _DTYPE_NAME:
-            raise TypeError("OffloadAdamW supports float32, float16 and bfloat16 parameters; parameter "
-                            f"{index} has dtype {p.dtype}")
+            raise TypeError(f"OffloadAdamW supports float32, float16 and bfloat16 parameters; {name} has dtype "
+                            f"{p.dtype}")
         if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"OffloadAdamW: parameter {index} is not a dense strided tensor")
+            raise ValueError(f"OffloadAdamW: {name} is not a dense strided tensor")
         if not loc.is_contiguous():
-            raise ValueError(f"OffloadAdamW: parameter {index} is not contiguous; make it contiguous first")
+            raise ValueError(f"OffloadAdamW: {name} is not contiguous; make it contiguous first")
         if loc.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"OffloadAdamW: parameter {index} is on unsupported device {loc.device}")
+            raise ValueError(f"OffloadAdamW: {name} is on unsupported device {loc.device}")
         if loc is not p and p.device_mesh.device_type != loc.device.type:
-            raise ValueError(f"OffloadAdamW: parameter {index} is a DTensor on a {p.device_mesh.device_type} mesh "
+            raise ValueError(f"OffloadAdamW: {name} is a DTensor on a {p.device_mesh.device_type} mesh "
                              f"whose shard is on {loc.device.type} (FSDP2's CPUOffloadPolicy?): use either "
                              "CPUOffloadPolicy or OffloadAdamW, not both")
         if loc is not p and self.gated:
@@ -250,9 +289,9 @@ class Slots:
             budget = "'auto'" if self.auto_gpu_state else self.gpu_state_bytes
             what = (f"mode={self.mode!r}" if self.mode != "cpu"
                     else f"gpu_state_bytes={budget} keeps state in GPU memory and")
-            raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; parameter {index} is on {loc.device}")
+            raise ValueError(f"OffloadAdamW {what} needs CUDA parameters; {name} is on {loc.device}")
         if loc.device != device:
-            raise ValueError(f"OffloadAdamW: all parameters must be on one device; parameter {index} is on "
+            raise ValueError(f"OffloadAdamW: all parameters must be on one device; {name} is on "
                              f"{loc.device}, earlier ones on {device}")
 
     def _build_engine(self, device: torch.device) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -61,11 +61,17 @@ class StateView(MutableMapping):
     """``opt.state``: per updated parameter its ``state_dict()`` entry once its update has run, else ``{}`` (also for a
     tensor it does not hold, as torch's ``defaultdict``); other keys (``opt.state["note"] = ...``, as torch's hooks
     write) are kept as given (``extras``) and go into ``state_dict()`` as they are. A parameter's entry is a new
-    read-only dict of views per lookup: edit its tensors in place, or use ``load_state_dict``."""
+    read-only dict of views per lookup: edit its tensors in place, or use ``load_state_dict``.
+
+    A parameter's entry moves as in torch: ``opt.state[new] = opt.state.pop(old)`` (``pop`` returns copies); ``new``
+    not updated yet takes it (``pending`` until it is registered, at the next step). ``del opt.state[p]`` makes
+    ``p``'s state fresh (torch's next step starts it again), or frees it where ``p`` left every group. Replacing the
+    entry of a parameter that has state is refused (delete it first)."""
 
     def __init__(self, slots: Slots):
         self._slots = slots  # the registry, not the optimizer: no cycle, the optimizer stays collectable
         self.extras: dict[Any, Any] = {}
+        self.pending: dict[torch.Tensor, dict] = {}  # entries moved to parameters not registered yet
 
     def _rec(self, param: object) -> Slot | None:
         return None if self._slots.closed else self._slots.of(param)  # type: ignore[arg-type]
@@ -75,32 +81,61 @@ class StateView(MutableMapping):
             return self.extras[key]
         rec = self._rec(key)
         if rec is None:
-            return _Entry()
+            return self.pending[key] if key in self.pending else _Entry()
         return _Entry(entry(self._slots, rec), views=not self._slots.engine.on_device(rec.sid))
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(key, torch.Tensor):
-            raise NotImplementedError("optimizer.state[param] cannot be assigned (the state lives in the engine): edit "
-                                      "its tensors in place, or use load_state_dict()")
-        self.extras[key] = value
+        if not isinstance(key, torch.Tensor):
+            self.extras[key] = value
+            return
+        rec = self._rec(key)
+        if not isinstance(value, Mapping) or (rec is not None and rec.holds_state(self._slots.engine)):
+            raise NotImplementedError(
+                "optimizer.state[param] cannot be replaced (the state lives in the engine): edit its tensors in place, "
+                "use load_state_dict(), or move an entry to a parameter without state: "
+                "opt.state[new] = opt.state.pop(old)")
+        if rec is None:  # registered at the next step, with it
+            self.pending.pop(key, None)
+            if value:
+                self.pending[key] = dict(value)
+        elif value:  # registered, fresh: it takes the entry now
+            self._slots.engine.load_state(rec.sid, parse_entry(rec.sid, value, key, rec.recipe))
+            rec.touched = True
 
     def __delitem__(self, key: Any) -> None:
-        if isinstance(key, torch.Tensor):
-            raise NotImplementedError("del optimizer.state[param]: the state lives in the engine; use "
-                                      "load_state_dict() with a state dict without that entry")
-        del self.extras[key]
+        if not isinstance(key, torch.Tensor):
+            del self.extras[key]
+            return
+        rec = self._rec(key)
+        if rec is None or not rec.holds_state(self._slots.engine):
+            if key not in self.pending:
+                raise KeyError(key)
+            del self.pending[key]
+        elif rec.group is None:  # it left every group: freed
+            self._slots.drop(rec)
+        else:  # fresh from the next step, as torch's
+            self._slots.engine.load_state(rec.sid, fresh(D.local(rec.param).numel(), rec.recipe))
+            rec.touched = False
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """``opt.state.pop(p)``: copies of ``p``'s entry (the state itself becomes fresh, or is freed)."""
+        if isinstance(key, torch.Tensor) and key in self:
+            value = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self[key].items()}
+            del self[key]
+            return value
+        return super().pop(key, *default)
 
     def _stepped(self) -> list[torch.Tensor]:
         slots = self._slots
         if slots.closed or slots.engine is None:
             return []
-        return [rec.param for rec in slots if slots.engine.get_step(rec.sid) > 0]
+        return [rec.param for rec in slots.live() if rec.holds_state(slots.engine)]
 
     def __iter__(self):
-        return iter([*self._stepped(), *self.extras])
+        return iter([*self._stepped(), *self.pending, *self.extras])
 
     def __len__(self) -> int:
-        return len(self._stepped()) + len(self.extras)
+        return len(self._stepped()) + len(self.pending) + len(self.extras)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:  # copy.deepcopy, pickle: a plain dict (of copies)
         return dict, ({k: dict(v) if isinstance(v, _Entry) else v for k, v in self.items()},)
@@ -109,7 +144,7 @@ class StateView(MutableMapping):
         if not isinstance(key, torch.Tensor):
             return key in self.extras
         rec = self._rec(key)
-        return rec is not None and self._slots.engine.get_step(rec.sid) > 0
+        return key in self.pending if rec is None else rec.holds_state(self._slots.engine)
 
 
 class _Entry(dict):
