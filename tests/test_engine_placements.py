@@ -64,13 +64,11 @@ class FakeDevice:
         self.resident = [sid for sid in self.resident if sid < n]
         self.e.truncate(n)
 
-    def state(self, sid):  # the device placement's: (master, m, v, step), copies
-        st = self.e.state(sid)
-        return self.e._slot(sid).master.array.copy(), st["exp_avg"], st["exp_avg_sq"], st["step"]
+    def state(self, sid, copy=True):  # the device placement's: the state dict (a master for fp16/bf16 weights)
+        return self.e.state(sid, copy)
 
-    def load_state(self, sid, m, v, step, master=None):
-        self.e.load_state(sid, {"exp_avg": m, "exp_avg_sq": v, "step": step,
-                                **({} if master is None else {"master": master})})
+    def load_state(self, sid, state):  # without a master: the weights' (float32: the weights themselves)
+        self.e.load_state(sid, state)
 
     def stats(self):
         slots = [self.e._slot(sid) for sid in self.resident]

@@ -384,7 +384,7 @@ def test_torch_refuses_bad_parameters_before_the_plan(monkeypatch):
     opt = OffloadAdamW(list(model.parameters())[:2], threads=1)
     before = opt.stats()
     _avail(monkeypatch, 1000)
-    with pytest.raises(TypeError, match="parameter 3 has dtype torch.float64"):
+    with pytest.raises(TypeError, match=r"param group 1, parameter 1 \(shape \(3,\), torch.float64\) has dtype"):
         opt.add_param_group({"params": [list(model.parameters())[2], torch.nn.Parameter(torch.zeros(3).double())]})
     after = opt.stats()
     assert len(opt.param_groups) == 1 and len(opt._slots) == 2
@@ -601,13 +601,17 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
     group too."""
     pytest.importorskip("cupy")
     from trainstream.torch._params import _facts
+    from trainstream.torch._recipe import recipe
+
+    def facts(ps):  # the default recipe's state (fp16/bf16 moments for fp16/bf16 weights) sizes the resident slots
+        return _facts(ps, [recipe({}, p, "single", False) for p in ps])
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to("cuda", dtype)
     model[1].bias.requires_grad_(False)
     extra = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in (3000, 10)]
     params = list(model.parameters())
-    need = [B.state_bytes(p.numel(), str(dtype)[6:]) for p in params + extra if p.requires_grad]
+    need = [B.state_bytes(n, d, r) for n, d, t, r in facts(params + extra) if t]
     budget = {"none": 0, "some": need[1] + need[3] + need[4], "all": sum(need)}[resident]
     kw = {"mode": mode, "gpu_params": order, "gpu_share": 0.4, "gpu_state_bytes": budget}
     plan = OffloadAdamW.host_memory_plan(params, **kw)
@@ -616,15 +620,15 @@ def test_gpu_plan_with_resident_state_equals_the_engine(mode, order, resident, d
         st = opt.stats()
         assert st["host_plan_needed"] == plan["needed"] == st["host_state_bytes"]
         assert st["host_plan_pinned"] == plan["pinned"] == st["pinned_state_bytes"]
-        want = B.gpu_state_fits(_facts(params), budget)
+        want = B.gpu_state_fits(facts(params), budget)
         assert [opt._engine.has_gpu_state(s) for s in range(len(params))] == want and (resident == "none") != any(want)
-        later = B.gpu_state_fits(_facts(extra), budget, opt._engine.gpu_state_used)
+        later = B.gpu_state_fits(facts(extra), budget, opt._engine.gpu_state_used)
         opt.add_param_group({"params": extra})
         st = opt.stats()
         assert st["host_plan_needed"] == st["host_state_bytes"] and st["host_plan_pinned"] == st["pinned_state_bytes"]
         assert [opt._engine.has_gpu_state(s) for s in range(len(params), len(params) + 2)] == later
-        assert st["gpu_state_bytes"] == sum(B.state_bytes(p.numel(), str(dtype)[6:])
-                                            for p, r in zip(params + extra, want + later) if r)
+        assert st["gpu_state_bytes"] == sum(B.state_bytes(n, d, rec) for (n, d, _, rec), r
+                                            in zip(facts(params + extra), want + later) if r)
         x = torch.randn(8, 256, device="cuda", dtype=dtype)
         (model(x).float().square().mean() + sum(p.float().sum() for p in extra)).backward()
         opt.step()

@@ -54,11 +54,14 @@ def offload_step(tx, loss, traces=None):
     return jax.jit(step, donate_argnums=(0,))
 
 
+#: the MLP under every forced ISA level (tests/test_portability.py), the transformer at the host's own level only:
+#: the optimizer runs the same element-wise programs for both, and the transformer compiles 3x longer
+ISA_MODELS = [pytest.param(m, marks=pytest.mark.isa) if m == "mlp" else m for m in MODELS]
+
 # -- against optax.adamw under jax.jit -------------------------------------------------------------
 
 
-@pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", ISA_MODELS)
 def test_jit_matches_optax_adamw_schedule_mask(model):
     """50 steps, warmup-cosine schedule, weight decay masked off the vectors; compiles once."""
     init, loss, batch = MODELS[model]
@@ -82,8 +85,7 @@ def test_jit_matches_optax_adamw_schedule_mask(model):
     assert_tree_bits(s.nu, optax.tree_utils.tree_get(s_ref, "nu"), "nu")
 
 
-@pytest.mark.isa
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", ISA_MODELS)
 def test_jit_matches_optax_clip_by_global_norm(model):
     """max_grad_norm == chain(clip_by_global_norm, adamw); the norm is chosen so that
     some steps clip and some do not."""

@@ -217,7 +217,7 @@ def test_gradient_copy_waits_for_the_upload_from_its_staging():
         eng.offload_grad(sid, torch.randn(n, device=DEV).to(torch.bfloat16), "bfloat16", update=hp)
         eng.offload_grad(sid, torch.full((n,), 7.0, device=DEV, dtype=torch.bfloat16), "bfloat16")
         eng.synchronize()
-        master = torch.from_numpy(eng.state(sid)[0])
+        master = torch.from_numpy(eng.state(sid)["master"])
         assert torch.equal(p.cpu(), master.to(torch.bfloat16))
         eng.discard_grads()
     eng.close()
@@ -353,19 +353,29 @@ def _record_launches(monkeypatch):
     several tensors or of none capped, and [n] of the capped launches of one tensor (the
     eager path's, from gradient hooks)."""
     import trainstream._device_kernels as dk
+    import trainstream._device_recipes as dr
 
     multi, single = [], []
-    real = dk.launch_adamw_multi
+    real, real_torch = dk.launch_adamw_multi, dr.launch_torch_multi
 
-    def launch(variant, pd, gd, items, *a, **k):
-        items = list(items)
-        if k.get("max_blocks") is not None and len(items) == 1:
-            single.append(items[0][5])
+    def record(pd, gd, ns, k):
+        if k.get("max_blocks") is not None and len(ns) == 1:
+            single.append(ns[0])
         else:
-            multi.append((pd, gd, [it[5] for it in items]))
+            multi.append((pd, gd, ns))
+
+    def launch(variant, pd, gd, items, *a, **k):  # the fp32-master scheme without a recipe (JAX's)
+        items = list(items)
+        record(pd, gd, [it[5] for it in items], k)
         return real(variant, pd, gd, items, *a, **k)
 
+    def launch_torch(recipe, gd, items, *a, **k):  # a torch recipe's kernels (every torch slot)
+        items = list(items)
+        record(recipe.dtype, dk._dtype_name(gd), [dr.TorchItem(*it).n for it in items], k)
+        return real_torch(recipe, gd, items, *a, **k)
+
     monkeypatch.setattr(dk, "launch_adamw_multi", launch)
+    monkeypatch.setattr(dr, "launch_torch_multi", launch_torch)
     return multi, single
 
 

@@ -220,7 +220,8 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     """opt.clip_grad_norm / max_grad_norm (no second copy of the gradients) and the user's
     own clip_grad_norm_ (copied again at step()): the bits of clip_grad_norm_ + AdamW;
     bf16 (master_weights=True) against AdamW on an fp32 master whose gradients are the fp32 sums of the
-    micro-batches', clipped there (the user's clip_grad_norm_ of param.grad: the clipped bf16 gradients)."""
+    micro-batches', clipped there (the user's clip_grad_norm_ of param.grad: the clipped bf16 gradients). On CUDA
+    those fp32 sums are in host memory and torch computes their norm there (CPU kernels), the reference too."""
     ref, _, ours, _ = pair(device, mode, dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ropt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
@@ -239,6 +240,9 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
             n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             for p, q in zip(master, ref.parameters()):
                 p.grad = q.grad.float()
+        elif device == "cuda" and dtype != torch.float32:  # the fp32 sums are in host memory: torch's CPU norm
+            n_ref = torch.nn.utils.get_total_norm([p.grad.cpu() for p in master])
+            torch.nn.utils.clip_grads_with_norm_(master, 0.05, n_ref.to(device))
         else:
             n_ref = torch.nn.utils.clip_grad_norm_(master, 0.05)
         if how in ("method", "micro2"):

@@ -96,10 +96,10 @@ def place(slots: Iterable[tuple[int, bool, bool | None]], placement: str, device
     return out
 
 
-def assign(slots: Sequence[tuple[int, str, bool]], mode: str, *, device_elems: int = 0, device_used: int = 0,
+def assign(slots: Sequence[tuple], mode: str, *, device_elems: int = 0, device_used: int = 0,
            gpu_state_bytes: int = 0, gpu_state_used: int = 0, last: bool = False,
            on_device: Sequence[bool | None] | None = None) -> list[str]:
-    """Where (:data:`WHERE`) each of the ``(numel, dtype, trainable)`` slots goes, registered after those
+    """Where (:data:`WHERE`) each of the ``(numel, dtype, trainable[, recipe])`` slots goes, registered after those
     that took ``gpu_state_used`` bytes of ``gpu_state_bytes`` and ``device_used`` elements of
     ``device_elems``: ``"gpu_state"`` where its state fits (:func:`gpu_state_fits`, in slot order), else the
     policy ``mode`` (:func:`place`): ``"device"`` or ``"host"``. ``hybrid`` fills ``device_elems`` in slot
@@ -114,12 +114,12 @@ def assign(slots: Sequence[tuple[int, str, bool]], mode: str, *, device_elems: i
     return ["gpu_state" if resident[i] else "device" if dev[i] else "host" for i in range(len(slots))]
 
 
-def hybrid_elems(slots: Iterable[tuple[int, str, bool]], share: float, gpu_state_bytes: int = 0) -> int:
+def hybrid_elems(slots: Iterable[tuple], share: float, gpu_state_bytes: int = 0) -> int:
     """``hybrid``'s ``device_elems``: ``share`` of the trainable elements of the ``(numel, dtype,
-    trainable)`` slots whose state does not fit in ``gpu_state_bytes`` (:func:`gpu_state_fits`)."""
+    trainable[, recipe])`` slots whose state does not fit in ``gpu_state_bytes`` (:func:`gpu_state_fits`)."""
     slots = list(slots)
     resident = gpu_state_fits(slots, gpu_state_bytes)
-    return round(share * sum(int(n) for (n, _, t), r in zip(slots, resident) if t and not r))
+    return round(share * sum(int(s[0]) for s, r in zip(slots, resident) if s[2] and not r))
 
 
 def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bool = True,

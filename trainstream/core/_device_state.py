@@ -72,7 +72,7 @@ class GpuSlot:
 
 def alloc_buf(dk, device: int, numel: int, dtype: str, what: str, owned: list, gpu_state: bool) -> Buf:
     """A state buffer of ``numel`` elements of ``dtype`` (``owned`` collects it; ``MemoryError`` naming ``what``)."""
-    nbytes = max(4, numel * C.ITEMSIZE[dtype])
+    nbytes = max(4, -(-numel * C.ITEMSIZE[dtype] // 4) * 4)  # whole 4-byte words: DeviceMemory.zero sets words
     try:
         if gpu_state:
             mem = dk.alloc_device(nbytes, device)

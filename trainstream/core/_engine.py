@@ -118,7 +118,7 @@ class Engine:
         elif recipe is not None:
             raise ValueError("add_param: a TorchRecipe needs the torch convention")
         if where is None:
-            where = assign([(numel, dtype, trainable)], self.mode, device_elems=self._budget,
+            where = assign([(numel, dtype, trainable, recipe)], self.mode, device_elems=self._budget,
                            device_used=self.device_elems_used, gpu_state_bytes=self.gpu_state_budget,
                            gpu_state_used=self.gpu_state_used, on_device=[on_device])[0]
         if where not in WHERE:
@@ -130,7 +130,7 @@ class Engine:
         if where != "host" and not self._device_supports(recipe, platform, dtype):
             raise NotImplementedError(f"TrainStream: the GPU kernels do not implement {recipe} yet; update it on the "
                                       "host (mode='cpu', no gpu_state_bytes)")
-        need = state_bytes(numel, dtype) if where == "gpu_state" else 0
+        need = state_bytes(numel, dtype, recipe) if where == "gpu_state" else 0
         if need:
             local = self.device.add_param(param, numel, dtype, platform, gpu_state=True, **self._dev_kw(recipe))
             self.gpu_state_used += need
@@ -239,15 +239,13 @@ class Engine:
         todo = [sid for sid, (r, a) in enumerate(zip(self._gpu_state, self._args))
                 if not r and a[3] and self._device_supports(a[4], a[2], a[1])]
         self.gpu_state_budget += int(nbytes)
-        fits = gpu_state_fits([(self._numel[sid], self._args[sid][1], True) for sid in todo], self.gpu_state_budget,
-                         self.gpu_state_used)
+        fits = gpu_state_fits([(self._numel[sid], self._args[sid][1], True, self._args[sid][4]) for sid in todo],
+                              self.gpu_state_budget, self.gpu_state_used)
         moved: list[int] = []
         for sid in (s for s, fit in zip(todo, fits) if fit):
             placement, local = self._local(sid)
             param, dtype, platform, _, recipe = self._args[sid]
-            st = self.state(sid, copy=False)  # once its queued work has run
-            if placement is self.host:  # the host's weights (float32: the weights themselves), not the device's
-                st["master"] = self.host._slot(local).master.array
+            st = self.state(sid, copy=False)  # once its queued work has run (a master where the slot keeps one)
             try:
                 new = self.device.add_param(param, self._numel[sid], dtype, platform, gpu_state=True, init=False,
                                             **self._dev_kw(recipe))
@@ -257,7 +255,7 @@ class Engine:
                               "slots after it stay where they were", RuntimeWarning, stacklevel=2)
                 break
             try:
-                self._device_load(new, st)
+                self.device.load_state(new, st)
             except BaseException:
                 self.device.truncate(new)
                 raise
@@ -265,7 +263,7 @@ class Engine:
             if placement is self.device:
                 self.device_elems_used -= self._numel[sid]
             self._where[sid] = (True, new)
-            self._gpu_state[sid] = state_bytes(self._numel[sid], dtype)
+            self._gpu_state[sid] = state_bytes(self._numel[sid], dtype, recipe)
             self.gpu_state_used += self._gpu_state[sid]
             moved.append(sid)
             placement.release(local)
@@ -396,16 +394,7 @@ class Engine:
         uint16 bits of fp16/bf16); ``master`` (float32) for a master of fp16/bf16 weights. Copies, or with
         ``copy=False`` a host slot's buffers themselves (a device slot's: copies)."""
         placement, local = self._local(sid)
-        if placement is self.host:
-            return placement.state(local, copy)
-        master, m, v, step = placement.state(local)
-        out = {"step": int(step), "exp_avg": m, "exp_avg_sq": v}
-        if self._args[sid][1] != "float32":
-            out["master"] = master
-        return out
-
-    def _device_load(self, local: int, state: Mapping) -> None:
-        self.device.load_state(local, state["exp_avg"], state["exp_avg_sq"], state["step"], state.get("master"))
+        return placement.state(local, copy)
 
     def reload_param(self, sid: int, param: Any = None) -> None:
         """:meth:`trainstream.core._host.HostPlacement.reload_param`: weights changed outside."""
@@ -439,7 +428,7 @@ class Engine:
         if placement is self.host:
             placement.load_state(local, state)
         else:
-            self._device_load(local, state)
+            self.device.load_state(local, state)
 
     def stats(self) -> dict[str, float]:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5 both; with

@@ -52,8 +52,10 @@ def family(cfg: Config, dtype: str, path: str) -> Family:
 def check_cuda_config(cfg: Config, fams, paths) -> None:
     """On a GPU the kernels have optax.adamw's default float32 lines only (:data:`trainstream.contract`'s
     optax/cuda), with fp32 masters for fp16/bf16 leaves."""
-    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", not (_is_number(cfg.eps_root)
-                                  and cfg.eps_root == 0.0)), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
+    # a traced eps_root (optax.inject_hyperparams makes every number an array) is taken as given: only a known
+    # non-zero value is refused
+    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", _is_number(cfg.eps_root)
+                                  and cfg.eps_root != 0.0), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
            if bad]
     for f, path in zip(fams, paths):
         if f.mu != "float32" or f.nu != "float32":

@@ -46,9 +46,11 @@ def check_placement(mode: str, gpu_share, gpu_params: str, gpu_state_bytes) -> N
         raise ValueError(f"gpu_params={gpu_params!r} applies to mode='hybrid' only (mode={mode!r})")
 
 
-def _facts(flat: Sequence[torch.Tensor]) -> list[tuple[int, str, bool]]:
-    """What the core's budget knows of parameters: ``(numel, dtype, trainable)`` of each (local) tensor."""
-    return [(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad) for p in flat]
+def _facts(flat: Sequence[torch.Tensor], recipes: Sequence[R.TorchRecipe] | None = None) -> list[tuple]:
+    """What the core's budget knows of parameters: ``(numel, dtype, trainable, recipe)`` of each (local) tensor
+    (the recipe sizes its state: :func:`trainstream.core._budget.state_bytes`)."""
+    recipes = [None] * len(flat) if recipes is None else recipes
+    return [(D.local(p).numel(), _DTYPE_NAME.get(p.dtype, "float32"), p.requires_grad, r) for p, r in zip(flat, recipes)]
 
 
 def grad_sums(p: torch.Tensor, recipe: R.TorchRecipe, where: str) -> bool:
@@ -87,7 +89,7 @@ def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], 
         flat += ps
         recipes += [R.recipe(group, p, "single", master_weights) for p in ps]
     resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
-    facts = _facts(flat)
+    facts = _facts(flat, recipes)
     share = _budget.hybrid_elems(facts, gpu_share, resident) if mode == "hybrid" else 0
     where = _budget.assign(facts, mode, device_elems=share, gpu_state_bytes=resident, last=gpu_params == "last")
     return _plan(flat, where, recipes, pin_moments, host_margin, None)
@@ -198,7 +200,8 @@ class Slots:
         slot was dropped (:meth:`add`): hybrid's share sized over them, the GPU share from the last parameter
         backwards with ``gpu_params="last"``."""
         if self.mode == "hybrid":
-            self.device_elems = _budget.hybrid_elems(_facts([p for p, _, _ in pairs]), self.gpu_share,
+            self.device_elems = _budget.hybrid_elems(_facts([p for p, _, _ in pairs], [r for _, _, r in pairs]),
+                                                     self.gpu_share,
                                                      self.gpu_state_bytes)
         return self.add(pairs, last=self.gpu_params == "last", hook=hook, names=names)
 
@@ -252,7 +255,7 @@ class Slots:
         for j, (i, p) in enumerate(enumerate(flat, len(self._records))):
             self._check_new(p, names[j] if names else f"parameter {i}", self.device or D.local(flat[0]).device)
         eng, pin = self.engine, self.engine_args["pin_moments"]
-        where = _budget.assign(_facts(flat), self.mode, device_elems=self.device_elems,
+        where = _budget.assign(_facts(flat, recipes), self.mode, device_elems=self.device_elems,
                                device_used=eng.device_elems_used if eng is not None else 0,
                                gpu_state_bytes=self.gpu_state_bytes,
                                gpu_state_used=eng.gpu_state_used if eng is not None else 0, last=last)
