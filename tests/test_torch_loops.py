@@ -221,28 +221,36 @@ def test_clipping_like_clip_grad_norm(device, mode, dtype, how):
     own clip_grad_norm_ (copied again at step()): the bits of clip_grad_norm_ + AdamW;
     bf16 (master_weights=True) against AdamW on an fp32 master whose gradients are the fp32 sums of the
     micro-batches', clipped there (the user's clip_grad_norm_ of param.grad: the clipped bf16 gradients). On CUDA
-    those fp32 sums are in host memory and torch computes their norm there (CPU kernels), the reference too."""
+    the fp32 sums are those of host slots, in host memory (torch's CPU norm); GPU and resident slots keep
+    param.grad in bf16 (docs/torch.md, master_weights); the reference follows both."""
     ref, _, ours, _ = pair(device, mode, dtype=dtype)
     master = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ropt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
     opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, threads=2, master_weights=dtype != torch.float32,
                        max_grad_norm=0.05 if how == "max_grad_norm" else None, **mode_kw(mode))
     micro = 2 if how == "micro2" else 1
+    sums = [opt._slots.of(p).sums for p in ours.parameters()]  # which slots sum in fp32 on the host
     for x in data(4, device):
+        acc16 = [None] * len(master)
         for k, part in enumerate(x.chunk(micro)):
             loss_fn(ref, part).backward()
             loss_fn(ours, part).backward()
-            for p, q in zip(master, ref.parameters()):  # fp32 sums of the micro-batches' gradients
+            for i, (p, q) in enumerate(zip(master, ref.parameters())):  # fp32 sums of the micro-batches' gradients
                 p.grad = q.grad.float() if k == 0 else p.grad + q.grad.float()
+                acc16[i] = q.grad if k == 0 else acc16[i] + q.grad  # and autograd's, in param.grad's dtype
                 if micro > 1:
                     q.grad = None
         if how == "clip_grad_norm_":  # one micro-batch: clipped in param.grad's dtype, then copied
             n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             for p, q in zip(master, ref.parameters()):
                 p.grad = q.grad.float()
-        elif device == "cuda" and dtype != torch.float32:  # the fp32 sums are in host memory: torch's CPU norm
-            n_ref = torch.nn.utils.get_total_norm([p.grad.cpu() for p in master])
-            torch.nn.utils.clip_grads_with_norm_(master, 0.05, n_ref.to(device))
+        elif device == "cuda" and dtype != torch.float32:
+            # the fp32 sums of host slots are in host memory (torch's CPU norm of them); a GPU or resident slot keeps
+            # param.grad as autograd sums it, in its dtype (as under DDP/FSDP2): the norm over both, as ours takes it
+            n_ref = torch.nn.utils.get_total_norm([p.grad.cpu() if s else g for p, g, s in zip(master, acc16, sums)])
+            coef = torch.clamp(0.05 / (n_ref + 1e-6), max=1.0)
+            for p, g, s in zip(master, acc16, sums):
+                p.grad = p.grad * coef.to(device) if s else (g * coef.to(device)).float()
         else:
             n_ref = torch.nn.utils.clip_grad_norm_(master, 0.05)
         if how in ("method", "micro2"):
