@@ -14,8 +14,14 @@ safetensors = pytest.importorskip("safetensors.torch")
 from trainstream.torch import OffloadAdamW  # noqa: E402
 
 
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")]
+PLACES = [pytest.param("cpu", "cpu", id="cpu")] + [pytest.param("cuda", m, id=f"cuda-{m}", marks=_CUDA)
+                                                   for m in ("cpu", "gpu")]
+
+
+@pytest.mark.parametrize("device,mode", PLACES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_default_optimizer_swapped_for_offload_adamw_fused(tmp_path, dtype):
+def test_default_optimizer_swapped_for_offload_adamw_fused(tmp_path, dtype, device, mode):
     default_optim = transformers.TrainingArguments(output_dir=str(tmp_path / "probe"), report_to=[]).optim
     assert getattr(default_optim, "value", default_optim) == "adamw_torch_fused"  # what "the default" means here
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -29,8 +35,9 @@ def test_default_optimizer_swapped_for_offload_adamw_fused(tmp_path, dtype):
         args = transformers.TrainingArguments(
             output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
             save_steps=2, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear",
-            warmup_steps=0, logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
-        kw = {"optimizer_cls_and_kwargs": (OffloadAdamW, dict(lr=1e-2, fused=True, threads=2))} if ours else {}
+            warmup_steps=0, logging_steps=1, report_to=[], use_cpu=device == "cpu", seed=0, data_seed=0,
+            disable_tqdm=True)
+        kw = {"optimizer_cls_and_kwargs": (OffloadAdamW, dict(lr=1e-2, fused=True, threads=2, mode=mode))} if ours else {}
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, **kw)
         try:
             trainer.train(resume_from_checkpoint=resume)
@@ -41,7 +48,8 @@ def test_default_optimizer_swapped_for_offload_adamw_fused(tmp_path, dtype):
         return trainer
 
     try:  # refused where set: at construction (before the reference's run, which would be wasted)
-        OffloadAdamW([torch.nn.Parameter(torch.zeros(2, dtype=dtype))], fused=True, threads=1).close()
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(2, dtype=dtype, device=device))], fused=True, threads=1,
+                     mode=mode).close()
     except NotImplementedError as exc:
         pytest.skip(f"refused: {exc}")
     ref = run(tmp_path / "ref", ours=False)
