@@ -25,7 +25,8 @@ from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
 from . import _detect, _gpu, _plan, _sharding
-from ._config import Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name, static_arg
+from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
+                      static_arg)
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
@@ -219,6 +220,7 @@ class _Impl:
         layout = None if manual else self._layouts.get(key)
         _check_gpu_mode(platform, cfg)
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
+        check_array_hyper(cfg, kinds, fams, paths)
         if platform == "cuda":
             check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
