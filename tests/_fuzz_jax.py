@@ -353,7 +353,7 @@ def trees(draw, dtypes=tuple(DTYPES)):
 
 
 def mismatches():
-    return st.one_of(st.none(), st.none(), st.builds(
+    return st.one_of(st.none(), st.none(), st.none(), st.none(), st.builds(
         Mismatch, kind=st.sampled_from(["structure", "shape", "dtype", "params"]), leaf=st.integers(0, 2),
         other=st.integers(0, 3)))
 

@@ -45,6 +45,8 @@ WDS = [0.0, 0.01, 0.1]
 PENDING: dict[str, str] = {
     "ReplaceParams": "item 1: step() skips parameters put into param_groups after construction (never registered)",
     "AppendParam": "item 1: a parameter appended to a group's params list is never registered: silently not updated",
+    "DeepCopyAfterToDtype": "items 1-3 (groups): copy.deepcopy after model.to(dtype) rebuilds ours on the converted "
+                            "parameters and casts the old state to them; torch's copy keeps it and its step raises",
     "EagerClip": "issue 42 (clip): clip_grad_norm_ after a last_micro_batch() backward finds no param.grad (taken) "
                  "and clips nothing, silently (docs/torch.md says step() raises)",
 }
@@ -502,12 +504,24 @@ def _operations(idx, mask, norms, hyper, dtypes) -> dict[str, st.SearchStrategy]
     }
 
 
-#: the names of the strategies of :func:`op_strategy` (PENDING's keys among them)
-OPERATIONS = tuple(_operations(*[st.none()] * 4, ()))
+#: the names of the strategies of :func:`op_strategy` and of the sequence-level filters (PENDING's keys among them)
+OPERATIONS = (*_operations(*[st.none()] * 4, ()), "DeepCopyAfterToDtype")
+
+
+def _deepcopy_after_todtype(ops) -> bool:
+    """A DeepCopy after a ToDtype (PENDING's ``DeepCopyAfterToDtype``)."""
+    converted = False
+    for op in ops:
+        converted = converted or isinstance(op, ToDtype)
+        if converted and isinstance(op, DeepCopy):
+            return True
+    return False
 
 
 def sequences(pending: bool | None = None, max_ops: int = 10):
-    return st.lists(op_strategy(pending), min_size=1, max_size=max_ops)
+    """A list of operations (PENDING's only with ``pending``)."""
+    seqs = st.lists(op_strategy(pending), min_size=1, max_size=max_ops)
+    return seqs if pending_enabled(pending) else seqs.filter(lambda ops: not _deepcopy_after_todtype(ops))
 
 
 def tally(counts: Counter, outcome: str, detail: str) -> None:
