@@ -161,6 +161,10 @@ class _Impl:
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
             raise ValueError(f"{differs}: {len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} "
                              f"(nu), {len(master)} (master)")
+        for what, part in (("mu", state.mu), ("nu", state.nu)):  # as optax's tree.map(updates, mu) requires
+            if (s_def := jax.tree.structure(part)) != p_def:
+                raise ValueError(f"{differs}: the state's {what} is a tree of another structure:\n  {what}:     "
+                                 f"{s_def}\n  params: {p_def}")
         kinds, fams = [], []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
             kinds.append(leaf_dtype_name(p, path))
