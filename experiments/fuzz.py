@@ -30,6 +30,7 @@ def _torch_property(args, counts, findings):
 
     @given(cfg=F.configs(), ops=F.sequences(pending=args.pending))
     def run(cfg, ops):
+        _progress(counts)
         try:
             F.tally(counts, *F.run_sequence(cfg, ops))
         except F.Finding as exc:
@@ -46,12 +47,21 @@ def _jax_property(args, counts, findings):
     @given(cfg=F.configs(args.full), tree=F.trees(), steps=st.integers(1, 3), scales=F.scales(),
            mismatch=F.mismatches())
     def run(cfg, tree, steps, scales, mismatch):
+        _progress(counts)
         try:
             F.tally(counts, *F.run_sequence(cfg, tree, steps, scales, mismatch))
         except F.Finding as exc:
             _found(counts, findings, exc, isinstance(exc, F.SilentDifference),
                    dict(cfg=cfg, tree=tree, steps=steps, scales=scales, mismatch=mismatch))
     return run
+
+
+def _progress(counts, every: int = 250) -> None:
+    """A line of counts every ``every`` sequences (a long run shows where it stands)."""
+    n = counts["_seen"] = counts["_seen"] + 1
+    if n % every == 0:
+        top = {k: v for k, v in counts.items() if ":" not in k and k != "_seen"}
+        print(f"[{n}] {top}", flush=True)
 
 
 def _found(counts, findings, exc, silent, case):
@@ -87,7 +97,7 @@ def main(argv=None) -> dict:
         print(f"  {k}: {counts[k]}")
     print("by reason:")
     for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if k not in main_keys:
+        if k not in main_keys and k != "_seen":
             print(f"  {v:6d}  {k}")
     result = {"adapter": args.adapter, "examples": args.examples, "seed": args.seed, "pending": args.pending,
               "full": args.full, "seconds": round(elapsed, 1), "sequences": total, "counts": dict(counts),

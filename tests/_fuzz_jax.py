@@ -150,7 +150,10 @@ def _jit_factory(factory):
         static = {k: v for k, v in bound.items() if k not in arrays}
         tx = factory(**static, **arrays)
         update = jax.jit(lambda g, s, p, arr: factory(**static, **arr).update(g, s, p))
-        return optax.GradientTransformationExtraArgs(tx.init, lambda g, s, params=None, **extra: update(g, s, params, arrays))
+        def jitted(g, s, params=None, **extra):
+            return update(g, s, params, arrays)
+
+        return optax.GradientTransformationExtraArgs(tx.init, jitted)
 
     return make
 

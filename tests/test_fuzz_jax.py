@@ -14,17 +14,20 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 
 import _fuzz_jax as F  # noqa: E402
 
 if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
     pytest.skip("the fuzzer runs JAX on the CPU backend", allow_module_level=True)
 
-EXAMPLES = int(os.environ.get("TRAINSTREAM_FUZZ_EXAMPLES", "60"))
+#: no "explain" phase: a failure prints the shrunk case at once (explaining re-runs it ~100 times)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
+EXAMPLES = int(os.environ.get("TRAINSTREAM_FUZZ_EXAMPLES", "30"))
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=True,
+          phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cfg=F.configs(), tree=F.trees(), steps=st.integers(1, 3), scales=F.scales(), mismatch=F.mismatches())
 def test_sequences_match_optax(cfg, tree, steps, scales, mismatch):

@@ -12,14 +12,17 @@ import pytest
 
 pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 import _fuzz_torch as F  # noqa: E402
 
+#: no "explain" phase: a failure prints the shrunk case at once (explaining re-runs it ~100 times)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 EXAMPLES = int(os.environ.get("TRAINSTREAM_FUZZ_EXAMPLES", "300"))
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=True,
+          phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(cfg=F.configs(), ops=F.sequences())
 def test_sequences_match_torch(cfg, ops):
