@@ -223,6 +223,8 @@ def _refusal(exc: BaseException) -> str | None:
 def reason_key(reason: str, width: int = 110) -> str:
     """A refusal's message shortened for counting (which leaf left out)."""
     reason = re.sub(r"leaf \S+", "leaf X", reason.splitlines()[0] if reason else reason)
+    reason = re.sub(r"gradient \S+ is .*?, its parameter .*?:", "gradient X is (shape, dtype), its parameter (...):",
+                    reason)
     return reason if len(reason) <= width else reason[: width - 3] + "..."
 
 

@@ -42,3 +42,27 @@ def test_one_element_fp16_leaf_with_a_subnormal_eps():
     cfg = F.Config(name="adamw", lr=0.01, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.0, composition="plain")
     tree = F.Tree(layout="dict", shapes=(2, 0), dtypes=("float16", "float16"), seed=3)
     assert F.run_sequence(cfg, tree, 2, (1e-3,)) == ("identical", "")
+
+
+def test_array_hyperparameters_with_half_leaves_refused():
+    """The fuzzer's second finding: inject_hyperparams' arrays with a bfloat16/float16 leaf (optax computes it in the
+    arrays' dtype: the update was off up to a sign flip) are refused, naming the leaf; float32 trees run as optax."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    import trainstream.jax as tsj  # noqa: PLC0415
+
+    params = {"w": jnp.ones((3, 4), jnp.bfloat16), "b": jnp.ones((5,), jnp.float32)}
+    tx = optax.inject_hyperparams(tsj.offload_adamw)(learning_rate=0.01)
+    with pytest.raises(NotImplementedError, match=r"given as arrays .* bfloat16 leaf \['w'\]"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+    cfg = F.Config(composition="inject")
+    assert F.run_sequence(cfg, F.Tree("dict", (0, 1), ("float32", "float32")), 2) == ("identical", "")
+
+
+def test_state_of_another_tree_refused():
+    """The fuzzer's third finding: optax.masked(ours) updated with params of another tree with as many unmasked
+    leaves went through on the old state; now a ValueError naming both structures, as optax raises."""
+    cfg = F.Config(name="adam", composition="masked")
+    outcome, detail = F.run_sequence(cfg, F.Tree("nested", (2, 2), ("float32", "float32")), 2,
+                                     mismatch=F.Mismatch("params", 1, 3))
+    assert outcome == "mismatch refused" and "another structure" in detail, detail
