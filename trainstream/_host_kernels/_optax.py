@@ -137,6 +137,8 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         num = rx(mi * z_r1, dk)
                     if rsqrt:
                         u = rx(num * rx(np.float32(1.0) / ftz(np.float32(math.sqrt(vh))), dk), dk)
+                    elif hdiv and not bf16 and not nesterov and not b1_half:  # XLA: (m/d1)/den -> m/(d1*den)
+                        u = rx(mi / rx(z_d1 * rx(rx(np.float32(math.sqrt(vh)), dk) + z_eps, dk), dk), dk)
                     else:
                         u = rx(num / rx(rx(np.float32(math.sqrt(vh)), dk) + z_eps, dk), dk)
                     u = select(decays, rx(u + rx(z_wd * pi, dk), dk), u)

@@ -147,6 +147,8 @@ def _half_lines(p, m, v, g, s, code, dtype):
         num = sc(m, d1, r1)
     if code & OX_RSQRT:  # float16 with eps == 0 in the dtype: XLA's half rsqrt, RH(1/RN(sqrt)) (checked per process)
         u = R(num * R(_F32(1) / z(np.sqrt(vh))))
+    elif div and dtype == "float16" and not code & (OX_NESTEROV | OX_B1_HALF):  # XLA: (m / d1) / den -> m / (d1*den)
+        u = R(m / R(d1 * R(R(np.sqrt(vh)) + eps)))
     else:
         u = R(num / R(R(np.sqrt(vh)) + eps))
     if wd != 0:

@@ -12,8 +12,8 @@ import numpy as np
 
 from ._plan import is_number as _is_number
 
-__all__ = ["DTYPES", "Config", "Family", "check_cuda_config", "family", "leaf_dtype_name", "mu_dtype_name",
-           "static_arg"]
+__all__ = ["DTYPES", "Config", "Family", "check_array_hyper", "check_cuda_config", "family", "leaf_dtype_name",
+           "mu_dtype_name", "static_arg"]
 
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
 
@@ -47,6 +47,22 @@ def family(cfg: Config, dtype: str, path: str) -> Family:
         raise NotImplementedError(f"TrainStream offload_adamw: mu_dtype={mu} on the {dtype} leaf {path}: the host "
                                   f"kernels reproduce optax's lines for mu in {' or '.join(allowed)} there")
     return Family(mu, dtype, False)
+
+
+def check_array_hyper(cfg: Config, kinds, fams, paths) -> None:
+    """Array hyper-parameters (``optax.inject_hyperparams``' or a user's ``jnp`` scalars) with a float16/bfloat16 leaf
+    whose state is in its dtype: refused. optax's lines there are the array's dtype's (``inject_hyperparams`` casts to
+    the tree's highest float dtype; a float32 array promotes the leaf's update to float32), not the leaf's, and no
+    lines are built for them (the fuzzer measured up to a sign flip of the update)."""
+    arrays = [k for k in ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")
+              if not (_is_number(getattr(cfg, k)) or callable(getattr(cfg, k)))]
+    half = [p for kind, f, p in zip(kinds, fams, paths) if kind != "float32" and not f.master]
+    if arrays and half:
+        raise NotImplementedError(
+            f"TrainStream offload_adamw: {', '.join(arrays)} given as arrays (optax.inject_hyperparams, jnp scalars) "
+            f"with the {kinds[paths.index(half[0])]} leaf {half[0]} and its state in its dtype: optax computes that "
+            "leaf in the arrays' dtype, lines not built. Pass Python floats (a schedule for the learning rate), or "
+            "master_weights=True, or float32 parameters")
 
 
 def check_cuda_config(cfg: Config, fams, paths) -> None:

@@ -25,7 +25,8 @@ from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
 from . import _detect, _gpu, _plan, _sharding
-from ._config import Config, Family, check_cuda_config, family, leaf_dtype_name, mu_dtype_name, static_arg
+from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
+                      static_arg)
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
@@ -160,6 +161,10 @@ class _Impl:
         if not (len(mu) == len(nu) == len(master) == len(p_leaves)):
             raise ValueError(f"{differs}: {len(p_leaves)} parameter leaves, the state has {len(mu)} (mu), {len(nu)} "
                              f"(nu), {len(master)} (master)")
+        for what, part in (("mu", state.mu), ("nu", state.nu)):  # as optax's tree.map(updates, mu) requires
+            if (s_def := jax.tree.structure(part)) != p_def:
+                raise ValueError(f"{differs}: the state's {what} is a tree of another structure:\n  {what}:     "
+                                 f"{s_def}\n  params: {p_def}")
         kinds, fams = [], []
         for i, (g, p, path) in enumerate(zip(g_leaves, p_leaves, paths)):
             kinds.append(leaf_dtype_name(p, path))
@@ -219,6 +224,7 @@ class _Impl:
         layout = None if manual else self._layouts.get(key)
         _check_gpu_mode(platform, cfg)
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
+        check_array_hyper(cfg, kinds, fams, paths)
         if platform == "cuda":
             check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)

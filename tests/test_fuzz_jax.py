@@ -1,0 +1,68 @@
+"""The JAX adapter's differential fuzzer in CI (issue 40 item 5): offload_adamw / offload_adam against optax.adamw /
+optax.adam on random pytrees, dtypes, hyper-parameters and compositions (tests/_fuzz_jax.py says which), jitted and
+eager; every step's params and updates bitwise equal, or both raised, or ours refused naming why; updates whose tree
+structure, shape or dtype differ from init's get a clear error. Derandomized (the same cases every run); a failure
+prints hypothesis' shrunk case. ``TRAINSTREAM_FUZZ_EXAMPLES`` sets the count, ``TRAINSTREAM_FUZZ_FULL=1`` adds the
+hyper-parameters whose kernels no other CI test compiles; the longer run is experiments/fuzz.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+
+import _fuzz_jax as F  # noqa: E402
+
+if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
+    pytest.skip("the fuzzer runs JAX on the CPU backend", allow_module_level=True)
+
+#: no "explain" phase: a failure prints the shrunk case at once (explaining re-runs it ~100 times)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
+EXAMPLES = int(os.environ.get("TRAINSTREAM_FUZZ_EXAMPLES", "30"))
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=True,
+          phases=PHASES,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=F.configs(), tree=F.trees(), steps=st.integers(1, 3), scales=F.scales(), mismatch=F.mismatches())
+def test_sequences_match_optax(cfg, tree, steps, scales, mismatch):
+    outcome, detail = F.run_sequence(cfg, tree, steps, scales, mismatch)  # raises a Finding otherwise
+    assert outcome in F.OUTCOMES, (outcome, detail)
+
+
+def test_one_element_fp16_leaf_with_a_subnormal_eps():
+    """The fuzzer's first finding: a (1,) float16 leaf whose eps is a float16 subnormal (1e-6) and whose nu is 0:
+    XLA divides mu by the product d1 * (sqrt(nu_hat) + eps) in float16 (a subnormal, rounded), not (mu / d1) by the
+    sum; the update was 11% off optax's."""
+    cfg = F.Config(name="adamw", lr=0.01, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.0, composition="plain")
+    tree = F.Tree(layout="dict", shapes=(2, 0), dtypes=("float16", "float16"), seed=3)
+    assert F.run_sequence(cfg, tree, 2, (1e-3,)) == ("identical", "")
+
+
+def test_array_hyperparameters_with_half_leaves_refused():
+    """The fuzzer's second finding: inject_hyperparams' arrays with a bfloat16/float16 leaf (optax computes it in the
+    arrays' dtype: the update was off up to a sign flip) are refused, naming the leaf; float32 trees run as optax."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    import trainstream.jax as tsj  # noqa: PLC0415
+
+    params = {"w": jnp.ones((3, 4), jnp.bfloat16), "b": jnp.ones((5,), jnp.float32)}
+    tx = optax.inject_hyperparams(tsj.offload_adamw)(learning_rate=0.01)
+    with pytest.raises(NotImplementedError, match=r"given as arrays .* bfloat16 leaf \['w'\]"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+    cfg = F.Config(composition="inject")
+    assert F.run_sequence(cfg, F.Tree("dict", (0, 1), ("float32", "float32")), 2) == ("identical", "")
+
+
+def test_state_of_another_tree_refused():
+    """The fuzzer's third finding: optax.masked(ours) updated with params of another tree with as many unmasked
+    leaves went through on the old state; now a ValueError naming both structures, as optax raises."""
+    cfg = F.Config(name="adam", composition="masked")
+    outcome, detail = F.run_sequence(cfg, F.Tree("nested", (2, 2), ("float32", "float32")), 2,
+                                     mismatch=F.Mismatch("params", 1, 3))
+    assert outcome == "mismatch refused" and "another structure" in detail, detail
