@@ -43,10 +43,6 @@ WDS = [0.0, 0.01, 0.1]
 
 #: operation name -> why it is left out today (issue 40 items 1-3; the groups branch fixes them). Enable after merge.
 PENDING: dict[str, str] = {
-    "ReplaceParams": "item 1: step() skips parameters put into param_groups after construction (never registered)",
-    "AppendParam": "item 1: a parameter appended to a group's params list is never registered: silently not updated",
-    "DeepCopyAfterToDtype": "items 1-3 (groups): copy.deepcopy after model.to(dtype) rebuilds ours on the converted "
-                            "parameters and casts the old state to them; torch's copy keeps it and its step raises",
     "EagerClip": "issue 42 (clip): clip_grad_norm_ after a last_micro_batch() backward finds no param.grad (taken) "
                  "and clips nothing, silently (docs/torch.md says step() raises)",
 }
