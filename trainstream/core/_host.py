@@ -36,6 +36,7 @@ from ._budget import _ITEMSIZE
 from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
 from ._hostslot import HostSlot as _Slot, DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
+from ._speculate import SPEC_BLOCK, SPEC_STATS, Speculation, Speculative
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
            "CHUNK_ALIGN"]
@@ -45,10 +46,11 @@ __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuff
 CHUNK_SIZE = 1 << 20
 
 #: The host placement's counters (:class:`~trainstream.core._pool.Counters`).
-_STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
+_STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s",
+          *SPEC_STATS)
 
 
-class HostPlacement:
+class HostPlacement(Speculative):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -160,22 +162,23 @@ class HostPlacement:
         self._pool.submit(numel, self.chunk, priority, landed, body, finalize, record, done)
 
     def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None],
-                   finalize: Callable[[], None] | None = None, landed: Any = None) -> None:
-        """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky), after its batch in flight if any."""
+                   finalize: Callable[[], None] | None = None, landed: Any = None, numel: int | None = None) -> None:
+        """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky) over its elements (or ``numel``), after its
+        batch in flight if any."""
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed))
+                s.chain.append((body, finalize, landed, numel))
                 return
         try:
-            self._submit_batch(s, body, finalize, landed)
+            self._submit_batch(s, body, finalize, landed, numel)
         except BaseException:
             with s.cond:  # never queued: waiters must not wait for it
                 s.inflight -= 1
                 s.cond.notify_all()
             raise
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed, numel=None) -> None:
         def done() -> None:  # then submit the slot's next chained batch, if any
             with s.cond:
                 s.grad_keep = None  # its copy has landed (or failed)
@@ -193,7 +196,7 @@ class HostPlacement:
                     s.chain.clear()
                     s.cond.notify_all()
 
-        self._submit(s.numel, s.id, landed, body, finalize, self.errors.record, done)
+        self._submit(s.numel if numel is None else numel, s.id, landed, body, finalize, self.errors.record, done)
 
     def _wait_idle(self, s: _Slot) -> None:
         if self._pool.forked:  # before the lock: a worker of the parent may have held it
@@ -209,13 +212,20 @@ class HostPlacement:
             s.ready.synchronize()
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
-                     accumulate: bool = False) -> None:
+                     accumulate: bool = False, speculate: bool = False, upload: bool = True) -> None:
         """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one staged before,
         or with ``accumulate`` adding it into the slot's fp32 sum (a master with ``grad_sums``; the first since the
-        last update starts the sum); with ``update`` (the eager path) queue its update right behind it."""
+        last update starts the sum); with ``update`` (the eager path) queue its update right behind it, with
+        ``speculate`` as a speculative one (:mod:`~trainstream.core._speculate`; ``upload``: its weights uploaded at
+        once, else at ``commit``). A speculation still pending on the slot is rolled back first."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
+        if speculate and (update is None or accumulate or not s.speculable):
+            raise ValueError(f"offload_grad: parameter slot {sid} cannot take a speculative update (it needs update=, "
+                             "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
+                             "master)")
+        self._unspeculate(s)
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         if update is not None:
@@ -249,19 +259,22 @@ class HostPlacement:
             s.summed = False
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
-            self._enqueue_update(s, update, np.float32(1.0), after)
+            self._enqueue_update(s, update, np.float32(1.0), after, speculate=speculate, upload=upload)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
         self._check_open()
         for s in self._slots:
+            self._unspeculate(s)  # zero_grad before step(): torch's step updates nothing from these gradients
             if s.staged:
                 self._wait_idle(s)
                 s.staged, s.summed, s.grad_keep = False, False, None
         self.errors.check()
 
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
-                        grad_div: float | None = None) -> None:
+                        grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
+        spec = Speculation(s.step, upload) if speculate else None
+        keep = s.backed_up() if speculate else ()
         s.step += 1
         recipe, extra = s.recipe, ()
         if recipe is None:  # the optax convention
@@ -289,15 +302,28 @@ class HostPlacement:
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
-            self._stats.add("update_s", time.perf_counter() - t)
+            if not keep:
+                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
+            for sb in range(b, e, SPEC_BLOCK) if keep else ():  # each block copied just before the kernel reads it
+                se = min(e, sb + SPEC_BLOCK)
+                for live, copy in keep:
+                    copy[sb:se] = live[sb:se]
+                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, sb, se, scalars, tc_code, *extra)
+            dt = time.perf_counter() - t
+            self._stats.add("update_s", dt)
+            if spec is not None:
+                spec.seconds.append(dt)
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
         def finalize() -> None:
-            s.ready = self.backend.copy_to_device(s.param, upload_src, after)
-            self._stats.add("param_bytes", nbytes)
+            if spec is None or spec.upload:
+                s.ready = self.backend.copy_to_device(s.param, upload_src, after)
+                self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = time.perf_counter()
 
+        s.spec = spec
+        if spec is not None:
+            self._stats.add("spec_updates", 1)
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)
@@ -387,6 +413,7 @@ class HostPlacement:
         copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
+        self._unspeculate(s)
         self._wait_idle(s)
         self.errors.check()
         return slot_state(s, copy)
@@ -394,6 +421,7 @@ class HostPlacement:
     def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
         """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
         self._check_open()
+        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
         self._slot(sid).recipe = recipe
 
     def grad_sum(self, sid: int) -> np.ndarray | None:
@@ -410,6 +438,7 @@ class HostPlacement:
         ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
         self._check_open()
         s = self._slot(sid)
+        self._unspeculate(s)  # from the weights before the change
         self._settle(s)
         if param is not None:
             s.param = param
@@ -419,6 +448,7 @@ class HostPlacement:
         """:meth:`Engine.load_state`, which checks the arguments."""
         self._check_open()
         s = self._slot(sid)
+        self._unspeculate(s)
         self._settle(s)
         load_slot_state(s, state, self.backend)
 
@@ -436,6 +466,8 @@ class HostPlacement:
             "grad_bytes_offloaded": float(st.grad_bytes), "param_bytes_uploaded": float(st.param_bytes),
             "update_ms_total": st.update_s * 1e3, "ready_stall_ms_total": st.ready_stall_s * 1e3,
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
+            **{k: float(getattr(st, k)) for k in SPEC_STATS if k != "redo_s"}, "redo_ms_total": st.redo_s * 1e3,
+            "spec_backup_bytes": float(sum(s.backup_bytes() for s in live if s.backup is not None)),
         }
 
     def close(self) -> None:

@@ -27,11 +27,13 @@ import numpy as np
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "load_slot_state", "new_slot", "reload_weights", "slot_state",
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "load_slot_state", "new_slot", "reload_weights", "slot_state",
            "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+#: The buffers an update writes (those a slot has), kept by a speculative update.
+_UPDATED = ("master", "weights", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 @dataclass(eq=False)
@@ -64,6 +66,11 @@ class HostSlot:
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
     nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
+    # Speculation (``_host.py``'s module docstring): the pre-step copies of the weights and state an update from a
+    # gradient hook wrote over (name -> array, allocated at the first one), and that update's record while it is
+    # neither committed nor rolled back.
+    backup: dict | None = None
+    spec: "Speculation | None" = None
 
     @property
     def upload_src(self) -> Any:
@@ -76,11 +83,40 @@ class HostSlot:
     def live(self) -> bool:
         return self.exp_avg is not None
 
+    @property
+    def speculable(self) -> bool:
+        """Whether an update of this slot can be speculative: its gradient staging is only read by the update (not
+        a master's, which the rounded weights overwrite and whose fp32 sums the update reads)."""
+        return self.live and self.grad_sum is None and (self.weights is not None or self.dtype == "float32")
+
+    def backed_up(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(live, copy)`` of every buffer an update writes (the weights, the moments), the copies allocated once
+        (pageable: only the workers read them)."""
+        names = [n for n in _UPDATED if getattr(self, n) is not None]
+        if self.backup is None:
+            self.backup = {n: np.empty_like(getattr(self, n).array) for n in names}
+        return [(getattr(self, n).array, self.backup[n]) for n in names]
+
+    def backup_bytes(self) -> int:
+        """Host bytes of :meth:`backed_up`'s copies (allocated or not)."""
+        return sum(getattr(self, n).array.nbytes for n in _UPDATED if getattr(self, n) is not None)
+
     def free(self) -> None:
         self.nbytes, self.staged, self.summed = (0, 0), False, False
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = self.weights = None
         self.grad_stage = self.param_stage = self.grad_sum = self.grad_keep = self.ready = self.landed = None
-        self.param = None
+        self.param = self.backup = self.spec = None
+
+
+@dataclass(eq=False)
+class Speculation:
+    """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
+    before it, whether its weights were uploaded (``upload``: at once; else at :meth:`HostPlacement.commit`), and
+    the seconds its chunks took (lost if it is rolled back)."""
+
+    step: int
+    upload: bool
+    seconds: list = field(default_factory=list)
 
 
 #: What each buffer is, in allocation errors.

@@ -26,6 +26,7 @@ import torch
 
 from .. import contract as C
 from ..backends.torch import _DTYPE_NAME
+from ..core import _budget
 from . import _dist as D
 from ._gate import Gate
 from ._params import Slot, Slots
@@ -57,10 +58,18 @@ class GradCapture:
     hyper-parameters now (the group checked against what the slot was registered for). Holds nothing of the
     optimizer (its hooks hold this object weakly)."""
 
-    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams]):
+    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams],
+                 speculate: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
-        self.done: set[int] = set()
+        self.done: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
+        self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
+        self.spec: dict[int, tuple[StagedCopy, C.AdamWHyperParams]] = {}  # speculated since the last step()
+        self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
+        self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
+        self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
+        self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
+        self._scaled: set[int] = set()  # fused slots whose kernel divides by GradScaler's scale this step
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -100,36 +109,91 @@ class GradCapture:
                 rec.broken = True
 
     def _ready(self, rec: Slot) -> None:
-        """``rec``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
-        update (behind its copy; a GPU slot's kernel behind backward), else copy a host slot's gradient for step()."""
+        """``rec``'s gradient hook. A host slot's gradient is copied into the engine's staging; where this backward
+        is taken to be the last before ``step()`` (under ``last_micro_batch()``, or as many backwards as the last
+        step had) its update starts from it at once, speculatively (``step()`` commits or redoes it:
+        :meth:`updates`). ``param.grad`` stays. A GPU slot's kernel is launched under ``last_micro_batch()`` only."""
         engine, p = self.slots.engine, rec.param
-        on_device, eager = engine.on_device(rec.sid), self.eager and not self.clipping
-        if on_device and not eager:
-            return  # a GPU slot's update runs at step()
+        on_device, hint = engine.on_device(rec.sid), self.eager and not self.clipping
+        if on_device:
+            if hint:
+                self._launch(rec)
+            return  # else a GPU slot's update runs at step()
         if D.local(p).data_ptr() != rec.ptr:
             self.slots.follow(rec)  # e.g. model.double(): a clear error, not the engine's
-        if eager:
-            rec.staged = None
-            if rec.sid in self.done:
-                raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
-                                   f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+        sid = rec.sid
+        n = self._seen[sid] = self._seen.get(sid, 0) + 1
+        if sid in self.spec:  # another backward after the one taken for the last: accumulation
+            if sid in self.done:
+                where = "inside" if self.eager else "after"
+                engine.rollback([sid])
+                del self.spec[sid]
+                self.done.discard(sid)
+                raise RuntimeError(f"OffloadAdamW: a second backward {where} last_micro_batch() before step() "
+                                   f"(parameter {sid}); only the last micro-batch's backward belongs in that block"
+                                   + ("" if self.eager else ": its weights were updated during that backward, so "
+                                      "this backward's forward used them. Reload a checkpoint to continue."))
+            engine.rollback([sid])  # the guess was wrong: undone exactly, before the new gradient is staged
+            del self.spec[sid]
+        if not self._hook_copies(p):
+            return  # step() copies it
+        grad = p.grad
+        if self._speculates(rec, n, self.eager):
             hp = self.slot_hyper(rec)  # first: a group edit it cannot follow raises before anything changes
             self.slots.follow(rec)  # an edited weight is re-read before the update
-            self.done.add(rec.sid)
-            if on_device:
-                engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
-            else:
-                if rec.broken:
-                    raise RuntimeError(_refusal(rec))
-                engine.offload_grad(rec.sid, *self.local_grad(rec), hp, accumulate=rec.sums)
-                rec.summed = 0
-            self.gate.mark([rec.sid])
-            p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
-        elif self._hook_copies(p):  # else step() copies it
-            grad = p.grad
-            engine.offload_grad(rec.sid, *self.local_grad(rec), None, accumulate=rec.sums)
-            rec.summed += rec.sums
+            engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager)
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
+            self.spec[sid] = (rec.staged, hp)
+            rec.summed = 0
+            if self.eager:
+                self.done.add(sid)
+                self.gate.mark([sid])
+            return
+        engine.offload_grad(sid, *self.local_grad(rec), None, accumulate=rec.sums)
+        rec.summed += rec.sums
+        rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
+
+    def _launch(self, rec: Slot) -> None:
+        """Under ``last_micro_batch()``, a GPU slot's kernel from its hook (not speculative: ``step()`` refuses a
+        gradient changed since, as it cannot be redone)."""
+        if rec.sid in self.done:
+            raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
+                               f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+        hp = self.slot_hyper(rec)
+        self.slots.follow(rec)
+        self.done.add(rec.sid)
+        grad = rec.param.grad
+        self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
+        self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
+        self.gate.mark([rec.sid])
+
+    def _speculates(self, rec: Slot, n: int, hint: bool) -> bool:
+        """Whether this backward's update of host slot ``rec`` starts now: under ``last_micro_batch()`` (``hint``) or
+        at the ``n``-th backward where the last step had ``n``; not for fp32 gradient sums or a slot whose staging
+        the update overwrites (:meth:`~trainstream.core._engine.Engine.can_speculate`), nor where ``speculate`` is
+        False or (None) the host memory budget has no room for the kept copies."""
+        if self.speculate is False or rec.sums or rec.broken or not self.slots.engine.can_speculate(rec.sid):
+            return False
+        if not hint and n != self._expect.get(rec.sid, 1):
+            return False
+        if self.speculate is None:
+            self.speculate = self._budget_allows()
+        return bool(self.speculate)
+
+    def _budget_allows(self) -> bool:
+        """``speculate=None``'s decision, once: the kept copies of every host slot fit in the host memory available
+        now less ``host_margin`` of it; else speculation stays off, with a warning naming the choice."""
+        engine = self.slots.engine
+        sids = [rec.sid for rec in self.slots if engine.can_speculate(rec.sid)]
+        need = engine.speculation_bytes(sids)
+        margin = self.slots.host_margin
+        if _budget.speculation_fits(need, margin):
+            return True
+        warnings.warn(f"OffloadAdamW: updates during backward (speculation) need {need:,} more bytes of host memory "
+                      f"(the pre-step copies of weights and state) than host_margin={margin} leaves; they wait for "
+                      "step() instead. speculate=True takes the memory anyway, speculate=False silences this.",
+                      RuntimeWarning, stacklevel=5)
+        return False
 
     def _hook_copies(self, p: torch.Tensor) -> bool:
         """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter with several processes (reduced
@@ -168,18 +232,23 @@ class GradCapture:
     def updates(self, groups: Iterable[dict[str, Any]], hyper: Callable[[dict[str, Any]], C.AdamWHyperParams]
                 ) -> tuple[list[tuple], dict[int, float], set[int]]:
         """What ``step()`` tells the engine, per registered parameter of ``groups`` (``hyper``: a group's
-        hyper-parameters) whose ``grad`` is not None and that no eager update took: a GPU slot's gradient; a host
-        slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now.
-        Returns ``(updates, coefs, eager)`` for ``Engine.step`` (``eager``: the slots updated from hooks); every
-        staged copy and eager mark is consumed."""
-        engine, eager = self.slots.engine, self.done
+        hyper-parameters) whose ``grad`` is not None: a GPU slot's gradient (not one launched from its hook); a host
+        slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now. A
+        speculative update is committed where it is what torch computes now (:meth:`_holds`), else rolled back and
+        redone so (or left undone: no gradient). Returns ``(updates, coefs, early)`` for ``Engine.step``
+        (``early``: the slots updated from hooks, committed); every staged copy and hook's mark is consumed."""
+        engine = self.slots.engine
         groups = list(groups)
         for rec in (self.slots.of(p) for g in groups for p in g["params"]):  # refused before anything changes
-            if rec is not None and rec.summed and rec.sid not in eager and rec.param.grad is not None and (
+            if rec is None or rec.param.grad is None:
+                continue
+            if rec.sid in self.launched and not self.launched[rec.sid].current(rec.param, trusted=True):
+                raise RuntimeError(_launched_refusal(rec.sid))
+            if rec.summed and rec.sid not in self.spec and (
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
                 raise RuntimeError(_refusal(rec))
-        self.done = set()
-        updates, coefs = [], {}
+        spec, launched = self.spec, self.launched
+        updates, coefs, commit, redone = [], {}, [], False
         for group in groups:
             hp = hyper(group)
             for p in group["params"]:
@@ -188,23 +257,74 @@ class GradCapture:
                     continue
                 copy, rec.staged = rec.staged, None
                 rec.summed, rec.broken = 0, False
-                if p.grad is None or rec.sid in eager:
+                if rec.sid in spec:
+                    if p.grad is not None and self._holds(rec, copy, *spec.pop(rec.sid), hp):
+                        commit.append(rec.sid)
+                        continue
+                    engine.rollback([rec.sid])  # then redone below, from the pre-step state
+                    redone = True
+                if p.grad is None or rec.sid in launched:
                     continue  # no gradient: no update, as torch's
                 if engine.on_device(rec.sid):
                     updates.append((rec.sid, hp, *self.local_grad(rec, host=False)))
                     continue
-                if copy is None or not copy.current(p, trusted=True):
+                if copy is None or not copy.current(p, trusted=True) or self._untrusted:
                     engine.offload_grad(rec.sid, *self.local_grad(rec), None)  # changed since, or set by hand
                 elif copy.coef is not None:
                     coefs[rec.sid] = copy.coef
                 updates.append((rec.sid, hp))
-        return updates, coefs, eager
+        if spec:  # speculated, then left out of the groups: as if never updated
+            engine.rollback(list(spec))
+            redone = True
+        if commit:
+            engine.commit(commit)
+            self.gate.mark(commit)
+        if commit or redone:
+            engine.count_spec_step(redone)
+        early = set(commit) | set(launched)
+        self._end_step()
+        return updates, coefs, early
+
+    def _holds(self, rec: Slot, copy: StagedCopy | None, ref: StagedCopy, hp_then: C.AdamWHyperParams,
+               hp: C.AdamWHyperParams) -> bool:
+        """Whether ``rec``'s speculative update (from the gradient its hook staged, times 1.0, with ``hp_then``) is
+        bit for bit what torch's step computes now: the same hyper-parameters, no GradScaler division, and
+        ``param.grad`` the tensor staged at the same version (a multiplier since: exactly 1.0), or else, compared
+        bit by bit, equal to the staged gradient (e.g. clip_grad_norm_'s factor 1.0, which moves the version)."""
+        engine, p = self.slots.engine, rec.param
+        if hp != hp_then or rec.sid in self._scaled or not engine.speculative(rec.sid):
+            return False
+        if not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(p, trusted=True):
+            return copy.coef is None or copy.coef == 1.0
+        grad = D.local(p.grad).detach()
+        staged = engine.staged_grad(rec.sid)
+        if grad.dtype not in _DTYPE_NAME or grad.numel() != staged.size or grad.element_size() != staged.itemsize:
+            return False
+        bits = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}[grad.element_size()]
+        now = grad.reshape(-1).view(bits[0]).cpu().numpy().view(bits[1])  # a GPU gradient: copied to the host
+        return bool(np.array_equal(now, staged.view(bits[1])))
+
+    def _end_step(self) -> None:
+        """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
+        self._expect.update(self._seen)
+        self._seen, self.spec, self.launched, self.done = {}, {}, {}, set()
+        self._untrusted, self._scaled = False, set()
+
+    def skip(self) -> None:
+        """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
+        skipped step changes nothing."""
+        if self.spec:
+            self.slots.engine.rollback(list(self.spec))
+            self.slots.engine.count_spec_step(True)
+        self._end_step()
 
     def forget(self) -> None:
-        """Drop every staged copy and sum (``zero_grad``, or gradients unscaled in place): ``step()`` copies again."""
+        """Drop every staged copy and sum (``zero_grad``: the engine rolls back speculative updates): ``step()``
+        copies again."""
         for rec in self.slots:
             rec.staged = None
             rec.summed, rec.broken = 0, False
+        self.spec, self.done, self._seen = {}, set(), {}
 
     def _sums(self) -> list[Slot]:
         """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""
@@ -219,7 +339,8 @@ class GradCapture:
         fp32 sum is multiplied by ``sum_mult`` on the host, in float32 as torch multiplies fp32 gradients. Returns
         whether every such sum is finite after it (GradScaler's check of them)."""
         current = [rec for rec in self.slots if rec.staged is not None and rec.staged.current(rec.param)]
-        op()
+        self.slots.engine.guard_staged([rec.sid for rec in current if not self.slots.engine.on_device(rec.sid)])
+        op()  # (behind the copies of the gradients it changes)
         finite = True
         for rec in current:
             grad = rec.param.grad
@@ -238,9 +359,8 @@ class GradCapture:
              foreach: bool | None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, ...)`` (``params``: those with a gradient) with torch's own
         functions; the staged copies get the coefficient. Returns the total norm."""
-        if self.done:
-            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its gradients "
-                               "were taken by their updates (use max_grad_norm=, which turns the eager path off)")
+        if self.launched:
+            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "clip_grad_norm()"))
         sums = {rec.param: rec for rec in self._sums()}  # master_weights: the norm of the fp32 sums (on the host)
         grads = [torch.from_numpy(self.slots.engine.grad_sum(sums[p].sid)) if p in sums else p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -258,20 +378,24 @@ class GradCapture:
         fused step makes it before skipping), else the fused slots' scale (``Engine.step(grad_div=)``: their kernel
         divides), the others' ``param.grad`` (``params``: those with a gradient) unscaled as ``GradScaler.unscale_``
         does (fp32 sums: on the host; a non-finite sum GradScaler did not see skips the step, with a warning)."""
-        if self.done:
-            raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates used the scaled "
-                               "gradients. Use one or the other; reload a checkpoint (load_state_dict) to continue.")
+        if self.launched:
+            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
         if found_inf.item():
             for rec in fused:
                 rec.touched = True
+            self.skip()
             return True, {}  # skipped, as GradScaler skips torch.optim.AdamW's step
         if scale is None:  # unscaled in place by GradScaler.unscale_ (no _version change)
             if summed := [rec for rec in self.slots if rec.summed > 1]:
                 raise RuntimeError(_refusal(summed[0], "GradScaler.unscale_(optimizer)"))
-            self.forget()
+            for rec in self.slots:
+                rec.staged = None
+                rec.summed, rec.broken = 0, False
+            self._untrusted = True  # speculative updates: compared bit by bit
             return False, {}
         grad_div = {rec.sid: float(scale) for rec in fused}
+        self._scaled = set(grad_div)
         params = [p for p in params if self.slots.of(p) is None or self.slots.of(p).sid not in grad_div]
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}
@@ -287,6 +411,15 @@ class GradCapture:
                       "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "
                       "GPU memory, but GradScaler does not lower its scale for it", RuntimeWarning, stacklevel=4)
         return True, {}
+
+
+def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
+                      ) -> str:
+    """Why a GPU slot's update launched from its hook under ``last_micro_batch()`` cannot follow ``what``."""
+    return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the GPU kernels of mode='gpu'/'hybrid' "
+            f"(parameter {sid}) updated from the gradients as backward left them, and those updates are not "
+            "speculative (they cannot be redone). Clip with max_grad_norm= (then last_micro_batch() launches nothing "
+            "early), or leave last_micro_batch() out; reload a checkpoint (load_state_dict) to continue.")
 
 
 def _refusal(rec: Slot, what: str = "clip_grad_norm_, GradScaler.unscale_ or by hand") -> str:

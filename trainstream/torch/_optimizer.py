@@ -75,6 +75,12 @@ class OffloadAdam(Checkpoints, Optimizer):
       pin_moments, host_margin: page-locked moments (``cpu`` mode, while pinned memory stays within half of the
         available memory); the fraction of host memory left free by the check before allocating (``MemoryError``
         naming the bytes; None: no check).
+      speculate: host updates start during backward, as each gradient is final, in every loop (a backward taken
+        to be the last before ``step()``: as many as the last step had, or the one in :meth:`last_micro_batch`);
+        ``step()`` commits each where it is what torch computes now, else redoes it exactly (``docs/torch.md``).
+        It keeps a copy of the weights and state it overwrites (12 bytes per float32 parameter, 6 per fp16/bf16
+        one). None (default): where host memory has room for them after ``host_margin``; True: always; False:
+        never (updates at ``step()``).
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -90,7 +96,7 @@ class OffloadAdam(Checkpoints, Optimizer):
                  gpu_state_bytes: int | str = 0, gpu_share: float = 0.3, gpu_params: str = "first",
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
         # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
         self._init_kwargs = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
@@ -99,7 +105,7 @@ class OffloadAdam(Checkpoints, Optimizer):
             max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
-            host_margin=host_margin)
+            host_margin=host_margin, speculate=speculate)
         betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -116,6 +122,8 @@ class OffloadAdam(Checkpoints, Optimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
         if not isinstance(master_weights, bool):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
+        if speculate is not None and not isinstance(speculate, bool):
+            raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
         self.master_weights = master_weights
@@ -130,7 +138,7 @@ class OffloadAdam(Checkpoints, Optimizer):
         self._gate = Gate(self._slots, gated)
         ref = weakref.ref(self)
         self._grads = GradCapture(self._slots, self._gate, clipping=self.max_grad_norm is not None,
-                                  slot_hyper=lambda rec: ref()._slot_hyper(rec))
+                                  slot_hyper=lambda rec: ref()._slot_hyper(rec), speculate=speculate)
         self._last_norm: torch.Tensor | None = None
         # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._release = weakref.finalize(self, _release, self._slots, self._gate)
@@ -301,16 +309,21 @@ class OffloadAdam(Checkpoints, Optimizer):
 
     @contextlib.contextmanager
     def last_micro_batch(self):
-        """Mark the backward inside this block as the last micro-batch of the step.
+        """Mark the backward inside this block as the last micro-batch of the step (an explicit hint).
 
-        Each update then starts as soon as its gradient is ready, overlapping the rest of backward: on the host
-        threads (``cpu`` mode, ``hybrid``'s host share) or by its kernel (``gpu`` mode; ``hybrid``'s GPU share with
-        ``gpu_params="last"``, else at ``step()``). The gradients it updates from are taken (``param.grad`` is
-        ``None`` after that backward, its GPU memory freed once copied or read), so nothing may change them: no
-        ``clip_grad_norm_`` or ``GradScaler`` (``step()`` raises). Each update uses its group's ``lr`` as it is during
-        backward. No effect with ``max_grad_norm`` (clipping needs every gradient). ``state_dict()`` and
-        ``load_state_dict()`` raise until ``step()``. Not with several processes and plain (non-DTensor) parameters.
-        With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
+        Each host update then starts as soon as its gradient is ready, overlapping the rest of backward, and its
+        new weights are uploaded at once: between this backward and ``step()`` the model holds them (nothing may
+        run another forward or backward before ``step()``). Without the hint, speculation (``speculate``) starts
+        the same updates at the backward it takes to be the last, and uploads at ``step()``. Either way
+        ``param.grad`` stays as torch leaves it: ``clip_grad_norm_``, a ``GradScaler``, any in-place change of a
+        gradient and edits of the group's hyper-parameters before ``step()`` work as with torch; ``step()`` commits
+        each update that is torch's bit for bit, and redoes the others from the pre-step state (stats
+        ``spec_steps_committed``, ``spec_steps_redone``, ``redo_ms_total``). GPU slots (``gpu`` mode; ``hybrid``
+        with ``gpu_params="last"``, else at ``step()``) launch their kernels from the hooks, not speculatively: a
+        gradient changed before ``step()`` is refused there (not without ``max_grad_norm``, under which they wait
+        for ``step()``). ``state_dict()`` and ``load_state_dict()`` raise until ``step()``. Not with several
+        processes and plain (non-DTensor) parameters. With ``hybrid`` it is faster at ``worker_nice=19``; at the
+        default 5 it can be slower than without."""
         self._check_open()
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
             raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters "
@@ -478,11 +491,11 @@ class OffloadAdamW(OffloadAdam):
                  gpu_share: float = 0.3, gpu_params: str = "first", threads: int | None = None,
                  worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
                          mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
                          gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
                          zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
-                         pin_moments=pin_moments, host_margin=host_margin)
+                         pin_moments=pin_moments, host_margin=host_margin, speculate=speculate)
