@@ -238,3 +238,32 @@ def test_speculate_false_and_the_budget():
         assert (st["spec_updates"] > 0) == (spec is None)
         assert st["spec_backup_bytes"] == (0 if spec is False else 4 * 3 * sum(p.numel() for p in ours.parameters()))
         opt.close()
+
+
+@pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
+def test_a_failed_speculative_update_reaches_step_and_a_reload_continues(hint, monkeypatch):
+    """Every host kernel raises during backward: step() raises the worker's error, the weights are the pre-step
+    ones (nothing uploaded), and after load_state_dict the loop goes on with torch's bits."""
+    from trainstream import _host_kernels as K
+    from trainstream.core import WorkerError
+
+    ref, ropt, ours, opt = make()
+    saved, before = opt.state_dict(), [p.detach().clone() for p in ours.parameters()]
+    real = K.adamw_chunk
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected")
+    monkeypatch.setattr(K, "adamw_chunk", boom)
+    with pytest.raises(WorkerError, match="injected"):
+        run_step(ours, opt, batches(1), hint)
+        opt.synchronize()
+    monkeypatch.setattr(K, "adamw_chunk", real)
+    for p, b in zip(ours.parameters(), before):
+        assert torch.equal(p, b)
+    opt.load_state_dict(saved)
+    opt.zero_grad()
+    for x in batches(2, seed=3):
+        for m, o in ((ref, ropt), (ours, opt)):
+            run_step(m, o, [x], hint and o is opt)
+        same(ref, ours)
+    opt.close()

@@ -25,6 +25,7 @@ from ._external import DeviceUpdate, ExternalUpdate
 from ._host import HostPlacement
 from ._hostslot import STATE_KEYS
 from ._pool import StickyError, WorkerError
+from ._speculate import EngineSpeculation
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
@@ -32,7 +33,7 @@ __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "Work
 MODES = ("cpu", "gpu", "hybrid")
 
 
-class Engine:
+class Engine(EngineSpeculation):
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args: ``backend``: the framework's (:class:`~trainstream.core._backend.Backend`, and for device slots
@@ -272,41 +273,6 @@ class Engine:
         speculative update (:mod:`~trainstream.core._speculate`: :meth:`commit` or :meth:`rollback` at the step;
         ``upload``: its weights uploaded at once, else at :meth:`commit`)."""
         self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate, speculate, upload)
-
-    def can_speculate(self, sid: int) -> bool:
-        """Whether slot ``sid``'s update can be speculative (a host slot whose gradient staging the update only
-        reads: not a master of fp16/bf16 weights)."""
-        dev, local = self._where[self._check_sid(sid)]
-        return not dev and self.host.can_speculate(local)
-
-    def speculative(self, sid: int) -> bool:
-        """Whether host slot ``sid`` holds a speculative update neither committed nor rolled back."""
-        return self.host.speculative(self._local_on(sid, False))
-
-    def speculation_bytes(self, sids: Sequence[int]) -> int:
-        """Host bytes of the kept copies of ``sids`` (host slots): what speculating on them takes."""
-        return sum(self.host.backup_bytes(self._local_on(sid, False)) for sid in sids)
-
-    def staged_grad(self, sid: int) -> np.ndarray:
-        """Host slot ``sid``'s staged gradient once landed (float32, or uint16 bits), the buffer itself."""
-        return self.host.staged_grad(self._local_on(sid, False))
-
-    def guard_staged(self, sids: Sequence[int]) -> None:
-        """The compute stream waits for the gradient copies of host slots ``sids`` (before an in-place change)."""
-        if sids:
-            self.host.guard_staged([self._local_on(sid, False) for sid in sids])
-
-    def commit(self, sids: Sequence[int]) -> None:
-        """Keep the speculative updates of host slots ``sids`` (their weights uploaded where they were not yet)."""
-        self.host.commit([self._local_on(sid, False) for sid in sids])
-
-    def rollback(self, sids: Sequence[int]) -> None:
-        """Undo the speculative updates of host slots ``sids`` exactly; their staged gradients stay staged."""
-        self.host.rollback([self._local_on(sid, False) for sid in sids])
-
-    def count_spec_step(self, redone: bool) -> None:
-        """Count a step that speculated (stats ``spec_steps_committed`` / ``spec_steps_redone``)."""
-        self.host.count_spec_step(redone)
 
     def grad_sum(self, sid: int) -> np.ndarray | None:
         """Host slot ``sid``'s fp32 gradient sum (``offload_grad(accumulate=True)``) once its queued work has run,

@@ -316,6 +316,8 @@ class HostPlacement(Speculative):
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
         def finalize() -> None:
+            if spec is not None:
+                spec.done = True
             if spec is None or spec.upload:
                 s.ready = self.backend.copy_to_device(s.param, upload_src, after)
                 self._stats.add("param_bytes", nbytes)

@@ -111,12 +111,13 @@ class HostSlot:
 @dataclass(eq=False)
 class Speculation:
     """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
-    before it, whether its weights were uploaded (``upload``: at once; else at :meth:`HostPlacement.commit`), and
-    the seconds its chunks took (lost if it is rolled back)."""
+    before it, whether its weights were uploaded (``upload``: at once; else at ``commit``), the seconds its chunks
+    took (lost if it is rolled back) and whether it completed."""
 
     step: int
     upload: bool
     seconds: list = field(default_factory=list)
+    done: bool = False  # every chunk ran (a failed one leaves the copies partial: never restored)
 
 
 #: What each buffer is, in allocation errors.

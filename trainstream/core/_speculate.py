@@ -39,7 +39,7 @@ import numpy as np
 from ._budget import _ITEMSIZE
 from ._hostslot import HostSlot, Speculation
 
-__all__ = ["SPEC_BLOCK", "SPEC_STATS", "Speculation", "Speculative"]
+__all__ = ["SPEC_BLOCK", "SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
 
 #: Elements copied and then updated at a time by a speculative update (a multiple of the chunk alignment).
 SPEC_BLOCK = 1 << 16
@@ -121,6 +121,8 @@ class Speculative:
         after = self.backend.record_compute(s.param) if spec.upload else None
 
         def body(c: int, b: int, e: int) -> None:
+            if not spec.done:  # it failed (its error is sticky: reload): the copies are partial, none is restored
+                return
             if spec.upload and s.ready is not None:  # the speculative upload may still read the weights
                 s.ready.synchronize()
             t = time.perf_counter()
@@ -130,7 +132,7 @@ class Speculative:
 
         def finalize() -> None:
             self._stats.add("redo_s", sum(spec.seconds))  # the rolled-back update's own time (it has run)
-            if spec.upload:
+            if spec.upload and spec.done:
                 self._upload_now(s, after)
 
         s.step = spec.step
@@ -148,3 +150,42 @@ class Speculative:
         s.ready = self.backend.copy_to_device(s.param, s.upload_src, after)
         self._stats.add("param_bytes", s.numel * _ITEMSIZE[s.dtype])
         self._stats.last_finalize = time.perf_counter()
+
+
+class EngineSpeculation:
+    """The speculation methods of :class:`~trainstream.core._engine.Engine`, by global slot id (host slots)."""
+
+    def can_speculate(self, sid: int) -> bool:
+        """Whether slot ``sid``'s update can be speculative (a host slot whose gradient staging the update only
+        reads: not a master of fp16/bf16 weights)."""
+        dev, local = self._where[self._check_sid(sid)]
+        return not dev and self.host.can_speculate(local)
+
+    def speculative(self, sid: int) -> bool:
+        """Whether host slot ``sid`` holds a speculative update neither committed nor rolled back."""
+        return self.host.speculative(self._local_on(sid, False))
+
+    def speculation_bytes(self, sids: Sequence[int]) -> int:
+        """Host bytes of the kept copies of ``sids`` (host slots): what speculating on them takes."""
+        return sum(self.host.backup_bytes(self._local_on(sid, False)) for sid in sids)
+
+    def staged_grad(self, sid: int) -> np.ndarray:
+        """Host slot ``sid``'s staged gradient once landed (float32, or uint16 bits), the buffer itself."""
+        return self.host.staged_grad(self._local_on(sid, False))
+
+    def guard_staged(self, sids: Sequence[int]) -> None:
+        """The compute stream waits for the gradient copies of host slots ``sids`` (before an in-place change)."""
+        if sids:
+            self.host.guard_staged([self._local_on(sid, False) for sid in sids])
+
+    def commit(self, sids: Sequence[int]) -> None:
+        """Keep the speculative updates of host slots ``sids`` (their weights uploaded where they were not yet)."""
+        self.host.commit([self._local_on(sid, False) for sid in sids])
+
+    def rollback(self, sids: Sequence[int]) -> None:
+        """Undo the speculative updates of host slots ``sids`` exactly; their staged gradients stay staged."""
+        self.host.rollback([self._local_on(sid, False) for sid in sids])
+
+    def count_spec_step(self, redone: bool) -> None:
+        """Count a step that speculated (stats ``spec_steps_committed`` / ``spec_steps_redone``)."""
+        self.host.count_spec_step(redone)

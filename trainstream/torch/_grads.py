@@ -62,7 +62,7 @@ class GradCapture:
                  speculate: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
-        self.done: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
+        self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
         self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
         self.spec: dict[int, tuple[StagedCopy, C.AdamWHyperParams]] = {}  # speculated since the last step()
         self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
@@ -70,6 +70,13 @@ class GradCapture:
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
         self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
         self._scaled: set[int] = set()  # fused slots whose kernel divides by GradScaler's scale this step
+
+    @property
+    def done(self) -> set[int]:
+        """The slots updated from hooks under ``last_micro_batch()`` since the last ``step()`` (checkpoints wait for
+        it); none once a worker failed (a reload is how to go on)."""
+        engine = self.slots.engine
+        return set() if engine is None or engine.errors.failed else self.hooked
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -124,11 +131,11 @@ class GradCapture:
         sid = rec.sid
         n = self._seen[sid] = self._seen.get(sid, 0) + 1
         if sid in self.spec:  # another backward after the one taken for the last: accumulation
-            if sid in self.done:
+            if sid in self.hooked:
                 where = "inside" if self.eager else "after"
                 engine.rollback([sid])
                 del self.spec[sid]
-                self.done.discard(sid)
+                self.hooked.discard(sid)
                 raise RuntimeError(f"OffloadAdamW: a second backward {where} last_micro_batch() before step() "
                                    f"(parameter {sid}); only the last micro-batch's backward belongs in that block"
                                    + ("" if self.eager else ": its weights were updated during that backward, so "
@@ -146,7 +153,7 @@ class GradCapture:
             self.spec[sid] = (rec.staged, hp)
             rec.summed = 0
             if self.eager:
-                self.done.add(sid)
+                self.hooked.add(sid)
                 self.gate.mark([sid])
             return
         engine.offload_grad(sid, *self.local_grad(rec), None, accumulate=rec.sums)
@@ -156,12 +163,12 @@ class GradCapture:
     def _launch(self, rec: Slot) -> None:
         """Under ``last_micro_batch()``, a GPU slot's kernel from its hook (not speculative: ``step()`` refuses a
         gradient changed since, as it cannot be redone)."""
-        if rec.sid in self.done:
+        if rec.sid in self.hooked:
             raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
                                f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
         hp = self.slot_hyper(rec)
         self.slots.follow(rec)
-        self.done.add(rec.sid)
+        self.hooked.add(rec.sid)
         grad = rec.param.grad
         self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
@@ -307,7 +314,7 @@ class GradCapture:
     def _end_step(self) -> None:
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
         self._expect.update(self._seen)
-        self._seen, self.spec, self.launched, self.done = {}, {}, {}, set()
+        self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
         self._untrusted, self._scaled = False, set()
 
     def skip(self) -> None:
@@ -324,7 +331,7 @@ class GradCapture:
         for rec in self.slots:
             rec.staged = None
             rec.summed, rec.broken = 0, False
-        self.spec, self.done, self._seen = {}, set(), {}
+        self.spec, self.hooked, self._seen = {}, set(), {}
 
     def _sums(self) -> list[Slot]:
         """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""
