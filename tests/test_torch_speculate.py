@@ -196,16 +196,17 @@ def test_changes_between_backward_and_step(kind, hint):
 @pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
 def test_grad_scaler_skips_and_inf_gradients(recipe, flow):
     """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
-    gradient on step 4 skip those steps exactly as torch skips them (speculative work discarded)."""
+    gradient on step 5 skip those steps exactly as torch skips them (speculative work discarded). Speculation
+    assumes the scale last seen (or, after unscale_, found): the steps where it is unchanged commit."""
     ref, ropt, ours, opt = make(recipe)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in range(2)]
-    for i, x in enumerate(batches(6)):
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
+    for i, x in enumerate(batches(8)):
         for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):
             loss = loss_fn(m, x)
             if i == 2:
                 loss = loss * float("inf")
             sc.scale(loss).backward()
-            if i == 4:
+            if i == 5:
                 next(m.parameters()).grad[0, 0] = float("nan")
             if flow == "unscale_clip":
                 sc.unscale_(o)
@@ -216,10 +217,10 @@ def test_grad_scaler_skips_and_inf_gradients(recipe, flow):
         assert scalers[0].get_scale() == scalers[1].get_scale()
         same(ref, ours)
     same_state(ropt, opt, ref, ours)
-    assert int(opt.state[next(ours.parameters())]["step"]) == 4
+    assert int(opt.state[next(ours.parameters())]["step"]) == 6
     st = opt.stats()
-    assert st["spec_steps_committed"] + st["spec_steps_redone"] == 6
-    assert st["spec_rolled_back"] >= 2 * len(list(ours.parameters()))
+    # scales 1024, 1024, (inf), 512, 512, (NaN), 256, 256: steps 1, 4 and 7 assume the scale they get
+    assert (st["spec_steps_committed"], st["spec_steps_redone"]) == (3, 5)
     opt.close()
 
 

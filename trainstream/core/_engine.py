@@ -266,13 +266,16 @@ class Engine(EngineSpeculation):
         return placement.get_step(local)
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
-                     accumulate: bool = False, speculate: bool = False, upload: bool = True) -> None:
+                     accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
+                     grad_div: float | None = None) -> None:
         """Take the gradient of host slot ``sid``, replacing the one taken before, or with ``accumulate`` adding it
         into the slot's fp32 sum (a slot registered with a ``master`` recipe of fp16/bf16 weights); with ``update``
         (the eager path: last micro-batch, no clipping) queue its update right behind it; with ``speculate`` too, a
         speculative update (:mod:`~trainstream.core._speculate`: :meth:`commit` or :meth:`rollback` at the step;
-        ``upload``: its weights uploaded at once, else at :meth:`commit`)."""
-        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate, speculate, upload)
+        ``upload``: its weights uploaded at once, else at :meth:`commit`; ``coef``, ``grad_div``: the multiplier and
+        GradScaler division it assumes, as :meth:`step`'s)."""
+        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate, speculate, upload,
+                               coef, grad_div)
 
     def grad_sum(self, sid: int) -> np.ndarray | None:
         """Host slot ``sid``'s fp32 gradient sum (``offload_grad(accumulate=True)``) once its queued work has run,

@@ -5,7 +5,8 @@ asynchronous copies, events and the compute stream (none for external updates on
 
 1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
    was staged (the framework sums micro-batches), or with ``accumulate`` adding it into the fp32 sum of a
-   master (TrainStream 0.1.1's fp32 micro-batch sums); on the *eager* path the update is queued behind it.
+   master (TrainStream 0.1.1's fp32 micro-batch sums); on the *eager* path the update is queued behind it,
+   *speculative* where the adapter says so (committed or rolled back exactly: :mod:`~trainstream.core._speculate`).
 2. ``step`` queues each slot's update (its staged gradient, or the sum, times the adapter's ``coefs``), in the
    arithmetic and state layout of the slot's recipe (:mod:`trainstream.core._hostslot`).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32 master,
@@ -34,7 +35,8 @@ from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
 from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
-from ._hostslot import HostSlot as _Slot, DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
+from ._hostslot import (HostSlot as _Slot, DevicePowers, check_host_recipe, load_slot_state, new_slot, reload_weights,
+                        slot_state)
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 from ._speculate import SPEC_BLOCK, SPEC_STATS, Speculation, Speculative
 
@@ -212,15 +214,21 @@ class HostPlacement(Speculative):
             s.ready.synchronize()
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
-                     accumulate: bool = False, speculate: bool = False, upload: bool = True) -> None:
+                     accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
+                     grad_div: float | None = None) -> None:
         """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one staged before,
         or with ``accumulate`` adding it into the slot's fp32 sum (a master with ``grad_sums``; the first since the
         last update starts the sum); with ``update`` (the eager path) queue its update right behind it, with
         ``speculate`` as a speculative one (:mod:`~trainstream.core._speculate`; ``upload``: its weights uploaded at
-        once, else at ``commit``). A speculation still pending on the slot is rolled back first."""
+        once, else at ``commit``; ``coef``, ``grad_div``: as :meth:`step`'s, assumed). A speculation still pending on
+        the slot is rolled back first."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
+        if (coef != 1.0 or grad_div is not None) and not speculate:
+            raise ValueError("offload_grad: coef and grad_div are a speculative update's assumptions (speculate=True)")
+        if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
+            raise ValueError(f"offload_grad: grad_div for parameter slot {sid}, whose recipe is not fused")
         if speculate and (update is None or accumulate or not s.speculable):
             raise ValueError(f"offload_grad: parameter slot {sid} cannot take a speculative update (it needs update=, "
                              "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
@@ -229,7 +237,7 @@ class HostPlacement(Speculative):
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         if update is not None:
-            _check_host_recipe(s.recipe, update, None)
+            check_host_recipe(s.recipe, update, grad_div)
         if accumulate and s.grad_sum is None:
             raise ValueError(f"offload_grad(accumulate=True): parameter slot {sid} keeps no fp32 gradient sum (a "
                              "master of fp16/bf16 weights registered with grad_sums)")
@@ -259,7 +267,7 @@ class HostPlacement(Speculative):
             s.summed = False
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
-            self._enqueue_update(s, update, np.float32(1.0), after, speculate=speculate, upload=upload)
+            self._enqueue_update(s, update, np.float32(coef), after, grad_div, speculate=speculate, upload=upload)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
@@ -364,7 +372,7 @@ class HostPlacement(Speculative):
                 raise ValueError(f"step: grad_div for parameter slot {sid}, whose recipe is not fused (torch's other "
                                  "implementations unscale by a multiplier: coefs)")
         for sid, hp in updates:  # before anything is queued: a refusal leaves every slot as it was
-            _check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
+            check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         for sid, hp in updates:
@@ -496,17 +504,3 @@ class HostPlacement(Speculative):
             for s in self._slots:
                 s.free()
             self._slots = []
-
-
-def _check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
-    """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
-    decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
-    torch's unrolled loop and once elsewhere, the positions depending on the tensors' alignment on the GPU
-    (``kernels/adamw_torch.cu``); the device kernels reproduce it."""
-    if (recipe is not None and recipe.platform == "cuda" and recipe.impl == "fused" and not recipe.decoupled
-            and float(hp.weight_decay) != 0.0 and not recipe.amsgrad and not recipe.maximize and grad_div is None):
-        raise NotImplementedError(
-            "Adam's L2 weight decay with fused=True on CUDA parameters (no amsgrad, maximize or GradScaler) is not "
-            "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
-            "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
-            "reproduce it), AdamW (decoupled decay), or fused=False.")

@@ -27,7 +27,7 @@ import numpy as np
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "load_slot_state", "new_slot", "reload_weights", "slot_state",
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "check_host_recipe", "load_slot_state", "new_slot", "reload_weights", "slot_state",
            "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
@@ -252,3 +252,17 @@ def reload_weights(s: HostSlot, backend: Any) -> None:
     weights = np.empty(s.numel, np.float32)
     backend.param_to_host_f32(s.param, weights)
     C.merge_master(s.master.array, weights, s.dtype)
+
+
+def check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
+    """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
+    decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
+    torch's unrolled loop and once elsewhere, the positions depending on the tensors' alignment on the GPU
+    (``kernels/adamw_torch.cu``); the device kernels reproduce it."""
+    if (recipe is not None and recipe.platform == "cuda" and recipe.impl == "fused" and not recipe.decoupled
+            and float(hp.weight_decay) != 0.0 and not recipe.amsgrad and not recipe.maximize and grad_div is None):
+        raise NotImplementedError(
+            "Adam's L2 weight decay with fused=True on CUDA parameters (no amsgrad, maximize or GradScaler) is not "
+            "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
+            "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
+            "reproduce it), AdamW (decoupled decay), or fused=False.")

@@ -28,6 +28,7 @@ from .. import contract as C
 from ..backends.torch import _DTYPE_NAME
 from ..core import _budget
 from . import _dist as D
+from . import _validate as V
 from ._gate import Gate
 from ._params import Slot, Slots
 
@@ -64,12 +65,14 @@ class GradCapture:
         self.eager = False
         self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
         self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
-        self.spec: dict[int, tuple[StagedCopy, C.AdamWHyperParams]] = {}  # speculated since the last step()
+        self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
         self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
         self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
-        self._scaled: set[int] = set()  # fused slots whose kernel divides by GradScaler's scale this step
+        self._scaled: dict[int, float] = {}  # fused slots' GradScaler scale their kernel divides by this step
+        self._scale: float | None = None  # GradScaler's scale as last seen (a speculation assumes it)
+        self._scaler = False  # GradScaler's step this step
 
     @property
     def done(self) -> set[int]:
@@ -145,12 +148,14 @@ class GradCapture:
         if not self._hook_copies(p):
             return  # step() copies it
         grad = p.grad
-        if self._speculates(rec, n, self.eager):
-            hp = self.slot_hyper(rec)  # first: a group edit it cannot follow raises before anything changes
+        hp = self._speculates(rec, n, self.eager) and self._hyper_now(rec)
+        if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
-            engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager)
+            assumed = self._assume(rec, hp)
+            engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
+                                coef=assumed.coef, grad_div=assumed.grad_div)
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
-            self.spec[sid] = (rec.staged, hp)
+            self.spec[sid] = (rec.staged, assumed)
             rec.summed = 0
             if self.eager:
                 self.hooked.add(sid)
@@ -173,6 +178,23 @@ class GradCapture:
         self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
+
+    def _hyper_now(self, rec: Slot) -> C.AdamWHyperParams | None:
+        """``rec``'s group's hyper-parameters now, or None where the group asks for what is refused (``step()``
+        raises it, before anything changes: not speculated)."""
+        try:
+            return self.slot_hyper(rec)
+        except (NotImplementedError, ValueError, TypeError):
+            return None
+
+    def _assume(self, rec: Slot, hp: C.AdamWHyperParams) -> V.Assumed:
+        """What ``rec``'s speculative update assumes of ``step()``: GradScaler's scale as last seen (a fused
+        recipe's kernel divides by it; the others' gradient is multiplied by its float32 inverse), else nothing."""
+        if self._scale is None:
+            return V.Assumed(hp)
+        if rec.recipe.impl == "fused":
+            return V.Assumed(hp, 1.0, self._scale)
+        return V.Assumed(hp, float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()))
 
     def _speculates(self, rec: Slot, n: int, hint: bool) -> bool:
         """Whether this backward's update of host slot ``rec`` starts now: under ``last_micro_batch()`` (``hint``) or
@@ -292,30 +314,32 @@ class GradCapture:
         self._end_step()
         return updates, coefs, early
 
-    def _holds(self, rec: Slot, copy: StagedCopy | None, ref: StagedCopy, hp_then: C.AdamWHyperParams,
+    def _holds(self, rec: Slot, copy: StagedCopy | None, ref: StagedCopy, assumed: V.Assumed,
                hp: C.AdamWHyperParams) -> bool:
-        """Whether ``rec``'s speculative update (from the gradient its hook staged, times 1.0, with ``hp_then``) is
-        bit for bit what torch's step computes now: the same hyper-parameters, no GradScaler division, and
-        ``param.grad`` the tensor staged at the same version (a multiplier since: exactly 1.0), or else, compared
-        bit by bit, equal to the staged gradient (e.g. clip_grad_norm_'s factor 1.0, which moves the version)."""
+        """Whether ``rec``'s speculative update is bit for bit what torch's step computes now
+        (:mod:`~trainstream.torch._validate`); learns GradScaler's power-of-two scaling where ``unscale_`` hid it."""
         engine, p = self.slots.engine, rec.param
-        if hp != hp_then or rec.sid in self._scaled or not engine.speculative(rec.sid):
+        if hp != assumed.hp or self._scaled.get(rec.sid) != assumed.grad_div or not engine.speculative(rec.sid):
             return False
         if not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(p, trusted=True):
-            return copy.coef is None or copy.coef == 1.0
-        grad = D.local(p.grad).detach()
-        staged = engine.staged_grad(rec.sid)
-        if grad.dtype not in _DTYPE_NAME or grad.numel() != staged.size or grad.element_size() != staged.itemsize:
+            return (1.0 if copy.coef is None else copy.coef) == assumed.coef
+        if assumed.grad_div is not None:
             return False
-        bits = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}[grad.element_size()]
-        now = grad.reshape(-1).view(bits[0]).cpu().numpy().view(bits[1])  # a GPU gradient: copied to the host
-        return bool(np.array_equal(now, staged.view(bits[1])))
+        now, staged, dtype = V.host_bits(p.grad), engine.staged_grad(rec.sid), rec.recipe.dtype
+        if V.bits_hold(now, staged, assumed.coef, dtype):
+            return True
+        if self._untrusted and (ratio := V.power_of_two_ratio(now, staged, dtype)) is not None:
+            self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
+        return False
 
     def _end_step(self) -> None:
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
         self._expect.update(self._seen)
         self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
-        self._untrusted, self._scaled = False, set()
+        self._untrusted, self._scaled = False, {}
+        if not self._scaler:
+            self._scale = None  # a step without GradScaler: the next one assumes none
+        self._scaler = False
 
     def skip(self) -> None:
         """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
@@ -388,6 +412,9 @@ class GradCapture:
         if self.launched:
             raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
+        self._scaler = True
+        if scale is not None:
+            self._scale = float(scale)  # the next step's speculation assumes it
         if found_inf.item():
             for rec in fused:
                 rec.touched = True
@@ -402,7 +429,7 @@ class GradCapture:
             self._untrusted = True  # speculative updates: compared bit by bit
             return False, {}
         grad_div = {rec.sid: float(scale) for rec in fused}
-        self._scaled = set(grad_div)
+        self._scaled = dict(grad_div)
         params = [p for p in params if self.slots.of(p) is None or self.slots.of(p).sid not in grad_div]
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}

@@ -75,12 +75,9 @@ class OffloadAdam(Checkpoints, Optimizer):
       pin_moments, host_margin: page-locked moments (``cpu`` mode, while pinned memory stays within half of the
         available memory); the fraction of host memory left free by the check before allocating (``MemoryError``
         naming the bytes; None: no check).
-      speculate: host updates start during backward, as each gradient is final, in every loop (a backward taken
-        to be the last before ``step()``: as many as the last step had, or the one in :meth:`last_micro_batch`);
-        ``step()`` commits each where it is what torch computes now, else redoes it exactly (``docs/torch.md``).
-        It keeps a copy of the weights and state it overwrites (12 bytes per float32 parameter, 6 per fp16/bf16
-        one). None (default): where host memory has room for them after ``host_margin``; True: always; False:
-        never (updates at ``step()``).
+      speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
+        keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
+        host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -309,21 +306,14 @@ class OffloadAdam(Checkpoints, Optimizer):
 
     @contextlib.contextmanager
     def last_micro_batch(self):
-        """Mark the backward inside this block as the last micro-batch of the step (an explicit hint).
-
-        Each host update then starts as soon as its gradient is ready, overlapping the rest of backward, and its
-        new weights are uploaded at once: between this backward and ``step()`` the model holds them (nothing may
-        run another forward or backward before ``step()``). Without the hint, speculation (``speculate``) starts
-        the same updates at the backward it takes to be the last, and uploads at ``step()``. Either way
-        ``param.grad`` stays as torch leaves it: ``clip_grad_norm_``, a ``GradScaler``, any in-place change of a
-        gradient and edits of the group's hyper-parameters before ``step()`` work as with torch; ``step()`` commits
-        each update that is torch's bit for bit, and redoes the others from the pre-step state (stats
-        ``spec_steps_committed``, ``spec_steps_redone``, ``redo_ms_total``). GPU slots (``gpu`` mode; ``hybrid``
-        with ``gpu_params="last"``, else at ``step()``) launch their kernels from the hooks, not speculatively: a
-        gradient changed before ``step()`` is refused there (not without ``max_grad_norm``, under which they wait
-        for ``step()``). ``state_dict()`` and ``load_state_dict()`` raise until ``step()``. Not with several
-        processes and plain (non-DTensor) parameters. With ``hybrid`` it is faster at ``worker_nice=19``; at the
-        default 5 it can be slower than without."""
+        """Mark the backward inside this block as the last micro-batch of the step (an explicit hint;
+        ``docs/torch.md``). Host updates start speculatively as each gradient is ready, as without it, and also
+        upload their weights at once (no forward or backward may run before ``step()``). ``param.grad`` stays:
+        ``clip_grad_norm_``, ``GradScaler`` and in-place edits give torch's bits (``step()`` commits or redoes).
+        GPU slots (``gpu`` mode; ``hybrid``'s with ``gpu_params="last"``) launch their kernels from the hooks, not
+        speculatively: ``step()`` refuses a gradient changed since (none launched with ``max_grad_norm``).
+        ``state_dict()`` and ``load_state_dict()`` raise until ``step()``. Not with several processes and plain
+        (non-DTensor) parameters. With ``hybrid`` it is faster at ``worker_nice=19``."""
         self._check_open()
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
             raise NotImplementedError(f"{type(self).__name__}.last_micro_batch() with plain (non-DTensor) parameters "
