@@ -51,7 +51,7 @@ def make(recipe="fp32", lr=1e-2, **kw):
     if master:  # the fp32-master scheme's reference: AdamW on fp32 copies (tests/test_torch_loops.py's)
         pytest.skip("master_weights=True's reference is its own (test_torch_loops.py); here: not speculated")
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1, **torch_kw)
-    opt = OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=2, **kw)
+    opt = OffloadAdamW(ours.parameters(), lr=lr, weight_decay=0.1, threads=1, **kw)
     return ref, ropt, ours, opt
 
 
@@ -79,15 +79,18 @@ def clip_to(factor):
     return between
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "fused", "amsgrad", "bf16"])
+CLIP_CASES = [("fp32", p) for p in ("every", "none", "alternating")] + [(r, "alternating") for r in ("fused", "amsgrad",
+                                                                                                  "bf16")]
+
+
+@pytest.mark.parametrize("recipe,pattern", CLIP_CASES, ids=[f"{r}-{p}" for r, p in CLIP_CASES])
 @pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
-@pytest.mark.parametrize("pattern", ["every", "none", "alternating"])
 def test_clipping_every_none_alternating(recipe, hint, pattern):
     """The loop's own clip_grad_norm_ (torch's norm, inside last_micro_batch() too); a factor of exactly 1.0
     commits the speculative update, a smaller one redoes it."""
     ref, ropt, ours, opt = make(recipe)
-    clipped = {"every": [True] * 6, "none": [False] * 6, "alternating": [i % 2 == 0 for i in range(6)]}[pattern]
-    for x, clip in zip(batches(6), clipped):
+    clipped = {"every": [True] * 4, "none": [False] * 4, "alternating": [i % 2 == 0 for i in range(4)]}[pattern]
+    for x, clip in zip(batches(4), clipped):
         between = clip_to(0.5 if clip else 2.0)
         norms = [run_step(m, o, [x], hint and o is opt, between) for m, o in ((ref, ropt), (ours, opt))]
         assert norms[0] == norms[1] and norms[0] > 0
@@ -126,8 +129,8 @@ def test_accumulation(micro, hint, clip):
     """Accumulation 1 and 4, with and without the hint: without it the first step guesses one backward (rolled
     back at the second), later steps speculate at the fourth."""
     ref, ropt, ours, opt = make()
-    xs = batches(5 * micro)
-    for i in range(5):
+    xs = batches(3 * micro)
+    for i in range(3):
         for m, o in ((ref, ropt), (ours, opt)):
             run_step(m, o, xs[i * micro:(i + 1) * micro], hint and o is opt, clip_to(2.0) if clip else None)
         same(ref, ours)
@@ -135,7 +138,7 @@ def test_accumulation(micro, hint, clip):
     st = opt.stats()
     # The first step's first backward is taken for the last (rolled back at the second); without the hint that
     # step then has no speculation, with it the hinted backward is.
-    assert st["spec_steps_committed"] == 5 - (micro > 1 and not hint)
+    assert st["spec_steps_committed"] == 3 - (micro > 1 and not hint)
     assert st["spec_rolled_back"] == (len(list(ours.parameters())) if micro > 1 else 0)
     opt.close()
 
@@ -177,22 +180,22 @@ def test_changes_between_backward_and_step(kind, hint):
     if hint and kind in ("weight", "state_dict"):
         pytest.skip("under last_micro_batch() the weights are updated already; state_dict() raises (tested elsewhere)")
     ref, ropt, ours, opt = make()
-    for x in batches(3):
+    for x in batches(2):
         for m, o in ((ref, ropt), (ours, opt)):
             run_step(m, o, [x], hint and o is opt, _edit(kind))
         same(ref, ours)
     same_state(ropt, opt, ref, ours)
     st = opt.stats()
     if kind == "mul_one":
-        assert st["spec_steps_committed"] == 3 and st["spec_rolled_back"] == 0
+        assert st["spec_steps_committed"] == 2 and st["spec_rolled_back"] == 0
     else:
-        assert st["spec_rolled_back"] >= 3 and st["spec_steps_committed"] == 0
+        assert st["spec_rolled_back"] >= 2 and st["spec_steps_committed"] == 0
     opt.close()
 
 
 # fused=True with GradScaler("cpu") differs from torch from the first step with speculate=False too (reported
 # with issue 42's work; not speculation's): left out here.
-@pytest.mark.parametrize("recipe", ["fp32", "amsgrad", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
 @pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
 def test_grad_scaler_skips_and_inf_gradients(recipe, flow):
     """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
