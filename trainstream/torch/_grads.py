@@ -325,10 +325,10 @@ class GradCapture:
             return (1.0 if copy.coef is None else copy.coef) == assumed.coef
         if assumed.grad_div is not None:
             return False
-        now, staged, dtype = V.host_bits(p.grad), engine.staged_grad(rec.sid), rec.recipe.dtype
-        if V.bits_hold(now, staged, assumed.coef, dtype):
+        staged = engine.staged_grad(rec.sid)
+        if V.bits_hold(p.grad, staged, assumed.coef):
             return True
-        if self._untrusted and (ratio := V.power_of_two_ratio(now, staged, dtype)) is not None:
+        if self._untrusted and (ratio := V.power_of_two_ratio(p.grad, staged, rec.recipe.dtype)) is not None:
             self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
         return False
 

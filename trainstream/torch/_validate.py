@@ -7,8 +7,9 @@ torch.optim.AdamW computes now. Detected, not assumed:
   unscaling applied through this optimizer (``StagedCopy.coef``, else 1.0) and the scale its fused kernels
   divide by must be the ones assumed;
 * else (the version moved: the loop's own ``clip_grad_norm_``, which multiplies even by 1.0, an edit by hand; or
-  GradScaler's ``unscale_``, which moves no version): ``param.grad``'s bits, copied to the host, must equal the
-  staged gradient times the assumed multiplier, rounded as torch rounds it (the staged bits themselves for 1.0).
+  GradScaler's ``unscale_``, which moves no version): ``param.grad``'s bits must equal the staged gradient times
+  the assumed multiplier, rounded as torch rounds it (the staged bits themselves for 1.0), compared on the
+  gradient's device: the staged copy goes back up over PCIe (the gradient's bytes once more), no memory kept.
 
 Where it does not hold the update is redone from the pre-step state (``trainstream.core._speculate``). The
 multiplier assumed is GradScaler's inverse scale of the last step that showed it (``grad_scale``), or the power
@@ -28,10 +29,12 @@ from .. import contract as C
 from ..backends.torch import _DTYPE_NAME
 from . import _dist as D
 
-__all__ = ["Assumed", "bits_hold", "host_bits", "power_of_two_ratio", "times"]
+__all__ = ["Assumed", "bits_hold", "power_of_two_ratio"]
 
-#: The unsigned views of a gradient's bits, by element size.
-_BITS = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
+#: The integer views of a gradient's bits, by element size.
+_BITS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+#: Elements of a GPU gradient compared at a time (their staged bits copied up: 64 MiB of bf16 scratch).
+_PIECE = 1 << 25
 
 
 class Assumed(NamedTuple):
@@ -44,53 +47,43 @@ class Assumed(NamedTuple):
     grad_div: float | None = None
 
 
-def host_bits(grad: torch.Tensor) -> np.ndarray | None:
-    """``grad``'s bits on the host (a GPU gradient is copied), as unsigned integers; None for other dtypes."""
-    grad = D.local(grad).detach()
-    if grad.dtype not in _DTYPE_NAME or grad.element_size() not in _BITS:
-        return None
-    ti, ni = _BITS[grad.element_size()]
-    return grad.reshape(-1).view(ti).cpu().numpy().view(ni)
-
-
-def times(staged: np.ndarray, coef: float, dtype: str) -> np.ndarray:
-    """The bits of ``staged`` (float32, or the uint16 bits of fp16/bf16 ``dtype``) times ``coef`` in float32,
-    rounded to ``dtype`` (nearest even), as torch's in-place multiplication of a gradient by a float32 scalar (its
-    clipping and unscaling) computes it; unsigned integer bits."""
-    c = np.float32(coef)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if dtype == "float32":
-            return (staged.view(np.float32) * c).view(np.uint32)
-        if dtype == "float16":
-            return (staged.view(np.float16).astype(np.float32) * c).astype(np.float16).view(np.uint16)
-        return C.f32_to_bf16_bits(C.bf16_bits_to_f32(staged.view(np.uint16)) * c).view(np.uint16)
-
-
-def bits_hold(now: np.ndarray | None, staged: np.ndarray, coef: float, dtype: str) -> bool:
-    """Whether gradient bits ``now`` are the staged bits times ``coef`` (:func:`times`; ``coef`` 1.0: themselves)."""
-    if now is None or now.size != staged.size or now.itemsize != staged.itemsize:
+def bits_hold(grad: torch.Tensor, staged: np.ndarray, coef: float) -> bool:
+    """Whether ``grad``'s bits are the staged gradient's (float32, or the uint16 bits of fp16/bf16) times ``coef``
+    in float32, rounded to the gradient's dtype as torch's in-place multiplications of gradients (clipping,
+    unscaling) round (``coef`` 1.0: the staged bits themselves). Compared where ``grad`` is: a GPU gradient against
+    the pinned staging copied up in pieces of :data:`_PIECE` elements (no host copy of the gradient)."""
+    g = D.local(grad).detach().reshape(-1)
+    if g.dtype not in _DTYPE_NAME or g.numel() != staged.size or g.element_size() != staged.itemsize:
         return False
-    want = staged.view(now.dtype) if coef == 1.0 else times(staged, coef, dtype)
-    return bool(np.array_equal(now, want))
+    ints, np_ints = _BITS[g.element_size()]
+    host = torch.from_numpy(staged.view(np_ints))
+    bad = torch.zeros((), dtype=torch.bool, device=g.device)
+    for b in range(0, g.numel(), _PIECE):
+        e = min(g.numel(), b + _PIECE)
+        ref = host[b:e].to(g.device, non_blocking=True).view(g.dtype)
+        if coef != 1.0:
+            ref = (ref.float() * coef).to(g.dtype)
+        bad |= (g[b:e].view(ints) != ref.view(ints)).any()
+    return not bool(bad)
 
 
-def power_of_two_ratio(now: np.ndarray | None, staged: np.ndarray, dtype: str) -> float | None:
-    """The power of two ``now`` is ``staged`` times at the staged element of largest magnitude among the first
-    4096 (a guess for the next speculation, checked there), or None."""
-    if now is None or now.size != staged.size or not staged.size:
+def power_of_two_ratio(grad: torch.Tensor, staged: np.ndarray, dtype: str) -> float | None:
+    """The power of two ``grad`` is the staged gradient times, read at the staged element of largest magnitude
+    among the first 4096 (a guess for the next speculation, checked there), or None."""
+    g = D.local(grad).detach().reshape(-1)
+    n = min(4096, staged.size, g.numel())
+    if not n or g.element_size() != staged.itemsize:
         return None
-    head = slice(0, min(4096, staged.size))
+    now = g[:n].cpu().float().numpy().astype(np.float64)
     if dtype == "float32":
-        a, b = staged[head].view(np.float32).astype(np.float64), now[head].view(np.float32).astype(np.float64)
+        was = staged[:n].view(np.float32).astype(np.float64)
     elif dtype == "float16":
-        a, b = staged[head].view(np.float16).astype(np.float64), now[head].view(np.float16).astype(np.float64)
+        was = staged[:n].view(np.float16).astype(np.float64)
     else:
-        a = C.bf16_bits_to_f32(staged[head].view(np.uint16)).astype(np.float64)
-        b = C.bf16_bits_to_f32(now[head].view(np.uint16)).astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        mags = np.where(np.isfinite(a), np.abs(a), 0.0)
+        was = C.bf16_bits_to_f32(staged[:n].view(np.uint16)).astype(np.float64)
+    mags = np.where(np.isfinite(was), np.abs(was), 0.0)
     i = int(np.argmax(mags))
-    if mags[i] == 0.0 or not np.isfinite(b[i]) or b[i] == 0.0:
+    if mags[i] == 0.0 or not np.isfinite(now[i]) or now[i] == 0.0:
         return None
-    ratio = b[i] / a[i]
+    ratio = now[i] / was[i]
     return ratio if ratio > 0 and math.frexp(ratio)[0] == 0.5 else None
