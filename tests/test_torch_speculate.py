@@ -14,18 +14,20 @@ import torch.nn as nn  # noqa: E402
 
 from trainstream.torch import OffloadAdamW  # noqa: E402
 
+CPU = pytest.param("cpu", id="cpu")
+CUDA = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
 RECIPES = {"fp32": dict(), "fused": dict(fused=True), "amsgrad": dict(amsgrad=True), "bf16": dict(dtype=torch.bfloat16),
            "bf16-master": dict(dtype=torch.bfloat16, master_weights=True)}
 
 
-def mlp(dtype=torch.float32):
+def mlp(dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device, dtype)
 
 
-def batches(n, seed=1):
+def batches(n, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 8, generator=g) for _ in range(n)]
+    return [torch.randn(16, 8, generator=g).to(device) for _ in range(n)]
 
 
 def loss_fn(model, x):
@@ -43,11 +45,11 @@ def same_state(ropt, opt, ref, ours):
             assert torch.equal(torch.as_tensor(want).float(), torch.as_tensor(opt.state[q][key]).float()), key
 
 
-def make(recipe="fp32", lr=1e-2, **kw):
+def make(recipe="fp32", lr=1e-2, device="cpu", **kw):
     kw = {**RECIPES[recipe], **kw}
     dtype, master = kw.pop("dtype", torch.float32), kw.pop("master_weights", False)
     torch_kw = {k: v for k, v in kw.items() if k in ("fused", "amsgrad")}
-    ref, ours = mlp(dtype), mlp(dtype)
+    ref, ours = mlp(dtype, device), mlp(dtype, device)
     if master:  # the fp32-master scheme's reference: AdamW on fp32 copies (tests/test_torch_loops.py's)
         pytest.skip("master_weights=True's reference is its own (test_torch_loops.py); here: not speculated")
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1, **torch_kw)
@@ -83,14 +85,15 @@ CLIP_CASES = [("fp32", p) for p in ("every", "none", "alternating")] + [(r, "alt
                                                                                                   "bf16")]
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("recipe,pattern", CLIP_CASES, ids=[f"{r}-{p}" for r, p in CLIP_CASES])
 @pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
-def test_clipping_every_none_alternating(recipe, hint, pattern):
+def test_clipping_every_none_alternating(recipe, hint, pattern, device):
     """The loop's own clip_grad_norm_ (torch's norm, inside last_micro_batch() too); a factor of exactly 1.0
     commits the speculative update, a smaller one redoes it."""
-    ref, ropt, ours, opt = make(recipe)
+    ref, ropt, ours, opt = make(recipe, device=device)
     clipped = {"every": [True] * 4, "none": [False] * 4, "alternating": [i % 2 == 0 for i in range(4)]}[pattern]
-    for x, clip in zip(batches(4), clipped):
+    for x, clip in zip(batches(4, device=device), clipped):
         between = clip_to(0.5 if clip else 2.0)
         norms = [run_step(m, o, [x], hint and o is opt, between) for m, o in ((ref, ropt), (ours, opt))]
         assert norms[0] == norms[1] and norms[0] > 0
@@ -122,14 +125,15 @@ def test_clip_inside_last_micro_batch_returns_torchs_norm():
     opt.close()
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("micro", [1, 4])
 @pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
 @pytest.mark.parametrize("clip", [False, True])
-def test_accumulation(micro, hint, clip):
+def test_accumulation(micro, hint, clip, device):
     """Accumulation 1 and 4, with and without the hint: without it the first step guesses one backward (rolled
     back at the second), later steps speculate at the fourth."""
-    ref, ropt, ours, opt = make()
-    xs = batches(3 * micro)
+    ref, ropt, ours, opt = make(device=device)
+    xs = batches(3 * micro, device=device)
     for i in range(3):
         for m, o in ((ref, ropt), (ours, opt)):
             run_step(m, o, xs[i * micro:(i + 1) * micro], hint and o is opt, clip_to(2.0) if clip else None)
@@ -171,16 +175,17 @@ def _edit(kind):
     return between
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
 @pytest.mark.parametrize("kind", ["mul", "add", "mul_one", "replace", "drop", "zero_grad", "zero_grad_in_place", "lr",
                                   "weight", "state_dict"])
-def test_changes_between_backward_and_step(kind, hint):
+def test_changes_between_backward_and_step(kind, hint, device):
     """A gradient edited in place, replaced or dropped, all gradients zeroed, the learning rate or a weight
     changed, the state read, between backward and step(): torch's bits (redone where it matters)."""
     if hint and kind in ("weight", "state_dict"):
         pytest.skip("under last_micro_batch() the weights are updated already; state_dict() raises (tested elsewhere)")
-    ref, ropt, ours, opt = make()
-    for x in batches(2):
+    ref, ropt, ours, opt = make(device=device)
+    for x in batches(2, device=device):
         for m, o in ((ref, ropt), (ours, opt)):
             run_step(m, o, [x], hint and o is opt, _edit(kind))
         same(ref, ours)
@@ -195,15 +200,16 @@ def test_changes_between_backward_and_step(kind, hint):
 
 # fused=True with GradScaler("cpu") differs from torch from the first step with speculate=False too (reported
 # with issue 42's work; not speculation's): left out here.
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("recipe", ["fp32", "bf16"])
 @pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
-def test_grad_scaler_skips_and_inf_gradients(recipe, flow):
+def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
     """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
     gradient on step 5 skip those steps exactly as torch skips them (speculative work discarded). Speculation
     assumes the scale last seen (or, after unscale_, found): the steps where it is unchanged commit."""
-    ref, ropt, ours, opt = make(recipe)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
-    for i, x in enumerate(batches(8)):
+    ref, ropt, ours, opt = make(recipe, device=device)
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
+    for i, x in enumerate(batches(8, device=device)):
         for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):
             loss = loss_fn(m, x)
             if i == 2:
