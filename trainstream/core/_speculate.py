@@ -142,8 +142,14 @@ class Speculative:
         self._run_batch(s, body, finalize)
 
     def _queue_upload(self, s: HostSlot, after: Any) -> None:
-        """Queue the upload of ``s``'s weights behind its batches (one empty chunk whose finalize uploads)."""
+        """Upload ``s``'s weights now if no batch of it is queued or running, else queue it behind them (one empty
+        chunk whose finalize uploads)."""
         self._unwaited = True
+        with s.cond:
+            idle = not s.inflight
+        if idle:  # (only this thread queues work for the slot)
+            self._upload_now(s, after)
+            return
         self._run_batch(s, lambda c, b, e: None, lambda: self._upload_now(s, after), numel=1)
 
     def _upload_now(self, s: HostSlot, after: Any) -> None:
