@@ -277,3 +277,32 @@ def test_a_failed_speculative_update_reaches_step_and_a_reload_continues(hint, m
             run_step(m, o, [x], hint and o is opt)
         same(ref, ours)
     opt.close()
+
+
+@pytest.mark.parametrize("spec", [None, True])
+def test_the_budget_decides_where_the_user_does_not(spec, monkeypatch):
+    """Where the kept copies do not fit the host memory left after host_margin, speculate=None warns once and updates
+    at step(); speculate=True speculates anyway."""
+    from trainstream.core import _budget
+
+    monkeypatch.setattr(_budget, "speculation_fits", lambda nbytes, margin=None: False)
+    ref, ropt, ours, opt = make(speculate=spec)
+    with pytest.warns(RuntimeWarning, match="speculate=True takes the memory") if spec is None else _no_warning():
+        for x in batches(2):
+            for m, o in ((ref, ropt), (ours, opt)):
+                run_step(m, o, [x], False)
+    same(ref, ours)
+    assert (opt.stats()["spec_updates"] > 0) == bool(spec)
+    opt.close()
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            yield
+    return ctx()
