@@ -292,7 +292,7 @@ def _step_with_failing_kernel(ts, model, monkeypatch):
 
 def test_worker_failure_reaches_caller(monkeypatch):
     model = make_model()
-    ts = OffloadAdamW(model.parameters(), threads=2, speculate=False)  # updates at step() (speculative: tests/test_torch_speculate.py)
+    ts = OffloadAdamW(model.parameters(), threads=2, speculate=False)  # at step() (speculative: test_torch_speculate.py)
     _step_with_failing_kernel(ts, model, monkeypatch)
     monkeypatch.undo()
     ts.close()

@@ -27,8 +27,8 @@ import numpy as np
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "check_host_recipe", "load_slot_state", "new_slot", "reload_weights", "slot_state",
-           "to_state_array"]
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
+           "reload_weights", "slot_state", "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
