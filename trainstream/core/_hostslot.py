@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _hostmem
 from .. import contract as C
 from ._budget import slot_layout
 
@@ -93,8 +94,8 @@ class HostSlot:
         """``(live, copy)`` of every buffer an update writes (the weights, the moments), the copies allocated once
         (pageable: only the workers read them)."""
         names = [n for n in _UPDATED if getattr(self, n) is not None]
-        if self.backup is None:
-            self.backup = {n: np.empty_like(getattr(self, n).array) for n in names}
+        if self.backup is None:  # on huge pages where the OS gives them, as the state's
+            self.backup = {n: _hostmem.empty(getattr(self, n).array.size, getattr(self, n).array.dtype) for n in names}
         return [(getattr(self, n).array, self.backup[n]) for n in names]
 
     def backup_bytes(self) -> int:
