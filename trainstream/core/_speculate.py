@@ -186,11 +186,13 @@ class EngineSpeculation:
 
     def commit(self, sids: Sequence[int]) -> None:
         """Keep the speculative updates of host slots ``sids`` (their weights uploaded where they were not yet)."""
-        self.host.commit([self._local_on(sid, False) for sid in sids])
+        if sids:
+            self.host.commit([self._local_on(sid, False) for sid in sids])
 
     def rollback(self, sids: Sequence[int]) -> None:
         """Undo the speculative updates of host slots ``sids`` exactly; their staged gradients stay staged."""
-        self.host.rollback([self._local_on(sid, False) for sid in sids])
+        if sids:
+            self.host.rollback([self._local_on(sid, False) for sid in sids])
 
     def count_spec_step(self, redone: bool) -> None:
         """Count a step that speculated (stats ``spec_steps_committed`` / ``spec_steps_redone``)."""

@@ -272,6 +272,8 @@ class GradCapture:
             if rec is None or rec.param.grad is None:
                 continue
             if rec.sid in self.launched and not self.launched[rec.sid].current(rec.param, trusted=True):
+                engine.rollback(list(self.spec))  # the host's, exactly; a checkpoint may be loaded now
+                self._end_step()
                 raise RuntimeError(_launched_refusal(rec.sid))
             if rec.summed and rec.sid not in self.spec and (
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
