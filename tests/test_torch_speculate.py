@@ -306,3 +306,36 @@ def _no_warning():
             warnings.simplefilter("error", RuntimeWarning)
             yield
     return ctx()
+
+
+def _clip_via(how, factor, max_norm):
+    """``between``: torch's clip_grad_norm_ for torch's optimizer; for ours opt.clip_grad_norm() (``how`` "method",
+    max_norm = factor times the norm), or nothing (max_grad_norm= clips inside step())."""
+    def between(m, o):
+        if how != "method" and isinstance(o, OffloadAdamW):
+            return None
+        n = max_norm if how != "method" else float(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]))
+        n = n if how != "method" else n * factor
+        if isinstance(o, OffloadAdamW):
+            return float(o.clip_grad_norm(n, parameters=m.parameters()))
+        return float(torch.nn.utils.clip_grad_norm_(m.parameters(), n))
+    return between
+
+
+@pytest.mark.parametrize("how", ["method", "max_grad_norm_small", "max_grad_norm_large"])
+@pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
+def test_clipping_through_the_optimizer(how, hint):
+    """opt.clip_grad_norm() (alternating factors) and max_grad_norm= (clipping every step, or never): the factor is
+    known without a bitwise check; 1.0 commits, less redoes, torch's norm and bits."""
+    max_norm = {"max_grad_norm_small": 1e-4, "max_grad_norm_large": 1e4}.get(how)
+    ref, ropt, ours, opt = make(max_grad_norm=max_norm)
+    for i, x in enumerate(batches(4)):
+        between = _clip_via(how, 0.5 if i % 2 == 0 else 2.0, max_norm)
+        norms = [run_step(m, o, [x], hint and o is opt, between) for m, o in ((ref, ropt), (ours, opt))]
+        if how == "method":
+            assert norms[0] == norms[1]
+        same(ref, ours)
+    st = opt.stats()
+    redone = {"method": 2, "max_grad_norm_small": 4, "max_grad_norm_large": 0}[how]
+    assert (st["spec_steps_redone"], st["spec_steps_committed"]) == (redone, 4 - redone)
+    opt.close()
