@@ -339,3 +339,23 @@ def test_clipping_through_the_optimizer(how, hint):
     redone = {"method": 2, "max_grad_norm_small": 4, "max_grad_norm_large": 0}[how]
     assert (st["spec_steps_redone"], st["spec_steps_committed"]) == (redone, 4 - redone)
     opt.close()
+
+
+def test_state_seen_between_backward_and_step_is_the_pre_step_state():
+    """len(opt.state), ``p in opt.state`` and a state entry read between backward and step() are torch's (the
+    speculative update is never what a read sees); the step goes on to torch's bits."""
+    ref, ropt, ours, opt = make()
+    for x in batches(3):
+        seen = []
+        for m, o in ((ref, ropt), (ours, opt)):
+            def between(m, o):
+                p = next(m.parameters())
+                entry = {k: torch.as_tensor(v).float().clone() for k, v in o.state[p].items()} if p in o.state else {}
+                seen.append((len(o.state), p in o.state, entry))
+            run_step(m, o, [x], False, between)
+        assert seen[0][:2] == seen[1][:2]
+        assert seen[0][2].keys() == seen[1][2].keys()
+        for k in seen[0][2]:
+            assert torch.equal(seen[0][2][k], seen[1][2][k]), k
+        same(ref, ours)
+    opt.close()

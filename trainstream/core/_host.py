@@ -152,7 +152,9 @@ class HostPlacement(Speculative):
         s.free()
 
     def get_step(self, sid: int) -> int:
-        return self._slot(sid).step
+        """Slot ``sid``'s step count (before a speculative update still pending: what the framework shows)."""
+        s = self._slot(sid)
+        return s.step if s.spec is None else s.spec.step
 
     def has_grad(self, sid: int) -> bool:
         return self._slot(sid).staged
