@@ -359,3 +359,29 @@ def test_state_seen_between_backward_and_step_is_the_pre_step_state():
             assert torch.equal(seen[0][2][k], seen[1][2][k]), k
         same(ref, ours)
     opt.close()
+
+
+def test_accelerates_gradient_state_says_which_micro_batch_is_the_last():
+    """Accumulation 4 signalled through Accelerate's GradientState (as HF Trainer and accelerator.accumulate set
+    it): the fourth backward speculates from the first step on, and nothing is rolled back."""
+    state = pytest.importorskip("accelerate.state")
+    shared = state.GradientState._shared_state
+    was = dict(shared)
+    gs = state.GradientState()
+    try:
+        ref, ropt, ours, opt = make()
+        xs = batches(12)
+        for i in range(3):
+            for m, o in ((ref, ropt), (ours, opt)):
+                for j, x in enumerate(xs[4 * i:4 * i + 4]):
+                    gs._set_sync_gradients(j == 3)
+                    (loss_fn(m, x) / 4).backward()
+                o.step()
+                o.zero_grad()
+            same(ref, ours)
+        st = opt.stats()
+        assert (st["spec_steps_committed"], st["spec_rolled_back"]) == (3, 0)
+        opt.close()
+    finally:  # Accelerate's state as it was (other tests of this process)
+        shared.clear()
+        shared.update(was)

@@ -17,6 +17,7 @@ in-place change of ``param.grad`` after several micro-batches cannot reach the s
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple
@@ -73,6 +74,7 @@ class GradCapture:
         self._scaled: dict[int, float] = {}  # fused slots' GradScaler scale their kernel divides by this step
         self._scale: float | None = None  # GradScaler's scale as last seen (a speculation assumes it)
         self._scaler = False  # GradScaler's step this step
+        self._signalled = False  # Accelerate's gradient state was seen saying a micro-batch does not sync
 
     @property
     def done(self) -> set[int]:
@@ -197,13 +199,17 @@ class GradCapture:
         return V.Assumed(hp, float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()))
 
     def _speculates(self, rec: Slot, n: int, hint: bool) -> bool:
-        """Whether this backward's update of host slot ``rec`` starts now: under ``last_micro_batch()`` (``hint``) or
-        at the ``n``-th backward where the last step had ``n``; not for fp32 gradient sums or a slot whose staging
-        the update overwrites (:meth:`~trainstream.core._engine.Engine.can_speculate`), nor where ``speculate`` is
-        False or (None) the host memory budget has no room for the kept copies."""
+        """Whether this backward's update of host slot ``rec`` starts now: under ``last_micro_batch()`` (``hint``); where
+        Accelerate's gradient state says this micro-batch syncs (HF Trainer and ``accelerator.accumulate`` set it; once
+        it was seen saying it does not); else at the ``n``-th backward where the last step had ``n``. Not for fp32
+        gradient sums or a slot whose staging the update overwrites (``Engine.can_speculate``), nor where
+        ``speculate`` is False or (None) the host memory budget has no room for the kept copies."""
         if self.speculate is False or rec.sums or rec.broken or not self.slots.engine.can_speculate(rec.sid):
             return False
-        if not hint and n != self._expect.get(rec.sid, 1):
+        syncs = _accelerate_syncs()
+        if syncs is False:
+            self._signalled = True
+        if not hint and (syncs is False or (not (syncs and self._signalled) and n != self._expect.get(rec.sid, 1))):
             return False
         if self.speculate is None:
             self.speculate = self._budget_allows()
@@ -447,6 +453,15 @@ class GradCapture:
                       "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "
                       "GPU memory, but GradScaler does not lower its scale for it", RuntimeWarning, stacklevel=4)
         return True, {}
+
+
+def _accelerate_syncs() -> bool | None:
+    """Accelerate's ``GradientState.sync_gradients`` where Accelerate is imported and it is set (whether this
+    micro-batch is the last before the optimizer step), else None. Read, never imported or changed."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    value = shared.get("sync_gradients") if isinstance(shared, dict) else None
+    return value if isinstance(value, bool) else None
 
 
 def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
