@@ -6,7 +6,10 @@ records what it copied in the parameter's :class:`~trainstream.torch._params.Slo
 That record alone says whether the copy is still the gradient to update from: ``step()``
 (:meth:`GradCapture.updates`) uses it, times the multiplier applied to ``param.grad`` since (the contract's
 ``c``), or copies ``param.grad`` again where it changed in another way; the engine updates what it is told.
-Under ``last_micro_batch()`` (the eager path) a hook takes the gradient and starts its update at once.
+At the backward taken to be the last before ``step()`` (under ``last_micro_batch()``, where Accelerate says so, or
+as many as the last step had) a hook also starts the update at once, speculatively: ``step()`` commits it where it
+is torch's bit for bit, else rolls it back and redoes it (:mod:`~trainstream.torch._validate`,
+:mod:`trainstream.core._speculate`). ``param.grad`` always stays as torch leaves it.
 
 ``master_weights=True`` (a slot with ``sums``): each micro-batch's gradient is added into an fp32 sum on the host
 (TrainStream 0.1.1's scheme), and ``param.grad`` holds the last micro-batch's gradient only (a hook before each
@@ -17,7 +20,6 @@ in-place change of ``param.grad`` after several micro-batches cannot reach the s
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple
@@ -27,7 +29,6 @@ import torch
 
 from .. import contract as C
 from ..backends.torch import _DTYPE_NAME
-from ..core import _budget
 from . import _dist as D
 from . import _validate as V
 from ._gate import Gate
@@ -53,7 +54,7 @@ class StagedCopy(NamedTuple):
         return not trusted or self.coef is not None or not D.is_dtensor(p) or D.foreach_moves_versions(p.device_mesh)
 
 
-class GradCapture:
+class GradCapture(V.SpeculationPolicy):
     """The gradient side of one optimizer, over its registry ``slots``: hooks, the eager path (``eager``: inside
     ``last_micro_batch()``; ``done``: the slots it updated since the last ``step()``), the multipliers.
     ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``slot_hyper(record)``: its param group's
@@ -181,87 +182,6 @@ class GradCapture:
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
 
-    def _hyper_now(self, rec: Slot) -> C.AdamWHyperParams | None:
-        """``rec``'s group's hyper-parameters now, or None where the group asks for what is refused (``step()``
-        raises it, before anything changes: not speculated)."""
-        try:
-            return self.slot_hyper(rec)
-        except (NotImplementedError, ValueError, TypeError):
-            return None
-
-    def _assume(self, rec: Slot, hp: C.AdamWHyperParams) -> V.Assumed:
-        """What ``rec``'s speculative update assumes of ``step()``: GradScaler's scale as last seen (a fused
-        recipe's kernel divides by it; the others' gradient is multiplied by its float32 inverse), else nothing."""
-        if self._scale is None:
-            return V.Assumed(hp)
-        if rec.recipe.impl == "fused":
-            return V.Assumed(hp, 1.0, self._scale)
-        return V.Assumed(hp, float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()))
-
-    def _speculates(self, rec: Slot, n: int, hint: bool) -> bool:
-        """Whether this backward's update of host slot ``rec`` starts now: under ``last_micro_batch()`` (``hint``); where
-        Accelerate's gradient state says this micro-batch syncs (HF Trainer and ``accelerator.accumulate`` set it; once
-        it was seen saying it does not); else at the ``n``-th backward where the last step had ``n``. Not for fp32
-        gradient sums or a slot whose staging the update overwrites (``Engine.can_speculate``), nor where
-        ``speculate`` is False or (None) the host memory budget has no room for the kept copies."""
-        if self.speculate is False or rec.sums or rec.broken or not self.slots.engine.can_speculate(rec.sid):
-            return False
-        syncs = _accelerate_syncs()
-        if syncs is False:
-            self._signalled = True
-        if not hint and (syncs is False or (not (syncs and self._signalled) and n != self._expect.get(rec.sid, 1))):
-            return False
-        if self.speculate is None:
-            self.speculate = self._budget_allows()
-        return bool(self.speculate)
-
-    def _budget_allows(self) -> bool:
-        """``speculate=None``'s decision, once: the kept copies of every host slot fit in the host memory available
-        now less ``host_margin`` of it; else speculation stays off, with a warning naming the choice."""
-        engine = self.slots.engine
-        sids = [rec.sid for rec in self.slots if engine.can_speculate(rec.sid)]
-        need = engine.speculation_bytes(sids)
-        margin = self.slots.host_margin
-        if _budget.speculation_fits(need, margin):
-            return True
-        warnings.warn(f"OffloadAdamW: updates during backward (speculation) need {need:,} more bytes of host memory "
-                      f"(the pre-step copies of weights and state) than host_margin={margin} leaves; they wait for "
-                      "step() instead. speculate=True takes the memory anyway, speculate=False silences this.",
-                      RuntimeWarning, stacklevel=5)
-        return False
-
-    def _hook_copies(self, p: torch.Tensor) -> bool:
-        """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter with several processes (reduced
-        later); for a DTensor if foreach ops move version counters or ``max_grad_norm`` (applied to the copy) is set."""
-        if D.is_dtensor(p):
-            return self.clipping or D.foreach_moves_versions(p.device_mesh)
-        return D.world()[1] == 1
-
-    @staticmethod
-    def local_grad(rec: Slot, host: bool = True) -> tuple[torch.Tensor, str]:
-        """``param.grad``'s local tensor, detached and contiguous (flat with ``host=False``: GPU slots), and its dtype's
-        name; refuses a sparse gradient, one on another device than the parameter, for a host slot another dtype or
-        shape."""
-        p, sid = rec.param, rec.sid
-        grad, loc = D.local(p.grad), D.local(p)
-        if grad.is_sparse:
-            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if host and (grad.dtype != loc.dtype or grad.shape != loc.shape):
-            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, the "
-                            f"parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
-        if grad.device != loc.device:
-            raise ValueError(f"OffloadAdamW: parameter {sid} is on {loc.device}, its gradient on {grad.device}")
-        if grad.dtype not in _DTYPE_NAME:
-            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
-        if not host:
-            return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
-        # Only the torch calls needed: each releases and retakes the GIL, costly under busy workers.
-        if grad.requires_grad:
-            grad = grad.detach()
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
-        return grad, _DTYPE_NAME[grad.dtype]
-
     # -- step -----------------------------------------------------------------------------------
 
     def updates(self, groups: Iterable[dict[str, Any]], hyper: Callable[[dict[str, Any]], C.AdamWHyperParams]
@@ -321,24 +241,6 @@ class GradCapture:
         early = set(commit) | set(launched)
         self._end_step()
         return updates, coefs, early
-
-    def _holds(self, rec: Slot, copy: StagedCopy | None, ref: StagedCopy, assumed: V.Assumed,
-               hp: C.AdamWHyperParams) -> bool:
-        """Whether ``rec``'s speculative update is bit for bit what torch's step computes now
-        (:mod:`~trainstream.torch._validate`); learns GradScaler's power-of-two scaling where ``unscale_`` hid it."""
-        engine, p = self.slots.engine, rec.param
-        if hp != assumed.hp or self._scaled.get(rec.sid) != assumed.grad_div or not engine.speculative(rec.sid):
-            return False
-        if not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(p, trusted=True):
-            return (1.0 if copy.coef is None else copy.coef) == assumed.coef
-        if assumed.grad_div is not None:
-            return False
-        staged = engine.staged_grad(rec.sid)
-        if V.bits_hold(p.grad, staged, assumed.coef):
-            return True
-        if self._untrusted and (ratio := V.power_of_two_ratio(p.grad, staged, rec.recipe.dtype)) is not None:
-            self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
-        return False
 
     def _end_step(self) -> None:
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
@@ -453,15 +355,6 @@ class GradCapture:
                       "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "
                       "GPU memory, but GradScaler does not lower its scale for it", RuntimeWarning, stacklevel=4)
         return True, {}
-
-
-def _accelerate_syncs() -> bool | None:
-    """Accelerate's ``GradientState.sync_gradients`` where Accelerate is imported and it is set (whether this
-    micro-batch is the last before the optimizer step), else None. Read, never imported or changed."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
-    value = shared.get("sync_gradients") if isinstance(shared, dict) else None
-    return value if isinstance(value, bool) else None
 
 
 def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
