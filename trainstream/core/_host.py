@@ -24,7 +24,6 @@ A slot's batches run one after another; their chunks go to one queue shared by a
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -35,8 +34,7 @@ from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
 from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
-from ._hostslot import (HostSlot as _Slot, DevicePowers, check_host_recipe, load_slot_state, new_slot, reload_weights,
-                        slot_state)
+from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 from ._speculate import SPEC_BLOCK, SPEC_STATS, Speculation, Speculative
 
@@ -52,7 +50,7 @@ _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "re
           *SPEC_STATS)
 
 
-class HostPlacement(Speculative):
+class HostPlacement(Speculative, SlotStateIO):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -419,50 +417,6 @@ class HostPlacement(Speculative):
         batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
-
-    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
-        """Slot ``sid``'s state dict once its queued work has run (:func:`~trainstream.core._hostslot.slot_state`):
-        copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
-        self._check_open()
-        s = self._slot(sid)
-        self._unspeculate(s)
-        self._wait_idle(s)
-        self.errors.check()
-        return slot_state(s, copy)
-
-    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
-        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
-        self._check_open()
-        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
-        self._slot(sid).recipe = recipe
-
-    def grad_sum(self, sid: int) -> np.ndarray | None:
-        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
-        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
-        self._check_open()
-        s = self._slot(sid)
-        self._wait_idle(s)
-        self.errors.check()
-        return s.grad_sum.array if s.summed else None
-
-    def reload_param(self, sid: int, param: Any = None) -> None:
-        """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
-        ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
-        self._check_open()
-        s = self._slot(sid)
-        self._unspeculate(s)  # from the weights before the change
-        self._settle(s)
-        if param is not None:
-            s.param = param
-        reload_weights(s, self.backend)
-
-    def load_state(self, sid: int, state: Mapping) -> None:
-        """:meth:`Engine.load_state`, which checks the arguments."""
-        self._check_open()
-        s = self._slot(sid)
-        self._unspeculate(s)
-        self._settle(s)
-        load_slot_state(s, state, self.backend)
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""

@@ -28,7 +28,7 @@ from .. import _hostmem
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "SlotStateIO", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
            "reload_weights", "slot_state", "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
@@ -267,3 +267,52 @@ def check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad
             "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
             "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
             "reproduce it), AdamW (decoupled decay), or fused=False.")
+
+
+class SlotStateIO:
+    """The state methods of :class:`~trainstream.core._host.HostPlacement` (its slots, checks and waits): what a
+    slot's state is, and its replacement; a speculative update still pending is rolled back first."""
+
+    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
+        """Slot ``sid``'s state dict once its queued work has run (:func:`~trainstream.core._hostslot.slot_state`):
+        copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)
+        self._wait_idle(s)
+        self.errors.check()
+        return slot_state(s, copy)
+
+    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
+        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
+        self._check_open()
+        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
+        self._slot(sid).recipe = recipe
+
+    def grad_sum(self, sid: int) -> np.ndarray | None:
+        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
+        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.errors.check()
+        return s.grad_sum.array if s.summed else None
+
+    def reload_param(self, sid: int, param: Any = None) -> None:
+        """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
+        ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)  # from the weights before the change
+        self._settle(s)
+        if param is not None:
+            s.param = param
+        reload_weights(s, self.backend)
+
+    def load_state(self, sid: int, state: Mapping) -> None:
+        """:meth:`Engine.load_state`, which checks the arguments."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)
+        self._settle(s)
+        load_slot_state(s, state, self.backend)
