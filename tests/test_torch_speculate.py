@@ -198,10 +198,8 @@ def test_changes_between_backward_and_step(kind, hint, device):
     opt.close()
 
 
-# fused=True with GradScaler("cpu") differs from torch from the first step with speculate=False too (reported
-# with issue 42's work; not speculation's): left out here.
 @pytest.mark.parametrize("device", [CPU, CUDA])
-@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp32", "fused", "bf16"])
 @pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
 def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
     """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN

@@ -74,6 +74,7 @@ class GradCapture(V.SpeculationPolicy):
         self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
         self._scaled: dict[int, float] = {}  # fused slots' GradScaler scale their kernel divides by this step
         self._scale: float | None = None  # GradScaler's scale as last seen (a speculation assumes it)
+        self._user_unscales = False  # the last GradScaler step came after GradScaler.unscale_ (param.grad unscaled)
         self._scaler = False  # GradScaler's step this step
         self._signalled = False  # Accelerate's gradient state was seen saying a micro-batch does not sync
 
@@ -274,12 +275,15 @@ class GradCapture(V.SpeculationPolicy):
 
     # -- multipliers: torch's clipping and unscaling of param.grad, the same c on the copies --------------------
 
-    def multiply(self, op: Callable[[], None], mult: dict[torch.dtype, float], sum_mult: float) -> bool:
-        """Run ``op``, torch's in-place multiplication of ``param.grad``s; a staged copy equal to its gradient before
-        gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else, or on a second one: re-copied); an
-        fp32 sum is multiplied by ``sum_mult`` on the host, in float32 as torch multiplies fp32 gradients. Returns
-        whether every such sum is finite after it (GradScaler's check of them)."""
-        current = [rec for rec in self.slots if rec.staged is not None and rec.staged.current(rec.param)]
+    def multiply(self, op: Callable[[], None], mult: dict[torch.dtype, float], sum_mult: float,
+                 params: list[torch.Tensor]) -> bool:
+        """Run ``op``, torch's in-place multiplication of the ``param.grad`` of ``params``; a staged copy of one of
+        them equal to its gradient before gets the same multiplier ``mult[grad dtype]`` (the contract's ``c``; else,
+        or on a second one: re-copied); an fp32 sum is multiplied by ``sum_mult`` on the host, in float32 as torch
+        multiplies fp32 gradients. Returns whether every such sum is finite after it (GradScaler's check of them)."""
+        mine = {id(p) for p in params}
+        current = [rec for rec in self.slots
+                   if id(rec.param) in mine and rec.staged is not None and rec.staged.current(rec.param)]
         self.slots.engine.guard_staged([rec.sid for rec in current if not self.slots.engine.on_device(rec.sid)])
         op()  # (behind the copies of the gradients it changes)
         finite = True
@@ -309,7 +313,7 @@ class GradCapture(V.SpeculationPolicy):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s lines
             c = float(D.local(coef))
             self.multiply(lambda: torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach),
-                          {coef.dtype: c}, c)
+                          {coef.dtype: c}, c, params)
         return total
 
     def amp(self, found_inf: torch.Tensor, scale: torch.Tensor | None, params: list[torch.Tensor]
@@ -322,7 +326,7 @@ class GradCapture(V.SpeculationPolicy):
         if self.launched:
             raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
-        self._scaler = True
+        self._scaler, self._user_unscales = True, scale is None
         if scale is not None:
             self._scale = float(scale)  # the next step's speculation assumes it
         if found_inf.item():
@@ -349,7 +353,7 @@ class GradCapture(V.SpeculationPolicy):
         def unscale():
             for (dev, _), grads in by_kind.items():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1, device=dev), inv.to(dev))
-        if self.multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)), float(inv)):
+        if self.multiply(unscale, dict.fromkeys(_DTYPE_NAME, float(inv)), float(inv), params):  # not the fused
             return False, grad_div
         warnings.warn("OffloadAdamW(master_weights=True): an fp32 gradient sum is not finite where GradScaler's check "
                       "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "

@@ -102,7 +102,7 @@ def power_of_two_ratio(grad: torch.Tensor, staged: np.ndarray, dtype: str) -> fl
 class SpeculationPolicy:
     """When :class:`~trainstream.torch._grads.GradCapture` speculates, what it assumes, and whether a speculative
     update holds at ``step()`` (its attributes: ``slots``, ``speculate``, ``_expect``, ``_signalled``, ``_scale``,
-    ``_scaled``, ``_untrusted``, ``slot_hyper``)."""
+    ``_user_unscales``, ``_scaled``, ``_untrusted``, ``slot_hyper``)."""
 
     def _hyper_now(self, rec: Slot) -> C.AdamWHyperParams | None:
         """``rec``'s group's hyper-parameters now, or None where the group asks for what is refused (``step()``
@@ -117,7 +117,7 @@ class SpeculationPolicy:
         recipe's kernel divides by it; the others' gradient is multiplied by its float32 inverse), else nothing."""
         if self._scale is None:
             return Assumed(hp)
-        if rec.recipe.impl == "fused":
+        if rec.recipe.impl == "fused" and not self._user_unscales:  # else unscale_ multiplied param.grad
             return Assumed(hp, 1.0, self._scale)
         return Assumed(hp, float(torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()))
 
