@@ -336,7 +336,8 @@ class OffloadAdam(Checkpoints, Optimizer):
                        ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, ``param.grad`` and bits after
         ``step()``); the host multiplies its gradient copies by the same coefficient instead of copying them again.
-        Returns the total norm (a tensor); raises after a :meth:`last_micro_batch` backward. ``parameters``: default,
+        Returns the total norm (a tensor); raises where GPU kernels were launched under :meth:`last_micro_batch`
+        (``mode="gpu"``: they cannot be redone). ``parameters``: default,
         this optimizer's in param-group order (as Lightning lists them); torch sums the norms in the order given, so
         pass ``model.parameters()`` for the bits of ``clip_grad_norm_(model.parameters(), ...)`` if groups reorder."""
         self._check_open()
