@@ -77,6 +77,7 @@ class GradCapture(V.SpeculationPolicy):
         self._user_unscales = False  # the last GradScaler step came after GradScaler.unscale_ (param.grad unscaled)
         self._scaler = False  # GradScaler's step this step
         self._signalled = False  # Accelerate's gradient state was seen saying a micro-batch does not sync
+        self._engine = slots.engine  # the engine the per-slot records above are of (a new one: forgotten)
 
     @property
     def done(self) -> set[int]:
@@ -127,6 +128,7 @@ class GradCapture(V.SpeculationPolicy):
         is taken to be the last before ``step()`` (under ``last_micro_batch()``, or as many backwards as the last
         step had) its update starts from it at once, speculatively (``step()`` commits or redoes it:
         :meth:`updates`). ``param.grad`` stays. A GPU slot's kernel is launched under ``last_micro_batch()`` only."""
+        self._same_engine()
         engine, p = self.slots.engine, rec.param
         on_device, hint = engine.on_device(rec.sid), self.eager and not self.clipping
         if on_device:
@@ -193,6 +195,7 @@ class GradCapture(V.SpeculationPolicy):
         speculative update is committed where it is what torch computes now (:meth:`_holds`), else rolled back and
         redone so (or left undone: no gradient). Returns ``(updates, coefs, early)`` for ``Engine.step``
         (``early``: the slots updated from hooks, committed); every staged copy and hook's mark is consumed."""
+        self._same_engine()
         engine = self.slots.engine
         groups = list(groups)
         for rec in (self.slots.of(p) for g in groups for p in g["params"]):  # refused before anything changes
@@ -252,9 +255,17 @@ class GradCapture(V.SpeculationPolicy):
             self._scale = None  # a step without GradScaler: the next one assumes none
         self._scaler = False
 
+    def _same_engine(self) -> None:
+        """Forget the per-slot records of an engine the registry replaced (its slot ids are not this one's; its
+        speculative updates went with its state)."""
+        if self.slots.engine is not self._engine:
+            self._engine = self.slots.engine
+            self.spec, self.launched, self.hooked, self._seen, self._expect = {}, {}, set(), {}, {}
+
     def skip(self) -> None:
         """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
         skipped step changes nothing."""
+        self._same_engine()
         if self.spec:
             self.slots.engine.rollback(list(self.spec))
             self.slots.engine.count_spec_step(True)

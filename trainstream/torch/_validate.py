@@ -105,11 +105,12 @@ class SpeculationPolicy:
     ``_user_unscales``, ``_scaled``, ``_untrusted``, ``slot_hyper``)."""
 
     def _hyper_now(self, rec: Slot) -> C.AdamWHyperParams | None:
-        """``rec``'s group's hyper-parameters now, or None where the group asks for what is refused (``step()``
-        raises it, before anything changes: not speculated)."""
+        """``rec``'s group's hyper-parameters now, or None where they cannot be had (a group edit that is refused, a
+        parameter no longer in any group: ``step()`` checks the groups, raising before anything changes where it
+        must): not speculated."""
         try:
             return self.slot_hyper(rec)
-        except (NotImplementedError, ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - step() is where the groups are checked and refused
             return None
 
     def _assume(self, rec: Slot, hp: C.AdamWHyperParams) -> Assumed:
