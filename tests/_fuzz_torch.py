@@ -42,10 +42,7 @@ WDS = [0.0, 0.01, 0.1]
 
 
 #: operation name -> why it is left out today (issue 40 items 1-3; the groups branch fixes them). Enable after merge.
-PENDING: dict[str, str] = {
-    "EagerClip": "issue 42 (clip): clip_grad_norm_ after a last_micro_batch() backward finds no param.grad (taken) "
-                 "and clips nothing, silently (docs/torch.md says step() raises)",
-}
+PENDING: dict[str, str] = {}
 
 
 class Finding(AssertionError):

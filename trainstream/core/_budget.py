@@ -15,7 +15,7 @@ from .. import contract as C
 from ..contract import ITEMSIZE as _ITEMSIZE
 
 __all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "WHERE", "assign", "check", "host_bytes", "hybrid_elems",
-           "place", "plan", "gpu_state_fits", "slot_layout", "state_bytes"]
+           "place", "plan", "gpu_state_fits", "slot_layout", "speculation_fits", "state_bytes"]
 
 #: Where :func:`assign` puts a slot: its state kept in GPU memory (a device slot, resident), the device
 #: placement (state in host memory, updated by the GPU kernel) or the host placement. The last two are
@@ -221,3 +221,11 @@ def check(p: dict[str, float], hint: str) -> None:
         f"cgroup memory limit less its usage), of which it may take {p['usable']:,.0f} (host_margin="
         f"{p['margin']:g} is left to the rest). None of it was allocated. To fit: {hint}; or host_margin=None "
         "to skip this check where that figure is wrong (e.g. a VM whose memory grows as it is used).")
+
+
+def speculation_fits(nbytes: int, margin: float | None = MARGIN) -> bool:
+    """Whether ``nbytes`` more host memory (speculation's kept copies, :mod:`trainstream.core._speculate`) fits in
+    what the host has now (:func:`trainstream._hostmem.available`) less ``margin`` of it; True where unknown or
+    unchecked (``margin`` None)."""
+    avail = _hostmem.available()
+    return margin is None or margin < 0 or avail is None or nbytes <= avail * (1.0 - margin)

@@ -25,6 +25,7 @@ from ._external import DeviceUpdate, ExternalUpdate
 from ._host import HostPlacement
 from ._hostslot import STATE_KEYS
 from ._pool import StickyError, WorkerError
+from ._speculate import EngineSpeculation
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
@@ -32,7 +33,7 @@ __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "Work
 MODES = ("cpu", "gpu", "hybrid")
 
 
-class Engine:
+class Engine(EngineSpeculation):
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args: ``backend``: the framework's (:class:`~trainstream.core._backend.Backend`, and for device slots
@@ -274,11 +275,16 @@ class Engine:
         return placement.get_step(local)
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
-                     accumulate: bool = False) -> None:
+                     accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
+                     grad_div: float | None = None) -> None:
         """Take the gradient of host slot ``sid``, replacing the one taken before, or with ``accumulate`` adding it
         into the slot's fp32 sum (a slot registered with a ``master`` recipe of fp16/bf16 weights); with ``update``
-        (the eager path: last micro-batch, no clipping) queue its update right behind it."""
-        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate)
+        (the eager path: last micro-batch, no clipping) queue its update right behind it; with ``speculate`` too, a
+        speculative update (:mod:`~trainstream.core._speculate`: :meth:`commit` or :meth:`rollback` at the step;
+        ``upload``: its weights uploaded at once, else at :meth:`commit`; ``coef``, ``grad_div``: the multiplier and
+        GradScaler division it assumes, as :meth:`step`'s)."""
+        self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate, speculate, upload,
+                               coef, grad_div)
 
     def grad_sum(self, sid: int) -> np.ndarray | None:
         """Host slot ``sid``'s fp32 gradient sum (``offload_grad(accumulate=True)``) once its queued work has run,
@@ -434,7 +440,10 @@ class Engine:
         """Counters (bytes, milliseconds, counts). ``gpu_mode``: 0 host only, 1 device only, 0.5 both; with
         both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device share's).
         ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident state
-        (``gpu_state_params`` slots, ``gpu_state_numel`` elements); ``staging_ring_bytes``: the staging ring's."""
+        (``gpu_state_params`` slots, ``gpu_state_numel`` elements); ``staging_ring_bytes``: the staging ring's.
+        Speculation (host slots, :mod:`~trainstream.core._speculate`): ``spec_updates``, ``spec_committed``,
+        ``spec_rolled_back`` (slots), ``spec_steps_committed``, ``spec_steps_redone`` (steps), ``redo_ms_total``
+        (the rolled-back updates' time and the restores'), ``spec_backup_bytes`` (the kept copies)."""
         if self.host is None:
             return self.device.stats()
         st = dict(self.host.stats())

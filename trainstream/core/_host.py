@@ -5,7 +5,8 @@ asynchronous copies, events and the compute stream (none for external updates on
 
 1. ``offload_grad`` copies the gradient asynchronously into the slot's pinned staging, replacing what
    was staged (the framework sums micro-batches), or with ``accumulate`` adding it into the fp32 sum of a
-   master (TrainStream 0.1.1's fp32 micro-batch sums); on the *eager* path the update is queued behind it.
+   master (TrainStream 0.1.1's fp32 micro-batch sums); on the *eager* path the update is queued behind it,
+   *speculative* where the adapter says so (committed or rolled back exactly: :mod:`~trainstream.core._speculate`).
 2. ``step`` queues each slot's update (its staged gradient, or the sum, times the adapter's ``coefs``), in the
    arithmetic and state layout of the slot's recipe (:mod:`trainstream.core._hostslot`).
 3. An update batch runs over the slot's chunks; its last chunk uploads the new weights (the fp32 master,
@@ -23,7 +24,6 @@ A slot's batches run one after another; their chunks go to one queue shared by a
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,8 +34,9 @@ from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
 from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
-from ._hostslot import HostSlot as _Slot, DevicePowers, load_slot_state, new_slot, reload_weights, slot_state
+from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
+from ._speculate import SPEC_BLOCK, SPEC_STATS, Speculation, Speculative
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
            "CHUNK_ALIGN"]
@@ -45,10 +46,11 @@ __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuff
 CHUNK_SIZE = 1 << 20
 
 #: The host placement's counters (:class:`~trainstream.core._pool.Counters`).
-_STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s")
+_STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s",
+          *SPEC_STATS)
 
 
-class HostPlacement:
+class HostPlacement(Speculative, SlotStateIO):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -148,7 +150,9 @@ class HostPlacement:
         s.free()
 
     def get_step(self, sid: int) -> int:
-        return self._slot(sid).step
+        """Slot ``sid``'s step count (before a speculative update still pending: what the framework shows)."""
+        s = self._slot(sid)
+        return s.step if s.spec is None else s.spec.step
 
     def has_grad(self, sid: int) -> bool:
         return self._slot(sid).staged
@@ -160,22 +164,23 @@ class HostPlacement:
         self._pool.submit(numel, self.chunk, priority, landed, body, finalize, record, done)
 
     def _run_batch(self, s: _Slot, body: Callable[[int, int, int], None],
-                   finalize: Callable[[], None] | None = None, landed: Any = None) -> None:
-        """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky), after its batch in flight if any."""
+                   finalize: Callable[[], None] | None = None, landed: Any = None, numel: int | None = None) -> None:
+        """Queue a batch of slot ``s`` (:meth:`_submit`; errors sticky) over its elements (or ``numel``), after its
+        batch in flight if any."""
         with s.cond:
             s.inflight += 1
             if s.inflight > 1:  # a batch of this slot is queued or running: run after it
-                s.chain.append((body, finalize, landed))
+                s.chain.append((body, finalize, landed, numel))
                 return
         try:
-            self._submit_batch(s, body, finalize, landed)
+            self._submit_batch(s, body, finalize, landed, numel)
         except BaseException:
             with s.cond:  # never queued: waiters must not wait for it
                 s.inflight -= 1
                 s.cond.notify_all()
             raise
 
-    def _submit_batch(self, s: _Slot, body, finalize, landed) -> None:
+    def _submit_batch(self, s: _Slot, body, finalize, landed, numel=None) -> None:
         def done() -> None:  # then submit the slot's next chained batch, if any
             with s.cond:
                 s.grad_keep = None  # its copy has landed (or failed)
@@ -193,7 +198,7 @@ class HostPlacement:
                     s.chain.clear()
                     s.cond.notify_all()
 
-        self._submit(s.numel, s.id, landed, body, finalize, self.errors.record, done)
+        self._submit(s.numel if numel is None else numel, s.id, landed, body, finalize, self.errors.record, done)
 
     def _wait_idle(self, s: _Slot) -> None:
         if self._pool.forked:  # before the lock: a worker of the parent may have held it
@@ -209,17 +214,30 @@ class HostPlacement:
             s.ready.synchronize()
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
-                     accumulate: bool = False) -> None:
+                     accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
+                     grad_div: float | None = None) -> None:
         """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one staged before,
         or with ``accumulate`` adding it into the slot's fp32 sum (a master with ``grad_sums``; the first since the
-        last update starts the sum); with ``update`` (the eager path) queue its update right behind it."""
+        last update starts the sum); with ``update`` (the eager path) queue its update right behind it, with
+        ``speculate`` as a speculative one (:mod:`~trainstream.core._speculate`; ``upload``: its weights uploaded at
+        once, else at ``commit``; ``coef``, ``grad_div``: as :meth:`step`'s, assumed). A speculation still pending on
+        the slot is rolled back first."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
+        if (coef != 1.0 or grad_div is not None) and not speculate:
+            raise ValueError("offload_grad: coef and grad_div are a speculative update's assumptions (speculate=True)")
+        if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
+            raise ValueError(f"offload_grad: grad_div for parameter slot {sid}, whose recipe is not fused")
+        if speculate and (update is None or accumulate or not s.speculable):
+            raise ValueError(f"offload_grad: parameter slot {sid} cannot take a speculative update (it needs update=, "
+                             "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
+                             "master)")
+        self._unspeculate(s)
         if grad_dtype != s.dtype:
             raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         if update is not None:
-            _check_host_recipe(s.recipe, update, None)
+            check_host_recipe(s.recipe, update, grad_div)
         if accumulate and s.grad_sum is None:
             raise ValueError(f"offload_grad(accumulate=True): parameter slot {sid} keeps no fp32 gradient sum (a "
                              "master of fp16/bf16 weights registered with grad_sums)")
@@ -249,19 +267,22 @@ class HostPlacement:
             s.summed = False
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
-            self._enqueue_update(s, update, np.float32(1.0), after)
+            self._enqueue_update(s, update, np.float32(coef), after, grad_div, speculate=speculate, upload=upload)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
         self._check_open()
         for s in self._slots:
+            self._unspeculate(s)  # zero_grad before step(): torch's step updates nothing from these gradients
             if s.staged:
                 self._wait_idle(s)
                 s.staged, s.summed, s.grad_keep = False, False, None
         self.errors.check()
 
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
-                        grad_div: float | None = None) -> None:
+                        grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
+        spec = Speculation(s.step, upload) if speculate else None
+        keep = s.backed_up() if speculate else ()
         s.step += 1
         recipe, extra = s.recipe, ()
         if recipe is None:  # the optax convention
@@ -289,15 +310,30 @@ class HostPlacement:
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
-            self._stats.add("update_s", time.perf_counter() - t)
+            if not keep:
+                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
+            for sb in range(b, e, SPEC_BLOCK) if keep else ():  # each block copied just before the kernel reads it
+                se = min(e, sb + SPEC_BLOCK)
+                for live, copy in keep:
+                    copy[sb:se] = live[sb:se]
+                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, sb, se, scalars, tc_code, *extra)
+            dt = time.perf_counter() - t
+            self._stats.add("update_s", dt)
+            if spec is not None:
+                spec.seconds.append(dt)
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
         def finalize() -> None:
-            s.ready = self.backend.copy_to_device(s.param, upload_src, after)
-            self._stats.add("param_bytes", nbytes)
+            if spec is not None:
+                spec.done = True
+            if spec is None or spec.upload:
+                s.ready = self.backend.copy_to_device(s.param, upload_src, after)
+                self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = time.perf_counter()
 
+        s.spec = spec
+        if spec is not None:
+            self._stats.add("spec_updates", 1)
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)
@@ -336,7 +372,7 @@ class HostPlacement:
                 raise ValueError(f"step: grad_div for parameter slot {sid}, whose recipe is not fused (torch's other "
                                  "implementations unscale by a multiplier: coefs)")
         for sid, hp in updates:  # before anything is queued: a refusal leaves every slot as it was
-            _check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
+            check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         for sid, hp in updates:
@@ -382,46 +418,6 @@ class HostPlacement:
         self._stats.add("steps", 1)
         self._run_external(batches, "update_external")
 
-    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
-        """Slot ``sid``'s state dict once its queued work has run (:func:`~trainstream.core._hostslot.slot_state`):
-        copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
-        self._check_open()
-        s = self._slot(sid)
-        self._wait_idle(s)
-        self.errors.check()
-        return slot_state(s, copy)
-
-    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
-        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
-        self._check_open()
-        self._slot(sid).recipe = recipe
-
-    def grad_sum(self, sid: int) -> np.ndarray | None:
-        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
-        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
-        self._check_open()
-        s = self._slot(sid)
-        self._wait_idle(s)
-        self.errors.check()
-        return s.grad_sum.array if s.summed else None
-
-    def reload_param(self, sid: int, param: Any = None) -> None:
-        """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
-        ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
-        self._check_open()
-        s = self._slot(sid)
-        self._settle(s)
-        if param is not None:
-            s.param = param
-        reload_weights(s, self.backend)
-
-    def load_state(self, sid: int, state: Mapping) -> None:
-        """:meth:`Engine.load_state`, which checks the arguments."""
-        self._check_open()
-        s = self._slot(sid)
-        self._settle(s)
-        load_slot_state(s, state, self.backend)
-
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
@@ -436,6 +432,8 @@ class HostPlacement:
             "grad_bytes_offloaded": float(st.grad_bytes), "param_bytes_uploaded": float(st.param_bytes),
             "update_ms_total": st.update_s * 1e3, "ready_stall_ms_total": st.ready_stall_s * 1e3,
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
+            **{k: float(getattr(st, k)) for k in SPEC_STATS if k != "redo_s"}, "redo_ms_total": st.redo_s * 1e3,
+            "spec_backup_bytes": float(sum(s.backup_bytes() for s in live if s.backup is not None)),
         }
 
     def close(self) -> None:
@@ -462,17 +460,3 @@ class HostPlacement:
             for s in self._slots:
                 s.free()
             self._slots = []
-
-
-def _check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
-    """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
-    decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
-    torch's unrolled loop and once elsewhere, the positions depending on the tensors' alignment on the GPU
-    (``kernels/adamw_torch.cu``); the device kernels reproduce it."""
-    if (recipe is not None and recipe.platform == "cuda" and recipe.impl == "fused" and not recipe.decoupled
-            and float(hp.weight_decay) != 0.0 and not recipe.amsgrad and not recipe.maximize and grad_div is None):
-        raise NotImplementedError(
-            "Adam's L2 weight decay with fused=True on CUDA parameters (no amsgrad, maximize or GradScaler) is not "
-            "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
-            "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
-            "reproduce it), AdamW (decoupled decay), or fused=False.")

@@ -24,14 +24,17 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _hostmem
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "load_slot_state", "new_slot", "reload_weights", "slot_state",
-           "to_state_array"]
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "SlotStateIO", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
+           "reload_weights", "slot_state", "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+#: The buffers an update writes (those a slot has), kept by a speculative update.
+_UPDATED = ("master", "weights", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 @dataclass(eq=False)
@@ -64,6 +67,11 @@ class HostSlot:
     chain: collections.deque = field(default_factory=collections.deque)  # batches waiting for the running one
     cond: threading.Condition = field(default_factory=threading.Condition)
     nbytes: tuple[int, int] = (0, 0)  # the pinned and pageable bytes of its buffers, as counted
+    # Speculation (``_host.py``'s module docstring): the pre-step copies of the weights and state an update from a
+    # gradient hook wrote over (name -> array, allocated at the first one), and that update's record while it is
+    # neither committed nor rolled back.
+    backup: dict | None = None
+    spec: "Speculation | None" = None
 
     @property
     def upload_src(self) -> Any:
@@ -76,11 +84,41 @@ class HostSlot:
     def live(self) -> bool:
         return self.exp_avg is not None
 
+    @property
+    def speculable(self) -> bool:
+        """Whether an update of this slot can be speculative: its gradient staging is only read by the update (not
+        a master's, which the rounded weights overwrite and whose fp32 sums the update reads)."""
+        return self.live and self.grad_sum is None and (self.weights is not None or self.dtype == "float32")
+
+    def backed_up(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(live, copy)`` of every buffer an update writes (the weights, the moments), the copies allocated once
+        (pageable: only the workers read them)."""
+        names = [n for n in _UPDATED if getattr(self, n) is not None]
+        if self.backup is None:  # on huge pages where the OS gives them, as the state's
+            self.backup = {n: _hostmem.empty(getattr(self, n).array.size, getattr(self, n).array.dtype) for n in names}
+        return [(getattr(self, n).array, self.backup[n]) for n in names]
+
+    def backup_bytes(self) -> int:
+        """Host bytes of :meth:`backed_up`'s copies (allocated or not)."""
+        return sum(getattr(self, n).array.nbytes for n in _UPDATED if getattr(self, n) is not None)
+
     def free(self) -> None:
         self.nbytes, self.staged, self.summed = (0, 0), False, False
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = self.weights = None
         self.grad_stage = self.param_stage = self.grad_sum = self.grad_keep = self.ready = self.landed = None
-        self.param = None
+        self.param = self.backup = self.spec = None
+
+
+@dataclass(eq=False)
+class Speculation:
+    """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
+    before it, whether its weights were uploaded (``upload``: at once; else at ``commit``), the seconds its chunks
+    took (lost if it is rolled back) and whether it completed."""
+
+    step: int
+    upload: bool
+    seconds: list = field(default_factory=list)
+    done: bool = False  # every chunk ran (a failed one leaves the copies partial: never restored)
 
 
 #: What each buffer is, in allocation errors.
@@ -215,3 +253,66 @@ def reload_weights(s: HostSlot, backend: Any) -> None:
     weights = np.empty(s.numel, np.float32)
     backend.param_to_host_f32(s.param, weights)
     C.merge_master(s.master.array, weights, s.dtype)
+
+
+def check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
+    """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
+    decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
+    torch's unrolled loop and once elsewhere, the positions depending on the tensors' alignment on the GPU
+    (``kernels/adamw_torch.cu``); the device kernels reproduce it."""
+    if (recipe is not None and recipe.platform == "cuda" and recipe.impl == "fused" and not recipe.decoupled
+            and float(hp.weight_decay) != 0.0 and not recipe.amsgrad and not recipe.maximize and grad_div is None):
+        raise NotImplementedError(
+            "Adam's L2 weight decay with fused=True on CUDA parameters (no amsgrad, maximize or GradScaler) is not "
+            "reproduced on the host: torch's fused CUDA kernel rounds grad + param*weight_decay differently at "
+            "positions that depend on the tensors' alignment on the GPU. Use mode='gpu' (the device kernels "
+            "reproduce it), AdamW (decoupled decay), or fused=False.")
+
+
+class SlotStateIO:
+    """The state methods of :class:`~trainstream.core._host.HostPlacement` (its slots, checks and waits): what a
+    slot's state is, and its replacement; a speculative update still pending is rolled back first."""
+
+    def state(self, sid: int, copy: bool = True) -> dict[str, Any]:
+        """Slot ``sid``'s state dict once its queued work has run (:func:`~trainstream.core._hostslot.slot_state`):
+        copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)
+        self._wait_idle(s)
+        self.errors.check()
+        return slot_state(s, copy)
+
+    def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
+        """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
+        self._check_open()
+        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
+        self._slot(sid).recipe = recipe
+
+    def grad_sum(self, sid: int) -> np.ndarray | None:
+        """Slot ``sid``'s fp32 gradient sum once its queued work has run (the buffer itself: scaling it in place
+        scales the gradient the next update uses), or None where its staged gradient is not a sum."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.errors.check()
+        return s.grad_sum.array if s.summed else None
+
+    def reload_param(self, sid: int, param: Any = None) -> None:
+        """The weights of slot ``sid`` were changed outside the engine (or its parameter replaced by
+        ``param``, same size and dtype): re-read them (:func:`~trainstream.core._hostslot.reload_weights`)."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)  # from the weights before the change
+        self._settle(s)
+        if param is not None:
+            s.param = param
+        reload_weights(s, self.backend)
+
+    def load_state(self, sid: int, state: Mapping) -> None:
+        """:meth:`Engine.load_state`, which checks the arguments."""
+        self._check_open()
+        s = self._slot(sid)
+        self._unspeculate(s)
+        self._settle(s)
+        load_slot_state(s, state, self.backend)

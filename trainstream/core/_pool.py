@@ -57,6 +57,11 @@ class StickyError:
                               "updated in that step may be partly updated; reload a checkpoint (load_state_dict) to "
                               "continue from a consistent state.")
 
+    @property
+    def failed(self) -> bool:
+        """Whether a failure is recorded."""
+        return self._text is not None
+
     def clear(self) -> None:
         self._text = None
 

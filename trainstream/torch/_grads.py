@@ -6,7 +6,10 @@ records what it copied in the parameter's :class:`~trainstream.torch._params.Slo
 That record alone says whether the copy is still the gradient to update from: ``step()``
 (:meth:`GradCapture.updates`) uses it, times the multiplier applied to ``param.grad`` since (the contract's
 ``c``), or copies ``param.grad`` again where it changed in another way; the engine updates what it is told.
-Under ``last_micro_batch()`` (the eager path) a hook takes the gradient and starts its update at once.
+At the backward taken to be the last before ``step()`` (under ``last_micro_batch()``, where Accelerate says so, or
+as many as the last step had) a hook also starts the update at once, speculatively: ``step()`` commits it where it
+is torch's bit for bit, else rolls it back and redoes it (:mod:`~trainstream.torch._validate`,
+:mod:`trainstream.core._speculate`). ``param.grad`` always stays as torch leaves it.
 
 ``master_weights=True`` (a slot with ``sums``): each micro-batch's gradient is added into an fp32 sum on the host
 (TrainStream 0.1.1's scheme), and ``param.grad`` holds the last micro-batch's gradient only (a hook before each
@@ -27,6 +30,7 @@ import torch
 from .. import contract as C
 from ..backends.torch import _DTYPE_NAME
 from . import _dist as D
+from . import _validate as V
 from ._gate import Gate
 from ._params import Slot, Slots
 
@@ -50,17 +54,37 @@ class StagedCopy(NamedTuple):
         return not trusted or self.coef is not None or not D.is_dtensor(p) or D.foreach_moves_versions(p.device_mesh)
 
 
-class GradCapture:
+class GradCapture(V.SpeculationPolicy):
     """The gradient side of one optimizer, over its registry ``slots``: hooks, the eager path (``eager``: inside
     ``last_micro_batch()``; ``done``: the slots it updated since the last ``step()``), the multipliers.
     ``clipping``: ``max_grad_norm`` is set (the hooks copy, never update); ``slot_hyper(record)``: its param group's
     hyper-parameters now (the group checked against what the slot was registered for). Holds nothing of the
     optimizer (its hooks hold this object weakly)."""
 
-    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams]):
+    def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams],
+                 speculate: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
-        self.done: set[int] = set()
+        self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
+        self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
+        self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
+        self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
+        self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
+        self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
+        self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
+        self._scaled: dict[int, float] = {}  # fused slots' GradScaler scale their kernel divides by this step
+        self._scale: float | None = None  # GradScaler's scale as last seen (a speculation assumes it)
+        self._user_unscales = False  # the last GradScaler step came after GradScaler.unscale_ (param.grad unscaled)
+        self._scaler = False  # GradScaler's step this step
+        self._signalled = False  # Accelerate's gradient state was seen saying a micro-batch does not sync
+        self._engine = slots.engine  # the engine the per-slot records above are of (a new one: forgotten)
+
+    @property
+    def done(self) -> set[int]:
+        """The slots updated from hooks under ``last_micro_batch()`` since the last ``step()`` (checkpoints wait for
+        it); none once a worker failed (a reload is how to go on)."""
+        engine = self.slots.engine
+        return set() if engine is None or engine.errors.failed else self.hooked
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -100,86 +124,92 @@ class GradCapture:
                 rec.broken = True
 
     def _ready(self, rec: Slot) -> None:
-        """``rec``'s gradient hook: under ``last_micro_batch()`` (no clipping) take the gradient and start its
-        update (behind its copy; a GPU slot's kernel behind backward), else copy a host slot's gradient for step()."""
+        """``rec``'s gradient hook. A host slot's gradient is copied into the engine's staging; where this backward
+        is taken to be the last before ``step()`` (under ``last_micro_batch()``, or as many backwards as the last
+        step had) its update starts from it at once, speculatively (``step()`` commits or redoes it:
+        :meth:`updates`). ``param.grad`` stays. A GPU slot's kernel is launched under ``last_micro_batch()`` only."""
+        self._same_engine()
         engine, p = self.slots.engine, rec.param
-        on_device, eager = engine.on_device(rec.sid), self.eager and not self.clipping
-        if on_device and not eager:
-            return  # a GPU slot's update runs at step()
+        on_device, hint = engine.on_device(rec.sid), self.eager and not self.clipping
+        if on_device:
+            if hint:
+                self._launch(rec)
+            return  # else a GPU slot's update runs at step()
         if D.local(p).data_ptr() != rec.ptr:
             self.slots.follow(rec)  # e.g. model.double(): a clear error, not the engine's
-        if eager:
-            rec.staged = None
-            if rec.sid in self.done:
-                raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
-                                   f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
-            hp = self.slot_hyper(rec)  # first: a group edit it cannot follow raises before anything changes
+        sid = rec.sid
+        n = self._seen[sid] = self._seen.get(sid, 0) + 1
+        if sid in self.spec:  # another backward after the one taken for the last: accumulation
+            if sid in self.hooked:
+                where = "inside" if self.eager else "after"
+                engine.rollback([sid])
+                del self.spec[sid]
+                self.hooked.discard(sid)
+                raise RuntimeError(f"OffloadAdamW: a second backward {where} last_micro_batch() before step() "
+                                   f"(parameter {sid}); only the last micro-batch's backward belongs in that block"
+                                   + ("" if self.eager else ": its weights were updated during that backward, so "
+                                      "this backward's forward used them. Reload a checkpoint to continue."))
+            engine.rollback([sid])  # the guess was wrong: undone exactly, before the new gradient is staged
+            del self.spec[sid]
+        if not self._hook_copies(p):
+            return  # step() copies it
+        grad = p.grad
+        hp = self._speculates(rec, n, self.eager) and self._hyper_now(rec)
+        if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
-            self.done.add(rec.sid)
-            if on_device:
-                engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
-            else:
-                if rec.broken:
-                    raise RuntimeError(_refusal(rec))
-                engine.offload_grad(rec.sid, *self.local_grad(rec), hp, accumulate=rec.sums)
-                rec.summed = 0
-            self.gate.mark([rec.sid])
-            p.grad = None  # taken: the engine keeps it alive until read (an in-place change would race the update)
-        elif self._hook_copies(p):  # else step() copies it
-            grad = p.grad
-            engine.offload_grad(rec.sid, *self.local_grad(rec), None, accumulate=rec.sums)
-            rec.summed += rec.sums
+            assumed = self._assume(rec, hp)
+            engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
+                                coef=assumed.coef, grad_div=assumed.grad_div)
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
+            self.spec[sid] = (rec.staged, assumed)
+            rec.summed = 0
+            if self.eager:
+                self.hooked.add(sid)
+                self.gate.mark([sid])
+            return
+        engine.offload_grad(sid, *self.local_grad(rec), None, accumulate=rec.sums)
+        rec.summed += rec.sums
+        rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
 
-    def _hook_copies(self, p: torch.Tensor) -> bool:
-        """Whether the hook copies ``p.grad`` for ``step()``: not for a plain parameter with several processes (reduced
-        later); for a DTensor if foreach ops move version counters or ``max_grad_norm`` (applied to the copy) is set."""
-        if D.is_dtensor(p):
-            return self.clipping or D.foreach_moves_versions(p.device_mesh)
-        return D.world()[1] == 1
-
-    @staticmethod
-    def local_grad(rec: Slot, host: bool = True) -> tuple[torch.Tensor, str]:
-        """``param.grad``'s local tensor, detached and contiguous (flat with ``host=False``: GPU slots), and its dtype's
-        name; refuses a sparse gradient, one on another device than the parameter, for a host slot another dtype or
-        shape."""
-        p, sid = rec.param, rec.sid
-        grad, loc = D.local(p.grad), D.local(p)
-        if grad.is_sparse:
-            raise RuntimeError(f"OffloadAdamW does not support sparse gradients (parameter {sid})")
-        if host and (grad.dtype != loc.dtype or grad.shape != loc.shape):
-            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} is {grad.dtype}{tuple(grad.shape)}, the "
-                            f"parameter is {loc.dtype}{tuple(loc.shape)}" + (" (local shards)" if loc is not p else ""))
-        if grad.device != loc.device:
-            raise ValueError(f"OffloadAdamW: parameter {sid} is on {loc.device}, its gradient on {grad.device}")
-        if grad.dtype not in _DTYPE_NAME:
-            raise TypeError(f"OffloadAdamW: gradient of parameter {sid} has unsupported dtype {grad.dtype}")
-        if not host:
-            return grad.detach().contiguous().view(-1), _DTYPE_NAME[grad.dtype]
-        # Only the torch calls needed: each releases and retakes the GIL, costly under busy workers.
-        if grad.requires_grad:
-            grad = grad.detach()
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
-        return grad, _DTYPE_NAME[grad.dtype]
+    def _launch(self, rec: Slot) -> None:
+        """Under ``last_micro_batch()``, a GPU slot's kernel from its hook (not speculative: ``step()`` refuses a
+        gradient changed since, as it cannot be redone)."""
+        if rec.sid in self.hooked:
+            raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
+                               f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+        hp = self.slot_hyper(rec)
+        self.slots.follow(rec)
+        self.hooked.add(rec.sid)
+        grad = rec.param.grad
+        self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
+        self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
+        self.gate.mark([rec.sid])
 
     # -- step -----------------------------------------------------------------------------------
 
     def updates(self, groups: Iterable[dict[str, Any]], hyper: Callable[[dict[str, Any]], C.AdamWHyperParams]
                 ) -> tuple[list[tuple], dict[int, float], set[int]]:
         """What ``step()`` tells the engine, per registered parameter of ``groups`` (``hyper``: a group's
-        hyper-parameters) whose ``grad`` is not None and that no eager update took: a GPU slot's gradient; a host
-        slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now.
-        Returns ``(updates, coefs, eager)`` for ``Engine.step`` (``eager``: the slots updated from hooks); every
-        staged copy and eager mark is consumed."""
-        engine, eager = self.slots.engine, self.done
+        hyper-parameters) whose ``grad`` is not None: a GPU slot's gradient (not one launched from its hook); a host
+        slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now. A
+        speculative update is committed where it is what torch computes now (:meth:`_holds`), else rolled back and
+        redone so (or left undone: no gradient). Returns ``(updates, coefs, early)`` for ``Engine.step``
+        (``early``: the slots updated from hooks, committed); every staged copy and hook's mark is consumed."""
+        self._same_engine()
+        engine = self.slots.engine
         groups = list(groups)
         for rec in (self.slots.of(p) for g in groups for p in g["params"]):  # refused before anything changes
-            if rec is not None and rec.summed and rec.sid not in eager and rec.param.grad is not None and (
+            if rec is None or rec.param.grad is None:
+                continue
+            if rec.sid in self.launched and not self.launched[rec.sid].current(rec.param, trusted=True):
+                engine.rollback(list(self.spec))  # the host's, exactly; a checkpoint may be loaded now
+                self._end_step()
+                raise RuntimeError(_launched_refusal(rec.sid))
+            if rec.summed and rec.sid not in self.spec and (
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
                 raise RuntimeError(_refusal(rec))
-        self.done = set()
-        updates, coefs = [], {}
+        spec, launched = self.spec, self.launched
+        updates, coefs, commit, redone = [], {}, [], False
         for group in groups:
             hp = hyper(group)
             for p in group["params"]:
@@ -188,23 +218,66 @@ class GradCapture:
                     continue
                 copy, rec.staged = rec.staged, None
                 rec.summed, rec.broken = 0, False
-                if p.grad is None or rec.sid in eager:
+                if rec.sid in spec:
+                    if p.grad is not None and self._holds(rec, copy, *spec.pop(rec.sid), hp):
+                        commit.append(rec.sid)
+                        continue
+                    engine.rollback([rec.sid])  # then redone below, from the pre-step state
+                    redone = True
+                if p.grad is None or rec.sid in launched:
                     continue  # no gradient: no update, as torch's
                 if engine.on_device(rec.sid):
                     updates.append((rec.sid, hp, *self.local_grad(rec, host=False)))
                     continue
-                if copy is None or not copy.current(p, trusted=True):
+                if copy is None or not copy.current(p, trusted=True) or self._untrusted:
                     engine.offload_grad(rec.sid, *self.local_grad(rec), None)  # changed since, or set by hand
                 elif copy.coef is not None:
                     coefs[rec.sid] = copy.coef
                 updates.append((rec.sid, hp))
-        return updates, coefs, eager
+        if spec:  # speculated, then left out of the groups: as if never updated
+            engine.rollback(list(spec))
+            redone = True
+        if commit:
+            engine.commit(commit)
+            self.gate.mark(commit)
+        if commit or redone:
+            engine.count_spec_step(redone)
+        early = set(commit) | set(launched)
+        self._end_step()
+        return updates, coefs, early
+
+    def _end_step(self) -> None:
+        """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
+        self._expect.update(self._seen)
+        self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
+        self._untrusted, self._scaled = False, {}
+        if not self._scaler:
+            self._scale = None  # a step without GradScaler: the next one assumes none
+        self._scaler = False
+
+    def _same_engine(self) -> None:
+        """Forget the per-slot records of an engine the registry replaced (its slot ids are not this one's; its
+        speculative updates went with its state)."""
+        if self.slots.engine is not self._engine:
+            self._engine = self.slots.engine
+            self.spec, self.launched, self.hooked, self._seen, self._expect = {}, {}, set(), {}, {}
+
+    def skip(self) -> None:
+        """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
+        skipped step changes nothing."""
+        self._same_engine()
+        if self.spec:
+            self.slots.engine.rollback(list(self.spec))
+            self.slots.engine.count_spec_step(True)
+        self._end_step()
 
     def forget(self) -> None:
-        """Drop every staged copy and sum (``zero_grad``, or gradients unscaled in place): ``step()`` copies again."""
+        """Drop every staged copy and sum (``zero_grad``: the engine rolls back speculative updates): ``step()``
+        copies again."""
         for rec in self.slots:
             rec.staged = None
             rec.summed, rec.broken = 0, False
+        self.spec, self.hooked, self._seen = {}, set(), {}
 
     def _sums(self) -> list[Slot]:
         """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""
@@ -222,7 +295,8 @@ class GradCapture:
         mine = {id(p) for p in params}
         current = [rec for rec in self.slots
                    if id(rec.param) in mine and rec.staged is not None and rec.staged.current(rec.param)]
-        op()
+        self.slots.engine.guard_staged([rec.sid for rec in current if not self.slots.engine.on_device(rec.sid)])
+        op()  # (behind the copies of the gradients it changes)
         finite = True
         for rec in current:
             grad = rec.param.grad
@@ -241,9 +315,8 @@ class GradCapture:
              foreach: bool | None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, ...)`` (``params``: those with a gradient) with torch's own
         functions; the staged copies get the coefficient. Returns the total norm."""
-        if self.done:
-            raise RuntimeError("OffloadAdamW.clip_grad_norm() after a last_micro_batch() backward: its gradients "
-                               "were taken by their updates (use max_grad_norm=, which turns the eager path off)")
+        if self.launched:
+            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "clip_grad_norm()"))
         sums = {rec.param: rec for rec in self._sums()}  # master_weights: the norm of the fp32 sums (on the host)
         grads = [torch.from_numpy(self.slots.engine.grad_sum(sums[p].sid)) if p in sums else p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -261,20 +334,27 @@ class GradCapture:
         fused step makes it before skipping), else the fused slots' scale (``Engine.step(grad_div=)``: their kernel
         divides), the others' ``param.grad`` (``params``: those with a gradient) unscaled as ``GradScaler.unscale_``
         does (fp32 sums: on the host; a non-finite sum GradScaler did not see skips the step, with a warning)."""
-        if self.done:
-            raise RuntimeError("OffloadAdamW: GradScaler with last_micro_batch(): the updates used the scaled "
-                               "gradients. Use one or the other; reload a checkpoint (load_state_dict) to continue.")
+        if self.launched:
+            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
+        self._scaler, self._user_unscales = True, scale is None
+        if scale is not None:
+            self._scale = float(scale)  # the next step's speculation assumes it
         if found_inf.item():
             for rec in fused:
                 rec.touched = True
+            self.skip()
             return True, {}  # skipped, as GradScaler skips torch.optim.AdamW's step
         if scale is None:  # unscaled in place by GradScaler.unscale_ (no _version change)
             if summed := [rec for rec in self.slots if rec.summed > 1]:
                 raise RuntimeError(_refusal(summed[0], "GradScaler.unscale_(optimizer)"))
-            self.forget()
+            for rec in self.slots:
+                rec.staged = None
+                rec.summed, rec.broken = 0, False
+            self._untrusted = True  # speculative updates: compared bit by bit
             return False, {}
         grad_div = {rec.sid: float(scale) for rec in fused}
+        self._scaled = dict(grad_div)
         params = [p for p in params if self.slots.of(p) is None or self.slots.of(p).sid not in grad_div]
         inv = scale.double().reciprocal().float()
         by_kind: dict = {}
@@ -290,6 +370,15 @@ class GradCapture:
                       "of param.grad (the last micro-batch's) found none; the step is skipped, as with the sums in "
                       "GPU memory, but GradScaler does not lower its scale for it", RuntimeWarning, stacklevel=4)
         return True, {}
+
+
+def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
+                      ) -> str:
+    """Why a GPU slot's update launched from its hook under ``last_micro_batch()`` cannot follow ``what``."""
+    return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the GPU kernels of mode='gpu'/'hybrid' "
+            f"(parameter {sid}) updated from the gradients as backward left them, and those updates are not "
+            "speculative (they cannot be redone). Clip with max_grad_norm= (then last_micro_batch() launches nothing "
+            "early), or leave last_micro_batch() out; reload a checkpoint (load_state_dict) to continue.")
 
 
 def _refusal(rec: Slot, what: str = "clip_grad_norm_, GradScaler.unscale_ or by hand") -> str:

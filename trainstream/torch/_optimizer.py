@@ -75,6 +75,9 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
       pin_moments, host_margin: page-locked moments (``cpu`` mode, while pinned memory stays within half of the
         available memory); the fraction of host memory left free by the check before allocating (``MemoryError``
         naming the bytes; None: no check).
+      speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
+        keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
+        host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -90,7 +93,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                  gpu_state_bytes: int | str = 0, gpu_share: float = 0.3, gpu_params: str = "first",
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
         # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
         self._init_kwargs = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
@@ -99,7 +102,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
-            host_margin=host_margin)
+            host_margin=host_margin, speculate=speculate)
         betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -116,6 +119,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (0, or 1 for ZeRO stage 1)")
         if not isinstance(master_weights, bool):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
+        if speculate is not None and not isinstance(speculate, bool):
+            raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
         self.master_weights = master_weights
@@ -130,7 +135,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         self._gate = Gate(self._slots, gated)
         ref = weakref.ref(self)
         self._grads = GradCapture(self._slots, self._gate, clipping=self.max_grad_norm is not None,
-                                  slot_hyper=lambda rec: ref()._slot_hyper(rec))
+                                  slot_hyper=lambda rec: ref()._slot_hyper(rec), speculate=speculate)
         self._last_norm: torch.Tensor | None = None
         # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._release = weakref.finalize(self, _release, self._slots, self._gate)
@@ -210,16 +215,14 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
 
     @contextlib.contextmanager
     def last_micro_batch(self):
-        """Mark the backward inside this block as the last micro-batch of the step.
-
-        Each update then starts as soon as its gradient is ready, overlapping the rest of backward: on the host
-        threads (``cpu`` mode, ``hybrid``'s host share) or by its kernel (``gpu`` mode; ``hybrid``'s GPU share with
-        ``gpu_params="last"``, else at ``step()``). The gradients it updates from are taken (``param.grad`` is
-        ``None`` after that backward, its GPU memory freed once copied or read), so nothing may change them: no
-        ``clip_grad_norm_`` or ``GradScaler`` (``step()`` raises). Each update uses its group's ``lr`` as it is during
-        backward. No effect with ``max_grad_norm`` (clipping needs every gradient). ``state_dict()`` and
-        ``load_state_dict()`` raise until ``step()``. Not with several processes and plain (non-DTensor) parameters.
-        With ``hybrid`` it is faster at ``worker_nice=19``; at the default 5 it can be slower than without."""
+        """Mark the backward inside this block as the last micro-batch of the step (an explicit hint;
+        ``docs/torch.md``). Host updates start speculatively as each gradient is ready, as without it, and also
+        upload their weights at once (no forward or backward may run before ``step()``). ``param.grad`` stays:
+        ``clip_grad_norm_``, ``GradScaler`` and in-place edits give torch's bits (``step()`` commits or redoes).
+        GPU slots (``gpu`` mode; ``hybrid``'s with ``gpu_params="last"``) launch their kernels from the hooks, not
+        speculatively: ``step()`` refuses a gradient changed since (none launched with ``max_grad_norm``).
+        ``state_dict()`` and ``load_state_dict()`` raise until ``step()``. Not with several processes and plain
+        (non-DTensor) parameters. With ``hybrid`` it is faster at ``worker_nice=19``."""
         self._check_open()
         self._sync()  # a parameter that left the groups is not updated from its hook
         if D.world()[1] > 1 and not all(D.is_dtensor(rec.param) for rec in self._slots):
@@ -243,7 +246,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                        ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, ``param.grad`` and bits after
         ``step()``); the host multiplies its gradient copies by the same coefficient instead of copying them again.
-        Returns the total norm (a tensor); raises after a :meth:`last_micro_batch` backward. ``parameters``: default,
+        Returns the total norm (a tensor); raises where GPU kernels were launched under :meth:`last_micro_batch`
+        (``mode="gpu"``: they cannot be redone). ``parameters``: default,
         this optimizer's in param-group order (as Lightning lists them); torch sums the norms in the order given, so
         pass ``model.parameters()`` for the bits of ``clip_grad_norm_(model.parameters(), ...)`` if groups reorder."""
         self._check_open()
@@ -390,11 +394,11 @@ class OffloadAdamW(OffloadAdam):
                  gpu_share: float = 0.3, gpu_params: str = "first", threads: int | None = None,
                  worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
                          mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
                          gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
                          zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
-                         pin_moments=pin_moments, host_margin=host_margin)
+                         pin_moments=pin_moments, host_margin=host_margin, speculate=speculate)

@@ -1,0 +1,155 @@
+"""The engine's speculative updates (``trainstream/core/_speculate.py``) on the CPU through the torch backend: a
+rollback restores weights, state, step count and uploaded weights bit for bit and leaves the gradient staged; a
+commit keeps what a plain update gives; a failed speculative update is never "restored" from partial copies; the
+refusals. Slots of several chunks and odd sizes (the copies are taken block by block)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainstream import contract as C
+from trainstream.core import _engine as E
+from trainstream.core import _speculate as SP
+
+torch = pytest.importorskip("torch")
+from trainstream.backends.torch import TorchBackend  # noqa: E402
+
+N = 3 * 4096 + 77  # several chunks of 4096, a partial one
+
+
+def _engine():
+    return E.Engine(TorchBackend(torch.device("cpu")), mode="cpu", threads=2, chunk_size=4096)
+
+
+def _slot(eng, dtype=torch.float32, amsgrad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(N, generator=g).to(dtype)
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    recipe = C.TorchRecipe(C.resolve_impl("cpu"), "cpu", name, amsgrad=amsgrad)
+    return p, eng.add_param(p, N, name, "cpu", recipe=recipe)
+
+
+def _grad(dtype, seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    return (torch.randn(N, generator=g) * 1e-2).to(dtype)
+
+
+HP = C.AdamWHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _snapshot(eng, sid, p):
+    st = eng.state(sid)
+    return {k: (np.asarray(v).copy() if not isinstance(v, int) else v) for k, v in st.items()}, p.clone()
+
+
+def _same(a, b):
+    (sa, pa), (sb, pb) = a, b
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if k == "step":
+            assert sa[k] == sb[k]
+        else:
+            assert np.array_equal(sa[k].view(np.uint8), sb[k].view(np.uint8)), k
+    assert torch.equal(pa.view(torch.int16 if pa.element_size() == 2 else torch.int32),
+                       pb.view(torch.int16 if pb.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype,amsgrad", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("upload", [False, True], ids=["upload-at-commit", "upload-at-once"])
+def test_rollback_restores_every_bit_and_commit_keeps_the_update(dtype, amsgrad, upload):
+    eng = _engine()
+    p, sid = _slot(eng, dtype, amsgrad)
+    plain_eng = _engine()
+    q, qsid = _slot(plain_eng, dtype, amsgrad)
+    for step in range(3):  # a few plain steps first: non-zero state
+        g = _grad(dtype, step)
+        for e, s in ((eng, sid), (plain_eng, qsid)):
+            e.offload_grad(s, g, str(g.dtype).split(".")[1], HP)
+        eng.synchronize()
+        plain_eng.synchronize()
+    before = _snapshot(eng, sid, p)
+    g = _grad(dtype, 9)
+    name = str(g.dtype).split(".")[1]
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=upload)
+    assert eng.speculative(sid)
+    assert np.array_equal(eng.staged_grad(sid).view(np.uint8), g.view(torch.uint8).numpy())
+    if not upload:
+        assert torch.equal(p, before[1])  # nothing uploaded before the commit
+    eng.rollback([sid])
+    eng.synchronize()
+    assert not eng.speculative(sid)
+    _same(_snapshot(eng, sid, p), before)
+    # the gradient stays staged: a step updates from it, as the plain engine's own update of it
+    eng.step([(sid, HP)])
+    plain_eng.offload_grad(qsid, g, name, HP)
+    eng.synchronize()
+    plain_eng.synchronize()
+    _same(_snapshot(eng, sid, p), _snapshot(plain_eng, qsid, q))
+    # speculate again and commit: what the plain engine computes
+    g = _grad(dtype, 10)
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=upload)
+    eng.commit([sid])
+    eng.count_spec_step(False)
+    plain_eng.offload_grad(qsid, g, name, HP)
+    eng.synchronize()
+    plain_eng.synchronize()
+    _same(_snapshot(eng, sid, p), _snapshot(plain_eng, qsid, q))
+    st = eng.stats()
+    assert (st["spec_updates"], st["spec_committed"], st["spec_rolled_back"]) == (2, 1, 1)
+    assert st["spec_steps_committed"] == 1 and st["redo_ms_total"] > 0
+    assert st["spec_backup_bytes"] == N * (4 if dtype == torch.float32 else 2) * (4 if amsgrad else 3)
+    eng.close()
+    plain_eng.close()
+
+
+def test_reads_and_replacements_roll_back_first():
+    """state() (what a framework shows), load_state, discard_grads: never the speculative update's."""
+    eng = _engine()
+    p, sid = _slot(eng)
+    before = _snapshot(eng, sid, p)
+    eng.offload_grad(sid, _grad(torch.float32, 1), "float32", HP, speculate=True, upload=True)
+    assert eng.get_step(sid) == 0
+    _same(_snapshot(eng, sid, p), before)  # state(): rolled back (and the weights uploaded again)
+    assert not eng.speculative(sid)
+    eng.offload_grad(sid, _grad(torch.float32, 1), "float32", HP, speculate=True, upload=False)
+    eng.discard_grads()
+    eng.synchronize()
+    _same(_snapshot(eng, sid, p), before)
+    eng.close()
+
+
+def test_a_failed_speculative_update_is_not_restored(monkeypatch):
+    """Its copies are partial: the rollback restores nothing and uploads nothing; the error stays sticky."""
+    from trainstream import _host_kernels as K
+
+    eng = _engine()
+    p, sid = _slot(eng)
+    w = p.clone()
+
+    def boom(*args, **kwargs):
+        raise FloatingPointError("injected")
+    monkeypatch.setattr(K, "adamw_chunk", boom)
+    eng.offload_grad(sid, _grad(torch.float32, 1), "float32", HP, speculate=True, upload=True)
+    eng.drain()
+    eng.rollback([sid])
+    eng.drain()
+    assert torch.equal(p, w)
+    with pytest.raises(E.WorkerError, match="injected"):
+        eng.check_error()
+    eng.close()
+
+
+def test_refusals():
+    eng = _engine()
+    _, sid = _slot(eng)
+    g = _grad(torch.float32, 1)
+    with pytest.raises(ValueError, match="cannot take a speculative update"):
+        eng.offload_grad(sid, g, "float32", None, speculate=True)
+    with pytest.raises(ValueError, match="speculative update's assumptions"):
+        eng.offload_grad(sid, g, "float32", HP, coef=0.5)
+    with pytest.raises(ValueError, match="holds no speculative update"):
+        eng.commit([sid])
+    eng.rollback([sid])  # none: nothing to do
+    assert SP.SPEC_BLOCK % 4096 == 0
+    eng.close()

@@ -1,0 +1,199 @@
+"""Speculative updates of host slots: an update queued from a gradient hook before the framework's ``step()`` has
+said what the loop did to the gradients (clipped them, unscaled them, skipped the step, accumulated another
+micro-batch, edited one in place), then committed or rolled back exactly. No torch or jax import; the adapter
+decides which (it compares what the loop did with what the update assumed); this module keeps the bits.
+
+How the pre-step state survives: *kept copies*. The update's chunks copy, block by block just before the kernel
+reads them (:data:`SPEC_BLOCK` elements: the kernel then reads the block from cache), every buffer it writes (the
+weights or the fp32 weights of a float32 parameter, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) into a copy
+allocated once per slot. Commit costs nothing (and, where the weights' upload waited for it, queues the upload);
+a rollback copies them back (:meth:`Speculative.rollback`) and re-uploads the old weights where the new ones were
+uploaded already. The staged gradient is only read by the update, so a redo updates from it again (times the
+multiplier the loop applied) or from a new copy of the gradient.
+
+Costs, per element of a speculated slot (``B``: the bytes of the buffers above: 12 for float32 parameters, 16 with
+amsgrad; 6 for fp16/bf16 parameters with their state in their dtype, 8 with amsgrad):
+
+* host memory: ``B`` more (the copies);
+* DRAM traffic of a speculative update: ``B`` written more (plus the read-for-ownership of those lines, another
+  ``B``, on CPUs without streaming stores for it), on top of the update's own (28 bytes for float32 state, 14 for
+  bf16 state; the kernel re-reads the block from cache); a commit: none; a rollback: ``B`` read and ``B`` written,
+  then the redo's update.
+
+The alternatives, not built: weights-only speculation (new weights into a staging buffer, the state written at
+commit by a second pass: no state copy, but that second pass reads the gradient and state again, +14 to +26
+bytes per element on every committed step) and double buffers swapped at commit (no copy, but it needs kernels
+that write their results to other buffers than they read, and the user's views of the state, ``opt.state``, would
+point at the old buffers after a swap). Slots whose gradient staging the update overwrites (a master of fp16/bf16
+weights, whose rounded weights are written into it) or whose gradient is an fp32 sum are never speculated
+(:attr:`~trainstream.core._hostslot.HostSlot.speculable`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._budget import _ITEMSIZE
+from ._hostslot import HostSlot, Speculation
+
+__all__ = ["SPEC_BLOCK", "SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
+
+#: Elements copied and then updated at a time by a speculative update (a multiple of the chunk alignment).
+SPEC_BLOCK = 1 << 16
+
+#: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, committed and rolled back
+#: (slots); steps whose every speculation was committed, and steps with one or more rolled back (a redo); seconds
+#: lost: the rolled-back updates' own and the restores'.
+SPEC_STATS = ("spec_updates", "spec_committed", "spec_rolled_back", "spec_steps_committed", "spec_steps_redone",
+              "redo_s")
+
+
+class Speculative:
+    """The speculation methods of :class:`~trainstream.core._host.HostPlacement` (its slots, pool and counters)."""
+
+    def speculative(self, sid: int) -> bool:
+        """Whether slot ``sid`` holds a speculative update neither committed nor rolled back."""
+        return self._slot(sid).spec is not None
+
+    def can_speculate(self, sid: int) -> bool:
+        """Whether slot ``sid``'s updates can be speculative (:attr:`HostSlot.speculable`)."""
+        return self._slot(sid).speculable
+
+    def backup_bytes(self, sid: int) -> int:
+        """Host bytes of slot ``sid``'s kept copies (allocated at its first speculative update)."""
+        return self._slot(sid).backup_bytes()
+
+    def staged_grad(self, sid: int) -> np.ndarray:
+        """The gradient staged for slot ``sid`` (the buffer itself, float32 or the uint16 bits of fp16/bf16) once
+        its copy has landed: what a speculative update read, for the adapter's bitwise check."""
+        self._check_open()
+        s = self._slot(sid)
+        self._wait_idle(s)
+        self.errors.check()
+        if s.landed is not None:
+            s.landed.synchronize()
+        return s.grad_stage.array
+
+    def guard_staged(self, sids: Sequence[int]) -> None:
+        """Make the compute stream wait for the gradient copies of ``sids`` (before it changes those gradients in
+        place: the copies must read them as they were)."""
+        for sid in sids:
+            s = self._slot(sid)
+            if s.landed is not None:
+                self.backend.wait_on_compute(s.landed, s.param)
+
+    def commit(self, sids: Sequence[int]) -> None:
+        """The speculative updates of ``sids`` are the step's: keep them; weights not uploaded yet are queued for
+        upload (behind the compute stream's work so far)."""
+        self._check_open()
+        for sid in sids:
+            s = self._slot(sid)
+            spec, s.spec = s.spec, None
+            if spec is None:
+                raise ValueError(f"commit: parameter slot {sid} holds no speculative update")
+            self._stats.add("spec_committed", 1)
+            if not spec.upload:
+                self._queue_upload(s, self.backend.record_compute(s.param))
+
+    def rollback(self, sids: Sequence[int]) -> None:
+        """Undo the speculative updates of ``sids`` exactly (queued behind them): weights, state and step count as
+        before; weights uploaded already are uploaded again. The staged gradient stays staged (``step`` updates
+        from it again, or a new one replaces it). Slots without one are left as they are."""
+        self._check_open()
+        for sid in sids:
+            self._unspeculate(self._slot(sid))
+
+    def count_spec_step(self, redone: bool) -> None:
+        """Count a step that speculated: all committed, or some redone."""
+        self._stats.add("spec_steps_redone" if redone else "spec_steps_committed", 1)
+
+    def _unspeculate(self, s: HostSlot) -> None:
+        """Roll back ``s``'s speculative update if it has one (also before its state is read, replaced or
+        re-read from the weights: what the engine shows is never speculative)."""
+        spec = s.spec
+        if spec is None:
+            return
+        s.spec = None
+        pairs = s.backed_up()
+        after = self.backend.record_compute(s.param) if spec.upload else None
+
+        def body(c: int, b: int, e: int) -> None:
+            if not spec.done:  # it failed (its error is sticky: reload): the copies are partial, none is restored
+                return
+            if spec.upload and s.ready is not None:  # the speculative upload may still read the weights
+                s.ready.synchronize()
+            t = time.perf_counter()
+            for live, copy in pairs:
+                live[b:e] = copy[b:e]
+            self._stats.add("redo_s", time.perf_counter() - t)
+
+        def finalize() -> None:
+            self._stats.add("redo_s", sum(spec.seconds))  # the rolled-back update's own time (it has run)
+            if spec.upload and spec.done:
+                self._upload_now(s, after)
+
+        s.step = spec.step
+        s.staged, s.summed = True, False
+        self._stats.add("spec_rolled_back", 1)
+        self._unwaited = True
+        self._run_batch(s, body, finalize)
+
+    def _queue_upload(self, s: HostSlot, after: Any) -> None:
+        """Upload ``s``'s weights now if no batch of it is queued or running, else queue it behind them (one empty
+        chunk whose finalize uploads)."""
+        self._unwaited = True
+        with s.cond:
+            idle = not s.inflight
+        if idle:  # (only this thread queues work for the slot)
+            self._upload_now(s, after)
+            return
+        self._run_batch(s, lambda c, b, e: None, lambda: self._upload_now(s, after), numel=1)
+
+    def _upload_now(self, s: HostSlot, after: Any) -> None:
+        s.ready = self.backend.copy_to_device(s.param, s.upload_src, after)
+        self._stats.add("param_bytes", s.numel * _ITEMSIZE[s.dtype])
+        self._stats.last_finalize = time.perf_counter()
+
+
+class EngineSpeculation:
+    """The speculation methods of :class:`~trainstream.core._engine.Engine`, by global slot id (host slots)."""
+
+    def can_speculate(self, sid: int) -> bool:
+        """Whether slot ``sid``'s update can be speculative (a host slot whose gradient staging the update only
+        reads: not a master of fp16/bf16 weights)."""
+        dev, local = self._where[self._check_sid(sid)]
+        return not dev and self.host.can_speculate(local)
+
+    def speculative(self, sid: int) -> bool:
+        """Whether host slot ``sid`` holds a speculative update neither committed nor rolled back."""
+        return self.host.speculative(self._local_on(sid, False))
+
+    def speculation_bytes(self, sids: Sequence[int]) -> int:
+        """Host bytes of the kept copies of ``sids`` (host slots): what speculating on them takes."""
+        return sum(self.host.backup_bytes(self._local_on(sid, False)) for sid in sids)
+
+    def staged_grad(self, sid: int) -> np.ndarray:
+        """Host slot ``sid``'s staged gradient once landed (float32, or uint16 bits), the buffer itself."""
+        return self.host.staged_grad(self._local_on(sid, False))
+
+    def guard_staged(self, sids: Sequence[int]) -> None:
+        """The compute stream waits for the gradient copies of host slots ``sids`` (before an in-place change)."""
+        if sids:
+            self.host.guard_staged([self._local_on(sid, False) for sid in sids])
+
+    def commit(self, sids: Sequence[int]) -> None:
+        """Keep the speculative updates of host slots ``sids`` (their weights uploaded where they were not yet)."""
+        if sids:
+            self.host.commit([self._local_on(sid, False) for sid in sids])
+
+    def rollback(self, sids: Sequence[int]) -> None:
+        """Undo the speculative updates of host slots ``sids`` exactly; their staged gradients stay staged."""
+        if sids:
+            self.host.rollback([self._local_on(sid, False) for sid in sids])
+
+    def count_spec_step(self, redone: bool) -> None:
+        """Count a step that speculated (stats ``spec_steps_committed`` / ``spec_steps_redone``)."""
+        self.host.count_spec_step(redone)
