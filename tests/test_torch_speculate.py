@@ -42,7 +42,7 @@ def same(a, b):
 def same_state(ropt, opt, ref, ours):
     for p, q in zip(ref.parameters(), ours.parameters()):
         for key, want in ropt.state[p].items():
-            assert torch.equal(torch.as_tensor(want).float(), torch.as_tensor(opt.state[q][key]).float()), key
+            assert torch.equal(torch.as_tensor(want).float().cpu(), torch.as_tensor(opt.state[q][key]).float().cpu()), key
 
 
 def make(recipe="fp32", lr=1e-2, device="cpu", **kw):
@@ -204,6 +204,8 @@ def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
     """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
     gradient on step 5 skip those steps exactly as torch skips them (speculative work discarded). Speculation
     assumes the scale last seen (or, after unscale_, found): the steps where it is unchanged commit."""
+    if device == "cuda" and recipe == "bf16":
+        pytest.skip("torch's CUDA GradScaler does not unscale bf16 gradients")
     ref, ropt, ours, opt = make(recipe, device=device)
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
     for i, x in enumerate(batches(8, device=device)):

@@ -158,8 +158,12 @@ class GradCapture(V.SpeculationPolicy):
         if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
             assumed = self._assume(rec, hp)
-            engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
-                                coef=assumed.coef, grad_div=assumed.grad_div)
+            try:
+                engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
+                                    coef=assumed.coef, grad_div=assumed.grad_div)
+            except NotImplementedError:  # an update the host refuses: staged only, step() raises it (nothing changed)
+                hp = None
+        if hp:
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
             self.spec[sid] = (rec.staged, assumed)
             rec.summed = 0
