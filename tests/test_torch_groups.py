@@ -347,3 +347,46 @@ def test_unknown_group_keys_kept_as_torch():
         pairs[1][0].load_state_dict(pairs[1][0].state_dict())
     assert pairs[1][0].param_groups[0]["name"] == "body"
     pairs[1][0].close()
+
+
+# -- CUDA graphs (issue 40 item 4) ---------------------------------------------------------------
+
+
+def test_backward_captured_in_a_cuda_graph_is_refused_at_capture(monkeypatch):
+    """A gradient hook that finds a CUDA graph capture under way raises, naming the setting to change (the hooks of
+    host-updated parameters would not run at replay). The capture itself is the GPU test's; here it is faked."""
+    from trainstream.torch import _grads
+
+    model = torch.nn.Linear(4, 3)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, threads=1)
+    monkeypatch.setattr(_grads, "_capturing", lambda p: True)
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph.*disable_cuda_graphs=True"):
+        model(torch.ones(2, 4)).sum().backward()
+    monkeypatch.undo()
+    opt.zero_grad()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for m, o in ((model, opt), (ref, ropt)):  # nothing changed: training goes on as torch's
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
+def test_cuda_graph_capture_of_backward_raises_in_cpu_mode():
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 64, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the graph, as torch's docs do
+        model(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    opt.zero_grad(set_to_none=False)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
+        with torch.cuda.graph(g):
+            model(x).sum().backward()
+    opt.close()

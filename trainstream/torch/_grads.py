@@ -131,6 +131,8 @@ class GradCapture(V.SpeculationPolicy):
         self._same_engine()
         engine, p = self.slots.engine, rec.param
         on_device, hint = engine.on_device(rec.sid), self.eager and not self.clipping
+        if (hint or not on_device) and _capturing(p):
+            raise RuntimeError(_CAPTURED)
         if on_device:
             if hint:
                 self._launch(rec)
@@ -383,6 +385,18 @@ def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_g
             f"(parameter {sid}) updated from the gradients as backward left them, and those updates are not "
             "speculative (they cannot be redone). Clip with max_grad_norm= (then last_micro_batch() launches nothing "
             "early), or leave last_micro_batch() out; reload a checkpoint (load_state_dict) to continue.")
+
+
+def _capturing(p: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (``p``: a CUDA parameter)."""
+    return p.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_CAPTURED = ("OffloadAdamW: backward is being captured in a CUDA graph (torch.cuda.graph, make_graphed_callables, "
+             "torch.compile(mode='reduce-overhead'), torchtitan's default training.disable_cuda_graphs=False). Gradient "
+             "hooks run at capture, not at replay, so the gradients of the parameters the host updates (mode='cpu', "
+             "hybrid's host share) and the updates last_micro_batch() starts would not follow the replays. Capture "
+             "forward and backward without CUDA graphs (torchtitan: training.disable_cuda_graphs=True).")
 
 
 def _refusal(rec: Slot, what: str = "clip_grad_norm_, GradScaler.unscale_ or by hand") -> str:
