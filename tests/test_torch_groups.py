@@ -390,3 +390,23 @@ def test_cuda_graph_capture_of_backward_raises_in_cpu_mode():
         with torch.cuda.graph(g):
             model(x).sum().backward()
     opt.close()
+
+
+def test_deepcopy_keeps_the_state_of_a_parameter_in_no_group():
+    """A parameter replaced in param_groups after an update keeps its state entry, in a copy too: both state_dict()s
+    raise KeyError, as torch's (the fuzzer's finding)."""
+    for cls in (torch.optim.AdamW, OffloadAdamW):
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+        opt = cls(a.parameters(), lr=0.1)
+        a(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        opt.param_groups[0]["params"] = list(b.parameters())
+        if cls is OffloadAdamW:
+            b(torch.ones(1, 3)).sum().backward()
+            opt.step()  # ours learns of the edit at a step
+        for o in (opt, copy.deepcopy(opt)):
+            with pytest.raises(KeyError):
+                o.state_dict()
+            if isinstance(o, OffloadAdamW):
+                o.close()

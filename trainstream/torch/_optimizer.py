@@ -347,7 +347,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         if self._zero is not None:
             raise NotImplementedError(f"copy.deepcopy/pickle of {type(self).__name__}(zero_stage=1): each rank holds "
                                       "only its partition; save consolidate_state_dict() + state_dict() instead")
-        state = {rec.param: entry for rec in self._slots if (entry := S.entry(self._slots, rec))}
+        state = {rec.param: entry for rec in self._slots.live() if (entry := S.entry(self._slots, rec))}
         state.update(self._state_view.pending)  # entries moved to parameters not registered yet
         return {"init_kwargs": self._init_kwargs, "param_groups": [dict(g) for g in self.param_groups],
                 "state": state, "extras": dict(self._state_view.extras)}
@@ -364,6 +364,9 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             if rec is not None:
                 loads[rec.sid] = S.parse_entry(rec.sid, entry, p, rec.recipe)
         self._load(loads, state["extras"])
+        for p, entry in state["state"].items():  # a parameter in no group keeps its entry, as in torch's copy
+            if self._slots.of(p) is None:
+                self._state_view.pending[p] = dict(entry)
 
     def __copy__(self):
         raise NotImplementedError(f"copy.copy of {type(self).__name__}: a shallow copy would share the host state "
