@@ -410,3 +410,27 @@ def test_deepcopy_keeps_the_state_of_a_parameter_in_no_group():
                 o.state_dict()
             if isinstance(o, OffloadAdamW):
                 o.close()
+
+
+def test_state_moved_onto_a_parameter_of_another_dtype_raises_as_torch():
+    """A bf16 entry moved onto an fp16 parameter: torch's step raises; ours too (a ValueError naming it, before any
+    weight changes), rather than casting it (the fuzzer's finding)."""
+    raised = []
+    for cls in (torch.optim.AdamW, OffloadAdamW):
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 2).to(torch.bfloat16), nn.Linear(3, 2).to(torch.float16)
+        opt = cls(a.parameters(), lr=0.1)
+        a(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.param_groups[0]["params"] = list(b.parameters())
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            opt.state[pb] = opt.state.pop(pa)
+        b(torch.ones(1, 3, dtype=torch.float16)).float().sum().backward()
+        before = [p.detach().clone() for p in b.parameters()]
+        with pytest.raises((RuntimeError, ValueError)) as exc:
+            opt.step()
+        raised.append(exc.type)
+        if cls is OffloadAdamW:  # (torch's for-each step has decayed the weights before it raises)
+            assert all(torch.equal(x, y) for x, y in zip(before, b.parameters()))
+            assert "holds exp_avg in torch.bfloat16" in str(exc.value)
+            opt.close()

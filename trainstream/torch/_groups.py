@@ -195,6 +195,9 @@ class ParamGroups:
             pairs += more
             names += more_names
         pending = self._state_view.pending
+        for (p, _, r), name in zip(pairs, names):
+            if p in pending and not r.master:
+                _check_moved(name, pending[p], p)
         loads = [S.parse_entry(name, pending[p], p, r) for (p, _, r), name in zip(pairs, names) if p in pending]
         slots = self._slots
         recs = (slots.start if slots.empty() else slots.add)(pairs, hook=self._grads.hook, names=names)
@@ -203,3 +206,14 @@ class ParamGroups:
             if pending.pop(rec.param, None) is not None:
                 slots.engine.load_state(rec.sid, next(moved))
                 rec.touched = True
+
+
+def _check_moved(name: str, entry: dict[str, Any], p: torch.Tensor) -> None:
+    """A state entry moved onto ``p`` (``opt.state[p] = ...``) is taken as it is by torch's step, which raises where
+    its moments are not in ``p``'s dtype: ``ValueError`` here too (no cast torch would not make)."""
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        value = entry.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype != p.dtype:
+            raise ValueError(f"the state entry moved to {name} holds {key} in {value.dtype}, the parameter is "
+                             f"{p.dtype} (torch's step raises on it): cast the entry, or del opt.state[param] for "
+                             "fresh state")
