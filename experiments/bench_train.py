@@ -32,7 +32,9 @@ machine's ``MemAvailable`` during the setup, sampled by the parent every 0.1 s
 6 x params x tokens / step time / ``--peak-tflops`` (H200 bf16 dense: 989). ``--ckpt``
 checkpoints every block's activations in every setup; ``--lean`` keeps only the timed steps
 (no per-phase memory step, forward probe or back-to-back steps). ``--trace SETUPS``: two more steps with the engine's host timeline (``_trace_report.py``), a Chrome trace file
-per setup in ``--trace-dir``. ``--device cpu`` is a smoke test (CUDA-only setups skipped):
+per setup in ``--trace-dir``. ``~lclipX`` (TrainStream setups): the loop itself calls
+``clip_grad_norm_(params, X)`` between backward and ``step()``, as trainers do (#42: speculation validates it);
+the row then carries the speculation counters (steps committed / redone, redo ms). ``--device cpu`` is a smoke test (CUDA-only setups skipped):
 ``python experiments/bench_train.py --device cpu --configs tiny:2 --seq 64 --vocab 512 --steps 2 --warmup 1 --lean``.
 """
 
@@ -97,10 +99,13 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
         return next((o[len(prefix):] for o in opts if o.startswith(prefix) and o[len(prefix):][:1].isdigit()), None)
 
     unknown = [o for o in opts if o not in ("base", "auto", "overlap", "fused", "master") and not any(
-        o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", *TS_OPTIONS))]
+        o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", "lclip", *TS_OPTIONS))]
     if unknown:
         raise ValueError(f"{setup}: unknown option(s) {', '.join('~' + o for o in unknown)} (see the module docstring)")
     clip = float(opt_value("clip")) if opt_value("clip") is not None else None
+    lclip = float(opt_value("lclip")) if opt_value("lclip") is not None else None
+    if lclip is not None and (clip is not None or not name.startswith("ts_")):
+        raise ValueError(f"{setup}: ~lclip is for TrainStream setups without ~clip (in-GPU setups: ~clip is the loop's)")
     if clip is not None and name.endswith("_eager"):
         raise ValueError(f"{setup}: the eager path is off with clipping (use the setup without _eager)")
     torch.manual_seed(0)
@@ -143,6 +148,8 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     clip_fn = None
     if clip is not None and not name.startswith("ts_"):
         clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, clip)  # noqa: E731
+    if lclip is not None:
+        clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, lclip)  # noqa: E731
     return model, opt, name in ("amp_fused", "torchao_fp32"), name.endswith("_eager"), clip_fn
 
 
@@ -282,6 +289,9 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
             row[k.replace("_bytes", "_gib")] = st.get(k, 0.0) / 2**30
         n = max(st["steps"] - stats0["steps"], 1.0)  # per step since stats0, the extra steps counted
         row["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / n
+        for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total"):  # #42's counters, whole run
+            if k in st:
+                row[k] = st[k]
     row["host"] = host_memory_self()  # before the teardown: the state is still there
     if hasattr(opt, "close"):
         opt.close()
@@ -398,8 +408,13 @@ def print_tables(rows: list) -> None:
         print(f"{r['size'] + 'x' + str(r['batch']):10s} {r['setup']:20s} {ms:8.1f} {100 * r['mfu']:5.1f} {r['peak_gib']:8.2f} "
               f"{r.get('host_used_peak_gib', math.nan):8.1f} {ms / b:7.2f} {ms / t:7.2f} "
               f"{r.get('host_update_wall_ms_last', math.nan):9.1f} {r.get('step_ms_stream', math.nan):7.1f}")
-        clip = next((o for o in r["setup"].split("~")[1:] if o.startswith("clip")), None)
+        clip = next((o.removeprefix("l") for o in r["setup"].split("~")[1:] if o.startswith(("clip", "lclip"))), None)
         ref = same.get(f"bf16_fused~{clip}")
+        if ref and r["setup"].startswith("ts_"):
+            print(f"  vs bf16_fused~{clip} (in-GPU, the loop clips): {ms / ref['step_ms_median']:.3f}x")
+        if "spec_steps_committed" in r:
+            print(f"  speculation: {r['spec_steps_committed']:.0f} steps committed, {r['spec_steps_redone']:.0f} redone, "
+                  f"{r['redo_ms_total']:.1f} ms in redos (whole run)")
         if r["setup"].startswith("ts_") and clip and ref and "forward_ms" in ref:
             host = r.get("host_update_wall_ms_last", math.nan)
             target = (ref["step_ms_median"] + max(0.0, host - ref["forward_ms"])) * 1.05
