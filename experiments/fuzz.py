@@ -1,4 +1,4 @@
-# Run: python experiments/fuzz.py --adapter torch --examples 10000 [--seed 0] [--pending] [--full] [--json out.json]
+# Run: python experiments/fuzz.py --adapter torch --examples 10000 [--seed 0] [--jobs N] [--pending] [--full] [--json out.json]
 """The longer run of the differential fuzzers of issue 40 item 5 (tests/_fuzz_torch.py, tests/_fuzz_jax.py; CI runs
 a few hundred derandomized sequences of each in tests/test_fuzz_*.py): ``--examples`` random sequences, each run
 against the reference (torch.optim.AdamW/Adam for ``--adapter torch``; optax.adamw/adam for ``--adapter jax``) and
@@ -8,7 +8,8 @@ sequence, and the exit status is 1).
 
 ``--pending`` (torch) adds the operations of ``_fuzz_torch.PENDING`` (known defects, left out of CI until fixed);
 ``--full`` (JAX) adds the hyper-parameters whose Numba kernels no CI test compiles (a cold cache compiles each once,
-5-50 s). ``--seed`` makes the run repeatable.
+5-50 s). ``--seed`` makes the run repeatable. ``--jobs N`` splits the examples over N processes (process i draws
+with seed ``seed + i``) and adds their counts up.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--pending", action="store_true", help="torch: include the PENDING operations")
     ap.add_argument("--full", action="store_true", help="jax: every hyper-parameter family")
     ap.add_argument("--json", type=Path, default=None, help="write the counts here")
+    ap.add_argument("--jobs", type=int, default=1, help="processes (process i: seed + i)")
     args = ap.parse_args(argv)
+    if args.jobs > 1:
+        return _sharded(args, argv if argv is not None else sys.argv[1:])
     counts, findings = Counter(), []
     prop = (_torch_property if args.adapter == "torch" else _jax_property)(args, counts, findings)
     run = settings(max_examples=args.examples, deadline=None, database=None, phases=[Phase.generate],
@@ -102,6 +106,47 @@ def main(argv=None) -> dict:
     result = {"adapter": args.adapter, "examples": args.examples, "seed": args.seed, "pending": args.pending,
               "full": args.full, "seconds": round(elapsed, 1), "sequences": total, "counts": dict(counts),
               "findings": [f for f, _ in findings[:50]]}
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _sharded(args, argv) -> dict:
+    """``--jobs N``: N processes of this script, process i with seed ``seed + i`` and its share of the examples;
+    their counts and findings added up, printed and written as one run's."""
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    rest = [a for i, a in enumerate(argv) if a not in ("--jobs", "--seed", "--examples", "--json")
+            and (i == 0 or argv[i - 1] not in ("--jobs", "--seed", "--examples", "--json"))]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i in range(args.jobs):
+            n = args.examples // args.jobs + (i < args.examples % args.jobs)
+            cmd = [sys.executable, __file__, *rest, "--examples", str(n), "--seed", str(args.seed + i),
+                   "--json", f"{tmp}/{i}.json"]
+            procs.append(subprocess.Popen(cmd, stdout=open(f"{tmp}/{i}.log", "w"), stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait()
+        parts = [json.loads(Path(f"{tmp}/{i}.json").read_text()) if Path(f"{tmp}/{i}.json").exists()
+                 else {"counts": {"other finding": 1}, "findings": [Path(f"{tmp}/{i}.log").read_text()[-3000:]]}
+                 for i in range(args.jobs)]
+    counts = Counter()
+    for part in parts:
+        counts.update(part["counts"])
+    counts.pop("_seen", None)
+    result = {"adapter": args.adapter, "examples": args.examples, "seed": args.seed, "jobs": args.jobs,
+              "pending": args.pending, "full": args.full, "seconds": round(time.perf_counter() - t0, 1),
+              "sequences": sum(p.get("sequences", 0) for p in parts), "counts": dict(counts),
+              "findings": [f for p in parts for f in p["findings"]][:50]}
+    print(f"# python experiments/fuzz.py --adapter {args.adapter} --examples {args.examples} --seed {args.seed} "
+          f"--jobs {args.jobs}{' --pending' if args.pending else ''}{' --full' if args.full else ''}  "
+          f"({result['seconds']:.0f} s)\nsequences run: {result['sequences']}")
+    for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {v:6d}  {k}")
+    for f in result["findings"][:5]:
+        print(f"FINDING: {f}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
     return result
