@@ -68,10 +68,10 @@ class Speculative:
 
     def staged_grad(self, sid: int) -> np.ndarray:
         """The gradient staged for slot ``sid`` (the buffer itself, float32 or the uint16 bits of fp16/bf16) once
-        its copy has landed: what a speculative update read, for the adapter's bitwise check."""
+        its copy has landed: what a speculative update read, for the adapter's bitwise check. The update may still
+        run: it only reads this buffer (:attr:`HostSlot.speculable`), so the check overlaps it."""
         self._check_open()
         s = self._slot(sid)
-        self._wait_idle(s)
         self.errors.check()
         if s.landed is not None:
             s.landed.synchronize()

@@ -198,7 +198,7 @@ class GradCapture(V.SpeculationPolicy):
         """What ``step()`` tells the engine, per registered parameter of ``groups`` (``hyper``: a group's
         hyper-parameters) whose ``grad`` is not None: a GPU slot's gradient (not one launched from its hook); a host
         slot's staged copy (:meth:`StagedCopy.current`), times its multiplier, or ``param.grad`` copied again now. A
-        speculative update is committed where it is what torch computes now (:meth:`_holds`), else rolled back and
+        speculative update is committed where it is what torch computes now (:meth:`_verdicts`), else rolled back and
         redone so (or left undone: no gradient). Returns ``(updates, coefs, early)`` for ``Engine.step``
         (``early``: the slots updated from hooks, committed); every staged copy and hook's mark is consumed."""
         self._same_engine()
@@ -215,9 +215,11 @@ class GradCapture(V.SpeculationPolicy):
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
                 raise RuntimeError(_refusal(rec))
         spec, launched = self.spec, self.launched
+        hps = [hyper(g) for g in groups]
+        holds = self._verdicts([(rec, rec.staged, *spec[rec.sid], hp) for g, hp in zip(groups, hps) for p in g["params"]
+                                if (rec := self.slots.of(p)) is not None and rec.sid in spec and p.grad is not None])
         updates, coefs, commit, redone = [], {}, [], False
-        for group in groups:
-            hp = hyper(group)
+        for group, hp in zip(groups, hps):
             for p in group["params"]:
                 rec = self.slots.of(p)  # None: another rank's (zero_stage=1)
                 if rec is None:
@@ -225,7 +227,8 @@ class GradCapture(V.SpeculationPolicy):
                 copy, rec.staged = rec.staged, None
                 rec.summed, rec.broken = 0, False
                 if rec.sid in spec:
-                    if p.grad is not None and self._holds(rec, copy, *spec.pop(rec.sid), hp):
+                    spec.pop(rec.sid)
+                    if holds.get(rec.sid, False):
                         commit.append(rec.sid)
                         continue
                     engine.rollback([rec.sid])  # then redone below, from the pre-step state

@@ -37,7 +37,7 @@ from ._params import Slot
 if TYPE_CHECKING:
     from ._grads import StagedCopy
 
-__all__ = ["Assumed", "SpeculationPolicy", "bits_hold", "power_of_two_ratio"]
+__all__ = ["Assumed", "SpeculationPolicy", "bits_differ", "bits_hold", "power_of_two_ratio", "read_all"]
 
 #: The integer views of a gradient's bits, by element size.
 _BITS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
@@ -58,14 +58,20 @@ class Assumed(NamedTuple):
 def bits_hold(grad: torch.Tensor, staged: np.ndarray, coef: float) -> bool:
     """Whether ``grad``'s bits are the staged gradient's (float32, or the uint16 bits of fp16/bf16) times ``coef``
     in float32, rounded to the gradient's dtype as torch's in-place multiplications of gradients (clipping,
-    unscaling) round (``coef`` 1.0: the staged bits themselves). Compared where ``grad`` is: a GPU gradient against
-    the pinned staging copied up in pieces of :data:`_PIECE` elements (no host copy of the gradient)."""
+    unscaling) round (``coef`` 1.0: the staged bits themselves). :func:`bits_differ`, read at once."""
+    return not bool(bits_differ(grad, staged, coef))
+
+
+def bits_differ(grad: torch.Tensor, staged: np.ndarray, coef: float) -> bool | torch.Tensor:
+    """:func:`bits_hold`'s negation, not read yet where ``grad`` is on a GPU: a 0-dim bool tensor there (the caller
+    reads every parameter's at once: one synchronisation per step). Compared where ``grad`` is: a GPU gradient
+    against the pinned staging copied up in pieces of :data:`_PIECE` elements (no host copy of the gradient)."""
     g = D.local(grad).detach().reshape(-1)
     if g.dtype not in _DTYPE_NAME or g.numel() != staged.size or g.element_size() != staged.itemsize:
-        return False
+        return True
     ints, np_ints = _BITS[g.element_size()]
     if g.device.type == "cpu" and coef == 1.0:
-        return bool(np.array_equal(g.view(ints).numpy(), staged.view(np_ints)))
+        return not np.array_equal(g.view(ints).numpy(), staged.view(np_ints))
     host = torch.from_numpy(staged.view(np_ints))
     bad = torch.zeros((), dtype=torch.bool, device=g.device)
     for b in range(0, g.numel(), _PIECE):
@@ -74,7 +80,19 @@ def bits_hold(grad: torch.Tensor, staged: np.ndarray, coef: float) -> bool:
         if coef != 1.0:
             ref = (ref.float() * coef).to(g.dtype)
         bad |= (g[b:e].view(ints) != ref.view(ints)).any()
-    return not bool(bad)
+    return bad if g.device.type != "cpu" else bool(bad)
+
+
+def read_all(verdicts: dict[int, bool | torch.Tensor]) -> dict[int, bool]:
+    """``verdicts`` (:func:`bits_differ`'s, or plain bools) as bools, the GPU ones read with one copy per device."""
+    out = {k: v for k, v in verdicts.items() if isinstance(v, bool)}
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in verdicts.items():
+        if not isinstance(v, bool):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        out.update(zip(keys, torch.stack([verdicts[k] for k in keys]).tolist()))
+    return out
 
 
 def power_of_two_ratio(grad: torch.Tensor, staged: np.ndarray, dtype: str) -> float | None:
@@ -186,23 +204,32 @@ class SpeculationPolicy:
             grad = grad.contiguous()
         return grad, _DTYPE_NAME[grad.dtype]
 
-    def _holds(self, rec: Slot, copy: StagedCopy | None, ref: StagedCopy, assumed: Assumed,
-               hp: C.AdamWHyperParams) -> bool:
-        """Whether ``rec``'s speculative update is bit for bit what torch's step computes now
-        (:mod:`~trainstream.torch._validate`); learns GradScaler's power-of-two scaling where ``unscale_`` hid it."""
-        engine, p = self.slots.engine, rec.param
-        if hp != assumed.hp or self._scaled.get(rec.sid) != assumed.grad_div or not engine.speculative(rec.sid):
-            return False
-        if not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(p, trusted=True):
-            return (1.0 if copy.coef is None else copy.coef) == assumed.coef
-        if assumed.grad_div is not None:
-            return False
-        staged = engine.staged_grad(rec.sid)
-        if bits_hold(p.grad, staged, assumed.coef):
-            return True
-        if self._untrusted and (ratio := power_of_two_ratio(p.grad, staged, rec.recipe.dtype)) is not None:
-            self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
-        return False
+    def _verdicts(self, checks: list[tuple[Slot, StagedCopy | None, StagedCopy, Assumed, C.AdamWHyperParams]]
+                  ) -> dict[int, bool]:
+        """Per slot id of ``checks`` (``(rec, copy, ref, assumed, hp)``): whether its speculative update is bit for
+        bit what torch's step computes now (:mod:`~trainstream.torch._validate`). The GPU gradients' comparisons
+        are all launched first and read at once; GradScaler's power-of-two scaling is learnt where ``unscale_``
+        hid it."""
+        engine, verdicts, compared = self.slots.engine, {}, {}
+        for rec, copy, ref, assumed, hp in checks:
+            p, sid = rec.param, rec.sid
+            if hp != assumed.hp or self._scaled.get(sid) != assumed.grad_div or not engine.speculative(sid):
+                verdicts[sid] = False
+            elif not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(
+                    p, trusted=True):
+                verdicts[sid] = (1.0 if copy.coef is None else copy.coef) == assumed.coef
+            elif assumed.grad_div is not None:
+                verdicts[sid] = False
+            else:
+                compared[sid] = (rec, engine.staged_grad(sid))
+                verdicts[sid] = bits_differ(p.grad, compared[sid][1], assumed.coef)
+        differ = read_all({sid: verdicts[sid] for sid in compared})
+        for sid, (rec, staged) in compared.items():
+            verdicts[sid] = not differ[sid]
+            if differ[sid] and self._untrusted and (
+                    ratio := power_of_two_ratio(rec.param.grad, staged, rec.recipe.dtype)) is not None:
+                self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
+        return verdicts
 
 
 def _accelerate_syncs() -> bool | None:
