@@ -466,7 +466,11 @@ def test_torch_hybrid_plan_follows_the_split():
         with pytest.raises(err, match=what):
             OffloadAdamW.host_memory_plan(params, **kw)
     # "auto": everything offloaded until the first step, so the plan of no GPU state
-    assert OffloadAdamW.host_memory_plan(params, gpu_state_bytes="auto") == OffloadAdamW.host_memory_plan(params)
+    def bytes_planned(plan):  # the host's free memory ("available", "usable") moves between two reads
+        return {k: v for k, v in plan.items() if k not in ("available", "usable")}
+
+    assert bytes_planned(OffloadAdamW.host_memory_plan(params, gpu_state_bytes="auto")) == bytes_planned(
+        OffloadAdamW.host_memory_plan(params))
 
 
 def test_torch_plan_leaves_out_the_state_resident_in_gpu_memory():
