@@ -1,0 +1,214 @@
+"""Issue 38's torchtitan acceptance: torchtitan's own trainer (``Trainer.train``: FSDP2 with bf16 compute, selective
+activation checkpointing, its LR scheduler and gradient clipping over DTensors, its DCP checkpointer) trains bit for
+bit as with its own ``torch.optim.AdamW`` (``implementation="fused"``) when its config activates
+``trainstream.torch.torchtitan.offload_adamw`` (``override.imports``, as ``--override.imports`` does on its command
+line): every rank's shards and state after 4 steps, a resume from the step-2 checkpoint, and checkpoints moved between
+the two optimizers both ways.
+
+On the CPU: two gloo ranks (``torch.multiprocessing.spawn``). torchtitan 0.3.0 takes ``cuda`` as its device type
+where torch finds no accelerator (``torchtitan.tools.utils.get_device_info``); each rank makes torch report ``cpu``
+before importing torchtitan, with a stand-in for the CUDA memory queries of its metrics (``_cpu_device``); the
+training loop is torchtitan's, unchanged. The model is its Llama3 with SDPA attention (FlexAttention has no backward
+on the CPU), 2 layers of width 64, on synthetic tokens (``experiments/_titan.py``); no ``torch.compile`` on the CPU
+(the GPU test compiles). torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 names
+``distributed_c10d._set_pg_timeout``: aliased where missing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import traceback
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if sys.version_info < (3, 11) or importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan (Python >= 3.11) is not installed", allow_module_level=True)
+dist = torch.distributed
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from _experiments import EXPERIMENTS  # noqa: E402
+
+STEPS, INTERVAL = 4, 2
+OVERRIDE = "trainstream.torch.torchtitan.offload_adamw"
+
+
+def _load_titan():
+    """``experiments/_titan.py`` as the module ``_titan`` (registered: its Config dataclasses need their module)."""
+    spec = importlib.util.spec_from_file_location("_titan", EXPERIMENTS / "_titan.py")
+    module = sys.modules["_titan"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cpu_device() -> None:
+    """Before torchtitan's import: torch reports ``cpu`` as its accelerator, and ``torch.cpu`` stands in for
+    ``torch.cuda`` in torchtitan's memory monitor (no memory statistics: torchtitan logs -1)."""
+    import torch._utils  # noqa: PLC0415
+
+    module = types.SimpleNamespace(
+        get_device_name=lambda device=None: "cpu", current_device=lambda: 0,
+        get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=1 << 34),
+        reset_peak_memory_stats=lambda device=None: None, empty_cache=lambda: None,
+        memory_stats=lambda device=None: {}, synchronize=lambda device=None: None, set_device=lambda device: None,
+        device_count=lambda: 1)
+    get_module = torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda kind: module if kind == "cpu" else get_module(kind)
+
+
+def _gloo_reductions() -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1.0 (it scales by the global token count itself), which
+    FSDP2 reduces with ``ReduceOp.PREMUL_SUM(1.0)``: NCCL has it, gloo does not. Under gloo FSDP is told to reduce
+    with ``SUM`` (its ``set_force_sum_reduction_for_comms``): the same sums, the factor 1.0 not applied."""
+    import torchtitan.distributed.fsdp as fsdp  # noqa: PLC0415
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    divide = fsdp.disable_fsdp_gradient_division
+
+    def sum_reductions(model: torch.nn.Module) -> None:
+        divide(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    fsdp.disable_fsdp_gradient_division = sum_reductions
+
+
+def _quiet_trainer() -> None:
+    """torchtitan's ``train()`` ends with a 2 s sleep on rank 0 ("for other ranks to complete"); skipped here."""
+    import torchtitan.trainer as trainer  # noqa: PLC0415
+
+    trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=lambda seconds: None)
+
+
+def _train(titan, folder: str, *, offload: bool, device: str, compile_model: bool = False):
+    """One ``Trainer.train()`` of STEPS steps in ``folder`` (resuming from the latest checkpoint there, as
+    torchtitan does): the local shards of the weights and of the optimizer state, and the optimizer's class."""
+    config = titan.llama3("debugmodel", n_layers=2)
+    config.dump_folder = folder
+    config.debug.seed = 0
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.training.steps, config.training.seq_len, config.training.local_batch_size = STEPS, 16, 2
+    config.training.disable_cuda_graphs = True
+    config.checkpoint.enable, config.checkpoint.interval = True, INTERVAL
+    config.checkpoint.last_save_model_only = False
+    config.compile.enable = compile_model
+    if offload:
+        config.override.imports = [(OVERRIDE, {"threads": 1} if device == "cpu" else {})]
+    trainer = config.build()
+    try:
+        trainer.train()
+        params = list(trainer.model_parts[0].parameters())
+        optimizer = trainer.optimizers.optimizers[0]
+        weights = [p.detach().to_local().cpu().clone() for p in params]
+        state = [[optimizer.state[p][k].to_local().cpu().clone() for k in ("exp_avg", "exp_avg_sq")]
+                 + [optimizer.state[p]["step"].cpu().clone()] for p in params]
+        return weights, state, type(optimizer).__name__
+    finally:
+        trainer.close()
+        if offload:
+            trainer.optimizers.close()
+
+
+def _seed_checkpoint(source: str, folder: str, rank: int) -> None:
+    """``folder`` starts with ``source``'s step-INTERVAL checkpoint only (rank 0 copies; every rank waits)."""
+    if rank == 0:
+        shutil.copytree(os.path.join(source, "checkpoint", f"step-{INTERVAL}"),
+                        os.path.join(folder, "checkpoint", f"step-{INTERVAL}"))
+    dist.barrier()
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _scenario(titan, rank: int, out: str, device: str, compile_model: bool) -> dict[str, bool]:
+    run = {name: os.path.join(out, name) for name in ("torch", "ours", "ours_resumed", "ours_from_torch",
+                                                      "torch_from_ours")}
+    w0, s0, kind0 = _train(titan, run["torch"], offload=False, device=device, compile_model=compile_model)
+    w1, s1, kind1 = _train(titan, run["ours"], offload=True, device=device, compile_model=compile_model)
+    checks = {"classes": (kind0, kind1) == ("AdamW", "OffloadAdamW"),
+              "weights": _same(w0, w1), "state": all(_same(a, b) for a, b in zip(s0, s1)) and len(s0) == len(s1)}
+    for name, source, offload in (("ours_resumed", "ours", True), ("ours_from_torch", "torch", True),
+                                  ("torch_from_ours", "ours", False)):
+        _seed_checkpoint(run[source], run[name], rank)
+        w, s, _ = _train(titan, run[name], offload=offload, device=device, compile_model=compile_model)
+        checks[name] = _same(w0, w) and all(_same(a, b) for a, b in zip(s0, s))
+    return checks
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, device: str, compile_model: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    if device == "cpu":
+        _cpu_device()
+    if not hasattr(dist, "set_timeout"):  # torchtitan 0.3.0 calls the name torch 2.14 gives it
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+    results: dict = {}
+    try:
+        if world > 1 and device == "cuda":  # two ranks on one GPU: gloo (NCCL refuses); torchtitan keeps a group
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        titan = _load_titan()
+        _quiet_trainer()
+        if world > 1:
+            _gloo_reductions()
+        checks = _scenario(titan, rank, out, device, compile_model)
+        flags = torch.tensor([int(v) for v in checks.values()])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        results = {"checks": dict(zip(checks, map(bool, flags.tolist())))}
+    except Exception:  # noqa: BLE001 - reported by the test
+        results = {"error": f"rank {rank}: {traceback.format_exc()[-12000:]}"}
+    finally:
+        with open(os.path.join(out, f"results{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, device: str, compile_model: bool = False) -> dict:
+    out = str(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(world, port, out, device, compile_model), nprocs=world)
+    for rank in range(world):
+        with open(os.path.join(out, f"results{rank}.json")) as f:
+            result = json.load(f)
+        if "error" in result:
+            return result
+    return result
+
+
+def _assert_bitwise(result: dict) -> None:
+    assert "error" not in result, result.get("error")
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    assert not failed, f"checks failed on some rank: {failed}"
+
+
+def test_torchtitan_fsdp2_two_ranks_cpu(tmp_path):
+    """torchtitan's loop with OffloadAdamW (its override) equals it with torch.optim.AdamW, bit for bit: 4 steps,
+    a resume from step 2, and its DCP checkpoints loaded by the other optimizer, both ways (2 gloo ranks)."""
+    _assert_bitwise(_spawn(tmp_path, 2, "cpu"))
+
+
+@pytest.mark.gpu
+def test_torchtitan_one_gpu_compiled(tmp_path):
+    """The same on one GPU (NCCL, world size 1), with torchtitan's torch.compile of the model and the loss."""
+    _assert_bitwise(_spawn(tmp_path, 1, "cuda", compile_model=True))
+
+
+@pytest.mark.gpu
+def test_torchtitan_two_ranks_one_gpu(tmp_path):
+    """The same with FSDP2 over two gloo ranks sharing one GPU."""
+    _assert_bitwise(_spawn(tmp_path, 2, "cuda"))
