@@ -93,8 +93,9 @@ def _quiet_trainer() -> None:
 
 def _train(titan, folder: str, *, offload: bool, device: str, compile_model: bool = False):
     """One ``Trainer.train()`` of STEPS steps in ``folder`` (resuming from the latest checkpoint there, as
-    torchtitan does): the local shards of the weights and of the optimizer state, and the optimizer's class."""
-    config = titan.llama3("debugmodel", n_layers=2)
+    torchtitan does): the local shards of the weights and of the optimizer state, the optimizer's class and whether
+    every weight (of this rank's non-empty shards) changed."""
+    config = titan.tiny_llama3()
     config.dump_folder = folder
     config.debug.seed = 0
     config.parallelism.spmd_backend = "partial_dtensor"
@@ -107,13 +108,15 @@ def _train(titan, folder: str, *, offload: bool, device: str, compile_model: boo
         config.override.imports = [(OVERRIDE, {"threads": 1} if device == "cpu" else {})]
     trainer = config.build()
     try:
-        trainer.train()
         params = list(trainer.model_parts[0].parameters())
+        initial = [p.detach().to_local().cpu().clone() for p in params]
+        trainer.train()
         optimizer = trainer.optimizers.optimizers[0]
         weights = [p.detach().to_local().cpu().clone() for p in params]
         state = [[optimizer.state[p][k].to_local().cpu().clone() for k in ("exp_avg", "exp_avg_sq")]
                  + [optimizer.state[p]["step"].cpu().clone()] for p in params]
-        return weights, state, type(optimizer).__name__
+        moved = all(not torch.equal(a, w) for a, w in zip(initial, weights) if a.numel())
+        return weights, state, (type(optimizer).__name__, moved)
     finally:
         trainer.close()
         if offload:
@@ -137,7 +140,7 @@ def _scenario(titan, rank: int, out: str, device: str, compile_model: bool) -> d
                                                       "torch_from_ours")}
     w0, s0, kind0 = _train(titan, run["torch"], offload=False, device=device, compile_model=compile_model)
     w1, s1, kind1 = _train(titan, run["ours"], offload=True, device=device, compile_model=compile_model)
-    checks = {"classes": (kind0, kind1) == ("AdamW", "OffloadAdamW"),
+    checks = {"classes": (kind0[0], kind1[0]) == ("AdamW", "OffloadAdamW"), "moved": kind0[1] and kind1[1],
               "weights": _same(w0, w1), "state": all(_same(a, b) for a, b in zip(s0, s1)) and len(s0) == len(s1)}
     for name, source, offload in (("ours_resumed", "ours", True), ("ours_from_torch", "torch", True),
                                   ("torch_from_ours", "ours", False)):
@@ -212,3 +215,102 @@ def test_torchtitan_one_gpu_compiled(tmp_path):
 def test_torchtitan_two_ranks_one_gpu(tmp_path):
     """The same with FSDP2 over two gloo ranks sharing one GPU."""
     _assert_bitwise(_spawn(tmp_path, 2, "cuda"))
+
+
+# The extension point itself, in this process (no trainer): the configs torchtitan builds and what it passes.
+
+def _titan_optimizer():
+    from torchtitan.components import optimizer  # noqa: PLC0415
+    from trainstream.torch import torchtitan as integration  # noqa: PLC0415
+
+    return optimizer, integration
+
+
+def test_offload_optimizers_renames_adam_groups():
+    """AdamW/Adam groups become OffloadAdamW/OffloadAdam with their patterns and arguments; other names, the
+    implementation and the factory arguments of other optimizers are kept; ours are merged per optimizer."""
+    optimizer, integration = _titan_optimizer()
+    config = optimizer.OptimizersContainer.Config(
+        param_groups=[optimizer.ParamGroupConfig(pattern=r"bias$", optimizer_name="Adam", optimizer_kwargs={"lr": 1.0}),
+                      optimizer.ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                                 optimizer_kwargs={"lr": 2.0, "weight_decay": 0.5})],
+        implementation="foreach", optimizer_factory_kwargs_by_name={"AdamW": {"threads": 3}, "DistMuon": {"x": 1}})
+    ours = integration.offload_optimizers(config, mode="cpu")
+    assert type(ours) is integration.OffloadOptimizersContainer.Config
+    assert [(g.pattern, g.optimizer_name, g.optimizer_kwargs) for g in ours.param_groups] == [
+        (r"bias$", "OffloadAdam", {"lr": 1.0}), (".*", "OffloadAdamW", {"lr": 2.0, "weight_decay": 0.5})]
+    assert ours.implementation == "foreach"
+    assert ours.optimizer_factory_kwargs_by_name == {"OffloadAdamW": {"threads": 3, "mode": "cpu"},
+                                                     "OffloadAdam": {"mode": "cpu"}, "DistMuon": {"x": 1}}
+    assert integration.offload_optimizers(ours) == ours  # applied twice: the same
+
+
+def test_refusals_name_the_setting():
+    """fused_opt_states_bf16 (bf16 moments of fp32 parameters) is refused where the config is turned and where the
+    container is built; torch's hyper-parameters given as OffloadAdamW's own arguments are refused."""
+    optimizer, integration = _titan_optimizer()
+    bf16 = optimizer.default_adamw(lr=1e-3)
+    bf16.implementation = "fused_opt_states_bf16"
+    with pytest.raises(NotImplementedError, match="fused_opt_states_bf16"):
+        integration.offload_optimizers(bf16)
+    with pytest.raises(NotImplementedError, match="fused_opt_states_bf16"):
+        integration.OffloadOptimizersContainer(integration.OffloadOptimizersContainer.Config(
+            param_groups=bf16.param_groups, implementation="fused_opt_states_bf16"),
+            model_parts=[torch.nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"\['lr'\]"):
+        integration.offload_optimizers(optimizer.default_adamw(), lr=1.0)
+
+
+def test_command_line_override():
+    """torchtitan's command line (--override.imports with JSON arguments) swaps its optimizer config for ours."""
+    from torchtitan.config import ConfigManager, apply_overrides  # noqa: PLC0415
+
+    _, integration = _titan_optimizer()
+    config = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel",
+                                         "--training.disable_cuda_graphs", "--override.imports",
+                                         OVERRIDE + '={"threads": 1, "mode": "cpu"}'])
+    assert config.training.disable_cuda_graphs
+    assert config.override.imports == [(OVERRIDE, {"threads": 1, "mode": "cpu"})]
+    apply_overrides(config.override, config)  # what Trainer.__init__ does before building the optimizer
+    assert type(config.optimizer) is integration.OffloadOptimizersContainer.Config
+    assert [g.optimizer_name for g in config.optimizer.param_groups] == ["OffloadAdamW"]
+    assert config.optimizer.optimizer_factory_kwargs_by_name == {"OffloadAdamW": {"threads": 1, "mode": "cpu"}}
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_container_passes_torchtitans_arguments(implementation):
+    """The container gives OffloadAdamW the param groups torchtitan gives torch.optim.AdamW (its fused/foreach,
+    lr, betas, eps, weight_decay, param_names), and both train bit for bit, LR scheduler and clipping included."""
+    import copy  # noqa: PLC0415
+
+    optimizer, integration = _titan_optimizer()
+    from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+    models = [model, copy.deepcopy(model)]
+    config = optimizer.default_adamw(lr=1e-2)
+    config.implementation = implementation
+    containers = [optimizer.OptimizersContainer(config, model_parts=[models[0]]),
+                  integration.offload_optimizers(config, threads=1).build(model_parts=[models[1]])]
+    torch_opt, ours = (c.optimizers[0] for c in containers)
+    assert type(ours).__name__ == "OffloadAdamW"
+
+    def groups(opt):
+        return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    assert groups(ours) == groups(torch_opt)
+    schedulers = [LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=c, training_steps=4)
+                  for c in containers]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(4, 5, generator=g)
+        for m, c, s in zip(models, containers, schedulers):
+            m(x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=True)
+            c.step()
+            s.step()
+            c.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    assert groups(ours) == groups(torch_opt)  # the scheduler's lr, in both
+    containers[1].close()
