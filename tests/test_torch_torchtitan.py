@@ -314,3 +314,17 @@ def test_container_passes_torchtitans_arguments(implementation):
         assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
     assert groups(ours) == groups(torch_opt)  # the scheduler's lr, in both
     containers[1].close()
+
+
+def test_example_config_registry(monkeypatch):
+    """examples/torchtitan_llama3_offload.py is a config registry torchtitan's command line loads."""
+    from torchtitan.config import ConfigManager  # noqa: PLC0415
+
+    _, integration = _titan_optimizer()
+    monkeypatch.syspath_prepend(str(EXPERIMENTS.parent))
+    config = ConfigManager().parse_args(["--module", "examples.torchtitan_llama3_offload",
+                                         "--config", "llama3_8b_offload_hybrid"])
+    assert config.training.disable_cuda_graphs
+    assert type(config.optimizer) is integration.OffloadOptimizersContainer.Config
+    assert config.optimizer.optimizer_factory_kwargs_by_name == {"OffloadAdamW": {"mode": "hybrid", "gpu_share": 0.3}}
+    assert config.model_spec.flavor == "8B"
