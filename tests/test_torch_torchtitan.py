@@ -247,7 +247,7 @@ def test_offload_optimizers_renames_adam_groups():
 
 def test_refusals_name_the_setting():
     """fused_opt_states_bf16 (bf16 moments of fp32 parameters) is refused where the config is turned and where the
-    container is built; torch's hyper-parameters given as OffloadAdamW's own arguments are refused."""
+    container is built; so are torch's hyper-parameters given as OffloadAdamW's own arguments, and max_grad_norm."""
     optimizer, integration = _titan_optimizer()
     bf16 = optimizer.default_adamw(lr=1e-3)
     bf16.implementation = "fused_opt_states_bf16"
@@ -259,6 +259,8 @@ def test_refusals_name_the_setting():
             model_parts=[torch.nn.Linear(2, 2)])
     with pytest.raises(TypeError, match=r"\['lr'\]"):
         integration.offload_optimizers(optimizer.default_adamw(), lr=1.0)
+    with pytest.raises(NotImplementedError, match="training.max_norm"):  # torchtitan clips param.grad itself
+        integration.offload_optimizers(optimizer.default_adamw(), max_grad_norm=1.0)
 
 
 def test_command_line_override():

@@ -51,7 +51,15 @@ def _check_implementation(implementation: str) -> None:
 
 
 def _check_own_arguments(kwargs: dict[str, Any], where: str) -> None:
-    """Only OffloadAdamW's own arguments are taken once per optimizer; torch's belong to the param groups."""
+    """Only OffloadAdamW's own arguments are taken once per optimizer (torch's belong to the param groups), and not
+    ``max_grad_norm``: torchtitan clips itself."""
+    if kwargs.get("max_grad_norm") is not None:
+        raise NotImplementedError(
+            f"{where}: max_grad_norm is not supported under torchtitan. Its train_step clips param.grad itself "
+            "(training.max_norm, clip_grad_norm_ with foreach=True) before optimizer.step(); on DTensor gradients that "
+            "in-place scaling moves no version counter, so OffloadAdamW's own clipping, which keeps the copies made "
+            "during backward, would update from gradients torchtitan has since scaled. Leave it unset: "
+            "training.max_norm clips with the same bits.")
     wrong = sorted(set(kwargs) - set(OWN_ARGUMENTS))
     if wrong:
         raise TypeError(
@@ -101,7 +109,8 @@ def offload_optimizers(config: OptimizersContainer.Config, **kwargs: Any) -> Off
     and arguments; ``kwargs`` are OffloadAdamW's own arguments (``mode="hybrid"``, ``threads=8``, ...), merged over
     those the config gives ``"AdamW"``/``"Adam"`` in ``optimizer_factory_kwargs_by_name``. Other optimizers and
     every other field are kept. Raises ``NotImplementedError`` for ``implementation='fused_opt_states_bf16'`` and
-    ``TypeError`` for an argument that is not OffloadAdamW's own (torch's go in the param groups)."""
+    ``TypeError`` for an argument that is not OffloadAdamW's own (torch's go in the param groups), and
+    ``NotImplementedError`` for ``max_grad_norm`` (torchtitan clips ``param.grad`` itself: ``training.max_norm``)."""
     _check_implementation(config.implementation)
     _check_own_arguments(kwargs, "offload_optimizers")
     groups = [replace(group, optimizer_name=RENAMES.get(group.optimizer_name, group.optimizer_name))
