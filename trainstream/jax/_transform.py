@@ -300,6 +300,10 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
+      gpu_state_bytes: None or 0: all the state in host memory. Bytes per device: the leaves whose state fits, in
+        tree order (first fit; never one leaf alone in a tree of several), keep it in device memory and are updated
+        by optax.adamw's own transformation (:mod:`._resident`); ``"auto"``: what the devices' allocator has free
+        at ``init`` (``memory_stats()``), less a tenth. With ``optax.inject_hyperparams``: name it in static_args.
       threads: host worker threads of this process, shared by its devices (default: its share of the usable cores
         among this host's JAX processes, less one).
       worker_nice: the host workers' nice value (Linux applies it per thread).
@@ -313,10 +317,6 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     ``eps = 0`` (issue 35, item 4).
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
-
-    State in GPU memory is not built for JAX (XLA refuses one custom call whose outputs mix host and GPU memory):
-    give the leaves whose state stays in GPU memory ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
-    ``mode="gpu"``'s bits), the rest ``offload_adamw``.
 
     Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits in optax's dtype (so
     ``apply_updates`` and optax's wrappers give the reference program's), ``step`` the same new weights directly, for
