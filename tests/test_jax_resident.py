@@ -163,10 +163,10 @@ def test_nnx_optimizer():
 
 
 def test_master_weights_resident_equals_host():
-    """bf16 leaves with master_weights=True: a resident leaf's fp32 master and moments are optax.adamw's on the
+    """bf16 leaves with master_weights=True and max_grad_norm: a resident leaf's fp32 master and moments are optax.adamw's on the
     master fed the upcast gradients, materialised, as the host path's (itself tested against that reference)."""
     params = jax.tree.map(lambda x: x.astype(BF16) if x.ndim > 1 else x, PARAMS)
-    kw = dict(KW, master_weights=True)
+    kw = dict(KW, master_weights=True, max_grad_norm=0.5)
     tx = tsj.offload_adamw(SCHEDULE, gpu_state_bytes=12 * 12 * 48 + 8 * (48 + 32), **kw)
     assert tx.host_memory_plan(params)["gpu_state_leaves"] == 3  # dense0's kernel (bf16, a master) and two biases
     ours, s = _train(tx, 3, params, moments=True, apart=True)  # (the upcast still in the program: materialised)

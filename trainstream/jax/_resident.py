@@ -38,7 +38,6 @@ __all__ = ["AUTO_GPU_HEADROOM", "Resident", "auto_budget", "check_budget", "resi
 #: ``gpu_state_bytes="auto"`` leaves this fraction of the device's memory (XLA's ``bytes_limit``) free, as the torch
 #: adapter's ``AUTO_GPU_HEADROOM``.
 AUTO_GPU_HEADROOM = 0.1
-_HYPER = ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")  # those optax.inject_hyperparams makes arrays
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _HINT = ("a larger gpu_state_bytes (more state in device memory), fewer parameters' state per process (shard the "
          "parameters over the devices of more processes), or on a GPU mode='gpu' (no staging)")
@@ -197,10 +196,9 @@ class Resident:
 
     # -- init and update ---------------------------------------------------------------------------
 
-    def _optax(self, mask, cfg=None):
-        """optax.adamw (optax.adam's bits where weight_decay is 0) of these hyper-parameters (``cfg``, default the
-        transformation's), ``mask`` its own."""
-        c = self.cfg if cfg is None else cfg
+    def _optax(self, mask):
+        """optax.adamw (optax.adam's bits where weight_decay is 0) of these hyper-parameters, ``mask`` its own."""
+        c = self.cfg
         return optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps, eps_root=c.eps_root,
                            mu_dtype=None if c.mu_dtype is None else jnp.dtype(c.mu_dtype), weight_decay=c.weight_decay,
                            mask=mask, nesterov=c.nesterov)
@@ -234,36 +232,40 @@ class Resident:
         col = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
         return OffloadAdamWState(count, col(mu), col(nu), col(master))
 
-    def _resident_update(self, parts, grads, g, p, state, fams, decay, platform, emit_u):
-        """optax.adamw over the resident leaves (``state``: the count and the state's leaves ``(mu, nu, master)``):
-        ``(firsts, mu', nu', masters', count')`` of those leaves."""
-        cfg, f32, sub = self.cfg, jnp.float32, lambda xs: parts.sub(xs, True)  # noqa: E731
-        count, (mu, nu, master) = state
-        if cfg.max_grad_norm is not None:  # chain(clip_by_global_norm(M), adamw): optax's, over the whole tree
-            g = jax.tree.leaves(optax.clip_by_global_norm(cfg.max_grad_norm).update(grads, optax.EmptyState())[0])
-        w, g = list(p), list(g)
+    def _optax_inputs(self, parts, g, p, master, fams, platform):
+        """What optax.adamw sees of each leaf: ``(gradients, params)``, the resident fp16/bf16 leaves with an fp32
+        master as its reference takes them (the master, fed the upcast gradient; on the CPU both materialised, as in
+        a program of their own, and the master the weights passed in where it no longer rounds to them); and the
+        gradients clip_by_global_norm takes (every leaf with a master upcast: optax's on the fp32 masters)."""
+        g_opt, w = list(g), list(p)
         halves = [i for i in parts.res if fams[i].master]
-        if halves:  # optax.adamw on the float32 masters fed the upcast gradients, materialised (the reference)
+        if halves:
             m_in = [master[i] if platform == "cuda" else C.master_of_weights(master[i], p[i], xp=jnp) for i in halves]
-            g32 = [g[i].astype(f32) for i in halves]
-            if platform == "cpu":  # materialised, as in a program of their own (XLA:CPU drops optimization barriers)
+            g32 = [g[i].astype(jnp.float32) for i in halves]
+            if platform == "cpu":  # (XLA:CPU drops optimization barriers)
                 m_in, g32 = _materialised(m_in, g32)
             for i, m, gi in zip(halves, m_in, g32):
-                w[i], g[i] = m, gi
-        # the count and array hyper-parameters through a barrier: the host path's scalars use them too, and XLA would
-        # share their subexpressions with optax's, which changes how it rewrites optax's (its bits, measured)
-        hyper = {k: v for k, v in cfg._asdict().items() if k in _HYPER and hasattr(v, "dtype")}
-        count, hyper = jax.lax.optimization_barrier((count, hyper))
-        tx = self._optax(None if cfg.mask is None else sub(decay), cfg._replace(**hyper))
+                w[i], g_opt[i] = m, gi
+        clip = [x.astype(jnp.float32) if f.master and i in parts.host else x
+                for i, (x, f) in enumerate(zip(g_opt, fams))]
+        return g_opt, w, clip
+
+    def _resident_update(self, parts, g, w, p, state, decay, emit_u):
+        """optax.adamw over the resident leaves: ``g`` and ``w`` its gradients and params of every leaf
+        (:meth:`_optax_inputs`, the gradients clipped), ``p`` the params passed in, ``state`` the count and the state's
+        leaves ``(mu, nu, master)``: ``(firsts, mu', nu', masters', count')`` of the resident leaves."""
+        cfg, sub = self.cfg, lambda xs: parts.sub(xs, True)  # noqa: E731
+        count, (mu, nu, master) = state
+        tx = self._optax(None if cfg.mask is None else sub(decay))
         opt_state = optax.tree_utils.tree_set(tx.init(sub(w)), count=count, mu=sub(mu), nu=sub(nu))
         u, new = tx.update(sub(g), opt_state, sub(w))
         u = jax.tree.leaves(u)
         firsts, masters = [], []
         for j, i in enumerate(parts.res):
-            if fams[i].master:  # the master's rounding; update: the float32 difference apply_updates rounds to it
+            if master[i] is not None:  # the master's rounding; update: the float32 difference apply_updates rounds to
                 m = optax.apply_updates(w[i], u[j])
                 new_w = m.astype(p[i].dtype)
-                firsts.append(new_w.astype(f32) - p[i].astype(f32) if emit_u else new_w)
+                firsts.append(new_w.astype(jnp.float32) - p[i].astype(jnp.float32) if emit_u else new_w)
                 masters.append(m)
             else:
                 firsts.append(u[j] if emit_u else optax.apply_updates(p[i], u[j]))
@@ -285,10 +287,11 @@ class Resident:
         flags = self._split(params, p, names, fams, (mu, nu, master), platform)
         parts, n = _Parts(p_def, flags), len(p)
         decay = resolve_mask(cfg.mask, params, p_def, "mask", True)
+        g_opt, w, clip = self._optax_inputs(parts, g, p, master, fams, platform)
         firsts, mu2, nu2, m2, count = [None] * n, list(mu), list(nu), list(master), None
         if parts.host:
-            # clip_by_global_norm's norm over the whole tree, as the host path computes it over its leaves
-            norm = optax.tree.norm([x.astype(jnp.float32) for x in g]) if cfg.max_grad_norm is not None else None
+            # clip_by_global_norm's norm over the whole tree (the host path's own: the float32-upcast gradients)
+            norm = optax.tree.norm(clip) if cfg.max_grad_norm is not None else None
             sub = lambda xs: parts.sub(xs, False)  # noqa: E731
             out, st = self.host._apply(sub(g), OffloadAdamWState(state.count, sub(mu), sub(nu), sub(master)), sub(p),
                                        emit_u, decay=[decay[i] for i in parts.host], norm=norm, n_tree=n)
@@ -298,8 +301,10 @@ class Resident:
             parts.put(m2, parts.host, jax.tree.leaves(st.master, is_leaf=is_none))
             count = st.count
         if parts.res:
-            f, m, v, ms, c = self._resident_update(parts, grads, g, p, (state.count, (mu, nu, master)), fams, decay,
-                                                   platform, emit_u)
+            if cfg.max_grad_norm is not None:  # chain(clip_by_global_norm(M), adamw): optax's, over the whole tree
+                clipped = optax.clip_by_global_norm(cfg.max_grad_norm).update(clip, optax.EmptyState())[0]
+                g_opt = [c if i in parts.res else x for i, (c, x) in enumerate(zip(clipped, g_opt))]
+            f, m, v, ms, c = self._resident_update(parts, g_opt, w, p, (state.count, (mu, nu, master)), decay, emit_u)
             for out, got in ((firsts, f), (mu2, m), (nu2, v), (m2, ms)):
                 parts.put(out, parts.res, got)
             count = c if count is None else count
