@@ -255,6 +255,10 @@ def test_auto_budget():
 
     assert _resident.auto_budget([Leaf(Dev(0, 300))]) == 1000 - 300 - 100
     assert _resident.auto_budget([Leaf(Dev(0, 300), Dev(1, 850))]) == 1000 - 850 - 100
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(NotImplementedError, match="'auto' over several processes"):
+            _resident.auto_budget([Leaf(Dev(0, 300))])
 
 
 # -- the GPU path, its CUDA calls simulated on XLA:CPU (tests/_jax_gpu_sim.py) ------------------------------------
@@ -306,6 +310,7 @@ def test_gpu_path_simulated(monkeypatch, mode):
         assert_tree_bits(sub(s.mu, host_keys), want_host[1].mu, f"{mode} {via} host mu")
         assert_tree_bits(sub(p, res_keys), sub(want_res[0], res_keys), f"{mode} {via} resident leaves")
         assert_tree_bits(sub(s.nu, res_keys), sub(optax.tree_utils.tree_get(want_res[1], "nu"), res_keys), "nu")
+    assert_tree_bits(tx.update(gs[0], s, p), jax.jit(tx.update)(gs[0], s, p), f"{mode} eager update")
     moved = s._replace(mu=dict(s.mu, a=jax.device_put(s.mu["a"], jax.memory.Space.Host)))
     with pytest.raises(ValueError, match=r"mu of leaf \['a'\] is in host memory, its nu is not"):
         jax.jit(tx.update)(gs[0], moved, p)

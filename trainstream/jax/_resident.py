@@ -82,7 +82,12 @@ def resident(sizes, budget: int) -> list[bool]:
 def auto_budget(leaves) -> int:
     """``gpu_state_bytes="auto"``: the least, over the leaves' devices, of what XLA's allocator has not yet used
     (``memory_stats()``: ``bytes_limit`` less ``peak_bytes_in_use``, so a step run before ``init`` counts with its
-    peak) less :data:`AUTO_GPU_HEADROOM` of ``bytes_limit``; ``NotImplementedError`` where a device reports none."""
+    peak) less :data:`AUTO_GPU_HEADROOM` of ``bytes_limit``; ``NotImplementedError`` where a device reports none,
+    and over several processes (each would size it by its own devices, and their programs must agree)."""
+    if jax.process_count() > 1:
+        raise NotImplementedError("TrainStream offload_adamw: gpu_state_bytes='auto' over several processes "
+                                  "(jax.distributed): each would size it by its own devices' free memory, and every "
+                                  "process must keep the same leaves in device memory: pass a number of bytes")
     concrete = [x for x in leaves if not isinstance(x, jax.core.Tracer) and hasattr(x, "sharding")]
     devices = {d for x in concrete for d in x.sharding.addressable_devices} or {jax.local_devices()[0]}
     budgets = []
