@@ -4,7 +4,8 @@ lives in host memory, and their :class:`OffloadTransformation` (the checked argu
 No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
 in the user's program (only XLA reproduces XLA's bias corrections, schedule and global norm); the update is a contract
 kernel on XLA's buffers through ``buffer_callback``, run by the engine's placements (:mod:`trainstream.core`; XLA:CPU:
-:mod:`._plan`, XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`; the state: :mod:`._state`). The callbacks are pure:
+:mod:`._plan`, XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`; the state: :mod:`._state`; part of it kept in device
+memory, ``gpu_state_bytes``: :mod:`._resident`). The callbacks are pure:
 the state goes in aliased to the outputs (in place where donated), nothing kept between calls.
 """
 
