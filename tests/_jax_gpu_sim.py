@@ -13,7 +13,7 @@ from trainstream import contract as C
 from trainstream.backends import jax as XB
 from trainstream.jax import _gpu as G
 from trainstream.jax import _plan as T
-from trainstream.jax import _transform
+from trainstream.jax import _resident, _transform
 
 _KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
 _NP = {"float32": np.float32, "float16": np.uint16, "bfloat16": np.uint16}
@@ -122,6 +122,7 @@ def simulate_gpu(monkeypatch):
     from trainstream.core import _ring
 
     monkeypatch.setattr(_transform, "_platform_of", lambda leaves: "cuda")
+    monkeypatch.setattr(_resident, "platform_of", lambda leaves: "cuda")
     monkeypatch.setattr(XB, "buffer_ptr", lambda buf: int(np.asarray(buf).ctypes.data))
     monkeypatch.setattr(XB, "stream_of", lambda ctx: 0)
     monkeypatch.setattr(_cuda, "pointer_device", lambda ptr: 0)

@@ -240,6 +240,39 @@ def scenario_fp32():
         assert len(cb.shapes) == 2 * len(xs), (via, len(cb.shapes))  # one call per device and step
 
 
+def scenario_resident():
+    """gpu_state_bytes per device: the shards' state counts (w1's half fits, the whole would not); the host callback
+    gets w2's shards alone, its state keeps w2's sharding, the resident leaves' state is sharded as optax.adamw's
+    in the same program; update, step and eager update bit for bit; bf16 leaves with fp32 masters and clipping as
+    the host path's."""
+    mesh = mesh_1d()
+    params = params_on(mesh, SPECS_1D)
+    xs = batches(3)
+    kw = dict(weight_decay=0.1, mask=decay_mask)
+    refs = {v: train(optax.adamw(SCHEDULE, **kw), params, xs, v) for v in ("update", "eager")}
+    # per device, fp32 state 8 bytes per element: b1 8, b2 2, s 1, t 1, w1 64 (of 128), w2 16 (of 32)
+    budget = 8 * (8 + 2 + 1 + 1 + 64)
+    for via in ("update", "step", "eager"):
+        tx = tsj.offload_adamw(SCHEDULE, gpu_state_bytes=budget, **kw)
+        assert tx.host_memory_plan(params)["gpu_state_leaves"] == 5
+        with CallbackShapes() as cb:
+            got, s = train(tx, params, xs, via)
+        want, s_ref = refs["eager" if via == "eager" else "update"]
+        same_runs(got, want, via)
+        assert set(cb.shapes) == {((8, 2),)} and len(cb.shapes) == 2 * len(xs), (via, set(cb.shapes))
+        mu_ref = optax.tree_utils.tree_get(s_ref, "mu")
+        assert has_specs({"w2": s.mu["w2"]}, SPECS_1D) and has_specs({"w2": s.nu["w2"]}, SPECS_1D), via
+        assert all(s.mu[k].sharding.is_equivalent_to(mu_ref[k].sharding, mu_ref[k].ndim) for k in s.mu if k != "w2")
+        assert all(a[k].sharding.is_equivalent_to(b[k].sharding, b[k].ndim) for a, b in zip(got, want) for k in a), via
+    # bf16 leaves with fp32 masters (12 bytes per element) and max_grad_norm: the host path's bits over all of them
+    params = params_on(mesh, SPECS_1D, BF16)
+    kw = dict(weight_decay=0.1, master_weights=True, max_grad_norm=1.0)
+    want, s_ref = train(tsj.offload_adamw(SCHEDULE, **kw), params, xs)
+    got, s = train(tsj.offload_adamw(SCHEDULE, gpu_state_bytes=12 * (8 + 2 + 1 + 1 + 64), **kw), params, xs)
+    same_runs(got, want, "bf16 masters")
+    same_bits(s.master, s_ref.master, "bf16 masters: the masters")
+
+
 def scenario_bf16():
     """bf16 leaves sharded: the fp32 masters (sharded as the params) equal optax on fp32
     weights fed the upcast gradients; the weights are their rounding."""

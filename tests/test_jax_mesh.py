@@ -16,7 +16,7 @@ pytest.importorskip("optax")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jax_mesh_scenarios.py")
 SCENARIOS = ["fp32", "clip_2d", "bf16", "bf16_state", "explicit_axes", "orbax", "user_shard_map", "errors",
-             "gpu_path"]
+             "gpu_path", "resident"]
 
 
 def _start(*args):
@@ -63,7 +63,7 @@ def test_sharded_scenario(scenarios, name):
     ...). bf16: fp32 masters (master_weights=True). bf16_state: optax's bf16 moments.
     explicit_axes: a mesh of Explicit axes. orbax: save / restore into an abstract target /
     resume. user_shard_map: inside the user's shard_map. errors: clear errors. gpu_path: the pinned_host path (CUDA calls
-    simulated) against its single-device run."""
+    simulated) against its single-device run. resident: gpu_state_bytes counted per device's shards."""
     assert re.search(rf"^SCENARIO {re.escape(name)} ok$", scenarios, re.M), _section(scenarios, name)
 
 

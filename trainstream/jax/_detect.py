@@ -325,15 +325,16 @@ _GUESSED = ("TrainStream offload_adamw: {k} leaves (nesterov, eps == 0, mu_dtype
             "the gradient in a jit of its own makes them exact")
 
 
-def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=None) -> list[int]:
+def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=None, n_tree=None) -> list[int]:
     """``codes`` (each leaf's :func:`trainstream.contract.optax_cpu_code`) with the pairing bits XLA:CPU compiles
     for optax's update of this program's gradients (see the module docstring); the other bits (the family) stay.
     ``decays``: False for a leaf masked out of weight decay; ``cfg``: offload_adamw's checked arguments (its
     optax.adamw arguments and ``max_grad_norm``); ``dtypes``: each leaf's dtype name (default float32);
     ``masters``: True for a leaf with an fp32 master: not probed, its code's pairing (its reference is optax.adamw
     on the float32 master fed the upcast gradients materialised, which no program around optax.adamw on the
-    fp16/bf16 leaves computes). Where a gradient of a family the probe does not :func:`._probe.trusted` is
-    computed in the program: one warning naming :data:`FUSED_MAX_ULP`."""
+    fp16/bf16 leaves computes); ``n_tree``: the leaves of the tree these are part of (default: these). Where a
+    gradient of a family the probe does not :func:`._probe.trusted` is computed in the program: one warning naming
+    :data:`FUSED_MAX_ULP`."""
     codes = [int(c) for c in codes]
     n = len(codes)
     dtypes = tuple(dtypes) if dtypes is not None else ("float32",) * n
@@ -362,8 +363,9 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
     hyper = hyper_of(cfg)
     max_norm = getattr(cfg, "max_grad_norm", None)
     p_avals = tuple((tuple(np.shape(p)), np.dtype(p.dtype)) for p in p_leaves)
+    alone = n == 1 and (n_tree or n) > 1  # one leaf of a larger tree: optax's program over it needs a companion
     key = (graph.key(), p_avals, tuple(codes), tuple(bool(d) for d in decays), hyper_key(hyper), max_norm, dtypes,
-           skip)
+           skip, alone)
     with _lock:
         res = _cache.get(key)
         if res is not None:
@@ -371,7 +373,7 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
         else:
             t0 = time.perf_counter()
             try:
-                res = Probe(graph, p_avals, codes, list(decays), hyper, max_norm, dtypes, skip).calibrate()
+                res = Probe(graph, p_avals, codes, list(decays), hyper, max_norm, dtypes, skip, alone).calibrate()
             except Exception as e:  # noqa: BLE001 - the user's program must not fail for the probe's sake
                 stats["fallbacks"] += 1
                 _warn_once(("probe", type(e).__name__), _FALLBACK.format(

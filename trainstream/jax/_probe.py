@@ -94,8 +94,11 @@ def hyper_key(hyper: dict) -> tuple:
 class Probe:
     """The two probe programs of one graph and configuration, and the calibration."""
 
-    def __init__(self, graph, p_avals, codes, decays, hyper, max_norm, dtypes=None, skip=None):
+    def __init__(self, graph, p_avals, codes, decays, hyper, max_norm, dtypes=None, skip=None, alone=False):
         self.graph, self.p_avals, self.codes, self.decays, self.max_norm = graph, p_avals, codes, decays, max_norm
+        # one leaf of a larger tree (trainstream.jax._resident): the reference gets a second leaf, as XLA compiles
+        # optax's update of one leaf otherwise (contract.OX_FORM_R)
+        self.alone = alone
         n = len(p_avals)
         self.dtypes = list(dtypes) if dtypes is not None else ["float32"] * n
         self.skip = list(skip) if skip is not None else [False] * n  # leaves not probed (fp32 masters): their code's
@@ -112,7 +115,7 @@ class Probe:
         """optax's reference of this configuration: ``optax.adamw`` (``optax.adam`` for a factory without
         ``weight_decay``), chained after ``clip_by_global_norm`` for ``max_grad_norm``."""
         if "weight_decay" in h:
-            mask = None if all(self.decays) else list(self.decays)
+            mask = None if all(self.decays) else list(self.decays) + [True] * self.alone
             tx = optax.adamw(**{k: v for k, v in h.items() if k in _ADAMW_ARGS}, mask=mask)
         else:
             tx = optax.adam(**{k: v for k, v in h.items() if k in _ADAM_ARGS})
@@ -120,6 +123,8 @@ class Probe:
 
     def reference(self, bvals, hyp, p, m, v, count):
         g = _replay(self.graph, bvals, p)
+        if self.alone:  # a zero gradient: the norm stays the leaf's (its outputs are returned: XLA keeps it)
+            p, g, m, v = ([*x, jnp.zeros((2,), jnp.float32)] for x in (p, g, m, v))
         tx = self._tx(self._hyper(hyp))
         s = optax.tree_utils.tree_set(tx.init(p), count=count, mu=m, nu=v)
         u, s = tx.update(g, s, p)

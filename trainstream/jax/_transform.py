@@ -4,13 +4,13 @@ lives in host memory, and their :class:`OffloadTransformation` (the checked argu
 No arithmetic lives here: the per-step scalars are :func:`trainstream.contract.optax_scalar_matrix` in ``jax.numpy``
 in the user's program (only XLA reproduces XLA's bias corrections, schedule and global norm); the update is a contract
 kernel on XLA's buffers through ``buffer_callback``, run by the engine's placements (:mod:`trainstream.core`; XLA:CPU:
-:mod:`._plan`, XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`; the state: :mod:`._state`). The callbacks are pure:
+:mod:`._plan`, XLA:GPU: :mod:`._gpu`; meshes: :mod:`._sharding`; the state: :mod:`._state`; part of it kept in device
+memory, ``gpu_state_bytes``: :mod:`._resident`). The callbacks are pure:
 the state goes in aliased to the outputs (in place where donated), nothing kept between calls.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Any, Callable
@@ -24,46 +24,18 @@ from jax.sharding import PartitionSpec as P
 from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget
-from . import _detect, _gpu, _plan, _sharding
+from . import _detect, _gpu, _plan, _resident, _sharding
 from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
                       static_arg)
+from ._leaves import check_gpu_mode as _check_gpu_mode
+from ._leaves import layout_key as _layout_key
+from ._leaves import paths as _paths
+from ._leaves import platform_of as _platform_of
+from ._leaves import resolve_mask as _resolve_mask
 from ._plan import is_number as _is_number
 from ._state import OffloadAdamWState, close, is_none, load_state_dict, state_dict
 
 __all__ = ["OffloadTransformation", "offload_adam", "offload_adamw"]
-
-
-def _paths(tree) -> list[str]:
-    return [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _layout_key(params, leaves) -> tuple:
-    return (jax.tree.structure(params), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves))
-
-
-def _resolve_mask(mask, params, treedef, name: str, default: bool) -> list[bool]:
-    """optax's ``mask=``: a pytree (prefix) of bools or a callable params -> such a tree."""
-    if mask is None:
-        return [default] * treedef.num_leaves
-    m = mask(params) if callable(mask) else mask
-    try:
-        flags = treedef.flatten_up_to(jax.tree.map(lambda mk, sub: jax.tree.map(lambda _: bool(mk), sub), m, params))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"TrainStream offload_adamw: {name} must be a pytree prefix of the parameters with "
-                         f"bool leaves (or a callable returning one): {exc}") from None
-    return [bool(f) for f in flags]
-
-
-def _platform_of(leaves) -> str:
-    """``"cpu"`` or ``"cuda"``: where the arrays live (for tracers: the default backend)."""
-    concrete = [x for x in leaves if not isinstance(x, jax.core.Tracer) and getattr(x, "devices", None) is not None]
-    plats = {d.platform for x in concrete for d in x.devices()} or {jax.default_backend()}
-    if len(plats) > 1:
-        raise ValueError(f"TrainStream offload_adamw: the arrays are on several platforms {sorted(plats)}")
-    (p,) = plats
-    if p not in ("cpu", "gpu", "cuda"):
-        raise NotImplementedError(f"TrainStream offload_adamw: platform {p!r}; supported are the CPU and CUDA GPUs")
-    return "cpu" if p == "cpu" else "cuda"
 
 
 def _host_numel(x) -> int:
@@ -83,19 +55,6 @@ def _check_host_state(mu, nu, master, paths) -> None:
                     f"TrainStream offload_adamw: the state's {what} of leaf {path} is {jax.typeof(x)} in GPU memory, "
                     "not in pinned host memory as tx.init places it: pass the state from init or update, or restore "
                     "to tx.init(params)'s shardings (orbax: jax.tree.map(ocp.utils.to_shape_dtype_struct, state))")
-
-
-def _check_gpu_mode(platform: str, cfg: Config) -> None:
-    """``mode="gpu"`` needs a CUDA GPU and the parameters on it."""
-    if cfg.mode != "gpu":
-        return
-    if platform != "cuda":
-        with contextlib.suppress(RuntimeError):  # raised by jax.devices("gpu") without a GPU backend
-            if jax.devices("gpu"):
-                raise ValueError("TrainStream offload_adamw: mode='gpu' but the parameters are on the CPU: "
-                                 "jax.device_put(params, jax.devices('gpu')[0]) first, or use mode='cpu'")
-        raise RuntimeError("TrainStream offload_adamw: mode='gpu' (the GPU kernel) needs a CUDA GPU visible to "
-                           f"JAX; this process has none (jax.devices() = {jax.devices()})")
 
 
 class _Impl:
@@ -209,8 +168,9 @@ class _Impl:
                                       "or b1/b2 == 0.5 in a mixed mu_dtype, whose FMA pairing XLA varies)")
         return code
 
-    def _apply(self, grads, state, params, emit_u: bool):
-        """One traced update: ``(updates or new params, new state)``."""
+    def _apply(self, grads, state, params, emit_u: bool, decay=None, norm=None, n_tree=None):
+        """One traced update: ``(updates or new params, new state)``. Where these leaves are part of a tree of
+        ``n_tree`` leaves (:mod:`._resident`): ``decay`` (the mask per leaf) and ``norm`` (clip_by_global_norm's)."""
         from jax._src.interpreters import batching  # noqa: PLC0415
         cfg = self.cfg
         if any(isinstance(x, batching.BatchTracer) for t in (grads, state, params) for x in jax.tree.leaves(t)):
@@ -228,7 +188,7 @@ class _Impl:
         if platform == "cuda":
             check_cuda_config(cfg, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
-        decay = _resolve_mask(cfg.mask, params, p_def, "mask", True)
+        decay = _resolve_mask(cfg.mask, params, p_def, "mask", True) if decay is None else decay
         if layout is None:
             numels = [math.prod(np.shape(p)) for p in p_leaves]
         else:  # XLA compiles each device's program for its shards: the codes of the local counts
@@ -236,13 +196,16 @@ class _Impl:
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
-            codes = [self._code(n, k, kind, fam, path) for k, kind, fam, path in zip(numels, kinds, fams, paths)]
+            codes = [self._code(n_tree or n, k, kind, fam, path)
+                     for k, kind, fam, path in zip(numels, kinds, fams, paths)]
             # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
-            codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams])
+            codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams],
+                                        n_tree)
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
-        norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves]) if optax_clip else None
+        if optax_clip and norm is None:
+            norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])
         sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
                                    eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
                                    max_norm=cfg.max_grad_norm, xp=jnp, eps_root=cfg.eps_root, dtypes=kinds)
@@ -297,9 +260,11 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
 
     def host_memory_plan(self, params) -> dict[str, float]:
         """The host memory ``init(params)`` will check and its state take, allocating nothing: bytes per part, pinned
-        and pageable, ``needed``, ``available``, ``usable``, ``fits`` (:func:`trainstream.core._budget.plan`)."""
+        and pageable, ``needed``, ``available``, ``usable``, ``fits`` (:func:`trainstream.core._budget.plan`), and
+        the state kept in device memory (``gpu_state_bytes``: bytes per device, ``gpu_state_leaves``)."""
         leaves = jax.tree.leaves(params)
-        return self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
+        plan = self.init.__self__.host_plan(leaves, _paths(params), _platform_of(leaves))
+        return {"gpu_state_bytes": 0.0, "gpu_state_leaves": 0.0, **plan}
 
     def step(self, grads, state, params):
         """One update: ``(new_params, new_state)``, the new weights in one pass (no update array), written in
@@ -314,8 +279,8 @@ class OffloadTransformation(optax.GradientTransformationExtraArgs):
 def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, weight_decay: float | Callable = 1e-4, mask: Any = None,
                   *, nesterov: bool = False, master_weights: bool = False, max_grad_norm: float | None = None,
-                  mode: str = "cpu", threads: int | None = None, worker_nice: int = 5,
-                  host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
+                  mode: str = "cpu", gpu_state_bytes: int | str | None = None, threads: int | None = None,
+                  worker_nice: int = 5, host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adamw`` (its signature, in its order) with its state in host memory, updated on the host (Numba
     kernels) or, on a GPU, by a CUDA kernel. The arithmetic: "optax" in :mod:`trainstream.contract`.
 
@@ -336,6 +301,10 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
+      gpu_state_bytes: None or 0: all the state in host memory. Bytes per device: the leaves whose state fits, in
+        tree order (first fit; never one leaf alone in a tree of several), keep it in device memory and are updated
+        by optax.adamw's own transformation (:mod:`._resident`); ``"auto"``: what the devices' allocator has free
+        at ``init`` (``memory_stats()``), less a tenth. With ``optax.inject_hyperparams``: name it in static_args.
       threads: host worker threads of this process, shared by its devices (default: its share of the usable cores
         among this host's JAX processes, less one).
       worker_nice: the host workers' nice value (Linux applies it per thread).
@@ -349,10 +318,6 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     ``eps = 0`` (issue 35, item 4).
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
-
-    State in GPU memory is not built for JAX (XLA refuses one custom call whose outputs mix host and GPU memory):
-    give the leaves whose state stays in GPU memory ``optax.adamw`` (``optax.multi_transform``; float32 leaves get
-    ``mode="gpu"``'s bits), the rest ``offload_adamw``.
 
     Exactness: on the CPU backend (jitted or eager) ``update`` returns optax.adamw's update bits in optax's dtype (so
     ``apply_updates`` and optax's wrappers give the reference program's), ``step`` the same new weights directly, for
@@ -399,18 +364,23 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     host_margin = static_arg("host_margin", host_margin, _budget.MARGIN)
     _budget.plan([], margin=host_margin)  # a bad margin raises here
     fl = lambda x: float(x) if _is_number(x) else x  # noqa: E731
+    budget = _resident.check_budget(gpu_state_bytes)
     impl = _Impl(Config(*map(fl, (learning_rate, b1, b2, eps, eps_root)), mu_name, fl(weight_decay), mask,
                         bool(nesterov), fl(max_grad_norm), bool(master_weights), mode, threads, worker_nice,
                         host_margin))
+    if budget:  # None or 0: all the state in host memory
+        impl = _resident.Resident(impl, budget)
     return OffloadTransformation(impl.init, impl.update)
 
 
 def offload_adam(learning_rate: float | Callable, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                  eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False, master_weights: bool = False,
-                 max_grad_norm: float | None = None, mode: str = "cpu", threads: int | None = None,
-                 worker_nice: int = 5, host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
+                 max_grad_norm: float | None = None, mode: str = "cpu", gpu_state_bytes: int | str | None = None,
+                 threads: int | None = None, worker_nice: int = 5,
+                 host_margin: float | None = _budget.MARGIN) -> OffloadTransformation:
     """``optax.adam`` (its signature, in its order) with its state in host memory: :func:`offload_adamw` without
     weight decay (optax.adam's bits: ``add_decayed_weights`` of 0 adds nothing), the same keyword-only options."""
     return offload_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, 0.0, None, nesterov=nesterov,
-                         master_weights=master_weights, max_grad_norm=max_grad_norm, mode=mode, threads=threads,
-                         worker_nice=worker_nice, host_margin=host_margin)
+                         master_weights=master_weights, max_grad_norm=max_grad_norm, mode=mode,
+                         gpu_state_bytes=gpu_state_bytes, threads=threads, worker_nice=worker_nice,
+                         host_margin=host_margin)
