@@ -36,7 +36,7 @@ from ._budget import _ITEMSIZE
 from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
 from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
-from ._speculate import SPEC_BLOCK, SPEC_STATS, Speculation, Speculative
+from ._speculate import SPEC_STATS, Speculation, Speculative
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
            "CHUNK_ALIGN"]
@@ -310,13 +310,9 @@ class HostPlacement(Speculative, SlotStateIO):
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            if not keep:
-                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
-            for sb in range(b, e, SPEC_BLOCK) if keep else ():  # each block copied just before the kernel reads it
-                se = min(e, sb + SPEC_BLOCK)
-                for live, copy in keep:
-                    copy[sb:se] = live[sb:se]
-                K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, sb, se, scalars, tc_code, *extra)
+            for live, copy in keep:  # the chunk's pre-step copies (NumPy copies this large without the GIL)
+                copy[b:e] = live[b:e]
+            K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
             dt = time.perf_counter() - t
             self._stats.add("update_s", dt)
             if spec is not None:
