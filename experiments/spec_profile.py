@@ -1,0 +1,84 @@
+# Run (GPU machine): python experiments/spec_profile.py 3b ingpu spec [nospec eager]
+"""Where a plain loop's step goes (issue 42): the GPT of models_torch.py at SIZE, bf16, activation checkpointing,
+24 x 1024 tokens, the loop ``forward; backward; clip_grad_norm_(params, 1e9); step; zero_grad`` with each phase
+ended by a device synchronize, for each SETUP: ``ingpu`` torch.optim.AdamW(fused=True) in GPU memory; ``spec``
+OffloadAdamW(fused=True, mode="cpu") (updates during backward, validated at step()); ``nospec`` the same with
+speculate=False; ``eager`` the same with backward inside last_micro_batch(). Prints the medians of steps 3-7 (ms)
+and, as ``w_*``, the host wall time inside the optimizer's step() parts (GradCapture.updates, its _verdicts: the
+bitwise checks; Engine.commit/step/...), plus the speculation counters.
+"""
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _common import SIZES, VOCAB  # noqa: E402
+from models_torch import GPT  # noqa: E402
+
+import trainstream.torch._grads as G  # noqa: E402
+import trainstream.torch._validate as V  # noqa: E402
+from trainstream.core import _engine as E  # noqa: E402
+from trainstream.torch import OffloadAdamW  # noqa: E402
+
+T = {}
+def wrap(cls, name):
+    f = getattr(cls, name)
+    @functools.wraps(f)
+    def w(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            T["w_" + name] = T.get("w_" + name, 0.0) + time.perf_counter() - t
+    setattr(cls, name, w)
+wrap(V.SpeculationPolicy, "_verdicts")
+wrap(G.GradCapture, "updates")
+for n in ("step", "commit", "rollback", "staged_grad", "synchronize"):
+    if hasattr(E.Engine, n): wrap(E.Engine, n)
+size = sys.argv[1]
+out = {}
+for setup in sys.argv[2:]:
+    torch.manual_seed(0)
+    L, d, h = SIZES[size]
+    model = GPT(L, d, h, vocab=VOCAB, device="cuda", dtype=torch.bfloat16, ckpt=True)
+    params = list(model.parameters())
+    HP = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    if setup == "ingpu":
+        opt = torch.optim.AdamW(params, **HP)
+    else:
+        opt = OffloadAdamW(params, mode="cpu", speculate=(setup != "nospec"), worker_nice=5, **HP)
+    x = torch.randint(0, VOCAB, (24, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    rows = []
+    for i in range(7):
+        T.clear()
+        ph = {}
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+        torch.cuda.synchronize(); t1 = time.perf_counter()
+        if setup == "eager":
+            with opt.last_micro_batch():
+                loss.backward()
+        else:
+            loss.backward()
+        torch.cuda.synchronize(); t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1e9)
+        torch.cuda.synchronize(); t3 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize(); t4 = time.perf_counter()
+        opt.zero_grad()
+        torch.cuda.synchronize(); t5 = time.perf_counter()
+        rows.append(dict(fwd=t1-t0, bwd=t2-t1, clip=t3-t2, step=t4-t3, zero=t5-t4, total=t5-t0, **{k: v for k, v in T.items()}))
+    med = {k: 1e3 * statistics.median(r.get(k, 0.0) for r in rows[2:]) for k in rows[-1]}
+    st = opt.stats() if hasattr(opt, "stats") else {}
+    med.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "host_state_bytes")})
+    print(size, setup, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in med.items()}), flush=True)
+    out[setup] = med
+    if hasattr(opt, "close"): opt.close()
+    del opt, model, params, x, loss
+    gc.collect(); torch.cuda.empty_cache()
