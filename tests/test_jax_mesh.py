@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -27,16 +28,38 @@ def _start(*args):
                             text=True, env=env)
 
 
+#: the scenario after which the processes' kernels are in the Numba cache (the float32 codes of update and of
+#: chain(clip_by_global_norm, ...) over a 2 x 2 mesh): the two processes then load them, not compile each the same
+#: ones at once (on a cold cache ~30 s of compiles each)
+_KERNELS_CACHED_AFTER = "clip_2d"
+
+
 @pytest.fixture(scope="module")
 def runs():
     """Both subprocesses side by side (JAX compiles in one thread: on CI's 2 cores they
-    overlap): ``{"scenarios": output, "processes": (exit code, output)}``."""
-    procs = {"scenarios": _start(*SCENARIOS), "processes": _start("--processes", "2")}
+    overlap), the second started once the first has run :data:`_KERNELS_CACHED_AFTER`:
+    ``{"scenarios": (exit code, output), "processes": (exit code, output)}``."""
+    procs = {"scenarios": _start(*SCENARIOS)}
+    lines, cached = [], threading.Event()
+
+    def read(stream):
+        for line in stream:
+            lines.append(line)
+            if line.startswith(f"SCENARIO {_KERNELS_CACHED_AFTER} "):
+                cached.set()
+        cached.set()  # (the output ended without it)
+
+    reader = threading.Thread(target=read, args=(procs["scenarios"].stdout,), daemon=True)
+    reader.start()
     out = {}
     try:
-        for name, p in procs.items():
-            text = p.communicate(timeout=400)[0]
-            out[name] = (p.returncode, text)
+        cached.wait(timeout=400)
+        procs["processes"] = _start("--processes", "2")
+        text = procs["processes"].communicate(timeout=400)[0]
+        out["processes"] = (procs["processes"].returncode, text)
+        code = procs["scenarios"].wait(timeout=400)  # (its output drained by the reader)
+        reader.join()
+        out["scenarios"] = (code, "".join(lines))
     finally:
         for p in procs.values():
             if p.poll() is None:
