@@ -1,11 +1,14 @@
-# Run (GPU machine): python experiments/spec_profile.py 3b ingpu spec [nospec eager]
+# Run (GPU machine): python experiments/spec_profile.py 3b ingpu spec [nospec eager specov]
 """Where a plain loop's step goes (issue 42): the GPT of models_torch.py at SIZE, bf16, activation checkpointing,
 24 x 1024 tokens, the loop ``forward; backward; clip_grad_norm_(params, 1e9); step; zero_grad`` with each phase
 ended by a device synchronize, for each SETUP: ``ingpu`` torch.optim.AdamW(fused=True) in GPU memory; ``spec``
 OffloadAdamW(fused=True, mode="cpu") (updates during backward, validated at step()); ``nospec`` the same with
-speculate=False; ``eager`` the same with backward inside last_micro_batch(). Prints the medians of steps 3-7 (ms)
+speculate=False; ``eager`` the same with backward inside last_micro_batch(); ``specov`` as ``spec`` with
+``overlap_forward=model`` (the weights' upload overlaps the next forward). Prints the medians of steps 3-7 (ms)
 and, as ``w_*``, the host wall time inside the optimizer's step() parts (GradCapture.updates, its _verdicts: the
-bitwise checks; Engine.commit/step/...), plus the speculation counters.
+bitwise checks; Engine.commit/step/...), plus the speculation counters, and ``bb``: the mean step of 5 more steps
+run back to back with one synchronize at the end (no phase boundaries: what ``overlap_forward`` can hide shows
+only here).
 """
 import functools
 import gc
@@ -52,7 +55,8 @@ for setup in sys.argv[2:]:
     if setup == "ingpu":
         opt = torch.optim.AdamW(params, **HP)
     else:
-        opt = OffloadAdamW(params, mode="cpu", speculate=(setup != "nospec"), worker_nice=5, **HP)
+        opt = OffloadAdamW(params, mode="cpu", speculate=(setup != "nospec"), worker_nice=5,
+                           overlap_forward=model if setup == "specov" else None, **HP)
     x = torch.randint(0, VOCAB, (24, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     rows = []
     for i in range(7):
@@ -75,6 +79,19 @@ for setup in sys.argv[2:]:
         torch.cuda.synchronize(); t5 = time.perf_counter()
         rows.append(dict(fwd=t1-t0, bwd=t2-t1, clip=t3-t2, step=t4-t3, zero=t5-t4, total=t5-t0, **{k: v for k, v in T.items()}))
     med = {k: 1e3 * statistics.median(r.get(k, 0.0) for r in rows[2:]) for k in rows[-1]}
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for i in range(5):  # back to back: one synchronize at the end
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+        if setup == "eager":
+            with opt.last_micro_batch():
+                loss.backward()
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1e9)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    med["bb"] = 1e3 * (time.perf_counter() - t0) / 5
     st = opt.stats() if hasattr(opt, "stats") else {}
     med.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "host_state_bytes")})
     print(size, setup, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in med.items()}), flush=True)
