@@ -207,10 +207,10 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
 def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN, pin_moments: bool = False,
          available: int | None = None, **kwargs) -> dict[str, float]:
     """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has
-    (:func:`trainstream._hostmem.available`, or ``available`` bytes: planning for another machine): the parts and ``pinned``, ``pageable``, ``needed`` (totals,
-    bytes), ``available`` (-1: unknown), ``usable`` (``available`` less ``margin`` of it; -1: not checked,
-    as with ``margin=None``), ``margin``, ``pin_moments`` (0 also where pinning would take more than
-    :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked)."""
+    (:func:`trainstream._hostmem.available`, or ``available`` bytes: planning for another machine): the parts and
+    ``pinned``, ``pageable``, ``needed`` (totals, bytes), ``available`` (-1: unknown), ``usable`` (``available`` less
+    ``margin`` of it; -1: not checked, as with ``margin=None``), ``margin``, ``pin_moments`` (0 also where pinning
+    would take more than :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked)."""
     if margin is not None and not 0.0 <= margin < 1.0:
         raise ValueError(f"host_margin must be a fraction in [0, 1) or None, got {margin!r}")
     slots = list(slots)

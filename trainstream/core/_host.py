@@ -33,7 +33,7 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, HostExternal
 from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 from ._speculate import SPEC_STATS, Speculation, Speculative
@@ -51,7 +51,7 @@ _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "re
           *SPEC_STATS)
 
 
-class HostPlacement(Speculative, Streaming, SlotStateIO):
+class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -228,9 +228,7 @@ class HostPlacement(Speculative, Streaming, SlotStateIO):
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
-        if s.streamed:
-            raise ValueError(f"offload_grad: parameter slot {sid} is streamed (bounded staging): its update takes the "
-                             "gradient from the device (stream_update, or step with the gradient)")
+        self._check_grad(sid, None, grad_dtype, staged=True)
         if (coef != 1.0 or grad_div is not None) and not speculate:
             raise ValueError("offload_grad: coef and grad_div are a speculative update's assumptions (speculate=True)")
         if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
@@ -240,8 +238,6 @@ class HostPlacement(Speculative, Streaming, SlotStateIO):
                              "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
                              "master)")
         self._unspeculate(s)
-        if grad_dtype != s.dtype:
-            raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         if update is not None:
             check_host_recipe(s.recipe, update, grad_div)
         if accumulate and s.grad_sum is None:
@@ -382,9 +378,7 @@ class HostPlacement(Speculative, Streaming, SlotStateIO):
                                  "implementations unscale by a multiplier: coefs)")
         for sid, hp, *grad in updates:  # before anything is queued: a refusal leaves every slot as it was
             check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
-            if self._slot(sid).streamed and grad and grad[1] != self._slot(sid).dtype:
-                raise TypeError(f"gradient of parameter slot {sid} has dtype {grad[1]}, expected "
-                                f"{self._slot(sid).dtype}")
+            self._check_grad(sid, *grad)
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
         for sid, hp, *grad in updates:
@@ -417,29 +411,12 @@ class HostPlacement(Speculative, Streaming, SlotStateIO):
         self.drain()
         self.errors.check()
 
-    def _run_external(self, batches: list, what: str) -> None:
-        """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
-        self._check_open()
-        self.errors.check()
-        run_batches(self._submit, batches, what)
-
-    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
-        convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
-        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
-        No slot is involved: the caller keeps the state and supplies each update's scalars."""
-        batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
-        self._stats.add("steps", 1)
-        self._run_external(batches, "update_external")
-
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
         live = [s for s in self._slots if s.live]  # not released
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
-        pinned, pageable = (sum(s.nbytes[k] for s in live) for k in (0, 1))
-        ring = self._ring.nbytes if self._ring is not None else 0  # counted in the host state bytes: staging
-        pinned, pageable = (pinned + ring, pageable) if ring and self._ring.pinned else (pinned, pageable + ring)
+        pinned, pageable = (sum(s.nbytes[k] for s in live) + r for k, r in zip((0, 1), self._ring_bytes()))
         return {
             "params": float(len(live)), "numel": float(sum(s.numel for s in live)),
             "threads": float(self.threads), "gpu_mode": 0.0, "steps": float(st.steps),
@@ -450,7 +427,8 @@ class HostPlacement(Speculative, Streaming, SlotStateIO):
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
             **{k: float(getattr(st, k)) for k in SPEC_STATS if k != "redo_s"}, "redo_ms_total": st.redo_s * 1e3,
             "spec_backup_bytes": float(sum(s.backup_bytes() for s in live if s.backup is not None)),
-            "stream_ring_bytes": float(ring), "streamed_params": float(sum(s.streamed for s in live)),
+            "stream_ring_bytes": float(sum(self._ring_bytes())),
+            "streamed_params": float(sum(s.streamed for s in live)),
         }
 
     def close(self) -> None:

@@ -90,6 +90,21 @@ class Streaming:
             self._ring = StreamRing(self.backend, self.threads, self.chunk)
         return self._ring
 
+    def _ring_bytes(self) -> tuple[int, int]:
+        """The ring's ``(pinned, pageable)`` bytes (stats: in the host state bytes, as the plan's staging)."""
+        ring = self._ring
+        return (0, 0) if ring is None else (ring.nbytes, 0) if ring.pinned else (0, ring.nbytes)
+
+    def _check_grad(self, sid: int, grad: Any = None, grad_dtype: str | None = None, staged: bool = False) -> None:
+        """Refuse a gradient of another dtype than slot ``sid``'s, and for a streamed slot one to stage
+        (``staged``: ``offload_grad``)."""
+        s = self._slot(sid)
+        if staged and s.streamed:
+            raise ValueError(f"offload_grad: parameter slot {sid} is streamed (bounded staging): its update takes the "
+                             "gradient from the device (stream_update, or step with the gradient)")
+        if grad_dtype is not None and grad_dtype != s.dtype:
+            raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
+
     def streamed(self, sid: int) -> bool:
         """Whether slot ``sid`` is streamed (bounded staging)."""
         return self._slot(sid).streamed
@@ -105,8 +120,7 @@ class Streaming:
         if not s.streamed:
             raise ValueError(f"stream_update: parameter slot {sid} is not streamed (its gradient is staged: "
                              "offload_grad)")
-        if grad_dtype != s.dtype:
-            raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
+        self._check_grad(sid, grad, grad_dtype)
         if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
             raise ValueError(f"stream_update: grad_div for parameter slot {sid}, whose recipe is not fused")
         ring, backend, param = self._stream_ring(), self.backend, s.param
