@@ -307,7 +307,7 @@ class Engine(EngineSpeculation):
     def stream_update(self, sid: int, hp: C.AdamWHyperParams, grad: Any, grad_dtype: str) -> None:
         """Queue the update of streamed host slot ``sid`` from its final gradient ``grad`` now (from a gradient hook;
         not speculative: :mod:`~trainstream.core._stream`); :meth:`step` then leaves it out."""
-        self.host.stream_update(self._local_on(sid, False), hp, grad, grad_dtype)
+        self.host.stream_update(self._local_on(sid, False), hp, grad, grad_dtype, eager=True)
 
     def launch_eager(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
         """Launch the update of device slots whose gradients backward has just produced (from a

@@ -110,10 +110,11 @@ class Streaming:
         return self._slot(sid).streamed
 
     def stream_update(self, sid: int, hp: C.AdamWHyperParams, grad: Any, grad_dtype: str,
-                      grad_div: float | None = None) -> None:
-        """Queue the update of streamed slot ``sid`` from ``grad`` (its flat device gradient as it is now, final:
-        the module docstring says what it must not be asked), its weights read from and written to the device chunk
-        by chunk through the ring; ``grad_div``: as :meth:`step`'s."""
+                      grad_div: float | None = None, eager: bool = False) -> None:
+        """Queue the update of streamed slot ``sid`` from ``grad`` (its device gradient as it is now, final: the
+        module docstring says what it must not be asked), its weights read from and written to the device chunk by
+        chunk through the ring; ``grad_div``: as :meth:`step`'s; ``eager``: from a gradient hook (counted as
+        ``eager_updates``)."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
@@ -167,5 +168,6 @@ class Streaming:
             self._stats.last_finalize = time.perf_counter()
 
         self._stats.add("grad_bytes", s.numel * item)
+        self._stats.add("eager_updates", int(eager))
         self._unwaited = True
         self._run_batch(s, body, finalize)

@@ -6,7 +6,6 @@ and how large the model may grow with each (:func:`host_memory_plan`). Nothing i
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -44,7 +43,7 @@ def _recipes(flat: list[torch.Tensor], groups: list[dict[str, Any]], master_weig
     out = []
     for p, g in zip(flat, groups):
         r = R.recipe(g, p, "single", master_weights)
-        out.append(dataclasses.replace(r, platform="cuda") if D.local(p).device.type == "meta" else r)
+        out.append(r._replace(platform="cuda") if D.local(p).device.type == "meta" else r)
     return out
 
 
@@ -71,7 +70,8 @@ def _option(flat, groups, numel: int, kw: dict[str, Any], master_weights: bool, 
     alone = _one(flat, groups, **{**kw, "gpu_state_bytes": 0})  # every parameter's state offloaded
     per = (alone["needed"] - fixed) / numel if numel else 0.0
     resident = kw["gpu_state_bytes"] if isinstance(kw["gpu_state_bytes"], int) else 0
-    state = sum(_budget.state_bytes(*f) for f in _facts(flat, _recipes(flat, groups, master_weights)) if f[2])
+    facts = _facts(flat, _recipes(flat, groups, master_weights))
+    state = sum(_budget.state_bytes(n, d, r) for n, d, t, r in facts if t)
     if plan["usable"] < 0 or per <= 0:
         grow = -1
     else:
