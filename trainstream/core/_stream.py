@@ -130,14 +130,15 @@ class Streaming:
         variant, scalars, extra = self._update_args(s, hp, np.float32(1.0), grad_div)
         recipe, vmax, tails = extra or (None, None, ())
         m, v, master, gkind, item = s.exp_avg.array, s.exp_avg_sq.array, s.master, _KIND[s.dtype], _ITEMSIZE[s.dtype]
-        prev_ready, tc_code, wat = s.ready, self.tc_code, ring.weights_at
+        tc_code, wat = self.tc_code, ring.weights_at
         # Without a master the weights are the kernel's own (read and written); a master writes the rounded
         # weights into the gradient's place (each gradient element is read before its weight overwrites it).
         up_at = 0 if master is not None else wat
 
         def body(c: int, b: int, e: int) -> None:
-            if prev_ready is not None:  # the slot's last upload: the weights read here must be those
-                prev_ready.synchronize()
+            ready = s.ready  # the slot's last upload (read now: the batch before this one has run), whose weights
+            if ready is not None:  # are the ones to read here
+                ready.synchronize()
             buf, freed = ring.take()
             upload = freed
             try:
