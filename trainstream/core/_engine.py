@@ -26,6 +26,7 @@ from ._host import HostPlacement
 from ._hostslot import STATE_KEYS
 from ._pool import StickyError, WorkerError
 from ._speculate import EngineSpeculation
+from ._stream import EngineStreaming
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
@@ -33,7 +34,7 @@ __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "Work
 MODES = ("cpu", "gpu", "hybrid")
 
 
-class Engine(EngineSpeculation):
+class Engine(EngineSpeculation, EngineStreaming):
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args: ``backend``: the framework's (:class:`~trainstream.core._backend.Backend`, and for device slots
@@ -182,11 +183,6 @@ class Engine(EngineSpeculation):
         """Whether slot ``sid`` is updated by the device placement (resident or not)."""
         return self._where[self._check_sid(sid)][0]
 
-    def streamed(self, sid: int) -> bool:
-        """Whether slot ``sid`` is a host slot with bounded staging (:mod:`~trainstream.core._stream`)."""
-        dev, local = self._where[self._check_sid(sid)]
-        return not dev and self.host.streamed(local)
-
     def has_gpu_state(self, sid: int) -> bool:
         """Whether slot ``sid``'s state is resident in GPU memory."""
         return self._gpu_state[self._check_sid(sid)] > 0
@@ -303,11 +299,6 @@ class Engine(EngineSpeculation):
         """Forget the gradients offloaded since the last step (``zero_grad``)."""
         if self.host is not None:
             self.host.discard_grads()
-
-    def stream_update(self, sid: int, hp: C.AdamWHyperParams, grad: Any, grad_dtype: str) -> None:
-        """Queue the update of streamed host slot ``sid`` from its final gradient ``grad`` now (from a gradient hook;
-        not speculative: :mod:`~trainstream.core._stream`); :meth:`step` then leaves it out."""
-        self.host.stream_update(self._local_on(sid, False), hp, grad, grad_dtype, eager=True)
 
     def launch_eager(self, updates: Sequence[tuple[int, C.AdamWHyperParams, Any, str]]) -> None:
         """Launch the update of device slots whose gradients backward has just produced (from a

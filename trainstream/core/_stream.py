@@ -30,7 +30,7 @@ from .. import _host_kernels as K
 from .. import contract as C
 from ._budget import _ITEMSIZE, RING_ITEM, stream_ring_bytes
 
-__all__ = ["StreamRing", "Streaming"]
+__all__ = ["EngineStreaming", "StreamRing", "Streaming"]
 
 _KIND = {"float32": K.KIND_F32, "float16": K.KIND_F16, "bfloat16": K.KIND_BF16}
 
@@ -172,3 +172,17 @@ class Streaming:
         self._stats.add("eager_updates", int(eager))
         self._unwaited = True
         self._run_batch(s, body, finalize)
+
+
+class EngineStreaming:
+    """The streamed-slot methods of :class:`~trainstream.core._engine.Engine`, by global slot id."""
+
+    def streamed(self, sid: int) -> bool:
+        """Whether slot ``sid`` is a host slot with bounded staging."""
+        dev, local = self._where[self._check_sid(sid)]
+        return not dev and self.host.streamed(local)
+
+    def stream_update(self, sid: int, hp: C.AdamWHyperParams, grad: Any, grad_dtype: str) -> None:
+        """Queue the update of streamed host slot ``sid`` from its final gradient ``grad`` now (from a gradient hook;
+        not speculative); :meth:`step` then leaves it out."""
+        self.host.stream_update(self._local_on(sid, False), hp, grad, grad_dtype, eager=True)
