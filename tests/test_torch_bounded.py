@@ -256,10 +256,14 @@ def test_bounded_staging_on_cuda(flow, mode, monkeypatch):
     opt.close()
 
 
-@pytest.mark.parametrize("master", [False, True], ids=["torch-state", "master"])
-def test_engine_streamed_slot_equals_the_staged_one(master):
-    """The engine's streamed slot (its master kept, the rounded weights uploaded from the ring: the layout the
-    adapter does not use yet, master_weights being refused) updates as a staged slot does, bit for bit."""
+@pytest.mark.parametrize("master,impl,decoupled", [(False, "foreach", True), (True, "foreach", True),
+                                                   (False, "fused", True), (False, "foreach", False)],
+                         ids=["torch-state", "master", "fused", "adam-l2"])
+def test_engine_streamed_slot_equals_the_staged_one(master, impl, decoupled):
+    """The engine's streamed slot updates as a staged slot does, bit for bit: torch's CPU scalar tails (fused's last
+    elements, Adam-L2's per-thread ones) placed by the tensor's position across the ring's chunks, and a master
+    kept with the rounded weights uploaded from the ring (a layout the adapter does not use yet: master_weights is
+    refused with bounded staging)."""
     import numpy as np
 
     from trainstream import contract as C
@@ -267,9 +271,9 @@ def test_engine_streamed_slot_equals_the_staged_one(master):
     from trainstream.core import Engine
 
     torch.manual_seed(3)
-    n = 3 * CHUNK + 77
+    n = 9 * CHUNK + 77  # above ATen's grain: Adam-L2's per-thread tails mid-tensor
     w0 = torch.randn(n).to(torch.bfloat16)
-    recipe = C.TorchRecipe(impl="foreach", platform="cpu", dtype="bfloat16", master=master)
+    recipe = C.TorchRecipe(impl=impl, platform="cpu", dtype="bfloat16", master=master, decoupled=decoupled)
     hp = C.validate_hyperparams(1e-2, (0.9, 0.999), 1e-8, 0.1)
     params, engines = [w0.clone(), w0.clone()], []
     for p, streamed in zip(params, (False, True)):
