@@ -17,7 +17,8 @@ A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN`
 (worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
 (gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
 (overlap_forward=model), ``~fused`` (fused=True: bf16_fused's bits), ``~master``
-(master_weights=True: fp32 master and moments), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
+(master_weights=True: fp32 master and moments), ``~bounded`` (bounded_staging=True: the gradient and weights
+read per chunk through a pinned ring, the host holding the moments alone), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
 ``git archive COMMIT trainstream | tar -x -C .base_tree && mv .base_tree/trainstream
 .base_tree/trainstream_base``). Any setup: ``~clipX`` (TrainStream max_grad_norm=X, in-GPU
 setups clip_grad_norm_; not torchao or DeepSpeed).
@@ -98,7 +99,7 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
     def opt_value(prefix):
         return next((o[len(prefix):] for o in opts if o.startswith(prefix) and o[len(prefix):][:1].isdigit()), None)
 
-    unknown = [o for o in opts if o not in ("base", "auto", "overlap", "fused", "master") and not any(
+    unknown = [o for o in opts if o not in ("base", "auto", "overlap", "fused", "master", "bounded") and not any(
         o.startswith(p) and o[len(p):][:1].isdigit() for p in ("clip", "lclip", *TS_OPTIONS))]
     if unknown:
         raise ValueError(f"{setup}: unknown option(s) {', '.join('~' + o for o in unknown)} (see the module docstring)")
@@ -130,6 +131,7 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
         extra.update({"overlap_forward": model} if "overlap" in opts else {})
         extra.update({"fused": True} if "fused" in opts else {})
         extra.update({"master_weights": True} if "master" in opts else {})
+        extra.update({"bounded_staging": True} if "bounded" in opts else {})
         mode = name[3:].removesuffix("_eager")
         if mode not in ("cpu", "gpu", "hybrid"):
             raise ValueError(f"unknown setup {setup!r}")

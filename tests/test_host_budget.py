@@ -75,7 +75,7 @@ class _Buf:
 
 
 class _Backend:
-    """Records every host allocation; pins like torch on CUDA (power-of-two blocks) or not."""
+    """Records every host allocation; pins exactly the bytes asked (as TorchBackend on CUDA) or not."""
 
     device_index = 0
 
@@ -84,12 +84,10 @@ class _Backend:
         self.weights_in_grad_stage = weights_in_grad_stage
         self.allocs = []  # (part, bytes taken, pinned)
 
-    pinned_size = staticmethod(TorchBackend.pinned_size)
-
     def host_empty(self, numel, dtype, *, pinned, what):
         pinned = pinned and self.can_pin
         nbytes = numel * _ITEM[dtype]
-        self.allocs.append((_PART[what], self.pinned_size(nbytes) if pinned else nbytes, pinned))
+        self.allocs.append((_PART[what], nbytes, pinned))
         return _Buf(numel, dtype, pinned)
 
     def param_to_host_f32(self, param, out):
@@ -137,7 +135,7 @@ def test_plan_equals_what_the_engine_allocates(mapped, placement, chunk, pin_mom
         assert (placement == "hybrid") == any(dev)
         plan = B.host_bytes([(n, d, "device" if g else "host") for (n, d), g in zip(_SLOTS, dev)],
                             pin_moments=pin_moments, can_pin=be.can_pin,
-                            weights_in_grad_stage=be.weights_in_grad_stage, pinned_size=be.pinned_size)
+                            weights_in_grad_stage=be.weights_in_grad_stage)
         got = dict.fromkeys(plan, 0)
         for part, nbytes, pinned in be.allocs:
             got[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
@@ -286,7 +284,7 @@ def test_torch_plan_is_what_the_engine_places_and_allocates(gpu_memory, mapped, 
 
 def test_pinned_moments_fall_back_to_pageable_by_budget(monkeypatch):
     slots = [(1 << 20, "bfloat16", "host")] * 4  # per element: 8 B moments, 4 master, 2 staging
-    kw = {"can_pin": True, "pinned_size": TorchBackend.pinned_size}
+    kw = {"can_pin": True}
     n = 4 << 20
     _avail(monkeypatch, 30 * n)
     p = B.plan(slots, pin_moments=True, **kw)

@@ -25,11 +25,21 @@ class _TorchHostBuffer:
 
     __slots__ = ("handle", "array", "pinned")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.handle = tensor
-        self.pinned = tensor.is_pinned() if tensor.device.type == "cpu" else False
+    def __init__(self, tensor: torch.Tensor, pinned: bool):
+        self.handle, self.pinned = tensor, pinned
         self.array = (tensor.numpy() if tensor.dtype == torch.float32
                       else tensor.view(torch.int16).numpy().view(np.uint16))
+
+
+class _Pinned:
+    """Page-locked host memory of exactly the bytes asked (``cuMemHostAlloc``; torch's CachingHostAllocator would
+    round each buffer up to a power of two: up to 2x), kept alive by every NumPy array and tensor viewing it (it is
+    their base) and freed with the last of them."""
+
+    def __init__(self, drv: _cuda.Context, nbytes: int):
+        self.mem = drv.alloc_mapped(max(1, nbytes))
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.mem.host_ptr, False),
+                                    "version": 3}
 
 
 class TorchBackend:
@@ -71,20 +81,16 @@ class TorchBackend:
         tdtype = _TORCH_DTYPE[dtype]
         pin = pinned and self.cuda
         try:
-            if pin:
-                t = torch.empty(numel, dtype=tdtype, pin_memory=True)
+            if pin:  # exactly numel elements (_Pinned), not a power of two
+                raw = np.asarray(_Pinned(self.drv, numel * tdtype.itemsize))
+                t = torch.from_numpy(raw.view(np.float32 if tdtype == torch.float32 else np.int16)).view(tdtype)
             else:  # pageable host state on 2 MiB pages (trainstream._hostmem)
                 t = torch.from_numpy(_hostmem.empty(numel, np.float32 if tdtype == torch.float32 else np.int16))
                 t = t.view(tdtype)
-        except (RuntimeError, OSError, MemoryError) as exc:  # cudaHostAlloc: RuntimeError; mmap: OSError
+        except (RuntimeError, OSError, MemoryError) as exc:  # the driver: MemoryError; mmap: OSError
             raise MemoryError(f"TrainStream could not allocate {numel * tdtype.itemsize} bytes of "
                               f"{'pinned' if pin else 'pageable'} host memory for {what}: {exc}") from exc
-        return _TorchHostBuffer(t)
-
-    @staticmethod
-    def pinned_size(nbytes: int) -> int:
-        """What a pinned buffer of ``nbytes`` takes: torch's CachingHostAllocator rounds it up to a power of two."""
-        return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+        return _TorchHostBuffer(t, pin)
 
     def param_to_host_f32(self, param: torch.Tensor, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(param.detach().reshape(-1))
@@ -149,6 +155,47 @@ class TorchBackend:
         stream = self.h2d.cuda_stream
         nbytes = self._begin_copy(src, dst, "weight upload", stream, after)
         self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
+        return _cuda.Event(self.drv, stream)
+
+    def copy_range_to_host(self, dst: _TorchHostBuffer, offset: int, src: torch.Tensor, begin: int, end: int,
+                           after, free=None):
+        """``dst``'s bytes from ``offset`` <- ``src[begin:end]`` (flat, contiguous) after the events ``after`` and
+        ``free``; the caller keeps ``src`` alive until the returned event (CPU: done, None)."""
+        nbytes = (end - begin) * src.element_size()
+        if offset < 0 or offset + nbytes > dst.handle.numel() * dst.handle.element_size():
+            raise ValueError(f"TrainStream chunk copy: {nbytes} bytes at {offset} do not fit the host buffer")
+        if not self.cuda:
+            dst.handle.view(torch.uint8)[offset:offset + nbytes].view(src.dtype).copy_(src.reshape(-1)[begin:end])
+            return None
+        if not dst.pinned:
+            raise ValueError("TrainStream chunk copy: the host buffer is not pinned")
+        stream = self.d2h.cuda_stream
+        for event in (after, free):
+            if event is not None:
+                self.drv.stream_wait_event(stream, event)
+        if nbytes:
+            self.drv.memcpy_dtoh_async(dst.handle.data_ptr() + offset, src.data_ptr() + begin * src.element_size(),
+                                       nbytes, stream)
+        return _cuda.Event(self.drv, stream)
+
+    def copy_range_to_device(self, dst: torch.Tensor, begin: int, end: int, src: _TorchHostBuffer, offset: int,
+                             after):
+        """``dst[begin:end]`` (a flat parameter) <- ``src``'s bytes from ``offset``, after ``after``; returns the
+        upload's event (CPU: done, None)."""
+        nbytes = (end - begin) * dst.element_size()
+        if offset < 0 or offset + nbytes > src.handle.numel() * src.handle.element_size():
+            raise ValueError(f"TrainStream chunk upload: {nbytes} bytes at {offset} are not in the host buffer")
+        if not self.cuda:
+            dst.reshape(-1)[begin:end].copy_(src.handle.view(torch.uint8)[offset:offset + nbytes].view(dst.dtype))
+            return None
+        if not src.pinned:
+            raise ValueError("TrainStream chunk upload: the host buffer is not pinned")
+        stream = self.h2d.cuda_stream
+        if after is not None:
+            self.drv.stream_wait_event(stream, after)
+        if nbytes:
+            self.drv.memcpy_htod_async(dst.data_ptr() + begin * dst.element_size(), src.handle.data_ptr() + offset,
+                                       nbytes, stream)
         return _cuda.Event(self.drv, stream)
 
     def wait_on_compute(self, event: _cuda.Event | None, param: torch.Tensor) -> None:

@@ -54,8 +54,16 @@ class Backend(Protocol):
         """Optional: an event after every weight upload queued so far (None: nothing to wait for);
         without it ``HostPlacement.wait_step`` waits for each slot's last upload event."""
 
-    def pinned_size(self, nbytes: int) -> int:
-        """Optional: the bytes a pinned ``host_empty`` buffer of ``nbytes`` takes (default ``nbytes``)."""
+    def copy_range_to_host(self, dst: HostBuffer, offset: int, src: Any, begin: int, end: int, after: Event | None,
+                           free: Event | None = None) -> Event | None:
+        """Optional (streamed slots, :mod:`trainstream.core._stream`): start ``dst[offset bytes:] <- src[begin:end]``
+        (a flat device tensor) after ``after`` and ``free`` (an upload reading that part of ``dst``); return its
+        completion event (None: done). ``src`` must stay alive until that event: the caller holds it."""
+
+    def copy_range_to_device(self, dst: Any, begin: int, end: int, src: HostBuffer, offset: int,
+                             after: Event | None) -> Event | None:
+        """Optional (streamed slots): start ``dst[begin:end] <- src[offset bytes:]`` (``dst``: a flat parameter)
+        after ``after``; return its completion event (None: done)."""
 
 
 class DeviceBackend(Protocol):

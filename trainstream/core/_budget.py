@@ -8,20 +8,21 @@ nor jax.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .. import _hostmem
 from .. import contract as C
 from ..contract import ITEMSIZE as _ITEMSIZE
 
-__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "WHERE", "assign", "check", "host_bytes", "hybrid_elems",
-           "place", "plan", "gpu_state_fits", "slot_layout", "speculation_fits", "state_bytes"]
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "RING_ITEM", "WHERE", "assign", "check", "host_bytes",
+           "hybrid_elems", "place", "plan", "gpu_state_fits", "slot_layout", "speculation_fits", "state_bytes",
+           "stream_ring_bytes"]
 
 #: Where :func:`assign` puts a slot: its state kept in GPU memory (a device slot, resident), the device
 #: placement (state in host memory, updated by the GPU kernel) or the host placement. The last two are
 #: also :func:`host_bytes`' layouts of those slots.
 WHERE = ("gpu_state", "device", "host")
-LAYOUTS = ("host", "device", "arrays", "staged")
+LAYOUTS = ("host", "streamed", "device", "arrays", "staged")
 PARTS = ("state", "masters", "staging")
 #: The default ``host_margin``: the fraction of the available host memory left to the rest of the
 #: process and the host (the framework, data loading, a checkpoint being written).
@@ -29,6 +30,15 @@ MARGIN = 0.1
 #: ``pin_moments`` pins the moments only while all pinned memory stays within this fraction of the
 #: available memory (pinned pages are never reclaimed or swapped); else pageable.
 PINNED_FRACTION = 0.5
+#: Bytes per element of a chunk buffer of the stream ring (:mod:`trainstream.core._stream`): a gradient and a weight
+#: chunk, each up to 4 bytes per element (float32).
+RING_ITEM = 8
+
+
+def stream_ring_bytes(threads: int, chunk: int) -> int:
+    """The stream ring's host bytes (pinned where the backend pins): one buffer of ``chunk`` elements of
+    :data:`RING_ITEM` bytes per worker thread (a worker holds one while it updates a chunk)."""
+    return int(threads) * int(chunk) * RING_ITEM
 
 
 def state_bytes(numel: int, dtype: str, recipe: C.TorchRecipe | None = None) -> int:
@@ -42,15 +52,24 @@ def state_bytes(numel: int, dtype: str, recipe: C.TorchRecipe | None = None) -> 
     return moments + (max(4, 4 * int(numel)) if recipe.master and dtype != "float32" else 0)
 
 
-def slot_layout(recipe: C.TorchRecipe | None, dtype: str, grad_sums: bool = False) -> dict[str, tuple[str, str]]:
+def slot_layout(recipe: C.TorchRecipe | None, dtype: str, grad_sums: bool = False,
+                streamed: bool = False) -> dict[str, tuple[str, str]]:
     """A host slot's buffers (:class:`~trainstream.core._hostslot.HostSlot`'s names) -> ``(dtype, kind)``, kind
     ``"state"`` (moments: pageable, pinned with ``pin_moments``), ``"pinned"`` or ``"pageable"``. ``recipe`` None:
     the fp32-master layout (the optax convention, and torch callers that name no recipe). ``grad_sums``: a master's
-    fp32 gradient sums. A master's weight staging is not listed (the backend's ``weights_in_grad_stage``)."""
+    fp32 gradient sums. A master's weight staging is not listed (the backend's ``weights_in_grad_stage``).
+    ``streamed`` (bounded staging, :mod:`trainstream.core._stream`): the moments alone, and an fp16/bf16 parameter's
+    fp32 master; the gradient and the weights pass through the stream ring, chunk by chunk."""
     sd = "float32" if recipe is None else C.state_dtype(recipe)
     out = {"exp_avg": (sd, "state"), "exp_avg_sq": (sd, "state")}
     if recipe is not None and recipe.amsgrad:
         out["max_exp_avg_sq"] = (sd, "state")
+    if streamed:
+        if grad_sums:
+            raise ValueError("slot_layout: a streamed slot keeps no fp32 gradient sum")
+        if dtype != "float32" and sd == "float32":
+            out["master"] = ("float32", "pageable")
+        return out
     if dtype == "float32":
         out["master"] = ("float32", "pinned")
     elif sd == "float32":
@@ -123,7 +142,7 @@ def hybrid_elems(slots: Iterable[tuple], share: float, gpu_state_bytes: int = 0)
 
 
 def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bool = True,
-               weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None) -> dict[str, int]:
+               weights_in_grad_stage: bool = True, ring_bytes: int = 0) -> dict[str, int]:
     """Host bytes of ``(numel, dtype, layout[, recipe[, grad_sums]])`` slots as ``{part}_pinned`` and
     ``{part}_pageable`` per part of :data:`PARTS`: ``state`` (moments), ``masters`` (the weights the host updates:
     fp32 masters and weights, or fp16/bf16 weights' own bits), ``staging`` (transfers, a master's fp32 gradient
@@ -133,7 +152,9 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
       ``recipe`` (None: the fp32-master layout): moments pageable (pinned with ``pin_moments``; all pageable with
       ``can_pin`` False: torch with CPU parameters), the weights and the gradient staging pinned, a master
       pageable, and for a master a pinned weight staging unless the backend has ``weights_in_grad_stage``;
-      each pinned buffer as the backend's ``pinned_size`` counts it (torch: a power of two; None: its bytes);
+    * ``"streamed"`` (bounded staging: ``HostPlacement.add_param(streamed=True)``): the moments (as ``"host"``'s) and
+      a master of fp16/bf16 weights, nothing staged per slot; the stream ring they share is ``ring_bytes``
+      (:func:`stream_ring_bytes`; counted once, in ``staging``, pinned where ``can_pin``);
     * ``"device"`` (:meth:`~trainstream.core._device.DevicePlacement.add_param`, JAX ``mode="gpu"``):
       moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
     * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
@@ -146,22 +167,22 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
     out = {f"{p}_{k}": 0 for p in PARTS for k in ("pinned", "pageable")}
 
     def add(part: str, nbytes: int, pinned: bool, host: bool = False) -> None:
-        if host:
-            pinned = pinned and can_pin
-            nbytes = pinned_size(nbytes) if pinned and pinned_size is not None else nbytes
-        out[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
+        out[f"{part}_{'pinned' if pinned and (can_pin or not host) else 'pageable'}"] += nbytes
+
+    if ring_bytes:
+        add("staging", int(ring_bytes), True, True)
 
     for numel, dtype, layout, *rest in slots:
         if layout not in LAYOUTS or dtype not in _ITEMSIZE:
             raise ValueError(f"host_bytes: unknown layout {layout!r} or dtype {dtype!r}")
         numel, item, half = int(numel), _ITEMSIZE[dtype], dtype != "float32"
-        if layout == "host":
+        if layout in ("host", "streamed"):
             recipe, sums = (rest + [None, False])[:2]
-            bufs = slot_layout(recipe, dtype, bool(sums))
+            bufs = slot_layout(recipe, dtype, bool(sums), layout == "streamed")
             for name, (bdtype, kind) in bufs.items():
                 add(BUFFER_PART[name], _ITEMSIZE[bdtype] * numel, pin_moments if kind == "state" else kind == "pinned",
                     True)
-            if "master" in bufs and half and not weights_in_grad_stage:
+            if "master" in bufs and half and not weights_in_grad_stage and layout == "host":
                 add("staging", item * numel, True, True)
             continue
         pinned = layout != "arrays"
@@ -184,16 +205,16 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
 
 
 def plan(slots: Iterable[tuple[int, str, str]], *, margin: float | None = MARGIN, pin_moments: bool = False,
-         **kwargs) -> dict[str, float]:
+         available: int | None = None, **kwargs) -> dict[str, float]:
     """:func:`host_bytes` of ``slots`` (``kwargs``: its options) against what the host has
-    (:func:`trainstream._hostmem.available`): the parts and ``pinned``, ``pageable``, ``needed`` (totals,
-    bytes), ``available`` (-1: unknown), ``usable`` (``available`` less ``margin`` of it; -1: not checked,
-    as with ``margin=None``), ``margin``, ``pin_moments`` (0 also where pinning would take more than
-    :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked)."""
+    (:func:`trainstream._hostmem.available`, or ``available`` bytes: planning for another machine): the parts and
+    ``pinned``, ``pageable``, ``needed`` (totals, bytes), ``available`` (-1: unknown), ``usable`` (``available`` less
+    ``margin`` of it; -1: not checked, as with ``margin=None``), ``margin``, ``pin_moments`` (0 also where pinning
+    would take more than :data:`PINNED_FRACTION` of ``available``) and ``fits`` (1: fits or not checked)."""
     if margin is not None and not 0.0 <= margin < 1.0:
         raise ValueError(f"host_margin must be a fraction in [0, 1) or None, got {margin!r}")
     slots = list(slots)
-    avail = _hostmem.available()
+    avail = _hostmem.available() if available is None else int(available)
     got = host_bytes(slots, pin_moments=pin_moments, **kwargs)
     pinned = sum(got[f"{p}_pinned"] for p in PARTS)
     if pin_moments and avail is not None and pinned > PINNED_FRACTION * avail:

@@ -26,6 +26,7 @@ from ._host import HostPlacement
 from ._hostslot import STATE_KEYS
 from ._pool import StickyError, WorkerError
 from ._speculate import EngineSpeculation
+from ._stream import EngineStreaming
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
 
@@ -33,7 +34,7 @@ __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "Work
 MODES = ("cpu", "gpu", "hybrid")
 
 
-class Engine(EngineSpeculation):
+class Engine(EngineSpeculation, EngineStreaming):
     """Slots, each updated by its placement; slot ids are global, in registration order.
 
     Args: ``backend``: the framework's (:class:`~trainstream.core._backend.Backend`, and for device slots
@@ -99,11 +100,13 @@ class Engine(EngineSpeculation):
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, *, trainable: bool = True,
                   on_device: bool | None = None, where: str | None = None,
-                  recipe: C.TorchRecipe | None = None, grad_sums: bool | None = None) -> int:
+                  recipe: C.TorchRecipe | None = None, grad_sums: bool | None = None, streamed: bool = False) -> int:
         """Register a flat parameter; returns its slot id. ``recipe`` (:class:`~trainstream.contract.TorchRecipe`,
         torch convention): the slot's arithmetic and state layout; None: :func:`~trainstream.contract.default_recipe`
         (the fp32-master scheme, without fp32 gradient sums; a recipe with ``master`` keeps them, for
-        ``offload_grad(accumulate=True)``; ``grad_sums=False``: a host slot without them).
+        ``offload_grad(accumulate=True)``; ``grad_sums=False``: a host slot without them). ``streamed``: a host slot
+        with bounded staging (:mod:`~trainstream.core._stream`; no gradient sums), updated by :meth:`step` with its
+        gradient or by :meth:`stream_update`.
         ``where`` (:data:`~trainstream.core._budget.WHERE`): the adapter's answer
         from :func:`~trainstream.core._budget.assign` for this slot, taken as it is (it asked with
         :attr:`device_elems_used` and :attr:`gpu_state_used` as they are now). ``None``: asked here for this slot
@@ -113,7 +116,7 @@ class Engine(EngineSpeculation):
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
                                "caller owns (update_external, launch_external), it holds no parameters")
-        sums = recipe is not None and recipe.master and dtype != "float32" and grad_sums is not False
+        sums = recipe is not None and recipe.master and dtype != "float32" and grad_sums is not False and not streamed
         if self.convention == "torch":
             recipe = C.check_recipe(recipe if recipe is not None else C.default_recipe(platform, dtype))
         elif recipe is not None:
@@ -136,7 +139,7 @@ class Engine(EngineSpeculation):
             local = self.device.add_param(param, numel, dtype, platform, gpu_state=True, **self._dev_kw(recipe))
             self.gpu_state_used += need
         elif where == "host":
-            local = placement.add_param(param, numel, dtype, platform, recipe, sums)
+            local = placement.add_param(param, numel, dtype, platform, recipe, sums, streamed)
         else:
             local = placement.add_param(param, numel, dtype, platform, **self._dev_kw(recipe))
             self.device_elems_used += int(numel)
@@ -315,7 +318,7 @@ class Engine(EngineSpeculation):
         self.errors.check()  # raise before anything is queued, not between the shares
         where = [self._where[self._check_sid(u[0])] for u in updates]
         dev = [(local, *u[1:]) for u, (d, local) in zip(updates, where) if d]
-        hst = [(local, u[1]) for u, (d, local) in zip(updates, where) if not d]
+        hst = [(local, *u[1:]) for u, (d, local) in zip(updates, where) if not d]  # streamed: with its gradient
         if coefs is not None:
             coefs = {self._where[sid][1]: c for sid, c in coefs.items() if not self._where[self._check_sid(sid)][0]}
         dev_div = {}
@@ -328,7 +331,8 @@ class Engine(EngineSpeculation):
             return self.host.step(hst, coefs, grad_div=grad_div)
         self.device.check_grads(dev)  # a bad gradient raises before either share is queued
         # Host slots this step updates (frozen, unused and eagerly updated parameters hold no gradient).
-        host_sids = [u[0] for u, (d, local) in zip(updates, where) if not d and self.host.has_grad(local)]
+        host_sids = [u[0] for u, (d, local) in zip(updates, where) if not d and (self.host.has_grad(local) or
+                                                                                    self.host.streamed(local))]
         dev_sids = [u[0] for u, (d, _) in zip(updates, where) if d]
         if not host_sids or (dev_sids and min(dev_sids) < min(host_sids)):
             if dev:

@@ -33,10 +33,11 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, HostExternal
 from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 from ._speculate import SPEC_STATS, Speculation, Speculative
+from ._stream import Streaming
 
 __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuffer", "StickyError", "WorkerError",
            "CHUNK_ALIGN"]
@@ -50,7 +51,7 @@ _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "re
           *SPEC_STATS)
 
 
-class HostPlacement(Speculative, SlotStateIO):
+class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -106,15 +107,15 @@ class HostPlacement(Speculative, SlotStateIO):
     def _alloc(self, numel: int, dtype: str, pinned: bool, what: str, tally: list[int]) -> HostBuffer:
         """A backend buffer; adds its bytes to ``tally`` (``[pinned, pageable]``)."""
         buf = self.backend.host_empty(numel, dtype, pinned=pinned, what=what)
-        nbytes, size = numel * _ITEMSIZE[dtype], getattr(self.backend, "pinned_size", None)
-        tally[0 if buf.pinned else 1] += size(nbytes) if buf.pinned and size is not None else nbytes
+        tally[0 if buf.pinned else 1] += numel * _ITEMSIZE[dtype]
         return buf
 
     def add_param(self, param: Any, numel: int, dtype: str, platform: str, recipe: C.TorchRecipe | None = None,
-                  grad_sums: bool = False) -> int:
+                  grad_sums: bool = False, streamed: bool = False) -> int:
         """Register a flat parameter; returns its slot id. Its buffers follow ``recipe`` (the torch convention; None:
         :func:`~trainstream.contract.default_recipe`, the fp32-master scheme) with ``grad_sums`` (a master's fp32
-        gradient sums, for ``offload_grad(accumulate=True)``); the weights are read into them."""
+        gradient sums, for ``offload_grad(accumulate=True)``); the weights are read into them. ``streamed``: bounded
+        staging (:mod:`~trainstream.core._stream`: updated by ``stream_update`` or ``step`` with its gradient)."""
         self._check_open()
         if self.backend is None:
             raise RuntimeError("TrainStream engine: this engine has no framework backend; it updates buffers the "
@@ -131,8 +132,10 @@ class HostPlacement(Speculative, SlotStateIO):
             if (recipe.platform, recipe.dtype) != (platform, dtype):
                 raise ValueError(f"add_param: the recipe is for {recipe.dtype} parameters on {recipe.platform}, the "
                                  f"parameter is {dtype} on {platform}")
+        if streamed:
+            self._stream_ring()  # (its bytes counted in stats as stream_ring_bytes)
         s = new_slot(len(self._slots), param, int(numel), dtype, platform, recipe, grad_sums, self._alloc,
-                     self.pin_moments, self._weights_in_grad_stage, self.backend)
+                     self.pin_moments, self._weights_in_grad_stage, self.backend, streamed)
         self._slots.append(s)
         return s.id
 
@@ -225,6 +228,7 @@ class HostPlacement(Speculative, SlotStateIO):
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
+        self._check_grad(sid, None, grad_dtype, staged=True)
         if (coef != 1.0 or grad_div is not None) and not speculate:
             raise ValueError("offload_grad: coef and grad_div are a speculative update's assumptions (speculate=True)")
         if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
@@ -234,8 +238,6 @@ class HostPlacement(Speculative, SlotStateIO):
                              "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
                              "master)")
         self._unspeculate(s)
-        if grad_dtype != s.dtype:
-            raise TypeError(f"gradient of parameter slot {sid} has dtype {grad_dtype}, expected {s.dtype}")
         if update is not None:
             check_host_recipe(s.recipe, update, grad_div)
         if accumulate and s.grad_sum is None:
@@ -279,11 +281,10 @@ class HostPlacement(Speculative, SlotStateIO):
                 s.staged, s.summed, s.grad_keep = False, False, None
         self.errors.check()
 
-    def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
-                        grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
-        spec = Speculation(s.step, upload) if speculate else None
-        keep = s.backed_up() if speculate else ()
-        s.step += 1
+    def _update_args(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, grad_div: float | None
+                     ) -> tuple[int, np.ndarray, tuple]:
+        """``(variant, scalars, extra)`` of slot ``s``'s update at step ``s.step`` (``extra``: the kernel's
+        ``(recipe, vmax, tails)``, none for the optax convention)."""
         recipe, extra = s.recipe, ()
         if recipe is None:  # the optax convention
             scalars = C.step_scalars(hp, s.step, self.convention, s.platform, clip)
@@ -295,7 +296,14 @@ class HostPlacement(Speculative, SlotStateIO):
                 recipe, self.tc_code) else 1
             extra = (recipe, None if s.max_exp_avg_sq is None else s.max_exp_avg_sq.array,
                      C.torch_cpu_tails(recipe, s.numel, self.tc_code, threads))  # recipe, vmax, tails
-        variant = C.variant_id(self.convention, s.platform)
+        return C.variant_id(self.convention, s.platform), scalars, extra
+
+    def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
+                        grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
+        spec = Speculation(s.step, upload) if speculate else None
+        keep = s.backed_up() if speculate else ()
+        s.step += 1
+        variant, scalars, extra = self._update_args(s, hp, clip, grad_div)
         m, v = s.exp_avg.array, s.exp_avg_sq.array
         g, gkind = (s.grad_sum.array, K.KIND_F32) if s.summed else (s.grad_stage.array, _KIND[s.dtype])
         p = None if s.master is None else s.master.array
@@ -355,7 +363,8 @@ class HostPlacement(Speculative, SlotStateIO):
     def step(self, updates: Sequence[tuple[int, C.AdamWHyperParams]], coefs: dict[int, float] | None = None,
              check_errors: bool = True, grad_div: dict[int, float] | None = None) -> None:
         """Queue the update of every slot in ``updates`` that holds a gradient (an eagerly updated
-        slot holds none). ``coefs``: per slot, the contract's ``c`` multiplying its staged gradient
+        slot holds none): ``(sid, hp)``, or for a streamed slot ``(sid, hp, grad, grad dtype)`` (its gradient on the
+        device: :meth:`stream_update`). ``coefs``: per slot, the contract's ``c`` multiplying its staged gradient
         (1.0 where absent); ``grad_div``: per slot of a fused recipe, GradScaler's scale its gradient is divided by
         (``S_GRAD_DIV``). ``check_errors=False``: an error since the caller's check raises at the next call."""
         self._check_open()
@@ -367,13 +376,16 @@ class HostPlacement(Speculative, SlotStateIO):
             if r is None or r.impl != "fused":
                 raise ValueError(f"step: grad_div for parameter slot {sid}, whose recipe is not fused (torch's other "
                                  "implementations unscale by a multiplier: coefs)")
-        for sid, hp in updates:  # before anything is queued: a refusal leaves every slot as it was
+        for sid, hp, *grad in updates:  # before anything is queued: a refusal leaves every slot as it was
             check_host_recipe(self._slot(sid).recipe, hp, grad_div.get(sid))
+            self._check_grad(sid, *grad)
         self._stats.add("steps", 1)
         self._stats.step_start = time.perf_counter()
-        for sid, hp in updates:
+        for sid, hp, *grad in updates:
             s = self._slot(sid)
-            if s.staged:
+            if s.streamed and grad:
+                self.stream_update(sid, hp, grad[0], grad[1], grad_div.get(sid))
+            elif s.staged:
                 self._enqueue_update(s, hp, np.float32(coefs.get(sid, 1.0)), self.backend.record_compute(s.param),
                                      grad_div.get(sid))
 
@@ -399,27 +411,12 @@ class HostPlacement(Speculative, SlotStateIO):
         self.drain()
         self.errors.check()
 
-    def _run_external(self, batches: list, what: str) -> None:
-        """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
-        self._check_open()
-        self.errors.check()
-        run_batches(self._submit, batches, what)
-
-    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
-        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
-        convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
-        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
-        No slot is involved: the caller keeps the state and supplies each update's scalars."""
-        batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
-        self._stats.add("steps", 1)
-        self._run_external(batches, "update_external")
-
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
         st = self._stats
         live = [s for s in self._slots if s.live]  # not released
         last_wall = st.last_finalize - st.step_start if st.last_finalize >= st.step_start else 0.0
-        pinned, pageable = (sum(s.nbytes[k] for s in live) for k in (0, 1))
+        pinned, pageable = (sum(s.nbytes[k] for s in live) + r for k, r in zip((0, 1), self._ring_bytes()))
         return {
             "params": float(len(live)), "numel": float(sum(s.numel for s in live)),
             "threads": float(self.threads), "gpu_mode": 0.0, "steps": float(st.steps),
@@ -430,6 +427,8 @@ class HostPlacement(Speculative, SlotStateIO):
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
             **{k: float(getattr(st, k)) for k in SPEC_STATS if k != "redo_s"}, "redo_ms_total": st.redo_s * 1e3,
             "spec_backup_bytes": float(sum(s.backup_bytes() for s in live if s.backup is not None)),
+            "stream_ring_bytes": float(sum(self._ring_bytes())),
+            "streamed_params": float(sum(s.streamed for s in live)),
         }
 
     def close(self) -> None:
@@ -455,4 +454,4 @@ class HostPlacement(Speculative, SlotStateIO):
             self._pool.stop()  # joins the workers (once; a no-op in a child of os.fork())
             for s in self._slots:
                 s.free()
-            self._slots = []
+            self._slots, self._ring = [], None

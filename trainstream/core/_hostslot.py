@@ -11,7 +11,10 @@ Buffers per recipe (:func:`trainstream.core._budget.host_bytes` counts the same)
   (``weights_in_grad_stage``), else a pinned weight staging; with ``grad_sums`` an fp32 gradient sum;
 * fp16/bf16 without a master: ``weights``, the parameter's bits (pinned: updated in place and uploaded; re-read
   where the weights change outside the optimizer), the moments in the parameter's dtype, the pinned gradient
-  staging.
+  staging;
+* a *streamed* slot (bounded staging, :mod:`trainstream.core._stream`): the moments, and an fp16/bf16 parameter's
+  fp32 master; no weights or staging of its own: each update reads the gradient and the weights from the device
+  chunk by chunk through the placement's stream ring and uploads each chunk's new weights from it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class HostSlot:
     grad_stage: Any = None
     param_stage: Any = None  # a master's rounded weights to upload; may be grad_stage
     grad_sum: Any = None  # a master's fp32 micro-batch gradient sums
+    streamed: bool = False  # bounded staging: gradient and weights through the stream ring (module docstring)
     step: int = 0
     # The gradient staging, as the caller made it: whether that copy is still the gradient to update from is
     # the caller's to decide (the torch adapter's per-parameter record), never this slot's. ``staged``: an
@@ -88,7 +92,8 @@ class HostSlot:
     def speculable(self) -> bool:
         """Whether an update of this slot can be speculative: its gradient staging is only read by the update (not
         a master's, which the rounded weights overwrite and whose fp32 sums the update reads)."""
-        return self.live and self.grad_sum is None and (self.weights is not None or self.dtype == "float32")
+        return (self.live and self.grad_stage is not None and self.grad_sum is None
+                and (self.weights is not None or self.dtype == "float32"))
 
     def backed_up(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(live, copy)`` of every buffer an update writes (the weights, the moments), the copies allocated once
@@ -130,25 +135,26 @@ _POW_BLOCK = 1024
 
 
 def new_slot(sid: int, param: Any, numel: int, dtype: str, platform: str, recipe: C.TorchRecipe | None,
-             grad_sums: bool, alloc: Callable, pin_moments: bool, weights_in_grad_stage: bool, backend: Any) -> HostSlot:
+             grad_sums: bool, alloc: Callable, pin_moments: bool, weights_in_grad_stage: bool, backend: Any,
+             streamed: bool = False) -> HostSlot:
     """A slot with the buffers of :func:`~trainstream.core._budget.slot_layout` (``alloc(numel, dtype, pinned,
-    what, tally)``), moments zeroed, the weights read in (module docstring)."""
+    what, tally)``), moments zeroed, the weights read in where it keeps them (module docstring)."""
     tally = [0, 0]  # counted once all are allocated (a failure drops them)
     bufs = {}
-    for name, (bdtype, kind) in slot_layout(recipe, dtype, grad_sums).items():
+    for name, (bdtype, kind) in slot_layout(recipe, dtype, grad_sums, streamed).items():
         bufs[name] = alloc(numel, bdtype, pin_moments if kind == "state" else kind == "pinned", _WHAT[name], tally)
     for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
         if name in bufs:
             bufs[name].array[:] = 0
     stage = None
-    if "master" in bufs and dtype != "float32":
+    if "master" in bufs and dtype != "float32" and not streamed:
         stage = bufs["grad_stage"] if weights_in_grad_stage else alloc(numel, dtype, True, "param.staging", tally)
-    s = HostSlot(sid, param, numel, dtype, platform, recipe, param_stage=stage, **{
+    s = HostSlot(sid, param, numel, dtype, platform, recipe, param_stage=stage, streamed=streamed, **{
         k: bufs.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "weights", "grad_stage",
                                  "grad_sum")})
     if s.weights is not None:
         read_weights(backend, param, s.weights.array, dtype)
-    else:
+    elif s.master is not None:
         backend.param_to_host_f32(param, s.master.array)
     s.nbytes = (tally[0], tally[1])
     return s
@@ -239,7 +245,7 @@ def load_slot_state(s: HostSlot, state: Mapping, backend: Any) -> None:
         read_weights(backend, s.param, s.weights.array, s.dtype)
     elif master is not None and s.dtype != "float32":
         s.master.array[:] = np.asarray(master, np.float32).reshape(-1)
-    else:
+    elif s.master is not None:  # (a streamed slot without a master reads the weights at each update)
         backend.param_to_host_f32(s.param, s.master.array)
     s.step = int(state["step"])  # a staged gradient stays staged: the caller says whether to update from it
 
@@ -249,6 +255,8 @@ def reload_weights(s: HostSlot, backend: Any) -> None:
     where it still rounds to the weight: :func:`trainstream.contract.merge_master`)."""
     if s.weights is not None:
         read_weights(backend, s.param, s.weights.array, s.dtype)
+        return
+    if s.master is None:  # a streamed slot without a master: its updates read the weights from the device
         return
     weights = np.empty(s.numel, np.float32)
     backend.param_to_host_f32(s.param, weights)

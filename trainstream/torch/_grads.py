@@ -141,6 +141,10 @@ class GradCapture(V.SpeculationPolicy):
             self.slots.follow(rec)  # e.g. model.double(): a clear error, not the engine's
         sid = rec.sid
         n = self._seen[sid] = self._seen.get(sid, 0) + 1
+        if engine.streamed(sid):  # bounded staging: nothing staged; under last_micro_batch() its update starts now
+            if hint and (hp := self._hyper_now(rec)):
+                self._stream(rec, hp)
+            return
         if sid in self.spec:  # another backward after the one taken for the last: accumulation
             if sid in self.hooked:
                 where = "inside" if self.eager else "after"
@@ -191,6 +195,20 @@ class GradCapture(V.SpeculationPolicy):
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
 
+    def _stream(self, rec: Slot, hp: C.AdamWHyperParams) -> None:
+        """Under ``last_micro_batch()``, a streamed host slot's update from its hook (bounded staging): its gradient
+        read chunk by chunk as the update runs, nothing kept, so not speculative: ``step()`` refuses a gradient
+        changed since, as for a GPU slot's launch."""
+        if rec.sid in self.hooked:
+            raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() "
+                               f"(parameter {rec.sid}); only the last micro-batch's backward belongs in that block")
+        self.slots.follow(rec)
+        grad = rec.param.grad
+        self.slots.engine.stream_update(rec.sid, hp, *self.local_grad(rec))
+        self.hooked.add(rec.sid)
+        self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
+        self.gate.mark([rec.sid])
+
     # -- step -----------------------------------------------------------------------------------
 
     def updates(self, groups: Iterable[dict[str, Any]], hyper: Callable[[dict[str, Any]], C.AdamWHyperParams]
@@ -235,8 +253,8 @@ class GradCapture(V.SpeculationPolicy):
                     redone = True
                 if p.grad is None or rec.sid in launched:
                     continue  # no gradient: no update, as torch's
-                if engine.on_device(rec.sid):
-                    updates.append((rec.sid, hp, *self.local_grad(rec, host=False)))
+                if engine.on_device(rec.sid) or engine.streamed(rec.sid):  # the gradient as it is now
+                    updates.append((rec.sid, hp, *self.local_grad(rec, host=engine.streamed(rec.sid))))
                     continue
                 if copy is None or not copy.current(p, trusted=True) or self._untrusted:
                     engine.offload_grad(rec.sid, *self.local_grad(rec), None)  # changed since, or set by hand
@@ -383,11 +401,13 @@ class GradCapture(V.SpeculationPolicy):
 
 def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
                       ) -> str:
-    """Why a GPU slot's update launched from its hook under ``last_micro_batch()`` cannot follow ``what``."""
+    """Why an update launched from a hook under ``last_micro_batch()`` (a GPU slot's, or a host slot's with
+    bounded staging) cannot follow ``what``."""
     return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the GPU kernels of mode='gpu'/'hybrid' "
-            f"(parameter {sid}) updated from the gradients as backward left them, and those updates are not "
-            "speculative (they cannot be redone). Clip with max_grad_norm= (then last_micro_batch() launches nothing "
-            "early), or leave last_micro_batch() out; reload a checkpoint (load_state_dict) to continue.")
+            f"or the host updates of bounded_staging=True (parameter {sid}) updated from the gradients as backward "
+            "left them, and those updates are not speculative (they cannot be redone). Clip with max_grad_norm= "
+            "(then last_micro_batch() launches nothing early), or leave last_micro_batch() out; reload a checkpoint "
+            "(load_state_dict) to continue.")
 
 
 def _capturing(p: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from ..core import _budget
 from . import _dist as D
+from . import _fit as F
 from . import _params as P
 from . import _recipe as R
 from . import _state as S
@@ -78,6 +79,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
       speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
         keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
         host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
+      bounded_staging: host memory of the host updates bounded by their state (4 bytes per bf16 parameter with
+        torch's bf16 state, 8 per float32 one) plus a ring of pinned chunks (``stream_ring_bytes``): the gradient and
+        the weights are read from the GPU chunk by chunk as each update runs, inside :meth:`last_micro_batch` during
+        backward (not speculative: as GPU slots there), else at ``step()``; nothing speculative, no copy of the
+        weights or gradients kept (docs/memory.md). Not with ``master_weights`` (its fp32 gradient sums) or
+        ``mode="gpu"`` (nothing staged). Default False.
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -93,7 +100,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                  gpu_state_bytes: int | str = 0, gpu_share: float = 0.3, gpu_params: str = "first",
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
+                 bounded_staging: bool = False):
         # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
         self._init_kwargs = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
@@ -102,7 +110,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
-            host_margin=host_margin, speculate=speculate)
+            host_margin=host_margin, speculate=speculate, bounded_staging=bounded_staging)
         betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -121,6 +129,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
         if speculate is not None and not isinstance(speculate, bool):
             raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
+        P.check_bounded(bounded_staging, mode, master_weights, speculate)
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
         self.master_weights = master_weights
@@ -130,7 +139,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         self.mode, self._gpu_params = mode, gpu_params
         self._slots = P.Slots(mode=mode, gpu_state_bytes=gpu_state_bytes, gpu_share=gpu_share, gpu_params=gpu_params,
                               host_margin=host_margin, worker_cores=worker_cores, threads=threads,
-                              pin_moments=pin_moments, worker_nice=worker_nice, eager_blocks=eager_blocks, gated=gated)
+                              pin_moments=pin_moments, worker_nice=worker_nice, eager_blocks=eager_blocks, gated=gated,
+                              bounded=bounded_staging)
         self._state_view = S.StateView(self._slots)  # opt.state: the engine's, per parameter
         self._gate = Gate(self._slots, gated)
         ref = weakref.ref(self)
@@ -189,15 +199,24 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
     def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
                          gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
                          pin_moments: bool = False, host_margin: float | None = _budget.MARGIN,
-                         amsgrad: bool = False, master_weights: bool = False) -> dict[str, float]:
+                         amsgrad: bool = False, master_weights: bool = False, bounded_staging: bool = False,
+                         threads: int | None = None, host_memory: int | None = None,
+                         options: bool = False) -> dict[str, Any]:
         """The host memory ``OffloadAdamW(params, ...)`` will take, and what the host has, without allocating
         anything: bytes per part (``state_pinned``, ``state_pageable``, ``masters_*``, ``staging_*``), ``pinned``,
         ``pageable``, ``needed``, ``available``, ``usable``, ``pin_moments`` and ``fits`` (see
         :func:`trainstream.core._budget.plan`); after construction also in :meth:`stats` as ``host_plan_*``. Pass the
-        optimizer's ``amsgrad`` and ``master_weights`` (the state's layout; a group's own ``amsgrad`` counts)."""
-        return P.host_memory_plan(params, mode=mode, gpu_share=gpu_share, gpu_params=gpu_params,
+        optimizer's ``amsgrad``, ``master_weights``, ``bounded_staging`` and ``threads`` (the state's layout, the
+        stream ring's size; a group's own ``amsgrad`` counts). ``host_memory``: plan for a machine with that many
+        bytes available instead of this one. ``options=True`` adds ``options``: per setup (torch's state or
+        ``master_weights``; ``cpu``, ``hybrid``, ``gpu``; ``bounded_staging``; with this ``gpu_state_bytes``) its
+        ``needed`` bytes, ``fits``, ``bytes_per_param``, ``fixed_bytes`` and ``max_params``, the largest model of
+        these proportions that fits; and ``fitting``, the first setup that fits (docs/memory.md). ``params`` may be on
+        the ``meta`` device (a model not built: planned as on CUDA)."""
+        return F.host_memory_plan(params, mode=mode, gpu_share=gpu_share, gpu_params=gpu_params,
                                   gpu_state_bytes=gpu_state_bytes, pin_moments=pin_moments, host_margin=host_margin,
-                                  amsgrad=amsgrad, master_weights=master_weights)
+                                  amsgrad=amsgrad, master_weights=master_weights, bounded_staging=bounded_staging,
+                                  threads=threads, host_memory=host_memory, options=options)
 
     def _params_with_grads(self) -> list[torch.Tensor]:
         """Every parameter with a gradient, in group order (zero_stage=1: every rank's)."""
@@ -397,11 +416,13 @@ class OffloadAdamW(OffloadAdam):
                  gpu_share: float = 0.3, gpu_params: str = "first", threads: int | None = None,
                  worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
-                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None):
+                 host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
+                 bounded_staging: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
                          mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
                          gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
                          zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
-                         pin_moments=pin_moments, host_margin=host_margin, speculate=speculate)
+                         pin_moments=pin_moments, host_margin=host_margin, speculate=speculate,
+                         bounded_staging=bounded_staging)

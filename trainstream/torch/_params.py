@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .. import _cores
 from ..backends.torch import _DTYPE_NAME, TorchBackend, torch_cpu_code
-from ..core import Engine, _budget
+from ..core import Engine, _budget, _host
 from . import _dist as D
 from . import _recipe as R
 
-__all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_placement", "host_memory_plan"]
+__all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_bounded", "check_placement", "ring_bytes"]
 
 #: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for the caching allocator's later
 #: growth, other processes, fragmentation).
@@ -60,39 +60,51 @@ def grad_sums(p: torch.Tensor, recipe: R.TorchRecipe, where: str) -> bool:
     return recipe.master and where == "host" and not D.is_dtensor(p) and D.world()[1] == 1
 
 
+def ring_bytes(threads: int | None, chunk: int | None = None) -> int:
+    """The stream ring's bytes (bounded staging) for ``threads`` workers (None: this rank's default) and ``chunk``
+    elements per job (None: the engine's default)."""
+    threads = _cores.default_threads(D.local_world()[1]) if threads is None else threads
+    chunk = _host.CHUNK_SIZE if chunk is None else chunk
+    return _budget.stream_ring_bytes(threads, -(-chunk // _host.CHUNK_ALIGN) * _host.CHUNK_ALIGN)
+
+
 def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], recipes: Sequence[R.TorchRecipe], pin_moments: bool,
-          margin: float | None, device: torch.device | None) -> dict[str, float]:
+          margin: float | None, device: torch.device | None, streamed: bool = False, ring: int = 0,
+          available: int | None = None) -> dict[str, float]:
     """The host memory plan (:func:`trainstream.core._budget.plan`) of registering ``flat`` with ``recipes`` where
-    :func:`~trainstream.core._budget.assign` put them (resident state takes none; unsupported dtypes left out)."""
+    :func:`~trainstream.core._budget.assign` put them (resident state takes none; unsupported dtypes left out);
+    ``streamed``: host slots with bounded staging, whose ring (``ring`` bytes) is new; ``available``: the host's
+    memory (None: this host's)."""
     device = device or next((D.local(p).device for p in flat), None)
-    cuda = device is not None and device.type == "cuda"
-    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], w, r, grad_sums(p, r, w))
+    cuda = device is not None and device.type in ("cuda", "meta")  # meta: a model planned, not built
+    slots = [(D.local(p).numel(), _DTYPE_NAME[p.dtype], "streamed" if streamed and w == "host" else w, r,
+              grad_sums(p, r, w) and not streamed)
              for p, w, r in zip(flat, where, recipes) if p.dtype in _DTYPE_NAME and w != "gpu_state"]
+    ring = ring if streamed and any(s[2] == "streamed" for s in slots) else 0
     return _budget.plan(slots, margin=margin, pin_moments=pin_moments, can_pin=cuda,
-                        weights_in_grad_stage=TorchBackend.weights_in_grad_stage,
-                        pinned_size=TorchBackend.pinned_size if cuda else None)
+                        weights_in_grad_stage=TorchBackend.weights_in_grad_stage, ring_bytes=ring,
+                        available=available)
 
 
-def host_memory_plan(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *, mode: str = "cpu",
-                     gpu_share: float = 0.3, gpu_params: str = "first", gpu_state_bytes: int = 0,
-                     pin_moments: bool = False, host_margin: float | None = _budget.MARGIN, amsgrad: bool = False,
-                     master_weights: bool = False) -> dict[str, float]:
-    """:meth:`OffloadAdamW.host_memory_plan`: the plan of a new optimizer over ``params``, nothing allocated."""
-    check_placement(mode, gpu_share, gpu_params, gpu_state_bytes)
-    groups = list(params)
-    if not (groups and isinstance(groups[0], dict)):
-        groups = [{"params": groups}]
-    flat, recipes = [], []
-    for g in groups:
-        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        group = {"amsgrad": amsgrad, **g}
-        flat += ps
-        recipes += [R.recipe(group, p, "single", master_weights) for p in ps]
-    resident = 0 if gpu_state_bytes == "auto" else gpu_state_bytes  # "auto": all offloaded at first
-    facts = _facts(flat, recipes)
-    share = _budget.hybrid_elems(facts, gpu_share, resident) if mode == "hybrid" else 0
-    where = _budget.assign(facts, mode, device_elems=share, gpu_state_bytes=resident, last=gpu_params == "last")
-    return _plan(flat, where, recipes, pin_moments, host_margin, None)
+def check_bounded(bounded: Any, mode: str, master_weights: bool, speculate: bool | None) -> None:
+    """Refuse ``bounded_staging`` where it cannot apply (:class:`OffloadAdamW`, ``host_memory_plan``)."""
+    if not isinstance(bounded, bool):
+        raise ValueError(f"Invalid bounded_staging: {bounded!r} (must be a bool)")
+    if not bounded:
+        return
+    if mode == "gpu":
+        raise ValueError("bounded_staging=True applies to the host updates (mode='cpu', hybrid's host share); "
+                         "mode='gpu' stages nothing in host memory")
+    if master_weights:
+        raise NotImplementedError(
+            "bounded_staging=True with master_weights=True is not built: that scheme sums micro-batch gradients in "
+            "fp32 on the host (4 bytes per parameter kept until step()) and clips and unscales those sums, which a "
+            "gradient read chunk by chunk from the GPU cannot reproduce. Use torch's own bf16 state (master_weights="
+            "False) for bounded staging, or bounded_staging=False.")
+    if speculate:
+        raise ValueError("speculate=True with bounded_staging=True: speculation keeps the staged gradient and copies "
+                         "of the weights and state in host memory, which bounded staging does without (leave "
+                         "speculate unset)")
 
 
 @dataclass(eq=False)
@@ -137,13 +149,14 @@ class Slots:
 
     def __init__(self, *, mode: str, gpu_state_bytes: int | str, gpu_share: float, gpu_params: str,
                  host_margin: float | None, worker_cores: Any, threads: int | None, pin_moments: bool,
-                 worker_nice: int, eager_blocks: int | None, gated: bool):
+                 worker_nice: int, eager_blocks: int | None, gated: bool, bounded: bool = False):
         self.mode, self.gpu_share, self.gpu_params = mode, float(gpu_share), gpu_params
         self.auto_gpu_state = gpu_state_bytes == "auto"  # none at first, then what the GPU has free (move_auto)
         self.gpu_state_bytes = 0 if self.auto_gpu_state else int(gpu_state_bytes)
         self.device_elems = 0  # hybrid's budget of device elements, sized at construction (start)
         self.host_margin, self.worker_cores, self.eager_blocks = host_margin, worker_cores, eager_blocks
         self.gated = gated  # overlap_forward is set (refused with DTensor parameters)
+        self.bounded = bounded  # bounded_staging: host slots streamed (trainstream.core._stream)
         self.engine_args = dict(threads=threads, pin_moments=pin_moments, worker_nice=worker_nice)
         self.engine: Engine | None = None
         self.device: torch.device | None = None  # the parameters' device, set with the engine
@@ -259,9 +272,14 @@ class Slots:
                                device_used=eng.device_elems_used if eng is not None else 0,
                                gpu_state_bytes=self.gpu_state_bytes,
                                gpu_state_used=eng.gpu_state_used if eng is not None else 0, last=last)
-        plan = _plan(flat, where, recipes, pin, self.host_margin, self.device)
-        _budget.check(plan, _HINT + (", pin_moments=False (torch rounds each pinned buffer up to a power of two)"
-                                     if plan["pin_moments"] else ""))
+        ring = 0
+        if self.bounded and (eng is None or eng.host is None or eng.host._ring is None):  # allocated with the first
+            cores = D.worker_cores(self.worker_cores, self.device or D.local(flat[0]).device) if flat else None
+            threads = self.engine_args["threads"] or _cores.default_threads(D.local_world()[1], cores)
+            ring = ring_bytes(eng.threads if eng is not None and eng.host is not None else threads)
+        plan = _plan(flat, where, recipes, pin, self.host_margin, self.device, self.bounded, ring)
+        _budget.check(plan, _HINT + (", pin_moments=False" if plan["pin_moments"] else "")
+                      + ("" if self.bounded else ", bounded_staging=True (no staging as large as the model)"))
         if pin and not plan["pin_moments"]:  # pinned moments would not fit: pageable from here on
             self._pin_moments(False)
         self.host_plan = {k: v + self.host_plan.get(k, 0.0) if k in _SUMMED else v for k, v in plan.items()}
@@ -324,7 +342,7 @@ class Slots:
             sums = grad_sums(p, recipe, where)
             sid = self.engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
                                         trainable=p.requires_grad, where=where, grad_sums=sums,
-                                        **R.engine_kwargs(recipe))
+                                        streamed=self.bounded and where == "host", **R.engine_kwargs(recipe))
         assert sid == len(self._records)
         rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device), recipe,
                    sums=sums)
