@@ -262,8 +262,10 @@ def main(argv: list[str] | None = None, run=None) -> int:
                                      "CPUAdamBuilder().load()"], stdout=open(args.state + ".prebuild_ds.log", "w"),
                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(19))
 
+    cut = []  # an attempt cut by the budget: this call ends there
+
     def left():
-        return args.budget - (time.perf_counter() - t0) if args.budget else math.inf
+        return 0.0 if cut else args.budget - (time.perf_counter() - t0) if args.budget else math.inf
 
     def go(profile, label, size, steps, warmup):
         if label.startswith("ds_") and prebuild is not None:
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None, run=None) -> int:
                  f"{'does not fit' if attempt_fit(a) is False else 'no answer'} ("
                  f"{(a.get('error') or a['profile_applied'].get('violation', ''))[:150]})")
               + f", wall {a.get('wall_s', 0):.0f} s", flush=True)
+        if a.get("failure") == "budget":
+            cut.append(a)
         return a
 
     done = True
