@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None, run=None) -> int:
     ap.add_argument("--host-reserve-gib", type=float, default=2.5)
     ap.add_argument("--prebuild-ds", action="store_true", help="build DeepSpeed's cpu_adam in the background first")
     ap.add_argument("--state", required=True, help="the JSON of attempts: read, extended, rewritten after each")
+    ap.add_argument("--log-dir", default=None, help="each attempt's log (default: STATE.logs)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     cpu = args.device == "cpu"
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None, run=None) -> int:
     profiles = [_profile.parse(p) for p in args.profiles.split(",") if p]
     for p in profiles:
         _profile.cores_of(p)  # more cores than this machine: refused now
-    args.log_dir = args.state + ".logs"
+    args.log_dir = args.log_dir or args.state + ".logs"
     os.makedirs(args.log_dir, exist_ok=True)
     state = {"meta": {}, "attempts": [], "common": []}
     if os.path.exists(args.state):
@@ -258,9 +259,10 @@ def main(argv: list[str] | None = None, run=None) -> int:
     search = Search(args, state, run)
     prebuild = None
     if args.prebuild_ds and not cpu and any(x.startswith("ds_") for x in labels):
+        log = open(os.path.join(args.log_dir, "prebuild_ds.log"), "w")
         prebuild = subprocess.Popen([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
-                                     "CPUAdamBuilder().load()"], stdout=open(args.state + ".prebuild_ds.log", "w"),
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(19))
+                                     "CPUAdamBuilder().load()"], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=lambda: os.nice(19))
 
     cut = []  # an attempt cut by the budget: this call ends there
 

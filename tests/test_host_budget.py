@@ -67,7 +67,8 @@ def test_available_is_the_least_of_meminfo_and_the_cgroup_limits(tmp_path):
 def test_host_limit_parses_sizes_and_refuses_others(monkeypatch):
     monkeypatch.delenv(_hostmem.LIMIT_ENV, raising=False)
     assert _hostmem.host_limit() is None and _hostmem.host_limit("  ") is None
-    for text, nbytes in (("1000", 1000), ("64G", 64 << 30), ("64gib", 64 << 30), ("1.5M", 3 << 19), (" 2 TiB ", 2 << 40)):
+    sizes = (("1000", 1000), ("64G", 64 << 30), ("64gib", 64 << 30), ("1.5M", 3 << 19), (" 2 TiB ", 2 << 40))
+    for text, nbytes in sizes:
         assert _hostmem.host_limit(text) == nbytes, text
     for bad in ("64GB", "0", "-1G", "abc", "1e9", "0.1"):
         with pytest.raises(ValueError, match=f"{_hostmem.LIMIT_ENV}=.*positive number of bytes"):
