@@ -18,7 +18,8 @@ without an out-of-memory error, a profile violation or a timeout. The search per
 size a memory estimate (:data:`BYTES_PER_PARAM`) predicts, gallops up while sizes fit, down while they do not,
 then bisects: a few attempts each. Every attempt is appended to ``--state`` (JSON) as it ends; a later call with
 the same file goes on where the last stopped (an attempt cut by ``--budget`` is redone), so several 10-minute
-calls make one search. When every search of a profile is done, each setup runs at the largest size all fitted
+calls make one search. A failure that is not about memory (an import error, a crash) stops that setup's search,
+its log named in the summary; ``--retry-errors`` drops such attempts and tries again. When every search of a profile is done, each setup runs at the largest size all fitted
 (a search attempt at that size counts). ``python experiments/plot_results.py --largest STATE.json`` plots it.
 CPU smoke test (seconds): ``python experiments/largest_model.py --device cpu --profiles 8g16c1 --sizes tiny,mini
 --state /tmp/largest.json``.
@@ -122,7 +123,7 @@ class Search:
         """Why the search of ``label`` stopped without an answer: its last attempt failed not for memory."""
         last = (self.attempts(profile, label) or [{}])[-1]
         return None if not last or last.get("failure") == "budget" or attempt_fit(last) is not None else \
-            f"{last.get('failure')}: {last.get('error', '')[:200]}"
+            f"{last.get('failure')}: {last.get('error', '')[:200]} (log {last.get('log')})"
 
     def gpu_total(self) -> float | None:
         tot = [a["profile_applied"]["gpu_total_gib"] * GIB for a in self.state["attempts"]
@@ -175,7 +176,7 @@ class Search:
             row["failure"] = "budget"  # cut by the call's budget, not the attempt's timeout: redone next call
         keep = ("setup", "size", "batch", "params_M", "step_ms_median", "step_ms_min", "steps_timed", "peak_gib",
                 "host_tree_peak_gib", "host_used_peak_gib", "host_state_gib", "gpu_state_gib", "device", "failure",
-                "error", "wall_s", "build_s", "first_step_s", "threads")
+                "error", "wall_s", "build_s", "first_step_s", "threads", "log")
         out = {k: row[k] for k in keep if k in row}
         out.update(profile=profile.name, label=label, profile_applied=row.get("profile", {}),
                    params_b=self.params[size] / 1e9, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -224,6 +225,8 @@ def main(argv: list[str] | None = None, run=None) -> int:
     ap.add_argument("--prebuild-ds", action="store_true", help="build DeepSpeed's cpu_adam in the background first")
     ap.add_argument("--state", required=True, help="the JSON of attempts: read, extended, rewritten after each")
     ap.add_argument("--log-dir", default=None, help="each attempt's log (default: STATE.logs)")
+    ap.add_argument("--retry-errors", action="store_true",
+                    help="drop the state's attempts that failed not for memory (a search stops at one) and go on")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     cpu = args.device == "cpu"
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None, run=None) -> int:
     if os.path.exists(args.state):
         with open(args.state) as f:
             state = json.load(f)
+    if args.retry_errors:
+        state["attempts"] = [a for a in state["attempts"] if attempt_fit(a) is not None]
     state["meta"].setdefault("calls", []).append({"argv": sys.argv[1:] if argv is None else argv,
                                                   "commit": git_commit(), "started_utc": time.strftime("%FT%TZ")})
 

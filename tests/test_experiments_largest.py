@@ -157,3 +157,34 @@ def test_largest_model_cpu_end_to_end(tmp_path):
     assert doc["common"][0]["from_search"] is True
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and len(json.loads(state.read_text())["attempts"]) == 2
+
+
+def test_gpu_cap_arithmetic_and_violation(monkeypatch):
+    """The allocator's share of a GPU profile (its bytes less the context, the resident state and the context's
+    growth) and the violation of a device peak above it, with torch.cuda's calls stood in for (no GPU here)."""
+    import torch
+
+    gib, total = 2**30, 80 * 2**30
+    free = [total - gib]  # the context: 1 GiB
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: got.setdefault("fraction", f))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 5 * gib)
+    threads = torch.get_num_threads()
+    try:
+        cap = PROFILE.GpuCap(PROFILE.parse("24g64c1"), resident_bytes=3 * gib, interval=0.001)
+        assert torch.get_num_threads() == 1
+        allow = 24 * gib - gib - 3 * gib - PROFILE.CONTEXT_GROWTH
+        assert got["fraction"] == allow / total and cap.info["allocator_cap_gib"] == allow / gib
+        free[0] = total - 25 * gib  # the device's used memory passes the profile
+        import time
+
+        time.sleep(0.05)
+        info = cap.report()
+        assert info["gpu_peak_used_gib"] == 25 and "above the profile's 24.00 GiB" in info["violation"]
+        assert info["allocator_peak_reserved_gib"] == 5
+        with pytest.raises(MemoryError, match="no GPU memory left"):
+            PROFILE.GpuCap(PROFILE.parse("4g64c1"), resident_bytes=3 * gib)
+    finally:
+        torch.set_num_threads(threads)
