@@ -29,17 +29,28 @@ REPO = Path(__file__).resolve().parent.parent
 #: models_torch.GPT's configurations: (layers, d_model, heads); parameters with the default vocabulary and context
 SIZES = {
     "tiny": (2, 256, 4),  # 14.7M (12.9M of them the embedding)
+    "mini": (4, 256, 4),  # 16.3M (largest_model.py's CPU smoke test)
     "125m": (12, 768, 12),  # 124.5M
     "350m": (24, 1024, 16),  # 354.9M
     "1.3b": (24, 2048, 16),  # 1.314B
-    "3b": (26, 3072, 24),  # 3.103B (d 3072, head 128)
+    "2b": (24, 2560, 20),  # 2.020B (head 128, as every size from here)
+    "3b": (26, 3072, 24),  # 3.103B (d 3072)
+    "4b": (32, 3072, 24),  # 3.783B
     "5b": (24, 4096, 32),  # 5.043B
+    "6b": (28, 4096, 32),  # 5.849B
     "7b": (32, 4096, 32),  # 6.654B (GPT-3 6.7B / LLaMA-7B width and depth)
     "8b": (38, 4096, 32),  # 7.863B
     "9b": (44, 4096, 32),  # 9.071B
     "10b": (32, 5120, 40),  # 10.33B
+    "11b": (36, 5120, 40),  # 11.59B
     "13b": (40, 5120, 40),  # 12.85B (GPT-3 13B width and depth)
+    "15b": (48, 5120, 40),  # 15.37B
+    "18b": (40, 6144, 48),  # 18.44B
     "20b": (44, 6144, 48),  # 20.25B
+    "23b": (50, 6144, 48),  # 22.97B
+    "25b": (54, 6144, 48),  # 24.78B
+    "27b": (58, 6144, 48),  # 26.59B
+    "30b": (48, 7168, 56),  # 29.97B
 }
 VOCAB = 50304
 

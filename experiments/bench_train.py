@@ -13,6 +13,8 @@ Setups (``--setups``):
   torchao_fp32     fp32 weights + autocast + torchao CPUOffloadOptimizer (fp32 host state: our numerics)
   torchao_bf16     bf16 weights + torchao CPUOffloadOptimizer (its recommended bf16 setup)
   ds_zero_offload  DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16
+  ds_zero_offload_bf16  the same with bf16 master weights, gradients and optimizer states on the host
+                   (``bf16_optimizer_states``: ~6 instead of ~16 bytes per parameter; not torch's bits)
 A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN``
 (worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
 (gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
@@ -37,6 +39,8 @@ per setup in ``--trace-dir``. ``~lclipX`` (TrainStream setups): the loop itself 
 ``clip_grad_norm_(params, X)`` between backward and ``step()``, as trainers do (#42: speculation validates it);
 the row then carries the speculation counters (steps committed / redone, redo ms). ``--device cpu`` is a smoke test (CUDA-only setups skipped):
 ``python experiments/bench_train.py --device cpu --configs tiny:2 --seq 64 --vocab 512 --steps 2 --warmup 1 --lean``.
+``--profile 24g64`` / ``80g128`` / ``whole``: every setup held to a smaller machine's GPU memory, host memory and
+cores (``_profile.py`` says how); the row's ``profile`` entry says what was applied and any violation.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _trace_report as _trace  # noqa: E402
+import _profile  # noqa: E402
 from _common import SIZES, VOCAB, git_commit  # noqa: E402
 from models_torch import GPT  # noqa: E402
 
@@ -74,14 +79,17 @@ def _base_name(setup: str) -> str:
     return setup.split("~")[0].split("@")[0]
 
 
-def deepspeed_engine(model, batch: int, clip: float | None = None):
-    """DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), bf16."""
+def deepspeed_engine(model, batch: int, clip: float | None = None, bf16_states: bool = False):
+    """DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), bf16; ``bf16_states``: bf16
+    master weights, gradients and Adam moments on the host (DeepSpeed's ``bf16_optimizer_states``)."""
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     import deepspeed  # noqa: PLC0415
 
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+    bf16 = {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                if bf16_states else {})}
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": bf16,
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                  "overlap_comm": True, "contiguous_gradients": True},
            "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"], "betas": list(HP["betas"]),
@@ -139,8 +147,8 @@ def build(setup: str, size: str, device, batch=8, ckpt=False, vocab=VOCAB, seq=1
                            **extra, **HP)
     elif clip is not None:
         raise ValueError(f"~clip is not implemented for {setup}")
-    elif name == "ds_zero_offload":
-        model = deepspeed_engine(model, batch)
+    elif name in ("ds_zero_offload", "ds_zero_offload_bf16"):
+        model = deepspeed_engine(model, batch, bf16_states=name.endswith("_bf16"))
     elif name in ("torchao_fp32", "torchao_bf16"):
         from torchao.optim import CPUOffloadOptimizer
 
@@ -320,12 +328,21 @@ def child_main(spec: dict) -> None:
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 2000))  # DeepSpeed's one-process group
     if spec["device"] == "cuda":
         torch.zeros(1, device="cuda")  # the context, outside the setup's timings
+    profile, cap = _profile.parse(spec.get("profile", "whole")), None
     try:
-        row = run(**{k: v for k, v in spec.items() if k != "out"})
+        opts = spec["setup"].split("~")[1:]
+        if "auto" in opts and profile.gpu_bytes is not None:
+            raise ValueError(f"{spec['setup']}: gpu_state_bytes='auto' reads the device's free memory, not the "
+                             f"profile's GPU cap ({profile.name}): give ~resG instead")
+        res = next((TS_OPTIONS["res"][1](o[3:]) for o in opts if o.startswith("res")), 0)
+        cap = _profile.GpuCap(profile, resident_bytes=res)
+        row = run(**{k: v for k, v in spec.items() if k not in ("out", "profile")})
     except BaseException as exc:  # noqa: BLE001 - the row says what failed
         text = f"{type(exc).__name__}: {exc}"
         row = {"setup": spec["setup"], "size": spec["size"], "batch": spec["batch"], "error": text[:600],
                "failure": _failure_kind(text), "host": host_memory_self()}
+    if cap is not None:
+        row["profile"] = cap.report()
     with open(spec["out"], "w") as f:
         json.dump(row, f)
 
@@ -341,18 +358,25 @@ def _meminfo_available() -> int | None:
 
 
 def run_isolated(spec: dict, timeout: float, log_path: str, reserve_gib: float) -> dict:
-    """``spec`` in a fresh subprocess (its own session): the parent samples ``MemAvailable``
-    every 0.1 s and kills the child below ``reserve_gib`` (a host OOM) or after ``timeout``."""
+    """``spec`` in a fresh subprocess (its own session) within its profile (``_profile.spawn_kwargs``): the
+    parent samples ``MemAvailable`` and the session's resident memory every 0.1 s and kills the child below
+    ``reserve_gib`` or above the profile's host memory (a host OOM) or after ``timeout``."""
     if os.path.exists(spec["out"]):
         os.remove(spec["out"])
+    profile = _profile.parse(spec.get("profile", "whole"))
     avail0 = _meminfo_available()
-    min_avail, killed, t0 = avail0, None, time.perf_counter()
+    min_avail, killed, t0, tree_peak = avail0, None, time.perf_counter(), 0
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                **_profile.spawn_kwargs(profile))
         while proc.poll() is None:
             time.sleep(0.1)
             avail = _meminfo_available()
+            tree_peak = max(tree_peak, _profile.tree_rss(proc.pid))
+            if profile.host_bytes is not None and tree_peak > profile.host_bytes:
+                killed = (f"host_oom: profile violation: the setup's processes held {tree_peak / 2**30:.1f} GiB, above "
+                          f"the {profile.name} profile's {profile.host_bytes / 2**30:g} GiB of host memory, killed")
             if avail is not None:
                 min_avail = min(min_avail, avail)
                 if avail < reserve_gib * 2**30:
@@ -379,7 +403,7 @@ def run_isolated(spec: dict, timeout: float, log_path: str, reserve_gib: float) 
             tail = f.read()[-1500:]
         row = {"setup": spec["setup"], "size": spec["size"], "batch": spec["batch"], "error": why, "failure": kind,
                "returncode": rc, "log_tail": tail}
-    row.update(wall_s=time.perf_counter() - t0, log=log_path)
+    row.update(wall_s=time.perf_counter() - t0, log=log_path, host_tree_peak_gib=tree_peak / 2**30)
     if avail0 is not None:
         row["host_used_peak_gib"] = (avail0 - min_avail) / 2**30  # the machine's, above the start
     return row
@@ -452,12 +476,17 @@ def main():
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none)")
     ap.add_argument("--host-reserve-gib", type=float, default=2.5, help="kill a setup below this MemAvailable")
     ap.add_argument("--prebuild-ds", action="store_true", help="build DeepSpeed's cpu_adam in the background first")
+    ap.add_argument("--profile", default="whole", help="a machine to emulate: 24g64, 80g128, whole (_profile.py)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child is not None:
         return child_main(json.loads(args._child))
     t_start = time.perf_counter()
+    try:
+        _profile.cores_of(_profile.parse(args.profile))
+    except ValueError as exc:
+        ap.error(str(exc))
     cfgs = [(c.partition(":")[0], int(c.partition(":")[2] or 8)) for c in args.configs.split(",") if c]
     for size, _ in cfgs:
         if size not in SIZES:
@@ -501,7 +530,8 @@ def main():
             spec = dict(setup=setup, size=size, batch=batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
                         device=args.device, trace_dir=args.trace_dir if setup in args.trace.split(",") else None,
                         stream_steps=args.stream_steps, ckpt=args.ckpt, lean=args.lean, vocab=args.vocab,
-                        peak_flops=args.peak_tflops * 1e12, out=os.path.join(log_dir, name + ".row.json"))
+                        peak_flops=args.peak_tflops * 1e12, out=os.path.join(log_dir, name + ".row.json"),
+                        profile=args.profile)
             row = run_isolated(spec, min(args.timeout, remaining()), os.path.join(log_dir, name + ".log"),
                                args.host_reserve_gib)
         rows.append(row)

@@ -1,4 +1,4 @@
-# Run: python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--out experiments/plots]
+# Run: python experiments/plot_results.py --scaling FILE.json [FILE.json ...] [--largest STATE.json] [--out experiments/plots]
 """The plots of RESULTS.md against model size, from bench_train.py JSON files (numpy and
 matplotlib only, no GPU; the newest file wins per setup, size and batch):
 ``scaling_step_time.png``, the median step time (the MFU in the legend), and
@@ -6,6 +6,8 @@ matplotlib only, no GPU; the newest file wins per setup, size and batch):
 the machine's MemAvailable during the setup), against the parameter count, a line per
 setup and a panel per batch size. A size without a figure is an ``x`` on the panel's
 floor, its reason in the legend (GPU or host OOM: it does not fit; a timeout: not measured).
+``--largest``: ``largest_model.png`` from a largest_model.py state, the largest model per setup (bars, a group
+per machine profile; ``>=``: the top of the ladder fitted; an empty bar: no size fitted).
 """
 from __future__ import annotations
 
@@ -102,13 +104,67 @@ def plot_scaling(paths: list[str], out_dir: str) -> list[str]:
     return written
 
 
+LARGEST_COLORS = {"ts_cpu": "#1f77b4", "ts_cpu_master": "#aec7e8", "ts_cpu_res": "#17becf", "bf16_fused": "#7f7f7f",
+                  "amp_fused": "#b0b0b0", "torchao_bf16": "#ff9896", "torchao_fp32": "#d62728",
+                  "ds_zero_offload_bf16": "#c5b0d5", "ds_zero_offload": "#9467bd"}
+
+
+def plot_largest(path: str, out_dir: str) -> str:
+    """Bars: the largest model (billions of parameters) per setup, grouped per profile, from a largest_model.py state;
+    the size's name on each bar, the step time at the profile's common size below the names."""
+    with open(path) as f:
+        state = json.load(f)
+    fits: dict = {}
+    ladder_top: dict = {}
+    for a in state["attempts"]:
+        key = (a["profile"], a["label"])
+        fits.setdefault(key, None)
+        ladder_top[a["profile"]] = max(ladder_top.get(a["profile"], 0), a["params_b"])
+        if "step_ms_median" in a and not a.get("profile_applied", {}).get("violation"):
+            if fits[key] is None or a["params_b"] > fits[key]["params_b"]:
+                fits[key] = a
+    profiles = list(dict.fromkeys(k[0] for k in fits))
+    labels = list(dict.fromkeys(k[1] for k in fits))
+    common = {(c["profile"], c["label"]): c for c in state.get("common", []) if "step_ms_median" in c}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels) * len(profiles)), 4.8))
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        for i, prof in enumerate(profiles):
+            a = fits.get((prof, label))
+            x = i + (j - (len(labels) - 1) / 2) * width
+            h = a["params_b"] if a else 0.0
+            ax.bar(x, h, width * 0.92, color=LARGEST_COLORS.get(label, f"C{j % 10}"), label=label if i == 0 else None,
+                   edgecolor="black", linewidth=0.4)
+            if (prof, label) in fits:
+                top = a is not None and a["params_b"] >= ladder_top[prof]
+                text = (">=" if top else "") + a["size"] if a else "none"
+                c = common.get((prof, label))
+                text += f"\n{c['step_ms_median']:.0f} ms" if c else ""
+                ax.text(x, h, text, ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_xticks(range(len(profiles)))
+    ax.set_xticklabels(profiles)
+    ax.set_ylabel("largest model trained, billions of parameters", fontsize=9)
+    ax.set_title("largest GPT per setup and machine profile (batch x seq, activation checkpointing)\n"
+                 "label: size, and the step time at the profile's common size", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    out = os.path.join(out_dir, "largest_model.png")
+    _save(fig, out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scaling", nargs="+", metavar="JSON", required=True, help="bench_train JSON files")
+    ap.add_argument("--scaling", nargs="+", metavar="JSON", default=[], help="bench_train JSON files")
+    ap.add_argument("--largest", metavar="JSON", default=None, help="a largest_model.py state")
     ap.add_argument("--out", default=os.path.join(HERE, "plots"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for path in plot_scaling(args.scaling, args.out):
+    if not args.scaling and not args.largest:
+        ap.error("nothing to plot: give --scaling and/or --largest")
+    paths = plot_scaling(args.scaling, args.out) if args.scaling else []
+    for path in paths + ([plot_largest(args.largest, args.out)] if args.largest else []):
         print(f"wrote {path} ({os.path.getsize(path) // 1024} KiB)")
 
 

@@ -12,10 +12,14 @@
 #   zc     experiments/bench_zero_copy.py (ZT: 150)                 -> bench_zero_copy.{log,json}
 #   jax    experiments/bench_jax_offload.py, the 268M MLP; JAX_GPT=350m adds the GPT (JT: 150) -> bench_jax*.{log,json}
 #   train  experiments/bench_train.py $TRAIN_ARGS (default --configs 350m:8; TT: 400) -> bench_train.{log,json}
+#   largest experiments/largest_model.py $LARGEST_ARGS (default --profiles 24g64), resumable: its state is
+#          LARGEST_STATE (default experiments/data/largest_model.json, in the working tree: carry it from one
+#          call to the next), --budget LB (540) s; LT (580)     -> largest_model.{log,json}, largest_logs.tgz
 # The device tool of this workplace returns at most 8 files from $OUT, 2 folders deep, and runs a
 # command for at most 10 minutes: choose stages to fit; with more than 7 files at the end, all but
-# env.txt go into OUTDIR/results.tgz. Wheels in .whl/ (pytest-xdist, torchao, deepspeed) are
-# installed first; COMMIT names the caller's commit in env.txt.
+# env.txt go into OUTDIR/results.tgz. Wheels in .whl/ (pytest-xdist, torchao, deepspeed and their
+# dependencies) are installed first, each on its own (one missing does not stop the others; env.txt says
+# which import); COMMIT names the caller's commit in env.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/ts_out}}
@@ -24,11 +28,15 @@ STAGES=${STAGES:-tests}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --find-links .whl pytest-xdist torchao deepspeed > "$OUT/pip.log" 2>&1
+  for pkg in pytest-xdist torchao deepspeed; do
+    python3 -m pip install -q --no-index --find-links .whl "$pkg" >> "$OUT/pip.log" 2>&1 || echo "pip: $pkg not installed" >> "$OUT/pip.log"
+  done
 fi
 { date -u; echo "commit: ${COMMIT:-?} (git here: $(git log -1 --format=%h 2>/dev/null))"; nvidia-smi -L
   lscpu | grep -E "Model name|^CPU\(s\)"
   python3 -c "import torch, numba, jax, cupy; print('torch', torch.__version__, 'numba', numba.__version__, 'jax', jax.__version__, 'cupy', cupy.__version__)"
+  python3 -c "import torchao, torchao.optim; print('torchao', torchao.__version__)" 2>&1 | tail -n 1
+  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -n 1
 } > "$OUT/env.txt" 2>&1
 if has tests; then
   timeout "${KT:-330}" python3 -m pytest -m gpu -q -ra -p no:cacheprovider -n 5 tests/test_device_kernels.py \
@@ -76,6 +84,13 @@ fi
 if has train; then
   timeout "${TT:-400}" python3 experiments/bench_train.py ${TRAIN_ARGS:---configs 350m:8} --json "$OUT/bench_train.json" \
     > "$OUT/bench_train.log" 2>&1; grep -v '^{' "$OUT/bench_train.log" | tail -n 30
+fi
+if has largest; then
+  LS=${LARGEST_STATE:-experiments/data/largest_model.json}
+  mkdir -p "$(dirname "$LS")"
+  timeout "${LT:-580}" python3 experiments/largest_model.py ${LARGEST_ARGS:---profiles 24g64} --budget "${LB:-540}" \
+    --state "$LS" --log-dir /tmp/ts_largest_logs > "$OUT/largest_model.log" 2>&1; tail -n 40 "$OUT/largest_model.log"
+  cp "$LS" "$OUT/largest_model.json"; tar czf "$OUT/largest_logs.tgz" -C /tmp ts_largest_logs
 fi
 if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
   (cd "$OUT" && tar czf /tmp/ts_results.tgz --exclude=env.txt . && find . -mindepth 1 ! -name env.txt -delete && mv /tmp/ts_results.tgz results.tgz)

@@ -36,6 +36,7 @@ SLOW_FILES = {
     "test_torch_dist.py": 55,
     "test_jax_resident.py": 50,
     "test_torch_torchtitan.py": 35,
+    "test_experiments_largest.py": 30,
 }
 
 

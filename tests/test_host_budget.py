@@ -64,6 +64,51 @@ def test_available_is_the_least_of_meminfo_and_the_cgroup_limits(tmp_path):
     assert _hostmem.available() is None or _hostmem.available() > 0  # this host
 
 
+def test_host_limit_parses_sizes_and_refuses_others(monkeypatch):
+    monkeypatch.delenv(_hostmem.LIMIT_ENV, raising=False)
+    assert _hostmem.host_limit() is None and _hostmem.host_limit("  ") is None
+    sizes = (("1000", 1000), ("64G", 64 << 30), ("64gib", 64 << 30), ("1.5M", 3 << 19), (" 2 TiB ", 2 << 40))
+    for text, nbytes in sizes:
+        assert _hostmem.host_limit(text) == nbytes, text
+    for bad in ("64GB", "0", "-1G", "abc", "1e9", "0.1"):
+        with pytest.raises(ValueError, match=f"{_hostmem.LIMIT_ENV}=.*positive number of bytes"):
+            _hostmem.host_limit(bad)
+
+
+def test_available_within_the_limit_less_this_process_resident_memory(tmp_path, monkeypatch):
+    proc = str(tmp_path / "proc")
+    _write(f"{proc}/meminfo", "MemAvailable:    3000 kB\n")
+    _write(f"{proc}/self/status", "Name: python\nVmHWM:  900 kB\nVmRSS:  1000 kB\n")
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, "2M")
+    assert _hostmem.available(proc, str(tmp_path / "cg")) == (2048 - 1000) * 1024
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, "900K")  # less than the process holds already: nothing left
+    assert _hostmem.available(proc, str(tmp_path / "cg")) == 0
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, "1T")  # above MemAvailable: that one
+    assert _hostmem.available(proc, str(tmp_path / "cg")) == 3000 * 1024
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match=_hostmem.LIMIT_ENV):
+        _hostmem.available(proc, str(tmp_path / "cg"))
+
+
+def test_torch_honours_the_host_limit(monkeypatch):
+    """The limit is the budget's: a model whose state does not fit in it is refused before any allocation,
+    naming the variable; a bad value is refused at construction."""
+    model = _model(torch.bfloat16)
+    need = OffloadAdamW.host_memory_plan(model.parameters(), host_margin=None)["needed"]
+    assert _hostmem.resident() > 0  # this host's figure; a fixed one below (the process's moves as it allocates)
+    monkeypatch.setattr(_hostmem, "resident", lambda proc="/proc": 1 << 30)
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, str(int((1 << 30) + need // 2)))
+    with pytest.raises(MemoryError, match=f"{_hostmem.LIMIT_ENV} less its resident memory") as info:
+        OffloadAdamW(model.parameters())
+    assert f"{need // 2:,.0f} bytes" in str(info.value)
+    assert OffloadAdamW.host_memory_plan(model.parameters())["fits"] == 0
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, str(int((1 << 30) + 2 * need)))
+    OffloadAdamW(model.parameters()).close()
+    monkeypatch.setenv(_hostmem.LIMIT_ENV, "64GB")
+    with pytest.raises(ValueError, match=_hostmem.LIMIT_ENV):
+        OffloadAdamW(model.parameters())
+
+
 # -- the plan against the engine's allocations ------------------------------------------------------
 
 

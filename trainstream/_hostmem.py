@@ -1,6 +1,6 @@
 """Pageable host arrays on 2 MiB pages (transparent huge pages) where the OS has them, and
-:func:`available`, the host memory this process can still take (:mod:`trainstream.core._budget`).
-No torch, no JAX.
+:func:`available`, the host memory this process can still take (:mod:`trainstream.core._budget`),
+within the limit that :data:`LIMIT_ENV` may set (:func:`host_limit`). No torch, no JAX.
 
 The host update streams four arrays at once: 4 KiB pages cost a TLB miss every 1024 fp32 elements
 of each, 2 MiB pages one every 512 Ki. Under THP's usual ``madvise`` only mappings that ask get huge
@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 
 import numpy as np
 
 HUGE_PAGE = 2 << 20
 _MADV = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _NOMADV = getattr(mmap, "MADV_NOHUGEPAGE", None)
+#: The environment variable that limits the host memory this process may hold in all (its resident memory,
+#: pinned memory included), where neither ``MemAvailable`` nor a cgroup says so: a share of a machine that
+#: other jobs use, or a smaller machine emulated on a larger one. Bytes, or a number with a binary suffix
+#: ``K``, ``M``, ``G``, ``T`` (or ``KiB``, ``MiB``, ``GiB``, ``TiB``), e.g. ``64G``.
+LIMIT_ENV = "TRAINSTREAM_HOST_LIMIT"
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def empty(numel: int, dtype, *, align: int = 64) -> np.ndarray:
@@ -54,13 +61,38 @@ _CGROUP = {"v2": ("memory.max", "memory.current", "inactive_file"),
            "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
+def host_limit(value: str | None = None) -> int | None:
+    """The limit of :data:`LIMIT_ENV` in bytes (``value``: that text instead of the environment's); None where
+    unset or empty. Raises ``ValueError`` naming the variable where it is not a positive size."""
+    text = os.environ.get(LIMIT_ENV, "") if value is None else value
+    if not text.strip():
+        return None
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(?:([KMGT])(?:iB)?)?\s*", text, re.IGNORECASE)
+    nbytes = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    if nbytes <= 0:
+        raise ValueError(f"{LIMIT_ENV}={text!r}: expected a positive number of bytes, optionally with a binary "
+                         "suffix K, M, G, T or KiB, MiB, GiB, TiB (e.g. 64G), or unset for no limit")
+    return nbytes
+
+
+def resident(proc: str = "/proc") -> int | None:
+    """This process's resident memory in bytes (``VmRSS``: pinned memory included, CUDA's too); None where
+    unknown."""
+    try:
+        with open(os.path.join(proc, "self", "status")) as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), None)
+    except (OSError, ValueError):
+        return None
+
+
 def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None:
     """Bytes of host memory this process can still allocate; None where unknown (not Linux).
 
     The least of ``MemAvailable`` (``/proc/meminfo``: what the kernel can hand out without swapping,
-    reclaimable cache included) and, for this process's cgroup and each ancestor visible to it, the
+    reclaimable cache included), for this process's cgroup and each ancestor visible to it, the
     limit less the usage not counting the inactive file cache (a container's limit, which
-    ``MemAvailable`` does not see). ``proc``, ``cgroup``: where those file systems are mounted.
+    ``MemAvailable`` does not see), and where :data:`LIMIT_ENV` is set, that limit less this process's
+    resident memory (:func:`resident`). ``proc``, ``cgroup``: where those file systems are mounted.
     Pinned memory is part of this figure: CUDA's page-locked allocations (torch's, XLA's, CuPy's)
     are not counted against ``RLIMIT_MEMLOCK`` (measured on the H200 machine: 4 GiB pinned by torch
     and 2 GiB by CuPy under a 64 KiB limit).
@@ -90,6 +122,10 @@ def available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int | None
             if len(d) <= len(base):
                 break
             d = os.path.dirname(d)
+    limit = host_limit()
+    if limit is not None:
+        used = resident(proc)
+        left.append(max(0, limit - (used or 0)))
     return min((x for x in left if x is not None), default=None)
 
 

@@ -238,10 +238,11 @@ def check(p: dict[str, float], hint: str) -> None:
     raise MemoryError(
         f"TrainStream: the optimizer needs {p['needed']:,.0f} bytes ({p['needed'] / 2**30:.2f} GiB) of host "
         f"memory ({parts}; {p['pinned']:,.0f} pinned in all), and {p['available']:,.0f} bytes "
-        f"({p['available'] / 2**30:.2f} GiB) are available (the least of MemAvailable and this process's "
-        f"cgroup memory limit less its usage), of which it may take {p['usable']:,.0f} (host_margin="
-        f"{p['margin']:g} is left to the rest). None of it was allocated. To fit: {hint}; or host_margin=None "
-        "to skip this check where that figure is wrong (e.g. a VM whose memory grows as it is used).")
+        f"({p['available'] / 2**30:.2f} GiB) are available (the least of MemAvailable, this process's cgroup "
+        f"memory limit less its usage and {_hostmem.LIMIT_ENV} less its resident memory), of which it may take "
+        f"{p['usable']:,.0f} (host_margin={p['margin']:g} is left to the rest). None of it was allocated. To fit: "
+        f"{hint}; or host_margin=None to skip this check where that figure is wrong (e.g. a VM whose memory grows "
+        "as it is used).")
 
 
 def speculation_fits(nbytes: int, margin: float | None = MARGIN) -> bool:
