@@ -132,7 +132,7 @@ def _mkl_vector(builder, x, mode: int):
     return builder.select(rare, rare_val, y)
 
 
-@njit(inline="always", **_OPTS)
+@njit(**_OPTS)
 def _ieee_sqrt(x):
     return np.float32(math.sqrt(x))
 
@@ -199,7 +199,7 @@ def block_sqrt(mode: int):
     than IEEE). IEEE goes element by element: that loop vectorises by itself."""
     sqrt1 = scalar_sqrt(mode)
     if mode == IEEE:
-        @njit(inline="always", **_OPTS)
+        @njit(**_OPTS)
         def ieee_block(src, lo, n, dst):
             for k in range(n):
                 dst[k] = sqrt1(src[lo + k])
@@ -222,7 +222,7 @@ def block_sqrt(mode: int):
             return context.get_dummy_value()
         return types.void(src, si, dst, di), codegen
 
-    @njit(inline="always", **_OPTS)
+    @njit(**_OPTS)
     def mkl_block(src, lo, n, dst):
         k = 0
         while k + 16 <= n:
@@ -254,7 +254,7 @@ def _mode_of(mode) -> int | None:
     return mode.literal_value
 
 
-@overload(torch_cpu_sqrt, inline="always", prefer_literal=True)
+@overload(torch_cpu_sqrt, prefer_literal=True)
 def _torch_cpu_sqrt(x, mode):
     m = _mode_of(mode)
     if m is None or x != types.float32:
@@ -265,7 +265,7 @@ def _torch_cpu_sqrt(x, mode):
     return impl
 
 
-@overload(torch_cpu_sqrt_block, inline="always", prefer_literal=True)
+@overload(torch_cpu_sqrt_block, prefer_literal=True)
 def _torch_cpu_sqrt_block(src, lo, n, dst, mode):
     m = _mode_of(mode)
     if m is None:

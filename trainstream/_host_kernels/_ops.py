@@ -1,7 +1,8 @@
 """What every host kernel is written with: LLVM intrinsics (branch-free select, prefetch; ``fma32`` and the bit
 casts are :mod:`trainstream._jit`'s), the exact half-precision conversions on bit patterns, and the per-element
 helpers whose form a compile-time constant picks (``kind``: 0 float32, 1 IEEE float16, 2 bfloat16; ``unfused``).
-All are inlined into the kernels (``inline="always"``)."""
+All are plain Numba functions that LLVM inlines into the kernels: Numba's own ``inline="always"`` (its IR copied
+into each call site, typed again) gave the same loops and compiled each kernel about 4x slower."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ _EXP_MASK = np.uint32(0x7F800000)
 _SIGN_MASK = np.uint32(0x80000000)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def mad(unfused, a, b, c):
     """``a*b + c`` with one rounding (:func:`fma32`), or with two where ``unfused`` (a compile-time constant)."""
     if unfused:
@@ -52,14 +53,14 @@ def mad(unfused, a, b, c):
     return fma32(a, b, c)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def ftz(x):
     """Denormal -> signed zero, branch-free (XLA:CPU's FTZ/DAZ, emulated per operation)."""
     u = _bits_f32(x)
     return select((u & _EXP_MASK) == np.uint32(0), _f32_bits(u & _SIGN_MASK), x)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def mad_xla(unfused, a, b, c):
     """XLA:CPU's ``a*b + c``: :func:`fma32`, or where ``unfused`` ``RN(RN(a*b) + c)``, the product flushed."""
     if unfused:
@@ -67,7 +68,7 @@ def mad_xla(unfused, a, b, c):
     return fma32(a, b, c)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def max_nan(a, b):
     """``torch.maximum`` (``Vectorized::maximum``): NaN if either is NaN, else the larger."""
     return select((a != a) | (b != b), a + b, select(a < b, b, a))
@@ -100,13 +101,13 @@ prefetch_w = _make_prefetch(1)
 _U16 = np.uint32(16)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def bf16_to_f32(h):
     """bfloat16 bits -> float32 (exact)."""
     return _f32_bits(np.uint32(h) << _U16)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def f32_to_bf16(x):
     """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16)."""
     u = _bits_f32(x)
@@ -114,7 +115,7 @@ def f32_to_bf16(x):
     return np.uint16(select(x != x, np.uint32(0x7FC0), r))
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def f16_to_f32(h):
     """IEEE half bits -> float32 (exact), as c10::detail::fp16_ieee_to_fp32_value."""
     w = np.uint32(h) << _U16
@@ -127,7 +128,7 @@ def f16_to_f32(h):
     return _f32_bits(np.uint32(sign | r))
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def f32_to_f16(x):
     """float32 -> IEEE half bits, round to nearest even (c10::detail::fp16_ieee_from_fp32_value)."""
     base = (abs(x) * np.float32(5.192296858534828e33)) * np.float32(7.703719777548943e-34)  # 2**112, 2**-110
@@ -145,7 +146,7 @@ def f32_to_f16(x):
     return np.uint16(np.uint32(sign >> _U16) | nonsign)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def load(x, kind):
     """One buffer element as float32; ``kind`` is a compile-time constant (folded by LLVM)."""
     if kind == KIND_F16:
@@ -155,7 +156,7 @@ def load(x, kind):
     return np.float32(x)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def round16(x, kind):
     """float32 -> uint16 bits of ``kind`` (1 fp16, 2 bf16); ``kind`` a compile-time constant."""
     if kind == KIND_F16:
@@ -163,7 +164,7 @@ def round16(x, kind):
     return f32_to_bf16(x)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def rt(x, kind):
     """``r(x)``: ``x`` rounded to ``kind`` and back to float32 (the identity for float32)."""
     if kind == KIND_F32:
@@ -171,7 +172,7 @@ def rt(x, kind):
     return load(round16(x, kind), kind)
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def round_xla(x, kind):
     """float32 -> uint16 bits of ``kind`` (1 fp16, 2 bf16) as XLA:CPU converts: :func:`round16`, but a NaN keeps its
     sign (and in fp16 the top of its payload): ``sign | 0x7E00 | mantissa >> 13``, ``sign | 0x7FC0``."""
@@ -184,7 +185,7 @@ def round_xla(x, kind):
     return np.uint16(select(x != x, nan, np.uint32(round16(x, kind))))
 
 
-@njit(inline="always", **OPTS)
+@njit(**OPTS)
 def rx(x, kind):
     """XLA:CPU's rounding of a flushed float32 result to ``kind`` and back: ``load(round_xla(ftz(x)))``."""
     return load(round_xla(ftz(x), kind), kind)
