@@ -24,7 +24,7 @@ A slot's batches run one after another; their chunks go to one queue shared by a
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -399,20 +399,23 @@ class HostPlacement(Speculative, SlotStateIO):
         self.drain()
         self.errors.check()
 
-    def _run_external(self, batches: list, what: str) -> None:
+    def _run_external(self, batches, what: str, released=None) -> None:
         """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
         self._check_open()
         self.errors.check()
-        run_batches(self._submit, batches, what)
+        run_batches(self._submit, batches, what, released)
 
-    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
+    def update_external(self, items: Iterable[ExternalUpdate], platform: str,
+                        released: Callable[[int], None] | None = None) -> None:
         """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
         convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
-        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
-        No slot is involved: the caller keeps the state and supplies each update's scalars."""
+        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure. ``items``: a
+        sequence, or an iterator consumed as they run (a staging ring's pieces, :mod:`~trainstream.core._hostring`;
+        ``released(k)`` once item ``k`` is done, failed or not). No slot is involved: the caller keeps the state and
+        supplies each update's scalars."""
         batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
         self._stats.add("steps", 1)
-        self._run_external(batches, "update_external")
+        self._run_external(batches, "update_external", released)
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
 from ..backends import jax as xb
-from ..core import _budget
+from ..core import _budget, ring_bytes
 from . import _detect, _gpu, _plan, _resident, _sharding
 from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
                       static_arg)
@@ -44,6 +44,21 @@ def _host_numel(x) -> int:
     if sharding is None:
         return math.prod(np.shape(x))
     return len(sharding.addressable_devices) * math.prod(sharding.shard_shape(np.shape(x)))
+
+
+def _device_numels(leaves) -> list[list[int]]:
+    """Per device of this process, the elements of each leaf's shard there (one device where the arrays have no
+    sharding: tracers)."""
+    per: dict = {}
+    for x in leaves:
+        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        if sharding is None:
+            per.setdefault(None, []).append(math.prod(np.shape(x)))
+            continue
+        n = math.prod(sharding.shard_shape(np.shape(x)))
+        for d in sharding.addressable_devices:
+            per.setdefault(d, []).append(n)
+    return list(per.values())
 
 
 def _check_host_state(mu, nu, master, paths) -> None:
@@ -100,7 +115,8 @@ class _Impl:
             dtype = leaf_dtype_name(x, p)
             f = family(self.cfg, dtype, p)
             slots.append((_host_numel(x), dtype, layout, (f.mu, f.nu, f.master)))
-        return _budget.plan(slots, margin=self.cfg.host_margin)
+        ring = sum(ring_bytes(n) for n in _device_numels(leaves)) if layout == "staged" else 0  # per device
+        return _budget.plan(slots, margin=self.cfg.host_margin, ring=ring)
 
     def _flatten(self, grads, state, params):
         """The leaves of one update, checked against each other and against the state."""
