@@ -127,7 +127,7 @@ def simulate_gpu(monkeypatch):
     fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
-    from trainstream.core import _ring
+    from trainstream.core import _hostring, _ring
 
     monkeypatch.setattr(_transform, "_platform_of", lambda leaves: "cuda")
     monkeypatch.setattr(_resident, "platform_of", lambda leaves: "cuda")
@@ -142,6 +142,8 @@ def simulate_gpu(monkeypatch):
     monkeypatch.setattr(G, "_device_engines", {})  # an engine (and ring) of the simulated device, not a real one
     monkeypatch.setattr(G, "_host_rings", {})  # mode="cpu"'s staging ring, likewise
     monkeypatch.setattr(_ring, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
+    for name, value in (("HOST_RING_ELEMS", 256), ("HOST_RING_DEPTH", 3), ("_ALIGN", 16)):  # mode="cpu" likewise
+        monkeypatch.setattr(_hostring, name, value)
     for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
         monkeypatch.setattr(dk, name, getattr(_Kernels, name))
     _Kernels.launches.clear()
