@@ -153,4 +153,4 @@ def test_plan_of_a_7b_model_is_its_state_and_a_constant(simulated_gpu, monkeypat
             assert ring == depth * 12 * elems + 4 * C.N_SCALARS * len(params) < 0.41e9
         else:
             assert ring == 0
-        assert plan["needed"] == 8 * n + ring and plan["needed"] / n < 8.01
+        assert plan["needed"] == 8 * n + ring and plan["needed"] / n < 8.06
