@@ -314,7 +314,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
         callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...))``
         (optax's clip consumes the gradient first, as in optax's program) stayed bit-identical there.
-      mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
+      mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, piece by piece through a ring
+        of at most 8 pinned buffers of 48 MiB per device, kept for the process). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
       gpu_state_bytes: None or 0: all the state in host memory. Bytes per device: the leaves whose state fits, in
@@ -324,8 +325,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       threads: host worker threads of this process, shared by its devices (default: its share of the usable cores
         among this host's JAX processes, less one).
       worker_nice: the host workers' nice value (Linux applies it per thread).
-      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
-        staging) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
+      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the staging
+        ring) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
         fraction, raising ``MemoryError`` before any array is made. None: no check.
 
     Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
