@@ -89,7 +89,8 @@ def _run(ring, leaves, t):
 def test_ring_pieces_give_the_unstaged_bits_and_grow_to_the_update(simulated_gpu):
     rng = np.random.default_rng(0)
     ring, live0 = HostRing(0), _Mapped.live
-    small = [_Leaf(rng, n, k, u) for n, k, u in ((100, "float32", True), (37, "bfloat16", False), (5, "float32", False))]
+    small = [_Leaf(rng, n, k, u)
+             for n, k, u in ((100, "float32", True), (37, "bfloat16", False), (5, "float32", False))]
     _run(ring, small, 0)
     assert (ring.elems, len(ring.bufs)) == (112, 3) and ring.nbytes == _hostring.ring_bytes([100, 37, 5])
     # larger leaves (pieces of 256, buffers reused), more of them: the ring grows, its buffers replaced
