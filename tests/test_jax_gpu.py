@@ -236,7 +236,7 @@ def test_cpu_mode_pieces_through_the_staging_ring_are_the_contract_bits(via):
                     .reshape(-1, C.N_SCALARS).copy())
     _same((p_bb, s_bb.mu, s_bb.nu), (p, s.mu, s.nu), f"back to back {via}")
     assert (ring.elems, len(ring.bufs)) == (elems, depth)
-    assert ring.nbytes == tx.host_memory_plan(params)["staging_pinned"] == _hostring.ring_bytes(
+    assert ring.nbytes == tx.host_memory_plan(params)["staging_pinned"] == _hostring.host_ring_bytes(
         [params[k].size for k in keys])
     for g, row in zip(gs, rows):
         for i, k in enumerate(keys):

@@ -92,16 +92,17 @@ def test_ring_pieces_give_the_unstaged_bits_and_grow_to_the_update(simulated_gpu
     small = [_Leaf(rng, n, k, u)
              for n, k, u in ((100, "float32", True), (37, "bfloat16", False), (5, "float32", False))]
     _run(ring, small, 0)
-    assert (ring.elems, len(ring.bufs)) == (112, 3) and ring.nbytes == _hostring.ring_bytes([100, 37, 5])
+    assert (ring.elems, len(ring.bufs)) == (112, 3) and ring.nbytes == _hostring.host_ring_bytes([100, 37, 5])
     # larger leaves (pieces of 256, buffers reused), more of them: the ring grows, its buffers replaced
     big = [_Leaf(rng, n, k, u) for n, k, u in ((1000, "float32", True), (777, "float32", False), (3, "float32", True),
                                                (600, "bfloat16", True), (0, "float32", False))]
     for t in range(2):
         _run(ring, big, t)
-    assert (ring.elems, len(ring.bufs)) == (256, 3) and ring.nbytes == _hostring.ring_bytes([lf.numel for lf in big])
+    assert (ring.elems, len(ring.bufs)) == (256, 3)
+    assert ring.nbytes == _hostring.host_ring_bytes([lf.numel for lf in big])
     assert _Mapped.live - live0 == ring.nbytes
     _run(ring, small, 2)  # a smaller update takes what is there
-    assert ring.nbytes == _hostring.ring_bytes([lf.numel for lf in big])
+    assert ring.nbytes == _hostring.host_ring_bytes([lf.numel for lf in big])
     ring.close()
     assert _Mapped.live == live0 and ring.nbytes == 0
 

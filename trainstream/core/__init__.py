@@ -10,7 +10,7 @@ engine made without a backend; buffers in GPU memory reach the host workers thro
 """
 
 from ._engine import MODES, Backend, DeviceUpdate, Engine, ExternalUpdate, WorkerError, state_bytes
-from ._hostring import HostRing, StagedLeaf, ring_bytes
+from ._hostring import HostRing, StagedLeaf, host_ring_bytes
 
 __all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "HostRing", "MODES", "StagedLeaf", "WorkerError",
-           "ring_bytes", "state_bytes"]
+           "host_ring_bytes", "state_bytes"]

@@ -124,7 +124,7 @@ def hybrid_elems(slots: Iterable[tuple], share: float, gpu_state_bytes: int = 0)
 
 def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bool = True,
                weights_in_grad_stage: bool = True, pinned_size: Callable[[int], int] | None = None,
-               ring: int = 0) -> dict[str, int]:
+               ring_bytes: int = 0) -> dict[str, int]:
     """Host bytes of ``(numel, dtype, layout[, recipe[, grad_sums]])`` slots as ``{part}_pinned`` and
     ``{part}_pageable`` per part of :data:`PARTS`: ``state`` (moments), ``masters`` (the weights the host updates:
     fp32 masters and weights, or fp16/bf16 weights' own bits), ``staging`` (transfers, a master's fp32 gradient
@@ -139,8 +139,8 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
       moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
     * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
     * ``"staged"``: the state of ``"device"``, staged through a ring shared by the slots (JAX ``mode="cpu"`` on a
-      GPU): ``ring``, the pinned bytes of the rings (:func:`trainstream.core._hostring.ring_bytes` per device),
-      counted once in ``staging``.
+      GPU): ``ring_bytes``, the pinned bytes of the rings (:func:`trainstream.core._hostring.host_ring_bytes` per
+      device), counted once in ``staging``.
 
     A slot of these three layouts may add its recipe (torch: the recipe's state dtype, ``max_exp_avg_sq``, a master
     only for fp32 state of fp16/bf16 weights) or ``(mu dtype, nu dtype, master)`` (JAX: the optax state it keeps);
@@ -180,7 +180,7 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
         add("state", sum(size(d) for d in moments), pinned)
         if master:
             add("masters", size("float32"), pinned)
-    out["staging_pinned"] += int(ring)
+    out["staging_pinned"] += int(ring_bytes)
     return out
 
 

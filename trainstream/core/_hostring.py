@@ -2,8 +2,9 @@
 ``mode="cpu"`` on a GPU): each update's gradients (and float32 weights) go down piece by piece through a few pinned
 buffers, the host workers update the state (host memory, in place) from them, and each piece's result (its new
 weights, or optax's ``u``) goes back up from the same buffer into the caller's. Its pinned memory is
-:func:`ring_bytes`: at most :data:`HOST_RING_DEPTH` buffers of :data:`HOST_RING_ELEMS` elements, whatever the model's
-size (staging as large as the model, three times for float32 leaves, took 12 bytes per parameter: 80.6 GB at 7B).
+:func:`host_ring_bytes`: at most :data:`HOST_RING_DEPTH` buffers of :data:`HOST_RING_ELEMS` elements, whatever the
+model's size (staging as large as the model, three times for float32 leaves, took 12 bytes per parameter: 80.6 GB at
+7B).
 
 Ordering, on two streams of the ring's own (the pieces' copies down, and up: both PCIe directions at once): both
 wait for the caller's stream at the update's start; a buffer is copied into only after its last copy up (an event of
@@ -26,7 +27,7 @@ from .. import contract as C
 from ._budget import _ITEMSIZE
 from ._external import ExternalUpdate
 
-__all__ = ["HOST_RING_DEPTH", "HOST_RING_ELEMS", "HostRing", "StagedLeaf", "ring_bytes", "ring_geometry"]
+__all__ = ["HOST_RING_DEPTH", "HOST_RING_ELEMS", "HostRing", "StagedLeaf", "host_ring_bytes", "ring_geometry"]
 
 #: Elements per piece (a buffer holds a piece's gradient, float32 weights and float32 update: 48 MiB).
 HOST_RING_ELEMS = 1 << 22
@@ -48,7 +49,7 @@ def ring_geometry(numels: Sequence[int]) -> tuple[int, int]:
     return elems, min(HOST_RING_DEPTH, pieces)
 
 
-def ring_bytes(numels: Sequence[int]) -> int:
+def host_ring_bytes(numels: Sequence[int]) -> int:
     """Pinned bytes of the ring (one per device) for an update of leaves of ``numels`` elements: its buffers and the
     update's scalars (:data:`trainstream.contract.N_SCALARS` float32 per leaf)."""
     elems, count = ring_geometry(numels)
@@ -94,7 +95,7 @@ class HostRing:
 
     @property
     def nbytes(self) -> int:
-        """Pinned bytes held (:func:`ring_bytes` of the largest update so far)."""
+        """Pinned bytes held (:func:`host_ring_bytes` of the largest update so far)."""
         return len(self.bufs) * _SLOT_BYTES * self.elems + 4 * C.N_SCALARS * self.rows
 
     def _reserve(self, numels: Sequence[int]) -> None:

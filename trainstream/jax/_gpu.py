@@ -98,7 +98,7 @@ def device_engine(device: int) -> Engine:
 
 def host_ring(device: int) -> HostRing:
     """The staging ring of ``mode="cpu"`` on CUDA device ``device`` (:class:`trainstream.core.HostRing`), shared by
-    every plan, kept for the process: its pinned buffers grow to the largest update's need (:func:`ring_bytes`)."""
+    every plan, kept for the process: its pinned buffers grow to the largest update's need (:func:`trainstream.core.host_ring_bytes`)."""
     return _once(_host_rings, device, _lock, lambda: HostRing(device))
 
 

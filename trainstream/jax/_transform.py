@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
 from ..backends import jax as xb
-from ..core import _budget, ring_bytes
+from ..core import _budget, host_ring_bytes
 from . import _detect, _gpu, _plan, _resident, _sharding
 from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
                       static_arg)
@@ -115,8 +115,8 @@ class _Impl:
             dtype = leaf_dtype_name(x, p)
             f = family(self.cfg, dtype, p)
             slots.append((_host_numel(x), dtype, layout, (f.mu, f.nu, f.master)))
-        ring = sum(ring_bytes(n) for n in _device_numels(leaves)) if layout == "staged" else 0  # per device
-        return _budget.plan(slots, margin=self.cfg.host_margin, ring=ring)
+        ring = sum(host_ring_bytes(n) for n in _device_numels(leaves)) if layout == "staged" else 0  # per device
+        return _budget.plan(slots, margin=self.cfg.host_margin, ring_bytes=ring)
 
     def _flatten(self, grads, state, params):
         """The leaves of one update, checked against each other and against the state."""
