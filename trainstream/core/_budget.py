@@ -153,6 +153,9 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
             nbytes = pinned_size(nbytes) if pinned and pinned_size is not None else nbytes
         out[f"{part}_{'pinned' if pinned else 'pageable'}"] += nbytes
 
+    if ring_bytes:
+        add("staging", int(ring_bytes), True, True)
+
     for numel, dtype, layout, *rest in slots:
         if layout not in LAYOUTS or dtype not in _ITEMSIZE:
             raise ValueError(f"host_bytes: unknown layout {layout!r} or dtype {dtype!r}")
@@ -180,7 +183,6 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
         add("state", sum(size(d) for d in moments), pinned)
         if master:
             add("masters", size("float32"), pinned)
-    out["staging_pinned"] += int(ring_bytes)
     return out
 
 
