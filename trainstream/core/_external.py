@@ -21,10 +21,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from .. import _host_kernels as K
+from .. import contract as C
 from ._budget import _ITEMSIZE
 from ._pool import WorkerError
 
-__all__ = ["DeviceUpdate", "ExternalUpdate", "KIND", "CHUNK_ALIGN", "device_groups", "run_batches",
+__all__ = ["DeviceUpdate", "ExternalUpdate", "HostExternal", "KIND", "CHUNK_ALIGN", "device_groups", "run_batches",
            "update_batches"]
 
 #: The host placement's chunk sizes are multiples of this many elements (whole cache lines and pages per chunk).
@@ -122,6 +123,30 @@ def run_batches(submit: Callable, batches: Iterable[Batch], what: str,
     if errors:
         exc = errors[0]
         raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
+
+
+class HostExternal:
+    """The external-update methods of :class:`~trainstream.core._host.HostPlacement` (its pool, convention and
+    counters)."""
+
+    def _run_external(self, batches: Iterable[Batch], what: str,
+                      released: Callable[[int], None] | None = None) -> None:
+        """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
+        self._check_open()
+        self.errors.check()
+        run_batches(self._submit, batches, what, released)
+
+    def update_external(self, items: Iterable[ExternalUpdate], platform: str,
+                        released: Callable[[int], None] | None = None) -> None:
+        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
+        convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
+        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure. ``items``: a
+        sequence, or an iterator consumed as they run (a staging ring's pieces, :mod:`~trainstream.core._hostring`;
+        ``released(k)`` once queued item ``k`` is done, failed or not). No slot is involved: the caller keeps the
+        state and supplies each update's scalars."""
+        batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
+        self._stats.add("steps", 1)
+        self._run_external(batches, "update_external", released)
 
 
 class DeviceUpdate(NamedTuple):

@@ -24,7 +24,7 @@ A slot's batches run one after another; their chunks go to one queue shared by a
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from .._cores import default_threads
 from .. import contract as C
 from ._backend import Backend, HostBuffer
 from ._budget import _ITEMSIZE
-from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, run_batches, update_batches
+from ._external import KIND as _KIND, CHUNK_ALIGN, ExternalUpdate, HostExternal
 from ._hostslot import HostSlot as _Slot, DevicePowers, SlotStateIO, check_host_recipe, new_slot
 from ._pool import FORKED, WORKER_NICE, Counters, StickyError, WorkerError, WorkerPool
 from ._speculate import SPEC_STATS, Speculation, Speculative
@@ -50,7 +50,7 @@ _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "re
           *SPEC_STATS)
 
 
-class HostPlacement(Speculative, SlotStateIO):
+class HostPlacement(Speculative, HostExternal, SlotStateIO):
     """The slots updated on the host: their state, staging buffers and the worker pool. ``backend`` None: no
     slots, only :meth:`update_external` (buffers the caller owns).
 
@@ -398,24 +398,6 @@ class HostPlacement(Speculative, SlotStateIO):
         """Block until every queued batch and upload has completed; raise worker errors."""
         self.drain()
         self.errors.check()
-
-    def _run_external(self, batches, what: str, released=None) -> None:
-        """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
-        self._check_open()
-        self.errors.check()
-        run_batches(self._submit, batches, what, released)
-
-    def update_external(self, items: Iterable[ExternalUpdate], platform: str,
-                        released: Callable[[int], None] | None = None) -> None:
-        """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
-        convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
-        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure. ``items``: a
-        sequence, or an iterator consumed as they run (a staging ring's pieces, :mod:`~trainstream.core._hostring`;
-        ``released(k)`` once item ``k`` is done, failed or not). No slot is involved: the caller keeps the state and
-        supplies each update's scalars."""
-        batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
-        self._stats.add("steps", 1)
-        self._run_external(batches, "update_external", released)
 
     def stats(self) -> dict[str, float]:
         """Counters of the reference engine (bytes, milliseconds, counts)."""
