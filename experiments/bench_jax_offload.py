@@ -8,7 +8,8 @@
   (c) ts_gpu        offload_adamw(mode="gpu"): the kernel on XLA's stream, the state staged
                     through the device's 72 MiB ring by the copy engines
   (c') ts_gpu_zc    the same without a ring: the kernel reads the state over PCIe (zero-copy)
-  (d) ts_cpu        offload_adamw(mode="cpu"): host update, copies on XLA's stream
+  (d) ts_cpu        offload_adamw(mode="cpu"): host update, the gradients and weights through the
+                    device's ring of pinned buffers (``staging_gib``: its bytes)
 
 The model (models_jax.py): a deep stack of square fp32 dense layers on a small batch, a step
 dominated by the optimizer (``--params``: 268M = 16 layers of 4096 x 4096), or ``--model
@@ -105,6 +106,15 @@ def setups(lr, dev, loss_fn):
             "ts_cpu": ts("cpu")}
 
 
+def _rss() -> int:
+    """This process's resident host memory now (bytes; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def measure(name, build, params0, x, refs: dict, steps: int, warmup: int, dev) -> dict:
     """One setup's row: 2 steps compared with optax in HBM's (``refs["optax_hbm"]``, its weights
     after 2 steps, kept there when measured), ``warmup`` steps, then ``steps`` timed."""
@@ -132,9 +142,13 @@ def measure(name, build, params0, x, refs: dict, steps: int, warmup: int, dev) -
         p, state = step(p, state, x)
         jax.block_until_ready(p)
         times.append((time.perf_counter() - t0) * 1e3)
+    from trainstream.jax import _gpu  # mode="cpu"'s staging ring (a library internal)
+
+    staging = sum(r.nbytes for r in _gpu._host_rings.values()) if name == "ts_cpu" else 0
     if name.startswith("ts_"):
         tsj.close(state)
-    return {"ms": statistics.median(times), "ms_min": min(times), "device_args_gib": ma.argument_size_in_bytes / 2**30,
+    return {"ms": statistics.median(times), "ms_min": min(times), "staging_gib": staging / 2**30,
+            "host_rss_gib": _rss() / 2**30, "device_args_gib": ma.argument_size_in_bytes / 2**30,
             "device_out_gib": ma.output_size_in_bytes / 2**30, "device_temp_gib": ma.temp_size_in_bytes / 2**30,
             "live_gib": live / 2**30, "check_vs_optax_hbm": check}
 
@@ -178,7 +192,8 @@ def main(argv=None) -> int:
         results[name] = r
         print(f"{name:11s} " + (f"error: {r['error']}" if "error" in r else
               f"{r['ms']:8.2f} ms (min {r['ms_min']:.2f})  args {r['device_args_gib']:.2f} GiB  "
-              f"temp {r['device_temp_gib']:.2f} GiB  live {r['live_gib']:.2f} GiB  "
+              f"temp {r['device_temp_gib']:.2f} GiB  live {r['live_gib']:.2f} GiB  host RSS "
+              f"{r['host_rss_gib']:.2f} GiB  staging {r['staging_gib']:.3f} GiB  "
               f"vs (a): {r['check_vs_optax_hbm']}"), flush=True)
     if "ms" in results.get("jax_pinned", {}) and "ms" in results.get("ts_gpu", {}):
         ratio = results["jax_pinned"]["ms"] / results["ts_gpu"]["ms"]

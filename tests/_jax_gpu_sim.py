@@ -26,9 +26,17 @@ def _view(ptr, n, dtype):
 
 
 class _Mapped:
+    live = 0  # bytes allocated and not freed (the plan's figures are checked against it)
+
     def __init__(self, nbytes):
         self._a = np.zeros(nbytes, np.uint8)
         self.host_ptr = self.dev_ptr = self._a.ctypes.data
+        self.nbytes = nbytes
+        _Mapped.live += nbytes
+
+    def free(self):
+        _Mapped.live -= self.nbytes
+        self.nbytes = 0
 
 
 class _Context:
@@ -119,7 +127,7 @@ def simulate_gpu(monkeypatch):
     fixture below, and tests/_jax_mesh_scenarios.py with a MonkeyPatch of its own)."""
     from trainstream import _cuda
     from trainstream import _device_kernels as dk
-    from trainstream.core import _ring
+    from trainstream.core import _hostring, _ring
 
     monkeypatch.setattr(_transform, "_platform_of", lambda leaves: "cuda")
     monkeypatch.setattr(_resident, "platform_of", lambda leaves: "cuda")
@@ -132,7 +140,10 @@ def simulate_gpu(monkeypatch):
     monkeypatch.setattr(dk, "multiprocessor_count", lambda device=None: 132)
     monkeypatch.setattr(dk, "alloc_device", lambda nbytes, device=None: _Device(nbytes))
     monkeypatch.setattr(G, "_device_engines", {})  # an engine (and ring) of the simulated device, not a real one
+    monkeypatch.setattr(G, "_host_rings", {})  # mode="cpu"'s staging ring, likewise
     monkeypatch.setattr(_ring, "RING_ELEMS", 512)  # small: leaves in pieces, several buffers per update
+    for name, value in (("HOST_RING_ELEMS", 256), ("HOST_RING_DEPTH", 3), ("_ALIGN", 16)):  # mode="cpu" likewise
+        monkeypatch.setattr(_hostring, name, value)
     for name in ("launch_adamw_multi", "launch_adamw_u_multi", "MULTI_MAX"):
         monkeypatch.setattr(dk, name, getattr(_Kernels, name))
     _Kernels.launches.clear()

@@ -191,6 +191,67 @@ def test_cpu_mode_within_the_contract_bound(dtype, clip):
     _host_state(s)
 
 
+@pytest.mark.parametrize("via", ["step", "update"])
+def test_cpu_mode_pieces_through_the_staging_ring_are_the_contract_bits(via):
+    """mode="cpu" stages through a ring of a few pinned buffers (trainstream.core._hostring): a leaf of 9 pieces
+    (its 8 buffers reused in each update) beside small leaves, steps queued back to back, equal the contract's NumPy
+    lines (optax/cuda in IEEE arithmetic) bit for bit with the scalars the update read; the plan's staging is the
+    ring's pinned bytes."""
+    from trainstream.core import _hostring
+    from trainstream.jax import _gpu as G
+
+    dev = _gpu()
+    jax.effects_barrier()
+    for ring in G._host_rings.values():  # a fresh ring: this test's geometry
+        ring.close()
+    G._host_rings.clear()
+    elems, depth = _hostring.HOST_RING_ELEMS, _hostring.HOST_RING_DEPTH
+    shapes = {"a": (37, 19), "big": (depth * elems // 4096 + 3, 4096), "c": (10007,)}
+    rng = np.random.default_rng(4)
+    params = {k: jax.device_put(jnp.asarray(rng.standard_normal(s).astype(np.float32)), dev) for k, s in shapes.items()}
+    tx = tsj.offload_adamw(1e-2, weight_decay=1e-2, mask=_mask, mode="cpu")
+
+    def body(p, s, g):
+        if via == "step":
+            return tx.step(g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(body, donate_argnums=(0, 1))
+    keys = sorted(shapes)  # the leaves' order
+    want = {k: (np.asarray(params[k]).ravel().copy(), np.zeros(params[k].size, np.float32),
+                np.zeros(params[k].size, np.float32)) for k in keys}
+    gs = [{k: jax.device_put(jnp.asarray(rng.standard_normal(sh).astype(np.float32) * 0.1), dev)
+           for k, sh in shapes.items()} for _ in range(3)]
+    p_bb, s_bb = jax.tree.map(jnp.copy, params), tx.init(params)
+    for g in gs:  # back to back: each update's copies queued behind the last one's
+        p_bb, s_bb = step(p_bb, s_bb, g)
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    rows = []
+    for g in gs:  # one at a time, reading the scalars each update copied to the ring
+        p, s = step(p, s, g)
+        jax.block_until_ready((p, s))
+        ring = G._host_rings[next(iter(G._host_rings))]
+        rows.append(_hostring._view(ring.scalars.host_ptr, C.N_SCALARS * len(keys), np.float32)
+                    .reshape(-1, C.N_SCALARS).copy())
+    _same((p_bb, s_bb.mu, s_bb.nu), (p, s.mu, s.nu), f"back to back {via}")
+    assert (ring.elems, len(ring.bufs)) == (elems, depth)
+    assert ring.nbytes == tx.host_memory_plan(params)["staging_pinned"] == _hostring.host_ring_bytes(
+        [params[k].size for k in keys])
+    for g, row in zip(gs, rows):
+        for i, k in enumerate(keys):
+            want[k] = C.reference_update(*want[k], np.asarray(g[k]).ravel(), row[i], "optax", "cuda")
+    for k in keys:
+        wp, wm, wv = want[k]
+        np.testing.assert_array_equal(_bits(np.asarray(s.mu[k]).ravel()), _bits(wm), k)
+        np.testing.assert_array_equal(_bits(np.asarray(s.nu[k]).ravel()), _bits(wv), k)
+        if via == "step":
+            np.testing.assert_array_equal(_bits(np.asarray(p[k]).ravel()), _bits(wp), k)
+        else:  # XLA's p + step_size * u
+            np.testing.assert_allclose(np.asarray(p[k]).ravel(), wp, rtol=0, atol=1e-6)
+    _host_state(s)
+
+
 # -- the optax wrappers, flax nnx, orbax (gpu mode) ---------------------------------------------
 
 

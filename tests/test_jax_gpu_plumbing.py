@@ -1,6 +1,6 @@
 """The GPU code path of offload_adamw (trainstream.jax._gpu), run on XLA:CPU with its CUDA
 calls simulated: the state in ``pinned_host`` memory, the three callbacks (own, update,
-order), the engine pipeline of ``mode="cpu"`` (staging, events, uploads) and the grouped
+order), the engine pipeline of ``mode="cpu"`` (its staging ring, events, uploads) and the grouped
 launches of ``mode="gpu"`` (the engine's device placement and its staging ring).
 
 The simulated launches run the host kernel of the same variant (optax/cuda), so both modes
@@ -20,7 +20,7 @@ import trainstream.jax as tsj  # noqa: E402
 from trainstream import contract as C  # noqa: E402
 from trainstream.jax import _gpu as G  # noqa: E402
 
-from _jax_gpu_sim import _Context, _Kernels, simulate_gpu  # noqa: E402
+from _jax_gpu_sim import _Context, _Kernels, _Mapped, simulate_gpu  # noqa: E402
 
 if jax.default_backend() != "cpu":  # pragma: no cover - the simulation needs XLA:CPU buffers
     pytest.skip("simulates the CUDA calls on XLA:CPU (tests/test_jax_gpu.py runs them for real)",
@@ -79,6 +79,7 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
     rng = np.random.default_rng(1)
     gs = [_grads(rng, params) for _ in range(4)]
     want_p, want_m, want_v = _reference(params, gs, lr, wd)
+    live0 = _Mapped.live
     tx = tsj.offload_adamw(lr, master_weights=True, weight_decay=wd, mask=_mask, mode=mode, threads=2)
     for donate in (True, False):
         for via in ("step", "update"):
@@ -123,9 +124,19 @@ def test_gpu_path_step_and_update_equal_the_contract(simulated_gpu, mode, dtype)
         assert any(st == 0 and ev.stream == d2h for st, ev in _Context.waits) and d2h != ring.h2d
         if dtype == "float32":
             assert ("u", "float32", 3) in _Kernels.launches
-    else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per leaf
+    else:  # mode="cpu": gradients (and fp32 weights) down, weights (or u) up, per piece of the staging ring
+        ring = G._host_rings[0]
+        pieces = sum(-(-int(np.prod(s)) // ring.elems) for s in SHAPES.values())
+        assert ring.elems == 256 and len(ring.bufs) == 3 < pieces  # its buffers reused within each update
         ups = [n for d, n in _Context.copies if d == "h2d"]
-        assert len(ups) == 2 * 2 * len(gs) * len(SHAPES)
+        assert len(ups) == 2 * 2 * len(gs) * pieces
+        # the plan's staging is the ring, shared by the four programs; nothing else was pinned
+        assert tx.host_memory_plan(params)["staging_pinned"] == ring.nbytes == _Mapped.live - live0 > 0
+        # a buffer is copied into after its last copy up; XLA's stream waits for both of the ring's streams
+        reuse = [ev for st, ev in _Context.waits if st == ring.d2h and ev.stream == ring.h2d]
+        assert len(reuse) == 2 * 2 * len(gs) * pieces - len(ring.bufs)
+        ends = {ev.stream for st, ev in _Context.waits if st == 0}
+        assert ends == {ring.d2h, ring.h2d}
 
 
 def test_gpu_path_compositions_keep_the_state_in_host_memory(simulated_gpu):

@@ -1,6 +1,6 @@
-"""The JAX side below the adapter: XLA's buffers as addresses and NumPy views, XLA:GPU's stream, pinned staging
-buffers of one CUDA device with the copies and events on that stream (through :mod:`trainstream._cuda`), and the probe
-of XLA:CPU's arithmetic (:func:`xla_cpu_fma`). Nothing of optax's API (``trainstream.jax``) and no torch.
+"""The JAX side below the adapter: XLA's buffers as addresses and NumPy views, XLA:GPU's stream and the CUDA
+device of a buffer (through :mod:`trainstream._cuda`), and the probe of XLA:CPU's arithmetic (:func:`xla_cpu_fma`).
+Nothing of optax's API (``trainstream.jax``) and no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from .. import _cuda
 from .. import contract as C
 
-__all__ = ["Staging", "buffer_device", "buffer_ptr", "flat_view", "host_view", "stream_of", "xla_cpu_fma"]
+__all__ = ["buffer_device", "buffer_ptr", "flat_view", "host_view", "stream_of", "xla_cpu_fma"]
 
 
 def buffer_ptr(buf) -> int:
@@ -47,38 +47,6 @@ def host_view(ptr: int, count: int, dtype) -> np.ndarray:
     if count == 0:
         return np.empty(0, dtype)
     return np.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(int(ptr)), dtype, count)
-
-
-class Staging:
-    """Pinned (mapped) host buffers of one CUDA device, freed when this is collected, and the asynchronous copies
-    between them and GPU memory (XLA's buffers, :func:`buffer_ptr`) on a stream. ``what``: the use, named by a
-    refused allocation."""
-
-    def __init__(self, device: int, what: str):
-        self.ctx = _cuda.context(device)
-        self._what = what
-        self._buffers: list = []  # _cuda.Mapped
-
-    def alloc(self, numel: int, dtype, what: str, extra: int = 0) -> tuple[int, np.ndarray]:
-        """``(address, flat view)`` of a new buffer of ``numel`` elements (and ``extra`` bytes after them)."""
-        try:
-            buf = self.ctx.alloc_mapped(max(64, numel * np.dtype(dtype).itemsize + extra))
-        except MemoryError as exc:
-            raise MemoryError(f"TrainStream {self._what}: pinned staging for {what}: {exc}") from exc
-        self._buffers.append(buf)
-        return buf.host_ptr, host_view(buf.host_ptr, numel, dtype)
-
-    def to_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """Queue ``dst`` (an address of these buffers) <- ``src`` (GPU memory) on ``stream``."""
-        self.ctx.memcpy_dtoh_async(dst, src, nbytes, stream)
-
-    def to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """Queue ``dst`` (GPU memory) <- ``src`` (an address of these buffers) on ``stream``."""
-        self.ctx.memcpy_htod_async(dst, src, nbytes, stream)
-
-    def event(self, stream: int) -> _cuda.Event:
-        """An event after the work queued on ``stream`` so far."""
-        return _cuda.Event(self.ctx, stream)
 
 
 @functools.cache

@@ -5,9 +5,12 @@ ring of ``_ring.py``); ``_budget.py`` sizes and places the state; ``_backend.py`
 (``trainstream/backends/``) provides. Both adapters go through the engine: torch registers slots; JAX, whose state
 lives in XLA's buffers, has them updated in place by the same placements (``_external.py``:
 :meth:`Engine.update_external` on the host workers, :meth:`Engine.launch_external` by the device kernels), on an
-engine made without a backend.
+engine made without a backend; buffers in GPU memory reach the host workers through the staging ring of
+``_hostring.py`` (:class:`HostRing`).
 """
 
 from ._engine import MODES, Backend, DeviceUpdate, Engine, ExternalUpdate, WorkerError, state_bytes
+from ._hostring import HostRing, StagedLeaf, host_ring_bytes
 
-__all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "MODES", "WorkerError", "state_bytes"]
+__all__ = ["Backend", "DeviceUpdate", "Engine", "ExternalUpdate", "HostRing", "MODES", "StagedLeaf", "WorkerError",
+           "host_ring_bytes", "state_bytes"]

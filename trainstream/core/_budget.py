@@ -158,8 +158,9 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
     * ``"device"`` (:meth:`~trainstream.core._device.DevicePlacement.add_param`, JAX ``mode="gpu"``):
       moments and the fp32 master of fp16/bf16 weights in pinned (mapped) memory;
     * ``"arrays"``: that state as pageable arrays, nothing staged (JAX on XLA:CPU);
-    * ``"staged"``: ``"device"`` plus pinned staging of the gradient and, for a float32 leaf, of its
-      weights and update (JAX ``mode="cpu"`` on a GPU).
+    * ``"staged"``: the state of ``"device"``, staged through a ring shared by the slots (JAX ``mode="cpu"`` on a
+      GPU): ``ring_bytes``, the pinned bytes of the rings (:func:`trainstream.core._hostring.host_ring_bytes` per
+      device), counted once in ``staging``.
 
     A slot of these three layouts may add its recipe (torch: the recipe's state dtype, ``max_exp_avg_sq``, a master
     only for fp32 state of fp16/bf16 weights) or ``(mu dtype, nu dtype, master)`` (JAX: the optax state it keeps);
@@ -199,8 +200,6 @@ def host_bytes(slots: Iterable[tuple], *, pin_moments: bool = False, can_pin: bo
         add("state", sum(size(d) for d in moments), pinned)
         if master:
             add("masters", size("float32"), pinned)
-        if layout == "staged":
-            add("staging", item * numel + (0 if half else 8 * numel), True)
     return out
 
 

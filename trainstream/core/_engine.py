@@ -13,7 +13,7 @@ without a backend (the JAX adapter's) does only that. Imports neither torch nor 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -347,11 +347,12 @@ class Engine(EngineSpeculation, EngineStreaming):
                                             f"was queued ({type(exc).__name__}: {exc})"))
             raise
 
-    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
+    def update_external(self, items: Iterable[ExternalUpdate], platform: str,
+                        released: Callable[[int], None] | None = None) -> None:
         """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` (buffers the caller owns)
         on the host workers, reproducing ``platform``'s arithmetic (``"cpu"``/``"cuda"``); blocks until done
-        (:meth:`trainstream.core._host.HostPlacement.update_external`)."""
-        self._only("update_external", self.host, "host").update_external(items, platform)
+        (:meth:`trainstream.core._host.HostPlacement.update_external`: items may come from an iterator)."""
+        self._only("update_external", self.host, "host").update_external(items, platform, released)
 
     def launch_external(self, items: Sequence[DeviceUpdate], stream: int) -> None:
         """The AdamW update of each :class:`~trainstream.core._external.DeviceUpdate` (buffers the caller owns) by

@@ -12,8 +12,10 @@ This module checks the items and turns them into the placements' work. No torch 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -55,48 +57,69 @@ class ExternalUpdate(NamedTuple):
     finished: Callable[[], None] | None = None  # None, or called after the last chunk if none failed (e.g. upload out)
 
 
-def update_batches(items: Sequence[ExternalUpdate], variant: int, tc_code: int, stats: Any) -> list[Batch]:
-    """The workers' batch of each item (``stats.add("update_s", seconds)`` per chunk); every item is checked
-    before any batch is made (``TypeError``/``ValueError``)."""
-    batches = []
-    for k, it in enumerate(items):
-        if it.gdtype not in KIND:
-            raise TypeError(f"update_external: gradient dtype {it.gdtype!r} is not float32, float16 or bfloat16")
-        numel = int(it.m.size)
-        for name, a in (("p", it.p), ("v", it.v)):
-            if a.size != numel:
-                raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
-        out, okind = None, K.KIND_F32
-        if it.out_kind is not None and it.out is not None:
-            if it.out_kind not in _OUT_KIND:
-                raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
-            out, okind = it.out, _OUT_KIND[it.out_kind]
-
-        def body(c, b, e, it=it, gkind=KIND[it.gdtype], out=out, okind=okind):
-            if it.landed is not None:  # g, p and scalars may still be in flight
-                it.landed.synchronize()
-            t = time.perf_counter()
-            K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
-            stats.add("update_s", time.perf_counter() - t)
-
-        batches.append((it.landed, body, numel, it.finished))
-    return batches
+def update_batches(items: Iterable[ExternalUpdate], variant: int, tc_code: int, stats: Any) -> Iterable[Batch]:
+    """The workers' batch of each item (``stats.add("update_s", seconds)`` per chunk). A sequence: every item is
+    checked before any batch is made (``TypeError``/``ValueError``); an iterator (items made while the first run, as
+    a staging ring frees its buffers): each item as it comes."""
+    if isinstance(items, Iterator):
+        return (_batch(k, it, variant, tc_code, stats) for k, it in enumerate(items))
+    return [_batch(k, it, variant, tc_code, stats) for k, it in enumerate(items)]
 
 
-def run_batches(submit: Callable, batches: Sequence[Batch], what: str) -> None:
+def _batch(k: int, it: ExternalUpdate, variant: int, tc_code: int, stats: Any) -> Batch:
+    """Item ``k``'s batch, checked."""
+    if it.gdtype not in KIND:
+        raise TypeError(f"update_external: gradient dtype {it.gdtype!r} is not float32, float16 or bfloat16")
+    numel = int(it.m.size)
+    for name, a in (("p", it.p), ("v", it.v)):
+        if a.size != numel:
+            raise ValueError(f"update_external: item {k}: {name} has {a.size} elements, m has {numel}")
+    out, okind = None, K.KIND_F32
+    if it.out_kind is not None and it.out is not None:
+        if it.out_kind not in _OUT_KIND:
+            raise ValueError(f"update_external: unknown out_kind {it.out_kind!r}")
+        out, okind = it.out, _OUT_KIND[it.out_kind]
+
+    def body(c, b, e, gkind=KIND[it.gdtype]):
+        if it.landed is not None:  # g, p and scalars may still be in flight
+            it.landed.synchronize()
+        t = time.perf_counter()
+        K.adamw_chunk(variant, it.p, it.m, it.v, it.g, gkind, out, okind, b, e, it.scalars, tc_code)
+        stats.add("update_s", time.perf_counter() - t)
+
+    return it.landed, body, numel, it.finished
+
+
+def run_batches(submit: Callable, batches: Iterable[Batch], what: str,
+                released: Callable[[int], None] | None = None) -> None:
     """Run ``batches`` on the host workers through ``submit`` (the host placement's, priority their index); wait
-    for all and raise the first failure as :class:`WorkerError` (not sticky: no slot is touched)."""
+    for all and raise the first failure as :class:`WorkerError` (not sticky: no slot is touched). ``released(k)``:
+    called once queued batch ``k`` has finished, failed or not (after its ``finished``), from the worker that finished
+    it; an iterator's failure is raised once the batches queued before it have finished."""
     errors: list[BaseException] = []  # list.append is atomic
-    done, queued = threading.Semaphore(0), 0
-    for k, (landed, body, numel, finished) in enumerate(batches):
+    done, queued, failure = threading.Semaphore(0), 0, None
+
+    def end(k: int) -> None:
         try:
-            submit(numel, k, landed, body, finished, errors.append, done.release)
-        except RuntimeError as exc:  # the pool has stopped: wait only for what it took
-            errors.append(exc)
-            break
-        queued += 1
+            if released is not None:
+                released(k)
+        finally:
+            done.release()
+
+    try:
+        for k, (landed, body, numel, finished) in enumerate(batches):
+            try:
+                submit(numel, k, landed, body, finished, errors.append, functools.partial(end, k))
+            except RuntimeError as exc:  # the pool has stopped: wait only for what it took
+                errors.append(exc)
+                break
+            queued += 1
+    except BaseException as exc:  # noqa: BLE001 - an iterator of items failed: what it queued finishes first
+        failure = exc
     for _ in range(queued):
         done.acquire()
+    if failure is not None:
+        raise failure
     if errors:
         exc = errors[0]
         raise WorkerError(f"TrainStream {what} failed in a worker: {type(exc).__name__}: {exc}") from exc
@@ -106,20 +129,24 @@ class HostExternal:
     """The external-update methods of :class:`~trainstream.core._host.HostPlacement` (its pool, convention and
     counters)."""
 
-    def _run_external(self, batches: list, what: str) -> None:
+    def _run_external(self, batches: Iterable[Batch], what: str,
+                      released: Callable[[int], None] | None = None) -> None:
         """:func:`~trainstream.core._external.run_batches` through :meth:`_submit`."""
         self._check_open()
         self.errors.check()
-        run_batches(self._submit, batches, what)
+        run_batches(self._submit, batches, what, released)
 
-    def update_external(self, items: Sequence[ExternalUpdate], platform: str) -> None:
+    def update_external(self, items: Iterable[ExternalUpdate], platform: str,
+                        released: Callable[[int], None] | None = None) -> None:
         """The AdamW update of each :class:`~trainstream.core._external.ExternalUpdate` in this placement's
         convention on ``platform`` (``"cpu"``/``"cuda"``: whose arithmetic to reproduce), on the workers; blocks
-        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure.
-        No slot is involved: the caller keeps the state and supplies each update's scalars."""
+        until every item and its ``finished`` have run, raises :class:`WorkerError` on a failure. ``items``: a
+        sequence, or an iterator consumed as they run (a staging ring's pieces, :mod:`~trainstream.core._hostring`;
+        ``released(k)`` once queued item ``k`` is done, failed or not). No slot is involved: the caller keeps the
+        state and supplies each update's scalars."""
         batches = update_batches(items, C.variant_id(self.convention, platform), self.tc_code, self._stats)
         self._stats.add("steps", 1)
-        self._run_external(batches, "update_external")
+        self._run_external(batches, "update_external", released)
 
 
 class DeviceUpdate(NamedTuple):

@@ -11,13 +11,13 @@ XLA refuses one custom call whose outputs mix host and GPU memory (``E1200``, ja
 * ``order(w, token') -> w'`` (device only, aliased): every use of the new weights comes after ``update``.
 
 ``update`` goes through the engine (:mod:`trainstream.core`): ``mode="gpu"`` has the device placement of the buffers'
-CUDA device launch the kernels on XLA's stream (``Engine.launch_external``), ``mode="cpu"`` copies the gradients to
-pinned staging and has the host workers update the state (``Engine.update_external``).
+CUDA device launch the kernels on XLA's stream (``Engine.launch_external``), ``mode="cpu"`` has the host workers update
+the state (``Engine.update_external``) from the gradients copied down through the device's staging ring (a few pinned
+buffers, :class:`trainstream.core.HostRing`).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import jax
@@ -27,13 +27,10 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from .. import contract as C
 from ..backends import jax as xb
-from ..core import DeviceUpdate, Engine, ExternalUpdate
+from ..core import DeviceUpdate, Engine, HostRing, StagedLeaf
 from ._state import OffloadAdamWState
 
 __all__ = ["apply", "device_engine", "init"]
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
 
 def init(params, leaves):
     """The state of ``params`` on one CUDA device (the count on it, the rest in its pinned host memory)."""
@@ -79,6 +76,7 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
 
 
 _device_engines: dict = {}  # CUDA device -> the engine of mode="gpu" on it, for the process
+_host_rings: dict = {}  # CUDA device -> the staging ring of mode="cpu" on it, for the process
 _lock = threading.Lock()  # creates them
 
 
@@ -98,23 +96,10 @@ def device_engine(device: int) -> Engine:
                  lambda: Engine(None, mode="gpu", convention="optax", device_index=device))
 
 
-class _Staging:
-    """Pinned host buffers of one device for ``mode="cpu"``, each ``(address, flat NumPy view)``, freed with the plan:
-    the scalars, and per leaf the gradient and (float32 leaves) the weights and (``update``) the update."""
-
-    def __init__(self, plan, device: int):
-        self.pinned = xb.Staging(device, "JAX mode='cpu'")
-        self.lock = threading.Lock()
-        alloc = self.pinned.alloc
-        self.scalars_ptr, scalars = alloc(C.N_SCALARS * max(plan.n, 1), np.float32, "the scalars")
-        self.scalars = scalars.reshape(-1, C.N_SCALARS)
-        self.grads, self.weights, self.updates = [], {}, {}  # weights, updates: of the float32 leaves
-        for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
-            self.grads.append(alloc(numel, np.float32 if kind == "float32" else np.uint16, f"gradient {i}"))
-            if kind == "float32":
-                self.weights[i] = alloc(numel, np.float32, f"weights {i}")
-                if plan.emit_u:  # the update goes to a buffer of its own, the weights are read
-                    self.updates[i] = alloc(numel, np.float32, f"update {i}")
+def host_ring(device: int) -> HostRing:
+    """The staging ring of ``mode="cpu"`` on CUDA device ``device`` (:class:`trainstream.core.HostRing`), shared by
+    every plan, kept for the process: its pinned buffers grow to the largest update's need (:func:`trainstream.core.host_ring_bytes`)."""
+    return _once(_host_rings, device, _lock, lambda: HostRing(device))
 
 
 class _Update:
@@ -122,8 +107,6 @@ class _Update:
 
     def __init__(self, plan):
         self.plan = plan
-        self._staging: dict[int, _Staging] = {}
-        self._lock = threading.Lock()
 
     def __call__(self, ctx, outs, scal, count, *ins) -> None:
         plan, n = self.plan, self.plan.n
@@ -155,37 +138,18 @@ class _Update:
         device_engine(device).launch_external(items, stream)
 
     def _host(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
-        """``mode="cpu"``: each gradient (and float32 weights) copied to pinned staging with an event; the
-        engine's host workers update each leaf as its copy lands (the state's host memory in place) and queue its
-        upload into ``w`` (:meth:`trainstream.core.Engine.update_external`). Returns once the host work is done (the
-        uploads run before XLA's next work)."""
+        """``mode="cpu"``: the engine's host workers update each leaf's state in place, piece by piece through the
+        device's staging ring (:meth:`trainstream.core.HostRing.update`: the gradients and float32 weights down, the
+        new weights or ``u`` up into ``w``). Returns once the host work is done (XLA's stream waits for the copies
+        up)."""
         plan, ptr = self.plan, xb.buffer_ptr
-        st = _once(self._staging, device, self._lock, lambda: _Staging(plan, device))
-        with st.lock:  # one update of this plan on this device at a time (its staging)
-            pinned = st.pinned
-            pinned.to_host(st.scalars_ptr, ptr(scal), 4 * C.N_SCALARS * plan.n, stream)
-            events = []
-            for i in range(plan.n):
-                kind, numel = plan.kinds[i], plan.numels[i]
-                pinned.to_host(st.grads[i][0], ptr(grads[i]), numel * _ITEMSIZE[kind], stream)
-                if kind == "float32":  # the weights: w holds the params (step), or read them (update)
-                    src = weights[i] if plan.emit_u else w[i]
-                    pinned.to_host(st.weights[i][0], ptr(src), 4 * numel, stream)
-                events.append(pinned.event(stream))
-            items = []
-            for i in range(plan.n):
-                kind, numel = plan.kinds[i], plan.numels[i]
-                m = xb.host_view(ptr(mus[i]), numel, np.float32)
-                v = xb.host_view(ptr(nus[i]), numel, np.float32)
-                g_ptr, g = st.grads[i]
-                if i in masters:  # the rounded weights overwrite the staged gradient, then go up
-                    p = xb.host_view(ptr(masters[i]), numel, np.float32)
-                    out, out_kind, up_src, up_bytes = g, kind, g_ptr, numel * _ITEMSIZE[kind]
-                elif plan.emit_u:  # u goes up from its own buffer
-                    p, (up_src, out) = st.weights[i][1], st.updates[i]
-                    out_kind, up_bytes = "u", 4 * numel
-                else:  # the new weights go up from the staged weights
-                    (up_src, p), out, out_kind, up_bytes = st.weights[i], None, None, 4 * numel
-                upload = functools.partial(pinned.to_device, ptr(w[i]), up_src, up_bytes, stream)
-                items.append(ExternalUpdate(p, m, v, g, kind, out, out_kind, st.scalars[i], events[i], upload))
-            plan.engine.update_external(items, "cuda")
+        leaves = []
+        for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
+            state = [xb.host_view(ptr(a), numel, np.float32) for a in (mus[i], nus[i])]
+            if i in masters:  # the rounded weights go up into w
+                weights_ptr, master = 0, xb.host_view(ptr(masters[i]), numel, np.float32)
+            else:  # the float32 weights: w holds the params (step), or read them (update, u into w)
+                weights_ptr, master = ptr(weights[i] if plan.emit_u else w[i]), None
+            leaves.append(StagedLeaf(ptr(grads[i]), kind, weights_ptr, master, *state, ptr(w[i]),
+                                     plan.emit_u and i not in masters, numel))
+        host_ring(device).update(plan.engine, leaves, ptr(scal), stream)

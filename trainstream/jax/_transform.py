@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import contract as C
 from ..backends import jax as xb
-from ..core import _budget
+from ..core import _budget, host_ring_bytes
 from . import _detect, _gpu, _plan, _resident, _sharding
 from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
                       static_arg)
@@ -44,6 +44,21 @@ def _host_numel(x) -> int:
     if sharding is None:
         return math.prod(np.shape(x))
     return len(sharding.addressable_devices) * math.prod(sharding.shard_shape(np.shape(x)))
+
+
+def _device_numels(leaves) -> list[list[int]]:
+    """Per device of this process, the elements of each leaf's shard there (one device where the arrays have no
+    sharding: tracers)."""
+    per: dict = {}
+    for x in leaves:
+        sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+        if sharding is None:
+            per.setdefault(None, []).append(math.prod(np.shape(x)))
+            continue
+        n = math.prod(sharding.shard_shape(np.shape(x)))
+        for d in sharding.addressable_devices:
+            per.setdefault(d, []).append(n)
+    return list(per.values())
 
 
 def _check_host_state(mu, nu, master, paths) -> None:
@@ -100,7 +115,8 @@ class _Impl:
             dtype = leaf_dtype_name(x, p)
             f = family(self.cfg, dtype, p)
             slots.append((_host_numel(x), dtype, layout, (f.mu, f.nu, f.master)))
-        return _budget.plan(slots, margin=self.cfg.host_margin)
+        ring = sum(host_ring_bytes(n) for n in _device_numels(leaves)) if layout == "staged" else 0  # per device
+        return _budget.plan(slots, margin=self.cfg.host_margin, ring_bytes=ring)
 
     def _flatten(self, grads, state, params):
         """The leaves of one update, checked against each other and against the state."""
@@ -298,7 +314,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         1 weight in 190 was 1 ULP off after 3 steps (XLA:CPU rounded a small matmul's gradient otherwise for our
         callback than in optax's program); ``optax.chain(optax.clip_by_global_norm(M), offload_adamw(...))``
         (optax's clip consumes the gradient first, as in optax's program) stayed bit-identical there.
-      mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, on XLA's stream). ``"gpu"``:
+      mode: ``"cpu"``: the host updates (on a GPU: gradients to the host, weights back, piece by piece through a ring
+        of at most 8 pinned buffers of 48 MiB per device, kept for the process). ``"gpu"``:
         a CUDA kernel on XLA's stream, the state in pinned host memory streamed through a 72 MiB ring of GPU buffers
         per device, kept for the process; needs the parameters on a CUDA device.
       gpu_state_bytes: None or 0: all the state in host memory. Bytes per device: the leaves whose state fits, in
@@ -308,8 +325,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
       threads: host worker threads of this process, shared by its devices (default: its share of the usable cores
         among this host's JAX processes, less one).
       worker_nice: the host workers' nice value (Linux applies it per thread).
-      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the pinned
-        staging) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
+      host_margin: ``init`` first checks the host memory the state (on a GPU in ``mode="cpu"`` also the staging
+        ring) will take (:meth:`OffloadTransformation.host_memory_plan`) against what the host has less this
         fraction, raising ``MemoryError`` before any array is made. None: no check.
 
     Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
