@@ -210,8 +210,10 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                             vi = ftz(mad_xla(ox_unfused, z_b2, vo, ftz(z_omb2 * gg)))
                         else:
                             vi = ftz(mad_xla(ox_unfused, z_omb2, gg, ftz(z_b2 * vo)))
-                    vh = ftz(vi * z_r2) if ox_form_r else ftz(vi / z_d2)
-                    vh = select(has_er, ftz(vh + z_er), vh)
+                    if ox_form_r:  # LLVM contracts v*r2 + eps_root
+                        vh = select(has_er, ftz(mad_xla(ox_unfused, vi, z_r2, z_er)), ftz(vi * z_r2))
+                    else:
+                        vh = select(has_er, ftz(ftz(vi / z_d2) + z_er), ftz(vi / z_d2))
                     wd_p = pi  # the weight decay's factor: the weights, or 0 where the rsqrt line took it
                     if nesterov:
                         mn = ftz(mi * z_r1n) if ox_form_r else ftz(mi / z_d1n)

@@ -98,7 +98,7 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
         v = fma(B2, v, z(C2 * gg)) if code & OX_NU_SWAP else fma(C2, gg, z(B2 * v))
     form_r = code & OX_FORM_R
     r1, r2 = z(_F32(1) / d1), z(_F32(1) / d2)
-    vh = z((z(v * r2) if form_r else z(v / d2)) + er)
+    vh = fma(v, r2, er) if form_r else z(z(v / d2) + er)  # form R: LLVM contracts v*r2 + eps_root
     if code & OX_NESTEROV:
         mn = z(m * z(_F32(1) / d1n)) if form_r else z(m / d1n)
         gn = z(g * r1) if form_r else z(g / d1)
