@@ -209,7 +209,8 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
 
   *Every argument and dtype of optax.adam/adamw* (:func:`optax_family`, the lines one for one in
   :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(RN(v/d2) + eps_root)``; float32 lines in form R:
-  ``fma(v, r2, eps_root)``, LLVM's contraction), ``nesterov`` (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
+  ``fma(v, r2, eps_root)``, LLVM's contraction), ``nesterov`` (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in
+  :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
   (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
   :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
   ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
