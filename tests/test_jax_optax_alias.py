@@ -241,6 +241,15 @@ def test_refused_configuration_names_itself():
         jax.jit(tx.update)(params, tx.init(params), params)
 
 
+def test_bf16_mu_float32_eps_zero_refused():
+    """A bfloat16 leaf with mu_dtype=float32 and eps == 0: XLA compiles optax's division otherwise (no lines read
+    yet): NotImplementedError naming it, not silently different bits."""
+    params = jnp.ones((3, 4), jnp.bfloat16)
+    tx = tsj.offload_adamw(1e-2, eps=0.0, mu_dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"bfloat16 leaf with mu_dtype float32 and eps == 0"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
 def test_positional_order_is_optax():
     """The fifth positional argument is eps_root and the sixth mu_dtype, as optax's (not weight_decay)."""
     params, grads = _problem("float32", steps=3)

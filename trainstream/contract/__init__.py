@@ -221,9 +221,9 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   take :data:`OX_FORM_R` where the float32 lines do (``RN(RN(m * RN(1/d1)) / den)``, else ``RN(m / RN(d1 * den))``;
   nu's ``v / d2`` is a multiply by the reciprocal in both forms, as for fp16/bf16 state, but with
   :data:`OX_HALF_DIV`). Each constant is optax's in its dtype (weak-typed Python floats rounded to the array's
-  dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16
-  state, ``mu_dtype=bfloat16`` on fp16 leaves, ``b == 0.5`` on one-element fp16/bf16 leaves, nesterov with
-  ``OX_RSQRT`` on float32 leaves.
+  dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16 state, ``mu_dtype=bfloat16`` on
+  fp16 leaves, ``eps == 0`` on bf16 leaves with ``mu_dtype=float32`` (refused), ``b == 0.5`` on one-element
+  fp16/bf16 leaves, nesterov with ``OX_RSQRT`` on float32 leaves.
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 

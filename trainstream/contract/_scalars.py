@@ -297,6 +297,9 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             raise ValueError(f"no optax/cpu lines for a float32 leaf with mu_dtype {mu}")
     mixed = code & (OX_MU_F32 | OX_MU_BF16)
     math_dtype = dtype if half else "float32"
+    if half and mixed and dtype == "bfloat16" and eps is not None and _in_dtype(eps, "float32") == 0.0:
+        raise ValueError("no optax/cpu lines for a bfloat16 leaf with mu_dtype float32 and eps == 0 (XLA drops the "
+                         "+ eps and compiles the division otherwise; not read yet)")
     if nesterov:
         code |= OX_NESTEROV
     if (not half or mu == "float32") and numel > 1 and (n_leaves == 1 or x64):  # float32 mu's divisions by d1
