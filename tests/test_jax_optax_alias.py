@@ -168,6 +168,10 @@ HYPER = [
     pytest.param("adamw", dict(mu_dtype=jnp.float32), "bfloat16", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True), "float16", marks=_full),
     pytest.param("adamw", dict(b1=0.5, b2=0.5), "float16", marks=_full),
+    # a bare array as the pytree: XLA's reciprocal form (contract.OX_FORM_R), v*r2 + eps_root contracted
+    ("adamw", dict(eps_root=1e-8, single=True), "float32"),
+    pytest.param("adamw", dict(mu_dtype=jnp.float32, weight_decay=0.1, single=True), "bfloat16", marks=_full),
+    pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True, single=True), "float16", marks=_full),
 ]
 
 
@@ -177,10 +181,56 @@ def test_hyperparameters_bitwise(name, kwargs, dtype):
     (the state in optax's dtypes)."""
     kwargs = dict(kwargs)
     one = kwargs.pop("one_element", True)
+    single = kwargs.pop("single", False)
     ref, ours = _pair(name, 1e-2, **kwargs)
     half_b = dtype != "float32" and 0.5 in (kwargs.get("b1"), kwargs.get("b2"))  # one-element leaves refused there
     params, grads = _problem(dtype, one_element=one and not half_b)
+    if single:
+        params, grads = params["w"], [g["w"] for g in grads]
     _compare(ref, ours, params, grads, f"{name} {kwargs} {dtype}")
+
+
+@pytest.mark.parametrize("dtype,nesterov", [("bfloat16", False), ("float16", True)])
+def test_mu_float32_lines_take_xla_form_per_tree(dtype, nesterov):
+    """mu_dtype=float32 on fp16/bf16 leaves: in a pytree of one leaf XLA:CPU rewrites optax's ``m / d1`` (nesterov:
+    ``m / d1n``) into ``m * (1/d1)``, in a larger one it keeps ``m / (d1 * den)``. The contract's lines with each
+    leaf's :func:`~trainstream.contract.optax_cpu_code` (``OX_FORM_R`` for the bare array only) reproduce jitted
+    optax.adamw's mu, nu, updates and params bit for bit; the other form does not. The NumPy lines (no kernel
+    compile; the kernels are held to them in tests/test_host_kernels_optax.py, the adapter in the grid above)."""
+    from trainstream import contract as C
+    f32 = lambda x: np.asarray(x, np.float32).ravel()  # noqa: E731
+    wrong = 0
+    for single in (True, False):
+        hp = dict(learning_rate=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+        tx = optax.adamw(**hp, mu_dtype=jnp.float32, nesterov=nesterov)
+        params, grads = _problem(dtype, steps=3, one_element=False)
+        if single:
+            params, grads = params["w"], [g["w"] for g in grads]
+        leaves = jax.tree.leaves(params)
+        codes = [C.optax_cpu_code(len(leaves), x.size, dtype=dtype, mu_dtype="float32", nesterov=nesterov,
+                                  b1=0.9, b2=0.999, eps=1e-8) for x in leaves]
+        assert [bool(c & C.OX_FORM_R) for c in codes] == [single] * len(leaves)
+        scalars = jax.jit(lambda count, codes=codes: C.optax_scalar_matrix(
+            count, codes, [True] * len(codes), **hp, dtypes=[dtype] * len(codes), xp=jnp).scalars)
+        s = tx.init(params)
+        prev = (params, optax.tree.get(s, "mu"), optax.tree.get(s, "nu"))
+        for t, ((p_new, u, mu, nu), g) in enumerate(zip(_run(tx, params, grads), grads)):
+            sc = np.asarray(scalars(jnp.int32(t)))
+            old = [jax.tree.leaves(x) for x in (*prev, g)]
+            want = [jax.tree.leaves(x) for x in (p_new, mu, nu, u)]
+            for i in range(len(leaves)):
+                for code in (codes[i], codes[i] ^ C.OX_FORM_R):
+                    row = sc[i].copy()
+                    row[C.S_OX_CODE] = code
+                    rp, rm, rv, ru = C.optax_reference_update(*(f32(x[i]) for x in old), row, dtype)
+                    got = (rp, rm, rv, ru * np.float32(-hp["learning_rate"]))  # optax's update: -lr * u
+                    same = all(np.array_equal(f32(a).view(np.uint32), f32(w[i]).view(np.uint32))
+                               for a, w in zip(got, want))
+                    if code == codes[i]:
+                        assert same, f"{dtype} nesterov={nesterov} single={single} step {t + 1} leaf {i}"
+                    wrong += not same
+            prev = (p_new, mu, nu)
+    assert wrong > 0  # the form matters: the other one differs somewhere
 
 
 def test_refused_configuration_names_itself():
@@ -188,6 +238,15 @@ def test_refused_configuration_names_itself():
     params = {"s": jnp.ones((1,), jnp.bfloat16)}
     tx = tsj.offload_adamw(1e-2, b1=0.5)
     with pytest.raises(NotImplementedError, match=r"one-element bfloat16 leaf with b1 == 0.5"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
+def test_bf16_mu_float32_eps_zero_refused():
+    """A bfloat16 leaf with mu_dtype=float32 and eps == 0: XLA compiles optax's division otherwise (no lines read
+    yet): NotImplementedError naming it, not silently different bits."""
+    params = jnp.ones((3, 4), jnp.bfloat16)
+    tx = tsj.offload_adamw(1e-2, eps=0.0, mu_dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"bfloat16 leaf with mu_dtype float32 and eps == 0"):
         jax.jit(tx.update)(params, tx.init(params), params)
 
 

@@ -77,6 +77,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
             else:
                 z_r1, z_r2, z_r1n = rx(z_r1, dk), rx(z_r2, dk), rx(z_r1n, dk)
         d1h, d2h = rx(z_d1, dk), rx(z_d2, dk)  # the corrections in the leaf's dtype (mixed, one element)
+        r1f = z_r1  # mixed with form R: float32 mu times the float32 reciprocal of the float32 d1
         if mixed:
             z_r2 = z_r2 if bf16 else rx(z_r2, dk)
             r1d = ftz(np.float32(1.0) / rx(z_d1, dk))
@@ -173,7 +174,10 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     if nesterov:
                         gn = rx(gi / d1h, dk) if hdiv else rx(gi * z_r1, dk)
                         cg = ftz(z_omb1 * gn) if bf16 else rx(z_omb1 * gn, dk)
-                        u = ftz(ftz(mad_xla(ox_unfused, z_b1, ftz(mi / z_d1n), cg)) / den)
+                        mn = ftz(mi * z_r1n) if ox_form_r else ftz(mi / z_d1n)
+                        u = ftz(ftz(mad_xla(ox_unfused, z_b1, mn, cg)) / den)
+                    elif ox_form_r:
+                        u = ftz(ftz(mi * r1f) / den)
                     else:
                         u = ftz(mi / ftz(z_d1 * den))
                     if bf16:
@@ -206,8 +210,10 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                             vi = ftz(mad_xla(ox_unfused, z_b2, vo, ftz(z_omb2 * gg)))
                         else:
                             vi = ftz(mad_xla(ox_unfused, z_omb2, gg, ftz(z_b2 * vo)))
-                    vh = ftz(vi * z_r2) if ox_form_r else ftz(vi / z_d2)
-                    vh = select(has_er, ftz(vh + z_er), vh)
+                    if ox_form_r:  # LLVM contracts v*r2 + eps_root
+                        vh = select(has_er, ftz(mad_xla(ox_unfused, vi, z_r2, z_er)), ftz(vi * z_r2))
+                    else:
+                        vh = select(has_er, ftz(ftz(vi / z_d2) + z_er), ftz(vi / z_d2))
                     wd_p = pi  # the weight decay's factor: the weights, or 0 where the rsqrt line took it
                     if nesterov:
                         mn = ftz(mi * z_r1n) if ox_form_r else ftz(mi / z_d1n)

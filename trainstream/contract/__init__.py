@@ -161,8 +161,9 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
       p  = fma(f(-lr), u, p)       # scale_by_learning_rate and apply_updates: one rounding
 
   The pairing and form depend on the program, not the values: a leaf's *code* (bits :data:`OX_FORM_R`,
-  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R: only in a
-  pytree of one leaf of more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only
+  :data:`OX_NU_SWAP`, :data:`OX_MU_SWAP`, :data:`OX_CLIP`) is :func:`optax_cpu_code`'s. Form R (leaves with a
+  float32 mu: these lines, and ``mu_dtype=float32`` on fp16/bf16 leaves below): only in a pytree of one leaf of
+  more than one element (XLA's ``A / broadcast(B) -> A * (1/B)`` rewrite fires only
   when ``1 - b**t`` has one use), but in x64 mode for every leaf of more than one element
   (``jax_enable_x64``: ``1 - b**t`` is a float64 power cast to float32 per leaf). With
   ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing
@@ -207,18 +208,22 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   corrections did not change).
 
   *Every argument and dtype of optax.adam/adamw* (:func:`optax_family`, the lines one for one in
-  :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(v/d2 + eps_root)``), ``nesterov``
-  (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
+  :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(RN(v/d2) + eps_root)``; float32 lines in form R:
+  ``fma(v, r2, eps_root)``, LLVM's contraction), ``nesterov`` (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in
+  :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
   (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
   :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
   ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
   rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
   no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
   :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with
-  ``mu_dtype=float32`` (:data:`OX_MU_F32`) a float32 mu. Each constant is optax's in its dtype (weak-typed Python
-  floats rounded to the array's dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16
-  state, ``mu_dtype=bfloat16`` on fp16 leaves, ``b == 0.5`` on one-element fp16/bf16 leaves, nesterov with
-  ``OX_RSQRT`` on float32 leaves.
+  ``mu_dtype=float32`` (:data:`OX_MU_F32`) a float32 mu, whose divisions by the float32 ``d1`` (nesterov: ``d1n``)
+  take :data:`OX_FORM_R` where the float32 lines do (``RN(RN(m * RN(1/d1)) / den)``, else ``RN(m / RN(d1 * den))``;
+  nu's ``v / d2`` is a multiply by the reciprocal in both forms, as for fp16/bf16 state, but with
+  :data:`OX_HALF_DIV`). Each constant is optax's in its dtype (weak-typed Python floats rounded to the array's
+  dtype; :func:`optax_scalar_matrix`). Not covered (no lines): clipping of fp16/bf16 state, ``mu_dtype=bfloat16`` on
+  fp16 leaves, ``eps == 0`` on bf16 leaves with ``mu_dtype=float32`` (refused), ``b == 0.5`` on one-element
+  fp16/bf16 leaves, nesterov with ``OX_RSQRT`` on float32 leaves.
 
 platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen there)::
 

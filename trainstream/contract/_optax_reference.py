@@ -98,7 +98,7 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
         v = fma(B2, v, z(C2 * gg)) if code & OX_NU_SWAP else fma(C2, gg, z(B2 * v))
     form_r = code & OX_FORM_R
     r1, r2 = z(_F32(1) / d1), z(_F32(1) / d2)
-    vh = z((z(v * r2) if form_r else z(v / d2)) + er)
+    vh = fma(v, r2, er) if form_r else z(z(v / d2) + er)  # form R: LLVM contracts v*r2 + eps_root
     if code & OX_NESTEROV:
         mn = z(m * z(_F32(1) / d1n)) if form_r else z(m / d1n)
         gn = z(g * r1) if form_r else z(g / d1)
@@ -174,11 +174,15 @@ def _mixed_lines(p, m, v, g, s, code, dtype):
     v = R(R(gg + v) * B2) if code & OX_B2_HALF else R(R(C2 * gg) + R(B2 * v))
     vh = R(R(v / R(d2)) + er) if code & OX_HALF_DIV else R(R(v * r2) + er)
     den = z(R(np.sqrt(vh)) + eps) if bf16 else R(R(np.sqrt(vh)) + eps)
+    form_r = code & OX_FORM_R  # mu's divisions by d1 and d1n (float32) as multiplies by their float32 reciprocals
     if code & OX_NESTEROV:
         r1 = z(_F32(1) / R(d1)) if bf16 else R(_F32(1) / R(d1))
         gn = R(g / R(d1)) if code & OX_HALF_DIV else R(g * r1)
-        num = fma(B1, z(m / d1n), z(C1 * gn)) if bf16 else fma(B1, z(m / d1n), R(C1 * gn))
+        mn = z(m * z(_F32(1) / d1n)) if form_r else z(m / d1n)
+        num = fma(B1, mn, z(C1 * gn)) if bf16 else fma(B1, mn, R(C1 * gn))
         u = z(num / den)
+    elif form_r:
+        u = z(z(m * z(_F32(1) / d1)) / den)
     else:
         u = z(m / z(d1 * den))
     if wd != 0:

@@ -60,7 +60,7 @@ S_BC1_NEXT = 22  # nesterov: 1 - b1**(t+1) (optax's bias correction of mu one st
 S_BETA1_MU = 23  # b1 as it multiplies the stored mu (OX_MU_BF16: the bfloat16 constant); else S_BETA1
 
 # -- optax/cpu codes: which form and FMA pairing XLA:CPU compiled, and the leaf's dtype family (the docstring) -
-OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1
+OX_FORM_R = 1  # q = RN(m*r1) / (sqrt(RN(v*r2)) + eps): a single-leaf pytree, numel > 1 (float32 mu only)
 OX_NU_SWAP = 2  # v = fma(b2, v, RN((1-b2)*gg)) (clip in the chain, or a fused gradient)
 OX_MU_SWAP = 4  # m = fma(b1, m, RN((1-b1)*g)) (one-element leaves with clip; fused gradients)
 OX_CLIP = 8  # clip_by_global_norm in the chain: g divided by S_CLIP_DIV first
@@ -88,7 +88,9 @@ def optax_code_valid(code: int) -> bool:
         return False
     if not half and code & OX_NESTEROV and code & OX_RSQRT:  # XLA's pairing there varies with the pytree
         return False
-    if half and code & (OX_FORM_R | OX_CLIP):  # the reciprocal form always; clipping is refused
+    if half and code & OX_CLIP:  # clipping is refused
+        return False
+    if half and code & OX_FORM_R and (not code & OX_MU_F32 or code & OX_HALF_DIV):  # half mu: the reciprocal always
         return False
     if half and mixed and code & (OX_RSQRT | OX_B1_HALF | OX_NU_SWAP):
         return False
@@ -295,9 +297,12 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             raise ValueError(f"no optax/cpu lines for a float32 leaf with mu_dtype {mu}")
     mixed = code & (OX_MU_F32 | OX_MU_BF16)
     math_dtype = dtype if half else "float32"
+    if half and mixed and dtype == "bfloat16" and eps is not None and _in_dtype(eps, "float32") == 0.0:
+        raise ValueError("no optax/cpu lines for a bfloat16 leaf with mu_dtype float32 and eps == 0 (XLA drops the "
+                         "+ eps and compiles the division otherwise; not read yet)")
     if nesterov:
         code |= OX_NESTEROV
-    if not half and numel > 1 and (n_leaves == 1 or x64):
+    if (not half or mu == "float32") and numel > 1 and (n_leaves == 1 or x64):  # float32 mu's divisions by d1
         code |= OX_FORM_R
     if not fma and (mixed or not half):
         code |= OX_NO_FMA
