@@ -111,7 +111,8 @@ def test_bounded_staging_with_grad_scaler(fused):
 
 def test_what_cannot_follow_an_update_started_from_a_hook():
     """After a last_micro_batch() backward the updates ran from the gradients as they were: clipping them then, a
-    second backward in the block, master_weights, mode='gpu' and speculate=True are refused with the reason."""
+    second backward in the block, mode='gpu' and speculate=True are refused with the reason (master_weights' refusals:
+    test_master_bounded_refusals_change_nothing)."""
     ours = mlp(torch.bfloat16)
     opt = OffloadAdamW(ours.parameters(), threads=2, bounded_staging=True)
     x = data(1)[0]
@@ -129,8 +130,6 @@ def test_what_cannot_follow_an_update_started_from_a_hook():
             loss_fn(ours, x).backward(retain_graph=True)
             loss_fn(ours, x).backward()
     opt.close()
-    with pytest.raises(NotImplementedError, match="fp32 gradient sums|fp32 on the host"):
-        OffloadAdamW(ours.parameters(), bounded_staging=True, master_weights=True)
     with pytest.raises(ValueError, match="mode='gpu' stages nothing"):
         OffloadAdamW(ours.parameters(), bounded_staging=True, mode="gpu")
     with pytest.raises(ValueError, match="speculate=True"):
@@ -160,22 +159,28 @@ def test_checkpoints_and_copies_of_a_bounded_optimizer():
     opt.close()
 
 
-@pytest.mark.parametrize("bounded,threads", [(False, 2), (True, 2), (True, None)])
+@pytest.mark.parametrize("bounded,threads,master", [(False, 2, False), (True, 2, False), (True, None, False),
+                                                    (False, 2, True), (True, 2, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_plan_is_what_is_allocated(dtype, bounded, threads):
+def test_plan_is_what_is_allocated(dtype, bounded, threads, master):
     """host_memory_plan before construction == the plan checked at construction == stats() after steps (the ring
-    sized by the workers the optimizer starts: ``threads``, or by default)."""
+    sized by the workers the optimizer starts: ``threads``, or by default), master_weights too."""
     ours = mlp(dtype)
-    plan = OffloadAdamW.host_memory_plan(ours.parameters(), bounded_staging=bounded, threads=threads)
-    opt = OffloadAdamW(ours.parameters(), threads=threads, bounded_staging=bounded)
+    plan = OffloadAdamW.host_memory_plan(ours.parameters(), bounded_staging=bounded, threads=threads,
+                                         master_weights=master)
+    opt = OffloadAdamW(ours.parameters(), threads=threads, bounded_staging=bounded, master_weights=master)
     for x in data(2):
         loss_fn(ours, x).backward()
         opt.step()
         opt.zero_grad()
     st = opt.stats()
     assert plan["needed"] == st["host_plan_needed"] == st["host_state_bytes"]
+    numel = sum(p.numel() for p in ours.parameters())
+    sums = 4 * numel if master and dtype == torch.bfloat16 else 0  # the master scheme's fp32 gradient sums
     assert plan["staging_pageable"] == (st["stream_ring_bytes"] if bounded else
-                                        sum(p.numel() * p.element_size() for p in ours.parameters()))
+                                        sum(p.numel() * p.element_size() for p in ours.parameters()) + sums)
+    if bounded and master and dtype == torch.bfloat16:  # fp32 master and moments, the ring
+        assert plan["needed"] == 12 * numel + st["stream_ring_bytes"]
     opt.close()
 
 
@@ -201,6 +206,7 @@ def test_options_name_what_fits_and_how_far_the_model_grows():
     assert per[(False, "cpu", False)] == 8.0  # + the weights' host copy and the gradient staging
     assert per[(False, "gpu", False)] == 4.0
     assert per[(True, "cpu", False)] == 18.0  # fp32 master and moments, the staging, the fp32 gradient sums
+    assert per[(True, "cpu", True)] == per[(True, "hybrid", True)] == 12.0  # bounded: fp32 master and moments
     assert per[(True, "gpu", False)] == 12.0
     assert 4.0 < per[(False, "hybrid", False)] < 8.0
     usable = plan["usable"]
@@ -208,6 +214,8 @@ def test_options_name_what_fits_and_how_far_the_model_grows():
     assert rows[(False, "cpu", True)]["fixed_bytes"] == ring
     assert rows[(False, "cpu", True)]["max_params"] == (usable - ring) // 4
     assert rows[(True, "cpu", False)]["max_params"] == usable // 18
+    assert rows[(True, "cpu", True)]["fixed_bytes"] == ring
+    assert rows[(True, "cpu", True)]["max_params"] == (usable - ring) // 12
     fits = {k for k, r in rows.items() if r["fits"]}
     assert fits == {(False, "cpu", True), (False, "cpu", False), (False, "hybrid", True), (False, "hybrid", False),
                     (False, "gpu", False)}  # 12 B x 6.65B > 57.6 GiB; 8 B x 6.65B < 57.6 GiB
@@ -262,8 +270,8 @@ def test_bounded_staging_on_cuda(flow, mode, monkeypatch):
 def test_engine_streamed_slot_equals_the_staged_one(master, impl, decoupled):
     """The engine's streamed slot updates as a staged slot does, bit for bit: torch's CPU scalar tails (fused's last
     elements, Adam-L2's per-thread ones) placed by the tensor's position across the ring's chunks, and a master
-    kept with the rounded weights uploaded from the ring (a layout the adapter does not use yet: master_weights is
-    refused with bounded staging)."""
+    kept with the rounded weights uploaded from the ring (the adapter's master_weights with bounded staging, whose
+    reference is a slot with fp32 gradient sums: test_master_bounded_is_the_master_scheme_bit_for_bit)."""
     import numpy as np
 
     from trainstream import contract as C
@@ -293,3 +301,179 @@ def test_engine_streamed_slot_equals_the_staged_one(master, impl, decoupled):
     assert engines[1].stats()["host_state_bytes"] == (12 if master else 4) * n + _budget.stream_ring_bytes(2, CHUNK)
     for eng in engines:
         eng.close()
+
+
+# -- master_weights=True with bounded staging: the master scheme's bits, one backward per step --------------------
+
+
+def snapshot(model, opt):
+    """The weights, the gradients and the optimizer's state, copied (a refusal must leave them as they were)."""
+    params = list(model.parameters())
+    return ([p.detach().clone() for p in params], [None if p.grad is None else p.grad.clone() for p in params],
+            [{k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()} for p in params])
+
+
+def unchanged(before, model, opt):
+    weights, grads, states = before
+    now = snapshot(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(weights, now[0])), "weights changed"
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, now[1])), "param.grad changed"
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(states, now[2]))
+
+
+def run_master(flow, dtype, device="cpu", steps=3, **kw):
+    """``steps`` steps of ``flow`` with OffloadAdamW(master_weights=True) (the reference: its fp32 gradient sums on
+    the host) and the same with bounded_staging=True, compared bit for bit (weights and state, master_param too)."""
+    ref, ours = mlp(dtype, device), mlp(dtype, device)
+    hyper = dict(lr=1e-2, weight_decay=0.1, master_weights=True, threads=2, **kw)
+    ropt = OffloadAdamW(ref.parameters(), **hyper)
+    opt = OffloadAdamW(ours.parameters(), **hyper, bounded_staging=True)
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=2) for _ in range(2)]
+    for x in data(steps * 2, device)[::2]:
+        for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):
+            loss = loss_fn(m, x)
+            if flow.startswith("scaler"):
+                loss = sc.scale(loss)
+            if flow == "last_micro_batch":
+                with o.last_micro_batch():
+                    loss.backward()
+            else:
+                loss.backward()
+            if flow == "scaler_unscale":  # the user unscales param.grad, then clips it
+                sc.unscale_(o)
+            if flow in ("clip", "scaler_unscale"):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            if flow.startswith("scaler"):
+                sc.step(o)
+                sc.update()
+            else:
+                o.step()
+            if flow != "no_zero_grad":  # else param.grad accumulates over steps, in its dtype (torch's)
+                o.zero_grad()
+        same(ref, ours, ropt, opt)
+    ropt.close()
+    return opt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("flow", ["plain", "clip", "last_micro_batch", "no_zero_grad"])
+def test_master_bounded_is_the_master_scheme_bit_for_bit(flow, dtype):
+    """One backward per step: the streamed update reading the fp16/bf16 gradient chunk by chunk gives the bits of
+    the master scheme's fp32 sum of it (the user's clip_grad_norm_, last_micro_batch()'s updates from the hooks);
+    the host keeps the fp32 master and moments (12 bytes per parameter) and the ring, nothing staged."""
+    opt = run_master(flow, dtype)
+    st, n = opt.stats(), 6
+    numel = sum(p.numel() for p in mlp(dtype).parameters())
+    assert st["streamed_params"] == n and st["spec_updates"] == 0
+    assert st["eager_updates"] == (3 * n if flow == "last_micro_batch" else 0)
+    assert st["host_state_bytes"] == 12 * numel + st["stream_ring_bytes"] == st["host_plan_needed"]
+    opt.close()
+
+
+@pytest.mark.parametrize("flow,dtype,kw", [
+    ("plain", torch.bfloat16, dict(fused=True)), ("last_micro_batch", torch.float16, dict(amsgrad=True)),
+    ("last_micro_batch", torch.bfloat16, dict(foreach=False, maximize=True)),
+    ("scaler", torch.float16, dict(fused=True)), ("scaler", torch.bfloat16, dict(fused=True)),
+    ("scaler_unscale", torch.bfloat16, {})], ids=["fused", "amsgrad", "single-maximize", "scaler-fused-fp16",
+                                                 "scaler-fused-bf16", "scaler-unscale_-bf16"])
+def test_master_bounded_recipes_and_grad_scaler(flow, dtype, kw):
+    """Other recipes through the ring, and GradScaler where the scheme's sum is reproduced: fused (the kernel divides
+    the fp32 gradient by the scale, as the scheme's) and scaler.unscale_(opt) before step (param.grad unscaled)."""
+    run_master(flow, dtype, steps=4, **kw).close()
+
+
+def test_master_bounded_checkpoints_move_both_ways():
+    """state_dict() (master_param included) from the bounded optimizer into the unbounded one and back, and
+    copy.deepcopy: training goes on with the master scheme's bits."""
+    import copy
+
+    ref, ours = mlp(torch.bfloat16), mlp(torch.bfloat16)
+    ropt = OffloadAdamW(ref.parameters(), lr=1e-2, master_weights=True, threads=2)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-2, master_weights=True, threads=2, bounded_staging=True)
+    for i, x in enumerate(data(5)):
+        for m, o in ((ref, ropt), (ours, opt)):
+            loss_fn(m, x).backward()
+            o.step()
+            o.zero_grad()
+        if i == 1:
+            sd = opt.state_dict()
+            assert all("master_param" in e for e in sd["state"].values())
+            ropt.load_state_dict(copy.deepcopy(sd))
+        if i == 2:
+            opt.load_state_dict(copy.deepcopy(ropt.state_dict()))
+            twin = copy.deepcopy(opt)
+            assert twin.stats()["streamed_params"] == 6
+            twin.close()
+        same(ref, ours, ropt, opt)
+    ropt.close()
+    opt.close()
+
+
+def test_master_bounded_refusals_change_nothing():
+    """What the streamed update cannot reproduce raises NotImplementedError naming it, the weights, param.grad and
+    the state as they were: max_grad_norm (at construction), opt.clip_grad_norm(), a second backward before step()
+    (at its hook, then at step()), GradScaler's unscaling inside step(); the loop goes on with the scheme's bits
+    (not after GradScaler's: its found_inf and grad_scale stay on the optimizer when step() raises)."""
+    ref, ours = mlp(torch.bfloat16), mlp(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="max_grad_norm= is not built"):
+        OffloadAdamW(ours.parameters(), master_weights=True, bounded_staging=True, max_grad_norm=1.0)
+    hyper = dict(lr=1e-2, weight_decay=0.1, master_weights=True, threads=2)
+    ropt = OffloadAdamW(ref.parameters(), **hyper)
+    opt = OffloadAdamW(ours.parameters(), **hyper, bounded_staging=True)
+    xs = data(4)
+
+    def step(x):
+        for m, o in ((ref, ropt), (ours, opt)):
+            loss_fn(m, x).backward()
+            o.step()
+            o.zero_grad()
+        same(ref, ours, ropt, opt)
+
+    step(xs[0])
+    loss_fn(ours, xs[1]).backward()
+    before = snapshot(ours, opt)
+    with pytest.raises(NotImplementedError, match=r"clip_grad_norm\(\) \(parameter 0\) is not built"):
+        opt.clip_grad_norm(0.05)
+    unchanged(before, ours, opt)
+    opt.zero_grad()
+    step(xs[1])
+    loss_fn(ours, xs[2]).backward()
+    with pytest.raises(NotImplementedError, match="a second backward before step"):
+        loss_fn(ours, xs[3]).backward()  # refused at the hook of its first parameter's gradient
+    unchanged(before := snapshot(ours, opt), ours, opt)
+    with pytest.raises(NotImplementedError, match="a second backward before step"):
+        opt.step()
+    unchanged(before, ours, opt)
+    opt.zero_grad()
+    step(xs[2])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler.scale(loss_fn(ours, xs[3])).backward()
+    before = snapshot(ours, opt)
+    with pytest.raises(NotImplementedError, match=r"GradScaler's step\(optimizer\) without scaler.unscale_"):
+        scaler.step(opt)
+    unchanged(before, ours, opt)  # param.grad still scaled: nothing unscaled it
+    ropt.close()
+    opt.close()
+
+
+def test_master_bounded_second_backward_after_last_micro_batch():
+    """A backward after a last_micro_batch() backward: the updates ran from the first one's hooks; the refusal says
+    so (a checkpoint to reload), as bounded staging's refusals there."""
+    ours = mlp(torch.bfloat16)
+    opt = OffloadAdamW(ours.parameters(), master_weights=True, threads=2, bounded_staging=True)
+    x = data(1)[0]
+    with opt.last_micro_batch():
+        loss_fn(ours, x).backward()
+    with pytest.raises(NotImplementedError, match="reload a checkpoint"):
+        loss_fn(ours, x).backward()
+    opt.close()
+
+
+def test_master_bounded_refused_where_the_scheme_has_no_sums(monkeypatch):
+    """Several processes (DDP, FSDP2): the master path stages param.grad as they reduce it, not verified against the
+    streamed update; refused at registration, before anything is allocated."""
+    from trainstream.torch import _dist
+
+    monkeypatch.setattr(_dist, "world", lambda: (0, 2))
+    with pytest.raises(NotImplementedError, match="built for one process"):
+        OffloadAdamW(mlp(torch.bfloat16).parameters(), master_weights=True, bounded_staging=True, threads=2)

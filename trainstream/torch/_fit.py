@@ -21,7 +21,8 @@ __all__ = ["OPTIONS", "host_memory_plan"]
 #: state first (the reference's layout, fewest bytes), the host placement before the device ones (the fastest here
 #: where it fits: docs/performance.md).
 OPTIONS = ((False, "cpu", True), (False, "cpu", False), (False, "hybrid", True), (False, "hybrid", False),
-           (False, "gpu", False), (True, "cpu", False), (True, "hybrid", False), (True, "gpu", False))
+           (False, "gpu", False), (True, "cpu", True), (True, "cpu", False), (True, "hybrid", True),
+           (True, "hybrid", False), (True, "gpu", False))
 
 
 def _flatten(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], amsgrad: bool

@@ -16,6 +16,10 @@ is torch's bit for bit, else rolls it back and redoes it (:mod:`~trainstream.tor
 accumulation lets the next one replace it). Clipping (``max_grad_norm``, :meth:`GradCapture.clip`) and GradScaler's
 unscaling inside ``step()`` act on those sums (torch's norm of them, their float32 multiplication on the host); an
 in-place change of ``param.grad`` after several micro-batches cannot reach the sum and is refused at ``step()``.
+With ``bounded_staging`` too (a slot with ``once``) nothing is summed: the streamed update reads the one backward's
+gradient from the device, which is the scheme's sum converted to fp32; a second backward before ``step()``, clipping
+the sums (``max_grad_norm``, :meth:`GradCapture.clip`) and GradScaler's unscaling of them inside ``step()`` are
+refused (:func:`~trainstream.torch._params.master_refusal`), before the optimizer changes anything.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..backends.torch import _DTYPE_NAME
 from . import _dist as D
 from . import _validate as V
 from ._gate import Gate
-from ._params import Slot, Slots
+from ._params import Slot, Slots, master_refusal
 
 __all__ = ["GradCapture", "StagedCopy"]
 
@@ -142,6 +146,8 @@ class GradCapture(V.SpeculationPolicy):
         sid = rec.sid
         n = self._seen[sid] = self._seen.get(sid, 0) + 1
         if engine.streamed(sid):  # bounded staging: nothing staged; under last_micro_batch() its update starts now
+            if rec.once and n > 1:
+                raise NotImplementedError(_second_backward(rec, sid in self.hooked))
             if hint and (hp := self._hyper_now(rec)):
                 self._stream(rec, hp)
             return
@@ -229,6 +235,8 @@ class GradCapture(V.SpeculationPolicy):
                 engine.rollback(list(self.spec))  # the host's, exactly; a checkpoint may be loaded now
                 self._end_step()
                 raise RuntimeError(_launched_refusal(rec.sid))
+            if rec.once and self._seen.get(rec.sid, 0) > 1:
+                raise NotImplementedError(_second_backward(rec, False))
             if rec.summed and rec.sid not in self.spec and (
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
                 raise RuntimeError(_refusal(rec))
@@ -342,6 +350,12 @@ class GradCapture(V.SpeculationPolicy):
              foreach: bool | None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, ...)`` (``params``: those with a gradient) with torch's own
         functions; the staged copies get the coefficient. Returns the total norm."""
+        if once := [rec for rec in map(self.slots.of, params) if rec is not None and rec.once]:
+            raise NotImplementedError(master_refusal(
+                f"clip_grad_norm() (parameter {once[0].sid})", "clips the fp32 gradient sums with torch's norm of "
+                "them, computed on the host over whole fp32 tensors, and multiplies them by the coefficient in float32",
+                instead=["torch.nn.utils.clip_grad_norm_(model.parameters(), ...), whose clipped param.grad the update "
+                         "reads"]))
         if self.launched:
             raise RuntimeError(_launched_refusal(next(iter(self.launched)), "clip_grad_norm()"))
         sums = {rec.param: rec for rec in self._sums()}  # master_weights: the norm of the fp32 sums (on the host)
@@ -361,6 +375,14 @@ class GradCapture(V.SpeculationPolicy):
         fused step makes it before skipping), else the fused slots' scale (``Engine.step(grad_div=)``: their kernel
         divides), the others' ``param.grad`` (``params``: those with a gradient) unscaled as ``GradScaler.unscale_``
         does (fp32 sums: on the host; a non-finite sum GradScaler did not see skips the step, with a warning)."""
+        if scale is not None and (once := [rec for rec in map(self.slots.of, params)
+                                           if rec is not None and rec.once and rec.recipe.impl != "fused"]):
+            raise NotImplementedError(master_refusal(
+                f"GradScaler's step(optimizer) without scaler.unscale_(optimizer) first (parameter {once[0].sid})",
+                "unscales the fp32 gradient sums inside step(), multiplying them by the inverse scale in float32 "
+                "(param.grad's fp16/bf16 unscaling rounds)", "Nothing was changed (the step was not taken).",
+                ["scaler.unscale_(optimizer) before scaler.step(optimizer) (bf16 gradients; torch refuses fp16 ones)",
+                 "fused=True (its kernel divides by the scale, as the scheme's)"]))
         if self.launched:
             raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
@@ -408,6 +430,19 @@ def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_g
             "left them, and those updates are not speculative (they cannot be redone). Clip with max_grad_norm= "
             "(then last_micro_batch() launches nothing early), or leave last_micro_batch() out; reload a checkpoint "
             "(load_state_dict) to continue.")
+
+
+def _second_backward(rec: Slot, updated: bool) -> str:
+    """Why a second backward before ``step()`` is refused for a slot with ``once`` (``updated``: its update ran from
+    the first one's hook, under ``last_micro_batch()``)."""
+    after = ("Its weights were updated from the gradient of the backward inside last_micro_batch() (only the last "
+             "micro-batch's backward belongs in that block): reload a checkpoint to continue." if updated else
+             "Nothing of the optimizer was changed (param.grad holds both backwards' gradients, summed by torch in "
+             "its dtype: zero_grad() before the next step()).")
+    return master_refusal(f"a second backward before step() (parameter {rec.sid}: micro-batch accumulation)",
+                          "sums the micro-batch gradients in fp32 on the host (4 bytes per parameter kept until "
+                          "step()), where torch sums them into param.grad in its dtype", after,
+                          ["one backward per step()"])
 
 
 def _capturing(p: torch.Tensor) -> bool:

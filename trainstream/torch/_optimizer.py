@@ -80,10 +80,13 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
         host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
       bounded_staging: host memory of the host updates bounded by their state (4 bytes per bf16 parameter with
-        torch's bf16 state, 8 per float32 one) plus a ring of pinned chunks (``stream_ring_bytes``): the gradient and
-        the weights are read from the GPU chunk by chunk as each update runs, inside :meth:`last_micro_batch` during
-        backward (not speculative: as GPU slots there), else at ``step()``; nothing speculative, no copy of the
-        weights or gradients kept (docs/memory.md). Not with ``master_weights`` (its fp32 gradient sums) or
+        torch's bf16 state, 12 with ``master_weights``, 8 per float32 one) plus a ring of pinned chunks
+        (``stream_ring_bytes``): the gradient and the weights are read from the GPU chunk by chunk as each update
+        runs, inside :meth:`last_micro_batch` during backward (not speculative: as GPU slots there), else at
+        ``step()``; nothing speculative, no copy of the weights or gradients kept (docs/memory.md). With
+        ``master_weights`` (one process, plain parameters) one backward per ``step()``: the scheme's fp32 sum is
+        that gradient; a second backward, ``max_grad_norm``/:meth:`clip_grad_norm` and GradScaler's unscaling
+        inside ``step()`` (not ``fused``) raise ``NotImplementedError`` before anything changes. Not with
         ``mode="gpu"`` (nothing staged). Default False.
     """
 
@@ -129,7 +132,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
         if speculate is not None and not isinstance(speculate, bool):
             raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
-        P.check_bounded(bounded_staging, mode, master_weights, speculate)
+        P.check_bounded(bounded_staging, mode, master_weights, speculate, max_grad_norm)
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
         self.master_weights = master_weights
@@ -266,7 +269,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm, ...)`` (the same norm, ``param.grad`` and bits after
         ``step()``); the host multiplies its gradient copies by the same coefficient instead of copying them again.
         Returns the total norm (a tensor); raises where GPU kernels were launched under :meth:`last_micro_batch`
-        (``mode="gpu"``: they cannot be redone). ``parameters``: default,
+        (``mode="gpu"``: they cannot be redone), and with ``master_weights`` and ``bounded_staging`` (the fp32 sums'
+        norm is not read chunk by chunk). ``parameters``: default,
         this optimizer's in param-group order (as Lightning lists them); torch sums the norms in the order given, so
         pass ``model.parameters()`` for the bits of ``clip_grad_norm_(model.parameters(), ...)`` if groups reorder."""
         self._check_open()

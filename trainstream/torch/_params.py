@@ -19,7 +19,8 @@ from ..core import Engine, _budget, _host
 from . import _dist as D
 from . import _recipe as R
 
-__all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_bounded", "check_placement", "ring_bytes"]
+__all__ = ["AUTO_GPU_HEADROOM", "Slot", "Slots", "check_bounded", "check_placement", "master_refusal",
+           "ring_bytes"]
 
 #: ``gpu_state_bytes="auto"`` leaves this fraction of the GPU's memory free (for the caching allocator's later
 #: growth, other processes, fragmentation).
@@ -86,8 +87,11 @@ def _plan(flat: Sequence[torch.Tensor], where: Sequence[str], recipes: Sequence[
                         available=available)
 
 
-def check_bounded(bounded: Any, mode: str, master_weights: bool, speculate: bool | None) -> None:
-    """Refuse ``bounded_staging`` where it cannot apply (:class:`OffloadAdamW`, ``host_memory_plan``)."""
+def check_bounded(bounded: Any, mode: str, master_weights: bool, speculate: bool | None,
+                  max_grad_norm: float | None = None) -> None:
+    """Refuse ``bounded_staging`` where it cannot apply (:class:`OffloadAdamW`, ``host_memory_plan``), and with
+    ``master_weights`` what its fp32 gradient sums need the whole gradient for (``max_grad_norm``:
+    :func:`master_refusal`)."""
     if not isinstance(bounded, bool):
         raise ValueError(f"Invalid bounded_staging: {bounded!r} (must be a bool)")
     if not bounded:
@@ -95,16 +99,27 @@ def check_bounded(bounded: Any, mode: str, master_weights: bool, speculate: bool
     if mode == "gpu":
         raise ValueError("bounded_staging=True applies to the host updates (mode='cpu', hybrid's host share); "
                          "mode='gpu' stages nothing in host memory")
-    if master_weights:
-        raise NotImplementedError(
-            "bounded_staging=True with master_weights=True is not built: that scheme sums micro-batch gradients in "
-            "fp32 on the host (4 bytes per parameter kept until step()) and clips and unscales those sums, which a "
-            "gradient read chunk by chunk from the GPU cannot reproduce. Use torch's own bf16 state (master_weights="
-            "False) for bounded staging, or bounded_staging=False.")
+    if master_weights and max_grad_norm is not None:
+        raise NotImplementedError(master_refusal(
+            "max_grad_norm=", "clips the fp32 gradient sums with torch's norm of them, computed on the host over "
+            "whole fp32 tensors, and multiplies them by the coefficient in float32"))
     if speculate:
         raise ValueError("speculate=True with bounded_staging=True: speculation keeps the staged gradient and copies "
                          "of the weights and state in host memory, which bounded staging does without (leave "
                          "speculate unset)")
+
+
+def master_refusal(what: str, why: str, after: str = "Nothing was changed.", instead: Sequence[str] = ()) -> str:
+    """The message refusing ``what`` (``why``: what the master scheme does there) with ``master_weights=True`` and
+    ``bounded_staging=True``, whose update reads one backward's fp16/bf16 gradient chunk by chunk from the device:
+    the scheme's fp32 sum is then that gradient converted, and nothing else of it is reproduced. ``after``: what
+    was changed; ``instead``: what to do, before the two choices every refusal offers."""
+    options = [*instead, "bounded_staging=False for this loop (the fp32 sums in host memory: 18 bytes per "
+               "parameter)", "master_weights=False"]
+    return (f"OffloadAdamW(master_weights=True, bounded_staging=True): {what} is not built: the master scheme "
+            f"{why}, which a gradient read chunk by chunk from the device as each update runs cannot reproduce (the "
+            "streamed update reproduces the scheme where one backward precedes each step(): its fp32 sum is that "
+            f"gradient, as the loop left param.grad). {after} Instead: " + "; ".join(options) + ".")
 
 
 @dataclass(eq=False)
@@ -121,6 +136,7 @@ class Slot:
     recipe: R.TorchRecipe  # its arithmetic, fixed at registration (trainstream.torch._recipe)
     staged: Any = None  # _grads.StagedCopy: the hook's copy of param.grad in the engine's staging, or None
     sums: bool = False  # master_weights of fp16/bf16 weights: micro-batch gradients summed in fp32 on the host
+    once: bool = False  # the same with bounded_staging: one backward per step, its gradient read from the device
     summed: int = 0  # the micro-batch gradients in that sum since the last step (0: none)
     touched: bool = False  # a fused step GradScaler skipped before the first update (torch made the entry then)
     hook: Any = None  # handle of its gradient hook (a host slot's, _grads.GradCapture.hook)
@@ -277,6 +293,16 @@ class Slots:
             cores = D.worker_cores(self.worker_cores, self.device or D.local(flat[0]).device) if flat else None
             threads = self.engine_args["threads"] or _cores.default_threads(D.local_world()[1], cores)
             ring = ring_bytes(eng.threads if eng is not None and eng.host is not None else threads)
+        if self.bounded:  # master_weights without fp32 sums (FSDP2, DDP) is not streamed
+            for j, (p, w, r) in enumerate(zip(flat, where, recipes)):
+                if w == "host" and r.master and not grad_sums(p, r, w):
+                    name = names[j] if names else f"parameter {len(self._records) + j}"
+                    raise NotImplementedError(
+                        f"OffloadAdamW(master_weights=True, bounded_staging=True) is built for one process with plain "
+                        f"parameters, where the scheme's fp32 gradient sum of one backward is the gradient read from "
+                        f"the device; {name} is a DTensor or in a run of several processes, whose gradients FSDP2/DDP "
+                        "reduce and accumulate in param.grad (the master path staged there is not verified against "
+                        "the streamed one). Use bounded_staging=False, or master_weights=False.")
         plan = _plan(flat, where, recipes, pin, self.host_margin, self.device, self.bounded, ring)
         _budget.check(plan, _HINT + (", pin_moments=False" if plan["pin_moments"] else "")
                       + ("" if self.bounded else ", bounded_staging=True (no staging as large as the model)"))
@@ -339,13 +365,15 @@ class Slots:
             self._build_engine(loc.device)
         # Through loc.data: the engine's own writes move no _version.
         with _cores.bound(self.cores):  # the host state's first touch: on the workers' cores
-            sums = grad_sums(p, recipe, where)
+            streamed = self.bounded and where == "host"
+            once = grad_sums(p, recipe, where) and streamed  # the fp32 sum: one gradient, read from the device
+            sums = grad_sums(p, recipe, where) and not streamed
             sid = self.engine.add_param(loc.data.view(-1), loc.numel(), _DTYPE_NAME[p.dtype], loc.device.type,
-                                        trainable=p.requires_grad, where=where, grad_sums=sums,
-                                        streamed=self.bounded and where == "host", **R.engine_kwargs(recipe))
+                                        trainable=p.requires_grad, where=where, grad_sums=sums, streamed=streamed,
+                                        **R.engine_kwargs(recipe))
         assert sid == len(self._records)
         rec = Slot(sid, p, group, loc.data_ptr(), D.version(p), (loc.dtype, tuple(loc.shape), loc.device), recipe,
-                   sums=sums)
+                   sums=sums, once=once)
         self._records.append(rec)
         self._of[p] = rec
         return rec
@@ -386,4 +414,4 @@ class Slots:
                         if handle is not None:
                             handle.remove()
                     rec.hook = rec.pre_hook = rec.staged = None
-                    rec.sums, rec.summed = False, 0
+                    rec.sums, rec.summed, rec.once = False, 0, False
