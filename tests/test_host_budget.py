@@ -590,26 +590,38 @@ def test_jax_plan_counts_this_process_shards():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
-# -- on a GPU: torch's pinned allocator --------------------------------------------------------------
+# -- on a GPU: the pinned allocations --------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_plan_equals_torch_pinned_allocator(dtype, monkeypatch):
-    """cpu mode on CUDA: the plan's pinned bytes are what torch's CachingHostAllocator hands
-    out (power-of-two blocks); with pin_moments and too little memory for pinned moments,
-    they are pageable, and the plan and the allocator agree again."""
-    def active():
+def test_gpu_plan_equals_the_pinned_allocations(dtype, monkeypatch):
+    """cpu mode on CUDA: the plan's pinned bytes are the bytes the backend pins (``cuMemHostAlloc``, exactly the
+    size asked: torch's CachingHostAllocator, which rounds to powers of two, hands out nothing); with pin_moments and
+    too little memory for pinned moments, they are pageable, and the plan and the allocations agree again."""
+    import trainstream.backends.torch as TB
+    pinned_now, init = [0], TB._Pinned.__init__
+
+    def counting(self, drv, nbytes):
+        init(self, drv, nbytes)
+        pinned_now[0] += nbytes
+    monkeypatch.setattr(TB._Pinned, "__init__", counting)
+
+    def torch_active():
         torch.cuda.synchronize()
         return torch.cuda.host_memory_stats().get("active_bytes.current", 0)
 
+    def opened(**kw):
+        pinned_now[0], a0 = 0, torch_active()
+        opt = OffloadAdamW(model.parameters(), **kw)
+        assert torch_active() == a0  # nothing from torch's pinned allocator
+        return opt, opt.stats()
+
     model = torch.nn.Sequential(torch.nn.Linear(512, 1000), torch.nn.Linear(1000, 300)).to("cuda", dtype)
     for pin in (False, True):
-        a0 = active()
-        opt = OffloadAdamW(model.parameters(), pin_moments=pin)
-        st = opt.stats()
+        opt, st = opened(pin_moments=pin)
         assert st["host_plan_pin_moments"] == pin
-        assert active() - a0 == st["host_plan_pinned"] == st["pinned_state_bytes"] > 0
+        assert pinned_now[0] == st["host_plan_pinned"] == st["pinned_state_bytes"] > 0
         assert st["host_plan_pageable"] == st["pageable_state_bytes"]
         opt.close()
         del opt
@@ -618,11 +630,9 @@ def test_gpu_plan_equals_torch_pinned_allocator(dtype, monkeypatch):
     avail = int(max(needed / 0.85, pinned * 1.5))
     assert pinned > B.PINNED_FRACTION * avail
     _avail(monkeypatch, avail)
-    a0 = active()
-    opt = OffloadAdamW(model.parameters(), pin_moments=True)
-    st = opt.stats()
+    opt, st = opened(pin_moments=True)
     assert st["host_plan_pin_moments"] == 0 and st["host_plan_state_pinned"] == 0
-    assert active() - a0 == st["host_plan_pinned"] == st["pinned_state_bytes"]
+    assert pinned_now[0] == st["host_plan_pinned"] == st["pinned_state_bytes"]
     assert not opt._engine.host.pin_moments
     opt.close()
 
