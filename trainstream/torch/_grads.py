@@ -32,6 +32,7 @@ from ..backends.torch import _DTYPE_NAME
 from . import _dist as D
 from . import _validate as V
 from ._gate import Gate
+from ._gradcopy import GradCopies
 from ._params import Slot, Slots
 
 __all__ = ["GradCapture", "StagedCopy"]
@@ -62,12 +63,13 @@ class GradCapture(V.SpeculationPolicy):
     optimizer (its hooks hold this object weakly)."""
 
     def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams],
-                 speculate: bool | None = None):
+                 speculate: bool | None = None, grad_copies: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
         self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
         self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
         self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
+        self.copies = GradCopies(grad_copies)  # device copies of speculated gradients, for step()'s check
         self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
@@ -157,6 +159,7 @@ class GradCapture(V.SpeculationPolicy):
                                       "this backward's forward used them. Reload a checkpoint to continue."))
             engine.rollback([sid])  # the guess was wrong: undone exactly, before the new gradient is staged
             del self.spec[sid]
+            self.copies.pop(sid)
         if not self._hook_copies(p):
             return  # step() copies it
         grad = p.grad
@@ -164,10 +167,13 @@ class GradCapture(V.SpeculationPolicy):
         if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
             assumed = self._assume(rec, hp)
+            local, dtype = self.local_grad(rec)
+            kept = self.copies.keep(sid, local, self._copies_need)  # staged from the copy: the bits it holds
             try:
-                engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
-                                    coef=assumed.coef, grad_div=assumed.grad_div)
+                engine.offload_grad(sid, local if kept is None else kept, dtype, hp, speculate=True,
+                                    upload=self.eager, coef=assumed.coef, grad_div=assumed.grad_div)
             except NotImplementedError:  # an update the host refuses: staged only, step() raises it (nothing changed)
+                self.copies.pop(sid)
                 hp = None
         if hp:
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
@@ -277,6 +283,7 @@ class GradCapture(V.SpeculationPolicy):
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
         self._expect.update(self._seen)
         self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
+        self.copies.release()
         self._untrusted, self._scaled = False, {}
         if not self._scaler:
             self._scale = None  # a step without GradScaler: the next one assumes none
@@ -288,6 +295,7 @@ class GradCapture(V.SpeculationPolicy):
         if self.slots.engine is not self._engine:
             self._engine = self.slots.engine
             self.spec, self.launched, self.hooked, self._seen, self._expect = {}, {}, set(), {}, {}
+            self.copies.release()
 
     def skip(self) -> None:
         """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
@@ -305,6 +313,7 @@ class GradCapture(V.SpeculationPolicy):
             rec.staged = None
             rec.summed, rec.broken = 0, False
         self.spec, self.hooked, self._seen = {}, set(), {}
+        self.copies.release()
 
     def _sums(self) -> list[Slot]:
         """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""
