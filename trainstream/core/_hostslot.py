@@ -118,12 +118,16 @@ class HostSlot:
 class Speculation:
     """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
     before it, whether its weights were uploaded (``upload``: at once; else at ``commit``), the seconds its chunks
-    took (lost if it is rolled back) and whether it completed."""
+    took (lost if it is rolled back) and whether it completed; ``done``, ``committed`` and ``after`` are read and
+    written under the slot's ``cond`` (the last chunk and :meth:`~trainstream.core._speculate.Speculative.commit`
+    agree there which of them uploads the weights of an update committed while it ran)."""
 
     step: int
     upload: bool
     seconds: list = field(default_factory=list)
     done: bool = False  # every chunk ran (a failed one leaves the copies partial: never restored)
+    committed: bool = False  # committed before it finished: its last chunk uploads the weights, after ``after``
+    after: Any = None
 
 
 #: What each buffer is, in allocation errors.
