@@ -277,8 +277,9 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
         self._check_open()
+        # zero_grad before step(): torch's step updates nothing from these gradients
+        self._settle_uploads([s for s in self._slots if self._unspeculate(s)])
         for s in self._slots:
-            self._unspeculate(s)  # zero_grad before step(): torch's step updates nothing from these gradients
             if s.staged:
                 self._wait_idle(s)
                 s.staged, s.summed, s.grad_keep = False, False, None
@@ -347,6 +348,7 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
         s.spec = spec
         if spec is not None:
             self._stats.add("spec_updates", 1)
+            self._stats.add("spec_uploads_early", int(upload))
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)

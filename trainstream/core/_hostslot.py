@@ -290,7 +290,7 @@ class SlotStateIO:
         copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
-        self._unspeculate(s)
+        self._unspeculate(s, settle=True)
         self._wait_idle(s)
         self.errors.check()
         return slot_state(s, copy)
@@ -298,7 +298,7 @@ class SlotStateIO:
     def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
         """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
         self._check_open()
-        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
+        self._unspeculate(self._slot(sid), settle=True)  # updated in another arithmetic than the step's
         self._slot(sid).recipe = recipe
 
     def grad_sum(self, sid: int) -> np.ndarray | None:

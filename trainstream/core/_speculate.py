@@ -45,11 +45,11 @@ __all__ = ["SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
 
 _UNSET = object()
 
-#: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, committed and rolled back
-#: (slots); steps whose every speculation was committed, and steps with one or more rolled back (a redo); seconds
-#: lost: the rolled-back updates' own and the restores'.
-SPEC_STATS = ("spec_updates", "spec_committed", "spec_rolled_back", "spec_steps_committed", "spec_steps_redone",
-              "redo_s")
+#: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, of them uploading their weights
+#: at once (during backward), committed and rolled back (slots); steps whose every speculation was committed, and
+#: steps with one or more rolled back (a redo); seconds lost: the rolled-back updates' own and the restores'.
+SPEC_STATS = ("spec_updates", "spec_uploads_early", "spec_committed", "spec_rolled_back", "spec_steps_committed",
+              "spec_steps_redone", "redo_s")
 
 
 class Speculative:
@@ -122,12 +122,18 @@ class Speculative:
         """Count a step that speculated: all committed, or some redone."""
         self._stats.add("spec_steps_redone" if redone else "spec_steps_committed", 1)
 
-    def _unspeculate(self, s: HostSlot) -> None:
+    def _unspeculate(self, s: HostSlot, settle: bool = False) -> bool:
         """Roll back ``s``'s speculative update if it has one (also before its state is read, replaced or
-        re-read from the weights: what the engine shows is never speculative)."""
+        re-read from the weights: what the engine shows is never speculative). Returns whether its weights were
+        uploaded already (they are uploaded again); with ``settle`` the compute stream waits for that
+        (:meth:`_settle_uploads`: a reader of the weights may come next, e.g. after ``zero_grad`` or a state read)."""
         spec = s.spec
         if spec is None:
-            return
+            return False
+        if settle:
+            if self._unspeculate(s):
+                self._settle_uploads([s])
+            return spec.upload
         s.spec = None
         pairs = s.backed_up()
         after = self.backend.record_compute(s.param) if spec.upload else None
@@ -152,6 +158,15 @@ class Speculative:
         self._stats.add("spec_rolled_back", 1)
         self._unwaited = True
         self._run_batch(s, body, finalize)
+        return spec.upload
+
+    def _settle_uploads(self, slots: Sequence[HostSlot]) -> None:
+        """Wait until the weights of ``slots`` rolled back are uploaded again, and make the compute stream wait
+        for them."""
+        for s in slots:
+            self._wait_idle(s)
+            if s.ready is not None:
+                self.backend.wait_on_compute(s.ready, s.param)
 
     def _upload_many(self, slots: Sequence[HostSlot], after: Any) -> None:
         """Upload the weights of ``slots`` (no batch of theirs queued or running) behind ``after``: through the

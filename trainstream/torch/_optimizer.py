@@ -79,6 +79,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
       speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
         keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
         host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
+        Their weights are uploaded at ``step()`` in a loop that says nothing of its last micro-batch (the weights
+        read between backward and ``step()``, by a forward or any other reader, are torch's: the old ones); during
+        backward under :meth:`last_micro_batch` and where Accelerate's gradient state marks the last micro-batch
+        (HF Trainer and ``accelerator.accumulate`` with gradient accumulation): there a module's forward before
+        ``step()`` rolls those updates back first (it reads the old weights; ``step()`` redoes them), a second
+        backward raises, and other reads of the parameters in between see the new weights.
       bounded_staging: host memory of the host updates bounded by their state (4 bytes per bf16 parameter with
         torch's bf16 state, 8 per float32 one) plus a ring of pinned chunks (``stream_ring_bytes``): the gradient and
         the weights are read from the GPU chunk by chunk as each update runs, inside :meth:`last_micro_batch` during

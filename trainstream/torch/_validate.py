@@ -178,6 +178,13 @@ class SpeculationPolicy:
             self.speculate = self._budget_allows()
         return bool(self.speculate)
 
+    def _signalled_last(self) -> bool:
+        """Whether Accelerate's gradient state says this backward is the last before ``step()`` and may be trusted
+        (it was seen saying another one was not: HF Trainer and ``accelerator.accumulate`` with accumulation; alone
+        it says so of every backward, also where a loop accumulates by hand): the weights are uploaded during
+        backward, as under ``last_micro_batch()``."""
+        return self._signalled and _accelerate_syncs() is True
+
     def _budget_allows(self) -> bool:
         """``speculate=None``'s decision, once: the kept copies of every host slot fit in the host memory available
         now less ``host_margin`` of it; else speculation stays off, with a warning naming the choice."""
