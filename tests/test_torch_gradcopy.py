@@ -17,7 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_speculate import _edit, batches, clip_to, loss_fn, make, run_step, same, same_state  # noqa: E402
+from test_torch_speculate import (_edit, batches, clip_to, gradient_state, loss_fn, make, run_step, same,  # noqa: E402,F401
+                                  same_state)
 
 from trainstream.torch import OffloadAdamW  # noqa: E402
 from trainstream.torch import _gradcopy  # noqa: E402
@@ -201,6 +202,31 @@ def test_copies_released_between_backward_and_step(copies_on, how):
                 saved[o] = copy.deepcopy(o.state_dict())  # torch's holds its live tensors
         same(ref, ours)
     same_state(ropt, opt, ref, ours)
+    opt.close()
+
+
+def test_copies_released_when_a_forward_rolls_back(copies_on, gradient_state):
+    """Under Accelerate's signal (accumulation 4) a forward between the last backward and step() rolls the uploaded
+    updates back: their copies go with them; torch's bits."""
+    ref, ropt, ours, opt = make()
+    xs = batches(12)
+    for i in range(3):
+        for m, o in ((ref, ropt), (ours, opt)):
+            for j, x in enumerate(xs[4 * i:4 * i + 4]):
+                gradient_state._set_sync_gradients(j == 3)
+                (loss_fn(m, x) / 4).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+            if i == 2:
+                if o is opt:
+                    assert len(opt._grads.copies) == len(list(m.parameters()))
+                with torch.no_grad():
+                    m(xs[0])
+                if o is opt:
+                    _released(opt, copies_on)
+            o.step()
+            o.zero_grad()
+        same(ref, ours)
+    assert opt.stats()["spec_checks_device"] == len(list(ours.parameters()))  # step 2's
     opt.close()
 
 

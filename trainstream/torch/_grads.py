@@ -264,6 +264,8 @@ class GradCapture(V.SpeculationPolicy):
         engine, sids = self.slots.engine, [sid for sid in self.uploaded if self.slots.engine.speculative(sid)]
         self.uploaded.clear()
         self._unguard()
+        for sid in sids:  # redone at step() from param.grad: no check, no copy
+            self.copies.pop(sid)
         if sids:
             engine.rollback(sids)
             engine.wait_ready(sids)
