@@ -367,8 +367,8 @@ class GradCapture(V.SpeculationPolicy):
         if self.spec:
             self.slots.engine.rollback(list(self.spec))
             self.slots.engine.count_spec_step(True)
-            if not self.gate.active:  # weights uploaded during backward are uploaded again: readers wait for them
-                self.slots.engine.wait_step()
+            if (self.hooked or self.uploaded) and not self.gate.active:  # the old weights uploaded again: readers
+                self.slots.engine.wait_step()  # wait for them (step() returns at once)
         self._end_step()
 
     def forget(self) -> None:
