@@ -1,14 +1,20 @@
-# Run (GPU machine): python experiments/spec_profile.py 3b ingpu spec [nospec eager specov]
+# Run (GPU machine): python experiments/spec_profile.py 3b ingpu spec spechost specgpu eager [nospec specov specgpuov]
 """Where a plain loop's step goes (issue 42): the GPT of models_torch.py at SIZE, bf16, activation checkpointing,
 24 x 1024 tokens, the loop ``forward; backward; clip_grad_norm_(params, 1e9); step; zero_grad`` with each phase
 ended by a device synchronize, for each SETUP: ``ingpu`` torch.optim.AdamW(fused=True) in GPU memory; ``spec``
-OffloadAdamW(fused=True, mode="cpu") (updates during backward, validated at step()); ``nospec`` the same with
-speculate=False; ``eager`` the same with backward inside last_micro_batch(); ``specov`` as ``spec`` with
+OffloadAdamW(fused=True, mode="cpu") (updates during backward, validated at step(); ``grad_copies`` at its default:
+GPU copies of the gradients where the GPU's free memory holds them); ``spechost`` the same with grad_copies=False
+(the check sends the staged gradients back over PCIe); ``specgpu`` with grad_copies=True; ``nospec`` with
+speculate=False; ``eager`` with backward inside last_micro_batch() (the weights uploaded during backward, as where
+Accelerate's gradient state marks the last micro-batch); ``specov``/``specgpuov`` as ``spec``/``specgpu`` with
 ``overlap_forward=model`` (the weights' upload overlaps the next forward). Prints the medians of steps 3-7 (ms)
 and, as ``w_*``, the host wall time inside the optimizer's step() parts (GradCapture.updates, its _verdicts: the
-bitwise checks; Engine.commit/step/...), plus the speculation counters, and ``bb``: the mean step of 5 more steps
-run back to back with one synchronize at the end (no phase boundaries: what ``overlap_forward`` can hide shows
-only here).
+bitwise checks; Engine.commit and its uploads: _upload_many, copy_many_to_device, record_compute; Engine.step/...;
+``w_keep``: the gradient copies' clones in the hooks, during backward), the speculation counters
+(``spec_checks_device``/``spec_checks_staged``: gradients compared with a GPU copy / over PCIe), ``peak_gib``: the
+GPU memory peak of the setup's steps (``torch.cuda.max_memory_allocated``, reset per setup), ``copy_peak_gib``: the
+copies' own peak (``spec_copy_peak_bytes``), and ``bb``: the mean step of 5 more steps run back to back with one
+synchronize at the end (no phase boundaries: what ``overlap_forward`` can hide shows only here).
 """
 import functools
 import gc
@@ -25,8 +31,11 @@ from _common import SIZES, VOCAB  # noqa: E402
 from models_torch import GPT  # noqa: E402
 
 import trainstream.torch._grads as G  # noqa: E402
+import trainstream.torch._gradcopy as GC  # noqa: E402
 import trainstream.torch._validate as V  # noqa: E402
+from trainstream.backends import torch as TB  # noqa: E402
 from trainstream.core import _engine as E  # noqa: E402
+from trainstream.core import _speculate as SP  # noqa: E402
 from trainstream.torch import OffloadAdamW  # noqa: E402
 
 T = {}
@@ -42,8 +51,14 @@ def wrap(cls, name):
     setattr(cls, name, w)
 wrap(V.SpeculationPolicy, "_verdicts")
 wrap(G.GradCapture, "updates")
-for n in ("step", "commit", "rollback", "staged_grad", "synchronize"):
+for n in ("step", "commit", "rollback", "staged_grad", "synchronize", "wait_step"):
     if hasattr(E.Engine, n): wrap(E.Engine, n)
+wrap(SP.Speculative, "_upload_many")
+wrap(TB.TorchBackend, "copy_many_to_device")
+wrap(TB.TorchBackend, "record_compute")
+wrap(GC.GradCopies, "keep")
+SETUPS = {"spec": {}, "spechost": dict(grad_copies=False), "specgpu": dict(grad_copies=True),
+          "nospec": dict(speculate=False), "eager": {}, "specov": {}, "specgpuov": dict(grad_copies=True)}
 size = sys.argv[1]
 out = {}
 for setup in sys.argv[2:]:
@@ -55,8 +70,10 @@ for setup in sys.argv[2:]:
     if setup == "ingpu":
         opt = torch.optim.AdamW(params, **HP)
     else:
-        opt = OffloadAdamW(params, mode="cpu", speculate=(setup != "nospec"), worker_nice=5,
-                           overlap_forward=model if setup == "specov" else None, **HP)
+        opt = OffloadAdamW(params, mode="cpu", worker_nice=5, **SETUPS[setup],
+                           overlap_forward=model if setup.endswith("ov") else None, **HP)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     x = torch.randint(0, VOCAB, (24, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     rows = []
     for i in range(7):
@@ -93,8 +110,12 @@ for setup in sys.argv[2:]:
     torch.cuda.synchronize()
     med["bb"] = 1e3 * (time.perf_counter() - t0) / 5
     st = opt.stats() if hasattr(opt, "stats") else {}
-    med.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "host_state_bytes")})
-    print(size, setup, json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in med.items()}), flush=True)
+    med.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "host_state_bytes",
+                                       "spec_checks_device", "spec_checks_staged", "spec_uploads_early")})
+    med["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    med["copy_peak_gib"] = st.get("spec_copy_peak_bytes", 0.0) / 2 ** 30
+    print(size, setup, json.dumps({k: (round(v, 2 if k.endswith("gib") else 1) if isinstance(v, float) else v)
+                                   for k, v in med.items()}), flush=True)
     out[setup] = med
     if hasattr(opt, "close"): opt.close()
     del opt, model, params, x, loss

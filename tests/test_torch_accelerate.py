@@ -1,4 +1,10 @@
-"""Issue 40's acceptance: Accelerate with FSDP2, the optimizer built on ``model.parameters()`` and prepared together
+"""Accelerate loops, bit for bit against the same loop with ``torch.optim.AdamW``.
+
+Issue 42: one process, ``accelerator.accumulate(model)`` with accumulation 4 (and the loop's
+``accelerator.clip_grad_norm_`` on the steps that sync): Accelerate's gradient state marks the last micro-batch, whose
+backward starts the host updates and uploads their weights (as ``last_micro_batch()``).
+
+Issue 40's acceptance: Accelerate with FSDP2, the optimizer built on ``model.parameters()`` and prepared together
 with the model as Accelerate's docs say (``accelerator.prepare(model, optimizer)``: ``fully_shard``, then
 ``fsdp2_switch_optimizer_parameters`` points the optimizer's groups at the new DTensor parameters), trains bit for
 bit as the same run with ``torch.optim.AdamW``: every rank's shard after every step, the state entries too.
@@ -84,6 +90,60 @@ def _scenario(rank: int, clip: float | None) -> dict[str, bool]:
 
 
 SCENARIOS = {"fsdp2_prepare": None, "fsdp2_prepare_clip": 0.05}
+
+
+@pytest.mark.parametrize("clip", [None, 1e9, 1e-3], ids=["noclip", "clip-factor-1", "clip-every-step"])
+def test_accelerate_accumulate_loop_bitwise(clip):
+    """accelerator.accumulate with accumulation 4: torch's bits after every step; the fourth backward of each step
+    speculates and uploads during backward (nothing rolled back at a hook); a clip factor of 1.0 commits, a smaller
+    one redoes."""
+    from accelerate import Accelerator  # noqa: PLC0415
+    from accelerate.state import AcceleratorState, GradientState  # noqa: PLC0415
+
+    from trainstream.torch import OffloadAdamW  # noqa: PLC0415
+
+    def reset():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    runs, moved = [], []
+    try:
+        for cls, kw in ((torch.optim.AdamW, {}), (OffloadAdamW, {"threads": 1})):
+            reset()
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+            model = _model()
+            opt = cls(model.parameters(), lr=LR, weight_decay=WD, **kw)
+            model, opt = acc.prepare(model, opt)
+            g = torch.Generator().manual_seed(0)
+            weights = []
+            for i in range(12):
+                x = torch.randn(4, 6, generator=g)
+                with acc.accumulate(model):
+                    before = [p.detach().clone() for p in model.parameters()]
+                    acc.backward(model(x).square().mean())
+                    if cls is OffloadAdamW and acc.sync_gradients:
+                        opt.optimizer._engine.drain()  # (the host updates run on worker threads)
+                        moved.append(all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+                    if clip is not None and acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), clip)
+                    opt.step()
+                    opt.zero_grad()
+                if acc.sync_gradients:
+                    weights.append([p.detach().clone() for p in model.parameters()])
+            runs.append((weights, opt.optimizer))
+        (want, _), (got, ours) = runs
+        assert len(want) == len(got) == 3
+        for step, (a, b) in enumerate(zip(want, got)):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q), f"step {step}"
+        assert moved == [True] * 3
+        st = ours.stats()
+        committed = 0 if clip == 1e-3 else 3
+        assert (st["spec_steps_committed"], st["spec_steps_redone"]) == (committed, 3 - committed)
+        assert st["spec_rolled_back"] == (3 - committed) * 6
+        ours.close()
+    finally:
+        reset()
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:

@@ -360,27 +360,78 @@ def test_state_seen_between_backward_and_step_is_the_pre_step_state():
     opt.close()
 
 
-def test_accelerates_gradient_state_says_which_micro_batch_is_the_last():
-    """Accumulation 4 signalled through Accelerate's GradientState (as HF Trainer and accelerator.accumulate set
-    it): the fourth backward speculates from the first step on, and nothing is rolled back."""
+@pytest.fixture
+def gradient_state():
+    """Accelerate's GradientState (as HF Trainer and accelerator.accumulate set it), restored afterwards."""
     state = pytest.importorskip("accelerate.state")
     shared = state.GradientState._shared_state
     was = dict(shared)
-    gs = state.GradientState()
     try:
-        ref, ropt, ours, opt = make()
-        xs = batches(12)
-        for i in range(3):
-            for m, o in ((ref, ropt), (ours, opt)):
-                for j, x in enumerate(xs[4 * i:4 * i + 4]):
-                    gs._set_sync_gradients(j == 3)
-                    (loss_fn(m, x) / 4).backward()
-                o.step()
-                o.zero_grad()
-            same(ref, ours)
-        st = opt.stats()
-        assert (st["spec_steps_committed"], st["spec_rolled_back"]) == (3, 0)
-        opt.close()
+        yield state.GradientState()
     finally:  # Accelerate's state as it was (other tests of this process)
         shared.clear()
         shared.update(was)
+
+
+@pytest.mark.parametrize("between", ["none", "clip", "forward", "state_dict", "zero_grad"])
+def test_accelerates_gradient_state_says_which_micro_batch_is_the_last(gradient_state, between):
+    """Accumulation 4 signalled through Accelerate's GradientState: the fourth backward speculates from the first
+    step on, nothing is rolled back at the hooks, and its weights are uploaded during that backward (as under
+    last_micro_batch()). Between backward and step(): the loop's clip (factor 1.0, committed), a forward (a module
+    forward rolls the uploaded updates back first: it sees the old weights, as torch's; step() redoes them), the
+    state read, zero_grad: torch's bits."""
+    ref, ropt, ours, opt = make()
+    xs = batches(16)
+    for i in range(4):
+        outs = []
+        for m, o in ((ref, ropt), (ours, opt)):
+            before = [p.detach().clone() for p in m.parameters()]
+            for j, x in enumerate(xs[4 * i:4 * i + 4]):
+                gradient_state._set_sync_gradients(j == 3)
+                (loss_fn(m, x) / 4).backward()
+            if o is opt:
+                opt._engine.drain()  # (the host updates run on worker threads)
+                moved = [not torch.equal(p, b) for p, b in zip(m.parameters(), before)]
+                assert all(moved), "uploaded during the last backward"
+            if between == "clip":
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+            elif between == "forward":
+                with torch.no_grad():
+                    outs.append(m(xs[0]))
+            elif between == "state_dict":
+                o.state_dict()
+            elif between == "zero_grad":
+                o.zero_grad()
+            o.step()
+            o.zero_grad()
+        if outs:
+            assert torch.equal(outs[0], outs[1])
+        same(ref, ours)
+    same_state(ropt, opt, ref, ours)
+    st = opt.stats()
+    redone = between in ("forward", "state_dict", "zero_grad")
+    assert st["spec_rolled_back"] == (4 * len(list(ours.parameters())) if redone else 0)
+    assert (st["spec_steps_committed"], st["spec_steps_redone"]) == ((0, 4) if between in ("forward", "state_dict")
+                                                                     else (4, 0) if not redone else (0, 0))
+    assert opt._grads._guard is None
+    opt.close()
+
+
+def test_a_second_backward_after_accelerates_last_micro_batch_raises(gradient_state):
+    """Two backwards on one forward (retain_graph) in the micro-batch Accelerate marks as the last: the second read
+    the weights uploaded during the first; refused (its weights rolled back), as a second backward inside
+    last_micro_batch()."""
+    ref, ropt, ours, opt = make()
+    x = batches(1)[0]
+    gradient_state._set_sync_gradients(False)
+    loss_fn(ours, x).backward()
+    gradient_state._set_sync_gradients(True)
+    before = [p.detach().clone() for p in ours.parameters()]
+    loss = loss_fn(ours, x)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward after the one Accelerate's gradient state marked"):
+        loss.backward()
+    opt.synchronize()
+    for p, b in zip(ours.parameters(), before):
+        assert torch.equal(p, b)
+    opt.close()

@@ -151,3 +151,48 @@ def test_refusals():
         eng.commit([sid])
     eng.rollback([sid])  # none: nothing to do
     eng.close()
+
+
+def test_commit_uploads_each_weight_once_whether_its_update_ran_or_still_runs(monkeypatch):
+    """commit() of a finished update uploads its weights at once (together with the others finished); of one still
+    running, from its last chunk: once each, the plain engine's bits, nothing uploaded before the commit."""
+    import threading
+
+    from trainstream import _host_kernels as K
+
+    eng, plain = _engine(), _engine()
+    slots = [_slot(eng, seed=i) for i in range(3)]
+    refs = [_slot(plain, seed=i) for i in range(3)]
+    uploads = []
+    backend = eng.host.backend
+    many, one = backend.copy_many_to_device, backend.copy_to_device
+    monkeypatch.setattr(backend, "copy_many_to_device", lambda pairs, after: (
+        uploads.extend(id(d) for d, _ in pairs), many(pairs, after))[1])
+    monkeypatch.setattr(backend, "copy_to_device", lambda d, s, after: (uploads.append(id(d)), one(d, s, after))[1])
+    gate, real = threading.Event(), K.adamw_chunk
+    blocked = eng.host._slot(slots[0][1]).exp_avg.array
+
+    def chunk(*args, **kwargs):
+        if args[2] is blocked and args[9] == N:  # its last chunk (one worker held, the other goes on)
+            assert gate.wait(30)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(K, "adamw_chunk", chunk)
+    before = [p.clone() for p, _ in slots]
+    for (p, sid), (q, qsid) in zip(slots, refs):
+        g = _grad(torch.float32, sid)
+        eng.offload_grad(sid, g, "float32", HP, speculate=True, upload=False)
+        plain.offload_grad(qsid, g, "float32", HP)
+    for _, sid in slots[1:]:
+        eng.host._wait_idle(eng.host._slot(sid))
+    assert not uploads and all(torch.equal(p, b) for (p, _), b in zip(slots, before))
+    eng.commit([sid for _, sid in slots])
+    assert sorted(uploads) == sorted(id(p) for p, _ in slots[1:])  # the finished ones, now
+    assert torch.equal(slots[0][0], before[0])  # the running one: not yet
+    gate.set()
+    eng.synchronize()
+    plain.synchronize()
+    assert sorted(uploads) == sorted(id(p) for p, _ in slots)  # once each
+    for (p, sid), (q, qsid) in zip(slots, refs):
+        _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+    eng.close()
+    plain.close()

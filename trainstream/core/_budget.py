@@ -14,9 +14,9 @@ from .. import _hostmem
 from .. import contract as C
 from ..contract import ITEMSIZE as _ITEMSIZE
 
-__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "RING_ITEM", "WHERE", "assign", "check", "host_bytes",
-           "hybrid_elems", "place", "plan", "gpu_state_fits", "slot_layout", "speculation_fits", "state_bytes",
-           "stream_ring_bytes"]
+__all__ = ["LAYOUTS", "MARGIN", "PARTS", "PINNED_FRACTION", "RING_ITEM", "WHERE", "assign", "check",
+           "device_copies_fit", "host_bytes", "hybrid_elems", "place", "plan", "gpu_state_fits", "slot_layout",
+           "speculation_fits", "state_bytes", "stream_ring_bytes"]
 
 #: Where :func:`assign` puts a slot: its state kept in GPU memory (a device slot, resident), the device
 #: placement (state in host memory, updated by the GPU kernel) or the host placement. The last two are
@@ -250,3 +250,9 @@ def speculation_fits(nbytes: int, margin: float | None = MARGIN) -> bool:
     unchecked (``margin`` None)."""
     avail = _hostmem.available()
     return margin is None or margin < 0 or avail is None or nbytes <= avail * (1.0 - margin)
+
+
+def device_copies_fit(nbytes: int, free: int, total: int, headroom: float) -> bool:
+    """Whether ``nbytes`` more device memory (speculation's gradient copies, ``trainstream.torch._gradcopy``) fits
+    in the ``free`` bytes of a device of ``total`` bytes, less ``headroom`` of ``total``."""
+    return nbytes <= free - headroom * total

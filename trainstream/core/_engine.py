@@ -446,7 +446,8 @@ class Engine(EngineSpeculation, EngineStreaming):
         both also ``gpu_params``, ``gpu_numel``, ``gpu_update_launch_ms_total`` (the device share's).
         ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident state
         (``gpu_state_params`` slots, ``gpu_state_numel`` elements); ``staging_ring_bytes``: the staging ring's.
-        Speculation (host slots, :mod:`~trainstream.core._speculate`): ``spec_updates``, ``spec_committed``,
+        Speculation (host slots, :mod:`~trainstream.core._speculate`): ``spec_updates`` (of them
+        ``spec_uploads_early``: their weights uploaded at once, during backward), ``spec_committed``,
         ``spec_rolled_back`` (slots), ``spec_steps_committed``, ``spec_steps_redone`` (steps), ``redo_ms_total``
         (the rolled-back updates' time and the restores'), ``spec_backup_bytes`` (the kept copies)."""
         if self.host is None:

@@ -46,6 +46,9 @@ __all__ = ["Backend", "CHUNK_SIZE", "ExternalUpdate", "HostPlacement", "HostBuff
 #: argument: nobody tunes it and no bit depends on it; tests set it to run small tensors in several chunks.
 CHUNK_SIZE = 1 << 20
 
+#: A speculative update's last chunk uploads nothing (its weights wait for ``commit``).
+_NO_UPLOAD = object()
+
 #: The host placement's counters (:class:`~trainstream.core._pool.Counters`).
 _STATS = ("steps", "eager_updates", "grad_bytes", "param_bytes", "update_s", "ready_stall_s", "grad_stall_s",
           *SPEC_STATS)
@@ -274,8 +277,9 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
         self._check_open()
+        # zero_grad before step(): torch's step updates nothing from these gradients
+        self._settle_uploads([s for s in self._slots if self._unspeculate(s)])
         for s in self._slots:
-            self._unspeculate(s)  # zero_grad before step(): torch's step updates nothing from these gradients
             if s.staged:
                 self._wait_idle(s)
                 s.staged, s.summed, s.grad_keep = False, False, None
@@ -328,16 +332,23 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
 
         # Not after a failure: a failed chunk's staging range is unwritten, so the old weights stay.
         def finalize() -> None:
+            upload_after = after
             if spec is not None:
-                spec.done = True
-            if spec is None or spec.upload:
-                s.ready = self.backend.copy_to_device(s.param, upload_src, after)
+                with s.cond:  # commit() reads done there: the weights of a committed update are uploaded once
+                    spec.done = True
+                    if not spec.upload and spec.committed:
+                        upload_after = spec.after
+                    elif not spec.upload:
+                        upload_after = _NO_UPLOAD
+            if upload_after is not _NO_UPLOAD:
+                s.ready = self.backend.copy_to_device(s.param, upload_src, upload_after)
                 self._stats.add("param_bytes", nbytes)
             self._stats.last_finalize = time.perf_counter()
 
         s.spec = spec
         if spec is not None:
             self._stats.add("spec_updates", 1)
+            self._stats.add("spec_uploads_early", int(upload))
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)

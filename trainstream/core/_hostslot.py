@@ -118,12 +118,16 @@ class HostSlot:
 class Speculation:
     """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
     before it, whether its weights were uploaded (``upload``: at once; else at ``commit``), the seconds its chunks
-    took (lost if it is rolled back) and whether it completed."""
+    took (lost if it is rolled back) and whether it completed; ``done``, ``committed`` and ``after`` are read and
+    written under the slot's ``cond`` (the last chunk and :meth:`~trainstream.core._speculate.Speculative.commit`
+    agree there which of them uploads the weights of an update committed while it ran)."""
 
     step: int
     upload: bool
     seconds: list = field(default_factory=list)
     done: bool = False  # every chunk ran (a failed one leaves the copies partial: never restored)
+    committed: bool = False  # committed before it finished: its last chunk uploads the weights, after ``after``
+    after: Any = None
 
 
 #: What each buffer is, in allocation errors.
@@ -286,7 +290,7 @@ class SlotStateIO:
         copies, or with ``copy=False`` the buffers themselves (changing them changes the state)."""
         self._check_open()
         s = self._slot(sid)
-        self._unspeculate(s)
+        self._unspeculate(s, settle=True)
         self._wait_idle(s)
         self.errors.check()
         return slot_state(s, copy)
@@ -294,7 +298,7 @@ class SlotStateIO:
     def set_recipe(self, sid: int, recipe: C.TorchRecipe) -> None:
         """Slot ``sid``'s updates queued from now on follow ``recipe`` (:meth:`Engine.set_recipe` checks it)."""
         self._check_open()
-        self._unspeculate(self._slot(sid))  # updated in another arithmetic than the step's
+        self._unspeculate(self._slot(sid), settle=True)  # updated in another arithmetic than the step's
         self._slot(sid).recipe = recipe
 
     def grad_sum(self, sid: int) -> np.ndarray | None:

@@ -7,7 +7,8 @@ How the pre-step state survives: *kept copies*. Each chunk of the update first c
 weights or the fp32 weights of a float32 parameter, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) into a copy
 allocated once per slot, then runs the kernel over the chunk. (Copying in blocks of 64K elements just before the
 kernel read them, from cache, cost as much DRAM time and 16 times the GIL-held calls per chunk: 9.7 us each here,
-0.46 s per step of a 3B model, and a plain loop measured 2.3-2.5x the in-GPU step on an H100, experiments/RESULTS.md.) Commit costs nothing (and, where the weights' upload waited for it, queues the upload);
+0.46 s per step of a 3B model, and a plain loop measured 2.3-2.5x the in-GPU step on an H100, experiments/RESULTS.md.) Commit costs nothing (and, where the weights' upload waited for it, uploads them: the finished updates'
+together, behind one event, those still running from their last chunk);
 a rollback copies them back (:meth:`Speculative.rollback`) and re-uploads the old weights where the new ones were
 uploaded already. The staged gradient is only read by the update, so a redo updates from it again (times the
 multiplier the loop applied) or from a new copy of the gradient.
@@ -42,11 +43,13 @@ from ._hostslot import HostSlot, Speculation
 
 __all__ = ["SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
 
-#: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, committed and rolled back
-#: (slots); steps whose every speculation was committed, and steps with one or more rolled back (a redo); seconds
-#: lost: the rolled-back updates' own and the restores'.
-SPEC_STATS = ("spec_updates", "spec_committed", "spec_rolled_back", "spec_steps_committed", "spec_steps_redone",
-              "redo_s")
+_UNSET = object()
+
+#: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, of them uploading their weights
+#: at once (during backward), committed and rolled back (slots); steps whose every speculation was committed, and
+#: steps with one or more rolled back (a redo); seconds lost: the rolled-back updates' own and the restores'.
+SPEC_STATS = ("spec_updates", "spec_uploads_early", "spec_committed", "spec_rolled_back", "spec_steps_committed",
+              "spec_steps_redone", "redo_s")
 
 
 class Speculative:
@@ -84,17 +87,28 @@ class Speculative:
                 self.backend.wait_on_compute(s.landed, s.param)
 
     def commit(self, sids: Sequence[int]) -> None:
-        """The speculative updates of ``sids`` are the step's: keep them; weights not uploaded yet are queued for
-        upload (behind the compute stream's work so far)."""
+        """The speculative updates of ``sids`` are the step's: keep them. Weights not uploaded yet are uploaded behind
+        the compute stream's work so far (one event for all): those of finished updates now, together
+        (:meth:`_upload_many`), those of updates still running by their last chunk."""
         self._check_open()
+        after, now = _UNSET, []
         for sid in sids:
             s = self._slot(sid)
             spec, s.spec = s.spec, None
             if spec is None:
                 raise ValueError(f"commit: parameter slot {sid} holds no speculative update")
             self._stats.add("spec_committed", 1)
-            if not spec.upload:
-                self._queue_upload(s, self.backend.record_compute(s.param))
+            if spec.upload:
+                continue
+            if after is _UNSET:  # the slots of a placement share one device and compute stream
+                after = self.backend.record_compute(s.param)
+            with s.cond:  # the update's last chunk reads ``committed`` there (HostPlacement._enqueue_update)
+                if not spec.done:
+                    spec.committed, spec.after = True, after
+            if spec.done:
+                now.append(s)
+        if now:
+            self._upload_many(now, after)
 
     def rollback(self, sids: Sequence[int]) -> None:
         """Undo the speculative updates of ``sids`` exactly (queued behind them): weights, state and step count as
@@ -108,12 +122,18 @@ class Speculative:
         """Count a step that speculated: all committed, or some redone."""
         self._stats.add("spec_steps_redone" if redone else "spec_steps_committed", 1)
 
-    def _unspeculate(self, s: HostSlot) -> None:
+    def _unspeculate(self, s: HostSlot, settle: bool = False) -> bool:
         """Roll back ``s``'s speculative update if it has one (also before its state is read, replaced or
-        re-read from the weights: what the engine shows is never speculative)."""
+        re-read from the weights: what the engine shows is never speculative). Returns whether its weights were
+        uploaded already (they are uploaded again); with ``settle`` the compute stream waits for that
+        (:meth:`_settle_uploads`: a reader of the weights may come next, e.g. after ``zero_grad`` or a state read)."""
         spec = s.spec
         if spec is None:
-            return
+            return False
+        if settle:
+            if self._unspeculate(s):
+                self._settle_uploads([s])
+            return spec.upload
         s.spec = None
         pairs = s.backed_up()
         after = self.backend.record_compute(s.param) if spec.upload else None
@@ -138,17 +158,30 @@ class Speculative:
         self._stats.add("spec_rolled_back", 1)
         self._unwaited = True
         self._run_batch(s, body, finalize)
+        return spec.upload
 
-    def _queue_upload(self, s: HostSlot, after: Any) -> None:
-        """Upload ``s``'s weights now if no batch of it is queued or running, else queue it behind them (one empty
-        chunk whose finalize uploads)."""
+    def _settle_uploads(self, slots: Sequence[HostSlot]) -> None:
+        """Wait until the weights of ``slots`` rolled back are uploaded again, and make the compute stream wait
+        for them."""
+        for s in slots:
+            self._wait_idle(s)
+            if s.ready is not None:
+                self.backend.wait_on_compute(s.ready, s.param)
+
+    def _upload_many(self, slots: Sequence[HostSlot], after: Any) -> None:
+        """Upload the weights of ``slots`` (no batch of theirs queued or running) behind ``after``: through the
+        backend's ``copy_many_to_device`` where it has one (one stream wait, one copy each, few events), else one
+        upload each."""
         self._unwaited = True
-        with s.cond:
-            idle = not s.inflight
-        if idle:  # (only this thread queues work for the slot)
-            self._upload_now(s, after)
+        many = getattr(self.backend, "copy_many_to_device", None)
+        if many is None:
+            for s in slots:
+                self._upload_now(s, after)
             return
-        self._run_batch(s, lambda c, b, e: None, lambda: self._upload_now(s, after), numel=1)
+        for s, ready in zip(slots, many([(s.param, s.upload_src) for s in slots], after)):
+            s.ready = ready
+            self._stats.add("param_bytes", s.numel * _ITEMSIZE[s.dtype])
+        self._stats.last_finalize = time.perf_counter()
 
     def _upload_now(self, s: HostSlot, after: Any) -> None:
         s.ready = self.backend.copy_to_device(s.param, s.upload_src, after)

@@ -163,5 +163,6 @@ class Checkpoints:
             rec.version = D.version(rec.param)
         self._gate.clear()
         self._grads.done.clear()
+        self._grads.copies.release()  # the speculative updates went with the state
         self._state_view.extras.clear()
         self._state_view.extras.update(extras)

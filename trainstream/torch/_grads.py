@@ -36,6 +36,7 @@ from ..backends.torch import _DTYPE_NAME
 from . import _dist as D
 from . import _validate as V
 from ._gate import Gate
+from ._gradcopy import GradCopies
 from ._params import Slot, Slots, master_refusal
 
 __all__ = ["GradCapture", "StagedCopy"]
@@ -66,12 +67,15 @@ class GradCapture(V.SpeculationPolicy):
     optimizer (its hooks hold this object weakly)."""
 
     def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams],
-                 speculate: bool | None = None):
+                 speculate: bool | None = None, grad_copies: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
         self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
         self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
         self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
+        self.copies = GradCopies(grad_copies)  # device copies of speculated gradients, for step()'s check
+        self.uploaded: set[int] = set()  # speculated under Accelerate's signal, weights uploaded during backward
+        self._guard: Any = None  # the global forward pre-hook while ``uploaded`` (:meth:`_guard_forwards`)
         self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
@@ -152,6 +156,14 @@ class GradCapture(V.SpeculationPolicy):
                 self._stream(rec, hp)
             return
         if sid in self.spec:  # another backward after the one taken for the last: accumulation
+            if sid in self.uploaded and engine.speculative(sid):  # no forward in between (the guard saw none)
+                self._unupload()
+                raise RuntimeError(f"OffloadAdamW: a second backward after the one Accelerate's gradient state marked "
+                                   f"as the last micro-batch before step() (sync_gradients=True; parameter {sid}): "
+                                   "the updates of that backward uploaded their weights during it, and this backward "
+                                   "read them (a backward with retain_graph=True on the same forward). Take one "
+                                   "backward per micro-batch there (sum the losses), or speculate=False. Reload a "
+                                   "checkpoint to continue.")
             if sid in self.hooked:
                 where = "inside" if self.eager else "after"
                 engine.rollback([sid])
@@ -163,17 +175,23 @@ class GradCapture(V.SpeculationPolicy):
                                       "this backward's forward used them. Reload a checkpoint to continue."))
             engine.rollback([sid])  # the guess was wrong: undone exactly, before the new gradient is staged
             del self.spec[sid]
+            self.copies.pop(sid)
+            self.uploaded.discard(sid)
         if not self._hook_copies(p):
             return  # step() copies it
         grad = p.grad
         hp = self._speculates(rec, n, self.eager) and self._hyper_now(rec)
         if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
+            upload = self.eager or self._signalled_last()  # else at commit: a forward before step() sees old weights
             assumed = self._assume(rec, hp)
+            local, dtype = self.local_grad(rec)
+            kept = self.copies.keep(sid, local, self._copies_need)  # staged from the copy: the bits it holds
             try:
-                engine.offload_grad(sid, *self.local_grad(rec), hp, speculate=True, upload=self.eager,
-                                    coef=assumed.coef, grad_div=assumed.grad_div)
+                engine.offload_grad(sid, local if kept is None else kept, dtype, hp, speculate=True,
+                                    upload=upload, coef=assumed.coef, grad_div=assumed.grad_div)
             except NotImplementedError:  # an update the host refuses: staged only, step() raises it (nothing changed)
+                self.copies.pop(sid)
                 hp = None
         if hp:
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
@@ -181,6 +199,10 @@ class GradCapture(V.SpeculationPolicy):
             rec.summed = 0
             if self.eager:
                 self.hooked.add(sid)
+            elif upload:
+                self.uploaded.add(sid)
+                self._guard_forwards()
+            if upload:
                 self.gate.mark([sid])
             return
         engine.offload_grad(sid, *self.local_grad(rec), None, accumulate=rec.sums)
@@ -214,6 +236,51 @@ class GradCapture(V.SpeculationPolicy):
         self.hooked.add(rec.sid)
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
+
+    # -- weights uploaded during backward under Accelerate's signal --------------------------------
+
+    def _guard_forwards(self) -> None:
+        """While speculative weights are uploaded under Accelerate's signal (``uploaded``), a forward pre-hook on
+        every module (global) rolls them back before any forward reads them (:meth:`_forward_seen`)."""
+        if self._guard is not None:
+            return
+        ref = weakref.ref(self)
+
+        @torch.compiler.disable  # runs eagerly, outside any graph Dynamo traces
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            grads = ref()
+            if grads is None or grads.slots.closed:
+                handle.remove()
+            elif grads.uploaded:
+                grads._forward_seen(module)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        self._guard = handle
+
+    def _forward_seen(self, module: torch.nn.Module) -> None:
+        """A module's forward is about to run: where it reads weights uploaded speculatively (its parameters or its
+        descendants'; a checkpointed block recomputed during backward reads none yet), every such update is rolled
+        back first, the old weights uploaded again before the forward (``step()`` redoes them)."""
+        mine = {id(self.slots[sid].param) for sid in self.uploaded}
+        if any(id(p) in mine for p in module.parameters()):
+            self._unupload()
+
+    def _unupload(self) -> None:
+        """Roll back the updates whose weights were uploaded under Accelerate's signal; the compute stream waits for
+        the old weights."""
+        engine, sids = self.slots.engine, [sid for sid in self.uploaded if self.slots.engine.speculative(sid)]
+        self.uploaded.clear()
+        self._unguard()
+        for sid in sids:  # redone at step() from param.grad: no check, no copy
+            self.copies.pop(sid)
+        if sids:
+            engine.rollback(sids)
+            engine.wait_ready(sids)
+
+    def _unguard(self) -> None:
+        self.uploaded.clear()
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
     # -- step -----------------------------------------------------------------------------------
 
@@ -285,6 +352,8 @@ class GradCapture(V.SpeculationPolicy):
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
         self._expect.update(self._seen)
         self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
+        self.copies.release()
+        self._unguard()
         self._untrusted, self._scaled = False, {}
         if not self._scaler:
             self._scale = None  # a step without GradScaler: the next one assumes none
@@ -296,6 +365,8 @@ class GradCapture(V.SpeculationPolicy):
         if self.slots.engine is not self._engine:
             self._engine = self.slots.engine
             self.spec, self.launched, self.hooked, self._seen, self._expect = {}, {}, set(), {}, {}
+            self.copies.release()
+            self._unguard()
 
     def skip(self) -> None:
         """The step is skipped (GradScaler found an inf or NaN): every speculative update is rolled back, as torch's
@@ -304,6 +375,8 @@ class GradCapture(V.SpeculationPolicy):
         if self.spec:
             self.slots.engine.rollback(list(self.spec))
             self.slots.engine.count_spec_step(True)
+            if (self.hooked or self.uploaded) and not self.gate.active:  # the old weights uploaded again: readers
+                self.slots.engine.wait_step()  # wait for them (step() returns at once)
         self._end_step()
 
     def forget(self) -> None:
@@ -313,6 +386,8 @@ class GradCapture(V.SpeculationPolicy):
             rec.staged = None
             rec.summed, rec.broken = 0, False
         self.spec, self.hooked, self._seen = {}, set(), {}
+        self.copies.release()
+        self._unguard()  # (the engine rolls the updates back: discard_grads)
 
     def _sums(self) -> list[Slot]:
         """The slots whose staged gradient is an fp32 sum still equal to the micro-batches' (param.grad unchanged)."""

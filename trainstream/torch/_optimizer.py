@@ -79,6 +79,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
       speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
         keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
         host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
+        Their weights are uploaded at ``step()`` in a loop that says nothing of its last micro-batch (the weights
+        read between backward and ``step()``, by a forward or any other reader, are torch's: the old ones); during
+        backward under :meth:`last_micro_batch` and where Accelerate's gradient state marks the last micro-batch
+        (HF Trainer and ``accelerator.accumulate`` with gradient accumulation): there a module's forward before
+        ``step()`` rolls those updates back first (it reads the old weights; ``step()`` redoes them), a second
+        backward raises, and other reads of the parameters in between see the new weights.
       bounded_staging: host memory of the host updates bounded by their state (4 bytes per bf16 parameter with
         torch's bf16 state, 12 with ``master_weights``, 8 per float32 one) plus a ring of pinned chunks
         (``stream_ring_bytes``): the gradient and the weights are read from the GPU chunk by chunk as each update
@@ -88,6 +94,17 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         that gradient; a second backward, ``max_grad_norm``/:meth:`clip_grad_norm` and GradScaler's unscaling
         inside ``step()`` (not ``fused``) raise ``NotImplementedError`` before anything changes. Not with
         ``mode="gpu"`` (nothing staged). Default False.
+      grad_copies: how ``step()`` checks a speculated gradient on a GPU that the loop changed in place after its
+        hook (every trainer's ``clip_grad_norm_`` moves its version, even multiplying by 1.0; ``GradScaler.unscale_``):
+        True: the hook keeps a GPU copy of the gradient (``clone``) until ``step()`` compares ``param.grad`` with it
+        on the GPU (the speculated gradients' bytes once more in GPU memory from backward to ``step()``: 2 per
+        bf16/fp16 parameter, 4 per float32 one); False: ``step()`` compares with the gradient's host copy sent back
+        over PCIe (no GPU memory; those bytes over PCIe at ``step()``). Copies are kept only in steps after one
+        whose check compared bits (a loop that never changes gradients in place keeps none). None (default): True
+        where, at the first copy, the GPU's free memory (the driver's and torch's cached) less a tenth of its total
+        holds the copies and the gradients not allocated yet, else False with a warning; an out-of-memory copy
+        turns them off, with a warning. CPU parameters need none. Not with ``speculate=False`` or
+        ``bounded_staging`` (nothing speculated). Both give torch's bits.
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -104,7 +121,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
                  host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
-                 bounded_staging: bool = False):
+                 bounded_staging: bool = False, grad_copies: bool | None = None):
         # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
         self._init_kwargs = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
@@ -113,7 +130,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
-            host_margin=host_margin, speculate=speculate, bounded_staging=bounded_staging)
+            host_margin=host_margin, speculate=speculate, bounded_staging=bounded_staging, grad_copies=grad_copies)
         betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -132,6 +149,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
         if speculate is not None and not isinstance(speculate, bool):
             raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
+        if grad_copies is not None and not isinstance(grad_copies, bool):
+            raise ValueError(f"Invalid grad_copies: {grad_copies!r} (must be None, True or False)")
+        if grad_copies and (speculate is False or bounded_staging):
+            raise ValueError("grad_copies=True keeps copies for the check of speculative updates, which "
+                             f"{'speculate=False' if speculate is False else 'bounded_staging=True'} never makes "
+                             "(leave grad_copies unset)")
         P.check_bounded(bounded_staging, mode, master_weights, speculate, max_grad_norm)
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
@@ -148,7 +171,8 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         self._gate = Gate(self._slots, gated)
         ref = weakref.ref(self)
         self._grads = GradCapture(self._slots, self._gate, clipping=self.max_grad_norm is not None,
-                                  slot_hyper=lambda rec: ref()._slot_hyper(rec), speculate=speculate)
+                                  slot_hyper=lambda rec: ref()._slot_hyper(rec), speculate=speculate,
+                                  grad_copies=grad_copies)
         self._last_norm: torch.Tensor | None = None
         # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._release = weakref.finalize(self, _release, self._slots, self._gate)
@@ -353,11 +377,18 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         the host memory plan checked at construction (``host_plan_*``: see :meth:`host_memory_plan`), GPU state
         bytes (``gpu_state_bytes``, of ``gpu_state_params`` parameters; ``staging_ring_bytes``: ``gpu`` mode's ring),
         update and stall times, worker ``threads``, and where the rank sits: ``rank``, ``world_size``,
-        ``local_rank``, ``local_world_size``, ``worker_cores`` (cores the workers are bound to; 0: unbound)."""
+        ``local_rank``, ``local_world_size``, ``worker_cores`` (cores the workers are bound to; 0: unbound); the
+        speculation counters (docs/torch.md), of them ``spec_checks_device``/``spec_checks_staged``: gradients
+        compared bit for bit with a GPU copy / with their host copy, ``spec_copy_peak_bytes``: the most bytes of GPU
+        copies held at once (``grad_copies``)."""
         self._check_open()
         where = dict(zip(("rank", "world_size", "local_rank", "local_world_size", "worker_cores"),
                          (*D.world(), *D.local_world(), len(self._slots.cores or ()))))
+        copies = self._grads.copies
         return {**({} if self._engine is None else self._engine.stats()),
+                "spec_checks_device": float(copies.checked["device"]),
+                "spec_checks_staged": float(copies.checked["staged"]),
+                "spec_copy_peak_bytes": float(copies.peak),
                 **{f"host_plan_{k}": v for k, v in self._slots.host_plan.items()},
                 **{k: float(v) for k, v in where.items()}}
 
@@ -421,7 +452,7 @@ class OffloadAdamW(OffloadAdam):
                  worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
                  host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
-                 bounded_staging: bool = False):
+                 bounded_staging: bool = False, grad_copies: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
@@ -429,4 +460,4 @@ class OffloadAdamW(OffloadAdam):
                          gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
                          zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
                          pin_moments=pin_moments, host_margin=host_margin, speculate=speculate,
-                         bounded_staging=bounded_staging)
+                         bounded_staging=bounded_staging, grad_copies=grad_copies)

@@ -10,7 +10,8 @@ is bit for bit the update torch.optim.AdamW computes now. Detected, not assumed:
 * else (the version moved: the loop's own ``clip_grad_norm_``, which multiplies even by 1.0, an edit by hand; or
   GradScaler's ``unscale_``, which moves no version): ``param.grad``'s bits must equal the staged gradient times
   the assumed multiplier, rounded as torch rounds it (the staged bits themselves for 1.0), compared on the
-  gradient's device: the staged copy goes back up over PCIe (the gradient's bytes once more), no memory kept.
+  gradient's device: against the copy its hook kept there (:mod:`~trainstream.torch._gradcopy`, ``grad_copies``),
+  else against the staged host copy sent back up over PCIe (the gradient's bytes once more), no memory kept.
 
 Where it does not hold the update is redone from the pre-step state (``trainstream.core._speculate``). The
 multiplier assumed is GradScaler's inverse scale of the last step that showed it (``grad_scale``), or the power
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from ._params import Slot
 if TYPE_CHECKING:
     from ._grads import StagedCopy
 
-__all__ = ["Assumed", "SpeculationPolicy", "bits_differ", "bits_hold", "power_of_two_ratio", "read_all"]
+__all__ = ["Assumed", "SpeculationPolicy", "bits_differ", "bits_hold", "copy_differs", "power_of_two_ratio", "read_all"]
 
 #: The integer views of a gradient's bits, by element size.
 _BITS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
@@ -73,13 +74,33 @@ def bits_differ(grad: torch.Tensor, staged: np.ndarray, coef: float) -> bool | t
     if g.device.type == "cpu" and coef == 1.0:
         return not np.array_equal(g.view(ints).numpy(), staged.view(np_ints))
     host = torch.from_numpy(staged.view(np_ints))
-    bad = torch.zeros((), dtype=torch.bool, device=g.device)
+    return _differ(g, lambda b, e: host[b:e].to(g.device, non_blocking=True).view(g.dtype), coef)
+
+
+def copy_differs(grad: torch.Tensor, copy: torch.Tensor, coef: float) -> bool | torch.Tensor:
+    """:func:`bits_differ` against ``copy``, a copy of the gradient kept on its device by the hook
+    (:mod:`~trainstream.torch._gradcopy`) instead of the staged host one: the same arithmetic, no transfer."""
+    g, c = D.local(grad).detach().reshape(-1), copy.reshape(-1)
+    if g.dtype not in _DTYPE_NAME or g.dtype != c.dtype or g.numel() != c.numel() or g.device != c.device:
+        return True
+    return _differ(g, lambda b, e: c[b:e], coef)
+
+
+def _differ(g: torch.Tensor, ref: Callable[[int, int], torch.Tensor], coef: float) -> bool | torch.Tensor:
+    """Whether flat ``g``'s bits differ from ``ref(begin, end)`` (the reference's elements, ``g``'s dtype and
+    device) times ``coef`` in float32, rounded to ``g``'s dtype, in pieces of :data:`_PIECE` elements: a 0-dim
+    bool tensor on a GPU (not read), a bool on the CPU."""
+    ints = _BITS[g.element_size()][0]
+    bad = None
     for b in range(0, g.numel(), _PIECE):
         e = min(g.numel(), b + _PIECE)
-        ref = host[b:e].to(g.device, non_blocking=True).view(g.dtype)
+        r = ref(b, e)
         if coef != 1.0:
-            ref = (ref.float() * coef).to(g.dtype)
-        bad |= (g[b:e].view(ints) != ref.view(ints)).any()
+            r = (r.float() * coef).to(g.dtype)
+        piece = (g[b:e].view(ints) != r.view(ints)).any()
+        bad = piece if bad is None else bad | piece
+    if bad is None:
+        return False
     return bad if g.device.type != "cpu" else bool(bad)
 
 
@@ -119,8 +140,8 @@ def power_of_two_ratio(grad: torch.Tensor, staged: np.ndarray, dtype: str) -> fl
 
 class SpeculationPolicy:
     """When :class:`~trainstream.torch._grads.GradCapture` speculates, what it assumes, and whether a speculative
-    update holds at ``step()`` (its attributes: ``slots``, ``speculate``, ``_expect``, ``_signalled``, ``_scale``,
-    ``_user_unscales``, ``_scaled``, ``_untrusted``, ``slot_hyper``)."""
+    update holds at ``step()`` (its attributes: ``slots``, ``speculate``, ``copies``, ``_expect``, ``_signalled``,
+    ``_scale``, ``_user_unscales``, ``_scaled``, ``_untrusted``, ``slot_hyper``)."""
 
     def _hyper_now(self, rec: Slot) -> C.AdamWHyperParams | None:
         """``rec``'s group's hyper-parameters now, or None where they cannot be had (a group edit that is refused, a
@@ -156,6 +177,13 @@ class SpeculationPolicy:
         if self.speculate is None:
             self.speculate = self._budget_allows()
         return bool(self.speculate)
+
+    def _signalled_last(self) -> bool:
+        """Whether Accelerate's gradient state says this backward is the last before ``step()`` and may be trusted
+        (it was seen saying another one was not: HF Trainer and ``accelerator.accumulate`` with accumulation; alone
+        it says so of every backward, also where a loop accumulates by hand): the weights are uploaded during
+        backward, as under ``last_micro_batch()``."""
+        return self._signalled and _accelerate_syncs() is True
 
     def _budget_allows(self) -> bool:
         """``speculate=None``'s decision, once: the kept copies of every host slot fit in the host memory available
@@ -207,12 +235,14 @@ class SpeculationPolicy:
     def _verdicts(self, checks: list[tuple[Slot, StagedCopy | None, StagedCopy, Assumed, C.AdamWHyperParams]]
                   ) -> dict[int, bool]:
         """Per slot id of ``checks`` (``(rec, copy, ref, assumed, hp)``): whether its speculative update is bit for
-        bit what torch's step computes now (:mod:`~trainstream.torch._validate`). The GPU gradients' comparisons
-        are all launched first and read at once; GradScaler's power-of-two scaling is learnt where ``unscale_``
-        hid it."""
-        engine, verdicts, compared = self.slots.engine, {}, {}
+        bit what torch's step computes now (:mod:`~trainstream.torch._validate`). Every comparison is launched
+        first (with the gradient's device copy where its hook kept one, :mod:`~trainstream.torch._gradcopy`, else
+        with its staged host copy) and all are read at once; the device copies are dropped then. GradScaler's
+        power-of-two scaling is learnt where ``unscale_`` hid it."""
+        engine, copies, verdicts, compared = self.slots.engine, self.copies, {}, {}
         for rec, copy, ref, assumed, hp in checks:
             p, sid = rec.param, rec.sid
+            kept = copies.pop(sid)  # dropped with ``compared`` once read, else now
             if hp != assumed.hp or self._scaled.get(sid) != assumed.grad_div or not engine.speculative(sid):
                 verdicts[sid] = False
             elif not self._untrusted and copy is not None and copy.grad() is ref.grad() and copy.current(
@@ -221,15 +251,33 @@ class SpeculationPolicy:
             elif assumed.grad_div is not None:
                 verdicts[sid] = False
             else:
-                compared[sid] = (rec, engine.staged_grad(sid))
-                verdicts[sid] = bits_differ(p.grad, compared[sid][1], assumed.coef)
+                compared[sid] = (rec, kept)
+                if kept is not None:
+                    verdicts[sid] = copy_differs(p.grad, kept, assumed.coef)
+                else:
+                    verdicts[sid] = bits_differ(p.grad, engine.staged_grad(sid), assumed.coef)
+                copies.checked["staged" if kept is None else "device"] += 1
         differ = read_all({sid: verdicts[sid] for sid in compared})
-        for sid, (rec, staged) in compared.items():
+        for sid, (rec, _) in compared.items():
             verdicts[sid] = not differ[sid]
-            if differ[sid] and self._untrusted and (
-                    ratio := power_of_two_ratio(rec.param.grad, staged, rec.recipe.dtype)) is not None:
+            if differ[sid] and self._untrusted and (ratio := power_of_two_ratio(
+                    rec.param.grad, engine.staged_grad(sid), rec.recipe.dtype)) is not None:
                 self._scale = 1.0 / ratio  # GradScaler.unscale_'s, guessed for the next step (checked there)
+        if checks:
+            copies.want = bool(compared)  # the next step keeps copies where this one compared bits
         return verdicts
+
+    def _copies_need(self, device: torch.device) -> tuple[int, int]:
+        """The bytes of device copies of every speculable gradient on ``device``, and of those gradients not
+        allocated yet (``grad_copies=None``'s decision, :mod:`~trainstream.torch._gradcopy`)."""
+        engine, copies, pending = self.slots.engine, 0, 0
+        for rec in self.slots:
+            loc = D.local(rec.param)
+            if loc.device == device and rec.param.requires_grad and engine.can_speculate(rec.sid):
+                nbytes = loc.numel() * loc.element_size()
+                copies += nbytes
+                pending += nbytes if rec.param.grad is None else 0
+        return copies, pending
 
 
 def _accelerate_syncs() -> bool | None:
