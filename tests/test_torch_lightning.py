@@ -35,7 +35,7 @@ dist = torch.distributed
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from _torch_helpers import all_ranks, spawn_ranks  # noqa: E402
+from _torch_helpers import all_ranks, free_port, spawn_ranks  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
@@ -144,9 +144,13 @@ def _precision(setup: Setup, kind: str, device: str) -> dict:
     ``precision=``; "16-mixed" on the CPU needs it), trainstream's for OffloadAdamW where ``setup.plugin``."""
     p, ours = setup.precision, kind == "ours" and setup.plugin
     if setup.strategy.startswith("fsdp1"):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
-        scaler = ShardedGradScaler(device=device) if p == "16-mixed" else None  # its default device is CUDA
-        return {"plugins": [(OffloadFSDPPrecision if ours else FSDPPrecision)(p, scaler=scaler)]}
+        plugin = (OffloadFSDPPrecision if ours else FSDPPrecision)(p)
+        if p == "16-mixed":  # its own ShardedGradScaler, on this device and this job's group: the default device is
+            # CUDA, the default group the one of the first import (torch binds dist.group.WORLD as a default
+            # argument), and Lightning 2.6 refuses a scaler passed in (it reads self.precision before setting it)
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: PLC0415
+            plugin.scaler = ShardedGradScaler(device=device, process_group=dist.group.WORLD)
+        return {"plugins": [plugin]}
     if p.endswith("-mixed"):
         return {"plugins": [(OffloadMixedPrecision if ours else MixedPrecision)(p, device)]}
     return {"precision": p}
@@ -182,7 +186,7 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
     opt = trainer.optimizers[0]
     params = list(module.net.parameters())
     run = {"weights": [_local(p) for p in params], "seen": module.seen, "initial": module.initial,
-           "state": [{k: _local(v) for k, v in sorted(opt.state[p].items())} for p in params if p in opt.state],
+           "state": {i: {k: _local(v) for k, v in opt.state[p].items()} for i, p in enumerate(params) if p in opt.state},
            "lr": opt.param_groups[0]["lr"]}
     if isinstance(opt, OffloadAdamW):
         opt.close()
@@ -190,10 +194,11 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
 
 
 def _same(a: dict, b: dict, *, hooks: bool = True) -> bool:
+    """Weights, state entries (FSDP1 keeps none for a parameter empty on this rank), LR and hooks' view equal."""
     return (len(a["weights"]) == len(b["weights"]) and all(map(torch.equal, a["weights"], b["weights"]))
-            and len(a["state"]) == len(b["state"]) == len(a["weights"]) and a["lr"] == b["lr"]
+            and a["state"].keys() == b["state"].keys() and len(a["state"]) > 0 and a["lr"] == b["lr"]
             and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                    for x, y in zip(a["state"], b["state"]))
+                    for x, y in ((a["state"][i], b["state"][i]) for i in a["state"]))
             and (not hooks or a["seen"] == b["seen"]))
 
 
@@ -274,7 +279,8 @@ def test_mixed_precision_clipping_refusals(tmp_path, precision):
 
 # -- several processes ------------------------------------------------------------------------------
 
-SEVERAL = {
+#: Two ranks (gloo; on a GPU both share it).
+TWO_RANKS = {
     "ddp": Setup(strategy="ddp"),
     "ddp-bf16-mixed-plugin-value": Setup("bf16-mixed", clip="value", plugin=True, strategy="ddp"),
     "fsdp2": Setup(strategy="fsdp2"),
@@ -282,47 +288,56 @@ SEVERAL = {
     "fsdp1-value": Setup(clip="value", strategy="fsdp1"),
     "fsdp1-16-mixed-plugin-value": Setup("16-mixed", clip="value", plugin=True, strategy="fsdp1", inf_at=(1, 1)),
 }
-#: FSDP1 at world size 1 with NCCL, on a GPU: its full checkpoint too (not over gloo: torch's gather segfaults).
-FSDP1_GPU = {
-    "fsdp1_full-value": Setup(clip="value", strategy="fsdp1_full"),
-    "fsdp1_full-bf16-mixed-fused-noclip": Setup("bf16-mixed", fused=True, clip=None, strategy="fsdp1_full"),
-    "fsdp1-16-mixed-plugin-value": SEVERAL["fsdp1-16-mixed-plugin-value"],
+#: Then rank 0 alone (gloo; NCCL on a GPU): FSDP1 at world size 1 (its NO_SHARD), with its full checkpoint, which
+#: over gloo with two ranks segfaults in torch's gather (torch.optim.AdamW alone too).
+ONE_RANK = {
+    "world1-fsdp1_full-value": Setup(clip="value", strategy="fsdp1_full"),
+    "world1-fsdp1_full-bf16-mixed-fused-noclip": Setup("bf16-mixed", fused=True, clip=None, strategy="fsdp1_full"),
+    "world1-fsdp1-16-mixed-plugin-value": TWO_RANKS["fsdp1-16-mixed-plugin-value"],
 }
-#: Setups whose full checkpoint gathers CUDA tensors over gloo (torch's FSDP2 gather segfaults there, torch's AdamW
-#: alone too; tests/test_torch_dist.py's GLOO_CUDA_CRASH).
+JOBS = [(2, TWO_RANKS), (1, ONE_RANK)]
+#: Full checkpoints of CUDA tensors over gloo: torch's FSDP2 gather segfaults there, torch.optim.AdamW alone too
+#: (tests/test_torch_dist.py's GLOO_CUDA_CRASH).
 GLOO_CUDA_CRASH = {"fsdp2_full-bf16-true-value"}
-JOBS = {"several": SEVERAL, "fsdp1_gpu": FSDP1_GPU}
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, job: str, device: str) -> None:
-    """One rank: the job's setups in turn, in one process group (gloo; NCCL at world size 1 on a GPU), which
-    Lightning finds initialised and keeps. Lightning sees the ranks as nodes of one device each."""
+def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: list[int]) -> None:
+    """One rank: each job's setups in turn, in a process group of the job's ranks (gloo; NCCL for one rank on a GPU)
+    that Lightning finds initialised and keeps. Lightning sees the ranks as nodes of one device each."""
     faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
-                      WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)  # two ranks on CI's 2 cores
     if device == "cuda":
         torch.cuda.set_device(0)
-    backend = "nccl" if device == "cuda" and world == 1 else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
     results: dict[str, dict] = {}
     try:
-        for name, setup in JOBS[job].items():
-            if device == "cuda" and world > 1 and name in GLOO_CUDA_CRASH:
-                continue
-            folder = os.path.join(out, name)
-            os.makedirs(folder, exist_ok=True)
-            try:
-                checks = _compare(setup, device, folder)
-            except Exception:  # noqa: BLE001 - reported by this setup's test
-                results[name] = {"error": f"rank {rank}: {traceback.format_exc()[-4000:]}"}
+        for (size, setups), job_port in zip(JOBS, [port, *ports]):
+            if rank >= size:
                 break
-            results[name] = {"checks": all_ranks(checks)}
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job_port), NODE_RANK=str(rank), LOCAL_RANK="0",
+                              WORLD_SIZE=str(size), RANK=str(rank))
+            backend = "nccl" if device == "cuda" and size == 1 else "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=size,
+                                    **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
+            try:
+                for name, setup in setups.items():
+                    if device == "cuda" and size > 1 and name in GLOO_CUDA_CRASH:
+                        continue
+                    folder = os.path.join(out, name)
+                    os.makedirs(folder, exist_ok=True)
+                    checks = _compare(setup, device, folder)
+                    results[name] = {"checks": all_ranks(checks)}
+            finally:
+                dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported by the tests of this setup and the next
+        results[name] = {"error": f"rank {rank}: {traceback.format_exc()[-12000:]}"}
     finally:
         with open(os.path.join(out, f"results{rank}.json"), "w") as f:
             json.dump(results, f)
-        dist.destroy_process_group()
+
+
+def _spawn(tmp_path_factory, device: str) -> dict:
+    return spawn_ranks(_rank_main, 2, tmp_path_factory.mktemp(f"lightning_{device}"), device,
+                       [free_port() for _ in JOBS[1:]])
 
 
 def _check(results: dict, name: str) -> None:
@@ -336,33 +351,22 @@ def _check(results: dict, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def several_cpu(tmp_path_factory):
-    return spawn_ranks(_rank_main, 2, tmp_path_factory.mktemp("lightning_cpu"), "several", "cpu")
-
-
-@pytest.mark.parametrize("name", list(SEVERAL))
-def test_two_ranks_cpu(several_cpu, name):
-    _check(several_cpu, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(SEVERAL))
-def test_two_gloo_ranks_one_gpu(request, name):
-    if name in GLOO_CUDA_CRASH:
-        pytest.skip("torch's full-state gather of CUDA tensors over gloo segfaults (torch.optim.AdamW alone too)")
-    _check(request.getfixturevalue("several_gpu"), name)
+    return _spawn(tmp_path_factory, "cpu")
 
 
 @pytest.fixture(scope="module")
 def several_gpu(tmp_path_factory):
-    return spawn_ranks(_rank_main, 2, tmp_path_factory.mktemp("lightning_gpu"), "several", "cuda")
+    return _spawn(tmp_path_factory, "cuda")
 
 
-@pytest.fixture(scope="module")
-def fsdp1_gpu(tmp_path_factory):
-    return spawn_ranks(_rank_main, 1, tmp_path_factory.mktemp("lightning_fsdp1_gpu"), "fsdp1_gpu", "cuda")
+@pytest.mark.parametrize("name", [*TWO_RANKS, *ONE_RANK])
+def test_several_processes_cpu(several_cpu, name):
+    _check(several_cpu, name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(FSDP1_GPU))
-def test_fsdp1_one_gpu(fsdp1_gpu, name):
-    _check(fsdp1_gpu, name)
+@pytest.mark.parametrize("name", [*TWO_RANKS, *ONE_RANK])
+def test_several_processes_one_gpu(request, name):
+    if name in GLOO_CUDA_CRASH:
+        pytest.skip("torch's full-state gather of CUDA tensors over gloo segfaults (torch.optim.AdamW alone too)")
+    _check(request.getfixturevalue("several_gpu"), name)
