@@ -56,7 +56,8 @@ def _net() -> nn.Module:
 class Setup:
     """One Trainer configuration, run with each optimizer. ``plugin``: OffloadAdamW's run takes trainstream's precision
     plugin (else both take Lightning's); ``ours``: OffloadAdamW's own arguments (``max_grad_norm`` replaces the
-    Trainer's clipping in its run); ``inf_at``: (epoch, batch) whose loss is inf (GradScaler skips that step)."""
+    Trainer's clipping in its run); ``inf_at``: (epoch, batch) whose loss is inf (GradScaler skips that step);
+    ``manual``: Lightning's manual optimization, the same loop written in ``training_step``."""
 
     precision: str = "32-true"
     fused: bool | None = None
@@ -65,6 +66,7 @@ class Setup:
     strategy: str = "single"
     ours: dict = field(default_factory=dict)
     inf_at: tuple[int, int] | None = None
+    manual: bool = False
 
     @property
     def hooks_see_unscaled(self) -> bool:
@@ -77,6 +79,7 @@ class Module(pl.LightningModule):
     def __init__(self, kind: str, cfg: Setup):
         super().__init__()
         self.kind, self.cfg = kind, cfg
+        self.automatic_optimization = not cfg.manual
         self.net = _net()
         self.seen: list[str] = []  # per optimizer step: the gradients' norm and largest magnitude, as the hooks see them
         self.initial: list[torch.Tensor] = []  # this rank's shards when the optimizer is built
@@ -90,7 +93,17 @@ class Module(pl.LightningModule):
         loss = self.net(x).float().square().mean()
         if (self.current_epoch, batch_idx) == self.cfg.inf_at:
             loss = loss * float("inf")
-        return loss
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()  # manual optimization: 2 micro-batches a step, clipping, the scheduler
+        self.manual_backward(loss / 2)
+        if batch_idx % 2:
+            if self.cfg.clip:
+                self.clip_gradients(opt, CLIP[self.cfg.clip], self.cfg.clip)
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+        return None
 
     def on_before_optimizer_step(self, optimizer):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -168,10 +181,11 @@ def _batches(rank: int) -> list[torch.Tensor]:
 def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=None) -> dict:
     """One ``trainer.fit``: the weights, optimizer state and hooks' view at its end (this rank's shards)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    clip = setup.clip if not (kind == "ours" and "max_grad_norm" in setup.ours) else None
+    clip = None if setup.manual or (kind == "ours" and "max_grad_norm" in setup.ours) else setup.clip
     module = Module(kind, setup)
     trainer = pl.Trainer(
-        max_epochs=epochs, accumulate_grad_batches=2, accelerator=device, devices=1, num_nodes=world,
+        max_epochs=epochs, accumulate_grad_batches=1 if setup.manual else 2, accelerator=device, devices=1,
+        num_nodes=world,
         strategy=_strategy(setup, device), use_distributed_sampler=False, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         **(dict(gradient_clip_val=CLIP[clip], gradient_clip_algorithm=clip) if clip else {}),
@@ -193,12 +207,15 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
     return run
 
 
-def _same(a: dict, b: dict, *, hooks: bool = True) -> bool:
-    """Weights, state entries (FSDP1 keeps none for a parameter empty on this rank), LR and hooks' view equal."""
+def _same(a: dict, b: dict, *, hooks: bool = True, partition: bool = False) -> bool:
+    """Weights, state entries (FSDP1 keeps none for a parameter empty on this rank; with ``partition``, ``b`` only
+    those of its ZeRO-1 partition), LR and hooks' view equal."""
+    keys = b["state"].keys()
     return (len(a["weights"]) == len(b["weights"]) and all(map(torch.equal, a["weights"], b["weights"]))
-            and a["state"].keys() == b["state"].keys() and len(a["state"]) > 0 and a["lr"] == b["lr"]
+            and (keys <= a["state"].keys() if partition else keys == a["state"].keys() and len(keys) > 0)
+            and a["lr"] == b["lr"]
             and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                    for x, y in ((a["state"][i], b["state"][i]) for i in a["state"]))
+                    for x, y in ((a["state"][i], b["state"][i]) for i in keys))
             and (not hooks or a["seen"] == b["seen"]))
 
 
@@ -210,14 +227,14 @@ def _compare(setup: Setup, device: str, folder: str) -> dict[str, bool]:
         _fit(kind, setup, device, 1, save=os.path.join(folder, f"{kind}.ckpt"))
         runs[kind, "resumed"] = _fit(kind, setup, device, 2, ckpt=os.path.join(folder, f"{kind}.ckpt"))
     runs["ours", "from_adamw"] = _fit("ours", setup, device, 2, ckpt=os.path.join(folder, "adamw.ckpt"))
-    hooks = setup.hooks_see_unscaled
+    kw = {"hooks": setup.hooks_see_unscaled, "partition": setup.ours.get("zero_stage") == 1}
     ref = runs["adamw"]
     checks = {"adamw_resume_exact": _same(ref, runs["adamw", "resumed"], hooks=False),  # the harness itself
-              "bitwise": _same(ref, runs["ours"], hooks=hooks),
-              "resumed_bitwise": _same(runs["adamw", "resumed"], runs["ours", "resumed"], hooks=hooks),
-              "from_adamw_bitwise": _same(runs["adamw", "resumed"], runs["ours", "from_adamw"], hooks=hooks),
+              "bitwise": _same(ref, runs["ours"], **kw),
+              "resumed_bitwise": _same(runs["adamw", "resumed"], runs["ours", "resumed"], **kw),
+              "from_adamw_bitwise": _same(runs["adamw", "resumed"], runs["ours", "from_adamw"], **kw),
               "trained": all(not torch.equal(a, b) for a, b in zip(ref["initial"], ref["weights"]) if a.numel())}
-    if setup.clip and ref["seen"]:  # the gradients before clipping (where the hooks see plain tensors)
+    if setup.clip and ref["seen"] and not setup.manual:  # before clipping (where the hooks see plain tensors)
         seen = [float.fromhex(s.split()[setup.clip == "value"]) for s in ref["seen"]]
         checks["clipped"] = any(v > CLIP[setup.clip] for v in seen if v < float("inf"))
     return checks
@@ -245,6 +262,8 @@ ONE_DEVICE = {
     "16-mixed-plugin-value": Setup("16-mixed", clip="value", plugin=True, inf_at=(1, 1)),
     "16-mixed-noclip": Setup("16-mixed", clip=None, inf_at=(1, 1)),
     "16-mixed-fused-noclip": Setup("16-mixed", fused=True, clip=None, inf_at=(1, 1)),
+    "manual-32-true": Setup(manual=True),
+    "manual-16-mixed-plugin-value": Setup("16-mixed", clip="value", plugin=True, inf_at=(1, 1), manual=True),
 }
 GPU_ONLY = {
     "gpu-mode-16-mixed-plugin": Setup("16-mixed", plugin=True, ours={"mode": "gpu"}, inf_at=(1, 1)),
@@ -283,6 +302,7 @@ def test_mixed_precision_clipping_refusals(tmp_path, precision):
 TWO_RANKS = {
     "ddp": Setup(strategy="ddp"),
     "ddp-bf16-mixed-plugin-value": Setup("bf16-mixed", clip="value", plugin=True, strategy="ddp"),
+    "ddp-zero1": Setup(strategy="ddp", ours={"zero_stage": 1}),  # Lightning consolidates it on rank 0 to save
     "fsdp2": Setup(strategy="fsdp2"),
     "fsdp2_full-bf16-true-value": Setup("bf16-true", clip="value", strategy="fsdp2_full"),
     "fsdp1-value": Setup(clip="value", strategy="fsdp1"),
