@@ -128,10 +128,13 @@ def free_port() -> int:
 
 
 def all_ranks(checks: dict) -> dict:
-    """``checks`` (name: bool) true on every rank of the default process group (MIN over the ranks)."""
+    """``checks`` (name: bool) true on every rank of the default process group (MIN over the ranks; NCCL's on the
+    current CUDA device)."""
     import torch.distributed as dist  # noqa: PLC0415
     flags = torch.tensor([int(bool(v)) for v in checks.values()] or [1])
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if dist.get_world_size() > 1:
+        flags = flags.cuda() if dist.get_backend() == "nccl" else flags
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return dict(zip(checks, map(bool, flags.tolist())))
 
 

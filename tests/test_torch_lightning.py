@@ -140,16 +140,18 @@ class _CPUFSDPStrategy(FSDPStrategy):
 
 
 def _strategy(setup: Setup, device: str):
+    """Lightning's strategy for ``setup``, on the process group the job initialised (Lightning keeps it)."""
     name = setup.strategy
     if name == "single":
         return "auto"
+    backend = dist.get_backend()
     if name == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(process_group_backend=backend)
     if name.startswith("fsdp2"):
         return ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1,
-                                     save_distributed_checkpoint=name != "fsdp2_full")
+                                     save_distributed_checkpoint=name != "fsdp2_full", process_group_backend=backend)
     cls = _CPUFSDPStrategy if device == "cpu" else FSDPStrategy
-    return cls(state_dict_type="full" if name == "fsdp1_full" else "sharded")
+    return cls(state_dict_type="full" if name == "fsdp1_full" else "sharded", process_group_backend=backend)
 
 
 def _precision(setup: Setup, kind: str, device: str) -> dict:
