@@ -115,3 +115,50 @@ def train_pair(steps=50, micro=1, max_norm=None, sched=False, threads=2, chunk=4
         for s in scheds:
             s.step()
     return ref_model, ts_model, ref, ts, norms
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a process group's rendezvous."""
+    import socket  # noqa: PLC0415
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def all_ranks(checks: dict) -> dict:
+    """``checks`` (name: bool) true on every rank of the default process group (MIN over the ranks; NCCL's on the
+    current CUDA device)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    flags = torch.tensor([int(bool(v)) for v in checks.values()] or [1])
+    if dist.get_world_size() > 1:
+        flags = flags.cuda() if dist.get_backend() == "nccl" else flags
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return dict(zip(checks, map(bool, flags.tolist())))
+
+
+def spawn_ranks(main, world: int, out, *args) -> dict:
+    """``main(rank, world, port, out, *args)`` in ``world`` processes (``torch.multiprocessing.spawn``), each writing
+    ``results{rank}.json`` under ``out``: rank 0's results, with the entries of another rank that reports an error
+    (``{"error": ...}``) in their place; ``"__failure__"`` says why a rank stopped (a raise, a signal)."""
+    import json  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    out = pathlib.Path(out)
+    try:
+        mp.spawn(main, args=(world, free_port(), str(out), *args), nprocs=world, join=True)
+    except Exception as exc:  # noqa: BLE001 - the ranks' own reports say more
+        failure = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = ""
+    results: dict = {}
+    for rank in range(world):
+        path = out / f"results{rank}.json"
+        if path.exists():
+            for name, r in json.loads(path.read_text()).items():
+                if name not in results or "error" in r:
+                    results[name] = r
+    results["__failure__"] = failure
+    return results
