@@ -14,12 +14,13 @@ optimizer state and what ``on_before_optimizer_step`` sees are compared bitwise 
   ``fully_shard`` in ``configure_model``) with a distributed and a full checkpoint; ``FSDPStrategy`` (FSDP1, flat
   parameters with ``use_orig_params=True``), whose CPU run needs two changes to run at all (Lightning refuses a CPU
   accelerator for it, torch's FSDP1 wants ``device_id=cpu``): :class:`_CPUFSDPStrategy`. Its full checkpoint
-  segfaults in torch's gather over gloo (``torch.optim.AdamW`` alone too), so it runs at world size 1 with NCCL,
-  among the GPU tests.
+  segfaults in torch's gather over two gloo ranks (``torch.optim.AdamW`` alone too), so it runs at world size 1
+  (rank 0 alone, after the two-rank setups; NCCL on a GPU).
 """
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -332,6 +333,11 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
     if device == "cuda":
         torch.cuda.set_device(0)
     results: dict[str, dict] = {}
+    name = "(process group)"
+
+    def dump():  # after each setup: a rank that crashes (a signal) keeps what ran
+        with open(os.path.join(out, f"results{rank}.json"), "w") as f:
+            json.dump(results, f)
     try:
         for (size, setups), job_port in zip(JOBS, [port, *ports]):
             if rank >= size:
@@ -339,7 +345,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job_port), NODE_RANK=str(rank), LOCAL_RANK="0",
                               WORLD_SIZE=str(size), RANK=str(rank))
             backend = "nccl" if device == "cuda" and size == 1 else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=size,
+            dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=180),
                                     **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
             try:
                 for name, setup in setups.items():
@@ -349,13 +355,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
                     os.makedirs(folder, exist_ok=True)
                     checks = _compare(setup, device, folder)
                     results[name] = {"checks": all_ranks(checks)}
+                    dump()
             finally:
                 dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported by the tests of this setup and the next
         results[name] = {"error": f"rank {rank}: {traceback.format_exc()[-12000:]}"}
     finally:
-        with open(os.path.join(out, f"results{rank}.json"), "w") as f:
-            json.dump(results, f)
+        dump()
 
 
 def _spawn(tmp_path_factory, device: str) -> dict:
