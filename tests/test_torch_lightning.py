@@ -58,7 +58,8 @@ class Setup:
     """One Trainer configuration, run with each optimizer. ``plugin``: OffloadAdamW's run takes trainstream's precision
     plugin (else both take Lightning's); ``ours``: OffloadAdamW's own arguments (``max_grad_norm`` replaces the
     Trainer's clipping in its run); ``inf_at``: (epoch, batch) whose loss is inf (GradScaler skips that step);
-    ``manual``: Lightning's manual optimization, the same loop written in ``training_step``."""
+    ``manual``: Lightning's manual optimization, the same loop written in ``training_step``; ``reads``: a
+    ``ModelCheckpoint`` every step and a callback reading ``state_dict()`` and the weights after every micro-batch."""
 
     precision: str = "32-true"
     fused: bool | None = None
@@ -68,6 +69,7 @@ class Setup:
     ours: dict = field(default_factory=dict)
     inf_at: tuple[int, int] | None = None
     manual: bool = False
+    reads: bool = False
 
     @property
     def hooks_see_unscaled(self) -> bool:
@@ -127,6 +129,14 @@ class Module(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class _Reads(pl.Callback):
+    """Reads between micro-batches (the optimizer's state dict, the weights), as a logging callback may."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.optimizers[0].state_dict()
+        [p.detach().sum().item() for p in pl_module.parameters()]
+
+
 class _CPUFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy on the CPU, for the tests only: Lightning refuses a CPU accelerator for the strategy
     it names ``fsdp`` (not for a subclass), and torch's FSDP1 runs on the CPU when given ``device_id=cpu`` (Lightning
@@ -181,7 +191,7 @@ def _batches(rank: int) -> list[torch.Tensor]:
     return [torch.randn(4, 8, generator=g) for _ in range(4)]
 
 
-def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=None) -> dict:
+def _fit(kind: str, setup: Setup, device: str, folder: str, epochs: int, *, save=None, ckpt=None) -> dict:
     """One ``trainer.fit``: the weights, optimizer state and hooks' view at its end (this rank's shards)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     clip = None if setup.manual or (kind == "ours" and "max_grad_norm" in setup.ours) else setup.clip
@@ -189,8 +199,10 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
     trainer = pl.Trainer(
         max_epochs=epochs, accumulate_grad_batches=1 if setup.manual else 2, accelerator=device, devices=1,
         num_nodes=world,
-        strategy=_strategy(setup, device), use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        strategy=_strategy(setup, device), use_distributed_sampler=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=setup.reads,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=os.path.join(folder, f"{kind}-every-step"), save_top_k=-1,
+                                                every_n_train_steps=1), _Reads()] if setup.reads else None,
         **(dict(gradient_clip_val=CLIP[clip], gradient_clip_algorithm=clip) if clip else {}),
         **_precision(setup, kind, device))
     with warnings.catch_warnings():
@@ -226,11 +238,11 @@ def _compare(setup: Setup, device: str, folder: str) -> dict[str, bool]:
     """The three runs of each optimizer and each one's resume from the other's checkpoint, compared."""
     runs = {}
     for kind in ("adamw", "ours"):
-        runs[kind] = _fit(kind, setup, device, 2)
-        _fit(kind, setup, device, 1, save=os.path.join(folder, f"{kind}.ckpt"))
-        runs[kind, "resumed"] = _fit(kind, setup, device, 2, ckpt=os.path.join(folder, f"{kind}.ckpt"))
-    runs["ours", "from_adamw"] = _fit("ours", setup, device, 2, ckpt=os.path.join(folder, "adamw.ckpt"))
-    runs["adamw", "from_ours"] = _fit("adamw", setup, device, 2, ckpt=os.path.join(folder, "ours.ckpt"))
+        runs[kind] = _fit(kind, setup, device, folder, 2)
+        _fit(kind, setup, device, folder, 1, save=os.path.join(folder, f"{kind}.ckpt"))
+        runs[kind, "resumed"] = _fit(kind, setup, device, folder, 2, ckpt=os.path.join(folder, f"{kind}.ckpt"))
+    runs["ours", "from_adamw"] = _fit("ours", setup, device, folder, 2, ckpt=os.path.join(folder, "adamw.ckpt"))
+    runs["adamw", "from_ours"] = _fit("adamw", setup, device, folder, 2, ckpt=os.path.join(folder, "ours.ckpt"))
     kw = {"hooks": setup.hooks_see_unscaled, "partition": setup.ours.get("zero_stage") == 1}
     ref = runs["adamw"]
     checks = {"adamw_resume_exact": _same(ref, runs["adamw", "resumed"], hooks=False),  # the harness itself
@@ -253,7 +265,7 @@ def _assert_checks(checks: dict) -> None:
 # -- one device -------------------------------------------------------------------------------------
 
 ONE_DEVICE = {
-    "32-true": Setup(),
+    "32-true-reads": Setup(reads=True),
     "32-true-fused-value": Setup(fused=True, clip="value"),
     "bf16-true-value": Setup("bf16-true", clip="value"),
     "bf16-true-fused": Setup("bf16-true", fused=True),
@@ -263,7 +275,7 @@ ONE_DEVICE = {
     "bf16-mixed-plugin-value": Setup("bf16-mixed", clip="value", plugin=True),
     "bf16-mixed-max_grad_norm": Setup("bf16-mixed", ours={"max_grad_norm": CLIP["norm"]}),
     "bf16-mixed-fused-noclip": Setup("bf16-mixed", fused=True, clip=None),
-    "16-mixed-plugin": Setup("16-mixed", plugin=True, inf_at=(1, 1)),
+    "16-mixed-plugin-reads": Setup("16-mixed", plugin=True, inf_at=(1, 1), reads=True),
     "16-mixed-plugin-value": Setup("16-mixed", clip="value", plugin=True, inf_at=(1, 1)),
     "16-mixed-noclip": Setup("16-mixed", clip=None, inf_at=(1, 1)),
     "16-mixed-fused-noclip": Setup("16-mixed", fused=True, clip=None, inf_at=(1, 1)),
@@ -295,10 +307,10 @@ def test_mixed_precision_clipping_refusals(tmp_path, precision):
     AdamW gets it."""
     refused = "does not allow for gradient clipping"
     with pytest.raises(RuntimeError, match=refused):
-        _fit("ours", Setup(precision), "cpu", 1)
+        _fit("ours", Setup(precision), "cpu", str(tmp_path), 1)
     for kind in ("adamw", "ours"):
         with pytest.raises(RuntimeError, match=refused):
-            _fit(kind, Setup(precision, fused=True, plugin=True), "cpu", 1)
+            _fit(kind, Setup(precision, fused=True, plugin=True), "cpu", str(tmp_path), 1)
 
 
 # -- several processes ------------------------------------------------------------------------------
