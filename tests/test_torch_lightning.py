@@ -84,7 +84,7 @@ class Module(pl.LightningModule):
         self.kind, self.cfg = kind, cfg
         self.automatic_optimization = not cfg.manual
         self.net = _net()
-        self.seen: list[str] = []  # per optimizer step: the gradients' norm and largest magnitude, as the hooks see them
+        self.seen: list[str] = []  # per optimizer step: the gradients' norm and largest magnitude, as hooks see them
         self.initial: list[torch.Tensor] = []  # this rank's shards when the optimizer is built
 
     def configure_model(self):
@@ -215,7 +215,8 @@ def _fit(kind: str, setup: Setup, device: str, folder: str, epochs: int, *, save
     opt = trainer.optimizers[0]
     params = list(module.net.parameters())
     run = {"weights": [_local(p) for p in params], "seen": module.seen, "initial": module.initial,
-           "state": {i: {k: _local(v) for k, v in opt.state[p].items()} for i, p in enumerate(params) if p in opt.state},
+           "state": {i: {k: _local(v) for k, v in opt.state[p].items()}
+                     for i, p in enumerate(params) if p in opt.state},
            "lr": opt.param_groups[0]["lr"]}
     if isinstance(opt, OffloadAdamW):
         opt.close()
