@@ -34,7 +34,7 @@ SLOW_FILES = {
     "test_jax.py": 105,
     "test_torch_inputs.py": 80,
     "test_torch_dist.py": 55,
-    "test_torch_lightning.py": 45,
+    "test_torch_lightning.py": 60,
     "test_jax_resident.py": 50,
     "test_torch_torchtitan.py": 35,
     "test_experiments_largest.py": 30,

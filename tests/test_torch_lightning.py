@@ -3,8 +3,8 @@
 its ``configure_optimizers`` (with a per-step LR scheduler); the Trainer accumulates 2 micro-batches, clips with its
 own ``gradient_clip_val`` (norm or value) and precision plugin, saves with ``trainer.save_checkpoint`` after the first
 epoch and resumes from it with ``fit(ckpt_path=...)``. Each setup trains three ways per optimizer (2 epochs; 1 epoch
-and a checkpoint; the resume from it) and OffloadAdamW once more from ``torch.optim.AdamW``'s checkpoint; the
-weights, the optimizer state and what ``on_before_optimizer_step`` sees are compared bitwise (local shards).
+and a checkpoint; the resume from it) and once more from the other optimizer's checkpoint; the weights, the
+optimizer state and what ``on_before_optimizer_step`` sees are compared bitwise (this rank's shards).
 
 * One device: on the CPU every precision plugin that runs there (``"16-mixed"`` through
   ``MixedPrecision("16-mixed", "cpu")`` and a GradScaler, with a step skipped for an inf); on a GPU (``gpu`` mark)
@@ -14,12 +14,13 @@ weights, the optimizer state and what ``on_before_optimizer_step`` sees are comp
   ``fully_shard`` in ``configure_model``) with a distributed and a full checkpoint; ``FSDPStrategy`` (FSDP1, flat
   parameters with ``use_orig_params=True``), whose CPU run needs two changes to run at all (Lightning refuses a CPU
   accelerator for it, torch's FSDP1 wants ``device_id=cpu``): :class:`_CPUFSDPStrategy`. Its full checkpoint
-  segfaults in torch's gather over gloo (``torch.optim.AdamW`` alone too), so it runs at world size 1 with NCCL,
-  among the GPU tests.
+  segfaults in torch's gather over two gloo ranks (``torch.optim.AdamW`` alone too), so it runs at world size 1
+  (rank 0 alone, after the two-rank setups; NCCL on a GPU).
 """
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -57,7 +58,8 @@ class Setup:
     """One Trainer configuration, run with each optimizer. ``plugin``: OffloadAdamW's run takes trainstream's precision
     plugin (else both take Lightning's); ``ours``: OffloadAdamW's own arguments (``max_grad_norm`` replaces the
     Trainer's clipping in its run); ``inf_at``: (epoch, batch) whose loss is inf (GradScaler skips that step);
-    ``manual``: Lightning's manual optimization, the same loop written in ``training_step``."""
+    ``manual``: Lightning's manual optimization, the same loop written in ``training_step``; ``reads``: a
+    ``ModelCheckpoint`` every step and a callback reading ``state_dict()`` and the weights after every micro-batch."""
 
     precision: str = "32-true"
     fused: bool | None = None
@@ -67,6 +69,7 @@ class Setup:
     ours: dict = field(default_factory=dict)
     inf_at: tuple[int, int] | None = None
     manual: bool = False
+    reads: bool = False
 
     @property
     def hooks_see_unscaled(self) -> bool:
@@ -81,7 +84,7 @@ class Module(pl.LightningModule):
         self.kind, self.cfg = kind, cfg
         self.automatic_optimization = not cfg.manual
         self.net = _net()
-        self.seen: list[str] = []  # per optimizer step: the gradients' norm and largest magnitude, as the hooks see them
+        self.seen: list[str] = []  # per optimizer step: the gradients' norm and largest magnitude, as hooks see them
         self.initial: list[torch.Tensor] = []  # this rank's shards when the optimizer is built
 
     def configure_model(self):
@@ -124,6 +127,14 @@ class Module(pl.LightningModule):
                                     fused=self.cfg.fused)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _Reads(pl.Callback):
+    """Reads between micro-batches (the optimizer's state dict, the weights), as a logging callback may."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.optimizers[0].state_dict()
+        [p.detach().sum().item() for p in pl_module.parameters()]
 
 
 class _CPUFSDPStrategy(FSDPStrategy):
@@ -180,7 +191,7 @@ def _batches(rank: int) -> list[torch.Tensor]:
     return [torch.randn(4, 8, generator=g) for _ in range(4)]
 
 
-def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=None) -> dict:
+def _fit(kind: str, setup: Setup, device: str, folder: str, epochs: int, *, save=None, ckpt=None) -> dict:
     """One ``trainer.fit``: the weights, optimizer state and hooks' view at its end (this rank's shards)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     clip = None if setup.manual or (kind == "ours" and "max_grad_norm" in setup.ours) else setup.clip
@@ -188,8 +199,10 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
     trainer = pl.Trainer(
         max_epochs=epochs, accumulate_grad_batches=1 if setup.manual else 2, accelerator=device, devices=1,
         num_nodes=world,
-        strategy=_strategy(setup, device), use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        strategy=_strategy(setup, device), use_distributed_sampler=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=setup.reads,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=os.path.join(folder, f"{kind}-every-step"), save_top_k=-1,
+                                                every_n_train_steps=1), _Reads()] if setup.reads else None,
         **(dict(gradient_clip_val=CLIP[clip], gradient_clip_algorithm=clip) if clip else {}),
         **_precision(setup, kind, device))
     with warnings.catch_warnings():
@@ -202,7 +215,8 @@ def _fit(kind: str, setup: Setup, device: str, epochs: int, *, save=None, ckpt=N
     opt = trainer.optimizers[0]
     params = list(module.net.parameters())
     run = {"weights": [_local(p) for p in params], "seen": module.seen, "initial": module.initial,
-           "state": {i: {k: _local(v) for k, v in opt.state[p].items()} for i, p in enumerate(params) if p in opt.state},
+           "state": {i: {k: _local(v) for k, v in opt.state[p].items()}
+                     for i, p in enumerate(params) if p in opt.state},
            "lr": opt.param_groups[0]["lr"]}
     if isinstance(opt, OffloadAdamW):
         opt.close()
@@ -222,19 +236,21 @@ def _same(a: dict, b: dict, *, hooks: bool = True, partition: bool = False) -> b
 
 
 def _compare(setup: Setup, device: str, folder: str) -> dict[str, bool]:
-    """The three runs of each optimizer and OffloadAdamW's resume from torch's checkpoint, compared."""
+    """The three runs of each optimizer and each one's resume from the other's checkpoint, compared."""
     runs = {}
     for kind in ("adamw", "ours"):
-        runs[kind] = _fit(kind, setup, device, 2)
-        _fit(kind, setup, device, 1, save=os.path.join(folder, f"{kind}.ckpt"))
-        runs[kind, "resumed"] = _fit(kind, setup, device, 2, ckpt=os.path.join(folder, f"{kind}.ckpt"))
-    runs["ours", "from_adamw"] = _fit("ours", setup, device, 2, ckpt=os.path.join(folder, "adamw.ckpt"))
+        runs[kind] = _fit(kind, setup, device, folder, 2)
+        _fit(kind, setup, device, folder, 1, save=os.path.join(folder, f"{kind}.ckpt"))
+        runs[kind, "resumed"] = _fit(kind, setup, device, folder, 2, ckpt=os.path.join(folder, f"{kind}.ckpt"))
+    runs["ours", "from_adamw"] = _fit("ours", setup, device, folder, 2, ckpt=os.path.join(folder, "adamw.ckpt"))
+    runs["adamw", "from_ours"] = _fit("adamw", setup, device, folder, 2, ckpt=os.path.join(folder, "ours.ckpt"))
     kw = {"hooks": setup.hooks_see_unscaled, "partition": setup.ours.get("zero_stage") == 1}
     ref = runs["adamw"]
     checks = {"adamw_resume_exact": _same(ref, runs["adamw", "resumed"], hooks=False),  # the harness itself
               "bitwise": _same(ref, runs["ours"], **kw),
               "resumed_bitwise": _same(runs["adamw", "resumed"], runs["ours", "resumed"], **kw),
               "from_adamw_bitwise": _same(runs["adamw", "resumed"], runs["ours", "from_adamw"], **kw),
+              "adamw_from_ours": _same(runs["adamw", "resumed"], runs["adamw", "from_ours"]),
               "trained": all(not torch.equal(a, b) for a, b in zip(ref["initial"], ref["weights"]) if a.numel())}
     if setup.clip and ref["seen"] and not setup.manual:  # before clipping (where the hooks see plain tensors)
         seen = [float.fromhex(s.split()[setup.clip == "value"]) for s in ref["seen"]]
@@ -250,7 +266,7 @@ def _assert_checks(checks: dict) -> None:
 # -- one device -------------------------------------------------------------------------------------
 
 ONE_DEVICE = {
-    "32-true": Setup(),
+    "32-true-reads": Setup(reads=True),
     "32-true-fused-value": Setup(fused=True, clip="value"),
     "bf16-true-value": Setup("bf16-true", clip="value"),
     "bf16-true-fused": Setup("bf16-true", fused=True),
@@ -260,7 +276,7 @@ ONE_DEVICE = {
     "bf16-mixed-plugin-value": Setup("bf16-mixed", clip="value", plugin=True),
     "bf16-mixed-max_grad_norm": Setup("bf16-mixed", ours={"max_grad_norm": CLIP["norm"]}),
     "bf16-mixed-fused-noclip": Setup("bf16-mixed", fused=True, clip=None),
-    "16-mixed-plugin": Setup("16-mixed", plugin=True, inf_at=(1, 1)),
+    "16-mixed-plugin-reads": Setup("16-mixed", plugin=True, inf_at=(1, 1), reads=True),
     "16-mixed-plugin-value": Setup("16-mixed", clip="value", plugin=True, inf_at=(1, 1)),
     "16-mixed-noclip": Setup("16-mixed", clip=None, inf_at=(1, 1)),
     "16-mixed-fused-noclip": Setup("16-mixed", fused=True, clip=None, inf_at=(1, 1)),
@@ -292,10 +308,10 @@ def test_mixed_precision_clipping_refusals(tmp_path, precision):
     AdamW gets it."""
     refused = "does not allow for gradient clipping"
     with pytest.raises(RuntimeError, match=refused):
-        _fit("ours", Setup(precision), "cpu", 1)
+        _fit("ours", Setup(precision), "cpu", str(tmp_path), 1)
     for kind in ("adamw", "ours"):
         with pytest.raises(RuntimeError, match=refused):
-            _fit(kind, Setup(precision, fused=True, plugin=True), "cpu", 1)
+            _fit(kind, Setup(precision, fused=True, plugin=True), "cpu", str(tmp_path), 1)
 
 
 # -- several processes ------------------------------------------------------------------------------
@@ -303,7 +319,6 @@ def test_mixed_precision_clipping_refusals(tmp_path, precision):
 #: Two ranks (gloo; on a GPU both share it).
 TWO_RANKS = {
     "ddp": Setup(strategy="ddp"),
-    "ddp-bf16-mixed-plugin-value": Setup("bf16-mixed", clip="value", plugin=True, strategy="ddp"),
     "ddp-zero1": Setup(strategy="ddp", ours={"zero_stage": 1}),  # Lightning consolidates it on rank 0 to save
     "fsdp2": Setup(strategy="fsdp2"),
     "fsdp2_full-bf16-true-value": Setup("bf16-true", clip="value", strategy="fsdp2_full"),
@@ -331,6 +346,11 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
     if device == "cuda":
         torch.cuda.set_device(0)
     results: dict[str, dict] = {}
+    name = "(process group)"
+
+    def dump():  # after each setup: a rank that crashes (a signal) keeps what ran
+        with open(os.path.join(out, f"results{rank}.json"), "w") as f:
+            json.dump(results, f)
     try:
         for (size, setups), job_port in zip(JOBS, [port, *ports]):
             if rank >= size:
@@ -338,7 +358,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job_port), NODE_RANK=str(rank), LOCAL_RANK="0",
                               WORLD_SIZE=str(size), RANK=str(rank))
             backend = "nccl" if device == "cuda" and size == 1 else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=size,
+            dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=180),
                                     **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
             try:
                 for name, setup in setups.items():
@@ -348,13 +368,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, device: str, ports: l
                     os.makedirs(folder, exist_ok=True)
                     checks = _compare(setup, device, folder)
                     results[name] = {"checks": all_ranks(checks)}
+                    dump()
             finally:
                 dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported by the tests of this setup and the next
         results[name] = {"error": f"rank {rank}: {traceback.format_exc()[-12000:]}"}
     finally:
-        with open(os.path.join(out, f"results{rank}.json"), "w") as f:
-            json.dump(results, f)
+        dump()
 
 
 def _spawn(tmp_path_factory, device: str) -> dict:

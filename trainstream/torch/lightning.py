@@ -62,9 +62,11 @@ class _UnscaleAsTorch:
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Lightning's clipping, not refused for a non-fused OffloadAdamW (its gradients are unscaled by now)."""
+        """Lightning's clipping, not refused for a non-fused OffloadAdamW: the gradients Lightning clips for
+        ``torch.optim.AdamW`` (unscaled after the closure; in manual optimization, before ``step()``, as they are)."""
         if unscaled_as_torch(optimizer):
-            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[arg-type]
+            return Precision.clip_gradients(self, optimizer, clip_val,  # type: ignore[arg-type]
+                                            gradient_clip_algorithm)
         return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
 
@@ -78,4 +80,5 @@ class OffloadFSDPPrecision(_UnscaleAsTorch, FSDPPrecision):
     """Lightning's ``FSDPPrecision`` (``FSDPStrategy``'s; its arguments: ``precision``, ``scaler``) with a non-fused
     OffloadAdamW treated as ``torch.optim.AdamW``: under ``"16-mixed"`` its ``ShardedGradScaler`` unscales before
     the hooks and ``gradient_clip_algorithm="value"`` (Lightning's FSDP plugin refuses norm clipping for every
-    optimizer). Pass it as ``FSDPStrategy(precision_plugin=OffloadFSDPPrecision("16-mixed"))``."""
+    optimizer). Pass it as ``Trainer(strategy=FSDPStrategy(...), plugins=[OffloadFSDPPrecision("16-mixed")])``
+    in place of ``precision="16-mixed"``."""
