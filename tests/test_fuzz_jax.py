@@ -66,3 +66,12 @@ def test_state_of_another_tree_refused():
     outcome, detail = F.run_sequence(cfg, F.Tree("nested", (2, 2), ("float32", "float32")), 2,
                                      mismatch=F.Mismatch("params", 1, 3))
     assert outcome == "mismatch refused" and "another structure" in detail, detail
+
+
+def test_clip_with_a_float16_leaf_pairing_read():
+    """Seed 2007's findings (default mode): clip_by_global_norm over a float32 and a float16 leaf, jitted. The probe's
+    random float16 gradients overflowed the global norm (squares in float16), so every clipped gradient was 0 and
+    every pairing exact: it kept the default where XLA swaps nu's (1 ULP in nu, then in the update)."""
+    cfg = F.Config(name="adam", lr=0.1, b1=0.8, b2=0.999, eps=1e-6, composition="clip")
+    tree = F.Tree(layout="nested", shapes=(0, 3), dtypes=("float32", "float16"))
+    assert F.run_sequence(cfg, tree, 3, (30.0,)) == ("identical", "")

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._probe import PAIRING, Probe, hyper_key, hyper_of, trusted
+from ._probe import PAIRING, UNTOLD, Probe, hyper_key, hyper_of, trusted
 
 __all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats"]
 
@@ -318,6 +318,13 @@ _INEXACT = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are compute
             "over steps); computing the gradient in a jit of its own makes them exact")
 
 
+_UNTOLD = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are computed by XLA:CPU inside optax's update in "
+           "the reference program, and the pairing probe's random inputs never told their FMA pairings apart (e.g. "
+           "gradients that came out all 0): they get the contract's default pairing and can differ from the same "
+           "program around optax.adamw by up to {bound:g} ULP per step (compounding over steps); computing the "
+           "gradient in a jit of its own makes them exact")
+
+
 _GUESSED = ("TrainStream offload_adamw: {k} leaves (nesterov, eps == 0, mu_dtype=bfloat16 or b == 0.5 with FMA lines) "
             "have a gradient XLA:CPU computes inside optax's update in the reference program; the FMA pairing read "
             "from XLA is a best guess for these lines (trainstream.jax._probe.trusted): they can differ from the "
@@ -385,7 +392,10 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
             _cache[key] = res
             while len(_cache) > _CACHE_KEPT:
                 _cache.pop(next(iter(_cache)))
-    inexact = [bound for _, bound in res if bound]
+    untold = [bound for _, bound in res if bound == UNTOLD]
+    inexact = [bound for _, bound in res if bound > 0]
     if inexact:
         _warn_once(("inexact", key[0]), _INEXACT.format(k=len(inexact), n=len(res), bound=max(inexact)))
+    if untold:
+        _warn_once(("untold", key[0]), _UNTOLD.format(k=len(untold), n=len(res), bound=FUSED_MAX_ULP))
     return [(c & ~PAIRING) | sw for c, (sw, _) in zip(codes, res)]
