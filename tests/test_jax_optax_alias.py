@@ -301,6 +301,19 @@ def test_inject_hyperparams_bitwise(name):
     assert_tree_bits(outs[3], outs[1], f"{name} inject_hyperparams")
 
 
+def test_inject_hyperparams_one_element_leaves():
+    """The fuzzer's seed 2002: with b2 an array (inject_hyperparams' state), XLA pairs nu's line of a one-element leaf
+    of rank >= 1 swapped, a rank-0 leaf's not: 8 steps of params, updates, mu and nu bit for bit."""
+    rng = np.random.default_rng(5)
+    shapes = {"w": (1,), "m": (1, 1), "s": (), "b": (5,)}
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-1, 1), jnp.float32)
+              for k, s in shapes.items()} for _ in range(8)]
+    kw = dict(learning_rate=0.01, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)
+    _compare(optax.inject_hyperparams(optax.adamw)(**kw), optax.inject_hyperparams(tsj.offload_adamw)(**kw), params,
+             grads, "inject_hyperparams, one-element leaves")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_lax_cond_and_preserve_dtype_bitwise(dtype):
     """test_state_shape_dtype_shard_stability's program (the update inside lax.cond) and test_preserve_dtype's:

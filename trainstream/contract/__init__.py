@@ -167,7 +167,10 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   when ``1 - b**t`` has one use), but in x64 mode for every leaf of more than one element
   (``jax_enable_x64``: ``1 - b**t`` is a float64 power cast to float32 per leaf). With
   ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing
-  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV,
+  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). With ``b2`` an array (an argument of the
+  program: ``optax.inject_hyperparams``' state) it swaps the ``v`` pairing of one-element leaves of rank >= 1 (its
+  vector ``(1-b2) * g*g`` beside a scalar ``b2 * v``), not of rank-0 leaves, nor with ``b1``, ``lr``, ``eps`` or
+  ``weight_decay`` arrays alone. Clipping's ``(S_CLIP_DIV,
   S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)`` when ``n < f(M)`` (as without clipping; both exact on ``g``);
   ``RN(g / n)`` is a true division (a multiply by ``1/n`` differs for 60% of elements), ``* M`` a second
   rounding (exact, and removed by XLA, when ``M == 1``).

@@ -274,7 +274,7 @@ def _in_dtype(x, dtype: str) -> float:
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
                    fma: bool = True, x64: bool = False, *, dtype: str = "float32", mu_dtype: str | None = None,
                    master: bool = False, nesterov: bool = False, b1: float | None = None, b2: float | None = None,
-                   eps: float | None = None, rsqrt_div: bool = False) -> int:
+                   eps: float | None = None, rsqrt_div: bool = False, ndim: int = 1) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, by the module docstring's rules: ``n_leaves``
     leaves in the optimised pytree, ``numel`` elements in this leaf; ``max_norm``: ``M`` of a
     ``clip_by_global_norm`` chained before adamw, or None; ``fused_grad``: XLA fuses this leaf's
@@ -282,7 +282,9 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     target has FMA3; ``x64``: ``jax_enable_x64`` is on. The leaf's family: ``dtype`` (its name), ``mu_dtype``
     (optax's, None: the leaf's), ``master`` (the fp32 master's float32 lines for an fp16/bf16 leaf).
     ``nesterov``; ``b1``, ``b2``, ``eps``: those that are Python numbers (None: an array, which XLA cannot fold);
-    ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe)."""
+    ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe);
+    ``ndim``: the leaf's rank (a one-element leaf of rank 0 pairs otherwise than one of shape ``(1,)`` with an array
+    ``b2``)."""
     half = dtype != "float32" and not master
     if master and mu_dtype not in (None, "float32"):
         raise ValueError(f"the fp32 master's lines keep mu in float32, not {mu_dtype}")
@@ -324,6 +326,8 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             code |= OX_MU_SWAP
     elif fused_grad and not half:
         code |= OX_NU_SWAP | OX_MU_SWAP
+    elif b2 is None and numel == 1 and ndim >= 1 and not half:
+        code |= OX_NU_SWAP  # an array b2 (inject_hyperparams): LLVM vectorises g*g*(1-b2) of a (1,) leaf, not b2*v
     return code
 
 
