@@ -170,6 +170,9 @@ HYPER = [
     pytest.param("adamw", dict(b1=0.5, b2=0.5), "float16", marks=_full),
     # a bare array as the pytree: XLA's reciprocal form (contract.OX_FORM_R), v*r2 + eps_root contracted
     ("adamw", dict(eps_root=1e-8, single=True), "float32"),
+    # nesterov with b1 == 0.5 (fuzzer --full seed 8): XLA's numerator (mn + gn) * b1, g*r1 contracted into the sum
+    ("adamw", dict(nesterov=True, b1=0.5, single=True), "float32"),
+    pytest.param("adamw", dict(nesterov=True, b1=0.5, mu_dtype=jnp.bfloat16, single=True), "float32", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, weight_decay=0.1, single=True), "bfloat16", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True, single=True), "float16", marks=_full),
 ]

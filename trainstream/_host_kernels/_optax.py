@@ -196,7 +196,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     pi = ftz(p[i])
                     mo = ftz(load(m[i], mkind))
                     vo = ftz(v[i])
-                    if b1_half:
+                    if b1_half and not mu_bf16:  # (mu_dtype=bfloat16: nesterov's numerator only)
                         mi = ftz(ftz(gi + mo) * z_b1)
                     elif ox_mu_swap:
                         mi = ftz(mad_xla(ox_unfused, mb, mo, ftz(z_omb1 * gi)))
@@ -218,7 +218,11 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     if nesterov:
                         mn = ftz(mi * z_r1n) if ox_form_r else ftz(mi / z_d1n)
                         gn = ftz(gi * z_r1) if ox_form_r else ftz(gi / z_d1)
-                        if mu_bf16:
+                        if b1_half and ox_form_r:  # XLA: (mn + gn) * b1, g*r1 contracted into the sum
+                            num = ftz(ftz(mad_xla(ox_unfused, gi, z_r1, mn)) * z_b1)
+                        elif b1_half:
+                            num = ftz(ftz(mn + gn) * z_b1)
+                        elif mu_bf16:
                             num = ftz(mad_xla(ox_unfused, z_omb1, gn, ftz(z_b1 * mn)))
                         else:
                             num = ftz(mad_xla(ox_unfused, z_b1, mn, ftz(z_omb1 * gn)))

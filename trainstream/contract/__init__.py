@@ -216,7 +216,8 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
   (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
   :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
-  ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
+  ``(g + m) * b``; with nesterov in the float32 lines also ``num = RN((mn + gn) * b1)``, in form R the sum
+  ``fma(g, r1, mn)``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
   rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
   no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
   :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with

@@ -87,7 +87,7 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
     wd, neg_lr, mul, div = (z(s[k]) for k in (S_WD, S_NEG_LR, S_CLIP, S_CLIP_DIV))
     mb = B1mu if code & OX_MU_BF16 else B1
     g = z(z(g / div) * mul) if code & OX_CLIP else z(g * mul)
-    if code & OX_B1_HALF:  # (g + m) * b1
+    if code & OX_B1_HALF and not code & OX_MU_BF16:  # (g + m) * b1 (mu_dtype=bfloat16: nesterov's numerator only)
         m = z(z(g + m) * B1)
     else:
         m = fma(mb, m, z(C1 * g)) if code & OX_MU_SWAP else fma(C1, g, z(mb * m))
@@ -102,7 +102,10 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
     if code & OX_NESTEROV:
         mn = z(m * z(_F32(1) / d1n)) if form_r else z(m / d1n)
         gn = z(g * r1) if form_r else z(g / d1)
-        num = fma(C1, gn, z(B1 * mn)) if code & OX_MU_BF16 else fma(B1, mn, z(C1 * gn))
+        if code & OX_B1_HALF:  # XLA: (mn + gn) * b1; in form R LLVM contracts g*r1 into the sum
+            num = z((fma(g, r1, mn) if form_r else z(mn + gn)) * B1)
+        else:
+            num = fma(C1, gn, z(B1 * mn)) if code & OX_MU_BF16 else fma(B1, mn, z(C1 * gn))
         u = z(num / z(z(np.sqrt(vh)) + eps))
     elif code & OX_RSQRT:  # m / sqrt(v) -> m * rsqrt(v); with decay the product m*rs is the one fused
         mh = z(m * r1) if form_r else z(m / d1)

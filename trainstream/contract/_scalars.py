@@ -68,7 +68,7 @@ OX_NO_FMA = 16  # XLA:CPU without FMA3: every fma of the lines is RN(RN(a*b) + c
 OX_NESTEROV = 32  # nesterov=True: mu_hat = b1*m/d1n + (1-b1)*g/d1
 OX_RSQRT = 64  # XLA's rewrite of m / (sqrt(v) + 0) into m * rsqrt(v) (a constant eps that is 0 in the dtype)
 OX_RSQRT_DIV = 128  # XLA:CPU's float32 rsqrt is RN(1 / RN(sqrt(x))) (else the estimate and one Newton step)
-OX_B1_HALF = 256  # XLA's factoring (1-b1)*g + b1*m -> (g + m)*b1: the constants R(1-b1) == R(b1)
+OX_B1_HALF = 256  # XLA factors (1-b1)*g + b1*m -> (g + m)*b1: R(1-b1) == R(b1) (OX_MU_BF16: nesterov's numerator only)
 OX_B2_HALF = 512  # likewise (1-b2)*g*g + b2*v -> (g*g + v)*b2
 OX_HALF = 1024  # optax's state of an fp16/bf16 leaf: nu (and mu, but with OX_MU_F32) in its dtype, no master
 OX_MU_F32 = 2048  # mu_dtype=float32 on an fp16/bf16 leaf (with OX_HALF)
@@ -96,7 +96,7 @@ def optax_code_valid(code: int) -> bool:
         return False
     if half and not mixed and code & (OX_RSQRT_DIV | OX_NU_SWAP | OX_MU_SWAP | OX_NO_FMA):  # no FMA in those lines
         return False
-    return not (code & OX_MU_BF16 and code & OX_B1_HALF)
+    return not (code & OX_MU_BF16 and code & OX_B1_HALF and not code & OX_NESTEROV)
 
 
 OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
@@ -311,8 +311,10 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     if eps is not None and (not half or dtype == "float16" and not mixed) \
             and _in_dtype(eps, math_dtype) == 0.0:  # XLA drops + 0 and rewrites / sqrt to * rsqrt
         code |= OX_RSQRT | (OX_RSQRT_DIV if rsqrt_div and not half else 0)
-    for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):  # mu's line is of one dtype only without mu_dtype
-        if b is not None and (bit == OX_B2_HALF or not mixed) and \
+    # b == 0.5: XLA factors a line of one dtype (mu's only without mu_dtype; with mu_dtype=bfloat16 the float32
+    # numerator of nesterov, whose mu line keeps its form: b1 == 0.5 makes both pairings and the factoring equal)
+    for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):
+        if b is not None and (bit == OX_B2_HALF or not mixed or nesterov and code & OX_MU_BF16) and \
                 _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
             code |= bit
             if code & OX_HALF_DIV:
