@@ -173,6 +173,9 @@ HYPER = [
     # nesterov with b1 == 0.5 (fuzzer --full seed 8): XLA's numerator (mn + gn) * b1, g*r1 contracted into the sum
     ("adamw", dict(nesterov=True, b1=0.5, single=True), "float32"),
     pytest.param("adamw", dict(nesterov=True, b1=0.5, mu_dtype=jnp.bfloat16, single=True), "float32", marks=_full),
+    # eps == 0 with decay and mu_dtype=bfloat16 (fuzzer --full seed 7): wd * p is the product fused
+    pytest.param("adamw", dict(b1=0.5, b2=0.5, eps=0.0, eps_root=1e-8, mu_dtype=jnp.bfloat16, weight_decay=0.1,
+                               single=True), "float32", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, weight_decay=0.1, single=True), "bfloat16", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True, single=True), "float16", marks=_full),
 ]
@@ -234,6 +237,32 @@ def test_mu_float32_lines_take_xla_form_per_tree(dtype, nesterov):
                     wrong += not same
             prev = (p_new, mu, nu)
     assert wrong > 0  # the form matters: the other one differs somewhere
+
+
+@pytest.mark.parametrize("kw,tree,warned", [
+    (dict(mu_dtype=jnp.bfloat16), "pair", True), (dict(b1=0.5, b2=0.5), "pair", True),
+    (dict(mu_dtype=jnp.bfloat16), "single", False), (dict(b1=0.5, b2=0.5, weight_decay=0.0), "pair", False),
+    (dict(), "pair", False)])
+def test_eps_zero_decay_pairing_by_outputs_warned(kw, tree, warned):
+    """eps == 0 with weight decay, mu_dtype=bfloat16 or b1 == b2 == 0.5, in a tree of several leaves: XLA:CPU pairs
+    m * rsqrt(v) + wd * p by what the program outputs (the weights or the update alone: wd * p fused; both: the
+    other), which update cannot see: one warning at trace (none where the pairing is the same for every program)."""
+    import warnings  # noqa: PLC0415
+
+    from trainstream.jax import _detect  # noqa: PLC0415
+    _detect._warned.discard("outputs")
+    params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,))} if tree == "pair" else jnp.ones((3, 4))
+    tx = tsj.offload_adamw(1e-3, eps=0.0, **{"weight_decay": 0.1, **kw})
+
+    def step(p, s):
+        u, s = tx.update(p, s, p)
+        return optax.apply_updates(p, u), s
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        jax.jit(step).trace(params, tx.init(params))  # traced only: no kernel compiled
+    got = [str(w.message) for w in rec if "rsqrt(v) + weight_decay * p" in str(w.message)]
+    assert len(got) == int(warned), got
 
 
 def test_refused_configuration_names_itself():

@@ -214,8 +214,12 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(RN(v/d2) + eps_root)``; float32 lines in form R:
   ``fma(v, r2, eps_root)``, LLVM's contraction), ``nesterov`` (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in
   :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
-  (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
-  :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
+  (:data:`OX_RSQRT`: XLA's ``q = RN(mh * rsqrt(v))``, this CPU's ``rsqrtss`` estimate and one Newton step, or
+  with :data:`OX_RSQRT_DIV` ``1/sqrt``; with weight decay ``u = fma(mh, rsqrt(v), RN(wd * p))``, but ``fma(wd, p,
+  q)`` as above with :data:`OX_MU_BF16` and in form D with ``b1 == b2 == 0.5`` (:func:`optax_rsqrt_decay_last`);
+  in those two in form D a program that outputs the update array as well as the new weights pairs the other way:
+  :func:`optax_rsqrt_decay_varies`, warned by the JAX adapter), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`,
+  :data:`OX_B2_HALF`: XLA factors
   ``(g + m) * b``; with nesterov in the float32 lines also ``num = RN((mn + gn) * b1)``, in form R the sum
   ``fma(g, r1, mn)``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
   rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
@@ -267,7 +271,8 @@ from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF,
                        S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_STEP, S_WD, TC_CODES, TC_NO_FMA,
                        TC_VEC512, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
                        AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections,
-                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_scalar_matrix,
+                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_rsqrt_decay_last,
+                       optax_rsqrt_decay_varies, optax_scalar_matrix,
                        optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)
 from ._torch import (FAMILIES, IMPLS, TORCH_MAX_STEP, TorchRecipe, check_recipe, default_recipe, math_dtype,
                      resolve_impl, state_dtype, tail_mask, tails_follow_threads, torch_cpu_tails, torch_family,
@@ -278,6 +283,7 @@ __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
     "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
+    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies",
     "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",

@@ -101,6 +101,22 @@ def optax_code_valid(code: int) -> bool:
 
 OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
 
+
+def optax_rsqrt_decay_last(code: int) -> bool:
+    """Whether the float32 lines of :data:`OX_RSQRT` with weight decay contract ``wd * p`` (``fma(wd, p, RN(mh *
+    rs))``) rather than ``mh * rs`` (``fma(mh, rs, RN(wd * p))``): with :data:`OX_MU_BF16`, and in form D with both
+    :data:`OX_B1_HALF` and :data:`OX_B2_HALF` (measured; there, and with :data:`OX_MU_BF16` in form D, a program that
+    outputs the update array besides the new weights pairs the other way: :func:`optax_rsqrt_decay_varies`)."""
+    return bool(code & OX_MU_BF16 or code & OX_B1_HALF and code & OX_B2_HALF and not code & OX_FORM_R)
+
+
+def optax_rsqrt_decay_varies(code: int) -> bool:
+    """Whether XLA:CPU's pairing of :func:`optax_rsqrt_decay_last`'s line depends on what the program outputs (the
+    new weights or the update array alone, as the contract's line; both: the other), which an ``update`` traced
+    before its consumers cannot see: form D with :data:`OX_MU_BF16` or with ``b1 == b2 == 0.5``."""
+    return bool(code & OX_RSQRT and not code & (OX_HALF | OX_NO_FMA | OX_FORM_R)
+                and (code & OX_MU_BF16 or code & OX_B1_HALF and code & OX_B2_HALF))
+
 # -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA | TC_VEC512 ---
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
 TC_VEC512 = 8  # ATen's AVX-512 kernels: 64-byte vectors (the scalar tails' lengths); else 32 bytes

@@ -218,6 +218,7 @@ class _Impl:
             # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
             codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams],
                                         n_tree)
+            _detect.warn_output_pairing(codes, decay, cfg.weight_decay)
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
