@@ -2,10 +2,12 @@
 configuration's ``optax.adamw``) and alone (the gradient as the adapter's callback receives it), run on random
 inputs; per leaf, the pairing bits of the contract's optax/cpu lines that reproduce the reference bit for bit.
 
-The random inputs span six decades (float16 ones two and a half, so that a global norm of squares stays finite); a
-leaf's pairing is settled once its elements include :data:`_MIN_TELLING` where the candidate pairings disagree. A
-leaf whose candidates the inputs never told apart (every one exact: e.g. its gradient 0 on every input) gets the
-default pairing and :data:`UNTOLD`, which :mod:`._detect` warns (unless its gradient is a constant of the program).
+The random inputs span six decades (float16 ones two and a half, scaled down in large arrays, so that a global
+norm of squares stays finite); a leaf's pairing is settled once its elements include :data:`_MIN_TELLING` where
+the candidate pairings disagree (none needed where the candidates' lines read no pairing bit: no FMA, ``b == 0.5``).
+A leaf whose candidates the inputs never told apart (every one exact: e.g. its gradient 0 on every input) gets the
+default pairing and :data:`UNTOLD`, which :mod:`._detect` warns (unless its gradient is a constant of the
+program).
 
 Every family of optax's own state is probed with the lines of :func:`trainstream.contract.optax_reference_update`
 in the leaf's dtype; the candidates are the valid codes that differ from the leaf's in the pairing bits only
@@ -203,6 +205,8 @@ class Probe:
             for i in range(n):
                 if not unsettled(i):
                     continue
+                if trials == 1 and not _distinct(cands[i], S[i], self.dtypes[i], mu_dt[i], nu_dt[i], b1, b2, estimate):
+                    telling[i] = _MIN_TELLING  # lines that read none of the pairing bits (no FMA, b == 0.5, ...)
                 seen[i] += G[i].size
                 want = [np.asarray(x, f32).ravel() for x in (P[i], M[i], V[i])]
                 prev = [np.asarray(x, f32).ravel() for x in (p[i], m[i], v[i])]
@@ -235,6 +239,31 @@ class Probe:
         return out
 
 
+def _distinct(cands, s_row, dtype, mu_dt, nu_dt, b1, b2, estimate, n=512) -> bool:
+    """Whether the lines of the candidate codes ``cands`` (a leaf's scalars ``s_row``) differ anywhere on inputs
+    made to tell pairings apart: else they read none of the pairing bits (no FMA, ``b == 0.5``'s factored lines, a
+    half mu line...) and no input can tell them apart."""
+    if len(cands) < 2:
+        return False
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    g = C.round_xla((rng.standard_normal(n) * np.exp(rng.uniform(-3, 3, n))).astype(f32), dtype)
+    m = (g.astype(np.float64) * (1 - b1) / b1 * _factor(rng, n, signed=True)).astype(mu_dt).astype(f32)
+    v = (np.square(g.astype(np.float64)) * (1 - b2) / b2 * _factor(rng, n)).astype(nu_dt).astype(f32)
+    p = C.round_xla(rng.standard_normal(n).astype(f32), dtype)
+    first = None
+    for code in cands:
+        s = np.array(s_row, f32)
+        s[C.S_OX_CODE] = code
+        got = np.stack([a.view(np.uint32) for a in
+                        C.optax_reference_update(p, m, v, g, s, dtype, rsqrt_estimate=estimate)[:3]])
+        if first is None:
+            first = got
+        elif not np.array_equal(got, first):
+            return True
+    return False
+
+
 def _varying(graph) -> list[bool]:
     """Per leaf of ``graph``: whether its gradient depends on some input of the graph (else a constant)."""
     dep = {r: True for r, _, _, _ in graph.inputs}
@@ -251,8 +280,10 @@ def _random(rng, shape, dtype, spread=True):
     if np.issubdtype(dt, np.integer):
         return rng.integers(0, 7, shape).astype(dt)
     x = rng.standard_normal(shape)
-    if spread:  # over six decades; float16 over two and a half, so that squares (a global norm) stay finite
-        x = x * (np.exp(rng.uniform(-3, 2.5, shape)) if dt == np.float16 else np.exp(rng.uniform(-7, 7, shape)))
+    if spread and dt == np.float16:  # over two and a half decades, so that a sum of squares (a norm) stays finite
+        x = x * np.exp(rng.uniform(-3, 2.5, shape)) / max(1.0, np.sqrt(x.size) / 8)
+    elif spread:  # over six decades
+        x = x * np.exp(rng.uniform(-7, 7, shape))
     return np.asarray(x).astype(dt)
 
 
