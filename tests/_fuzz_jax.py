@@ -228,8 +228,27 @@ def reason_key(reason: str, width: int = 110) -> str:
     return reason if len(reason) <= width else reason[: width - 3] + "..."
 
 
-def _side(cfg: Config, ours: bool, tree: Tree, grads: list, mismatch: Mismatch | None):
-    """Run one side: ``(results per step, the exception of the step it stopped at or None, its step index)``."""
+#: (config, side, the step's input types) -> the TrainStream warnings its first call gave. The adapter warns when a
+#: program is traced; a later sequence that runs the same program (JAX's cache) gets none, but they hold for it.
+_TRACE_WARNINGS: dict = {}
+
+
+def _ours_warnings(msgs: list, key) -> list:
+    """The TrainStream warnings of one call: those it gave, else those the first call of the same program gave."""
+    msgs = [str(w.message) for w in msgs if issubclass(w.category, RuntimeWarning) and "TrainStream" in str(w.message)]
+    if msgs:
+        _TRACE_WARNINGS[key] = msgs
+        return msgs
+    return _TRACE_WARNINGS.get(key, [])
+
+
+def _types(*trees) -> tuple:
+    return str(jax.tree.structure(trees)), tuple((np.shape(x), str(np.result_type(x))) for x in jax.tree.leaves(trees))
+
+
+def _side(cfg: Config, ours: bool, tree: Tree, grads: list, mismatch: Mismatch | None, warned: list | None = None):
+    """Run one side: ``(results per step, the exception of the step it stopped at or None, its step index)``; the
+    TrainStream warnings of ours' steps (their programs', see ``_TRACE_WARNINGS``) appended to ``warned``."""
     tx, init, step = _programs(cfg, ours)
     p = tree.build(np.random.default_rng(tree.seed))
     out = []
@@ -242,8 +261,16 @@ def _side(cfg: Config, ours: bool, tree: Tree, grads: list, mismatch: Mismatch |
             q = p
             if mismatch is not None and k == len(grads) - 1 and mismatch.kind == "params":
                 q = g  # parameters of another tree than init's (g is that tree, see sequence_grads)
-            res = step(q, s, g)
-            jax.block_until_ready(res)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    res = step(q, s, g)
+                    jax.block_until_ready(res)
+            finally:
+                for w in caught:  # to the caller's record too
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if warned is not None:
+                warned.extend(_ours_warnings(caught, (cfg, ours, _types(q, s, g))))
         except Exception as exc:  # noqa: BLE001
             return out, exc, k
         p, s, u = res
@@ -288,9 +315,9 @@ def run_sequence(cfg: Config, tree: Tree, steps: int, scales: tuple[float, ...] 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ref, e_ref, k_ref = _side(cfg, False, tree, grads, mismatch)
-        ours, e_ours, k_ours = _side(cfg, True, tree, grads, mismatch)
+        ours, e_ours, k_ours = _side(cfg, True, tree, grads, mismatch, stepped := [])
     warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "TrainStream" in
-              str(w.message)]
+              str(w.message)] + stepped
     last_mismatched = mismatch is not None
     n_ok = min(len(ref), len(ours))
     try:

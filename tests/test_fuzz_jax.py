@@ -66,3 +66,37 @@ def test_state_of_another_tree_refused():
     outcome, detail = F.run_sequence(cfg, F.Tree("nested", (2, 2), ("float32", "float32")), 2,
                                      mismatch=F.Mismatch("params", 1, 3))
     assert outcome == "mismatch refused" and "another structure" in detail, detail
+
+
+def test_clip_with_a_float16_leaf_pairing_read():
+    """Seed 2007's findings (default mode): clip_by_global_norm over a float32 and a float16 leaf, jitted. The probe's
+    random float16 gradients overflowed the global norm (squares in float16), so every clipped gradient was 0 and
+    every pairing exact: it kept the default where XLA swaps nu's (1 ULP in nu, then in the update)."""
+    cfg = F.Config(name="adam", lr=0.1, b1=0.8, b2=0.999, eps=1e-6, composition="clip")
+    tree = F.Tree(layout="nested", shapes=(0, 3), dtypes=("float32", "float16"))
+    assert F.run_sequence(cfg, tree, 3, (30.0,)) == ("identical", "")
+
+
+def test_a_cached_programs_warning_counts(monkeypatch):
+    """--full seeds 7 and 8 reported warned sequences as silent: the adapter warns when it traces a program, and a
+    sequence re-running a program of an earlier one (JAX's cache) saw no warning. Now a program's warning counts for
+    every sequence that runs it (here a wrong pairing, warned at trace: both runs are "warned")."""
+    import warnings  # noqa: PLC0415
+
+    from trainstream import contract as C  # noqa: PLC0415
+    from trainstream.jax import _detect  # noqa: PLC0415
+
+    traced = _detect.fused_codes
+
+    def wrong(codes, *args, **kwargs):
+        warnings.warn("TrainStream offload_adamw: a test's wrong pairing", RuntimeWarning)
+        return [c ^ C.OX_NU_SWAP ^ C.OX_MU_SWAP for c in traced(codes, *args, **kwargs)]
+
+    monkeypatch.setattr(_detect, "fused_codes", wrong)
+    monkeypatch.setattr(F, "_TRACE_WARNINGS", {}, raising=False)
+    cfg = F.Config(name="adamw", lr=0.1, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask="first")
+    tree = F.Tree(layout="list", shapes=(0, 1), dtypes=("float32", "float32"), seed=1)
+    try:
+        assert [F.run_sequence(cfg, tree, 3)[0] for _ in range(2)] == ["warned", "warned"]
+    finally:
+        F._programs.cache_clear()  # the programs traced with the wrong pairing

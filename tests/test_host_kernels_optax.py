@@ -48,9 +48,16 @@ CASES = [
     pytest.param(C.OX_NESTEROV | C.OX_FORM_R, "float32", {}, marks=_full),
     pytest.param(C.OX_RSQRT, "float32", dict(eps=0.0), marks=_full),
     pytest.param(C.OX_RSQRT | C.OX_RSQRT_DIV | C.OX_FORM_R, "float32", dict(eps=0.0), marks=_full),
+    # rsqrt with decay, wd * p the product fused (contract.optax_rsqrt_decay_last)
+    pytest.param(C.OX_RSQRT | C.OX_MU_BF16 | C.OX_FORM_R, "float32", dict(eps=0.0, weight_decay=0.1), marks=_full),
+    pytest.param(C.OX_RSQRT | C.OX_B1_HALF | C.OX_B2_HALF, "float32", dict(eps=0.0, b1=0.5, b2=0.5,
+                                                                            weight_decay=0.1), marks=_full),
     pytest.param(C.OX_B1_HALF | C.OX_B2_HALF, "float32", dict(b1=0.5, b2=0.5), marks=_full),
     pytest.param(C.OX_MU_BF16, "float32", {}, marks=_full),
     pytest.param(C.OX_MU_BF16 | C.OX_NESTEROV, "float32", {}, marks=_full),
+    # nesterov with b1 == 0.5: the numerator (mn + gn) * b1, in form R g*r1 contracted into the sum
+    pytest.param(C.OX_NESTEROV | C.OX_FORM_R | C.OX_B1_HALF, "float32", dict(b1=0.5), marks=_full),
+    pytest.param(C.OX_MU_BF16 | C.OX_NESTEROV | C.OX_FORM_R | C.OX_B1_HALF, "float32", dict(b1=0.5), marks=_full),
     pytest.param(C.OX_HALF | C.OX_NESTEROV, "bfloat16", dict(eps_root=1e-3), marks=_full),
     pytest.param(C.OX_HALF | C.OX_RSQRT | C.OX_NESTEROV, "float16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_RSQRT | C.OX_B1_HALF | C.OX_B2_HALF, "float16", dict(b1=0.5, b2=0.5), marks=_full),

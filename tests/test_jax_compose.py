@@ -207,6 +207,25 @@ def test_a_gradient_no_pairing_reproduces_is_warned_once():
     assert np.max(np.abs(np.asarray(got).view(np.int32) - np.asarray(want).view(np.int32))) <= 3 * 3
 
 
+def test_pairings_never_told_apart_are_warned(monkeypatch):
+    """A gradient computed in the jit whose probe inputs never tell the pairings apart (here ``p * 0``: 0 on every
+    input; before, a float16 global norm that overflowed on the probe's random inputs) gets one warning naming the
+    bound, not a pairing read from nothing (the fuzzer's seed 2007)."""
+    from trainstream.jax import _detect
+    monkeypatch.setattr(_detect, "_warned", set())
+    tx = tsj.offload_adamw(0.1)
+    params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,))}
+
+    @jax.jit
+    def step(p, s):
+        u, s = tx.update(jax.tree.map(lambda x: x * 0.0, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    with pytest.warns(RuntimeWarning, match=f"never told their FMA pairings apart.*up to "
+                                            f"{_detect.FUSED_MAX_ULP:g} ULP per step"):
+        step(params, tx.init(params))
+
+
 def test_probe_cached_and_fallback_warned_once(monkeypatch):
     """The pairing probe runs once per program structure and configuration (a second optimizer tracing the same
     step hits the cache); a graph over MAX_EQNS operations is read from the part nearest the gradients, with a

@@ -170,6 +170,12 @@ HYPER = [
     pytest.param("adamw", dict(b1=0.5, b2=0.5), "float16", marks=_full),
     # a bare array as the pytree: XLA's reciprocal form (contract.OX_FORM_R), v*r2 + eps_root contracted
     ("adamw", dict(eps_root=1e-8, single=True), "float32"),
+    # nesterov with b1 == 0.5 (fuzzer --full seed 8): XLA's numerator (mn + gn) * b1, g*r1 contracted into the sum
+    ("adamw", dict(nesterov=True, b1=0.5, single=True), "float32"),
+    pytest.param("adamw", dict(nesterov=True, b1=0.5, mu_dtype=jnp.bfloat16, single=True), "float32", marks=_full),
+    # eps == 0 with decay and mu_dtype=bfloat16 (fuzzer --full seed 7): wd * p is the product fused
+    pytest.param("adamw", dict(b1=0.5, b2=0.5, eps=0.0, eps_root=1e-8, mu_dtype=jnp.bfloat16, weight_decay=0.1,
+                               single=True), "float32", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, weight_decay=0.1, single=True), "bfloat16", marks=_full),
     pytest.param("adamw", dict(mu_dtype=jnp.float32, nesterov=True, single=True), "float16", marks=_full),
 ]
@@ -231,6 +237,32 @@ def test_mu_float32_lines_take_xla_form_per_tree(dtype, nesterov):
                     wrong += not same
             prev = (p_new, mu, nu)
     assert wrong > 0  # the form matters: the other one differs somewhere
+
+
+@pytest.mark.parametrize("kw,tree,warned", [
+    (dict(mu_dtype=jnp.bfloat16), "pair", True), (dict(b1=0.5, b2=0.5), "pair", True),
+    (dict(mu_dtype=jnp.bfloat16), "single", False), (dict(b1=0.5, b2=0.5, weight_decay=0.0), "pair", False),
+    (dict(), "pair", False)])
+def test_eps_zero_decay_pairing_by_outputs_warned(kw, tree, warned):
+    """eps == 0 with weight decay, mu_dtype=bfloat16 or b1 == b2 == 0.5, in a tree of several leaves: XLA:CPU pairs
+    m * rsqrt(v) + wd * p by what the program outputs (the weights or the update alone: wd * p fused; both: the
+    other), which update cannot see: one warning at trace (none where the pairing is the same for every program)."""
+    import warnings  # noqa: PLC0415
+
+    from trainstream.jax import _detect  # noqa: PLC0415
+    _detect._warned.discard("outputs")
+    params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,))} if tree == "pair" else jnp.ones((3, 4))
+    tx = tsj.offload_adamw(1e-3, eps=0.0, **{"weight_decay": 0.1, **kw})
+
+    def step(p, s):
+        u, s = tx.update(p, s, p)
+        return optax.apply_updates(p, u), s
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        jax.jit(step).trace(params, tx.init(params))  # traced only: no kernel compiled
+    got = [str(w.message) for w in rec if "rsqrt(v) + weight_decay * p" in str(w.message)]
+    assert len(got) == int(warned), got
 
 
 def test_refused_configuration_names_itself():
@@ -299,6 +331,19 @@ def test_inject_hyperparams_bitwise(name):
             outs.append((u, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
     assert_tree_bits(outs[2], outs[0], f"{name} plain")
     assert_tree_bits(outs[3], outs[1], f"{name} inject_hyperparams")
+
+
+def test_inject_hyperparams_one_element_leaves():
+    """The fuzzer's seed 2002: with b2 an array (inject_hyperparams' state), XLA pairs nu's line of a one-element leaf
+    of rank >= 1 swapped, a rank-0 leaf's not: 8 steps of params, updates, mu and nu bit for bit."""
+    rng = np.random.default_rng(5)
+    shapes = {"w": (1,), "m": (1, 1), "s": (), "b": (5,)}
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-1, 1), jnp.float32)
+              for k, s in shapes.items()} for _ in range(8)]
+    kw = dict(learning_rate=0.01, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)
+    _compare(optax.inject_hyperparams(optax.adamw)(**kw), optax.inject_hyperparams(tsj.offload_adamw)(**kw), params,
+             grads, "inject_hyperparams, one-element leaves")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

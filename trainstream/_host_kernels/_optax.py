@@ -47,6 +47,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
         (ox & b) != 0 for b in (OX_NESTEROV, OX_RSQRT, OX_RSQRT_DIV, OX_B1_HALF, OX_B2_HALF))
     half, mu_f32, mu_bf16 = (ox & OX_HALF) != 0, (ox & OX_MU_F32) != 0, (ox & OX_MU_BF16) != 0
     hdiv = (ox & OX_HALF_DIV) != 0  # one-element fp16/bf16 leaf: x / d, not x * (1/d)
+    decay_last = contract.optax_rsqrt_decay_last(ox)  # rsqrt with decay: fma(wd, p, RN(mh*rs))
     pure = half and not mu_f32  # params, mu, nu in the leaf's dtype
     mixed = half and mu_f32
     dk = gkind  # the leaf's kind (fp16/bf16 state)
@@ -196,7 +197,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     pi = ftz(p[i])
                     mo = ftz(load(m[i], mkind))
                     vo = ftz(v[i])
-                    if b1_half:
+                    if b1_half and not mu_bf16:  # (mu_dtype=bfloat16: nesterov's numerator only)
                         mi = ftz(ftz(gi + mo) * z_b1)
                     elif ox_mu_swap:
                         mi = ftz(mad_xla(ox_unfused, mb, mo, ftz(z_omb1 * gi)))
@@ -214,16 +215,19 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         vh = select(has_er, ftz(mad_xla(ox_unfused, vi, z_r2, z_er)), ftz(vi * z_r2))
                     else:
                         vh = select(has_er, ftz(ftz(vi / z_d2) + z_er), ftz(vi / z_d2))
-                    wd_p = pi  # the weight decay's factor: the weights, or 0 where the rsqrt line took it
                     if nesterov:
                         mn = ftz(mi * z_r1n) if ox_form_r else ftz(mi / z_d1n)
                         gn = ftz(gi * z_r1) if ox_form_r else ftz(gi / z_d1)
-                        if mu_bf16:
+                        if b1_half and ox_form_r:  # XLA: (mn + gn) * b1, g*r1 contracted into the sum
+                            num = ftz(ftz(mad_xla(ox_unfused, gi, z_r1, mn)) * z_b1)
+                        elif b1_half:
+                            num = ftz(ftz(mn + gn) * z_b1)
+                        elif mu_bf16:
                             num = ftz(mad_xla(ox_unfused, z_omb1, gn, ftz(z_b1 * mn)))
                         else:
                             num = ftz(mad_xla(ox_unfused, z_b1, mn, ftz(z_omb1 * gn)))
                         u = ftz(num / ftz(ftz(np.float32(math.sqrt(vh))) + z_eps))
-                    elif rsqrt:  # m / sqrt(v) -> m * rsqrt(v); with decay the product m*rs is the one fused
+                    elif rsqrt:  # m / sqrt(v) -> m * rsqrt(v) (with decay: the contract's note on its pairing)
                         mh = ftz(mi * z_r1) if ox_form_r else ftz(mi / z_d1)
                         x = vh
                         if rsqrt_div:
@@ -233,16 +237,18 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                             e = ftz(mad_xla(ox_unfused, y0, ftz(y0 * x), np.float32(-1.0)))
                             y1 = ftz(mad_xla(ox_unfused, ftz(np.float32(-0.5) * y0), e, y0))
                             rs = select((x < np.float32(1.1754943508222875e-38)) | (x == np.float32(np.inf)), y0, y1)
-                        u = select(decays, ftz(mad_xla(ox_unfused, mh, rs, ftz(z_wd * pi))), ftz(mh * rs))
-                        wd_p = np.float32(0.0)
+                        if decay_last:  # the decay below, fma(wd, p, u)
+                            u = ftz(mh * rs)
+                        else:
+                            u = select(decays, ftz(mad_xla(ox_unfused, mh, rs, ftz(z_wd * pi))), ftz(mh * rs))
                     elif ox_form_r:
                         den = ftz(np.float32(math.sqrt(vh)) + z_eps)
                         u = ftz(ftz(mi * z_r1) / den)
                     else:
                         den = ftz(np.float32(math.sqrt(vh)) + z_eps)
                         u = ftz(mi / ftz(z_d1 * den))
-                    if not rsqrt or nesterov:
-                        u = select(decays, ftz(mad_xla(ox_unfused, z_wd, wd_p, u)), u)
+                    if not rsqrt or nesterov or decay_last:
+                        u = select(decays, ftz(mad_xla(ox_unfused, z_wd, pi, u)), u)
                     pi = ftz(mad_xla(ox_unfused, z_neg_lr, u, pi))
                     if mu_bf16:
                         m[i] = round_xla(mi, KIND_BF16)

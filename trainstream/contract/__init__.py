@@ -167,7 +167,10 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   when ``1 - b**t`` has one use), but in x64 mode for every leaf of more than one element
   (``jax_enable_x64``: ``1 - b**t`` is a float64 power cast to float32 per leaf). With
   ``clip_by_global_norm`` in the chain LLVM swaps the ``v`` pairing of every leaf, and the ``m`` pairing
-  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). Clipping's ``(S_CLIP_DIV,
+  of one-element leaves too (except in a multi-leaf tree with ``M == 1``). With ``b2`` an array (an argument of the
+  program: ``optax.inject_hyperparams``' state) it swaps the ``v`` pairing of one-element leaves of rank >= 1 (its
+  vector ``(1-b2) * g*g`` beside a scalar ``b2 * v``), not of rank-0 leaves, nor with ``b1``, ``lr``, ``eps`` or
+  ``weight_decay`` arrays alone. Clipping's ``(S_CLIP_DIV,
   S_CLIP)`` is ``(n, f(M))``, or ``(1, 1)`` when ``n < f(M)`` (as without clipping; both exact on ``g``);
   ``RN(g / n)`` is a true division (a multiply by ``1/n`` differs for 60% of elements), ``* M`` a second
   rounding (exact, and removed by XLA, when ``M == 1``).
@@ -211,9 +214,14 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   :func:`optax_reference_update`, NumPy): ``eps_root`` (``vh = RN(RN(v/d2) + eps_root)``; float32 lines in form R:
   ``fma(v, r2, eps_root)``, LLVM's contraction), ``nesterov`` (:data:`OX_NESTEROV`, ``d1n = 1 - b1**(t+1)`` in
   :data:`S_BC1_NEXT`), ``eps`` that is 0 in the math dtype
-  (:data:`OX_RSQRT`: XLA's ``m * rsqrt(v)``, this CPU's ``rsqrtss`` estimate and one Newton step, or with
-  :data:`OX_RSQRT_DIV` ``1/sqrt``), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`, :data:`OX_B2_HALF`: XLA factors
-  ``(g + m) * b``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
+  (:data:`OX_RSQRT`: XLA's ``q = RN(mh * rsqrt(v))``, this CPU's ``rsqrtss`` estimate and one Newton step, or
+  with :data:`OX_RSQRT_DIV` ``1/sqrt``; with weight decay ``u = fma(mh, rsqrt(v), RN(wd * p))``, but ``fma(wd, p,
+  q)`` as above with :data:`OX_MU_BF16` and in form D with ``b1 == b2 == 0.5`` (:func:`optax_rsqrt_decay_last`);
+  in those two in form D a program that outputs the update array as well as the new weights pairs the other way:
+  :func:`optax_rsqrt_decay_varies`, warned by the JAX adapter), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`,
+  :data:`OX_B2_HALF`: XLA factors
+  ``(g + m) * b``; with nesterov in the float32 lines also ``num = RN((mn + gn) * b1)``, in form R the sum
+  ``fma(g, r1, mn)``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
   rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
   no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
   :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with
@@ -263,7 +271,8 @@ from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF,
                        S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_STEP, S_WD, TC_CODES, TC_NO_FMA,
                        TC_VEC512, VARIANT_OPTAX_CPU, VARIANT_OPTAX_CUDA, VARIANT_TORCH_CPU, VARIANT_TORCH_CUDA,
                        AdamWHyperParams, OptaxStepScalars, clip_coefficient, optax_bias_corrections,
-                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_scalar_matrix,
+                       optax_clip_scalars, optax_code_valid, optax_cpu_code, optax_family, optax_rsqrt_decay_last,
+                       optax_rsqrt_decay_varies, optax_scalar_matrix,
                        optax_step_scalars, step_scalars, torch_step_scalars, validate_hyperparams, variant_id)
 from ._torch import (FAMILIES, IMPLS, TORCH_MAX_STEP, TorchRecipe, check_recipe, default_recipe, math_dtype,
                      resolve_impl, state_dtype, tail_mask, tails_follow_threads, torch_cpu_tails, torch_family,
@@ -274,6 +283,7 @@ __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
     "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
+    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies",
     "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",

@@ -10,7 +10,7 @@ from ._reference import bf16_bits_to_f32, f32_to_bf16_bits, fma_f32, ftz
 from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32,
                        OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT,
                        S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR,
-                       S_OMB1, S_OMB2, S_OX_CODE, S_WD, optax_code_valid)
+                       S_OMB1, S_OMB2, S_OX_CODE, S_WD, optax_code_valid, optax_rsqrt_decay_last)
 
 _F32 = np.float32
 _TINY = _F32(2.0**-126)
@@ -87,7 +87,7 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
     wd, neg_lr, mul, div = (z(s[k]) for k in (S_WD, S_NEG_LR, S_CLIP, S_CLIP_DIV))
     mb = B1mu if code & OX_MU_BF16 else B1
     g = z(z(g / div) * mul) if code & OX_CLIP else z(g * mul)
-    if code & OX_B1_HALF:  # (g + m) * b1
+    if code & OX_B1_HALF and not code & OX_MU_BF16:  # (g + m) * b1 (mu_dtype=bfloat16: nesterov's numerator only)
         m = z(z(g + m) * B1)
     else:
         m = fma(mb, m, z(C1 * g)) if code & OX_MU_SWAP else fma(C1, g, z(mb * m))
@@ -102,13 +102,19 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
     if code & OX_NESTEROV:
         mn = z(m * z(_F32(1) / d1n)) if form_r else z(m / d1n)
         gn = z(g * r1) if form_r else z(g / d1)
-        num = fma(C1, gn, z(B1 * mn)) if code & OX_MU_BF16 else fma(B1, mn, z(C1 * gn))
+        if code & OX_B1_HALF:  # XLA: (mn + gn) * b1; in form R LLVM contracts g*r1 into the sum
+            num = z((fma(g, r1, mn) if form_r else z(mn + gn)) * B1)
+        else:
+            num = fma(C1, gn, z(B1 * mn)) if code & OX_MU_BF16 else fma(B1, mn, z(C1 * gn))
         u = z(num / z(z(np.sqrt(vh)) + eps))
-    elif code & OX_RSQRT:  # m / sqrt(v) -> m * rsqrt(v); with decay the product m*rs is the one fused
+    elif code & OX_RSQRT:  # m / sqrt(v) -> m * rsqrt(v); with decay one of m*rs and wd*p is fused (by the family)
         mh = z(m * r1) if form_r else z(m / d1)
         rs = xla_rsqrt(vh, code, rsqrt_estimate)
-        u = fma(mh, rs, z(wd * p)) if wd != 0 else z(mh * rs)
-        wd = _F32(0)
+        if wd != 0 and not optax_rsqrt_decay_last(code):
+            u = fma(mh, rs, z(wd * p))
+            wd = _F32(0)
+        else:
+            u = z(mh * rs)
     elif form_r:
         u = z(z(m * r1) / z(z(np.sqrt(vh)) + eps))
     else:

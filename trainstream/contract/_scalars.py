@@ -68,7 +68,7 @@ OX_NO_FMA = 16  # XLA:CPU without FMA3: every fma of the lines is RN(RN(a*b) + c
 OX_NESTEROV = 32  # nesterov=True: mu_hat = b1*m/d1n + (1-b1)*g/d1
 OX_RSQRT = 64  # XLA's rewrite of m / (sqrt(v) + 0) into m * rsqrt(v) (a constant eps that is 0 in the dtype)
 OX_RSQRT_DIV = 128  # XLA:CPU's float32 rsqrt is RN(1 / RN(sqrt(x))) (else the estimate and one Newton step)
-OX_B1_HALF = 256  # XLA's factoring (1-b1)*g + b1*m -> (g + m)*b1: the constants R(1-b1) == R(b1)
+OX_B1_HALF = 256  # XLA factors (1-b1)*g + b1*m -> (g + m)*b1: R(1-b1) == R(b1) (OX_MU_BF16: nesterov's numerator only)
 OX_B2_HALF = 512  # likewise (1-b2)*g*g + b2*v -> (g*g + v)*b2
 OX_HALF = 1024  # optax's state of an fp16/bf16 leaf: nu (and mu, but with OX_MU_F32) in its dtype, no master
 OX_MU_F32 = 2048  # mu_dtype=float32 on an fp16/bf16 leaf (with OX_HALF)
@@ -96,10 +96,26 @@ def optax_code_valid(code: int) -> bool:
         return False
     if half and not mixed and code & (OX_RSQRT_DIV | OX_NU_SWAP | OX_MU_SWAP | OX_NO_FMA):  # no FMA in those lines
         return False
-    return not (code & OX_MU_BF16 and code & OX_B1_HALF)
+    return not (code & OX_MU_BF16 and code & OX_B1_HALF and not code & OX_NESTEROV)
 
 
 OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
+
+
+def optax_rsqrt_decay_last(code: int) -> bool:
+    """Whether the float32 lines of :data:`OX_RSQRT` with weight decay contract ``wd * p`` (``fma(wd, p, RN(mh *
+    rs))``) rather than ``mh * rs`` (``fma(mh, rs, RN(wd * p))``): with :data:`OX_MU_BF16`, and in form D with both
+    :data:`OX_B1_HALF` and :data:`OX_B2_HALF` (measured; there, and with :data:`OX_MU_BF16` in form D, a program that
+    outputs the update array besides the new weights pairs the other way: :func:`optax_rsqrt_decay_varies`)."""
+    return bool(code & OX_MU_BF16 or code & OX_B1_HALF and code & OX_B2_HALF and not code & OX_FORM_R)
+
+
+def optax_rsqrt_decay_varies(code: int) -> bool:
+    """Whether XLA:CPU's pairing of :func:`optax_rsqrt_decay_last`'s line depends on what the program outputs (the
+    new weights or the update array alone, as the contract's line; both: the other), which an ``update`` traced
+    before its consumers cannot see: form D with :data:`OX_MU_BF16` or with ``b1 == b2 == 0.5``."""
+    return bool(code & OX_RSQRT and not code & (OX_HALF | OX_NO_FMA | OX_FORM_R)
+                and (code & OX_MU_BF16 or code & OX_B1_HALF and code & OX_B2_HALF))
 
 # -- torch/cpu codes: msqrt's mode (bits 0-1, trainstream._cpu_sqrt) | TC_NO_FMA | TC_VEC512 ---
 TC_NO_FMA = 4  # ATen's DEFAULT kernels: lerp and addcmul unfused (two roundings each)
@@ -274,7 +290,7 @@ def _in_dtype(x, dtype: str) -> float:
 def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fused_grad: bool = False,
                    fma: bool = True, x64: bool = False, *, dtype: str = "float32", mu_dtype: str | None = None,
                    master: bool = False, nesterov: bool = False, b1: float | None = None, b2: float | None = None,
-                   eps: float | None = None, rsqrt_div: bool = False) -> int:
+                   eps: float | None = None, rsqrt_div: bool = False, ndim: int = 1) -> int:
     """The optax/cpu code (``OX_*`` bits) of one leaf, by the module docstring's rules: ``n_leaves``
     leaves in the optimised pytree, ``numel`` elements in this leaf; ``max_norm``: ``M`` of a
     ``clip_by_global_norm`` chained before adamw, or None; ``fused_grad``: XLA fuses this leaf's
@@ -282,7 +298,9 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     target has FMA3; ``x64``: ``jax_enable_x64`` is on. The leaf's family: ``dtype`` (its name), ``mu_dtype``
     (optax's, None: the leaf's), ``master`` (the fp32 master's float32 lines for an fp16/bf16 leaf).
     ``nesterov``; ``b1``, ``b2``, ``eps``: those that are Python numbers (None: an array, which XLA cannot fold);
-    ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe)."""
+    ``rsqrt_div``: XLA:CPU's rsqrt is a square root and a division here (``trainstream.backends.jax``'s probe);
+    ``ndim``: the leaf's rank (a one-element leaf of rank 0 pairs otherwise than one of shape ``(1,)`` with an array
+    ``b2``)."""
     half = dtype != "float32" and not master
     if master and mu_dtype not in (None, "float32"):
         raise ValueError(f"the fp32 master's lines keep mu in float32, not {mu_dtype}")
@@ -309,8 +327,10 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
     if eps is not None and (not half or dtype == "float16" and not mixed) \
             and _in_dtype(eps, math_dtype) == 0.0:  # XLA drops + 0 and rewrites / sqrt to * rsqrt
         code |= OX_RSQRT | (OX_RSQRT_DIV if rsqrt_div and not half else 0)
-    for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):  # mu's line is of one dtype only without mu_dtype
-        if b is not None and (bit == OX_B2_HALF or not mixed) and \
+    # b == 0.5: XLA factors a line of one dtype (mu's only without mu_dtype; with mu_dtype=bfloat16 the float32
+    # numerator of nesterov, whose mu line keeps its form: b1 == 0.5 makes both pairings and the factoring equal)
+    for b, bit in ((b1, OX_B1_HALF), (b2, OX_B2_HALF)):
+        if b is not None and (bit == OX_B2_HALF or not mixed or nesterov and code & OX_MU_BF16) and \
                 _in_dtype(1 - b, math_dtype) == _in_dtype(b, math_dtype):
             code |= bit
             if code & OX_HALF_DIV:
@@ -324,6 +344,8 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             code |= OX_MU_SWAP
     elif fused_grad and not half:
         code |= OX_NU_SWAP | OX_MU_SWAP
+    elif b2 is None and numel == 1 and ndim >= 1 and not half:
+        code |= OX_NU_SWAP  # an array b2 (inject_hyperparams): LLVM vectorises g*g*(1-b2) of a (1,) leaf, not b2*v
     return code
 
 

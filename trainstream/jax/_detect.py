@@ -44,9 +44,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._probe import PAIRING, Probe, hyper_key, hyper_of, trusted
+from .. import contract as C
+from ._probe import PAIRING, UNTOLD, Probe, hyper_key, hyper_of, trusted
 
-__all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats"]
+__all__ = ["FUSED_MAX_ULP", "MAX_EQNS", "TESTED_JAX", "Unavailable", "fused_codes", "stats", "warn_output_pairing"]
 
 #: The jax versions :func:`_trace_graph` was written against and tested with.
 TESTED_JAX = ("0.10.2",)
@@ -318,11 +319,35 @@ _INEXACT = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are compute
             "over steps); computing the gradient in a jit of its own makes them exact")
 
 
+_UNTOLD = ("TrainStream offload_adamw: {k} of {n} leaves' gradients are computed by XLA:CPU inside optax's update in "
+           "the reference program, and the pairing probe's random inputs never told their FMA pairings apart (e.g. "
+           "gradients that came out all 0): they get the contract's default pairing and can differ from the same "
+           "program around optax.adamw by up to {bound:g} ULP per step (compounding over steps); computing the "
+           "gradient in a jit of its own makes them exact")
+
+
 _GUESSED = ("TrainStream offload_adamw: {k} leaves (nesterov, eps == 0, mu_dtype=bfloat16 or b == 0.5 with FMA lines) "
             "have a gradient XLA:CPU computes inside optax's update in the reference program; the FMA pairing read "
             "from XLA is a best guess for these lines (trainstream.jax._probe.trusted): they can differ from the "
             "same program around optax.adamw by up to {bound:g} ULP per step (compounding over steps); computing "
             "the gradient in a jit of its own makes them exact")
+
+
+_OUTPUTS = ("TrainStream offload_adamw: {k} leaves with eps == 0, weight decay and mu_dtype=bfloat16 or "
+            "b1 == b2 == 0.5: XLA:CPU contracts optax's m * rsqrt(v) + weight_decay * p into an FMA by what the rest "
+            "of the program outputs (the new weights or the update array alone, or both); the contract follows a "
+            "program that outputs one of them, one that outputs both can differ from the same program around "
+            "optax.adamw by up to {bound:g} ULP per step (compounding over steps)")
+
+
+def warn_output_pairing(codes, decays, weight_decay) -> None:
+    """One warning (:data:`_OUTPUTS`) where a leaf's update line pairs by what the program outputs, which an update
+    traced before its consumers cannot see (:func:`trainstream.contract.optax_rsqrt_decay_varies`)."""
+    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        return
+    k = sum(bool(d) and C.optax_rsqrt_decay_varies(c) for c, d in zip(codes, decays))
+    if k:
+        _warn_once("outputs", _OUTPUTS.format(k=k, bound=FUSED_MAX_ULP))
 
 
 def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=None, n_tree=None) -> list[int]:
@@ -385,7 +410,10 @@ def fused_codes(codes, g_leaves, p_leaves, decays, cfg, dtypes=None, masters=Non
             _cache[key] = res
             while len(_cache) > _CACHE_KEPT:
                 _cache.pop(next(iter(_cache)))
-    inexact = [bound for _, bound in res if bound]
+    untold = [bound for _, bound in res if bound == UNTOLD]
+    inexact = [bound for _, bound in res if bound > 0]
     if inexact:
         _warn_once(("inexact", key[0]), _INEXACT.format(k=len(inexact), n=len(res), bound=max(inexact)))
+    if untold:
+        _warn_once(("untold", key[0]), _UNTOLD.format(k=len(untold), n=len(res), bound=FUSED_MAX_ULP))
     return [(c & ~PAIRING) | sw for c, (sw, _) in zip(codes, res)]

@@ -2,6 +2,13 @@
 configuration's ``optax.adamw``) and alone (the gradient as the adapter's callback receives it), run on random
 inputs; per leaf, the pairing bits of the contract's optax/cpu lines that reproduce the reference bit for bit.
 
+The random inputs span six decades (float16 ones two and a half, scaled down in large arrays, so that a global
+norm of squares stays finite); a leaf's pairing is settled once its elements include :data:`_MIN_TELLING` where
+the candidate pairings disagree (none needed where the candidates' lines read no pairing bit: no FMA, ``b == 0.5``).
+A leaf whose candidates the inputs never told apart (every one exact: e.g. its gradient 0 on every input) gets the
+default pairing and :data:`UNTOLD`, which :mod:`._detect` warns (unless its gradient is a constant of the
+program).
+
 Every family of optax's own state is probed with the lines of :func:`trainstream.contract.optax_reference_update`
 in the leaf's dtype; the candidates are the valid codes that differ from the leaf's in the pairing bits only
 (fp16/bf16 state without ``mu_dtype`` has no FMA: its one candidate is checked, not chosen). :func:`trusted`: the
@@ -26,10 +33,13 @@ import optax
 
 from .. import contract as C
 
-__all__ = ["PAIRING", "UNTRUSTED", "Probe", "hyper_key", "hyper_of", "trusted"]
+__all__ = ["PAIRING", "UNTOLD", "UNTRUSTED", "Probe", "hyper_key", "hyper_of", "trusted"]
 
 #: The pairing bits calibrated (the contract's moment lines' two pairings each).
 PAIRING = C.OX_NU_SWAP | C.OX_MU_SWAP
+#: The bound :meth:`Probe.calibrate` gives a leaf whose pairings its random inputs never told apart (every candidate
+#: exact on every element, e.g. gradients all 0): not a distance; :mod:`._detect` warns its own bound.
+UNTOLD = -1.0
 #: Family bits whose probed pairing is not trusted in lines with an FMA (see the module docstring).
 UNTRUSTED = C.OX_NESTEROV | C.OX_RSQRT | C.OX_MU_BF16
 
@@ -42,6 +52,7 @@ def trusted(code: int) -> bool:
     no_fma = code & C.OX_HALF and not code & C.OX_MU_F32  # fp16/bf16 state: every operation rounded
     return bool(no_fma) or not code & UNTRUSTED
 _MIN_ELEMS = 48  # elements seen per leaf before its pairing is settled (a one-element leaf: 48 trials)
+_MIN_TELLING = 8  # ... of which elements where the candidate pairings disagree (else more trials, to _MAX_TRIALS)
 _MAX_TRIALS = 64
 
 
@@ -140,7 +151,8 @@ class Probe:
         return g, sc.scalars
 
     def calibrate(self) -> list[tuple[int, float]]:
-        """Per leaf: (the pairing bits to use, the largest per-step ULP distance measured with them: 0 when exact)."""
+        """Per leaf: (the pairing bits to use, the largest per-step ULP distance measured with them: 0 when exact,
+        :data:`UNTOLD` where the inputs never told the candidate pairings apart)."""
         n = len(self.p_avals)
         state = jax.eval_shape(lambda p: self._tx(self._hyper(
             [np.zeros(s, d) for d, s in self.traced_avals])).init(p), [jax.ShapeDtypeStruct(s, d) for s, d in
@@ -170,9 +182,13 @@ class Probe:
         bad = [np.zeros(len(c), np.int64) for c in cands]
         worst = [np.zeros(len(c)) for c in cands]
         seen = np.zeros(n, np.int64)
+        # elements where the candidates' results differ: only these tell the pairings apart (random inputs can make
+        # every gradient 0, e.g. a global norm overflowing in float16, where every pairing is exact)
+        telling = np.array([0 if len(c) > 1 else _MIN_TELLING for c in cands], np.int64)
         rng = np.random.default_rng(0)
         trials = 0
-        while trials < _MAX_TRIALS and any(calibrated[i] and seen[i] < _MIN_ELEMS for i in range(n)):
+        unsettled = lambda i: calibrated[i] and (seen[i] < _MIN_ELEMS or telling[i] < _MIN_TELLING)  # noqa: E731
+        while trials < _MAX_TRIALS and any(unsettled(i) for i in range(n)):
             trials += 1
             bvals = [_random(rng, s, d) for _, s, d, _ in self.graph.inputs]
             p = [_random(rng, s, d, spread=False) for s, d in self.p_avals]
@@ -187,31 +203,74 @@ class Probe:
                  for i, g in enumerate(G)]
             P, M, V = ref_c(bvals, hyp, p, m, v, count)
             for i in range(n):
-                if not calibrated[i] or seen[i] >= _MIN_ELEMS:
+                if not unsettled(i):
                     continue
+                if trials == 1 and not _distinct(cands[i], S[i], self.dtypes[i], mu_dt[i], nu_dt[i], b1, b2, estimate):
+                    telling[i] = _MIN_TELLING  # lines that read none of the pairing bits (no FMA, b == 0.5, ...)
                 seen[i] += G[i].size
                 want = [np.asarray(x, f32).ravel() for x in (P[i], M[i], V[i])]
                 prev = [np.asarray(x, f32).ravel() for x in (p[i], m[i], v[i])]
+                results = []
                 for j, code in enumerate(cands[i]):
                     s = S[i].copy()
                     s[C.S_OX_CODE] = code
                     got = C.optax_reference_update(*prev, np.asarray(G[i], f32).ravel(), s, self.dtypes[i],
                                                    rsqrt_estimate=estimate)[:3]
+                    results.append(np.stack([a.view(np.uint32) for a in got]))
                     for a, w, pv in zip(got, want, prev):
                         same = (a.view(np.uint32) == w.view(np.uint32)) | (np.isnan(a) & np.isnan(w))
                         bad[i][j] += int(np.count_nonzero(~same))
                         if not same.all():
                             worst[i][j] = max(worst[i][j], float(np.nanmax(C.update_ulps(a, w, pv))))
-        out = []
+                if len(results) > 1:
+                    telling[i] += int(np.count_nonzero((np.stack(results) != results[0]).any(axis=(0, 1))))
+        out, varies = [], _varying(self.graph)
         for i in range(n):
             if not calibrated[i]:
                 out.append((self.codes[i] & PAIRING, 0.0))
                 continue
             exact = [j for j in range(len(cands[i])) if bad[i][j] == 0]
             j = exact[0] if exact else int(np.argmin(worst[i]))
-            out.append((cands[i][j] & PAIRING, 0.0 if exact else max(float(worst[i][j]), 1.0)))
-        self.trials = trials
+            # several pairings exact on inputs that never told them apart: not read (warned), unless the gradient is
+            # a constant of the program (a frozen leaf's zeros: every pairing gives its bits)
+            untold = len(exact) > 1 and telling[i] == 0 and varies[i]
+            out.append((cands[i][j] & PAIRING, UNTOLD if untold else 0.0 if exact else max(float(worst[i][j]), 1.0)))
+        self.trials, self.telling = trials, telling
         return out
+
+
+def _distinct(cands, s_row, dtype, mu_dt, nu_dt, b1, b2, estimate, n=512) -> bool:
+    """Whether the lines of the candidate codes ``cands`` (a leaf's scalars ``s_row``) differ anywhere on inputs
+    made to tell pairings apart: else they read none of the pairing bits (no FMA, ``b == 0.5``'s factored lines, a
+    half mu line...) and no input can tell them apart."""
+    if len(cands) < 2:
+        return False
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    g = C.round_xla((rng.standard_normal(n) * np.exp(rng.uniform(-3, 3, n))).astype(f32), dtype)
+    m = (g.astype(np.float64) * (1 - b1) / b1 * _factor(rng, n, signed=True)).astype(mu_dt).astype(f32)
+    v = (np.square(g.astype(np.float64)) * (1 - b2) / b2 * _factor(rng, n)).astype(nu_dt).astype(f32)
+    p = C.round_xla(rng.standard_normal(n).astype(f32), dtype)
+    first = None
+    for code in cands:
+        s = np.array(s_row, f32)
+        s[C.S_OX_CODE] = code
+        got = np.stack([a.view(np.uint32) for a in
+                        C.optax_reference_update(p, m, v, g, s, dtype, rsqrt_estimate=estimate)[:3]])
+        if first is None:
+            first = got
+        elif not np.array_equal(got, first):
+            return True
+    return False
+
+
+def _varying(graph) -> list[bool]:
+    """Per leaf of ``graph``: whether its gradient depends on some input of the graph (else a constant)."""
+    dep = {r: True for r, _, _, _ in graph.inputs}
+    for e in graph.eqns:
+        d = any(kind == "v" and dep.get(r, False) for kind, r in e.ins)
+        dep.update((r, d) for r in e.outs)
+    return [kind == "v" and dep.get(r, False) for kind, r in graph.outs]
 
 
 def _random(rng, shape, dtype, spread=True):
@@ -221,7 +280,9 @@ def _random(rng, shape, dtype, spread=True):
     if np.issubdtype(dt, np.integer):
         return rng.integers(0, 7, shape).astype(dt)
     x = rng.standard_normal(shape)
-    if spread:  # over six decades
+    if spread and dt == np.float16:  # over two and a half decades, so that a sum of squares (a norm) stays finite
+        x = x * np.exp(rng.uniform(-3, 2.5, shape)) / max(1.0, np.sqrt(x.size) / 8)
+    elif spread:  # over six decades
         x = x * np.exp(rng.uniform(-7, 7, shape))
     return np.asarray(x).astype(dt)
 

@@ -161,7 +161,7 @@ class _Impl:
                                  "an fp32 master in the state")
         return p_leaves, g_leaves, p_def, paths, kinds, fams, mu, nu, master
 
-    def _code(self, n: int, numel: int, kind: str, fam: Family, path: str) -> int:
+    def _code(self, n: int, numel: int, kind: str, fam: Family, path: str, ndim: int) -> int:
         """The optax/cpu code of one leaf (:func:`trainstream.contract.optax_cpu_code`) with the default pairing of
         a materialised gradient; :func:`._detect.fused_codes` then sets the pairing bits XLA:CPU gives the program."""
         cfg = self.cfg
@@ -175,7 +175,8 @@ class _Impl:
             code = C.optax_cpu_code(n, numel, None if half else cfg.max_grad_norm, fma=xb.xla_cpu_fma(),
                                     x64=bool(jax.config.jax_enable_x64), dtype=kind,
                                     mu_dtype=None if fam.master else fam.mu, master=fam.master,
-                                    nesterov=cfg.nesterov, b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps))
+                                    nesterov=cfg.nesterov, b1=num(cfg.b1), b2=num(cfg.b2), eps=num(cfg.eps),
+                                    ndim=ndim)
         except ValueError as exc:  # the contract has no lines for it
             raise NotImplementedError(f"TrainStream offload_adamw: leaf {path}: {exc}") from None
         if not C.optax_code_valid(code):
@@ -212,11 +213,12 @@ class _Impl:
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
         if platform == "cpu":
-            codes = [self._code(n_tree or n, k, kind, fam, path)
-                     for k, kind, fam, path in zip(numels, kinds, fams, paths)]
+            codes = [self._code(n_tree or n, k, kind, fam, path, np.ndim(p))
+                     for k, kind, fam, path, p in zip(numels, kinds, fams, paths, p_leaves)]
             # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
             codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams],
                                         n_tree)
+            _detect.warn_output_pairing(codes, decay, cfg.weight_decay)
         else:  # optax/cuda reads only the clip bit
             codes = [C.OX_CLIP if optax_clip else 0] * n
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
