@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_torch_speculate import (_edit, batches, clip_to, gradient_state, loss_fn, make, run_step, same,  # noqa: E402,F401
-                                  same_state)
+                                  same_state, scaler_loop)
 
 from trainstream.torch import OffloadAdamW  # noqa: E402
 from trainstream.torch import _gradcopy  # noqa: E402
@@ -106,24 +106,7 @@ def test_grad_scaler_skips_and_inf_gradients(copies_on, recipe, flow, device):
     if device == "cuda" and recipe == "bf16":
         pytest.skip("torch's CUDA GradScaler does not unscale bf16 gradients")
     ref, ropt, ours, opt = make(recipe, device=device, grad_copies=None if device == "cpu" else True)
-    scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
-    for i, x in enumerate(batches(8, device=device)):
-        for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):
-            loss = loss_fn(m, x)
-            if i == 2:
-                loss = loss * float("inf")
-            sc.scale(loss).backward()
-            if i == 5:
-                next(m.parameters()).grad[0, 0] = float("nan")
-            if flow == "unscale_clip":
-                sc.unscale_(o)
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 10.0)
-            sc.step(o)
-            sc.update()
-            o.zero_grad()
-        assert scalers[0].get_scale() == scalers[1].get_scale()
-        same(ref, ours)
-        _released(opt, copies_on)
+    scaler_loop(ref, ropt, ours, opt, device, flow, lambda: _released(opt, copies_on))
     same_state(ropt, opt, ref, ours)
     st = opt.stats()
     assert (st["spec_steps_committed"], st["spec_steps_redone"]) == (3, 5)

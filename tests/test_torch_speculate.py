@@ -196,17 +196,9 @@ def test_changes_between_backward_and_step(kind, hint, device):
         assert st["spec_rolled_back"] >= 2 and st["spec_steps_committed"] == 0
     opt.close()
 
-
-@pytest.mark.parametrize("device", [CPU, CUDA])
-@pytest.mark.parametrize("recipe", ["fp32", "fused", "bf16"])
-@pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
-def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
-    """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
-    gradient on step 5 skip those steps exactly as torch skips them (speculative work discarded). Speculation
-    assumes the scale last seen (or, after unscale_, found): the steps where it is unchanged commit."""
-    if device == "cuda" and recipe == "bf16":
-        pytest.skip("torch's CUDA GradScaler does not unscale bf16 gradients")
-    ref, ropt, ours, opt = make(recipe, device=device)
+def scaler_loop(ref, ropt, ours, opt, device, flow, each=None):
+    """8 GradScaler steps of both pairs (an inf loss at step 2, a NaN gradient at step 5; ``flow`` "unscale_clip":
+    unscale_ and clip_grad_norm_ before step), the scales and weights compared after each; ``each()`` after each."""
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=100) for _ in range(2)]
     for i, x in enumerate(batches(8, device=device)):
         for m, o, sc in ((ref, ropt, scalers[0]), (ours, opt, scalers[1])):
@@ -224,6 +216,22 @@ def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
             o.zero_grad()
         assert scalers[0].get_scale() == scalers[1].get_scale()
         same(ref, ours)
+        if each is not None:
+            each()
+
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("recipe", ["fp32", "fused", "bf16"])
+@pytest.mark.parametrize("flow", ["plain", "unscale_clip"])
+def test_grad_scaler_skips_and_inf_gradients(recipe, flow, device):
+    """GradScaler("cpu"): scaled backward, step (or unscale_ and clip first), update; an inf loss on step 2 and a NaN
+    gradient on step 5 skip those steps exactly as torch skips them (speculative work discarded). Speculation
+    assumes the scale last seen (or, after unscale_, found): the steps where it is unchanged commit."""
+    if device == "cuda" and recipe == "bf16":
+        pytest.skip("torch's CUDA GradScaler does not unscale bf16 gradients")
+    ref, ropt, ours, opt = make(recipe, device=device)
+    scaler_loop(ref, ropt, ours, opt, device, flow)
     same_state(ropt, opt, ref, ours)
     assert int(opt.state[next(ours.parameters())]["step"]) == 6
     st = opt.stats()
