@@ -54,7 +54,7 @@ CASES = [
                                                                             weight_decay=0.1), marks=_full),
     pytest.param(C.OX_B1_HALF | C.OX_B2_HALF, "float32", dict(b1=0.5, b2=0.5), marks=_full),
     pytest.param(C.OX_MU_BF16, "float32", {}, marks=_full),
-    pytest.param(C.OX_MU_BF16 | C.OX_NESTEROV, "float32", {}, marks=_full),
+    pytest.param(C.OX_MU_BF16 | C.OX_NESTEROV | C.OX_NUM_SWAP, "float32", {}, marks=_full),
     # nesterov with b1 == 0.5: the numerator (mn + gn) * b1, in form R g*r1 contracted into the sum
     pytest.param(C.OX_NESTEROV | C.OX_FORM_R | C.OX_B1_HALF, "float32", dict(b1=0.5), marks=_full),
     pytest.param(C.OX_MU_BF16 | C.OX_NESTEROV | C.OX_FORM_R | C.OX_B1_HALF, "float32", dict(b1=0.5), marks=_full),
@@ -66,6 +66,10 @@ CASES = [
     pytest.param(C.OX_HALF | C.OX_MU_F32, "float16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_MU_F32 | C.OX_FORM_R, "bfloat16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_MU_F32 | C.OX_FORM_R | C.OX_NESTEROV, "float16", {}, marks=_full),
+    # float16 with float32 mu, b2 == 0.5: the update's loop recomputes v, as fp16 state's
+    pytest.param(C.OX_HALF | C.OX_MU_F32 | C.OX_B2_HALF | C.OX_NESTEROV, "float16", dict(b2=0.5), marks=_full),
+    # nesterov's numerator with (1-b1) * gn the product fused (b2 == 0.5 on a leaf of several elements)
+    pytest.param(C.OX_NESTEROV | C.OX_B2_HALF | C.OX_NUM_SWAP, "float32", dict(b1=0.8, b2=0.5), marks=_full),
     pytest.param(C.OX_HALF | C.OX_HALF_DIV, "bfloat16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_HALF_DIV | C.OX_RSQRT | C.OX_NESTEROV, "float16", {}, marks=_full),
     pytest.param(C.OX_HALF | C.OX_HALF_DIV | C.OX_MU_F32 | C.OX_NESTEROV, "bfloat16", {}, marks=_full),

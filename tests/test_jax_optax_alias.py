@@ -173,6 +173,10 @@ HYPER = [
     # nesterov with b1 == 0.5 (fuzzer --full seed 8): XLA's numerator (mn + gn) * b1, g*r1 contracted into the sum
     ("adamw", dict(nesterov=True, b1=0.5, single=True), "float32"),
     pytest.param("adamw", dict(nesterov=True, b1=0.5, mu_dtype=jnp.bfloat16, single=True), "float32", marks=_full),
+    # nesterov with b2 == 0.5 (fuzzer --full seed 9): (1-b1) * gn is the product fused
+    pytest.param("adam", dict(nesterov=True, b1=0.8, b2=0.5), "float32", marks=_full),
+    # float16 with float32 mu and b2 == 0.5: the update's loop recomputes v (a subnormal g*g: inf before)
+    pytest.param("adamw", dict(b1=0.8, b2=0.5, mu_dtype=jnp.float32, one_element=False), "float16", marks=_full),
     # eps == 0 with decay and mu_dtype=bfloat16 (fuzzer --full seed 7): wd * p is the product fused
     pytest.param("adamw", dict(b1=0.5, b2=0.5, eps=0.0, eps_root=1e-8, mu_dtype=jnp.bfloat16, weight_decay=0.1,
                                single=True), "float32", marks=_full),

@@ -48,6 +48,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
     half, mu_f32, mu_bf16 = (ox & OX_HALF) != 0, (ox & OX_MU_F32) != 0, (ox & OX_MU_BF16) != 0
     hdiv = (ox & OX_HALF_DIV) != 0  # one-element fp16/bf16 leaf: x / d, not x * (1/d)
     decay_last = contract.optax_rsqrt_decay_last(ox)  # rsqrt with decay: fma(wd, p, RN(mh*rs))
+    num_swap = (ox & contract.OX_NUM_SWAP) != 0  # nesterov's numerator: fma(1-b1, gn, RN(b1*mn))
     pure = half and not mu_f32  # params, mu, nu in the leaf's dtype
     mixed = half and mu_f32
     dk = gkind  # the leaf's kind (fp16/bf16 state)
@@ -84,7 +85,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
             r1d = ftz(np.float32(1.0) / rx(z_d1, dk))
             z_r1 = r1d if bf16 else rx(r1d, dk)
         r1b1 = rx(z_r1 * z_b1, dk) if pure else z_r1  # fp16 b1 == 0.5: the update recomputes m with RH(r1*b1)
-        r2b2 = rx(z_r2 * z_b2, dk) if pure else z_r2  # and b2 == 0.5: v with RH(r2*b2)
+        r2b2 = rx(z_r2 * z_b2, dk) if half else z_r2  # and b2 == 0.5 (fp16 mu too): v with RH(r2*b2)
         mb = z_b1mu if mu_bf16 else z_b1
         decays = z_wd != np.float32(0.0)
         has_er = z_er != np.float32(0.0)
@@ -168,7 +169,12 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                         vi = rx(rx(gg + vo, dk) * z_b2, dk)
                     else:
                         vi = rx(rx(z_omb2 * gg, dk) + rx(z_b2 * vo, dk), dk)
-                    vh = rx(vi / d2h, dk) if hdiv else rx(vi * z_r2, dk)
+                    if b2_half and not bf16:  # the update's loop recomputes v: (gg + v_old) * RH(r2*b2)
+                        vh = rx(rx(gg + vo, dk) * r2b2, dk)
+                    elif hdiv:
+                        vh = rx(vi / d2h, dk)
+                    else:
+                        vh = rx(vi * z_r2, dk)
                     vh = select(has_er, rx(vh + z_er, dk), vh)
                     sq = rx(np.float32(math.sqrt(vh)), dk)
                     den = ftz(sq + z_eps) if bf16 else rx(sq + z_eps, dk)
@@ -222,7 +228,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                             num = ftz(ftz(mad_xla(ox_unfused, gi, z_r1, mn)) * z_b1)
                         elif b1_half:
                             num = ftz(ftz(mn + gn) * z_b1)
-                        elif mu_bf16:
+                        elif num_swap:
                             num = ftz(mad_xla(ox_unfused, z_omb1, gn, ftz(z_b1 * mn)))
                         else:
                             num = ftz(mad_xla(ox_unfused, z_b1, mn, ftz(z_omb1 * gn)))

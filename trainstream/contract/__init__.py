@@ -219,9 +219,11 @@ signed zeros. LLVM contracts ``a*b + c`` into FMAs; the pairing it picks is part
   q)`` as above with :data:`OX_MU_BF16` and in form D with ``b1 == b2 == 0.5`` (:func:`optax_rsqrt_decay_last`);
   in those two in form D a program that outputs the update array as well as the new weights pairs the other way:
   :func:`optax_rsqrt_decay_varies`, warned by the JAX adapter), ``b == 0.5`` in the dtype (:data:`OX_B1_HALF`,
-  :data:`OX_B2_HALF`: XLA factors
-  ``(g + m) * b``; with nesterov in the float32 lines also ``num = RN((mn + gn) * b1)``, in form R the sum
-  ``fma(g, r1, mn)``), ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
+  :data:`OX_B2_HALF`: XLA factors ``(g + m) * b``; with nesterov in the float32 lines also ``num = RN((mn + gn) *
+  b1)``, in form R the sum ``fma(g, r1, mn)``), nesterov's ``b1 * mn + (1-b1) * gn`` otherwise ``fma(b1, mn,
+  RN((1-b1) * gn))``, but ``fma(1-b1, gn, RN(b1 * mn))`` with :data:`OX_NUM_SWAP` (:func:`optax_cpu_code`: with
+  :data:`OX_MU_BF16`, and with :data:`OX_B2_HALF` on leaves of more than one element),
+  ``mu_dtype=bfloat16`` on float32 leaves (:data:`OX_MU_BF16`: mu computed unrounded, stored
   rounded); fp16/bf16 leaves keep optax's fp16/bf16 state (:data:`OX_HALF`: every operation rounded to the dtype,
   no FMA, the corrections' reciprocals in float32 for bf16 and in half for fp16, divisions on one-element leaves,
   :data:`OX_HALF_DIV`; fp16 with ``b == 0.5`` recomputes ``m`` and ``v`` in the update's loop), or with
@@ -265,7 +267,8 @@ from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_
                          update_ulps)
 from ._scalars import (CONVENTIONS, ITEMSIZE, N_SCALARS, OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_CODES, OX_FORM_R, OX_HALF,
                        OX_HALF_DIV,
-                       OX_MU_BF16, OX_MU_F32, OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV,
+                       OX_MU_BF16, OX_MU_F32, OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_NUM_SWAP, OX_RSQRT,
+                       OX_RSQRT_DIV,
                        PLATFORMS, S_BC1, S_BC1_NEXT, S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV,
                        S_DECAY, S_EPS, S_EPS_ROOT, S_GRAD_DIV, S_INV_SQRT_BC2, S_L2, S_LERP_SMALL, S_NEG_LR,
                        S_NEG_LR_WD, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_STEP, S_WD, TC_CODES, TC_NO_FMA,

@@ -8,9 +8,9 @@ import numpy as np
 
 from ._reference import bf16_bits_to_f32, f32_to_bf16_bits, fma_f32, ftz
 from ._scalars import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_HALF_DIV, OX_MU_BF16, OX_MU_F32,
-                       OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1, S_BC1_NEXT,
-                       S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT, S_NEG_LR,
-                       S_OMB1, S_OMB2, S_OX_CODE, S_WD, optax_code_valid, optax_rsqrt_decay_last)
+                       OX_MU_SWAP, OX_NESTEROV, OX_NO_FMA, OX_NUM_SWAP, OX_NU_SWAP, OX_RSQRT, OX_RSQRT_DIV, S_BC1,
+                       S_BC1_NEXT, S_BC2_OPTAX, S_BETA1, S_BETA1_MU, S_BETA2, S_CLIP, S_CLIP_DIV, S_EPS, S_EPS_ROOT,
+                       S_NEG_LR, S_OMB1, S_OMB2, S_OX_CODE, S_WD, optax_code_valid, optax_rsqrt_decay_last)
 
 _F32 = np.float32
 _TINY = _F32(2.0**-126)
@@ -105,7 +105,7 @@ def _float32_lines(p, m, v, g, s, code, rsqrt_estimate):
         if code & OX_B1_HALF:  # XLA: (mn + gn) * b1; in form R LLVM contracts g*r1 into the sum
             num = z((fma(g, r1, mn) if form_r else z(mn + gn)) * B1)
         else:
-            num = fma(C1, gn, z(B1 * mn)) if code & OX_MU_BF16 else fma(B1, mn, z(C1 * gn))
+            num = fma(C1, gn, z(B1 * mn)) if code & OX_NUM_SWAP else fma(B1, mn, z(C1 * gn))
         u = z(num / z(z(np.sqrt(vh)) + eps))
     elif code & OX_RSQRT:  # m / sqrt(v) -> m * rsqrt(v); with decay one of m*rs and wd*p is fused (by the family)
         mh = z(m * r1) if form_r else z(m / d1)
@@ -177,8 +177,12 @@ def _mixed_lines(p, m, v, g, s, code, dtype):
         m = fma(B1, m, R(C1 * g))
         r2 = R(_F32(1) / d2)
     gg = R(g * g)
+    v_old = v
     v = R(R(gg + v) * B2) if code & OX_B2_HALF else R(R(C2 * gg) + R(B2 * v))
-    vh = R(R(v / R(d2)) + er) if code & OX_HALF_DIV else R(R(v * r2) + er)
+    if code & OX_B2_HALF and not bf16:  # the update's loop recomputes v, as fp16 state's: (gg + v_old) * RH(r2*b2)
+        vh = R(R(R(gg + v_old) * R(r2 * B2)) + er)
+    else:
+        vh = R(R(v / R(d2)) + er) if code & OX_HALF_DIV else R(R(v * r2) + er)
     den = z(R(np.sqrt(vh)) + eps) if bf16 else R(R(np.sqrt(vh)) + eps)
     form_r = code & OX_FORM_R  # mu's divisions by d1 and d1n (float32) as multiplies by their float32 reciprocals
     if code & OX_NESTEROV:

@@ -74,12 +74,15 @@ OX_HALF = 1024  # optax's state of an fp16/bf16 leaf: nu (and mu, but with OX_MU
 OX_MU_F32 = 2048  # mu_dtype=float32 on an fp16/bf16 leaf (with OX_HALF)
 OX_MU_BF16 = 4096  # mu_dtype=bfloat16 on a float32 leaf
 OX_HALF_DIV = 8192  # OX_HALF on a one-element leaf: the divisions by the corrections stay divisions (no reciprocal)
+OX_NUM_SWAP = 16384  # nesterov's float32 numerator fma(1-b1, gn, RN(b1*mn)) (OX_MU_BF16; OX_B2_HALF, numel > 1)
 
 
 def optax_code_valid(code: int) -> bool:
     """Whether ``code`` is an optax/cpu code (:func:`optax_cpu_code` gives only these): a family (float32, its
     ``OX_MU_BF16``, ``OX_HALF`` with or without ``OX_MU_F32``) and the bits its lines read."""
-    if not 0 <= code < 2 * OX_HALF_DIV:
+    if not 0 <= code < 2 * OX_NUM_SWAP:
+        return False
+    if code & OX_NUM_SWAP and (not code & OX_NESTEROV or code & (OX_HALF | OX_B1_HALF)):  # read there only
         return False
     if code & OX_HALF_DIV and (not code & OX_HALF or code & (OX_B1_HALF | OX_B2_HALF)):  # b == 0.5 there: not read
         return False
@@ -99,7 +102,7 @@ def optax_code_valid(code: int) -> bool:
     return not (code & OX_MU_BF16 and code & OX_B1_HALF and not code & OX_NESTEROV)
 
 
-OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_HALF_DIV) if optax_code_valid(c))
+OX_CODES: tuple[int, ...] = tuple(c for c in range(2 * OX_NUM_SWAP) if optax_code_valid(c))
 
 
 def optax_rsqrt_decay_last(code: int) -> bool:
@@ -336,6 +339,8 @@ def optax_cpu_code(n_leaves: int, numel: int, max_norm: float | None = None, fus
             if code & OX_HALF_DIV:
                 which = 1 if bit == OX_B1_HALF else 2
                 raise ValueError(f"no optax/cpu lines for a one-element {dtype} leaf with b{which} == 0.5 in the dtype")
+    if nesterov and not half and not code & OX_B1_HALF and (code & OX_MU_BF16 or code & OX_B2_HALF and numel > 1):
+        code |= OX_NUM_SWAP  # LLVM contracts (1-b1)*gn, not b1*mn (measured; b2 == 0.5 on a one-element leaf: b1*mn)
     if max_norm is not None:
         if half:
             raise ValueError("optax/cpu clipping (OX_CLIP) has no lines for fp16/bf16 state")
