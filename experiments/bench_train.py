@@ -17,7 +17,8 @@ Setups (``--setups``):
                    (``bf16_optimizer_states``: ~6 instead of ~16 bytes per parameter; not torch's bits)
 A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN``
 (worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
-(gpu_state_bytes of G GiB), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
+(gpu_state_bytes of G GiB), ``~gc0``/``~gc1`` (grad_copies=False/True), ``~spec0``/``~spec1``
+(speculate=False/True), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
 (overlap_forward=model), ``~fused`` (fused=True: bf16_fused's bits), ``~master``
 (master_weights=True: fp32 master and moments), ``~bounded`` (bounded_staging=True: the gradient and weights
 read per chunk through a pinned ring, the host holding the moments alone), ``~base`` (OffloadAdamW from an earlier tree for an A/B:
@@ -72,7 +73,8 @@ IN_GPU = ("bf16_fused", "amp_fused")
 CUDA_ONLY = ("ts_gpu", "ts_hybrid", "torchao", "ds_")
 #: ``~option`` prefix -> (OffloadAdamW argument, value from the option's rest)
 TS_OPTIONS = {"nice": ("worker_nice", int), "eb": ("eager_blocks", int), "share": ("gpu_share", float),
-              "res": ("gpu_state_bytes", lambda v: int(float(v) * 2**30))}
+              "res": ("gpu_state_bytes", lambda v: int(float(v) * 2**30)),
+              "gc": ("grad_copies", lambda v: bool(int(v))), "spec": ("speculate", lambda v: bool(int(v)))}
 
 
 def _base_name(setup: str) -> str:

@@ -61,22 +61,24 @@ def test_a_failed_update_leaves_nothing_waiting(device, monkeypatch):
 @pytest.mark.gpu
 def test_step_does_not_wait_for_the_transfers_and_reads_are_current():
     """With the upload stream held (~0.5 s of GPU sleep) step() returns at once; a read
-    right after it on the current stream still sees the new weights."""
+    right after it on the current stream still sees the new weights. The first step is not
+    held: it loads the compiled kernels from Numba's cache (~0.7 s once per process on an H100,
+    experiments/diag_step_block.py)."""
     ref, ropt, ours, opt = _pair("cuda")
     x = torch.randn(32, 64, device="cuda")
-    for _ in range(3):
+    for i in range(4):
         for m, o in ((ref, ropt), (ours, opt)):
             o.zero_grad()
             m(x).square().mean().backward()
-            if o is opt:
+            if o is opt and i > 0:
                 with torch.cuda.stream(opt._engine.backend.h2d):
                     torch.cuda._sleep(1 << 30)
                 t0 = time.perf_counter()
                 o.step()
                 took = time.perf_counter() - t0
+                assert took < 0.2, f"step() blocked for {took:.3f} s"
             else:
                 o.step()
-        assert took < 0.2, f"step() blocked for {took:.3f} s"
         for p, q in zip(ref.parameters(), ours.parameters()):
             assert torch.equal(p, q)
     opt.close()
