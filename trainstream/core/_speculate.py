@@ -67,6 +67,13 @@ class Speculative:
         """Host bytes of slot ``sid``'s kept copies (allocated at its first speculative update)."""
         return self._slot(sid).backup_bytes()
 
+    def drop_backups(self, sid: int) -> None:
+        """Free slot ``sid``'s kept copies (allocated again at its next speculative update); not while one is pending."""
+        s = self._slot(sid)
+        if s.spec is not None:
+            raise ValueError(f"drop_backups: parameter slot {sid} holds a speculative update")
+        s.backup = None
+
     def staged_grad(self, sid: int) -> np.ndarray:
         """The gradient staged for slot ``sid`` (the buffer itself, float32 or the uint16 bits of fp16/bf16) once
         its copy has landed: what a speculative update read, for the adapter's bitwise check. The update may still
@@ -205,6 +212,12 @@ class EngineSpeculation:
     def speculation_bytes(self, sids: Sequence[int]) -> int:
         """Host bytes of the kept copies of ``sids`` (host slots): what speculating on them takes."""
         return sum(self.host.backup_bytes(self._local_on(sid, False)) for sid in sids)
+
+    def drop_backups(self, sids: Sequence[int]) -> None:
+        """Free the kept copies of host slots ``sids`` (none speculative now; allocated again at their next
+        speculative update)."""
+        for sid in sids:
+            self.host.drop_backups(self._local_on(sid, False))
 
     def staged_grad(self, sid: int) -> np.ndarray:
         """Host slot ``sid``'s staged gradient once landed (float32, or uint16 bits), the buffer itself."""

@@ -72,11 +72,15 @@ class GradCapture(V.SpeculationPolicy):
         self.eager = False
         self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
         self.speculate = speculate  # None: where the host memory budget allows (decided at the first one)
+        self._choice = speculate  # the user's
+        # Under last_micro_batch() host updates run in place, not speculatively (no copies: step() refuses a gradient
+        # changed since): with speculate=False; with None once a step saw every such gradient unchanged at step().
+        self._in_place = speculate is False
         self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
         self.copies = GradCopies(grad_copies)  # device copies of speculated gradients, for step()'s check
         self.uploaded: set[int] = set()  # speculated under Accelerate's signal, weights uploaded during backward
         self._guard: Any = None  # the global forward pre-hook while ``uploaded`` (:meth:`_guard_forwards`)
-        self.launched: dict[int, StagedCopy] = {}  # GPU slots launched from hooks (not speculative: no redo)
+        self.launched: dict[int, StagedCopy] = {}  # updated from hooks, not speculatively (GPU, streamed, in place)
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
         self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
@@ -155,6 +159,10 @@ class GradCapture(V.SpeculationPolicy):
             if hint and (hp := self._hyper_now(rec)):
                 self._stream(rec, hp)
             return
+        if sid in self.launched:  # updated in place from this step's last_micro_batch() backward
+            raise RuntimeError(f"OffloadAdamW: a second backward inside last_micro_batch() before step() (parameter "
+                               f"{sid}); only the last micro-batch's backward belongs in that block: the update ran "
+                               "in place from the first. Reload a checkpoint to continue.")
         if sid in self.spec:  # another backward after the one taken for the last: accumulation
             if sid in self.uploaded and engine.speculative(sid):  # no forward in between (the guard saw none)
                 self._unupload()
@@ -180,6 +188,9 @@ class GradCapture(V.SpeculationPolicy):
         if not self._hook_copies(p):
             return  # step() copies it
         grad = p.grad
+        if hint and self._in_place and not rec.sums and engine.can_speculate(sid) and (hp := self._hyper_now(rec)):
+            self._update_in_place(rec, hp, grad)
+            return
         hp = self._speculates(rec, n, self.eager) and self._hyper_now(rec)
         if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
@@ -220,6 +231,17 @@ class GradCapture(V.SpeculationPolicy):
         self.hooked.add(rec.sid)
         grad = rec.param.grad
         self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
+        self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
+        self.gate.mark([rec.sid])
+
+    def _update_in_place(self, rec: Slot, hp: C.AdamWHyperParams, grad: torch.Tensor) -> None:
+        """Under ``last_micro_batch()``, a host slot's update from its hook, in place: no copies kept (their DRAM
+        traffic, ~12 bytes per bf16 element with the copy's reads, and their host memory), so not speculative:
+        ``step()`` refuses a gradient changed since, as for a GPU slot's launch."""
+        self.slots.follow(rec)  # an edited weight is re-read before the update
+        self.slots.engine.offload_grad(rec.sid, *self.local_grad(rec), hp)
+        rec.staged, rec.summed = None, 0
+        self.hooked.add(rec.sid)
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
 
@@ -301,7 +323,7 @@ class GradCapture(V.SpeculationPolicy):
             if rec.sid in self.launched and not self.launched[rec.sid].current(rec.param, trusted=True):
                 engine.rollback(list(self.spec))  # the host's, exactly; a checkpoint may be loaded now
                 self._end_step()
-                raise RuntimeError(_launched_refusal(rec.sid))
+                raise self._refuse_launched(rec.sid)
             if rec.once and self._seen.get(rec.sid, 0) > 1:
                 raise NotImplementedError(_second_backward(rec, False))
             if rec.summed and rec.sid not in self.spec and (
@@ -312,6 +334,9 @@ class GradCapture(V.SpeculationPolicy):
         holds = self._verdicts([(rec, rec.staged, *spec[rec.sid], hp) for g, hp in zip(groups, hps) for p in g["params"]
                                 if (rec := self.slots.of(p)) is not None and rec.sid in spec and p.grad is not None])
         updates, coefs, commit, redone = [], {}, [], False
+        # every update of this last_micro_batch() backward committed with param.grad untouched since its hook
+        clean = bool(self.hooked) and not self._in_place and self._choice is None and not (
+            self._untrusted or self._scaler)
         for group, hp in zip(groups, hps):
             for p in group["params"]:
                 rec = self.slots.of(p)  # None: another rank's (zero_stage=1)
@@ -320,10 +345,14 @@ class GradCapture(V.SpeculationPolicy):
                 copy, rec.staged = rec.staged, None
                 rec.summed, rec.broken = 0, False
                 if rec.sid in spec:
-                    spec.pop(rec.sid)
+                    _, assumed = spec.pop(rec.sid)
                     if holds.get(rec.sid, False):
                         commit.append(rec.sid)
+                        clean = clean and (rec.sid not in self.hooked or (
+                            copy is not None and copy.current(p, trusted=True) and copy.coef is None
+                            and assumed.coef == 1.0 and assumed.grad_div is None))
                         continue
+                    clean = False
                     engine.rollback([rec.sid])  # then redone below, from the pre-step state
                     redone = True
                 if p.grad is None or rec.sid in launched:
@@ -342,6 +371,9 @@ class GradCapture(V.SpeculationPolicy):
         if commit:
             engine.commit(commit)
             self.gate.mark(commit)
+        if clean and not redone:  # the loop leaves last_micro_batch()'s gradients alone: in place from now on
+            self._in_place = True
+            engine.drop_backups([sid for sid in commit if sid in self.hooked])
         if commit or redone:
             engine.count_spec_step(redone)
         early = set(commit) | set(launched)
@@ -378,6 +410,18 @@ class GradCapture(V.SpeculationPolicy):
             if (self.hooked or self.uploaded) and not self.gate.active:  # the old weights uploaded again: readers
                 self.slots.engine.wait_step()  # wait for them (step() returns at once)
         self._end_step()
+
+    def _refuse_launched(self, sid: int, what: str | None = None) -> RuntimeError:
+        """The error for a change after a ``last_micro_batch()`` backward that an update from a hook cannot follow;
+        the next such backward speculates again (``speculate=None``)."""
+        self._in_place = self._choice is False
+        return RuntimeError(_launched_refusal(sid) if what is None else _launched_refusal(sid, what))
+
+    def check_zero_grad(self) -> None:
+        """``zero_grad`` before ``step()`` after a ``last_micro_batch()`` backward whose updates ran from hooks, not
+        speculatively: they cannot be undone, as torch's step that is never taken changes nothing. Refused."""
+        if self.launched and not self.slots.engine.errors.failed:
+            raise self._refuse_launched(next(iter(self.launched)), "zero_grad() before step()")
 
     def forget(self) -> None:
         """Drop every staged copy and sum (``zero_grad``: the engine rolls back speculative updates): ``step()``
@@ -432,7 +476,7 @@ class GradCapture(V.SpeculationPolicy):
                 instead=["torch.nn.utils.clip_grad_norm_(model.parameters(), ...), whose clipped param.grad the update "
                          "reads"]))
         if self.launched:
-            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "clip_grad_norm()"))
+            raise self._refuse_launched(next(iter(self.launched)), "clip_grad_norm()")
         sums = {rec.param: rec for rec in self._sums()}  # master_weights: the norm of the fp32 sums (on the host)
         grads = [torch.from_numpy(self.slots.engine.grad_sum(sums[p].sid)) if p in sums else p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -459,7 +503,7 @@ class GradCapture(V.SpeculationPolicy):
                 ["scaler.unscale_(optimizer) before scaler.step(optimizer) (bf16 gradients; torch refuses fp16 ones)",
                  "fused=True (its kernel divides by the scale, as the scheme's)"]))
         if self.launched:
-            raise RuntimeError(_launched_refusal(next(iter(self.launched)), "GradScaler"))
+            raise self._refuse_launched(next(iter(self.launched)), "GradScaler")
         fused = [rec for rec in map(self.slots.of, params) if rec is not None and rec.recipe.impl == "fused"]
         self._scaler, self._user_unscales = True, scale is None
         if scale is not None:
@@ -500,11 +544,13 @@ def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_g
                       ) -> str:
     """Why an update launched from a hook under ``last_micro_batch()`` (a GPU slot's, or a host slot's with
     bounded staging) cannot follow ``what``."""
-    return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the GPU kernels of mode='gpu'/'hybrid' "
-            f"or the host updates of bounded_staging=True (parameter {sid}) updated from the gradients as backward "
-            "left them, and those updates are not speculative (they cannot be redone). Clip with max_grad_norm= "
-            "(then last_micro_batch() launches nothing early), or leave last_micro_batch() out; reload a checkpoint "
-            "(load_state_dict) to continue.")
+    return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the update of parameter {sid} ran from its "
+            "gradient as backward left it, and it is not speculative (it cannot be redone): GPU kernels of "
+            "mode='gpu'/'hybrid', host updates with bounded_staging=True, and host updates with speculate=False or, "
+            "with speculate=None, once a step has shown the loop leaving those gradients unchanged (in place: no "
+            "copies kept). Clip with max_grad_norm= (then last_micro_batch() starts nothing early), pass "
+            "speculate=True (host updates keep copies and are redone exactly), or leave last_micro_batch() out; "
+            "reload a checkpoint (load_state_dict) to continue.")
 
 
 def _second_backward(rec: Slot, updated: bool) -> str:

@@ -79,6 +79,10 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
       speculate: host updates start during backward and ``step()`` commits or redoes them exactly (docs/torch.md),
         keeping copies of the weights and state (12 bytes per float32 parameter, 6 per fp16/bf16 one). None: where
         host memory has room for them after ``host_margin``; True: always; False: never (updates at ``step()``).
+        Inside :meth:`last_micro_batch` the host updates run in place instead, without copies (faster, and not
+        speculative: ``step()`` refuses a gradient the loop changed after that backward, as for GPU slots): with
+        False, and with None once a step has seen every such gradient unchanged at ``step()`` (the first step, and
+        every step after a refusal, speculates); True keeps speculating there.
         Their weights are uploaded at ``step()`` in a loop that says nothing of its last micro-batch (the weights
         read between backward and ``step()``, by a forward or any other reader, are torch's: the old ones); during
         backward under :meth:`last_micro_batch` and where Accelerate's gradient state marks the last micro-batch
@@ -262,10 +266,13 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
     @contextlib.contextmanager
     def last_micro_batch(self):
         """Mark the backward inside this block as the last micro-batch of the step (an explicit hint;
-        ``docs/torch.md``). Host updates start speculatively as each gradient is ready, as without it, and also
-        upload their weights at once (no forward or backward may run before ``step()``). ``param.grad`` stays:
+        ``docs/torch.md``). Host updates start as each gradient is ready and upload their weights at once (no
+        forward or backward may run before ``step()``); ``param.grad`` stays. The first step's are speculative:
         ``clip_grad_norm_``, ``GradScaler`` and in-place edits give torch's bits (``step()`` commits or redoes).
-        GPU slots (``gpu`` mode; ``hybrid``'s with ``gpu_params="last"``) launch their kernels from the hooks, not
+        Where that step found every gradient unchanged at ``step()``, the next ones run in place, without kept
+        copies (``speculate=None``; ``False``: from the first): ``step()``, ``clip_grad_norm_``, GradScaler and
+        ``zero_grad()`` then refuse a gradient changed or dropped since (reload a checkpoint), and the next step
+        speculates again; ``speculate=True`` always speculates. GPU slots (``gpu`` mode; ``hybrid``'s with ``gpu_params="last"``) launch their kernels from the hooks, not
         speculatively: ``step()`` refuses a gradient changed since (none launched with ``max_grad_norm``).
         ``state_dict()`` and ``load_state_dict()`` raise until ``step()``. Not with several processes and plain
         (non-DTensor) parameters. With ``hybrid`` it is faster at ``worker_nice=19``."""
@@ -354,6 +361,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; the host copies of the gradients are forgotten too."""
         self._check_open()
+        self._grads.check_zero_grad()
         if self._gate.active and self._gate.pending and not set_to_none:
             self.synchronize()  # the update may still read param.grad: zero it after
         super().zero_grad(set_to_none=set_to_none)

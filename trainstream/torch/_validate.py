@@ -176,6 +176,7 @@ class SpeculationPolicy:
             return False
         if self.speculate is None:
             self.speculate = self._budget_allows()
+            self._in_place = self._in_place or not self.speculate  # no room for copies: in place where hinted
         return bool(self.speculate)
 
     def _signalled_last(self) -> bool:
@@ -196,7 +197,8 @@ class SpeculationPolicy:
             return True
         warnings.warn(f"OffloadAdamW: updates during backward (speculation) need {need:,} more bytes of host memory "
                       f"(the pre-step copies of weights and state) than host_margin={margin} leaves; they wait for "
-                      "step() instead. speculate=True takes the memory anyway, speculate=False silences this.",
+                      "step() instead (inside last_micro_batch() they run in place, and step() refuses a gradient "
+                      "changed after that backward). speculate=True takes the memory anyway, speculate=False silences this.",
                       RuntimeWarning, stacklevel=5)
         return False
 
