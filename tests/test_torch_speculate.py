@@ -146,6 +146,21 @@ def test_accumulation(micro, hint, device):
     opt.close()
 
 
+def test_accumulation_stages_the_last_micro_batch_only():
+    """With 4 micro-batches a step, once the first step showed 4 backwards, only the fourth's gradient is copied to
+    the host (the first three would be summed into param.grad after): one gradient's bytes a step, torch's bits."""
+    ref, ropt, ours, opt = make()
+    grad_bytes = 4 * sum(p.numel() for p in ours.parameters())
+    xs, sent = batches(12), []
+    for i in range(3):
+        for m, o in ((ref, ropt), (ours, opt)):
+            run_step(m, o, xs[4 * i:4 * i + 4], False)
+        same(ref, ours)
+        sent.append(opt.stats()["grad_bytes_offloaded"])
+    assert sent[2] - sent[1] == sent[1] - sent[0] == grad_bytes, sent
+    opt.close()
+
+
 def _edit(kind):
     def between(m, o):
         ps = list(m.parameters())

@@ -187,6 +187,9 @@ class GradCapture(V.SpeculationPolicy):
             self.uploaded.discard(sid)
         if not self._hook_copies(p):
             return  # step() copies it
+        if not hint and not rec.sums and self._not_last(rec, n):
+            rec.staged = None  # the next backward adds to param.grad: a copy now would be the bytes over PCIe for nothing
+            return
         grad = p.grad
         if hint and self._in_place and not rec.sums and engine.can_speculate(sid) and (hp := self._hyper_now(rec)):
             self._update_in_place(rec, hp, grad)
@@ -233,6 +236,15 @@ class GradCapture(V.SpeculationPolicy):
         self.slots.engine.launch_eager([(rec.sid, hp, *self.local_grad(rec, host=False))])
         self.launched[rec.sid] = StagedCopy(weakref.ref(grad), D.version(grad))
         self.gate.mark([rec.sid])
+
+    def _not_last(self, rec: Slot, n: int) -> bool:
+        """Whether another backward follows this one (the ``n``-th) before ``step()``: Accelerate's gradient state says
+        this micro-batch does not sync, or without it the last step had more backwards. Its gradient is then not
+        staged (``step()`` copies it where the guess was wrong); fp32 sums take every micro-batch's."""
+        syncs = V._accelerate_syncs()
+        if syncs is False:
+            self._signalled = True
+        return syncs is False or (syncs is None and n < self._expect.get(rec.sid, 1))
 
     def _update_in_place(self, rec: Slot, hp: C.AdamWHyperParams, grad: torch.Tensor) -> None:
         """Under ``last_micro_batch()``, a host slot's update from its hook, in place: no copies kept (their DRAM
