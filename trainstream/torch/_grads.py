@@ -239,12 +239,13 @@ class GradCapture(V.SpeculationPolicy):
 
     def _not_last(self, rec: Slot, n: int) -> bool:
         """Whether another backward follows this one (the ``n``-th) before ``step()``: Accelerate's gradient state says
-        this micro-batch does not sync, or without it the last step had more backwards. Its gradient is then not
-        staged (``step()`` copies it where the guess was wrong); fp32 sums take every micro-batch's."""
+        this micro-batch does not sync, or without its trusted word (:meth:`_signalled_last`) the last step had more
+        backwards. Its gradient is then not staged (``step()`` copies it where the guess was wrong); fp32 sums take
+        every micro-batch's."""
         syncs = V._accelerate_syncs()
         if syncs is False:
             self._signalled = True
-        return syncs is False or (syncs is None and n < self._expect.get(rec.sid, 1))
+        return syncs is False or (not (syncs and self._signalled) and n < self._expect.get(rec.sid, 1))
 
     def _update_in_place(self, rec: Slot, hp: C.AdamWHyperParams, grad: torch.Tensor) -> None:
         """Under ``last_micro_batch()``, a host slot's update from its hook, in place: no copies kept (their DRAM
