@@ -426,8 +426,10 @@ class GradCapture(V.SpeculationPolicy):
 
     def _refuse_launched(self, sid: int, what: str | None = None) -> RuntimeError:
         """The error for a change after a ``last_micro_batch()`` backward that an update from a hook cannot follow;
-        the next such backward speculates again (``speculate=None``)."""
+        the next such backward speculates again (``speculate=None``). Those updates are waited for first: a reload
+        after the error is not overwritten by them."""
         self._in_place = self._choice is False
+        self.slots.engine.drain()
         return RuntimeError(_launched_refusal(sid) if what is None else _launched_refusal(sid, what))
 
     def check_zero_grad(self) -> None:
