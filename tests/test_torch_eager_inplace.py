@@ -95,8 +95,10 @@ def test_a_change_after_in_place_updates_is_refused_and_the_next_step_speculates
 @pytest.mark.parametrize("what", ["clip_method", "zero_grad", "second_backward", "grad_scaler"])
 def test_in_place_refusals(what):
     """With in-place updates pending: opt.clip_grad_norm(), zero_grad() before step(), a second backward inside the
-    block and GradScaler's step raise, naming the cause."""
-    _, _, ours, opt = make(speculate=False)
+    block and GradScaler's step raise, naming the cause; then zero_grad() and a reload work, and the loop goes on
+    with torch's bits."""
+    ref, ropt, ours, opt = make(speculate=False)
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(ours.state_dict())
     x = batches(1)[0]
     scaler = torch.amp.GradScaler("cpu")
     with opt.last_micro_batch():
@@ -114,6 +116,16 @@ def test_in_place_refusals(what):
     elif what == "grad_scaler":
         with pytest.raises(RuntimeError, match="GradScaler"):
             scaler.step(opt)
+    if what == "second_backward":
+        with pytest.raises(RuntimeError, match="zero_grad"):  # the first backward's updates are still pending
+            opt.zero_grad()
+        opt.step()  # (ends them: the reload below undoes it)
+    opt.zero_grad()
+    ours.load_state_dict(weights)
+    opt.load_state_dict(saved)
+    for x in batches(2, seed=5):
+        hinted_step(ref, ropt, ours, opt, x)
+        same(ref, ours)
     opt.close()
 
 

@@ -334,8 +334,6 @@ class GradCapture(V.SpeculationPolicy):
             if rec is None or rec.param.grad is None:
                 continue
             if rec.sid in self.launched and not self.launched[rec.sid].current(rec.param, trusted=True):
-                engine.rollback(list(self.spec))  # the host's, exactly; a checkpoint may be loaded now
-                self._end_step()
                 raise self._refuse_launched(rec.sid)
             if rec.once and self._seen.get(rec.sid, 0) > 1:
                 raise NotImplementedError(_second_backward(rec, False))
@@ -426,8 +424,11 @@ class GradCapture(V.SpeculationPolicy):
 
     def _refuse_launched(self, sid: int, what: str | None = None) -> RuntimeError:
         """The error for a change after a ``last_micro_batch()`` backward that an update from a hook cannot follow;
-        the next such backward speculates again (``speculate=None``). Those updates are waited for first: a reload
-        after the error is not overwritten by them."""
+        the step's speculative updates are rolled back (exactly), its records ended (a checkpoint may be loaded), the
+        updates from hooks waited for (a reload is not overwritten by them); the next such backward speculates again
+        (``speculate=None``)."""
+        self.slots.engine.rollback(list(self.spec))
+        self._end_step()
         self._in_place = self._choice is False
         self.slots.engine.drain()
         return RuntimeError(_launched_refusal(sid) if what is None else _launched_refusal(sid, what))
@@ -557,8 +558,8 @@ class GradCapture(V.SpeculationPolicy):
 
 def _launched_refusal(sid: int, what: str = "param.grad changed in place (clip_grad_norm_, GradScaler or by hand)"
                       ) -> str:
-    """Why an update launched from a hook under ``last_micro_batch()`` (a GPU slot's, or a host slot's with
-    bounded staging) cannot follow ``what``."""
+    """Why an update from a hook under ``last_micro_batch()`` (a GPU slot's kernel, a host slot's with bounded
+    staging or in place) cannot follow ``what``."""
     return (f"OffloadAdamW: {what} after a last_micro_batch() backward: the update of parameter {sid} ran from its "
             "gradient as backward left it, and it is not speculative (it cannot be redone): GPU kernels of "
             "mode='gpu'/'hybrid', host updates with bounded_staging=True, and host updates with speculate=False or, "

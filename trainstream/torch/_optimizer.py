@@ -316,7 +316,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
             return False, {}
-        return self._grads.amp(found_inf, getattr(self, "grad_scale", None), self._params_with_grads())
+        try:
+            return self._grads.amp(found_inf, getattr(self, "grad_scale", None), self._params_with_grads())
+        except BaseException:  # GradScaler deletes them after a step() that returns only: not left for the next
+            for name in ("found_inf", "grad_scale"):
+                self.__dict__.pop(name, None)
+            raise
 
     @torch.no_grad()
     def step(self, closure=None):
