@@ -119,7 +119,10 @@ def test_in_place_refusals(what):
     if what == "second_backward":
         with pytest.raises(RuntimeError, match="zero_grad"):  # the first backward's updates are still pending
             opt.zero_grad()
-        opt.step()  # (ends them: the reload below undoes it)
+    with pytest.raises(RuntimeError, match="not speculative"):  # sticky until a reload: never taken twice
+        opt.step()
+    with pytest.raises(RuntimeError, match="not speculative"):
+        opt.state_dict()
     opt.zero_grad()
     ours.load_state_dict(weights)
     opt.load_state_dict(saved)

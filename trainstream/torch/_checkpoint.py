@@ -162,7 +162,6 @@ class Checkpoints:
         for rec in self._slots:  # the masters follow the weights as they are now
             rec.version = D.version(rec.param)
         self._gate.clear()
-        self._grads.done.clear()
-        self._grads.copies.release()  # the speculative updates went with the state
+        self._grads.loaded()  # the updates from hooks (and a refusal of them) went with the state
         self._state_view.extras.clear()
         self._state_view.extras.update(extras)

@@ -259,7 +259,9 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         """Refuse calls once closed, and checkpoint method ``what`` between a last_micro_batch() backward and step()."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
-        if what is not None and self._grads.done:
+        if what is not None and self._grads.refused and what != "load_state_dict":
+            raise RuntimeError(self._grads.refused)
+        if what is not None and self._grads.done and not self._grads.refused:
             raise RuntimeError(f"{type(self).__name__}.{what}() between a last_micro_batch() backward and step(): "
                                f"{len(self._grads.done)} parameters are updated already; call step() first")
 
