@@ -4,6 +4,7 @@ then the step time of every setup at the largest size that all of them fit.
 
 Setups (``--setups``; bench_train.py's, which builds and times them):
   ts_cpu          OffloadAdamW mode="cpu", torch's bf16 state on the host, eager path  (ts_cpu_eager)
+  ts_cpu_bounded  the same with bounded_staging=True (the host keeps the moments only)  (ts_cpu_eager~bounded)
   ts_cpu_master   the same with master_weights=True (fp32 master and moments)       (ts_cpu_eager~master)
   ts_cpu_res      the same as ts_cpu with gpu_state_bytes: what the profile's GPU memory has left beside the
                   model (the GPU peak of ts_cpu at the nearest size measured, scaled by the parameters)
@@ -42,13 +43,13 @@ from _common import SIZES, VOCAB, git_commit, param_count  # noqa: E402
 
 GIB = 2**30
 #: label -> bench_train setup (``{res}``: ts_cpu_res's gpu_state_bytes in GiB, per attempt)
-SETUPS = {"ts_cpu": "ts_cpu_eager", "ts_cpu_master": "ts_cpu_eager~master", "ts_cpu_res": "ts_cpu_eager~res{res}",
+SETUPS = {"ts_cpu": "ts_cpu_eager", "ts_cpu_bounded": "ts_cpu_eager~bounded", "ts_cpu_master": "ts_cpu_eager~master", "ts_cpu_res": "ts_cpu_eager~res{res}",
           "bf16_fused": "bf16_fused", "amp_fused": "amp_fused", "torchao_bf16": "torchao_bf16",
           "torchao_fp32": "torchao_fp32", "ds_zero_offload_bf16": "ds_zero_offload_bf16",
           "ds_zero_offload": "ds_zero_offload"}
-CPU_SETUPS = ("ts_cpu", "ts_cpu_master", "bf16_fused", "amp_fused")
+CPU_SETUPS = ("ts_cpu", "ts_cpu_bounded", "ts_cpu_master", "bf16_fused", "amp_fused")
 #: label -> (GPU, host) bytes per parameter, for the search's first size only (RESULTS' 3B-13B figures, rounded up)
-BYTES_PER_PARAM = {"ts_cpu": (2.5, 10), "ts_cpu_master": (2.5, 20), "ts_cpu_res": (2.5, 10), "bf16_fused": (8.5, 0),
+BYTES_PER_PARAM = {"ts_cpu": (2.5, 10), "ts_cpu_bounded": (2.5, 4.5), "ts_cpu_master": (2.5, 20), "ts_cpu_res": (2.5, 10), "bf16_fused": (8.5, 0),
                    "amp_fused": (18.5, 0), "torchao_bf16": (4.5, 10), "torchao_fp32": (10.5, 17.5),
                    "ds_zero_offload_bf16": (4.5, 10), "ds_zero_offload": (4.5, 24)}
 LADDER = ("125m", "350m", "1.3b", "2b", "3b", "4b", "5b", "6b", "7b", "8b", "9b", "10b", "11b", "13b", "15b", "18b",

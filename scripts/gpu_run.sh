@@ -28,7 +28,7 @@ STAGES=${STAGES:-tests}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ls .whl/*.whl >/dev/null 2>&1; then
-  for pkg in pytest-xdist torchao deepspeed; do
+  for pkg in pytest-xdist expecttest torchao deepspeed; do
     python3 -m pip install -q --no-index --find-links .whl "$pkg" >> "$OUT/pip.log" 2>&1 || echo "pip: $pkg not installed" >> "$OUT/pip.log"
   done
 fi

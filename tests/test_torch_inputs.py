@@ -100,6 +100,70 @@ def test_configuration_bit_identical_or_refused(name, dtype, desc, kwargs):
         ours.close()
 
 
+# -- the same on CUDA (GPU tests) ----------------------------------------------------------------
+
+
+def _cuda_configs():
+    """torch's CUDA inputs (its ``fused``, ``capturable`` and Tensor-``lr``/``betas`` cases among them), per dtype, for
+    both placements; torch's optimizer runs on the same CUDA parameters as the reference."""
+    out = []
+    for name in ("Adam", "AdamW"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for inp in co._get_optim_inputs_including_global_cliquey_kwargs("cuda", dtype, INFO[name]):
+                kwargs = dict(inp.kwargs)
+                if dtype == torch.float16:
+                    kwargs.setdefault("eps", 0.1)
+                for mode in ("cpu", "gpu"):
+                    out.append((name, dtype, inp.desc, kwargs, mode))
+    return out
+
+
+CUDA_CONFIGS = _cuda_configs()
+
+
+def _on_cuda(kwargs):
+    """torch's CUDA inputs with their Tensor ``lr``/``betas`` on the GPU, as torch's CUDA tests pass them."""
+    move = lambda v: v.cuda() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {k: (tuple(move(b) for b in v) if k == "betas" else move(v)) for k, v in kwargs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype,desc,kwargs,mode", CUDA_CONFIGS,
+                         ids=[f"{n}-{str(d)[6:]}-{desc}-{m}" for n, d, desc, _, m in CUDA_CONFIGS])
+def test_cuda_configuration_bit_identical_or_refused(name, dtype, desc, kwargs, mode):
+    """Each of torch's CUDA inputs on CUDA parameters, ``mode="cpu"`` and ``"gpu"``: bit-identical to torch's optimizer
+    on the same parameters over several steps (its fused CUDA kernel where ``fused=True``), or refused naming why."""
+    ref_params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    our_params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    try:
+        ref = INFO[name].optim_cls(ref_params, **_on_cuda(kwargs))
+    except Exception as exc:  # noqa: BLE001 - ours must refuse the same input with the same type
+        with pytest.raises(type(exc)):
+            OURS[name](our_params, threads=1, mode=mode, **_on_cuda(kwargs)).close()
+        return
+    try:
+        ours = OURS[name](our_params, threads=1, mode=mode, **_on_cuda(kwargs))
+    except NotImplementedError as exc:
+        assert "not offered" in str(exc) or "not built yet" in str(exc), exc
+        pytest.skip(f"refused: {exc}")
+    try:
+        for step in range(STEPS):
+            for ps in (ref_params, our_params):
+                for p, g in zip(ps, _grads(ps, step)):
+                    p.grad = None if g is None else g.cuda()
+            ref.step()
+            ours.step()
+            for i, (a, b) in enumerate(zip(ref_params, our_params)):
+                assert _same(a, b), f"parameter {i} differs after step {step + 1}"
+        ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+        for i, st in ref_sd["state"].items():  # torch keeps a CUDA ``step`` where capturable or fused
+            for key, value in st.items():
+                assert _same(value.cpu() if isinstance(value, torch.Tensor) else value,
+                             ours_sd["state"][i][key].cpu()), (i, key)
+    finally:
+        ours.close()
+
+
 # -- error inputs ------------------------------------------------------------------------------
 
 
