@@ -152,7 +152,11 @@ def test_cuda_configuration_bit_identical_or_refused(name, dtype, desc, kwargs, 
                 for p, g in zip(ps, _grads(ps, step)):
                     p.grad = None if g is None else g.cuda()
             ref.step()
-            ours.step()
+            try:
+                ours.step()
+            except NotImplementedError as exc:  # CUDA fused Adam + L2 on the host: refused at the first step
+                assert step == 0 and "not reproduced on the host" in str(exc) and mode == "cpu", exc
+                pytest.skip(f"refused: {exc}")
             for i, (a, b) in enumerate(zip(ref_params, our_params)):
                 assert _same(a, b), f"parameter {i} differs after step {step + 1}"
         ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
