@@ -83,3 +83,43 @@ def mlp_loss(params, x):
     for k in sorted(params):
         h = jnp.tanh(h @ params[k])
     return jnp.mean(h**2)
+
+
+def nnx_gpt(layers: int, d: int, heads: int, *, vocab: int, ctx: int = 1024, dtype=jnp.bfloat16, remat: bool = True,
+            seed: int = 0):
+    """The flax nnx counterpart of ``models_torch.GPT`` (``_common.SIZES``' shapes and parameter count): pre-LN,
+    learned positions, tied head, GELU (tanh), causal attention (``jax.nn.dot_product_attention``: cuDNN on a GPU);
+    parameters in ``dtype``, logits in float32; ``remat``: each block rematerialised in backward (the torch
+    benchmark's activation checkpointing). Built on JAX's default device. Returns the nnx module."""
+    from flax import nnx  # noqa: PLC0415 - flax only where this model is built
+
+    init = nnx.initializers.normal(0.02)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            lin = lambda a, b: nnx.Linear(a, b, param_dtype=dtype, dtype=dtype, kernel_init=init, rngs=rngs)  # noqa: E731
+            self.ln1, self.ln2 = (nnx.LayerNorm(d, param_dtype=dtype, dtype=dtype, rngs=rngs) for _ in range(2))
+            self.qkv, self.proj, self.fc, self.out = lin(d, 3 * d), lin(d, d), lin(d, 4 * d), lin(4 * d, d)
+
+        def __call__(self, x):
+            b, t, _ = x.shape
+            q, k, v = jnp.split(self.qkv(self.ln1(x)).reshape(b, t, 3 * heads, d // heads), 3, axis=2)
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+            x = x + self.proj(y)
+            return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=True))
+
+    class GPT(nnx.Module):
+        def __init__(self, rngs):
+            self.wte = nnx.Embed(vocab, d, param_dtype=dtype, dtype=dtype, embedding_init=init, rngs=rngs)
+            self.wpe = nnx.Embed(ctx, d, param_dtype=dtype, dtype=dtype, embedding_init=init, rngs=rngs)
+            self.blocks = getattr(nnx, "List", list)([Block(rngs) for _ in range(layers)])  # nnx.List: flax >= 0.12
+            self.ln = nnx.LayerNorm(d, param_dtype=dtype, dtype=dtype, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.wte(x) + self.wpe(jnp.arange(x.shape[1]))
+            block = nnx.remat(lambda blk, h: blk(h)) if remat else (lambda blk, h: blk(h))
+            for blk in self.blocks:
+                h = block(blk, h)
+            return self.wte.attend(self.ln(h)).astype(jnp.float32)  # the tied head; float32 logits
+
+    return GPT(nnx.Rngs(seed))
