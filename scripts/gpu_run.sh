@@ -12,14 +12,16 @@
 #   zc     experiments/bench_zero_copy.py (ZT: 150)                 -> bench_zero_copy.{log,json}
 #   jax    experiments/bench_jax_offload.py, the 268M MLP; JAX_GPT=350m adds the GPT (JT: 150) -> bench_jax*.{log,json}
 #   train  experiments/bench_train.py $TRAIN_ARGS (default --configs 350m:8; TT: 400) -> bench_train.{log,json}
+#   jaxgpt experiments/bench_jax_gpt.py $JAXGPT_ARGS (default --sizes 1.3b,3b,7b; JGT: 500) -> bench_jax_gpt.{log,json}
 #   largest experiments/largest_model.py $LARGEST_ARGS (default --profiles 24g64), resumable: its state is
 #          LARGEST_STATE (default experiments/data/largest_model.json, in the working tree: carry it from one
 #          call to the next), --budget LB (540) s; LT (580)     -> largest_model.{log,json}, largest_logs.tgz
 # The device tool of this workplace returns at most 8 files from $OUT, 2 folders deep, and runs a
 # command for at most 10 minutes: choose stages to fit; with more than 7 files at the end, all but
-# env.txt go into OUTDIR/results.tgz. Wheels in .whl/ (pytest-xdist, torchao, deepspeed and their
-# dependencies) are installed first, each on its own (one missing does not stop the others; env.txt says
-# which import); COMMIT names the caller's commit in env.txt.
+# env.txt go into OUTDIR/results.tgz. Wheels in .whl/ (pytest-xdist, expecttest, torchao, deepspeed and their
+# dependencies) are installed first, each on its own (one missing does not stop the others; env.txt says which
+# import), then .whl_titan/'s (torchtitan and its small dependencies; carry both folders); piplist.txt lists the
+# image's packages. COMMIT names the caller's commit in env.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/ts_out}}
@@ -32,6 +34,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --find-links .whl "$pkg" >> "$OUT/pip.log" 2>&1 || echo "pip: $pkg not installed" >> "$OUT/pip.log"
   done
 fi
+if ls .whl_titan/*.whl >/dev/null 2>&1; then  # torchtitan and its small dependencies, without theirs (the image has torch)
+  python3 -m pip install -q --no-index --no-deps .whl_titan/*.whl >> "$OUT/pip.log" 2>&1 || echo "pip: .whl_titan not installed" >> "$OUT/pip.log"
+  python3 -c "import torchtitan.trainer" >> "$OUT/pip.log" 2>&1 && echo "torchtitan imports" >> "$OUT/pip.log"
+fi
+python3 -m pip list > "$OUT/piplist.txt" 2>&1
 { date -u; echo "commit: ${COMMIT:-?} (git here: $(git log -1 --format=%h 2>/dev/null))"; nvidia-smi -L
   lscpu | grep -E "Model name|^CPU\(s\)"
   python3 -c "import torch, numba, jax, cupy; print('torch', torch.__version__, 'numba', numba.__version__, 'jax', jax.__version__, 'cupy', cupy.__version__)"
@@ -84,6 +91,10 @@ fi
 if has train; then
   timeout "${TT:-400}" python3 experiments/bench_train.py ${TRAIN_ARGS:---configs 350m:8} --json "$OUT/bench_train.json" \
     > "$OUT/bench_train.log" 2>&1; grep -v '^{' "$OUT/bench_train.log" | tail -n 30
+fi
+if has jaxgpt; then
+  timeout "${JGT:-500}" python3 experiments/bench_jax_gpt.py ${JAXGPT_ARGS:---sizes 1.3b,3b,7b} --json "$OUT/bench_jax_gpt.json" \
+    > "$OUT/bench_jax_gpt.log" 2>&1; tail -n 22 "$OUT/bench_jax_gpt.log"
 fi
 if has largest; then
   LS=${LARGEST_STATE:-experiments/data/largest_model.json}
