@@ -44,11 +44,16 @@ def _jax_property(args, counts, findings):
     if args.full:
         os.environ["TRAINSTREAM_FUZZ_FULL"] = "1"
     import _fuzz_jax as F  # noqa: PLC0415
+    import jax  # noqa: PLC0415
 
     @given(cfg=F.configs(args.full), tree=F.trees(), steps=st.integers(1, 3), scales=F.scales(),
            mismatch=F.mismatches())
     def run(cfg, tree, steps, scales, mismatch):
         _progress(counts)
+        if counts["_seen"] % 100 == 0:  # each sequence compiles its own programs: JAX keeps every executable
+            jax.clear_caches()  # alive (about 3 memory mappings each, with optax alone too) until the process
+            # reaches vm.max_map_count and XLA:CPU's JIT aborts ("Unable to allocate section memory", ~2,500
+            # sequences); clearing holds the mappings flat (experiments/RESULTS.md, session p)
         try:
             F.tally(counts, *F.run_sequence(cfg, tree, steps, scales, mismatch))
         except F.Finding as exc:
