@@ -301,7 +301,8 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
             row[k.replace("_bytes", "_gib")] = st.get(k, 0.0) / 2**30
         n = max(st["steps"] - stats0["steps"], 1.0)  # per step since stats0, the extra steps counted
         row["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / n
-        for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total"):  # #42's counters, whole run
+        for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "backup_ms_total",
+                  "precopy_ms_total"):  # #42's counters, whole run (copies kept by the updates / taken ahead)
             if k in st:
                 row[k] = st[k]
     row["host"] = host_memory_self()  # before the teardown: the state is still there

@@ -383,6 +383,47 @@ def test_state_seen_between_backward_and_step_is_the_pre_step_state():
     opt.close()
 
 
+def _copies_ahead_done(opt, timeout=30.0):
+    """Wait until the engine's copies taken ahead (after a step that speculated) have all run."""
+    import time
+
+    from trainstream.core._hostslot import COPIED
+
+    t = time.monotonic()
+    for s in opt._engine.host._slots:
+        while s.pre is not None and (not s.pre.queued or any(c != COPIED for c in s.pre.chunks)):
+            assert time.monotonic() - t < timeout
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("edit", ["kept-view", "fresh-view", "none"])
+def test_state_changed_in_place_after_the_copies_ahead(edit):
+    """The copies of the next step's pre-step state are taken ahead, after step(); the state changed in place
+    after that (a view held since an earlier step, or a new one) is what a rollback restores: torch's bits."""
+    ref, ropt, ours, opt = make()
+    xs = batches(6)
+    kept = None
+    for i, x in enumerate(xs):
+        clip = i in (3, 5)  # redone: restored from the copies
+        for m, o in ((ref, ropt), (ours, opt)):
+            run_step(m, o, [x], False, clip_to(0.5 if clip else 2.0))
+        if i == 1 and edit == "kept-view":
+            kept = (ropt.state[next(ref.parameters())]["exp_avg"], opt.state[next(ours.parameters())]["exp_avg"])
+        if i in (2, 4) and edit != "none":
+            _copies_ahead_done(opt)  # taken (where they are) before the change
+            if edit == "kept-view":
+                for t in kept:
+                    t.mul_(0.5)
+            else:
+                for o, m in ((ropt, ref), (opt, ours)):
+                    o.state[next(m.parameters())]["exp_avg_sq"].mul_(2.0)
+        same(ref, ours)
+    same_state(ropt, opt, ref, ours)
+    st = opt.stats()
+    assert st["spec_steps_redone"] == 2 and st["precopy_ms_total"] > 0
+    opt.close()
+
+
 @pytest.fixture
 def gradient_state():
     """Accelerate's GradientState (as HF Trainer and accelerator.accumulate set it), restored afterwards."""

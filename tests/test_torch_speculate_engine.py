@@ -196,3 +196,134 @@ def test_commit_uploads_each_weight_once_whether_its_update_ran_or_still_runs(mo
         _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
     eng.close()
     plain.close()
+
+
+# -- copies taken ahead (prefetch_backups) --------------------------------------------------------------------------
+
+def _ahead(eng, sid, timeout=30.0):
+    """Wait until slot ``sid``'s copies taken ahead are all done; returns their record."""
+    import time
+
+    from trainstream.core._hostslot import COPIED
+
+    pre, t = eng.host._slot(sid).pre, time.monotonic()
+    assert pre is not None
+    while not pre.queued or any(c != COPIED for c in pre.chunks):  # queued once the slot's work has run
+        assert time.monotonic() - t < timeout
+        time.sleep(0.001)
+    return pre
+
+
+def _speculated_once(dtype=torch.float32, amsgrad=False):
+    """An engine whose slot speculated and committed once (its copies allocated), and a plain twin."""
+    eng, plain = _engine(), _engine()
+    (p, sid), (q, qsid) = _slot(eng, dtype, amsgrad), _slot(plain, dtype, amsgrad)
+    name = str(p.dtype).split(".")[1]
+    for step in range(2):
+        g = _grad(dtype, step)
+        eng.offload_grad(sid, g, name, HP, speculate=step == 1, upload=False)
+        plain.offload_grad(qsid, g, name, HP)
+    eng.commit([sid])
+    eng.synchronize()
+    plain.synchronize()
+    return eng, plain, p, sid, q, qsid, name
+
+
+@pytest.mark.parametrize("dtype,amsgrad", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_copies_taken_ahead_restore_every_bit_and_commit_as_before(dtype, amsgrad):
+    """Copied ahead, a chunk is not copied by the update; a rollback restores every bit from them, a chunk the copies
+    ahead did not reach (here: its copy scribbled over and marked so) is copied by the update itself."""
+    from trainstream.core._hostslot import FREE
+
+    eng, plain, p, sid, q, qsid, name = _speculated_once(dtype, amsgrad)
+    eng.prefetch_backups([sid])
+    pre = _ahead(eng, sid)
+    s = eng.host._slot(sid)
+    pre.chunks[1] = FREE  # as if the update came first there
+    for copy in s.backup.values():
+        copy[4096:8192] = copy[:4096][::-1]  # garbage, unless the update copies it again
+    before, backup_ms = _snapshot(eng, sid, p), eng.stats()["backup_ms_total"]
+    g = _grad(dtype, 5)
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
+    eng.rollback([sid])
+    eng.synchronize()
+    _same(_snapshot(eng, sid, p), before)
+    st = eng.stats()
+    assert st["precopy_ms_total"] > 0 and st["backup_ms_total"] > backup_ms  # chunk 1 only (not timed per chunk)
+    eng.step([(sid, HP)])  # the redo from the staged gradient, then ahead again and a commit
+    plain.offload_grad(qsid, g, name, HP)
+    eng.prefetch_backups([sid])
+    _ahead(eng, sid)
+    g = _grad(dtype, 6)
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
+    eng.commit([sid])
+    plain.offload_grad(qsid, g, name, HP)
+    eng.synchronize()
+    plain.synchronize()
+    _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+    eng.close()
+    plain.close()
+
+
+@pytest.mark.parametrize("write", ["views", "load_state", "plain_update"])
+def test_writes_discard_the_copies_taken_ahead(write):
+    """The state handed out as views and changed, a load, an update that is not speculative: the copies taken
+    before are discarded, so a rollback after them restores the state as it was written."""
+    eng, plain, p, sid, q, qsid, name = _speculated_once()
+    eng.prefetch_backups([sid])
+    _ahead(eng, sid)
+    if write == "views":
+        eng.state(sid, copy=False)["exp_avg"][:] *= 0.5
+    elif write == "load_state":
+        st = eng.state(sid)
+        st["exp_avg_sq"] = np.asarray(st["exp_avg_sq"]) * 2
+        eng.load_state(sid, st)
+    else:
+        eng.offload_grad(sid, _grad(torch.float32, 7), name, HP)
+    assert eng.host._slot(sid).pre is None
+    eng.synchronize()
+    before = _snapshot(eng, sid, p)
+    eng.offload_grad(sid, _grad(torch.float32, 8), name, HP, speculate=True, upload=True)
+    eng.rollback([sid])
+    eng.synchronize()
+    _same(_snapshot(eng, sid, p), before)
+    eng.close()
+    plain.close()
+
+
+def test_copies_ahead_wait_for_the_slots_queued_work(monkeypatch):
+    """Asked for while the slot's update still runs, the copies are queued once it has run (they read what it
+    wrote); an update queued before that copies for itself."""
+    import threading
+
+    from trainstream import _host_kernels as K
+
+    eng, plain, p, sid, q, qsid, name = _speculated_once()
+    gate, real = threading.Event(), K.adamw_chunk
+    monkeypatch.setattr(K, "adamw_chunk", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+    g = _grad(torch.float32, 3)
+    eng.offload_grad(sid, g, name, HP)  # held in its kernel
+    plain.offload_grad(qsid, g, name, HP)
+    eng.prefetch_backups([sid])
+    assert not eng.host._slot(sid).pre.queued
+    gate.set()
+    _ahead(eng, sid)
+    eng.synchronize()
+    before = _snapshot(eng, sid, p)
+    gate.clear()  # a speculative update queued while the copies ahead are not: it copies for itself
+    eng.offload_grad(sid, _grad(torch.float32, 4), name, HP)
+    eng.prefetch_backups([sid])
+    eng.offload_grad(sid, _grad(torch.float32, 5), name, HP, speculate=True, upload=False)
+    gate.set()
+    eng.synchronize()
+    eng.rollback([sid])
+    eng.synchronize()
+    eng.step([(sid, HP)])
+    plain.offload_grad(qsid, _grad(torch.float32, 4), name, HP)
+    plain.offload_grad(qsid, _grad(torch.float32, 5), name, HP)
+    eng.synchronize()
+    plain.synchronize()
+    _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+    assert before is not None
+    eng.close()
+    plain.close()

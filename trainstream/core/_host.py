@@ -152,6 +152,7 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
         """Free slot ``sid``'s buffers once its queued work has run; the id stays taken, by an empty slot."""
         self._check_open()
         s = self._slot(sid)
+        self._halt_precopy(s)
         self._settle(s)
         s.free()
 
@@ -192,7 +193,10 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
                 s.grad_keep = None  # its copy has landed (or failed)
                 s.inflight -= 1
                 nxt = s.chain.popleft() if s.chain else None
+                pre = self._due_precopy(s)
                 s.cond.notify_all()
+            if pre is not None:  # the slot's queued work has run: copies taken ahead read what it wrote
+                self._queue_precopy(s, pre)
             if nxt is None:
                 return
             try:
@@ -306,6 +310,7 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
                         grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
         spec = Speculation(s.step, upload) if speculate else None
         keep = s.backed_up() if speculate else ()
+        pre = self._take_precopy(s) if speculate else self._halt_precopy(s)  # what was copied ahead: not again
         s.step += 1
         variant, scalars, extra = self._update_args(s, hp, clip, grad_div)
         m, v = s.exp_avg.array, s.exp_avg_sq.array
@@ -322,11 +327,16 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
             if landed is not None:  # the gradient copy must have landed in staging
                 landed.synchronize()
             t = time.perf_counter()
-            for live, copy in keep:  # the chunk's pre-step copies (NumPy copies this large without the GIL)
-                copy[b:e] = live[b:e]
+            if keep and self._precopied(s, pre, c):
+                keep_s = 0.0
+            else:
+                for live, copy in keep:  # the chunk's pre-step copies (NumPy copies this large without the GIL)
+                    copy[b:e] = live[b:e]
+                keep_s = time.perf_counter() - t
+                self._stats.add("backup_s", keep_s)
             K.adamw_chunk(variant, p, m, v, g, gkind, out, okind, b, e, scalars, tc_code, *extra)
             dt = time.perf_counter() - t
-            self._stats.add("update_s", dt)
+            self._stats.add("update_s", dt - keep_s)
             if spec is not None:
                 spec.seconds.append(dt)
 
@@ -436,7 +446,8 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
             "grad_bytes_offloaded": float(st.grad_bytes), "param_bytes_uploaded": float(st.param_bytes),
             "update_ms_total": st.update_s * 1e3, "ready_stall_ms_total": st.ready_stall_s * 1e3,
             "grad_stall_ms_total": st.grad_stall_s * 1e3, "last_step_wall_ms": last_wall * 1e3,
-            **{k: float(getattr(st, k)) for k in SPEC_STATS if k != "redo_s"}, "redo_ms_total": st.redo_s * 1e3,
+            **{k: float(getattr(st, k)) for k in SPEC_STATS if not k.endswith("_s")},
+            **{f"{k[:-2]}_ms_total": getattr(st, k) * 1e3 for k in SPEC_STATS if k.endswith("_s")},
             "spec_backup_bytes": float(sum(s.backup_bytes() for s in live if s.backup is not None)),
             "stream_ring_bytes": float(sum(self._ring_bytes())),
             "streamed_params": float(sum(s.streamed for s in live)),

@@ -31,7 +31,7 @@ from .. import _hostmem
 from .. import contract as C
 from ._budget import slot_layout
 
-__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "SlotStateIO", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
+__all__ = ["STATE_KEYS", "DevicePowers", "HostSlot", "PreCopy", "SlotStateIO", "Speculation", "check_host_recipe", "load_slot_state", "new_slot",
            "reload_weights", "slot_state", "to_state_array"]
 
 #: The keys of a slot's state dict (``max_exp_avg_sq`` with amsgrad, ``master`` with a master).
@@ -76,6 +76,7 @@ class HostSlot:
     # neither committed nor rolled back.
     backup: dict | None = None
     spec: "Speculation | None" = None
+    pre: "PreCopy | None" = None  # the copies being taken ahead of the next speculative update (prefetch_backups)
 
     @property
     def upload_src(self) -> Any:
@@ -111,7 +112,7 @@ class HostSlot:
         self.nbytes, self.staged, self.summed = (0, 0), False, False
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = self.weights = None
         self.grad_stage = self.param_stage = self.grad_sum = self.grad_keep = self.ready = self.landed = None
-        self.param = self.backup = self.spec = None
+        self.param = self.backup = self.spec = self.pre = None
 
 
 @dataclass(eq=False)
@@ -267,6 +268,20 @@ def reload_weights(s: HostSlot, backend: Any) -> None:
     C.merge_master(s.master.array, weights, s.dtype)
 
 
+@dataclass(eq=False)
+class PreCopy:
+    """The kept copies of a slot taken ahead of its next speculative update, in the background
+    (:meth:`~trainstream.core._speculate.Speculative.prefetch_backups`): per chunk of the update, :data:`FREE`,
+    :data:`COPYING` or :data:`COPIED`, read and written under the slot's ``cond``; ``queued``: its batch submitted."""
+
+    chunks: bytearray
+    queued: bool = False
+
+
+#: A :class:`PreCopy` chunk's states.
+FREE, COPYING, COPIED = 0, 1, 2
+
+
 def check_host_recipe(recipe: C.TorchRecipe | None, hp: C.AdamWHyperParams, grad_div: float | None) -> None:
     """``NotImplementedError`` for the one update the host's kernels do not reproduce: CUDA's fused Adam with L2
     decay, without amsgrad, GradScaler or maximize, rounds ``grad + param * weight_decay`` twice at some positions of
@@ -291,6 +306,8 @@ class SlotStateIO:
         self._check_open()
         s = self._slot(sid)
         self._unspeculate(s, settle=True)
+        if not copy:  # the caller may change them: copies taken ahead would be stale
+            self._halt_precopy(s)
         self._wait_idle(s)
         self.errors.check()
         return slot_state(s, copy)
@@ -316,6 +333,7 @@ class SlotStateIO:
         self._check_open()
         s = self._slot(sid)
         self._unspeculate(s)  # from the weights before the change
+        self._halt_precopy(s)
         self._settle(s)
         if param is not None:
             s.param = param
@@ -326,5 +344,6 @@ class SlotStateIO:
         self._check_open()
         s = self._slot(sid)
         self._unspeculate(s)
+        self._halt_precopy(s)
         self._settle(s)
         load_slot_state(s, state, self.backend)

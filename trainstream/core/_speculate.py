@@ -5,7 +5,13 @@ decides which (it compares what the loop did with what the update assumed); this
 
 How the pre-step state survives: *kept copies*. Each chunk of the update first copies every buffer it writes (the
 weights or the fp32 weights of a float32 parameter, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) into a copy
-allocated once per slot, then runs the kernel over the chunk. (Copying in blocks of 64K elements just before the
+allocated once per slot, then runs the kernel over the chunk. Where the adapter expects the next step to speculate
+again, it has the copies taken *ahead* (:meth:`Speculative.prefetch_backups`): queued once the step's work on the
+slot has run, behind every update, so they run while the next forward leaves the workers idle; a chunk copied ahead
+is not copied again by the update (a chunk not reached yet is copied by the update, as before). Whatever writes the
+slot otherwise first discards them (``_halt_precopy``: an update that is not speculative, a rollback, a reload, a
+load, the state handed out as views, which the caller may change: the adapter does not prefetch a slot whose views
+are still held). (Copying in blocks of 64K elements just before the
 kernel read them, from cache, cost as much DRAM time and 16 times the GIL-held calls per chunk: 9.7 us each here,
 0.46 s per step of a 3B model, and a plain loop measured 2.3-2.5x the in-GPU step on an H100, experiments/RESULTS.md.) Commit costs nothing (and, where the weights' upload waited for it, uploads them: the finished updates'
 together, behind one event, those still running from their last chunk);
@@ -19,8 +25,8 @@ amsgrad; 6 for fp16/bf16 parameters with their state in their dtype, 8 with amsg
 * host memory: ``B`` more (the copies);
 * DRAM traffic of a speculative update: ``B`` written more (plus the read-for-ownership of those lines, another
   ``B``, on CPUs without streaming stores for it), on top of the update's own (28 bytes for float32 state, 14 for
-  bf16 state; the kernel re-reads the block from cache); a commit: none; a rollback: ``B`` read and ``B`` written,
-  then the redo's update.
+  bf16 state; the kernel re-reads the block from cache); copied ahead, ``B`` read more too, but off the update's
+  path; a commit: none; a rollback: ``B`` read and ``B`` written, then the redo's update.
 
 The alternatives, not built: weights-only speculation (new weights into a staging buffer, the state written at
 commit by a second pass: no state copy, but that second pass reads the gradient and state again, +14 to +26
@@ -39,7 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._budget import _ITEMSIZE
-from ._hostslot import HostSlot, Speculation
+from ._hostslot import COPIED, COPYING, FREE, HostSlot, PreCopy, Speculation
 
 __all__ = ["SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
 
@@ -47,9 +53,12 @@ _UNSET = object()
 
 #: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, of them uploading their weights
 #: at once (during backward), committed and rolled back (slots); steps whose every speculation was committed, and
-#: steps with one or more rolled back (a redo); seconds lost: the rolled-back updates' own and the restores'.
+#: steps with one or more rolled back (a redo); seconds lost: the rolled-back updates' own and the restores'; seconds
+#: of kept copies taken by the updates themselves (``backup_s``) and ahead of them (``precopy_s``).
 SPEC_STATS = ("spec_updates", "spec_uploads_early", "spec_committed", "spec_rolled_back", "spec_steps_committed",
-              "spec_steps_redone", "redo_s")
+              "spec_steps_redone", "redo_s", "backup_s", "precopy_s")
+#: Copies taken ahead queue behind every update (lower priorities run first), the last slots first (backward's order).
+_PRECOPY_PRIORITY = float(2 ** 52)
 
 
 class Speculative:
@@ -72,7 +81,27 @@ class Speculative:
         s = self._slot(sid)
         if s.spec is not None:
             raise ValueError(f"drop_backups: parameter slot {sid} holds a speculative update")
+        self._halt_precopy(s)
         s.backup = None
+
+    def prefetch_backups(self, sids: Sequence[int]) -> None:
+        """Take the kept copies of slots ``sids`` ahead of their next speculative update: in the background, once
+        each slot's queued work has run (the next forward's time, where the workers are idle), so that update does
+        not copy them on its way (module docstring). Whatever writes a slot's buffers first (an update that is not
+        speculative, a reload, a state handed out as views by ``state(copy=False)``) discards them. Slots without
+        copies yet (no speculative update so far), or with a speculative update pending, are left alone."""
+        self._check_open()
+        if self.errors.failed:
+            return
+        for sid in sids:
+            s = self._slot(sid)
+            if s.spec is not None or s.backup is None or s.pre is not None or not s.live:
+                continue
+            with s.cond:
+                s.pre = PreCopy(bytearray(max(1, -(-s.numel // self.chunk))))
+                pre = self._due_precopy(s)
+            if pre is not None:
+                self._queue_precopy(s, pre)
 
     def staged_grad(self, sid: int) -> np.ndarray:
         """The gradient staged for slot ``sid`` (the buffer itself, float32 or the uint16 bits of fp16/bf16) once
@@ -137,6 +166,7 @@ class Speculative:
         spec = s.spec
         if spec is None:
             return False
+        self._halt_precopy(s)
         if settle:
             if self._unspeculate(s):
                 self._settle_uploads([s])
@@ -166,6 +196,63 @@ class Speculative:
         self._unwaited = True
         self._run_batch(s, body, finalize)
         return spec.upload
+
+    # -- copies taken ahead (PreCopy: a slot's ``pre``; its chunks' states under the slot's ``cond``) --
+
+    def _due_precopy(self, s: HostSlot) -> PreCopy | None:
+        """Under ``s.cond``: ``s``'s copies taken ahead if they are to be queued now (the slot idle), marked queued."""
+        pre = s.pre
+        if pre is None or pre.queued or s.inflight:
+            return None
+        pre.queued = True
+        return pre
+
+    def _queue_precopy(self, s: HostSlot, pre: PreCopy) -> None:
+        """Queue ``pre``'s copies: each chunk still :data:`FREE` while ``pre`` is the slot's is copied."""
+        pairs = s.backed_up()
+
+        def body(c: int, b: int, e: int) -> None:
+            with s.cond:
+                if s.pre is not pre or pre.chunks[c] != FREE:
+                    return  # discarded, or taken by the update
+                pre.chunks[c] = COPYING
+            state, t = FREE, time.perf_counter()
+            try:
+                for live, copy in pairs:
+                    copy[b:e] = live[b:e]
+                state = COPIED
+            finally:
+                with s.cond:
+                    pre.chunks[c] = state
+                    s.cond.notify_all()
+            self._stats.add("precopy_s", time.perf_counter() - t)
+
+        self._submit(s.numel, _PRECOPY_PRIORITY - s.id, None, body, None, self.errors.record, lambda: None)
+
+    def _take_precopy(self, s: HostSlot) -> PreCopy | None:
+        """A speculative update of ``s`` is queued: the copies taken ahead become its (no chunk starts any more),
+        or None where none were queued."""
+        with s.cond:
+            pre, s.pre = s.pre, None
+        return pre if pre is not None and pre.queued else None
+
+    @staticmethod
+    def _precopied(s: HostSlot, pre: PreCopy | None, c: int) -> bool:
+        """In chunk ``c`` of a speculative update: whether ``pre`` copied it (waiting for a copy under way)."""
+        if pre is None:
+            return False
+        with s.cond:
+            while pre.chunks[c] == COPYING:
+                s.cond.wait()
+            return pre.chunks[c] == COPIED
+
+    @staticmethod
+    def _halt_precopy(s: HostSlot) -> None:
+        """Before the slot's buffers are written otherwise: discard the copies taken ahead, once none is under way."""
+        with s.cond:
+            pre, s.pre = s.pre, None
+            while pre is not None and COPYING in pre.chunks:
+                s.cond.wait()
 
     def _settle_uploads(self, slots: Sequence[HostSlot]) -> None:
         """Wait until the weights of ``slots`` rolled back are uploaded again, and make the compute stream wait
@@ -218,6 +305,12 @@ class EngineSpeculation:
         speculative update)."""
         for sid in sids:
             self.host.drop_backups(self._local_on(sid, False))
+
+    def prefetch_backups(self, sids: Sequence[int]) -> None:
+        """Take the kept copies of host slots ``sids`` ahead of their next speculative update, in the background
+        (:meth:`Speculative.prefetch_backups`)."""
+        if sids:
+            self.host.prefetch_backups([self._local_on(sid, False) for sid in sids])
 
     def staged_grad(self, sid: int) -> np.ndarray:
         """Host slot ``sid``'s staged gradient once landed (float32, or uint16 bits), the buffer itself."""

@@ -81,6 +81,7 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         self.launched: dict[int, StagedCopy] = {}  # updated from hooks, not speculatively (GPU, streamed, in place)
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
+        self._ahead: list[Slot] = []  # speculated in the last step(): their copies are taken ahead (prefetch)
         self._untrusted = False  # param.grad changed in place without moving versions (GradScaler.unscale_)
         self._scaled: dict[int, float] = {}  # fused slots' GradScaler scale their kernel divides by this step
         self._scale: float | None = None  # GradScaler's scale as last seen (a speculation assumes it)
@@ -342,6 +343,7 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
                     rec.broken or (rec.summed > 1 and not (rec.staged and rec.staged.current(rec.param)))):
                 raise RuntimeError(_refusal(rec))
         spec, launched = self.spec, self.launched
+        self._ahead = [rec for rec in self.slots if rec.sid in spec]  # they speculate at the next step too
         hps = [hyper(g) for g in groups]
         holds = self._verdicts([(rec, rec.staged, *spec[rec.sid], hp) for g, hp in zip(groups, hps) for p in g["params"]
                                 if (rec := self.slots.of(p)) is not None and rec.sid in spec and p.grad is not None])
@@ -391,6 +393,15 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         early = set(commit) | set(launched)
         self._end_step()
         return updates, coefs, early
+
+    def prefetch(self) -> None:
+        """After ``step()`` queued its updates: the slots that speculated in it will at the next step too, so their
+        kept copies are taken ahead, while the next forward leaves the workers idle
+        (:meth:`~trainstream.core._speculate.Speculative.prefetch_backups`), except where views of their state are
+        held (changed in place, the copies would be stale) or their updates now run in place."""
+        recs, self._ahead = self._ahead, []
+        if recs and not self._in_place and self.slots.engine is not None:
+            self.slots.engine.prefetch_backups([rec.sid for rec in recs if not rec.views_held()])
 
     def _end_step(self) -> None:
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""

@@ -359,6 +359,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             finally:
                 if not self._gate.active:
                     engine.wait_step()  # every reader on the current stream sees the new weights
+            self._grads.prefetch()
         if self._zero is not None:  # after the uploads (the current stream waits for them)
             self._zero.broadcast(self.param_groups)
         if self._slots.auto_gpu_state and engine is not None and (updates or eager):

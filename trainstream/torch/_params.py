@@ -8,7 +8,7 @@ were changed or replaced outside the optimizer (:meth:`Slots.follow`).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -144,10 +144,17 @@ class Slot:
     pre_hook: Any = None  # with sums: handle of the hook that lets the next micro-batch's gradient replace param.grad
     broken: bool = False  # with sums: param.grad was changed in place between micro-batches (step() refuses)
     released: bool = False  # its state freed (Slots.drop): the record stays only to keep the slot ids
+    views: list = field(default_factory=list)  # weak references to its host state handed out as views (_state.entry)
 
     def holds_state(self, engine: Engine) -> bool:
         """Whether torch would hold a state entry for it (updated once, or a fused step GradScaler skipped)."""
         return not self.released and (self.touched or engine.get_step(self.sid) > 0)
+
+    def views_held(self) -> bool:
+        """Whether views of its host state handed out (``opt.state``, ``state_dict()``) are still alive: they may be
+        changed in place at any time, so the engine takes no copies of that state ahead of an update."""
+        self.views = [r for r in self.views if r() is not None]
+        return bool(self.views)
 
     def remove_hooks(self) -> None:
         for handle in (self.hook, self.gpu_hook, self.pre_hook):

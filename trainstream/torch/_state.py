@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -29,11 +30,15 @@ _KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "ma
          "master": "master_param"}
 
 
-def _tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
-    """A flat host state array as a tensor of ``dtype`` sharing its memory (uint16 bits: an fp16/bf16 view)."""
-    if a.dtype == np.uint16:
-        return torch.from_numpy(a.view(np.int16)).view(_TORCH_DTYPE[dtype])
-    return torch.from_numpy(a)
+def _tensor(a: np.ndarray, dtype: str, held: list | None = None) -> torch.Tensor:
+    """A flat host state array as a tensor of ``dtype`` sharing its memory (uint16 bits: an fp16/bf16 view); with
+    ``held``, a weak reference that lives as long as any tensor or array sharing that memory through it is appended
+    (the NumPy view that the tensor's storage keeps alive: its views, ``.data``, ``.detach()``, ``.numpy()`` too)."""
+    v = a.view(np.int16) if a.dtype == np.uint16 else a.view()  # a new object per call: its own lifetime
+    if held is not None:
+        held.append(weakref.ref(v))
+    t = torch.from_numpy(v)
+    return t.view(_TORCH_DTYPE[dtype]) if a.dtype == np.uint16 else t
 
 
 def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
@@ -49,7 +54,7 @@ def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
     sd = C.state_dtype(r)
 
     def view(key: str, a: np.ndarray) -> torch.Tensor:  # FSDP2: a DTensor laid out as the parameter
-        t = _tensor(a, "float32" if key == "master" else sd).view(D.local(p).shape)
+        t = _tensor(a, "float32" if key == "master" else sd, rec.views).view(D.local(p).shape)
         return D.state_view(p, t) if D.is_dtensor(p) else t
     device = D.local(p).device if r.impl == "fused" else "cpu"  # torch keeps a fused step on the device
     out = {"step": torch.tensor(float(st["step"]), dtype=torch.float32, device=device)}
