@@ -78,6 +78,7 @@ class Speculative:
 
     def drop_backups(self, sid: int) -> None:
         """Free slot ``sid``'s kept copies (allocated again at its next speculative update); not while one is pending."""
+        self._check_open()
         s = self._slot(sid)
         if s.spec is not None:
             raise ValueError(f"drop_backups: parameter slot {sid} holds a speculative update")
