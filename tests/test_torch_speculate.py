@@ -424,6 +424,26 @@ def test_state_changed_in_place_after_the_copies_ahead(edit):
     opt.close()
 
 
+@pytest.mark.parametrize("hint", [False, True], ids=["plain", "hint"])
+def test_state_views_held_and_changed_between_backward_and_step(hint):
+    """A view of the state held since an earlier step and changed between backward and ``step()`` (torch's step
+    reads the change): the held parameter's update waits for ``step()``, the others' still start during backward;
+    torch's bits."""
+    ref, ropt, ours, opt = make()
+    held = {}
+    for i, x in enumerate(batches(5)):
+        for m, o in ((ref, ropt), (ours, opt)):
+            def between(m, o):
+                if held:
+                    held[o is opt]["exp_avg"].mul_(0.5)
+            run_step(m, o, [x], hint and o is opt, between)
+        if i == 0:
+            held = {o is opt: o.state[next(m.parameters())] for m, o in ((ref, ropt), (ours, opt))}
+        same(ref, ours)
+    same_state(ropt, opt, ref, ours)
+    opt.close()
+
+
 @pytest.fixture
 def gradient_state():
     """Accelerate's GradientState (as HF Trainer and accelerator.accumulate set it), restored afterwards."""

@@ -10,8 +10,8 @@ again, it has the copies taken *ahead* (:meth:`Speculative.prefetch_backups`): q
 slot has run, behind every update, so they run while the next forward leaves the workers idle; a chunk copied ahead
 is not copied again by the update (a chunk not reached yet is copied by the update, as before). Whatever writes the
 slot otherwise first discards them (``_halt_precopy``: an update that is not speculative, a rollback, a reload, a
-load, the state handed out as views, which the caller may change: the adapter does not prefetch a slot whose views
-are still held). (Copying in blocks of 64K elements just before the
+load, the state handed out as views, which the caller may change: the torch adapter neither prefetches nor updates
+during backward a slot whose views are still held). (Copying in blocks of 64K elements just before the
 kernel read them, from cache, cost as much DRAM time and 16 times the GIL-held calls per chunk: 9.7 us each here,
 0.46 s per step of a 3B model, and a plain loop measured 2.3-2.5x the in-GPU step on an H100, experiments/RESULTS.md.) Commit costs nothing (and, where the weights' upload waited for it, uploads them: the finished updates'
 together, behind one event, those still running from their last chunk);

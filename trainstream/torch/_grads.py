@@ -153,10 +153,13 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             self.slots.follow(rec)  # e.g. model.double(): a clear error, not the engine's
         sid = rec.sid
         n = self._seen[sid] = self._seen.get(sid, 0) + 1
+        # Views of its state held (opt.state's, state_dict()'s) may be changed before step(), as torch's state may:
+        # its update waits for step() then.
+        held = bool(rec.views) and rec.views_held()
         if engine.streamed(sid):  # bounded staging: nothing staged; under last_micro_batch() its update starts now
             if rec.once and n > 1:
                 raise NotImplementedError(_second_backward(rec, sid in self.hooked))
-            if hint and (hp := self._hyper_now(rec)):
+            if hint and not held and (hp := self._hyper_now(rec)):
                 self._stream(rec, hp)
             return
         if sid in self.launched:  # updated in place from this step's last_micro_batch() backward
@@ -191,10 +194,11 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             rec.staged = None  # the next backward adds to param.grad: a copy now would be the bytes over PCIe for nothing
             return
         grad = p.grad
-        if hint and self._in_place and not rec.sums and engine.can_speculate(sid) and (hp := self._hyper_now(rec)):
+        if (hint and self._in_place and not held and not rec.sums and engine.can_speculate(sid)
+                and (hp := self._hyper_now(rec))):
             self._update_in_place(rec, hp, grad)
             return
-        hp = self._speculates(rec, n, self.eager) and self._hyper_now(rec)
+        hp = not held and self._speculates(rec, n, self.eager) and self._hyper_now(rec)
         if hp:
             self.slots.follow(rec)  # an edited weight is re-read before the update
             upload = self.eager or self._signalled_last()  # else at commit: a forward before step() sees old weights
