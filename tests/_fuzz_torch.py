@@ -136,13 +136,15 @@ class Iteration:
     """One loop iteration: ``zero_grad``, ``micro`` backwards, ``clip_grad_norm_`` where ``max_norm``, ``step()``.
     ``eager``: ours' last backward inside ``opt.last_micro_batch()``, whose documented difference is that it takes
     the gradients it updates from (``param.grad`` None after it): torch's world drops the same ``param.grad`` after
-    its step (:func:`run_sequence`), so that a later step or clip sees the same gradients in both."""
+    its step (:func:`run_sequence`), so that a later step or clip sees the same gradients in both. ``edit``: an
+    :class:`EditState` between the backwards and the clip (the state changed before ``step()``)."""
 
     seed: int
     micro: int = 1
     max_norm: float | None = None
     set_to_none: bool = True
     eager: bool = False
+    edit: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +210,25 @@ class ReplaceParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class HoldState:
+    """``held = opt.state[<parameter index>]``: the entry kept (until a load, deep copy, dtype change or parameter
+    swap, after which torch's no longer is the state), to be changed later by :class:`EditState`."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EditState:
+    """``opt.state[p][key].mul_(factor)`` for parameter ``index`` where it has that state (``held``: through the
+    entry :class:`HoldState` kept, where one is), as a user resetting or rescaling moments does."""
+
+    index: int
+    key: str
+    factor: float
+    held: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class AppendParam:
     """``opt.param_groups[group % n]["params"].append(<the next spare>)``."""
 
@@ -236,6 +257,7 @@ class World:
         self.opt = cls(groups, **kw)
         self.saved: dict[int, dict] = {}
         self.norm: torch.Tensor | None = None
+        self.held: dict | None = None  # HoldState's entry
 
     def close(self) -> None:
         if self.ours and hasattr(self.opt, "close"):
@@ -265,6 +287,8 @@ class World:
 
     def apply(self, op) -> None:
         """Do ``op`` to this world."""
+        if isinstance(op, (LoadState, DeepCopy, ToDtype, ReplaceParams)):
+            self.held = None  # torch's entry is no longer its state after these
         if isinstance(op, Backward):
             self.backward(op.seed, op.mask, op.scale, False)
         elif isinstance(op, Clip):
@@ -278,6 +302,8 @@ class World:
             mask = tuple(range(len(SHAPES)))
             for m in range(op.micro):
                 self.backward(op.seed * 7 + m, mask, 1.0 / op.micro, op.eager and m == op.micro - 1)
+            if op.edit is not None:
+                self.apply(op.edit)
             if op.max_norm is not None:
                 self.clip(op.max_norm, False)
             self.opt.step()
@@ -308,6 +334,15 @@ class World:
             self.model.to(DTYPES[op.dtype])
         elif isinstance(op, ReplaceParams):
             self._replace(op)
+        elif isinstance(op, HoldState):
+            p = self.model.ps[op.index]
+            self.held = self.opt.state[p] if p in self.opt.state else None
+        elif isinstance(op, EditState):
+            p = self.model.ps[op.index]
+            entry = self.held if op.held and self.held is not None else (
+                self.opt.state[p] if p in self.opt.state else {})
+            if op.key in entry:
+                entry[op.key].mul_(op.factor)
         elif isinstance(op, AppendParam):
             params = self.spares(1)
             if params:
@@ -466,16 +501,21 @@ def op_strategy(pending: bool | None = None, dtypes=("float32", "bfloat16", "flo
         st.tuples(st.just("betas"), st.sampled_from(BETAS)),
         st.tuples(st.just("eps"), st.sampled_from(EPSS)),
     )
-    ops = _operations(idx, mask, norms, hyper, dtypes)
+    ops = _operations(idx, mask, norms, hyper, dtypes, edits(idx))
     on = pending_enabled(pending)
     return st.one_of(*[s for name, s in ops.items() if on or name not in PENDING])
 
 
-def _operations(idx, mask, norms, hyper, dtypes) -> dict[str, st.SearchStrategy]:
+def edits(idx) -> st.SearchStrategy:
+    return st.builds(EditState, index=idx, key=st.sampled_from(["exp_avg", "exp_avg_sq"]),
+                     factor=st.sampled_from([0.5, 2.0]), held=st.booleans())
+
+
+def _operations(idx, mask, norms, hyper, dtypes, edit) -> dict[str, st.SearchStrategy]:
     return {
         "Iteration": st.builds(Iteration, seed=st.integers(0, 50), micro=st.integers(1, 3),
                                max_norm=st.one_of(st.none(), norms), set_to_none=st.booleans(),
-                               eager=st.just(False)),
+                               eager=st.just(False), edit=st.one_of(st.none(), st.none(), edit)),
         "EagerIteration": st.builds(Iteration, seed=st.integers(0, 50), micro=st.integers(1, 3),
                                     set_to_none=st.booleans(), eager=st.just(True)),
         "EagerClip": st.builds(Iteration, seed=st.integers(0, 50), micro=st.integers(1, 3), max_norm=norms,
@@ -494,11 +534,13 @@ def _operations(idx, mask, norms, hyper, dtypes) -> dict[str, st.SearchStrategy]
         "ToDtype": st.builds(ToDtype, dtype=st.sampled_from(list(dtypes))),
         "ReplaceParams": st.builds(ReplaceParams, group=st.integers(0, 2), carry=st.booleans()),
         "AppendParam": st.builds(AppendParam, group=st.integers(0, 2)),
+        "HoldState": st.builds(HoldState, index=idx),
+        "EditState": edit,
     }
 
 
 #: the names of the strategies of :func:`op_strategy` and of the sequence-level filters (PENDING's keys among them)
-OPERATIONS = (*_operations(*[st.none()] * 4, ()), "DeepCopyAfterToDtype")
+OPERATIONS = (*_operations(*[st.none()] * 4, (), st.none()), "DeepCopyAfterToDtype")
 
 
 def _deepcopy_after_todtype(ops) -> bool:
