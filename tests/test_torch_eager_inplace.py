@@ -148,3 +148,29 @@ def test_no_room_for_copies_updates_in_place_where_hinted(monkeypatch):
     assert st["eager_updates"] >= 2 * len(list(ours.parameters())), st
     same_state(ropt, opt, ref, ours)
     opt.close()
+
+
+@pytest.mark.parametrize("spec", [None, False, True])
+def test_state_read_between_an_in_place_backward_and_step(spec):
+    """torch shows the pre-step state between backward and step(); an update that ran in place from a hook has none
+    left: the read raises (naming speculate=True) and changes nothing, and the step goes on to torch's bits. With
+    speculate=True the read sees torch's pre-step state."""
+    ref, ropt, ours, opt = make(speculate=spec)
+    p, q = next(ref.parameters()), next(ours.parameters())
+    for i, x in enumerate(batches(4)):
+        def between(m, o):
+            if i < 2:
+                return
+            if o is ropt:
+                between.want = ropt.state[p]["exp_avg"].clone()
+            elif spec is True:
+                assert torch.equal(opt.state[q]["exp_avg"], between.want)
+            else:
+                with pytest.raises(RuntimeError, match="speculate=True"):
+                    opt.state[q]
+                with pytest.raises(RuntimeError, match=r"between a last_micro_batch\(\) backward and step"):
+                    opt.state_dict()
+        hinted_step(ref, ropt, ours, opt, x, between)
+        same(ref, ours)
+    same_state(ropt, opt, ref, ours)  # after step(): read as usual
+    opt.close()

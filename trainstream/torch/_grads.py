@@ -78,7 +78,8 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         self.copies = GradCopies(grad_copies)  # device copies of speculated gradients, for step()'s check
         self.uploaded: set[int] = set()  # speculated under Accelerate's signal, weights uploaded during backward
         self._guard: Any = None  # the global forward pre-hook while ``uploaded`` (:meth:`_guard_forwards`)
-        self.launched: dict[int, StagedCopy] = {}  # updated from hooks, not speculatively (GPU, streamed, in place)
+        # updated from hooks, not speculatively (GPU, streamed, in place); shared with the registry (state reads)
+        self.launched: dict[int, StagedCopy] = slots.launched
         self._seen: dict[int, int] = {}  # gradient hooks per slot since the last step()
         self._expect: dict[int, int] = {}  # backwards per step seen at the last step() (1 until seen otherwise)
         self._ahead: list[Slot] = []  # speculated in the last step(): their copies are taken ahead (prefetch)
@@ -410,7 +411,8 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
     def _end_step(self) -> None:
         """A step (or a skipped one) consumed this step's hooks: the backwards seen become the next step's guess."""
         self._expect.update(self._seen)
-        self._seen, self.spec, self.launched, self.hooked = {}, {}, {}, set()
+        self._seen, self.spec, self.hooked = {}, {}, set()
+        self.launched.clear()
         self.copies.release()
         self._unguard()
         self._untrusted, self._scaled = False, {}
@@ -423,7 +425,8 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         speculative updates went with its state)."""
         if self.slots.engine is not self._engine:
             self._engine = self.slots.engine
-            self.spec, self.launched, self.hooked, self._seen, self._expect = {}, {}, set(), {}, {}
+            self.spec, self.hooked, self._seen, self._expect = {}, set(), {}, {}
+            self.launched.clear()
             self.copies.release()
             self._unguard()
 

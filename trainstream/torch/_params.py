@@ -185,6 +185,7 @@ class Slots:
         self.device: torch.device | None = None  # the parameters' device, set with the engine
         self.cores: list[int] | None = None  # the workers' cores (worker_cores), set with the engine
         self.host_plan: dict[str, float] = {}
+        self.launched: dict[int, Any] = {}  # slot ids updated from this step's hooks for good (_grads.GradCapture)
         self.closed = False
         self._records: list[Slot] = []
         self._of: dict[torch.Tensor, Slot] = {}

@@ -47,6 +47,13 @@ def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
     ``rec.touched``). Keys as torch's: ``step`` (a float32 scalar tensor; fused: on the parameter's device),
     ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad) in the state dtype (the parameter's, or float32
     with ``master_weights=True``), and a master's ``master_param`` (float32); views of the host state."""
+    if rec.sid in slots.launched:
+        raise RuntimeError(
+            f"OffloadAdamW: the state of parameter {rec.sid} was read between a backward inside last_micro_batch() and "
+            "step(): its update ran during that backward and is kept as it is (in place, without a copy of the "
+            "pre-step state: speculate=None after a step that left the gradients alone, or speculate=False; or on the "
+            "GPU), so the pre-step state torch shows here is gone. Read it after step(), or pass speculate=True "
+            "(copies kept: a read sees the pre-step state).")
     st = slots.engine.state(rec.sid, copy=False)
     if st["step"] == 0 and not rec.touched:
         return {}
