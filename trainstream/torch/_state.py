@@ -55,6 +55,7 @@ def entry(slots: Slots, rec: Slot) -> dict[str, torch.Tensor]:
             "GPU), so the pre-step state torch shows here is gone. Read it after step(), or pass speculate=True "
             "(copies kept: a read sees the pre-step state).")
     st = slots.engine.state(rec.sid, copy=False)
+    rec.views_held()  # drops the references of views gone (a GPU slot's are never looked at otherwise)
     if st["step"] == 0 and not rec.touched:
         return {}
     p, r = rec.param, rec.recipe
