@@ -519,3 +519,37 @@ def test_a_second_backward_after_accelerates_last_micro_batch_raises(gradient_st
     for p, b in zip(ours.parameters(), before):
         assert torch.equal(p, b)
     opt.close()
+
+
+@pytest.mark.parametrize("impl", ["forloop", "foreach", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_nan_and_inf_gradients_as_torch(impl, dtype, maximize):
+    """NaN and inf gradients, and a clip by a NaN norm, propagate as torch's: NaN where torch has NaN, every other
+    bit torch's; a NaN's own bits (sign, payload) are not promised (docs/exactness.md: x86 keeps an operand's NaN,
+    and which operand the compiled kernels hand on is LLVM's choice)."""
+    kw = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+    ps = [torch.nn.Parameter(torch.linspace(-1, 1, 40).to(dtype)) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ropt = torch.optim.AdamW(ps, lr=1e-2, maximize=maximize, **kw)
+    opt = OffloadAdamW(qs, lr=1e-2, maximize=maximize, threads=1, **kw)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan_neg = -torch.tensor([float("nan")])  # the sign bit set
+    for step in range(4):
+        for group in (ps, qs):
+            for k, p in enumerate(group):
+                g = torch.linspace(-0.5, 0.5, 40) * (step + 1)
+                if step >= 1 and k == 0:
+                    g[3], g[7], g[11] = float("nan"), nan_neg[0], float("inf")
+                p.grad = g.to(dtype)
+            if step == 3:  # the norm is NaN: every gradient times a NaN
+                torch.nn.utils.clip_grad_norm_(group, 1.0)
+        ropt.step()
+        opt.step()
+        for p, q in zip(ps, qs):
+            a, b = p.detach(), q.detach()
+            assert torch.equal(a.isnan(), b.isnan()), step
+            a, b = torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b)
+            assert torch.equal(a.view(bits), b.view(bits)), (step, p, q)
+        assert step == 0 or ps[0].isnan().any()  # the case is exercised
+    opt.close()

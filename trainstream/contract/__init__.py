@@ -44,7 +44,8 @@ Python floats: ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` (C ``pow``; ``t`` stops 
 The gradient, every recipe: ``g = r_g(g * c)`` (``r_g``: to the gradient's dtype; ``c`` stands for torch's
 in-place multiplications of ``param.grad`` before ``step()``: ``clip_grad_norm_``'s by the coefficient cast to the
 gradient's dtype, ``GradScaler.unscale_``'s by the float32 inverse scale) [``S_CLIP``]; ``maximize``: ``g = -g``,
-folded in as ``-c`` (exact). Fused kernels under ``GradScaler``: ``g = RN(g / f(scale))`` in float, unrounded
+folded in as ``-c`` (exact; NaN's own bits are not part of the contract: a NaN stays a NaN, its sign and payload are
+the compiler's choice of operand). Fused kernels under ``GradScaler``: ``g = RN(g / f(scale))`` in float, unrounded
 [``S_GRAD_DIV``; 1: none] (``found_inf``: no update and no step, the adapter's). Adam's L2 (``decoupled`` False,
 ``wd != 0``) adds ``p * alpha`` [``S_L2``, 0 for AdamW]; AdamW multiplies by ``decay`` [``S_DECAY``, 1 for Adam].
 
