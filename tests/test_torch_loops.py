@@ -498,6 +498,7 @@ def test_transformers_trainer_accumulation_clipping_checkpoint_resume(tmp_path, 
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, **kw)
         trainer.train(resume_from_checkpoint=resume)
         if opt_kind == "ours":
+            trainer.ts_stats = trainer.optimizer.optimizer.stats()
             trainer.optimizer.optimizer.close()  # (accelerate wraps it)
         return trainer
 
@@ -514,6 +515,8 @@ def test_transformers_trainer_accumulation_clipping_checkpoint_resume(tmp_path, 
     assert logged[0] == logged[1] and all(n > 0 for n in logged[0])  # clipping saw the gradients
     for a, b in zip(runs["adamw"].model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+    st = runs["ours"].ts_stats  # speculated from the second step, its copies taken ahead (the checkpoint's views gone)
+    assert st["spec_updates"] > 0 and st["precopy_ms_total"] > 0, st
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
