@@ -111,7 +111,8 @@ for setup in sys.argv[2:]:
     med["bb"] = 1e3 * (time.perf_counter() - t0) / 5
     st = opt.stats() if hasattr(opt, "stats") else {}
     med.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "host_state_bytes",
-                                       "spec_checks_device", "spec_checks_staged", "spec_uploads_early")})
+                                       "spec_checks_device", "spec_checks_staged", "spec_uploads_early",
+                                       "backup_ms_total", "precopy_ms_total")})
     med["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     med["copy_peak_gib"] = st.get("spec_copy_peak_bytes", 0.0) / 2 ** 30
     print(size, setup, json.dumps({k: (round(v, 2 if k.endswith("gib") else 1) if isinstance(v, float) else v)
