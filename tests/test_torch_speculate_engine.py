@@ -292,8 +292,8 @@ def test_writes_discard_the_copies_taken_ahead(write):
 
 
 def test_copies_ahead_wait_for_the_slots_queued_work(monkeypatch):
-    """Asked for while the slot's update still runs, the copies are queued once it has run (they read what it
-    wrote); an update queued before that copies for itself."""
+    """Asked for while the slot's update still runs, the copies are queued once it has run: they hold what it wrote,
+    so a rollback of the next speculative update restores the state after it."""
     import threading
 
     from trainstream import _host_kernels as K
@@ -310,20 +310,15 @@ def test_copies_ahead_wait_for_the_slots_queued_work(monkeypatch):
     _ahead(eng, sid)
     eng.synchronize()
     before = _snapshot(eng, sid, p)
-    gate.clear()  # a speculative update queued while the copies ahead are not: it copies for itself
-    eng.offload_grad(sid, _grad(torch.float32, 4), name, HP)
-    eng.prefetch_backups([sid])
-    eng.offload_grad(sid, _grad(torch.float32, 5), name, HP, speculate=True, upload=False)
-    gate.set()
-    eng.synchronize()
+    g = _grad(torch.float32, 5)
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
     eng.rollback([sid])
     eng.synchronize()
+    _same(_snapshot(eng, sid, p), before)
     eng.step([(sid, HP)])
-    plain.offload_grad(qsid, _grad(torch.float32, 4), name, HP)
-    plain.offload_grad(qsid, _grad(torch.float32, 5), name, HP)
+    plain.offload_grad(qsid, g, name, HP)
     eng.synchronize()
     plain.synchronize()
     _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
-    assert before is not None
     eng.close()
     plain.close()

@@ -214,8 +214,8 @@ class Speculative:
 
         def body(c: int, b: int, e: int) -> None:
             with s.cond:
-                if s.pre is not pre or pre.chunks[c] != FREE:
-                    return  # discarded, or taken by the update
+                if s.pre is not pre or pre.chunks[c] != FREE or self.closed:
+                    return  # discarded, taken by the update, or closing (not worth copying)
                 pre.chunks[c] = COPYING
             state, t = FREE, time.perf_counter()
             try:
