@@ -56,6 +56,15 @@ def _same(a, b):
     return torch.equal(nan, b.isnan()) and torch.equal(a.view(_BITS[a.dtype])[~nan], b.view(_BITS[b.dtype])[~nan])
 
 
+def _ours_or_skip(name, params, **kwargs):
+    """Ours on ``params`` (one worker thread), or the test skipped where it refuses the input as documented."""
+    try:
+        return OURS[name](params, threads=1, **kwargs)
+    except NotImplementedError as exc:
+        assert "not offered" in str(exc) or "not built yet" in str(exc), exc
+        pytest.skip(f"refused: {exc}")
+
+
 def _params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     shapes = [(10, 5), (10,), (), (3, 7, 2), (129,)]  # a 0-dim one, as torch's fused tests add
@@ -77,11 +86,7 @@ def _grads(params, step):
 def test_configuration_bit_identical_or_refused(name, dtype, desc, kwargs):
     ref_params, our_params = _params(dtype), _params(dtype)
     ref = INFO[name].optim_cls(ref_params, **kwargs)
-    try:
-        ours = OURS[name](our_params, threads=1, **kwargs)
-    except NotImplementedError as exc:
-        assert "not offered" in str(exc) or "not built yet" in str(exc), exc
-        pytest.skip(f"refused: {exc}")
+    ours = _ours_or_skip(name, our_params, **kwargs)
     try:
         for step in range(STEPS):
             for ps in (ref_params, our_params):
@@ -141,11 +146,7 @@ def test_cuda_configuration_bit_identical_or_refused(name, dtype, desc, kwargs, 
         with pytest.raises(type(exc)):
             OURS[name](our_params, threads=1, mode=mode, **_on_cuda(kwargs)).close()
         return
-    try:
-        ours = OURS[name](our_params, threads=1, mode=mode, **_on_cuda(kwargs))
-    except NotImplementedError as exc:
-        assert "not offered" in str(exc) or "not built yet" in str(exc), exc
-        pytest.skip(f"refused: {exc}")
+    ours = _ours_or_skip(name, our_params, mode=mode, **_on_cuda(kwargs))
     try:
         for step in range(STEPS):
             for ps in (ref_params, our_params):

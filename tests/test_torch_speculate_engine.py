@@ -229,6 +229,22 @@ def _speculated_once(dtype=torch.float32, amsgrad=False):
     return eng, plain, p, sid, q, qsid, name
 
 
+def _rolled_back_exactly(eng, sid, p, g, name, upload=False):
+    """A speculative update from ``g``, rolled back: weights and state as before it, every bit."""
+    before = _snapshot(eng, sid, p)
+    eng.offload_grad(sid, g, name, HP, speculate=True, upload=upload)
+    eng.rollback([sid])
+    eng.synchronize()
+    _same(_snapshot(eng, sid, p), before)
+
+
+def _as_plain(eng, sid, p, plain, qsid, q):
+    """Both engines' queued work done: the same weights and state, every bit."""
+    eng.synchronize()
+    plain.synchronize()
+    _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+
+
 @pytest.mark.parametrize("dtype,amsgrad", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 def test_copies_taken_ahead_restore_every_bit_and_commit_as_before(dtype, amsgrad):
     """Copied ahead, a chunk is not copied by the update; a rollback restores every bit from them, a chunk the copies
@@ -242,12 +258,9 @@ def test_copies_taken_ahead_restore_every_bit_and_commit_as_before(dtype, amsgra
     pre.chunks[1] = FREE  # as if the update came first there
     for copy in s.backup.values():
         copy[4096:8192] = copy[:4096][::-1]  # garbage, unless the update copies it again
-    before, backup_ms = _snapshot(eng, sid, p), eng.stats()["backup_ms_total"]
+    backup_ms = eng.stats()["backup_ms_total"]
     g = _grad(dtype, 5)
-    eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
-    eng.rollback([sid])
-    eng.synchronize()
-    _same(_snapshot(eng, sid, p), before)
+    _rolled_back_exactly(eng, sid, p, g, name)
     st = eng.stats()
     assert st["precopy_ms_total"] > 0 and st["backup_ms_total"] > backup_ms  # chunk 1 only (not timed per chunk)
     eng.step([(sid, HP)])  # the redo from the staged gradient, then ahead again and a commit
@@ -258,9 +271,7 @@ def test_copies_taken_ahead_restore_every_bit_and_commit_as_before(dtype, amsgra
     eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
     eng.commit([sid])
     plain.offload_grad(qsid, g, name, HP)
-    eng.synchronize()
-    plain.synchronize()
-    _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+    _as_plain(eng, sid, p, plain, qsid, q)
     eng.close()
     plain.close()
 
@@ -282,11 +293,7 @@ def test_writes_discard_the_copies_taken_ahead(write):
         eng.offload_grad(sid, _grad(torch.float32, 7), name, HP)
     assert eng.host._slot(sid).pre is None
     eng.synchronize()
-    before = _snapshot(eng, sid, p)
-    eng.offload_grad(sid, _grad(torch.float32, 8), name, HP, speculate=True, upload=True)
-    eng.rollback([sid])
-    eng.synchronize()
-    _same(_snapshot(eng, sid, p), before)
+    _rolled_back_exactly(eng, sid, p, _grad(torch.float32, 8), name, upload=True)
     eng.close()
     plain.close()
 
@@ -309,16 +316,10 @@ def test_copies_ahead_wait_for_the_slots_queued_work(monkeypatch):
     gate.set()
     _ahead(eng, sid)
     eng.synchronize()
-    before = _snapshot(eng, sid, p)
     g = _grad(torch.float32, 5)
-    eng.offload_grad(sid, g, name, HP, speculate=True, upload=False)
-    eng.rollback([sid])
-    eng.synchronize()
-    _same(_snapshot(eng, sid, p), before)
+    _rolled_back_exactly(eng, sid, p, g, name)
     eng.step([(sid, HP)])
     plain.offload_grad(qsid, g, name, HP)
-    eng.synchronize()
-    plain.synchronize()
-    _same(_snapshot(eng, sid, p), _snapshot(plain, qsid, q))
+    _as_plain(eng, sid, p, plain, qsid, q)
     eng.close()
     plain.close()

@@ -156,7 +156,7 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         n = self._seen[sid] = self._seen.get(sid, 0) + 1
         # Views of its state held (opt.state's, state_dict()'s) may be changed before step(), as torch's state may:
         # its update waits for step() then.
-        held = bool(rec.views) and rec.views_held()
+        held = rec.views_held()
         if engine.streamed(sid):  # bounded staging: nothing staged; under last_micro_batch() its update starts now
             if rec.once and n > 1:
                 raise NotImplementedError(_second_backward(rec, sid in self.hooked))

@@ -153,7 +153,8 @@ class Slot:
     def views_held(self) -> bool:
         """Whether views of its host state handed out (``opt.state``, ``state_dict()``) are still alive: they may be
         changed in place at any time, so the engine takes no copies of that state ahead of an update."""
-        self.views = [r for r in self.views if r() is not None]
+        if self.views:  # (a gradient hook asks every step: nothing to do where none was handed out)
+            self.views = [r for r in self.views if r() is not None]
         return bool(self.views)
 
     def remove_hooks(self) -> None:

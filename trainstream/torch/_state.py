@@ -30,13 +30,12 @@ _KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "ma
          "master": "master_param"}
 
 
-def _tensor(a: np.ndarray, dtype: str, held: list | None = None) -> torch.Tensor:
-    """A flat host state array as a tensor of ``dtype`` sharing its memory (uint16 bits: an fp16/bf16 view); with
-    ``held``, a weak reference that lives as long as any tensor or array sharing that memory through it is appended
-    (the NumPy view that the tensor's storage keeps alive: its views, ``.data``, ``.detach()``, ``.numpy()`` too)."""
+def _tensor(a: np.ndarray, dtype: str, held: list) -> torch.Tensor:
+    """A flat host state array as a tensor of ``dtype`` sharing its memory (uint16 bits: an fp16/bf16 view); appends
+    to ``held`` a weak reference that lives as long as any tensor or array sharing that memory through it (the NumPy
+    view that the tensor's storage keeps alive: its views, ``.data``, ``.detach()``, ``.numpy()`` too)."""
     v = a.view(np.int16) if a.dtype == np.uint16 else a.view()  # a new object per call: its own lifetime
-    if held is not None:
-        held.append(weakref.ref(v))
+    held.append(weakref.ref(v))
     t = torch.from_numpy(v)
     return t.view(_TORCH_DTYPE[dtype]) if a.dtype == np.uint16 else t
 
