@@ -35,7 +35,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   done
 fi
 if ls .whl_titan/*.whl >/dev/null 2>&1; then  # torchtitan and its small dependencies, without theirs (the image has torch)
-  python3 -m pip install -q --no-index --no-deps .whl_titan/*.whl >> "$OUT/pip.log" 2>&1 || echo "pip: .whl_titan not installed" >> "$OUT/pip.log"
+  for w in .whl_titan/*.whl; do  # a distribution the image already has is left as it is
+    dist=$(basename "$w" | cut -d- -f1)
+    python3 -m pip show -q "$dist" >/dev/null 2>&1 && continue
+    python3 -m pip install -q --no-index --no-deps "$w" >> "$OUT/pip.log" 2>&1 || echo "pip: $w not installed" >> "$OUT/pip.log"
+  done
   python3 -c "import torchtitan.trainer" >> "$OUT/pip.log" 2>&1 && echo "torchtitan imports" >> "$OUT/pip.log"
 fi
 python3 -m pip list > "$OUT/piplist.txt" 2>&1
