@@ -247,10 +247,7 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         this micro-batch does not sync, or without its trusted word (:meth:`_signalled_last`) the last step had more
         backwards. Its gradient is then not staged (``step()`` copies it where the guess was wrong); fp32 sums take
         every micro-batch's."""
-        syncs = V._accelerate_syncs()
-        if syncs is False:
-            self._signalled = True
-        return syncs is False or (not (syncs and self._signalled) and n < self._expect.get(rec.sid, 1))
+        return not self._last_by_signal(rec, n, exact=False)
 
     def _update_in_place(self, rec: Slot, hp: C.AdamWHyperParams, grad: torch.Tensor) -> None:
         """Under ``last_micro_batch()``, a host slot's update from its hook, in place: no copies kept (their DRAM

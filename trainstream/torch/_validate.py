@@ -169,15 +169,26 @@ class SpeculationPolicy:
         ``speculate`` is False or (None) the host memory budget has no room for the kept copies."""
         if self.speculate is False or rec.sums or rec.broken or not self.slots.engine.can_speculate(rec.sid):
             return False
-        syncs = _accelerate_syncs()
-        if syncs is False:
-            self._signalled = True
-        if not hint and (syncs is False or (not (syncs and self._signalled) and n != self._expect.get(rec.sid, 1))):
+        if not hint and not self._last_by_signal(rec, n, exact=True):
             return False
         if self.speculate is None:
             self.speculate = self._budget_allows()
             self._in_place = self._in_place or not self.speculate  # no room for copies: in place where hinted
         return bool(self.speculate)
+
+    def _last_by_signal(self, rec: Slot, n: int, exact: bool) -> bool:
+        """Whether this backward (the ``n``-th before ``step()``) is taken as the last: Accelerate's gradient state
+        says whether this micro-batch syncs (trusted once it was seen saying one does not, see
+        :meth:`_signalled_last`); without its trusted word, the last step's count of backwards decides, ``n`` equal
+        to it (``exact``) or not below it."""
+        syncs = _accelerate_syncs()
+        if syncs is False:
+            self._signalled = True
+            return False
+        if syncs and self._signalled:
+            return True
+        expect = self._expect.get(rec.sid, 1)
+        return n == expect if exact else n >= expect
 
     def _signalled_last(self) -> bool:
         """Whether Accelerate's gradient state says this backward is the last before ``step()`` and may be trusted
