@@ -107,7 +107,12 @@ def main():
         size, setup, accum = args._child.split(":")
         print("ROW " + json.dumps(child(size, setup, int(accum), args)), flush=True)
         return
-    rows, passthrough = [], [a for a in sys.argv[1:] if not a.startswith("--json")]
+    rows, passthrough, argv = [], [], iter(sys.argv[1:])
+    for a in argv:  # the children write no JSON: --json and its value (or --json=...) are left out
+        if a == "--json":
+            next(argv, None)
+        elif not a.startswith("--json="):
+            passthrough.append(a)
     for size in args.sizes.split(","):
         for accum in map(int, args.accum.split(",")):
             for setup in SETUPS:

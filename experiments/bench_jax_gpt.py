@@ -1,6 +1,6 @@
 # Run (GPU machine): python experiments/bench_jax_gpt.py --sizes 1.3b,3b,7b --rounds 2 --json $OUT/bench_jax_gpt.json
-"""Issue 36's JAX benchmark: a flax nnx GPT (``models_jax.nnx_gpt``: the torch benchmark's shapes, bf16 parameters,
-float32 logits, every block rematerialised) trained by a jitted step with donation, ``--batch`` x ``--seq`` random
+"""Issue 36's JAX benchmark: a flax nnx GPT (``models_jax.nnx_gpt``: the torch benchmark's shapes, bf16 parameters
+(``--param-dtype fp32``: float32 parameters, bf16 compute), float32 logits, every block rematerialised) trained by a jitted step with donation, ``--batch`` x ``--seq`` random
 tokens, with each optimizer placement:
 
   optax_hbm    optax.adamw, state in GPU memory
@@ -16,7 +16,8 @@ otherwise). Every (size, setup) runs in its own process (its peak GPU and host m
 not fit"), the setups of a size one after another, ``--rounds`` times in turn (interleaved: the host's memory
 bandwidth drifts between runs); the step is the median of the rounds' medians. Prints step time, tokens/s, MFU (6 x
 parameters x tokens / step / ``--peak-tflops``), peak GPU memory, host memory high-water mark, and the largest size
-each setup trained. CPU smoke test: ``--device cpu --sizes tiny --batch 2 --seq 32 --setups optax_hbm,ts_cpu --check``.
+each setup trained. On a GPU, ``ts_gpu`` and ``ts_cpu`` refuse bf16 parameters (their bf16 state: XLA:GPU's lines
+are not built, issue 35 item 4): use ``--param-dtype fp32`` for them. CPU smoke test: ``--device cpu --sizes tiny --batch 2 --seq 32 --setups optax_hbm,ts_cpu --check``.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def child(args) -> dict:
     dev = jax.devices()[0]
     t0 = time.perf_counter()
     with jax.default_device(dev):
-        graphdef, params = nnx.split(nnx_gpt(*SIZES[size], vocab=args.vocab, ctx=args.seq, remat=not args.no_remat),
-                                     nnx.Param)
+        pdt = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.param_dtype]
+        graphdef, params = nnx.split(nnx_gpt(*SIZES[size], vocab=args.vocab, ctx=args.seq, remat=not args.no_remat,
+                                             param_dtype=pdt), nnx.Param)
 
     def loss_fn(p, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, p)(x), y).mean()
@@ -140,14 +142,15 @@ def child(args) -> dict:
             "tokens_per_s": args.batch * args.seq / ms * 1e3,
             "mfu": 6 * n * args.batch * args.seq / (ms / 1e3) / (args.peak_tflops * 1e12),
             "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / GIB, "host_hwm_gib": _status("VmHWM") / GIB,
-            "build_s": build_s, "first_step_s": first_s, "digest": digest}
+            "build_s": build_s, "first_step_s": first_s, "digest": digest,
+            "params_dtype": str(jax.tree.leaves(params)[0].dtype)}
 
 
 def _run_child(size: str, setup: str, args) -> dict:
     """``child`` in a fresh process; ``{"error", "fits": False}`` for an out-of-memory error or a timeout."""
     argv = [sys.executable, __file__, "--_child", f"{size}:{setup}", "--batch", str(args.batch), "--seq",
             str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--peak-tflops", str(args.peak_tflops)] + ["--no-remat"] * args.no_remat + ["--check"] * args.check
+            "--peak-tflops", str(args.peak_tflops), "--param-dtype", args.param_dtype] + ["--no-remat"] * args.no_remat + ["--check"] * args.check
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if args.device == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
@@ -176,6 +179,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="the setups in turn, this many times")
     ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="fp32: float32 parameters (and optax's float32 state), bf16 compute")
     ap.add_argument("--check", action="store_true", help="a digest of the weights after 2 steps, compared")
     ap.add_argument("--deterministic", action="store_true", help="XLA_FLAGS=--xla_gpu_deterministic_ops=true")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
@@ -208,6 +213,8 @@ def main(argv=None) -> int:
                     f"{row['ms']:9.1f} ms  GPU peak {row['gpu_peak_gib']:6.2f} GiB  host HWM {row['host_hwm_gib']:6.2f}"
                     f" GiB  digest {row['digest']}" if "error" not in row else
                     f"{'does not fit' if not row['fits'] else 'FAILED'}: {row['error'][:200]}"), flush=True)
+                if args.json:  # every run so far, should a later one outlast the caller's time limit
+                    _dump(args.json, args, [r for rows in runs.values() for r in rows], partial=True)
     table = []
     for (size, setup), rows in runs.items():
         ok = [r for r in rows if "error" not in r]
@@ -233,9 +240,14 @@ def main(argv=None) -> int:
         fit = [r["size"] for r in table if r["setup"] == setup and "error" not in r]
         print(f"largest trained, {setup}: {fit[-1] if fit else 'none'} (of {args.sizes})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "commit": git_commit(), "rows": table}, f, indent=2)
+        _dump(args.json, args, table)
     return 0
+
+
+def _dump(path: str, args, rows: list, partial: bool = False) -> None:
+    """The JSON: ``rows`` (each run while ``partial``, else the table of medians)."""
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "commit": git_commit(), "partial": partial, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

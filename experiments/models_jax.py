@@ -86,19 +86,20 @@ def mlp_loss(params, x):
 
 
 def nnx_gpt(layers: int, d: int, heads: int, *, vocab: int, ctx: int = 1024, dtype=jnp.bfloat16, remat: bool = True,
-            seed: int = 0):
+            seed: int = 0, param_dtype=None):
     """The flax nnx counterpart of ``models_torch.GPT`` (``_common.SIZES``' shapes and parameter count): pre-LN,
     learned positions, tied head, GELU (tanh), causal attention (``jax.nn.dot_product_attention``: cuDNN on a GPU);
-    parameters in ``dtype``, logits in float32; ``remat``: each block rematerialised in backward (the torch
+    computed in ``dtype``, parameters in ``param_dtype`` (default: ``dtype``), logits in float32; ``remat``: each block rematerialised in backward (the torch
     benchmark's activation checkpointing). Built on JAX's default device. Returns the nnx module."""
     from flax import nnx  # noqa: PLC0415 - flax only where this model is built
 
     init = nnx.initializers.normal(0.02)
+    pdt = dtype if param_dtype is None else param_dtype
 
     class Block(nnx.Module):
         def __init__(self, rngs):
-            lin = lambda a, b: nnx.Linear(a, b, param_dtype=dtype, dtype=dtype, kernel_init=init, rngs=rngs)  # noqa: E731
-            self.ln1, self.ln2 = (nnx.LayerNorm(d, param_dtype=dtype, dtype=dtype, rngs=rngs) for _ in range(2))
+            lin = lambda a, b: nnx.Linear(a, b, param_dtype=pdt, dtype=dtype, kernel_init=init, rngs=rngs)  # noqa: E731
+            self.ln1, self.ln2 = (nnx.LayerNorm(d, param_dtype=pdt, dtype=dtype, rngs=rngs) for _ in range(2))
             self.qkv, self.proj, self.fc, self.out = lin(d, 3 * d), lin(d, d), lin(d, 4 * d), lin(4 * d, d)
 
         def __call__(self, x):
@@ -110,10 +111,10 @@ def nnx_gpt(layers: int, d: int, heads: int, *, vocab: int, ctx: int = 1024, dty
 
     class GPT(nnx.Module):
         def __init__(self, rngs):
-            self.wte = nnx.Embed(vocab, d, param_dtype=dtype, dtype=dtype, embedding_init=init, rngs=rngs)
-            self.wpe = nnx.Embed(ctx, d, param_dtype=dtype, dtype=dtype, embedding_init=init, rngs=rngs)
+            self.wte = nnx.Embed(vocab, d, param_dtype=pdt, dtype=dtype, embedding_init=init, rngs=rngs)
+            self.wpe = nnx.Embed(ctx, d, param_dtype=pdt, dtype=dtype, embedding_init=init, rngs=rngs)
             self.blocks = getattr(nnx, "List", list)([Block(rngs) for _ in range(layers)])  # nnx.List: flax >= 0.12
-            self.ln = nnx.LayerNorm(d, param_dtype=dtype, dtype=dtype, rngs=rngs)
+            self.ln = nnx.LayerNorm(d, param_dtype=pdt, dtype=dtype, rngs=rngs)
 
         def __call__(self, x):
             h = self.wte(x) + self.wpe(jnp.arange(x.shape[1]))

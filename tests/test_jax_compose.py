@@ -161,6 +161,45 @@ def test_gradient_elementwise_in_the_params(problem):
           _run_elementwise(optax.adamw(0.1, weight_decay=1e-4), problem, 300), problem)
 
 
+def test_gradient_from_inside_checkpoint():
+    """Float32 weights computed in bf16 inside ``jax.checkpoint`` (nnx.remat, flax's mixed precision): each
+    gradient leaves the checkpoint's backward as a bf16 -> float32 conversion, which XLA inlines and fuses into
+    optax's moment loops. The probe walks into the checkpoint (JAX's ``remat2``): 4 steps of weights and moments
+    bit for bit against optax.adamw, with no warning (before, every step after the first differed silently)."""
+    import warnings  # noqa: PLC0415
+
+    rng = np.random.default_rng(5)
+    params = {"w1": jnp.asarray(rng.normal(0, 0.3, (64, 128)), jnp.float32),
+              "b1": jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32),
+              "w2": jnp.asarray(rng.normal(0, 0.3, (128, 16)), jnp.float32)}
+    x = jnp.asarray(rng.normal(0, 1, (32, 64)), jnp.bfloat16)
+
+    @jax.checkpoint
+    def block(p, x):
+        bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+        return jnp.tanh(x @ bf["w1"] + bf["b1"]) @ bf["w2"]
+
+    def loss(p):
+        return jnp.mean(block(p, x).astype(jnp.float32) ** 2)
+
+    def run(opt):
+        @jax.jit
+        def step(p, s):
+            u, s = opt.update(jax.grad(loss)(p), s, p)
+            return optax.apply_updates(p, u), s
+
+        p, s, out = _copy(params), opt.init(params), []
+        for _ in range(4):
+            p, s = step(p, s)
+            out.append((p, _moments(s)))
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = run(tsj.offload_adamw(1e-2, weight_decay=0.05))
+    _same(ours, run(optax.adamw(1e-2, weight_decay=0.05)), "checkpoint")
+
+
 @pytest.mark.parametrize("dtype, kw", [(jnp.bfloat16, {}), (jnp.float16, {}),
                                        (jnp.bfloat16, dict(mu_dtype=jnp.float32)), (jnp.bfloat16, dict(nesterov=True))])
 def test_gradient_elementwise_half_state(dtype, kw):

@@ -33,6 +33,9 @@ torch = pytest.importorskip("torch")
 if sys.version_info < (3, 11) or importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan (Python >= 3.11) is not installed", allow_module_level=True)
 dist = torch.distributed
+if not hasattr(importlib.import_module("torch.distributed.fsdp"), "DataParallelMeshDims"):  # torch 2.11 lacks it
+    pytest.skip(f"torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} "
+                "does not have", allow_module_level=True)
 
 import torch.multiprocessing as mp  # noqa: E402
 

@@ -77,7 +77,7 @@ OPAQUE = frozenset((
     "threefry2x32", "optimization_barrier", "sharding_constraint", "mesh_cast", "reshard", "custom_linear_solve",
 ))
 # calls XLA inlines (walked through)
-CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
                    "custom_vjp_call"))
 # reshapes that leave a buffer as it is (a materialised value stays materialised through them)
 BITCASTS = frozenset(("reshape", "squeeze", "expand_dims", "copy", "copy_p", "device_put"))
