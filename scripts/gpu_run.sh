@@ -21,7 +21,7 @@
 # env.txt go into OUTDIR/results.tgz. Wheels in .whl/ (pytest-xdist, expecttest, torchao, deepspeed and their
 # dependencies) are installed first, each on its own (one missing does not stop the others; env.txt says which
 # import), then .whl_titan/'s (torchtitan and its small dependencies; carry both folders); piplist.txt lists the
-# image's packages. COMMIT names the caller's commit in env.txt.
+# image's packages. COMMIT names the caller's commit in env.txt. `bash scripts/fetch_wheels.sh` fills both folders here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/ts_out}}
