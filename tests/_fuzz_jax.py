@@ -2,7 +2,8 @@
 ``optax.adamw`` / ``optax.adam`` on random pytrees (nesting, shapes from a small fixed set so that compile caches
 hit, float32/bfloat16/float16 leaves), hyper-parameters (``mu_dtype``, ``nesterov``, ``eps_root``, ``weight_decay``,
 ``mask``), compositions (``chain`` with ``clip_by_global_norm``, ``masked``, ``MultiSteps``, ``inject_hyperparams``),
-jitted or eager steps. After every step params and updates are bitwise equal, or both raised, or ours refused naming
+jitted or eager steps, the gradient passed in or computed from it in the step (:data:`PRODUCERS`: what XLA:CPU may
+fuse into optax's moment loops, which ours must read from the program). After every step params and updates are bitwise equal, or both raised, or ours refused naming
 why (``NotImplementedError`` / ``ValueError`` / ``TypeError`` with a message), or ours warned the documented
 ``RuntimeWarning`` (a bound in ULPs instead of the bits; counted apart). A last step may feed an update whose tree
 structure, shape or dtype differs from ``init``'s: ours raises a clear error (never a result that is not optax's).
@@ -37,6 +38,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 LAYOUTS = ["leaf", "dict", "nested", "list", "tuple_in_dict"]
 COMPOSITIONS = ["plain", "clip", "masked", "multisteps", "inject", "clip_masked"]
 PAIRS = {"adamw": (optax.adamw, tsj.offload_adamw), "adam": (optax.adam, tsj.offload_adam)}
+#: how the step computes the gradient it updates with from the one passed in (and the parameters), in the same jit:
+#: as is; element-wise in both; a bf16 rounding inside ``jax.checkpoint`` (flax's remat with bf16 compute); a nested jit
+PRODUCERS = ("given", "elementwise", "checkpoint_cast", "nested_jit")
 #: ours' clear refusals (with a message); a RuntimeWarning naming TrainStream is the documented bound's warning
 REFUSALS = (NotImplementedError, ValueError, TypeError)
 
@@ -70,6 +74,7 @@ class Config:
     mask: str | None = None  # None, "matrices" (a callable), "first" (a pytree prefix)
     composition: str = "plain"
     jit: bool = True
+    producer: str = "given"
 
     def kwargs(self) -> dict[str, Any]:
         kw = dict(learning_rate=self.lr, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
@@ -186,10 +191,25 @@ def _programs(cfg: Config, ours: bool):
     tx = transformation(cfg, ours)
 
     def step(p, s, g):
-        u, s = tx.update(g, s, p)
+        u, s = tx.update(_produce(cfg.producer, g, p), s, p)
         return optax.apply_updates(p, u), s, u
 
     return tx, tx.init, (jax.jit(step) if cfg.jit else step)
+
+
+_PRODUCE = {
+    "elementwise": lambda g, p: g * 1.5 + p * 0.01,
+    "checkpoint_cast": jax.checkpoint(lambda g, p: (g * 2.0).astype(jnp.bfloat16).astype(g.dtype)),
+    "nested_jit": jax.jit(lambda g, p: jnp.tanh(g) * 0.5 + p * 1e-3),
+}
+
+
+def _produce(producer: str, g, p):
+    """The gradient the step updates with (:data:`PRODUCERS`); ``g`` itself where its leaves do not match the
+    parameters' (a mismatched update: ours must see it as it is)."""
+    if producer == "given" or _types(g) != _types(p):
+        return g
+    return jax.tree.map(_PRODUCE[producer], g, p)
 
 
 def _bits(x) -> np.ndarray:
@@ -371,6 +391,7 @@ def configs(full: bool | None = None):
         mask=st.sampled_from([None, "matrices", "first"]),
         composition=st.sampled_from(COMPOSITIONS),
         jit=st.booleans(),
+        producer=st.sampled_from(PRODUCERS),
     )
 
 
