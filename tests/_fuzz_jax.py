@@ -33,7 +33,7 @@ import trainstream.jax as tsj
 from trainstream.jax import _detect
 
 #: the leaf shapes (a small fixed set: XLA compiles per shape)
-SHAPES = [(3, 4), (5,), (1,), (2, 3, 2)]
+SHAPES = [(3, 4), (5,), (1,), (2, 3, 2), (64, 128)]  # the last large enough for FMA pairings to show
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 LAYOUTS = ["leaf", "dict", "nested", "list", "tuple_in_dict"]
 COMPOSITIONS = ["plain", "clip", "masked", "multisteps", "inject", "clip_masked"]
