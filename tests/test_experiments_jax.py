@@ -127,3 +127,40 @@ def test_bench_jax_gpt_child_steps_with_optax_bits(param_dtype):
     from _common import param_count  # the torch GPT's count: the same shapes
 
     assert all(r["ms"] > 0 and r["params"] == param_count("tiny", vocab=512, ctx=16) for r in rows.values())
+
+
+def test_probe_xla_gpu_optax_records_the_programs_bits(tmp_path):
+    """experiments/probe_xla_gpu_optax.py (#35 item 4's data, recorded on a GPU): its first line is its command; on
+    XLA:CPU (``--device cpu``) every configuration's recorded outputs are what optax.adamw's jitted step gives for the
+    recorded inputs, bit for bit, and each program's HLO is written."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    assert (EXPERIMENTS / "probe_xla_gpu_optax.py").read_text().splitlines()[0].startswith(
+        "# Run (GPU machine): python experiments/probe_xla_gpu_optax.py")
+    probe = load_script("probe_xla_gpu_optax")
+    out, hlo = tmp_path / "x.npz", tmp_path / "x.txt"
+    assert probe.main(["--device", "cpu", "--numel", "64", "--configs", "bf16,fp32_mu16", "--out", str(out),
+                       "--hlo", str(hlo)]) == 0
+    assert [line.split()[1] for line in hlo.read_text().splitlines() if line.startswith("==== ")] == ["bf16", "fp32_mu16"]
+    rec = np.load(out)
+    for name in ("bf16", "fp32_mu16"):
+        leaf, kw = probe.CONFIGS[name]
+        kw = dict(kw, **({"mu_dtype": jnp.dtype(kw["mu_dtype"])} if "mu_dtype" in kw else {}))
+        opt = optax.adamw(1e-3, weight_decay=1e-4, **kw)
+        for count in probe.COUNTS:
+            dtypes = dict(s.split(":") for s in rec[f"{name}/{count}/dtypes"])
+            a = {k: jnp.asarray(rec[f"{name}/{count}/{k}"].view(jnp.dtype(dtypes[k]))) for k in dtypes}
+            s0 = opt.init(a["p"])
+            s = (s0[0]._replace(count=jnp.asarray(count, jnp.int32), mu=a["mu"], nu=a["nu"]), *s0[1:])
+
+            @jax.jit
+            def step(p, s, g):
+                u, s = opt.update(g, s, p)
+                return optax.apply_updates(p, u), u, s
+
+            new_p, u, new_s = step(a["p"], s, a["g"])
+            for k, x in (("new_p", new_p), ("u", u), ("new_mu", new_s[0].mu), ("new_nu", new_s[0].nu)):
+                want = rec[f"{name}/{count}/{k}"]
+                assert np.array_equal(np.asarray(x).view(want.dtype), want), (name, count, k)
