@@ -46,24 +46,35 @@ def _inputs(rng, n: int, dtype, mu_dtype, count: int):
     return (p.astype(dtype), g.astype(dtype), mu.astype(mu_dtype), nu.astype(dtype))
 
 
-def record(name: str, numel: int, seed: int, hlo: list) -> dict:
-    """One configuration's arrays (raw bits) at each count; its programs' HLO appended to ``hlo``."""
+def program(name: str):
+    """``(opt, step)``: configuration ``name``'s ``optax.adamw`` and its jitted step ``(p, s, g) -> (new p, u, s)``."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
-    leaf, kw = CONFIGS[name]
-    dtype = jnp.dtype(leaf)
-    kw = dict(kw, **({"mu_dtype": jnp.dtype(kw["mu_dtype"])} if "mu_dtype" in kw else {}))
+    kw = dict(CONFIGS[name][1])
+    if "mu_dtype" in kw:
+        kw["mu_dtype"] = jnp.dtype(kw["mu_dtype"])
     opt = optax.adamw(1e-3, weight_decay=1e-4, **kw)
-    mu_dtype = kw.get("mu_dtype", dtype)
 
     @jax.jit
     def step(p, s, g):
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), u, s
 
+    return opt, step
+
+
+def record(name: str, numel: int, seed: int, hlo: list) -> dict:
+    """One configuration's arrays (raw bits) at each count; its programs' HLO appended to ``hlo``."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    leaf, kw = CONFIGS[name]
+    dtype = jnp.dtype(leaf)
+    mu_dtype = jnp.dtype(kw.get("mu_dtype", dtype))
+    opt, step = program(name)
     out, rng = {}, np.random.default_rng(seed)
     for count in COUNTS:
         p, g, mu, nu = _inputs(rng, numel, dtype, mu_dtype, count)

@@ -135,7 +135,6 @@ def test_probe_xla_gpu_optax_records_the_programs_bits(tmp_path):
     recorded inputs, bit for bit, and each program's HLO is written."""
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    import optax  # noqa: PLC0415
 
     assert (EXPERIMENTS / "probe_xla_gpu_optax.py").read_text().splitlines()[0].startswith(
         "# Run (GPU machine): python experiments/probe_xla_gpu_optax.py")
@@ -146,20 +145,12 @@ def test_probe_xla_gpu_optax_records_the_programs_bits(tmp_path):
     assert [line.split()[1] for line in hlo.read_text().splitlines() if line.startswith("==== ")] == ["bf16", "fp32_mu16"]
     rec = np.load(out)
     for name in ("bf16", "fp32_mu16"):
-        leaf, kw = probe.CONFIGS[name]
-        kw = dict(kw, **({"mu_dtype": jnp.dtype(kw["mu_dtype"])} if "mu_dtype" in kw else {}))
-        opt = optax.adamw(1e-3, weight_decay=1e-4, **kw)
+        opt, step = probe.program(name)
         for count in probe.COUNTS:
             dtypes = dict(s.split(":") for s in rec[f"{name}/{count}/dtypes"])
             a = {k: jnp.asarray(rec[f"{name}/{count}/{k}"].view(jnp.dtype(dtypes[k]))) for k in dtypes}
             s0 = opt.init(a["p"])
             s = (s0[0]._replace(count=jnp.asarray(count, jnp.int32), mu=a["mu"], nu=a["nu"]), *s0[1:])
-
-            @jax.jit
-            def step(p, s, g):
-                u, s = opt.update(g, s, p)
-                return optax.apply_updates(p, u), u, s
-
             new_p, u, new_s = step(a["p"], s, a["g"])
             for k, x in (("new_p", new_p), ("u", u), ("new_mu", new_s[0].mu), ("new_nu", new_s[0].nu)):
                 want = rec[f"{name}/{count}/{k}"]
