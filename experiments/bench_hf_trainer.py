@@ -80,7 +80,7 @@ def child(size: str, setup: str, accum: int, args) -> dict:
         if isinstance(opt, OffloadAdamW):
             st = opt.stats()
             row.update({k: st.get(k) for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total",
-                                                "host_state_bytes", "gpu_state_bytes", "spec_uploads_early", "spec_shadowed",
+                                                "host_state_bytes", "gpu_state_bytes", "spec_uploads_early",
                                                 "spec_checks_device", "spec_checks_staged", "spec_copy_peak_bytes",
                                                 "backup_ms_total", "precopy_ms_total")})
             opt.close()

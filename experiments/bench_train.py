@@ -17,7 +17,7 @@ Setups (``--setups``):
                    (``bf16_optimizer_states``: ~6 instead of ~16 bytes per parameter; not torch's bits)
 A TrainStream setup may end in ``@N`` (N host threads) and in options: ``~niceN``
 (worker_nice, default 5), ``~ebN`` (eager_blocks), ``~shareF`` (gpu_share), ``~resG``
-(gpu_state_bytes of G GiB), ``~gc0``/``~gc1`` (grad_copies=False/True), ``~ws0``/``~ws1`` (weight_shadows=False/True), ``~spec0``/``~spec1``
+(gpu_state_bytes of G GiB), ``~gc0``/``~gc1`` (grad_copies=False/True), ``~spec0``/``~spec1``
 (speculate=False/True), ``~auto`` (gpu_state_bytes="auto"), ``~overlap``
 (overlap_forward=model), ``~fused`` (fused=True: bf16_fused's bits), ``~master``
 (master_weights=True: fp32 master and moments), ``~bounded`` (bounded_staging=True: the gradient and weights
@@ -74,8 +74,7 @@ CUDA_ONLY = ("ts_gpu", "ts_hybrid", "torchao", "ds_")
 #: ``~option`` prefix -> (OffloadAdamW argument, value from the option's rest)
 TS_OPTIONS = {"nice": ("worker_nice", int), "eb": ("eager_blocks", int), "share": ("gpu_share", float),
               "res": ("gpu_state_bytes", lambda v: int(float(v) * 2**30)),
-              "gc": ("grad_copies", lambda v: bool(int(v))), "spec": ("speculate", lambda v: bool(int(v))),
-              "ws": ("weight_shadows", lambda v: bool(int(v)))}
+              "gc": ("grad_copies", lambda v: bool(int(v))), "spec": ("speculate", lambda v: bool(int(v)))}
 
 
 def _base_name(setup: str) -> str:
@@ -303,7 +302,7 @@ def run(setup, size, batch, seq, steps, warmup, device, trace_dir=None, stream_s
         n = max(st["steps"] - stats0["steps"], 1.0)  # per step since stats0, the extra steps counted
         row["worker_update_cpu_ms_per_step"] = (st["update_ms_total"] - stats0["update_ms_total"]) / n
         for k in ("spec_steps_committed", "spec_steps_redone", "redo_ms_total", "backup_ms_total",
-                  "precopy_ms_total", "spec_updates", "spec_shadowed", "spec_shadow_peak_bytes"):  # #42's counters, whole run (copies kept by the updates / taken ahead)
+                  "precopy_ms_total"):  # #42's counters, whole run (copies kept by the updates / taken ahead)
             if k in st:
                 row[k] = st[k]
     row["host"] = host_memory_self()  # before the teardown: the state is still there
@@ -444,9 +443,7 @@ def print_tables(rows: list) -> None:
             print(f"  vs bf16_fused~{clip} (in-GPU, the loop clips): {ms / ref['step_ms_median']:.3f}x")
         if "spec_steps_committed" in r:
             print(f"  speculation: {r['spec_steps_committed']:.0f} steps committed, {r['spec_steps_redone']:.0f} redone, "
-                  f"{r['redo_ms_total']:.1f} ms in redos (whole run); {r.get('spec_shadowed', 0):.0f} of "
-                  f"{r.get('spec_updates', 0):.0f} updates through weight shadows "
-                  f"(peak {r.get('spec_shadow_peak_bytes', 0) / 2**30:.2f} GiB)")
+                  f"{r['redo_ms_total']:.1f} ms in redos (whole run)")
         if r["setup"].startswith("ts_") and clip and ref and "forward_ms" in ref:
             host = r.get("host_update_wall_ms_last", math.nan)
             target = (ref["step_ms_median"] + max(0.0, host - ref["forward_ms"])) * 1.05

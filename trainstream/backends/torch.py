@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
@@ -160,26 +159,6 @@ class TorchBackend:
         nbytes = self._begin_copy(src, dst, "weight upload", stream, after)
         self.drv.memcpy_htod_async(dst.data_ptr(), src.handle.data_ptr(), nbytes, stream)
         return _cuda.Event(self.drv, stream)
-
-    def copy_to_shadow(self, dst: torch.Tensor, src: _TorchHostBuffer, after):
-        """``dst <- src`` as :meth:`copy_to_device`, ``dst`` a shadow its owner may drop before the copy ran (the
-        caching allocator keeps its block until then: ``record_stream``)."""
-        event = self.copy_to_device(dst, src, after)
-        if self.cuda and dst.numel():
-            dst.record_stream(self.h2d)
-        return event
-
-    def move_shadows(self, moves: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> None:
-        """Each ``param <- shadow`` on the compute stream after the shadow's upload event: one stream wait per
-        distinct event, one batched device copy (``torch._foreach_copy_``)."""
-        if self.cuda:
-            waited = set()
-            for _, _, event in moves:
-                if event is not None and id(event) not in waited:
-                    waited.add(id(event))
-                    self.drv.stream_wait_event(self._compute_stream(), event)
-        with torch.no_grad():  # parameters are contiguous (as every upload's destination)
-            torch._foreach_copy_([p.view(-1) for p, _, _ in moves], [sh.view(-1) for _, sh, _ in moves])
 
     def copy_many_to_device(self, pairs: list[tuple[torch.Tensor, _TorchHostBuffer]], after) -> list:
         """Each ``dst <- src`` of ``pairs`` (as :meth:`copy_to_device`), in order, after ``after``: one stream wait,

@@ -65,15 +65,6 @@ class Backend(Protocol):
         """Optional (streamed slots): start ``dst[begin:end] <- src[offset bytes:]`` (``dst``: a flat parameter)
         after ``after``; return its completion event (None: done)."""
 
-    def copy_to_shadow(self, dst: Any, src: HostBuffer, after: Event | None) -> Event | None:
-        """Optional (speculative updates given a shadow, :mod:`trainstream.core._speculate`): start ``dst <- src``
-        (``dst``: a device buffer shaped as the parameter, which its owner may drop before the copy ran: the backend
-        keeps its memory until then) after ``after``; return its completion event (None: done)."""
-
-    def move_shadows(self, moves: list[tuple[Any, Any, Event | None]]) -> None:
-        """Optional (with :meth:`copy_to_shadow`): each ``(param, shadow, event)``, ``param <- shadow`` on the
-        compute stream, after ``event``."""
-
 
 class DeviceBackend(Protocol):
     """What the device placement (:mod:`trainstream.core._device`) needs for its slots, besides :class:`Backend`'s

@@ -279,16 +279,15 @@ class Engine(EngineSpeculation, EngineStreaming):
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
                      accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
-                     grad_div: float | None = None, shadow: Any = None) -> None:
+                     grad_div: float | None = None) -> None:
         """Take the gradient of host slot ``sid``, replacing the one taken before, or with ``accumulate`` adding it
         into the slot's fp32 sum (a slot registered with a ``master`` recipe of fp16/bf16 weights); with ``update``
         (the eager path: last micro-batch, no clipping) queue its update right behind it; with ``speculate`` too, a
         speculative update (:mod:`~trainstream.core._speculate`: :meth:`commit` or :meth:`rollback` at the step;
-        ``upload``: its weights uploaded at once, else at :meth:`commit`, or with ``shadow`` (a device buffer shaped
-        as the parameter) at once into it and by a device copy at :meth:`commit`; ``coef``, ``grad_div``: the
-        multiplier and GradScaler division it assumes, as :meth:`step`'s)."""
+        ``upload``: its weights uploaded at once, else at :meth:`commit`; ``coef``, ``grad_div``: the multiplier and
+        GradScaler division it assumes, as :meth:`step`'s)."""
         self.host.offload_grad(self._local_on(sid, False), grad, grad_dtype, update, accumulate, speculate, upload,
-                               coef, grad_div, shadow)
+                               coef, grad_div)
 
     def grad_sum(self, sid: int) -> np.ndarray | None:
         """Host slot ``sid``'s fp32 gradient sum (``offload_grad(accumulate=True)``) once its queued work has run,
@@ -448,8 +447,7 @@ class Engine(EngineSpeculation, EngineStreaming):
         ``host_state_bytes``: the state in host memory; ``gpu_state_bytes``: the resident state
         (``gpu_state_params`` slots, ``gpu_state_numel`` elements); ``staging_ring_bytes``: the staging ring's.
         Speculation (host slots, :mod:`~trainstream.core._speculate`): ``spec_updates`` (of them
-        ``spec_uploads_early``: their weights uploaded at once, during backward; ``spec_shadowed``: into a device
-        shadow, moved at commit), ``spec_committed``,
+        ``spec_uploads_early``: their weights uploaded at once, during backward), ``spec_committed``,
         ``spec_rolled_back`` (slots), ``spec_steps_committed``, ``spec_steps_redone`` (steps), ``redo_ms_total``
         (the rolled-back updates' time and the restores'), ``spec_backup_bytes`` (the kept copies)."""
         if self.host is None:

@@ -225,14 +225,13 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
 
     def offload_grad(self, sid: int, grad: Any, grad_dtype: str, update: C.AdamWHyperParams | None = None,
                      accumulate: bool = False, speculate: bool = False, upload: bool = True, coef: float = 1.0,
-                     grad_div: float | None = None, shadow: Any = None) -> None:
+                     grad_div: float | None = None) -> None:
         """Stage the gradient of slot ``sid`` (a device tensor of ``grad_dtype``), replacing the one staged before,
         or with ``accumulate`` adding it into the slot's fp32 sum (a master with ``grad_sums``; the first since the
         last update starts the sum); with ``update`` (the eager path) queue its update right behind it, with
         ``speculate`` as a speculative one (:mod:`~trainstream.core._speculate`; ``upload``: its weights uploaded at
-        once, else at ``commit``, or with ``shadow``, a device buffer shaped as the parameter, at once into it and
-        by a device copy at ``commit``; ``coef``, ``grad_div``: as :meth:`step`'s, assumed). A speculation still
-        pending on the slot is rolled back first."""
+        once, else at ``commit``; ``coef``, ``grad_div``: as :meth:`step`'s, assumed). A speculation still pending on
+        the slot is rolled back first."""
         self._check_open()
         self.errors.check()
         s = self._slot(sid)
@@ -241,9 +240,6 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
             raise ValueError("offload_grad: coef and grad_div are a speculative update's assumptions (speculate=True)")
         if grad_div is not None and (s.recipe is None or s.recipe.impl != "fused"):
             raise ValueError(f"offload_grad: grad_div for parameter slot {sid}, whose recipe is not fused")
-        if shadow is not None and (not speculate or upload):
-            raise ValueError("offload_grad: shadow is where a speculative update's weights wait for commit "
-                             "(speculate=True, upload=False)")
         if speculate and (update is None or accumulate or not s.speculable):
             raise ValueError(f"offload_grad: parameter slot {sid} cannot take a speculative update (it needs update=, "
                              "no accumulate, and a slot whose gradient staging the update only reads: no fp16/bf16 "
@@ -280,8 +276,7 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
             s.summed = False
         if update is not None:  # eager: the update follows the copy in each chunk's order
             self._stats.add("eager_updates", 1)
-            self._enqueue_update(s, update, np.float32(coef), after, grad_div, speculate=speculate, upload=upload,
-                                 shadow=shadow)
+            self._enqueue_update(s, update, np.float32(coef), after, grad_div, speculate=speculate, upload=upload)
 
     def discard_grads(self) -> None:
         """Forget gradients offloaded since the last step (``zero_grad``)."""
@@ -312,9 +307,8 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
         return C.variant_id(self.convention, s.platform), scalars, extra
 
     def _enqueue_update(self, s: _Slot, hp: C.AdamWHyperParams, clip: np.float32, after: Any,
-                        grad_div: float | None = None, speculate: bool = False, upload: bool = True,
-                        shadow: Any = None) -> None:
-        spec = Speculation(s.step, upload, shadow=shadow) if speculate else None
+                        grad_div: float | None = None, speculate: bool = False, upload: bool = True) -> None:
+        spec = Speculation(s.step, upload) if speculate else None
         keep = s.backed_up() if speculate else ()
         pre = self._take_precopy(s) if speculate else self._halt_precopy(s)  # what was copied ahead: not again
         s.step += 1
@@ -356,10 +350,6 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
                         upload_after = spec.after
                     elif not spec.upload:
                         upload_after = _NO_UPLOAD
-                        if spec.shadow is not None:  # nothing reads the shadow before commit: no wait on compute
-                            s.ready = self.backend.copy_to_shadow(spec.shadow, upload_src, after)
-                            spec.shadowed = True
-                            self._stats.add("param_bytes", nbytes)
             if upload_after is not _NO_UPLOAD:
                 s.ready = self.backend.copy_to_device(s.param, upload_src, upload_after)
                 self._stats.add("param_bytes", nbytes)
@@ -369,7 +359,6 @@ class HostPlacement(Speculative, Streaming, HostExternal, SlotStateIO):
         if spec is not None:
             self._stats.add("spec_updates", 1)
             self._stats.add("spec_uploads_early", int(upload))
-            self._stats.add("spec_shadowed", int(shadow is not None))
         s.staged = s.summed = False
         self._unwaited = True
         self._run_batch(s, body, finalize, landed)

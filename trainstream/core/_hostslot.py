@@ -118,8 +118,7 @@ class HostSlot:
 @dataclass(eq=False)
 class Speculation:
     """A slot's update queued from a gradient hook before ``step()`` knew its gradient was final: the step count
-    before it, whether its weights were uploaded (``upload``: at once; else at ``commit``, or at once into a device
-    ``shadow`` that ``commit`` copies into the parameter on the device), the seconds its chunks
+    before it, whether its weights were uploaded (``upload``: at once; else at ``commit``), the seconds its chunks
     took (lost if it is rolled back) and whether it completed; ``done``, ``committed`` and ``after`` are read and
     written under the slot's ``cond`` (the last chunk and :meth:`~trainstream.core._speculate.Speculative.commit`
     agree there which of them uploads the weights of an update committed while it ran)."""
@@ -130,8 +129,6 @@ class Speculation:
     done: bool = False  # every chunk ran (a failed one leaves the copies partial: never restored)
     committed: bool = False  # committed before it finished: its last chunk uploads the weights, after ``after``
     after: Any = None
-    shadow: Any = None  # a device buffer the weights go to at once where ``upload`` is False (commit moves them)
-    shadowed: bool = False  # the weights went to ``shadow`` (the slot's ``ready``: that upload's event)
 
 
 #: What each buffer is, in allocation errors.

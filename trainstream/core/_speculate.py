@@ -14,9 +14,7 @@ load, the state handed out as views, which the caller may change: the torch adap
 during backward a slot whose views are still held). (Copying in blocks of 64K elements just before the
 kernel read them, from cache, cost as much DRAM time and 16 times the GIL-held calls per chunk: 9.7 us each here,
 0.46 s per step of a 3B model, and a plain loop measured 2.3-2.5x the in-GPU step on an H100, experiments/RESULTS.md.) Commit costs nothing (and, where the weights' upload waited for it, uploads them: the finished updates'
-together, behind one event, those still running from their last chunk; where the adapter gave a device *shadow*,
-a buffer shaped as the parameter, the finished update uploaded its weights there at once and commit copies them
-into the parameter on the compute stream: the device's bandwidth, not PCIe's, at ``step()``);
+together, behind one event, those still running from their last chunk);
 a rollback copies them back (:meth:`Speculative.rollback`) and re-uploads the old weights where the new ones were
 uploaded already. The staged gradient is only read by the update, so a redo updates from it again (times the
 multiplier the loop applied) or from a new copy of the gradient.
@@ -54,10 +52,10 @@ __all__ = ["SPEC_STATS", "EngineSpeculation", "Speculation", "Speculative"]
 _UNSET = object()
 
 #: The counters (:class:`~trainstream.core._pool.Counters`): speculative updates queued, of them uploading their weights
-#: at once (during backward) and into a device shadow (during backward, moved at commit), committed and rolled back (slots); steps whose every speculation was committed, and
+#: at once (during backward), committed and rolled back (slots); steps whose every speculation was committed, and
 #: steps with one or more rolled back (a redo); seconds lost: the rolled-back updates' own and the restores'; seconds
 #: of kept copies taken by the updates themselves (``backup_s``) and ahead of them (``precopy_s``).
-SPEC_STATS = ("spec_updates", "spec_uploads_early", "spec_shadowed", "spec_committed", "spec_rolled_back", "spec_steps_committed",
+SPEC_STATS = ("spec_updates", "spec_uploads_early", "spec_committed", "spec_rolled_back", "spec_steps_committed",
               "spec_steps_redone", "redo_s", "backup_s", "precopy_s")
 #: Copies taken ahead queue behind every update (lower priorities run first), the last slots first (backward's order).
 _PRECOPY_PRIORITY = float(2 ** 52)
@@ -126,12 +124,11 @@ class Speculative:
                 self.backend.wait_on_compute(s.landed, s.param)
 
     def commit(self, sids: Sequence[int]) -> None:
-        """The speculative updates of ``sids`` are the step's: keep them. Weights uploaded into a device shadow are
-        copied into their parameters on the compute stream (after their uploads: one device copy, no PCIe); weights
-        not uploaded yet are uploaded behind the compute stream's work so far (one event for all): those of
-        finished updates now, together (:meth:`_upload_many`), those of updates still running by their last chunk."""
+        """The speculative updates of ``sids`` are the step's: keep them. Weights not uploaded yet are uploaded behind
+        the compute stream's work so far (one event for all): those of finished updates now, together
+        (:meth:`_upload_many`), those of updates still running by their last chunk."""
         self._check_open()
-        after, now, moves = _UNSET, [], []
+        after, now = _UNSET, []
         for sid in sids:
             s = self._slot(sid)
             spec, s.spec = s.spec, None
@@ -143,15 +140,10 @@ class Speculative:
             if after is _UNSET:  # the slots of a placement share one device and compute stream
                 after = self.backend.record_compute(s.param)
             with s.cond:  # the update's last chunk reads ``committed`` there (HostPlacement._enqueue_update)
-                shadow, spec.shadow = spec.shadow, None  # (the spec may outlive the step: not its shadow)
                 if not spec.done:
                     spec.committed, spec.after = True, after
-                elif spec.shadowed:
-                    moves.append((s.param, shadow, s.ready))
-            if spec.done and not spec.shadowed:
+            if spec.done:
                 now.append(s)
-        if moves:
-            self.backend.move_shadows(moves)
         if now:
             self._upload_many(now, after)
 
@@ -181,15 +173,13 @@ class Speculative:
                 self._settle_uploads([s])
             return spec.upload
         s.spec = None
-        with s.cond:  # an update still running uploads nothing now; one that uploaded keeps ``shadowed``
-            spec.shadow = None
         pairs = s.backed_up()
         after = self.backend.record_compute(s.param) if spec.upload else None
 
         def body(c: int, b: int, e: int) -> None:
             if not spec.done:  # it failed (its error is sticky: reload): the copies are partial, none is restored
                 return
-            if (spec.upload or spec.shadowed) and s.ready is not None:  # its upload may still read the weights
+            if spec.upload and s.ready is not None:  # the speculative upload may still read the weights
                 s.ready.synchronize()
             t = time.perf_counter()
             for live, copy in pairs:

@@ -33,7 +33,7 @@ from .. import contract as C
 from . import _dist as D
 from . import _validate as V
 from ._gate import Gate
-from ._gradcopy import GradCopies, WeightShadows
+from ._gradcopy import GradCopies
 from ._multipliers import Multipliers, _launched_refusal, _refusal
 from ._params import Slot, Slots, master_refusal
 
@@ -65,7 +65,7 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
     optimizer (its hooks hold this object weakly)."""
 
     def __init__(self, slots: Slots, gate: Gate, *, clipping: bool, slot_hyper: Callable[[Slot], C.AdamWHyperParams],
-                 speculate: bool | None = None, grad_copies: bool | None = None, weight_shadows: bool | None = None):
+                 speculate: bool | None = None, grad_copies: bool | None = None):
         self.slots, self.gate, self.clipping, self.slot_hyper = slots, gate, clipping, slot_hyper
         self.eager = False
         self.hooked: set[int] = set()  # updated from hooks under last_micro_batch() (host: speculative; GPU: launched)
@@ -76,7 +76,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         self._in_place = speculate is False
         self.spec: dict[int, tuple[StagedCopy, V.Assumed]] = {}  # speculated since the last step()
         self.copies = GradCopies(grad_copies)  # device copies of speculated gradients, for step()'s check
-        self.shadows = WeightShadows(weight_shadows)  # device buffers the weights of speculated updates wait in
         self.uploaded: set[int] = set()  # speculated under Accelerate's signal, weights uploaded during backward
         self._guard: Any = None  # the global forward pre-hook while ``uploaded`` (:meth:`_guard_forwards`)
         # updated from hooks, not speculatively (GPU, streamed, in place); shared with the registry (state reads)
@@ -189,7 +188,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             engine.rollback([sid])  # the guess was wrong: undone exactly, before the new gradient is staged
             del self.spec[sid]
             self.copies.pop(sid)
-            self.shadows.pop(sid)
             self.uploaded.discard(sid)
         if not self._hook_copies(p):
             return  # step() copies it
@@ -207,15 +205,12 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             upload = self.eager or self._signalled_last()  # else at commit: a forward before step() sees old weights
             assumed = self._assume(rec, hp)
             local, dtype = self.local_grad(rec)
-            kept = self.copies.keep(sid, local, self._device_need)  # staged from the copy: the bits it holds
-            # uploaded at once into a shadow where the parameter must keep its old weights until step()
-            shadow = None if upload else self.shadows.keep(sid, D.local(p), self._device_need)
+            kept = self.copies.keep(sid, local, self._copies_need)  # staged from the copy: the bits it holds
             try:
                 engine.offload_grad(sid, local if kept is None else kept, dtype, hp, speculate=True,
-                                    upload=upload, coef=assumed.coef, grad_div=assumed.grad_div, shadow=shadow)
+                                    upload=upload, coef=assumed.coef, grad_div=assumed.grad_div)
             except NotImplementedError:  # an update the host refuses: staged only, step() raises it (nothing changed)
                 self.copies.pop(sid)
-                self.shadows.pop(sid)
                 hp = None
         if hp:
             rec.staged = StagedCopy(weakref.ref(grad), D.version(grad))
@@ -416,7 +411,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
         self._seen, self.spec, self.hooked = {}, {}, set()
         self.launched.clear()
         self.copies.release()
-        self.shadows.release()
         self._unguard()
         self._untrusted, self._scaled = False, {}
         if not self._scaler:
@@ -431,7 +425,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             self.spec, self.hooked, self._seen, self._expect = {}, set(), {}, {}
             self.launched.clear()
             self.copies.release()
-            self.shadows.release()
             self._unguard()
 
     def skip(self) -> None:
@@ -454,7 +447,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             self.slots.engine.rollback(list(self.spec))
             self.spec = {}
             self.copies.release()
-            self.shadows.release()
             self._unguard()
             self.slots.engine.drain()
             self._in_place = self._choice is False
@@ -481,7 +473,6 @@ class GradCapture(V.SpeculationPolicy, Multipliers):
             rec.summed, rec.broken = 0, False
         self.spec, self.hooked, self._seen = {}, set(), {}
         self.copies.release()
-        self.shadows.release()
         self._unguard()  # (the engine rolls the updates back: discard_grads)
 
     def _sums(self) -> list[Slot]:

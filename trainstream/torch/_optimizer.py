@@ -109,14 +109,6 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         holds the copies and the gradients not allocated yet, else False with a warning; an out-of-memory copy
         turns them off, with a warning. CPU parameters need none. Not with ``speculate=False`` or
         ``bounded_staging`` (nothing speculated). Both give torch's bits.
-      weight_shadows: where a speculative update's new weights wait for ``step()`` when the loop gives no sign that
-        its backward is the last before ``step()`` (no :meth:`last_micro_batch`, no trusted Accelerate signal: a
-        read of the parameters before ``step()`` must see the old weights). True: the finished update uploads them
-        at once, during backward, into a GPU buffer shaped as the parameter, and ``step()`` moves them into the
-        parameter with one device copy (the speculated weights' bytes once more in GPU memory from backward to
-        ``step()``, as ``grad_copies``); False: ``step()`` uploads them over PCIe (3B bf16 on an H100: ~130 ms on
-        the step's critical path). None (default): decided as ``grad_copies`` (one decision's memory holds both).
-        CPU parameters need none. Not with ``speculate=False`` or ``bounded_staging``. Both give torch's bits.
     """
 
     _step_supports_amp_scaling = True  # GradScaler leaves unscaling to step() (fused optimizers' protocol): _amp()
@@ -133,8 +125,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                  threads: int | None = None, worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
                  host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
-                 bounded_staging: bool = False, grad_copies: bool | None = None,
-                 weight_shadows: bool | None = None):
+                 bounded_staging: bool = False, grad_copies: bool | None = None):
         # What __setstate__ (copy.deepcopy, pickle) rebuilds the optimizer from.
         self._init_kwargs = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
@@ -143,8 +134,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             max_grad_norm=max_grad_norm, mode=mode, overlap_forward=overlap_forward, gpu_state_bytes=gpu_state_bytes,
             gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
             zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks, pin_moments=pin_moments,
-            host_margin=host_margin, speculate=speculate, bounded_staging=bounded_staging, grad_copies=grad_copies,
-            weight_shadows=weight_shadows)
+            host_margin=host_margin, speculate=speculate, bounded_staging=bounded_staging, grad_copies=grad_copies)
         betas = R.validate(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0 or None)")
@@ -163,14 +153,12 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
             raise ValueError(f"Invalid master_weights: {master_weights!r} (must be a bool)")
         if speculate is not None and not isinstance(speculate, bool):
             raise ValueError(f"Invalid speculate: {speculate!r} (must be None, True or False)")
-        for name, value, what in (("grad_copies", grad_copies, "keeps copies for the check of"),
-                                  ("weight_shadows", weight_shadows, "keeps shadows of the weights of")):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"Invalid {name}: {value!r} (must be None, True or False)")
-            if value and (speculate is False or bounded_staging):
-                raise ValueError(f"{name}=True {what} speculative updates, which "
-                                 f"{'speculate=False' if speculate is False else 'bounded_staging=True'} never makes "
-                                 f"(leave {name} unset)")
+        if grad_copies is not None and not isinstance(grad_copies, bool):
+            raise ValueError(f"Invalid grad_copies: {grad_copies!r} (must be None, True or False)")
+        if grad_copies and (speculate is False or bounded_staging):
+            raise ValueError("grad_copies=True keeps copies for the check of speculative updates, which "
+                             f"{'speculate=False' if speculate is False else 'bounded_staging=True'} never makes "
+                             "(leave grad_copies unset)")
         P.check_bounded(bounded_staging, mode, master_weights, speculate, max_grad_norm)
         D.worker_cores(worker_cores, torch.device("cpu"))  # a bad value raises here, not at the first parameter
         gated = overlap_forward is not None
@@ -188,7 +176,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         ref = weakref.ref(self)
         self._grads = GradCapture(self._slots, self._gate, clipping=self.max_grad_norm is not None,
                                   slot_hyper=lambda rec: ref()._slot_hyper(rec), speculate=speculate,
-                                  grad_copies=grad_copies, weight_shadows=weight_shadows)
+                                  grad_copies=grad_copies)
         self._last_norm: torch.Tensor | None = None
         # Released once, by close() or collection of this object (not of a copy, e.g. LightningOptimizer's).
         self._release = weakref.finalize(self, _release, self._slots, self._gate)
@@ -408,7 +396,7 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
         ``local_rank``, ``local_world_size``, ``worker_cores`` (cores the workers are bound to; 0: unbound); the
         speculation counters (docs/torch.md), of them ``spec_checks_device``/``spec_checks_staged``: gradients
         compared bit for bit with a GPU copy / with their host copy, ``spec_copy_peak_bytes``: the most bytes of GPU
-        copies held at once (``grad_copies``), ``spec_shadow_peak_bytes``: of weight shadows (``weight_shadows``)."""
+        copies held at once (``grad_copies``)."""
         self._check_open()
         where = dict(zip(("rank", "world_size", "local_rank", "local_world_size", "worker_cores"),
                          (*D.world(), *D.local_world(), len(self._slots.cores or ()))))
@@ -417,7 +405,6 @@ class OffloadAdam(ParamGroups, Checkpoints, Optimizer):
                 "spec_checks_device": float(copies.checked["device"]),
                 "spec_checks_staged": float(copies.checked["staged"]),
                 "spec_copy_peak_bytes": float(copies.peak),
-                "spec_shadow_peak_bytes": float(self._grads.shadows.peak),
                 **{f"host_plan_{k}": v for k, v in self._slots.host_plan.items()},
                 **{k: float(v) for k, v in where.items()}}
 
@@ -481,8 +468,7 @@ class OffloadAdamW(OffloadAdam):
                  worker_cores: Any = None, zero_stage: int = 0, worker_nice: int = 5,
                  eager_blocks: int | None = None, pin_moments: bool = False,
                  host_margin: float | None = _budget.MARGIN, speculate: bool | None = None,
-                 bounded_staging: bool = False, grad_copies: bool | None = None,
-                 weight_shadows: bool | None = None):
+                 bounded_staging: bool = False, grad_copies: bool | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights, max_grad_norm=max_grad_norm,
@@ -490,4 +476,4 @@ class OffloadAdamW(OffloadAdam):
                          gpu_share=gpu_share, gpu_params=gpu_params, threads=threads, worker_cores=worker_cores,
                          zero_stage=zero_stage, worker_nice=worker_nice, eager_blocks=eager_blocks,
                          pin_moments=pin_moments, host_margin=host_margin, speculate=speculate,
-                         bounded_staging=bounded_staging, grad_copies=grad_copies, weight_shadows=weight_shadows)
+                         bounded_staging=bounded_staging, grad_copies=grad_copies)

@@ -280,11 +280,9 @@ class SpeculationPolicy:
             copies.want = bool(compared)  # the next step keeps copies where this one compared bits
         return verdicts
 
-    def _device_need(self, device: torch.device) -> tuple[int, int]:
-        """The bytes of the device copies of every speculable gradient on ``device`` and of the shadows of its
-        weights (those of the two kinds not turned off: the same bytes each), and of those gradients not allocated
-        yet (``grad_copies=None``'s and ``weight_shadows=None``'s decision, :mod:`~trainstream.torch._gradcopy`)."""
-        kinds = sum(c.choice is not False for c in (self.copies, self.shadows))
+    def _copies_need(self, device: torch.device) -> tuple[int, int]:
+        """The bytes of device copies of every speculable gradient on ``device``, and of those gradients not
+        allocated yet (``grad_copies=None``'s decision, :mod:`~trainstream.torch._gradcopy`)."""
         engine, copies, pending = self.slots.engine, 0, 0
         for rec in self.slots:
             loc = D.local(rec.param)
@@ -292,7 +290,7 @@ class SpeculationPolicy:
                 nbytes = loc.numel() * loc.element_size()
                 copies += nbytes
                 pending += nbytes if rec.param.grad is None else 0
-        return copies * max(1, kinds), pending
+        return copies, pending
 
 
 def _accelerate_syncs() -> bool | None:
