@@ -21,6 +21,12 @@ import _fuzz_jax as F  # noqa: E402
 if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
     pytest.skip("the fuzzer runs JAX on the CPU backend", allow_module_level=True)
 
+#: float16 cases, where XLA:CPU compiles float16 (not at a forced SSE4.2 level: optax cannot run either)
+FLOAT16 = pytest.mark.skipif(not F.xla_float16(), reason="XLA:CPU cannot compile float16 at this ISA level "
+                             "(--xla_cpu_max_isa=SSE4_2: __extendhfsf2 not linked), optax.adamw included")
+
+pytestmark = pytest.mark.isa  # also under the forced ISA levels: XLA:CPU's fusions (the probe's codes) differ there
+
 #: no "explain" phase: a failure prints the shrunk case at once (explaining re-runs it ~100 times)
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 EXAMPLES = int(os.environ.get("TRAINSTREAM_FUZZ_EXAMPLES", "30"))
@@ -35,6 +41,7 @@ def test_sequences_match_optax(cfg, tree, steps, scales, mismatch):
     assert outcome in F.OUTCOMES, (outcome, detail)
 
 
+@FLOAT16
 def test_one_element_fp16_leaf_with_a_subnormal_eps():
     """The fuzzer's first finding: a (1,) float16 leaf whose eps is a float16 subnormal (1e-6) and whose nu is 0:
     XLA divides mu by the product d1 * (sqrt(nu_hat) + eps) in float16 (a subnormal, rounded), not (mu / d1) by the
@@ -68,6 +75,7 @@ def test_state_of_another_tree_refused():
     assert outcome == "mismatch refused" and "another structure" in detail, detail
 
 
+@FLOAT16
 def test_clip_with_a_float16_leaf_pairing_read():
     """Seed 2007's findings (default mode): clip_by_global_norm over a float32 and a float16 leaf, jitted. The probe's
     random float16 gradients overflowed the global norm (squares in float16), so every clipped gradient was 0 and
@@ -97,6 +105,7 @@ def test_a_cached_programs_warning_counts(monkeypatch):
     cfg = F.Config(name="adamw", lr=0.1, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask="first")
     tree = F.Tree(layout="list", shapes=(0, 1), dtypes=("float32", "float32"), seed=1)
     try:
-        assert [F.run_sequence(cfg, tree, 3)[0] for _ in range(2)] == ["warned", "warned"]
+        # "warned" or, where the pairing does not change the bits (no FMA: XLA:CPU's AVX level), "warned identical"
+        assert [F.run_sequence(cfg, tree, 3)[0].split()[0] for _ in range(2)] == ["warned", "warned"]
     finally:
         F._programs.cache_clear()  # the programs traced with the wrong pairing
