@@ -77,6 +77,18 @@ TS_OPTIONS = {"nice": ("worker_nice", int), "eb": ("eager_blocks", int), "share"
               "gc": ("grad_copies", lambda v: bool(int(v))), "spec": ("speculate", lambda v: bool(int(v)))}
 
 
+def host_copy_gbs(nbytes: int = 2**30, rounds: int = 4) -> float:
+    """The host's memory bandwidth as torch's threads copy ``nbytes`` (read + write, GB/s, the best of ``rounds``):
+    which host a run got (the cpu mode's updates are bound by it; the machines lent differ 2x from run to run)."""
+    a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    best = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def _base_name(setup: str) -> str:
     return setup.split("~")[0].split("@")[0]
 
@@ -498,7 +510,10 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
     rows = []
     meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-            "commit": git_commit(), "peak_flops": args.peak_tflops * 1e12}
+            "commit": git_commit(), "peak_flops": args.peak_tflops * 1e12, "host_copy_gbs": host_copy_gbs()}
+    print(f"host: {meta['host_copy_gbs']:.0f} GB/s, best of 4 copies of 1 GiB (read + write; the H200 machine's "
+          "in-place a += s*b: 112-117 GB/s; session s's H100s, whose cpu-mode updates took 2.5x session r's: 57-84)",
+          flush=True)
     prebuild = None
     if args.prebuild_ds and args.device == "cuda" and "ds_" in args.setups:
         prebuild = subprocess.Popen([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
