@@ -194,3 +194,19 @@ def test_gpu_path_refuses_state_in_device_memory(simulated_gpu):
     g = _grads(np.random.default_rng(3), params)
     with pytest.raises(ValueError, match="in GPU memory.*pinned host memory"):
         jax.jit(tx.step)(g, on_device, params)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+@pytest.mark.parametrize("case", ["bf16_state", "mu_dtype", "nesterov", "eps_root", "eps0"])
+def test_gpu_path_refuses_lines_no_kernel_runs(simulated_gpu, mode, case):
+    """optax.adamw's configurations whose XLA:GPU lines are derived (experiments/derive_xla_gpu_lines.py) but run by
+    no kernel yet (issue 35 item 4) are refused on a GPU before anything is allocated, naming what and why."""
+    dtype = jnp.bfloat16 if case == "bf16_state" else jnp.float32
+    kw = {"bf16_state": {}, "mu_dtype": {"mu_dtype": jnp.bfloat16}, "nesterov": {"nesterov": True},
+          "eps_root": {"eps_root": 1e-8}, "eps0": {"eps": 0.0}}[case]
+    what = {"bf16_state": "state in bfloat16", "mu_dtype": "state in bfloat16", "nesterov": "nesterov=True",
+            "eps_root": "eps_root != 0", "eps0": "eps == 0"}[case]
+    params = _params(dtype)
+    tx = tsj.offload_adamw(1e-2, mode=mode, **kw)
+    with pytest.raises(NotImplementedError, match=f"{what}.*issue 35, item 4.*no kernel runs them yet"):
+        tx.init(params)

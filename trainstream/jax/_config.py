@@ -81,7 +81,8 @@ def check_cuda_config(cfg: Config, fams, paths) -> None:
     if why:
         raise NotImplementedError("TrainStream offload_adamw on a GPU: the CUDA and host optax/cuda lines cover "
                                   "optax.adamw's float32 state only; not yet " + ", ".join(why) +
-                                  " (issue 35, item 4: XLA:GPU's lines for them are not measured)")
+                                  " (issue 35, item 4: XLA:GPU's lines for them are derived from an H100's "
+                                  "recording, experiments/derive_xla_gpu_lines.py, but no kernel runs them yet)")
 
 
 def static_arg(name: str, x, default, positive: bool = True):
