@@ -1,4 +1,4 @@
-# Run (GPU machine): python experiments/bench_jax_gpt.py --sizes 1.3b,3b,7b --rounds 2 --json $OUT/bench_jax_gpt.json
+# Run (GPU machine): python experiments/bench_jax_gpt.py --sizes 1.3b,3b,7b --rounds 2 --json $OUT/bench_jax_gpt.json  (add --scan: the blocks under nnx.scan)
 """Issue 36's JAX benchmark: a flax nnx GPT (``models_jax.nnx_gpt``: the torch benchmark's shapes, bf16 parameters
 (``--param-dtype fp32``: float32 parameters, bf16 compute), float32 logits, every block rematerialised) trained by a jitted step with donation, ``--batch`` x ``--seq`` random
 tokens, with each optimizer placement:
@@ -101,7 +101,7 @@ def child(args) -> dict:
     t0 = time.perf_counter()
     with jax.default_device(dev):
         pdt = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[args.param_dtype]
-        graphdef, params = nnx.split(nnx_gpt(*SIZES[size], vocab=args.vocab, ctx=args.seq, remat=not args.no_remat,
+        graphdef, params = nnx.split(nnx_gpt(*SIZES[size], vocab=args.vocab, ctx=args.seq, remat=not args.no_remat, scan=args.scan,
                                              param_dtype=pdt), nnx.Param)
 
     def loss_fn(p, x, y):
@@ -143,14 +143,15 @@ def child(args) -> dict:
             "mfu": 6 * n * args.batch * args.seq / (ms / 1e3) / (args.peak_tflops * 1e12),
             "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / GIB, "host_hwm_gib": _status("VmHWM") / GIB,
             "build_s": build_s, "first_step_s": first_s, "digest": digest,
-            "params_dtype": str(jax.tree.leaves(params)[0].dtype)}
+            "params_dtype": str(jax.tree.leaves(params)[0].dtype), "scan": args.scan,
+            "leaves": len(jax.tree.leaves(params))}
 
 
 def _run_child(size: str, setup: str, args) -> dict:
     """``child`` in a fresh process; ``{"error", "fits": False}`` for an out-of-memory error or a timeout."""
     argv = [sys.executable, __file__, "--_child", f"{size}:{setup}", "--batch", str(args.batch), "--seq",
             str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--peak-tflops", str(args.peak_tflops), "--param-dtype", args.param_dtype] + ["--no-remat"] * args.no_remat + ["--check"] * args.check
+            "--peak-tflops", str(args.peak_tflops), "--param-dtype", args.param_dtype] + ["--no-remat"] * args.no_remat + ["--scan"] * args.scan + ["--check"] * args.check
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if args.device == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
@@ -179,6 +180,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="the setups in turn, this many times")
     ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--scan", action="store_true",
+                    help="the blocks stacked and run by nnx.scan (MaxText's layout): 12 leaves instead of 12 per block")
     ap.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="fp32: float32 parameters (and optax's float32 state), bf16 compute")
     ap.add_argument("--check", action="store_true", help="a digest of the weights after 2 steps, compared")

@@ -107,11 +107,12 @@ def test_bench_jax_offload_runs_on_cpu(tmp_path):
     assert "needs a CUDA GPU" in res["ts_gpu"]["error"] and "needs a CUDA GPU" in res["ts_gpu_zc"]["error"]
 
 
-@pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])
-def test_bench_jax_gpt_child_steps_with_optax_bits(param_dtype):
+@pytest.mark.parametrize("param_dtype,scan", [("bf16", False), ("fp32", False), ("fp32", True)])
+def test_bench_jax_gpt_child_steps_with_optax_bits(param_dtype, scan):
     """experiments/bench_jax_gpt.py (#36): its first line is its command; one (size, setup) child run in this
     process for optax.adamw and for offload_adamw(mode="cpu") on the flax GPT with bf16 (optax's bf16 state, no
-    master) and float32 parameters: timed rows, and the same weights after 2 steps."""
+    master) and float32 parameters, its blocks in a Python loop or stacked under nnx.scan (``--scan``: one leaf per
+    kind, the same parameter count): timed rows, and the same weights after 2 steps."""
     pytest.importorskip("flax")
     assert (EXPERIMENTS / "bench_jax_gpt.py").read_text().splitlines()[0].startswith(
         "# Run (GPU machine): python experiments/bench_jax_gpt.py")
@@ -120,13 +121,16 @@ def test_bench_jax_gpt_child_steps_with_optax_bits(param_dtype):
     for setup in ("optax_hbm", "ts_cpu"):
         args = bench.parse(["--device", "cpu", "--sizes", "tiny", "--batch", "2", "--seq", "16", "--vocab", "512",
                             "--steps", "1",
-                            "--warmup", "0", "--check", "--param-dtype", param_dtype, "--_child", f"tiny:{setup}"])
+                            "--warmup", "0", "--check", "--param-dtype", param_dtype, "--_child", f"tiny:{setup}"]
+                           + ["--scan"] * scan)
         rows[setup] = bench.child(args)
     assert rows["ts_cpu"]["digest"] == rows["optax_hbm"]["digest"] is not None
     assert rows["ts_cpu"]["params_dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[param_dtype]
     from _common import param_count  # the torch GPT's count: the same shapes
 
     assert all(r["ms"] > 0 and r["params"] == param_count("tiny", vocab=512, ctx=16) for r in rows.values())
+    # _common.SIZES["tiny"]: 2 blocks of 12 leaves (stacked: 12 in all), and 4 outside them
+    assert rows["ts_cpu"]["leaves"] == (12 + 4 if scan else 2 * 12 + 4)
 
 
 def test_probe_xla_gpu_optax_records_the_programs_bits(tmp_path):
