@@ -35,7 +35,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
+from _common import _ordered  # noqa: E402
 from trainstream.contract import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 
 F = np.float32
@@ -112,9 +114,7 @@ def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 def ulps(a, b) -> np.ndarray:
     """Distance in float32 ulps (NaN and NaN: 0)."""
-    ia, ib = (f(x).view(np.int32).astype(np.int64) for x in (a, b))
-    ia, ib = (np.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ia, ib))
-    d = np.abs(ia - ib)
+    d = np.abs(_ordered(a) - _ordered(b))
     d[np.isnan(f(a)) & np.isnan(f(b))] = 0
     return d
 
@@ -137,8 +137,7 @@ def check(npz) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--npz", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                                  "2026-12-07_s_h100", "xla_gpu_optax.npz"))
+    ap.add_argument("--npz", default=os.path.join(HERE, "data", "2026-12-07_s_h100", "xla_gpu_optax.npz"))
     args = ap.parse_args(argv)
     res = check(np.load(args.npz))
     print(f"{'config':15s} {'count':>5s} {'output':7s} {'dtype':9s} {'differ':>7s} {'max ulp':>8s}")
