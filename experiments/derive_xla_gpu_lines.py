@@ -38,6 +38,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 from _common import _ordered  # noqa: E402
+from trainstream import contract as C  # noqa: E402
 from trainstream.contract import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 
 F = np.float32
@@ -106,6 +107,29 @@ def lines(name: str, p, g, m, v, t: int):
         return f(p + u), u, (B(m1) if name == "fp32_mu16" else m1), v1
 
 
+#: Each configuration as optax.adamw's arguments: (leaf dtype, mu_dtype, nesterov, eps, eps_root).
+CONFIGS = {"bf16": ("bfloat16", None, False, EPS, 0.0), "fp16": ("float16", None, False, EPS, 0.0),
+           "bf16_mu32": ("bfloat16", "float32", False, EPS, 0.0), "bf16_nesterov": ("bfloat16", None, True, EPS, 0.0),
+           "fp32_mu16": ("float32", "bfloat16", False, EPS, 0.0), "fp32_nesterov": ("float32", None, True, EPS, 0.0),
+           "fp32_eps_root": ("float32", None, False, EPS, EPS_ROOT), "fp32_eps0": ("float32", None, False, 0.0, 0.0)}
+
+
+def contract_lines(name: str, p, g, m, v, t: int):
+    """:func:`lines`' outputs from the contract's optax/cuda lines (``trainstream.contract.optax_cuda_reference_update``
+    over ``optax_cuda_code`` and the scalar matrix's row, its corrections XLA's float32 ``power`` as :func:`bias`)."""
+    dtype, mu, nesterov, eps, eps_root = CONFIGS[name]
+    mu = mu or dtype
+    eps_zero = float(C.round_to(np.float32(eps), dtype)) == 0  # eps in nu's dtype, the leaf's here
+    code = C.optax_cuda_code(dtype, mu, dtype, False, nesterov=nesterov, eps_zero=eps_zero, eps_root=eps_root != 0,
+                             clip=False)
+    row = C.optax_scalar_matrix(t - 1, [code], [True], learning_rate=LR, b1=B1, b2=B2, eps=eps, weight_decay=WD,
+                                eps_root=eps_root, dtypes=[dtype], platform="cuda").scalars[0].copy()
+    row[C.S_BC1], row[C.S_BC2_OPTAX], row[C.S_BC1_NEXT] = bias(B1, t), bias(B2, t), bias(B1, t + 1)
+    new_p, m1, v1, u = C.optax_cuda_reference_update(p, m, v, g, row, dtype)
+    R = (lambda x: C.round_to(x, dtype)) if C.optax_family(code, dtype)[3] != "float32" else f  # noqa: E731
+    return new_p, R(u * row[C.S_NEG_LR]), m1, v1
+
+
 def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return bf16_bits_to_f32(bits)
@@ -119,8 +143,9 @@ def ulps(a, b) -> np.ndarray:
     return d
 
 
-def check(npz) -> dict:
-    """Per ``(config, count, output)``: ``(elements differing, max ulps, output dtype)`` against the recording."""
+def check(npz, lines=lines) -> dict:
+    """Per ``(config, count, output)``: ``(elements differing, max ulps, output dtype)`` of ``lines`` (this script's
+    derivation, or :func:`contract_lines`) against the recording."""
     out = {}
     configs = sorted({k.split("/")[0] for k in npz.files if "/" in k})
     for name in configs:
@@ -139,12 +164,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--npz", default=os.path.join(HERE, "data", "2026-12-07_s_h100", "xla_gpu_optax.npz"))
     args = ap.parse_args(argv)
-    res = check(np.load(args.npz))
-    print(f"{'config':15s} {'count':>5s} {'output':7s} {'dtype':9s} {'differ':>7s} {'max ulp':>8s}")
     exact16 = True
-    for (name, c, key), (n, mx, dtype) in res.items():
-        print(f"{name:15s} {c:5d} {key:7s} {dtype:9s} {n:7d} {mx:8d}")
-        exact16 &= n == 0 or (dtype == "float32" and key in ("u", "new_p"))
+    for what, fn in (("derived here", lines), ("trainstream.contract's optax/cuda lines", contract_lines)):
+        print(f"-- {what}\n{'config':15s} {'count':>5s} {'output':7s} {'dtype':9s} {'differ':>7s} {'max ulp':>8s}")
+        for (name, c, key), (n, mx, dtype) in check(np.load(args.npz), fn).items():
+            print(f"{name:15s} {c:5d} {key:7s} {dtype:9s} {n:7d} {mx:8d}")
+            exact16 &= n == 0 or (dtype == "float32" and key in ("u", "new_p"))
     print("every moment and every 16-bit output bit-identical:", exact16)
     return 0 if exact16 else 1
 

@@ -46,8 +46,13 @@
 #define TS_S_EPS_ROOT 21
 #define TS_S_BC1_NEXT 22
 #define TS_S_BETA1_MU 23
-// the optax code's bit that optax/cuda reads (scalars[TS_S_OX_CODE]): trainstream.contract.OX_CLIP
+// the optax code's bits that optax/cuda reads (scalars[TS_S_OX_CODE]): trainstream.contract.OX_CUDA_BITS
 #define TS_OX_CLIP 8
+#define TS_OX_NESTEROV 32
+#define TS_OX_RSQRT 64
+#define TS_OX_HALF 1024
+#define TS_OX_MU_F32 2048
+#define TS_OX_MU_BF16 4096
 // the kernel variants: trainstream.contract.VARIANT_TORCH_CUDA, VARIANT_OPTAX_CUDA
 #define TS_VARIANT_TORCH_CUDA 1
 #define TS_VARIANT_OPTAX_CUDA 3

@@ -18,13 +18,31 @@ struct TsCtx {
   float bc1, bc2s, ss;  // fused: 1 - b1^t, sqrt(1 - b2^t), lr / bc1 (the device's powf)
 };
 
-// P: weight storage (float, ts_f16, ts_bf16); G: gradient storage; S: state storage (m, v, max_exp_avg_sq).
-// Weights and state: fp32 weights are their own master; 16-bit weights with fp32 state have an fp32 master
-// (`master`); 16-bit weights with 16-bit state have none (torch's own scheme). EMIT_U (optax, fp32 weights):
-// the weights are read, not written, and `master` receives u.
-template <class M, typename P, typename G, typename S, bool EMIT_U>
+// u's storage with EMIT_U: the weights' 16-bit dtype where the state is in it too (optax's update of fp16/bf16
+// state), else float32.
+template <typename P, typename S>
+struct TsUpd {
+  typedef float type;
+};
+template <>
+struct TsUpd<ts_f16, ts_f16> {
+  typedef ts_f16 type;
+};
+template <>
+struct TsUpd<ts_bf16, ts_bf16> {
+  typedef ts_bf16 type;
+};
+
+// P: weight storage (float, ts_f16, ts_bf16); G: gradient storage; S: state storage (m, max_exp_avg_sq); SV: v's
+// (default S; optax's mu_dtype makes them differ). Weights and state: fp32 weights are their own master; 16-bit
+// weights with fp32 state have an fp32 master (`master`; MASTER); 16-bit weights with 16-bit state have none
+// (torch's and optax's own schemes). EMIT_U (optax): the weights are read, not written, and `master` receives u
+// (as TsUpd's type).
+template <class M, typename P, typename G, typename S, bool EMIT_U, typename SV = S,
+          bool MASTER = (sizeof(P) == 2 && sizeof(S) == 4)>
 struct TsTensor {
-  static constexpr bool kMaster = sizeof(P) == 2 && sizeof(S) == 4;
+  static constexpr bool kMaster = MASTER;
+  typedef typename TsUpd<P, S>::type U;
 
   static __device__ __forceinline__ void one(const TsMultiItem& t, const TsCtx& c, const bool ams,
                                              const bool gw, const long long i) {
@@ -32,16 +50,16 @@ struct TsTensor {
     float p = kMaster ? t.master[i] : ts_to_f32(param[i]);
     float g = ts_to_f32(static_cast<const G*>(t.grad)[i]);
     S* m = static_cast<S*>(t.m);
-    S* v = static_cast<S*>(t.v);
+    SV* v = static_cast<SV*>(t.v);
     S* x = static_cast<S*>(t.vmax);
     float mi = ts_to_f32(m[i]), vi = ts_to_f32(v[i]), xi = ams ? ts_to_f32(x[i]) : 0.0f, u = 0.0f;
     M::template el<G>(p, g, mi, vi, xi, ams, c, c.base + i, u);
     m[i] = TsPut<M::kTorchCvt, S>::put(mi);
-    v[i] = TsPut<M::kTorchCvt, S>::put(vi);
+    v[i] = TsPut<M::kTorchCvt, SV>::put(vi);
     if (ams) x[i] = TsPut<M::kTorchCvt, S>::put(xi);
     if (gw) const_cast<G*>(static_cast<const G*>(t.grad))[i] = TsPut<M::kTorchCvt, G>::put(g);
     if (EMIT_U) {
-      t.master[i] = u;
+      reinterpret_cast<U*>(t.master)[i] = TsPut<M::kTorchCvt, U>::put(u);
     } else {
       if (kMaster) t.master[i] = p;
       param[i] = TsPut<M::kTorchCvt, P>::put(p);
@@ -53,7 +71,7 @@ struct TsTensor {
     P* param = static_cast<P*>(t.param);
     G* grad = const_cast<G*>(static_cast<const G*>(t.grad));
     S* m = static_cast<S*>(t.m);
-    S* v = static_cast<S*>(t.v);
+    SV* v = static_cast<SV*>(t.v);
     S* x = static_cast<S*>(t.vmax);
     float p[4], g[4], mi[4], vi[4], xi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, u[4];
     ts_load4(m + i, mi);
@@ -69,7 +87,7 @@ struct TsTensor {
     if (ams) ts_store4<M::kTorchCvt>(x + i, xi);
     if (gw) ts_store4<M::kTorchCvt>(grad + i, g);
     if (EMIT_U) {
-      ts_store4<M::kTorchCvt>(t.master + i, u);
+      ts_store4<M::kTorchCvt>(reinterpret_cast<U*>(t.master) + i, u);
     } else {
       if (kMaster) ts_store4<M::kTorchCvt>(t.master + i, p);
       ts_store4<M::kTorchCvt>(param + i, p);
@@ -87,10 +105,11 @@ struct TsTensor {
     long long head = (long long)(((4ull * kS - ((unsigned long long)t.m % (4ull * kS))) % (4ull * kS)) / kS);
     if (head > n) head = n;
     const char* m0 = static_cast<const char*>(t.m) + head * kS;
-    const char* v0 = static_cast<const char*>(t.v) + head * kS;
-    const bool vec = ts_aligned(m0, 4 * kS) && ts_aligned(v0, 4 * kS) &&
+    const char* v0 = static_cast<const char*>(t.v) + head * sizeof(SV);
+    const bool vec = ts_aligned(m0, 4 * kS) && ts_aligned(v0, 4 * sizeof(SV)) &&
                      (!ams || ts_aligned(static_cast<const char*>(t.vmax) + head * kS, 4 * kS)) &&
-                     (!(kMaster || EMIT_U) || ts_aligned(t.master + head, 16)) &&
+                     (!kMaster || ts_aligned(t.master + head, 16)) &&
+                     (!EMIT_U || ts_aligned(reinterpret_cast<const U*>(t.master) + head, 4 * sizeof(U))) &&
                      ts_aligned(static_cast<const P*>(t.param) + head, 4 * sizeof(P)) &&
                      ts_aligned(static_cast<const G*>(t.grad) + head, 4 * sizeof(G));
     if (!vec) head = n;
@@ -106,7 +125,8 @@ struct TsTensor {
 
 // The launch: block b belongs to the last item whose block_start <= b (never an unused one: TS_UNUSED_BLOCK is
 // above every block index), which grid-strides over its nblocks blocks from there.
-template <class M, typename P, typename G, typename S, bool EMIT_U>
+template <class M, typename P, typename G, typename S, bool EMIT_U, typename SV = S,
+          bool MASTER = (sizeof(P) == 2 && sizeof(S) == 4)>
 __device__ __forceinline__ void ts_multi(const TsMultiBatch& batch) {
   int lo = 0, hi = TS_MULTI_MAX - 1;
   while (lo < hi) {
@@ -118,9 +138,9 @@ __device__ __forceinline__ void ts_multi(const TsMultiBatch& batch) {
   const long long block = (long long)blockIdx.x - t.block_start;
   if (block < 0 || block >= t.nblocks) return;  // a grid larger than the table
   TsCtx c;
-  if (t.scalars_dev != nullptr) {  // the optax convention's slots (JAX: a row of its scalar matrix)
+  if (t.scalars_dev != nullptr) {  // the optax convention's row of TS_N_SCALARS (JAX: of its scalar matrix)
 #pragma unroll
-    for (int k = 0; k < TS_N_SCALARS; ++k) c.s.s[k] = k <= TS_S_OX_CODE ? t.scalars_dev[k] : 0.0f;
+    for (int k = 0; k < TS_N_SCALARS; ++k) c.s.s[k] = t.scalars_dev[k];
   } else {
     c.s = batch.sets[t.sidx];
   }
@@ -128,11 +148,16 @@ __device__ __forceinline__ void ts_multi(const TsMultiBatch& batch) {
   c.base = t.base;
   c.bc1 = c.bc2s = c.ss = 0.0f;
   M::prepare(c);
-  TsTensor<M, P, G, S, EMIT_U>::run(t, c, block);
+  TsTensor<M, P, G, S, EMIT_U, SV, MASTER>::run(t, c, block);
 }
 
 // extern "C" entry point NAME: arithmetic M, weights P, gradient G, state S.
 #define TS_KERNEL(NAME, M, P, G, S, EMIT_U)                                                       \
   extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS) NAME(const TsMultiBatch batch) { \
     ts_multi<M, P, G, S, EMIT_U>(batch);                                                          \
+  }
+// The same with mu in S and nu in SV, no master (optax's state as it keeps it: mu_dtype, fp16/bf16 leaves).
+#define TS_KERNEL_STATE(NAME, M, P, G, S, SV, EMIT_U)                                             \
+  extern "C" __global__ void __launch_bounds__(TS_ADAMW_THREADS) NAME(const TsMultiBatch batch) { \
+    ts_multi<M, P, G, S, EMIT_U, SV, false>(batch);                                               \
   }

@@ -91,17 +91,64 @@ class _Device:
         pass
 
 
+def _load(ptr, n, dtype):
+    """float32 values of ``n`` elements of ``dtype`` at ``ptr``."""
+    x = _view(ptr, n, _NP[dtype])
+    if dtype == "bfloat16":
+        return C.bf16_bits_to_f32(x)
+    return x.view(np.float16).astype(np.float32) if dtype == "float16" else x.copy()
+
+
+def _store(ptr, n, dtype, values):
+    x = _view(ptr, n, _NP[dtype])
+    if dtype == "bfloat16":
+        x[:] = C.f32_to_bf16_bits(values)
+    else:
+        x[:] = np.asarray(values, np.float32).astype(np.float16).view(np.uint16) if dtype == "float16" else values
+
+
 class _Kernels:
-    """launch_adamw_multi / launch_adamw_u_multi on host views, with the host kernel."""
+    """launch_adamw_multi / launch_adamw_u_multi on host views: the host kernel of optax/cuda's float32 default lines,
+    the contract's NumPy lines (trainstream.contract.optax_cuda_reference_update) for the others and optax's own
+    state."""
 
     MULTI_MAX = 3  # small, so that leaves of one dtype take several launches
     launches = []
 
+    @staticmethod
+    def _own_lines(sptr) -> bool:
+        """Lines other than the float32 default's (the host kernel's): a code bit or eps_root."""
+        s = _view(sptr, C.N_SCALARS, np.float32)
+        return bool(int(s[C.S_OX_CODE]) & ~C.OX_CLIP or s[C.S_EPS_ROOT] != 0)
+
+    @staticmethod
+    def _contract(pd, gd, state, item, emit_u):
+        """One item by the contract's optax/cuda lines (IEEE stand-ins, as the host kernel's)."""
+        param, grad, third, m, v, n, sptr = item
+        s = _view(sptr, C.N_SCALARS, np.float32).copy()
+        md, vd = state or ("float32", "float32")
+        master = state is None and pd != "float32" and not emit_u
+        p = _load(third if master else param, n, "float32" if master else pd)
+        new_p, mm, vv, u = C.optax_cuda_reference_update(p, _load(m, n, md), _load(v, n, vd), _load(grad, n, gd), s,
+                                                         pd)
+        _store(m, n, md, mm)
+        _store(v, n, vd, vv)
+        if emit_u:
+            _store(third, n, pd if state == (pd, pd) else "float32", u)
+            return
+        if master:
+            _store(third, n, "float32", new_p)
+        _store(param, n, pd, new_p)
+
     @classmethod
-    def launch_adamw_multi(cls, variant, pd, gd, items, stream=0, *, device=None):
+    def launch_adamw_multi(cls, variant, pd, gd, items, stream=0, *, device=None, state=None):
         assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
-        cls.launches.append(("w", pd, len(items)))
-        for param, grad, master, m, v, n, sptr in items:
+        cls.launches.append(("w", pd, len(items)) + ((state,) if state else ()))
+        for item in items:
+            if state is not None or cls._own_lines(item[6]):
+                cls._contract(pd, gd, state, item, False)
+                continue
+            param, grad, master, m, v, n, sptr = item
             s = _view(sptr, C.N_SCALARS, np.float32)
             g = _view(grad, n, _NP[gd])
             if pd == "float32":
@@ -113,10 +160,14 @@ class _Kernels:
                               s.copy())
 
     @classmethod
-    def launch_adamw_u_multi(cls, variant, gd, items, stream=0, *, device=None):
+    def launch_adamw_u_multi(cls, variant, gd, items, stream=0, *, device=None, param_dtype="float32", state=None):
         assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
-        cls.launches.append(("u", gd, len(items)))
-        for param, grad, u, m, v, n, sptr in items:
+        cls.launches.append(("u", gd, len(items)) + ((param_dtype, state) if state else ()))
+        for item in items:
+            if state is not None or cls._own_lines(item[6]):
+                cls._contract(param_dtype, gd, state, item, True)
+                continue
+            param, grad, u, m, v, n, sptr = item
             s = _view(sptr, C.N_SCALARS, np.float32)
             K.adamw_chunk(variant, _view(param, n, np.float32), _view(m, n, np.float32), _view(v, n, np.float32),
                           _view(grad, n, _NP[gd]), _KIND[gd], _view(u, n, np.float32), K.OUT_U, 0, n, s.copy())

@@ -35,3 +35,26 @@ def test_a_wrong_line_is_caught(monkeypatch):
     monkeypatch.setattr(derive, "B2", 0.99)
     res = derive.check(np.load(DATA))
     assert res[("bf16", 4, "new_nu")][0] > 0
+
+
+def test_the_contracts_lines_are_the_derived_ones():
+    """trainstream.contract's optax/cuda lines (what the CUDA kernels implement, with XLA:GPU's instructions) give
+    the derivation's bits on every recorded configuration: the same elements differ, by the same ulps."""
+    derive = load_script("derive_xla_gpu_lines")
+    data = np.load(DATA)
+    assert derive.check(data, derive.contract_lines) == derive.check(data)
+
+
+def test_lines_not_derived_are_refused():
+    from trainstream import contract as C
+    import pytest
+
+    for args, kw in ((("float16", "float16", "float16", False), dict(eps_zero=False)),
+                     (("bfloat16", "bfloat16", "bfloat16", False), dict(eps_zero=False, clip=True)),
+                     (("float16", "float32", "float16", False), dict(eps_zero=True)),
+                     (("float32", "bfloat16", "float32", False), dict(nesterov=True))):
+        kw = {"nesterov": False, "eps_zero": False, "eps_root": False, "clip": False, **kw}
+        with pytest.raises(NotImplementedError, match="not derived"):
+            C.optax_cuda_code(*args, **kw)
+    assert C.optax_cuda_code("bfloat16", "float32", "float32", True, nesterov=True, eps_zero=False, eps_root=True,
+                             clip=True) == C.OX_CLIP | C.OX_NESTEROV  # an fp32 master: the float32 lines

@@ -75,6 +75,8 @@ def test_program_compiles_for_hopper_with_nvcc(tmp_path):
     compiled = set(re.findall(r"Compiling entry function '(\w+)'", out.stderr))
     names = ([dk.adamw_kernel_name(v, p, g) for v in VARIANTS for p in dk.DTYPES for g in dk.DTYPES]
              + [dk.adamw_u_kernel_name(C.VARIANT_OPTAX_CUDA, g) for g in dk.DTYPES] + dk.recipe_kernel_names())
+    assert set(names) < set(dk.kernel_names()) and len(dk.kernel_names()) == len(names) + 24  # + optax's own state
+    names = dk.kernel_names()
     assert set(names) <= compiled, sorted(set(names) - compiled)
     frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", out.stderr)]
     assert frames and max(frames) <= 16, out.stderr[-4000:]  # a few bytes at most (calls of the IEEE slow paths)

@@ -60,23 +60,44 @@ def _item(k, dtype="float32", u=0, master=None, numel=10):
 def test_device_items_group_by_kind_in_first_seen_order():
     items = [_item(0, "bfloat16"), _item(1), _item(2, u=1 << 30), _item(3, "bfloat16"), _item(4)]
     groups = _external.device_groups(items)
-    assert list(groups) == [("w", "bfloat16", "bfloat16"), ("w", "float32", "float32"), ("u", "float32")]
+    assert list(groups) == [("w", "bfloat16", "bfloat16", None), ("w", "float32", "float32", None),
+                            ("u", "float32", "float32", None)]
     assert [len(g) for g in groups.values()] == [2, 2, 1]
-    (state, n, item, wait), = groups[("u", "float32")]
-    assert state == (items[2].m, items[2].v) and n == 10 and wait is None
+    (state, n, item, wait), = groups[("u", "float32", "float32", None)]
+    assert state == ((items[2].m, 4), (items[2].v, 4)) and n == 10 and wait is None
     # elements 4.. of the item at staged addresses d: u and the pointers advanced by 4 elements
     d = (7000, 8000)
     assert item(4, 6, d) == (items[2].weights + 16, items[2].grad + 16, (1 << 30) + 16, 7000, 8000, 6,
                              items[2].scalars)
-    (state, _, item, _) = groups[("w", "bfloat16", "bfloat16")][0]
-    assert state == (items[0].m, items[0].v, items[0].master)
+    (state, _, item, _) = groups[("w", "bfloat16", "bfloat16", None)][0]
+    assert state == ((items[0].m, 4), (items[0].v, 4), (items[0].master, 4))
     assert item(2, 8, (1, 2, 3)) == (items[0].weights + 4, items[0].grad + 4, 3, 1, 2, 8, items[0].scalars)
     with pytest.raises(TypeError, match="item 0 has dtypes float64"):
         _external.device_groups([_item(0)._replace(dtype="float64")])
-    with pytest.raises(ValueError, match="item 1: bfloat16 weights take a master and no u"):
+    with pytest.raises(ValueError, match="item 1: bfloat16 weights with float32/float32 state take a master and no u"):
         _external.device_groups([_item(0), _item(1, "bfloat16", master=0)])
-    with pytest.raises(ValueError, match="item 0: float32 weights take no master"):
+    with pytest.raises(ValueError, match="item 0: float32 weights with float32/float32 state take no master"):
         _external.device_groups([_item(0, master=64)])
+
+
+def test_device_items_with_optax_own_state():
+    """optax's own state (bf16 leaves' in bf16, mu_dtype): no master, the state's bytes per element to the ring, u
+    in optax's update dtype (the weights' with 16-bit state, float32 with a float32 mu)."""
+    half = _item(0, "bfloat16", master=0)._replace(mdtype="bfloat16", vdtype="bfloat16")
+    half_u = half._replace(u=1 << 30)
+    mu32_u = _item(1, "bfloat16", master=0, u=1 << 31)._replace(mdtype="float32", vdtype="bfloat16")
+    mu16 = _item(2)._replace(mdtype="bfloat16")
+    groups = _external.device_groups([half, half_u, mu32_u, mu16])
+    assert list(groups) == [("w", "bfloat16", "bfloat16", ("bfloat16", "bfloat16")),
+                            ("u", "bfloat16", "bfloat16", ("bfloat16", "bfloat16")),
+                            ("u", "bfloat16", "bfloat16", ("float32", "bfloat16")),
+                            ("w", "float32", "float32", ("bfloat16", "float32"))]
+    (state, _, item, _), = groups[("u", "bfloat16", "bfloat16", ("bfloat16", "bfloat16"))]
+    assert state == ((half.m, 2), (half.v, 2)) and item(4, 6, (1, 2))[2] == (1 << 30) + 8  # u: 2 bytes each
+    (state, _, item, _), = groups[("u", "bfloat16", "bfloat16", ("float32", "bfloat16"))]
+    assert state == ((mu32_u.m, 4), (mu32_u.v, 2)) and item(4, 6, (1, 2))[2] == (1 << 31) + 16  # u: float32
+    with pytest.raises(ValueError, match="bfloat16 weights with bfloat16/bfloat16 state take no master"):
+        _external.device_groups([half._replace(master=64)])
 
 
 def test_device_placement_launches_caller_items_zero_copy(monkeypatch):
@@ -84,10 +105,12 @@ def test_device_placement_launches_caller_items_zero_copy(monkeypatch):
     on the caller's stream, the state at the items' own addresses."""
     launches = []
 
-    def multi(variant, pd, gd, items, stream=0, *, device=None):
+    def multi(variant, pd, gd, items, stream=0, *, device=None, state=None):
+        assert state is None
         launches.append(("w", variant, pd, gd, list(items), stream, device))
 
-    def u_multi(variant, gd, items, stream=0, *, device=None):
+    def u_multi(variant, gd, items, stream=0, *, device=None, param_dtype="float32", state=None):
+        assert state is None and param_dtype == "float32"
         launches.append(("u", variant, gd, list(items), stream, device))
 
     monkeypatch.setattr(dk, "compile_kernels", lambda device=None: {})

@@ -139,6 +139,68 @@ def test_gpu_mode_is_optax_on_the_gpu_bit_for_bit(via, dtype, clip):
     assert int(s.count) == 8
 
 
+#: optax.adamw's configurations with XLA:GPU lines of their own (trainstream.contract._optax_cuda): leaf dtype and
+#: the arguments (offload_adamw's master_weights aside, optax.adamw's).
+LINES = {
+    "bf16": ("bfloat16", {}),
+    "bf16_b2_095": ("bfloat16", {"b1": 0.8, "b2": 0.95, "eps": 1e-6}),  # b2 not 1.0 in bfloat16: XLA keeps b2 * nu
+    "fp16": ("float16", {}),  # eps=1e-8 is 0 in float16: m * rsqrt(v)
+    "bf16_mu32": ("bfloat16", {"mu_dtype": jnp.float32}),
+    "bf16_nesterov": ("bfloat16", {"nesterov": True}),
+    "fp32_mu16": ("float32", {"mu_dtype": jnp.bfloat16}),
+    "fp32_nesterov": ("float32", {"nesterov": True}),
+    "fp32_nesterov_clip": ("float32", {"nesterov": True, "clip": 0.5}),
+    "fp32_eps_root": ("float32", {"eps_root": 1e-8}),
+    "fp32_eps0": ("float32", {"eps": 0.0}),
+    "bf16_master_nesterov": ("bfloat16", {"nesterov": True, "master_weights": True}),
+}
+
+
+@pytest.mark.parametrize("via", ["step", "update"])
+@pytest.mark.parametrize("case", sorted(LINES))
+def test_gpu_mode_is_optax_on_the_gpu_for_each_line(via, case):
+    """fp16/bf16 state as optax keeps it, mu_dtype, nesterov, eps_root, eps == 0: weights, moments (in optax's
+    dtypes) and, for update, the updates equal optax.adamw's jitted on the GPU, step after step."""
+    dev = _gpu()
+    dtype, kw = LINES[case]
+    kw = dict(kw)
+    clip, master = kw.pop("clip", None), kw.pop("master_weights", False)
+    params = _params(jnp.dtype(dtype), dev)
+    tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="gpu",
+                           master_weights=master, **kw)
+    inner = optax.adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, **kw)
+    ref = optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
+
+    def ours(p, s, g):
+        if via == "step":
+            p, s = tx.step(g, s, p)
+            return p, s, None
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    @jax.jit
+    def theirs(p, s, g):
+        u, s = ref.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    step = jax.jit(ours, donate_argnums=(0, 1))
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    pr = _f32(params) if master else jax.tree.map(jnp.copy, params)
+    sr = ref.init(pr)
+    rng = np.random.default_rng(3)
+    for t in range(6):
+        g = _grads(rng, params, dev, exact_norm=clip is not None)
+        p, s, u = step(p, s, g)
+        pr, sr, ur = theirs(pr, sr, _f32(g) if master else g)
+        what = f"{case} {via} step {t + 1}"
+        _same(s.mu, _adam_state(sr).mu, what + " mu")
+        _same(s.nu, _adam_state(sr).nu, what + " nu")
+        _same(s.master if master else p, pr, what + " weights")
+        if via == "update" and not master:
+            _same(u, ur, what + " updates")
+    _host_state(s)
+
+
 # -- cpu mode: within the contract's bound -----------------------------------------------------
 
 

@@ -196,17 +196,104 @@ def test_gpu_path_refuses_state_in_device_memory(simulated_gpu):
         jax.jit(tx.step)(g, on_device, params)
 
 
+#: optax.adamw's configurations with XLA:GPU lines of their own (trainstream.contract._optax_cuda): leaf dtype,
+#: offload_adamw's (and optax.adamw's) arguments, the optax/cuda code each leaf gets.
+LINES = {
+    "bf16": ("bfloat16", {}, C.OX_HALF),
+    "fp16": ("float16", {}, C.OX_HALF | C.OX_RSQRT),  # eps=1e-8 is 0 in float16
+    "bf16_mu32": ("bfloat16", {"mu_dtype": jnp.float32}, C.OX_HALF | C.OX_MU_F32),
+    "bf16_nesterov": ("bfloat16", {"nesterov": True}, C.OX_HALF | C.OX_NESTEROV),
+    "fp32_mu16": ("float32", {"mu_dtype": jnp.bfloat16}, C.OX_MU_BF16),
+    "fp32_nesterov": ("float32", {"nesterov": True}, C.OX_NESTEROV),
+    "fp32_eps_root": ("float32", {"eps_root": 1e-8}, 0),
+    "fp32_eps0": ("float32", {"eps": 0.0}, C.OX_RSQRT),
+    "bf16_master_nesterov": ("bfloat16", {"nesterov": True, "master_weights": True}, C.OX_NESTEROV),
+}
+
+
+def _values(x):
+    x = np.asarray(x)
+    return x.astype(np.float32).ravel()
+
+
+@pytest.mark.parametrize("case", sorted(LINES))
+def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
+    """mode="gpu" on every configuration with lines of its own: the state typed and placed as optax.adamw's (pinned
+    host memory), the launches of its kernel (optax's own state: no master), and the contract's optax/cuda lines bit
+    for bit through step and update (the simulated kernels run the contract's NumPy lines; the GPU tests hold the
+    CUDA kernels to optax on XLA:GPU)."""
+    dtype, kw, code = LINES[case]
+    lr, wd = 1e-2, 0.05
+    params = _params(jnp.dtype(dtype))
+    rng = np.random.default_rng(2)
+    gs = [_grads(rng, params) for _ in range(3)]
+    hyper = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, **{k: kw[k] for k in ("eps", "eps_root") if k in kw}}
+    ref = optax.adamw(lr, weight_decay=wd, mask=_mask, **{k: v for k, v in kw.items() if k != "master_weights"})
+    keys = list(params)
+    master = kw.get("master_weights", False)
+    mat = jax.jit(lambda c: C.optax_scalar_matrix(c, [code] * len(keys), [_mask(params)[k] for k in keys],
+                                                  learning_rate=lr, weight_decay=wd, xp=jnp, platform="cuda",
+                                                  dtypes=[dtype] * len(keys), **hyper).scalars)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode="gpu", **kw)
+    want_state = ref.init(jax.tree.map(lambda x: x.astype(jnp.float32), params) if master else params)[0]
+    for via in ("step", "update"):
+        _Kernels.launches.clear()
+        s = tx.init(params)
+        for got, want in ((s.mu, want_state.mu), (s.nu, want_state.nu)):  # optax's dtypes, in host memory
+            assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want), case
+        assert {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))} == {"pinned_host"}
+        assert (jax.tree.leaves(s.master) != []) == master
+
+        def body(p, s, g, via=via):
+            if via == "step":
+                return tx.step(g, s, p)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(body, donate_argnums=(0, 1))
+        p = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        w = {k: _values(params[k]) for k in keys}
+        m = {k: np.zeros_like(w[k]) for k in keys}
+        v = {k: np.zeros_like(w[k]) for k in keys}
+        for t, g in enumerate(gs):
+            p, s = step(p, s, g)
+            row = np.asarray(mat(jnp.int32(t)))
+            for i, k in enumerate(keys):
+                w[k], m[k], v[k], _ = C.optax_cuda_reference_update(w[k], m[k], v[k], _values(g[k]), row[i], dtype)
+        what = f"{case} {via}"
+        for k in keys:
+            for got, want, name in ((s.mu[k], m[k], "mu"), (s.nu[k], v[k], "nu"),
+                                    (s.master[k] if master else p[k], w[k], "weights")):
+                if name == "weights" and via == "update" and not master:  # XLA:CPU applies u (it may contract)
+                    np.testing.assert_allclose(_values(got), want, rtol=2 ** -7, atol=1e-6, err_msg=what + k)
+                else:
+                    np.testing.assert_array_equal(_bits(_values(got)), _bits(want), err_msg=f"{what} {name} {k}")
+        kernel = ("u" if via == "update" and not master else "w")
+        own = tuple(jnp.dtype(x["a"].dtype).name for x in (want_state.mu, want_state.nu))
+        own = None if master or own == ("float32", "float32") else own
+        assert all(x[0] == kernel and (x[3:] == ((dtype, own) if kernel == "u" else (own,)) if own else len(x) == 3)
+                   for x in _Kernels.launches), (what, _Kernels.launches)
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp32_nesterov", "fp32_eps0", "fp32_mu16", "fp32_eps_root"])
+def test_cpu_mode_on_a_gpu_refuses_lines_the_host_lacks(simulated_gpu, case):
+    """mode="cpu" on a GPU has the host kernels' optax/cuda lines, the float32 default alone: the others are
+    refused before anything is allocated, pointing to mode="gpu"."""
+    dtype, kw, _ = LINES[case]
+    tx = tsj.offload_adamw(1e-2, mode="cpu", **kw)
+    live = _Mapped.live
+    with pytest.raises(NotImplementedError, match=r"mode='cpu'.*on a GPU.*use mode='gpu'"):
+        tx.init(_params(jnp.dtype(dtype)))
+    assert _Mapped.live == live
+
+
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
-@pytest.mark.parametrize("case", ["bf16_state", "mu_dtype", "nesterov", "eps_root", "eps0"])
-def test_gpu_path_refuses_lines_no_kernel_runs(simulated_gpu, mode, case):
-    """optax.adamw's configurations whose XLA:GPU lines are derived (experiments/derive_xla_gpu_lines.py) but run by
-    no kernel yet (issue 35 item 4) are refused on a GPU before anything is allocated, naming what and why."""
-    dtype = jnp.bfloat16 if case == "bf16_state" else jnp.float32
-    kw = {"bf16_state": {}, "mu_dtype": {"mu_dtype": jnp.bfloat16}, "nesterov": {"nesterov": True},
-          "eps_root": {"eps_root": 1e-8}, "eps0": {"eps": 0.0}}[case]
-    what = {"bf16_state": "state in bfloat16", "mu_dtype": "state in bfloat16", "nesterov": "nesterov=True",
-            "eps_root": "eps_root != 0", "eps0": "eps == 0"}[case]
-    params = _params(dtype)
+@pytest.mark.parametrize("dtype, kw", [("float16", {"eps": 1e-3}), ("bfloat16", {"eps_root": 1e-8}),
+                                       ("float32", {"mu_dtype": jnp.bfloat16, "nesterov": True}),
+                                       ("float16", {"mu_dtype": jnp.float32})])
+def test_gpu_path_refuses_lines_not_derived(simulated_gpu, mode, dtype, kw):
+    """optax.adamw's configurations whose XLA:GPU lines nobody derived are refused on a GPU, naming the leaf and the
+    configuration, before anything is allocated."""
     tx = tsj.offload_adamw(1e-2, mode=mode, **kw)
-    with pytest.raises(NotImplementedError, match=f"{what}.*issue 35, item 4.*no kernel runs them yet"):
-        tx.init(params)
+    with pytest.raises(NotImplementedError, match=r"on a GPU, leaf \['a'\].*lines of optax.adamw for .* not derived"):
+        tx.init(_params(jnp.dtype(dtype)))

@@ -38,7 +38,8 @@ from ._device_sources import (ADAMW_SOURCE, ADAMW_THREADS, KERNEL_SOURCES, MULTI
 __all__ = ["ADAMW_SOURCE", "KERNEL_SOURCES", "kernel_source", "program_source", "ADAMW_THREADS", "DTYPES",
            "adamw_kernel_name", "check_kernel_constants", "compile_kernels", "launch_adamw", "launch_adamw_multi",
            "launch_adamw_u_multi", "U_VARIANTS", "adamw_u_kernel_name", "MULTI_MAX", "SCALAR_SETS", "KernelItem",
-           "launch_items", "alloc_mapped", "alloc_device", "host_view", "check_stream", "set_sync_launches"]
+           "launch_items", "alloc_mapped", "alloc_device", "host_view", "check_stream", "set_sync_launches", "OPTAX_STATES",
+           "kernel_names", "update_dtype"]
 
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
@@ -95,24 +96,67 @@ def _check_variant(variant, variants) -> None:
     raise ValueError(f"Unknown kernel variant {variant!r}; expected one of {sorted(variants)}")
 
 
-def adamw_kernel_name(variant: int, param_dtype, grad_dtype) -> str:
+#: optax/cuda's kernels with optax's own state (no master): ``(weights, mu, nu)`` dtypes (fp16/bf16 leaves' state in
+#: their dtype, bf16 leaves with ``mu_dtype=float32``, float32 leaves with ``mu_dtype=bfloat16``).
+OPTAX_STATES = (("float16", "float16", "float16"), ("bfloat16", "bfloat16", "bfloat16"),
+                ("bfloat16", "float32", "bfloat16"), ("float32", "bfloat16", "float32"))
+_F32_STATE = ("float32", "float32")
+
+
+def _state_suffix(variant: int, param_dtype: str, state) -> str:
+    """``""`` for float32 state (``state`` None or float32 mu and nu), else ``_s<mu>_<nu>`` of an
+    :data:`OPTAX_STATES` kernel (``ValueError`` for any other)."""
+    state = _F32_STATE if state is None else tuple(_dtype_name(d) for d in state)
+    if state == _F32_STATE:
+        return ""
+    if variant != C.VARIANT_OPTAX_CUDA or (param_dtype, *state) not in OPTAX_STATES:
+        raise ValueError(f"no kernel keeps mu/nu in {state[0]}/{state[1]} for {param_dtype} weights in variant "
+                         f"{variant!r}; optax/cuda's are {OPTAX_STATES} (weights, mu, nu)")
+    return f"_s{_SUFFIX[state[0]]}_{_SUFFIX[state[1]]}"
+
+
+def adamw_kernel_name(variant: int, param_dtype, grad_dtype, state=None) -> str:
     """The ``extern "C"`` name of the AdamW kernel for a variant (:data:`trainstream.contract.VARIANT_TORCH_CUDA` or
-    ``VARIANT_OPTAX_CUDA``) and two dtypes."""
+    ``VARIANT_OPTAX_CUDA``), two dtypes and the state's (``(mu, nu)``; None: float32, with an fp32 master for
+    fp16/bf16 weights)."""
     _check_variant(variant, _VARIANT_NAMES)
-    return (f"adamw_{_VARIANT_NAMES[variant]}_"
-            f"{_SUFFIX[_dtype_name(param_dtype)]}_{_SUFFIX[_dtype_name(grad_dtype)]}")
+    pd = _dtype_name(param_dtype)
+    return (f"adamw_{_VARIANT_NAMES[variant]}_{_SUFFIX[pd]}_{_SUFFIX[_dtype_name(grad_dtype)]}"
+            + _state_suffix(variant, pd, state))
 
 
 #: The variants with a kernel that writes optax's ``u`` (:func:`launch_adamw_u_multi`).
 U_VARIANTS = (C.VARIANT_OPTAX_CUDA,)
 
 
-def adamw_u_kernel_name(variant: int, grad_dtype) -> str:
-    """The ``extern "C"`` name of the kernel that writes ``u`` of float32 weights (optax)."""
+def adamw_u_kernel_name(variant: int, grad_dtype, param_dtype="float32", state=None) -> str:
+    """The ``extern "C"`` name of the kernel that writes optax's ``u``: float32 weights with float32 state, or the
+    weights and state of an :data:`OPTAX_STATES` kernel."""
     if variant not in U_VARIANTS and variant in _VARIANT_NAMES:
         raise ValueError(f"variant {variant!r} has no kernel that writes u; expected one of {U_VARIANTS}")
     _check_variant(variant, U_VARIANTS)
-    return f"adamw_u_{_VARIANT_NAMES[variant]}_f32_{_SUFFIX[_dtype_name(grad_dtype)]}"
+    pd, suffix = _dtype_name(param_dtype), _state_suffix(variant, _dtype_name(param_dtype), state)
+    if pd != "float32" and not suffix:
+        raise ValueError(f"no kernel writes u of {pd} weights with an fp32 master (the master is the weights)")
+    return f"adamw_u_{_VARIANT_NAMES[variant]}_{_SUFFIX[pd]}_{_SUFFIX[_dtype_name(grad_dtype)]}{suffix}"
+
+
+def update_dtype(param_dtype, state=None) -> str:
+    """The dtype of the ``u`` that :func:`adamw_u_kernel_name`'s kernel writes: the weights' where mu and nu are in
+    it too (optax's update of fp16/bf16 state), else float32."""
+    pd = _dtype_name(param_dtype)
+    return pd if state is not None and tuple(_dtype_name(d) for d in state) == (pd, pd) else "float32"
+
+
+def kernel_names() -> list[str]:
+    """Every kernel the loader loads: the conventions' (and optax/cuda's with :data:`OPTAX_STATES`) and the
+    recipes'."""
+    ox = C.VARIANT_OPTAX_CUDA
+    return ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
+            + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES]
+            + [name(ox, p, g, (mu, nu)) for p, mu, nu in OPTAX_STATES for g in DTYPES
+               for name in (adamw_kernel_name, lambda v, p, g, st: adamw_u_kernel_name(v, g, p, st))]
+            + recipe_kernel_names())
 
 
 # -- compilation, once per device ----------------------------------------------------------
@@ -148,8 +192,7 @@ def compile_kernels(device: int | None = None) -> dict[str, int]:
             check_kernel_constants()
             if not _modules:
                 _modules["adamw"] = cp.RawModule(code=program_source(), options=COMPILE_OPTIONS)
-            names = ([adamw_kernel_name(v, p, g) for v in _VARIANT_NAMES for p in DTYPES for g in DTYPES]
-                     + [adamw_u_kernel_name(v, g) for v in U_VARIANTS for g in DTYPES] + recipe_kernel_names())
+            names = kernel_names()
             table = {}
             with cp.cuda.Device(dev):
                 sm_count = multiprocessor_count(dev)
@@ -252,7 +295,7 @@ def launch_adamw(variant: int, param_ptr: int, param_dtype, grad_ptr: int, grad_
 
 def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
                        items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
-                       device: int | None = None, max_blocks: int | None = None) -> int:
+                       device: int | None = None, max_blocks: int | None = None, state=None) -> int:
     """Queue the AdamW updates of up to :data:`MULTI_MAX` tensors of one dtype pair in one launch (a driver call
     costs about 50 us on the H200, 200 us while the host workers hold the GIL).
 
@@ -260,26 +303,34 @@ def launch_adamw_multi(variant: int, param_dtype, grad_dtype,
     arguments; ``scalars``: the float32 vector (by value) or an ``int``, a device pointer to it. Each tensor gets the
     blocks of its size (:func:`_grid_for`, also capped at ``max_blocks``) and grid-strides over them. Every argument
     is checked before anything is launched; tensors of 0 elements are then skipped. Returns the tensors launched.
+    ``state``: ``(mu, nu)`` dtypes of an :data:`OPTAX_STATES` kernel (no master: ``master_ptr`` 0); None: float32.
     """
-    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True)
+    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, named=True,
+                               state=state)
 
 
 def launch_adamw_u_multi(variant: int, grad_dtype,
                          items: Iterable[tuple[int, int, int, int, int, int, np.ndarray | int]], stream: int = 0, *,
-                         device: int | None = None) -> int:
-    """:func:`launch_adamw_multi` of optax on float32 weights (read only) that writes the contract's ``u`` (the JAX
-    adapter's ``update``: its program applies the learning rate). ``variant``: one of :data:`U_VARIANTS`. ``items``:
-    ``(param_ptr, grad_ptr, u_ptr, m_ptr, v_ptr, n, scalars)``, ``u_ptr`` a float32 output in GPU memory."""
-    return _launch_adamw_items(variant, "float32", grad_dtype, items, stream, device, None, named=True, emit_u=True)
+                         device: int | None = None, param_dtype="float32", state=None) -> int:
+    """:func:`launch_adamw_multi` of optax on weights read only that writes the contract's ``u`` (the JAX adapter's
+    ``update``: its program applies the learning rate): float32 weights and state, or ``param_dtype`` weights with
+    ``state`` (``(mu, nu)``, an :data:`OPTAX_STATES` kernel). ``variant``: one of :data:`U_VARIANTS`. ``items``:
+    ``(param_ptr, grad_ptr, u_ptr, m_ptr, v_ptr, n, scalars)``, ``u_ptr`` an output in GPU memory of
+    :func:`update_dtype`."""
+    return _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, None, named=True, emit_u=True,
+                               state=state)
 
 
 def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device, max_blocks, *,
-                        named: bool, emit_u: bool = False) -> int:
+                        named: bool, emit_u: bool = False, state=None) -> int:
     """The conventions' launcher (``named``: messages name the item, ``items[k].``; ``emit_u``: the kernels that
-    write ``u`` into each item's third pointer). Null pointers pass only in an empty item."""
-    kernel_name = (adamw_u_kernel_name(variant, grad_dtype) if emit_u  # checks the variant, then the dtypes
-                   else adamw_kernel_name(variant, param_dtype, grad_dtype))
+    write ``u`` into each item's third pointer; ``state``: mu's and nu's dtypes, None: float32). Null pointers pass
+    only in an empty item."""
+    kernel_name = (adamw_u_kernel_name(variant, grad_dtype, param_dtype, state) if emit_u  # checks the variant, then
+                   else adamw_kernel_name(variant, param_dtype, grad_dtype, state))        # the dtypes
     pd, gd = _dtype_name(param_dtype), _dtype_name(grad_dtype)
+    md, vd = _F32_STATE if state is None else (_dtype_name(state[0]), _dtype_name(state[1]))
+    own_state = (md, vd) != _F32_STATE  # optax's own state: no master
     flags = R.F_DECAY if variant == C.VARIANT_TORCH_CUDA else 0  # torch/cuda: p * f(1 - lr*wd), always
     items = list(items)
     if len(items) > MULTI_MAX:
@@ -294,13 +345,17 @@ def _launch_adamw_items(variant, param_dtype, grad_dtype, items, stream, device,
         if n < 0:
             raise ValueError(f"{pre}n must be >= 0, got {n}")
         empty = n == 0  # checked like the others, then skipped; its pointers may be null
-        if emit_u:  # the u output takes the master's place (float32 weights have none)
-            master_ptr = _check_ptr(f"{dot}u_ptr", master_ptr, 4, allow_null=empty)
+        if emit_u:  # the u output takes the master's place (float32 weights and optax's own state have none)
+            master_ptr = _check_ptr(f"{dot}u_ptr", master_ptr, C.ITEMSIZE[update_dtype(pd, (md, vd))],
+                                    allow_null=empty)
         param_ptr = _check_ptr(f"{dot}param_ptr", param_ptr, C.ITEMSIZE[pd], allow_null=empty)
         grad_ptr = _check_ptr(f"{dot}grad_ptr", grad_ptr, C.ITEMSIZE[gd], allow_null=empty)
-        m_ptr = _check_ptr(f"{dot}m_ptr", m_ptr, 4, allow_null=empty)
-        v_ptr = _check_ptr(f"{dot}v_ptr", v_ptr, 4, allow_null=empty)
-        if pd != "float32":
+        m_ptr = _check_ptr(f"{dot}m_ptr", m_ptr, C.ITEMSIZE[md], allow_null=empty)
+        v_ptr = _check_ptr(f"{dot}v_ptr", v_ptr, C.ITEMSIZE[vd], allow_null=empty)
+        if own_state and not emit_u:
+            if master_ptr:
+                raise ValueError(f"{pre}{pd} weights with {md}/{vd} state have no master: pass master_ptr=0")
+        elif pd != "float32" and not emit_u:
             master_ptr = _check_ptr(f"{dot}master_ptr (required for {pd} weights)", master_ptr, 4, allow_null=empty)
         elif master_ptr and not emit_u:
             raise ValueError(f"{pre}fp32 weights are their own master: pass master_ptr=0")

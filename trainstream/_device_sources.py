@@ -104,8 +104,8 @@ _DEFINE = re.compile(r"^#define\s+(TS_\w+)\s+(\d+)\s*(?://.*)?$", re.MULTILINE)
 def check_kernel_constants() -> None:
     """Check the ``#define``\\ s of :data:`ADAMW_SOURCE` against :mod:`trainstream.contract`: every scalar index
     (``TS_S_*``, ``TS_N_SCALARS``: the contract's, and the plan's that :mod:`trainstream._device_recipes` adds until
-    the contract has them), the variants of :func:`adamw_kernel_name` (``TS_VARIANT_*``) and ``TS_OX_CLIP`` (the one
-    optax code bit the cuda platform reads) must be defined with the contract's value, any other ``TS_OX_*`` too;
+    the contract has them), the variants of :func:`adamw_kernel_name` (``TS_VARIANT_*``) and the optax code bits the cuda
+    platform reads (``TS_OX_*`` of :data:`trainstream.contract.OX_CUDA_BITS`) must be defined with the contract's value, any other ``TS_OX_*`` too;
     also the recipes' flags (``TS_F_*``), :data:`ADAMW_THREADS` and the launch layout (``TS_MULTI_MAX``,
     ``TS_SCALAR_SETS``, ``TS_UNUSED_BLOCK``). ``RuntimeError`` listing every difference (no GPU)."""
     adamw = {k: int(v) for k, v in _DEFINE.findall(kernel_source(ADAMW_SOURCE))}
@@ -114,7 +114,9 @@ def check_kernel_constants() -> None:
     contract.update({"TS_" + name: v for name, v in R.SCALAR_INDEX.items()})
     contract.update({"TS_" + name: getattr(R, name) for name in R.__all__ if name.startswith("F_")})
     required = {"TS_N_SCALARS": R.N_SCALARS, "TS_ADAMW_THREADS": ADAMW_THREADS, "TS_MULTI_MAX": MULTI_MAX,
-                "TS_SCALAR_SETS": SCALAR_SETS, "TS_UNUSED_BLOCK": _UNUSED_BLOCK, "TS_OX_CLIP": C.OX_CLIP}
+                "TS_SCALAR_SETS": SCALAR_SETS, "TS_UNUSED_BLOCK": _UNUSED_BLOCK}
+    required.update({k: v for k, v in contract.items() if k.startswith("TS_OX_") and v & C.OX_CUDA_BITS == v
+                     and bin(v).count("1") == 1})
     required.update({k: v for k, v in contract.items() if k.startswith(("TS_S_", "TS_F_"))})
     required.update({f"TS_VARIANT_{name.upper()}": v for v, name in _VARIANT_NAMES.items()})
     problems = [f"{ADAMW_SOURCE}: {key} is {adamw.get(key)}, the contract says {want}"

@@ -253,8 +253,10 @@ platform ``cuda`` (XLA:GPU, measured on the H200; no FMA contraction was seen th
   master, with and without clipping; tests/test_jax_gpu.py). ``d1``, ``d2``, ``-lr``
   (``__nv_powf``/``__nv_cosf``) and the norm come from the user's program: with clipping the
   weights equal optax's when both programs compute the same norm. XLA:GPU keeps denormals (no
-  FTZ unless ``xla_gpu_ftz``) and never rewrites to reciprocals (form D); ``cuda`` reads only
-  the :data:`OX_CLIP` bit of the code.
+  FTZ unless ``xla_gpu_ftz``) and never rewrites to reciprocals (form D). fp16/bf16 state,
+  ``mu_dtype``, ``nesterov``, ``eps_root`` and ``eps == 0`` have lines of their own, named by
+  :func:`optax_cuda_code` (the rows' corrections float32: ``optax_scalar_matrix(..., platform="cuda")``)
+  and written out in :mod:`trainstream.contract._optax_cuda` (:func:`optax_cuda_reference_update`).
 
 Numerical hazards (every convention): ``1 - lr*wd`` and ``-lr/bc1`` are rounded to float32 once (not per element);
 ``d`` is never zero for ``eps > 0``, but an Inf/NaN gradient propagates to ``m``, ``v`` and ``p``
@@ -262,6 +264,7 @@ exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close t
 only below float64 precision, far from any practical setting.
 """
 
+from ._optax_cuda import OX_CUDA_BITS, optax_cuda_code, optax_cuda_reference_update
 from ._optax_reference import optax_reference_update, round_xla, xla_rsqrt
 from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_SQRT_MAX_ULP, bf16_bits_to_f32,
                          f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
@@ -287,7 +290,8 @@ __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
     "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
-    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies",
+    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies", "OX_CUDA_BITS", "optax_cuda_code",
+    "optax_cuda_reference_update",
     "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",
     "TorchRecipe", "IMPLS", "FAMILIES", "TORCH_MAX_STEP", "check_recipe", "default_recipe", "resolve_impl",

@@ -47,14 +47,14 @@ S_BC2_OPTAX = 11  # d2 = 1 - b2**t (float32, as XLA computes it)
 S_WD = 12  # f(wd); 0.0: no weight decay (wd == 0 or the leaf masked out)
 S_NEG_LR = 13  # f(-lr)
 S_CLIP_DIV = 14  # with OX_CLIP (cpu and cuda): the gradient divisor (global norm, or 1.0)
-S_OX_CODE = 15  # the code (OX_* bits) as a float32 (cuda reads only OX_CLIP)
+S_OX_CODE = 15  # the code (OX_* bits) as a float32 (cuda: optax_cuda_code's bits)
 # torch recipes (TorchRecipe), appended
 S_GRAD_DIV = 16  # fused: GradScaler's scale, g = g / scale (1.0: none)
 S_L2 = 17  # Adam's L2 weight decay, g += p * S_L2: f(wd), or R(wd) on CPU fp16/bf16 tensors; 0.0: none (AdamW)
 S_INV_SQRT_BC2 = 18  # cuda single-tensor: f(1 / sqrt(bc2)), the reciprocal of the CPU scalar in float64
 S_NEG_LR_WD = 19  # cuda fused AdamW: -RN(f(lr) * f(wd)), p1 = fma(S_NEG_LR_WD, p, p); 0.0: none
 S_STEP = 20  # cuda fused on the device: the float32 step t, for the kernel's own powf (the host takes S_SQRT_BC2, S_NEG_STEP)
-# optax convention, appended (optax/cpu; the optax/cuda lines have none of them)
+# optax convention, appended (optax/cpu; optax/cuda: eps_root, nesterov and mu_dtype=bfloat16 lines)
 S_EPS_ROOT = 21  # eps_root, added to nu_hat under the root (0.0: optax's default, the same bits as none)
 S_BC1_NEXT = 22  # nesterov: 1 - b1**(t+1) (optax's bias correction of mu one step ahead)
 S_BETA1_MU = 23  # b1 as it multiplies the stored mu (OX_MU_BF16: the bfloat16 constant); else S_BETA1
@@ -223,7 +223,7 @@ def _const(x, dtype: str, xp, cast: bool = False):
 
 
 def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, weight_decay, global_norm=None,
-                        max_norm=None, xp=np, eps_root=0.0, dtypes=None) -> OptaxStepScalars:
+                        max_norm=None, xp=np, eps_root=0.0, dtypes=None, platform: str = "cpu") -> OptaxStepScalars:
     """The ``optax`` convention's per-step scalar matrix, one row per leaf (``codes``: each
     leaf's :func:`optax_cpu_code`; ``decays``: False for a leaf masked out of weight decay;
     ``dtypes``: each leaf's dtype name, default float32).
@@ -237,7 +237,11 @@ def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, wei
     add to the arrays of their dtypes; ``step_size = -1 * lr`` (a schedule: at the count before the increment,
     cast to the update's dtype); the clip slots from ``global_norm`` and ``max_norm`` on the rows whose code has
     :data:`OX_CLIP`. Each family's constants are rounded to float32 from their dtype's values (exact).
+    ``platform="cuda"`` (``codes``: :func:`optax_cuda_code`'s): the corrections stay float32, each optax/cuda line
+    rounds them where XLA:GPU does.
     """
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     codes = np.asarray(codes, np.int64).reshape(-1)
     decays = np.asarray(decays, bool).reshape(-1)
     n = codes.size
@@ -262,8 +266,9 @@ def optax_scalar_matrix(count, codes, decays, *, learning_rate, b1, b2, eps, wei
                              (S_OMB2, 1 - b2, g), (S_EPS, eps, g), (S_EPS_ROOT, eps_root, g), (S_WD, wd, g)):
                 cols[k] = _const(x, dt, xp)
             cols[S_NEG_LR] = _const(step_size, upd, xp, cast=lr_fn)
-            cols[S_BC1], cols[S_BC1_NEXT] = (_const(d, mu, xp, cast=True) for d in (d1, d1n))
-            cols[S_BC2_OPTAX] = _const(d2, g, xp, cast=True)
+            dmu, dg = ("float32", "float32") if platform == "cuda" else (mu, g)
+            cols[S_BC1], cols[S_BC1_NEXT] = (_const(d, dmu, xp, cast=True) for d in (d1, d1n))
+            cols[S_BC2_OPTAX] = _const(d2, dg, xp, cast=True)
             if max_norm is not None:
                 norm = xp.asarray(global_norm)
                 trigger = norm < max_norm

@@ -304,16 +304,19 @@ class DevicePlacement:
         ring = self._staging_ring()
         after = _cuda.Event(ring.ctx, stream) if ring is not None else None  # the caller's work: the state's writers
         for key, entries in groups.items():
-            if key[0] == "u":  # u: the gradient's dtype; w: the weights' and the gradient's
-                launch = functools.partial(dk.launch_adamw_u_multi, variant, key[1], stream=stream, device=self.device)
+            kind, dtype, gdtype, state = key
+            if kind == "u":
+                launch = functools.partial(dk.launch_adamw_u_multi, variant, gdtype, stream=stream, device=self.device,
+                                           **({"param_dtype": dtype, "state": state} if state else {}))
             else:
-                launch = functools.partial(dk.launch_adamw_multi, variant, *key[1:], stream=stream, device=self.device)
+                launch = functools.partial(dk.launch_adamw_multi, variant, dtype, gdtype, stream=stream,
+                                           device=self.device, **({"state": state} if state else {}))
             if ring is not None:
                 ring.run(launch, entries, stream, after)
                 after = None
             else:
                 for k in range(0, len(entries), dk.MULTI_MAX):
-                    launch([item(0, n, state) for state, n, item, _ in entries[k:k + dk.MULTI_MAX]])
+                    launch([item(0, n, [a for a, _ in state]) for state, n, item, _ in entries[k:k + dk.MULTI_MAX]])
         if ring is not None and ring.last is not None:
             ring.ctx.stream_wait_event(stream, ring.last)  # the caller's later readers see the state copied back
         self._steps += 1

@@ -154,36 +154,42 @@ class DeviceUpdate(NamedTuple):
     :meth:`~trainstream.core._device.DevicePlacement.launch_external`. Every buffer is a device address; the state
     lives in pinned host memory (its mapped address, which UVA makes its host address too)."""
 
-    weights: int  # the weights (dtype), updated in place; with ``u``: the float32 weights, read only
+    weights: int  # the weights (dtype), updated in place; with ``u``: read only
     grad: int  # the gradient (gdtype), in GPU memory
-    m: int  # float32 moments in pinned host memory, updated in place
+    m: int  # the moments in pinned host memory (mdtype, vdtype), updated in place
     v: int
-    master: int  # the float32 master of fp16/bf16 weights (pinned host memory, in place); 0 for float32 weights
-    u: int  # 0; or (float32 weights, optax) a float32 buffer in GPU memory for the update u before the lr
+    master: int  # the float32 master of fp16/bf16 weights with float32 state (pinned host memory, in place); else 0
+    u: int  # 0; or (optax, no master) a buffer in GPU memory for the update u before the lr (update_dtype's)
     numel: int
     dtype: str  # of the weights
     gdtype: str  # of the gradient
     scalars: int  # the device address of its float32[N_SCALARS] scalars
+    mdtype: str = "float32"  # mu's: float32, or optax's own state (trainstream._device_kernels.OPTAX_STATES)
+    vdtype: str = "float32"  # nu's
 
 
 def device_groups(items: Sequence[DeviceUpdate]) -> dict[tuple, list]:
-    """The items grouped by launch kind, in first-seen order: ``("w", dtype, gdtype)`` (the new weights) or
-    ``("u", gdtype)`` (``u``); per item the :class:`~trainstream.core._ring.StagingRing` entry ``(state host
-    addresses (m, v[, master]), numel, item(lo, n, state device addresses) -> the kernel's item, None)``."""
+    """The items grouped by launch kind, in first-seen order: ``("w", dtype, gdtype, state)`` (the new weights) or
+    ``("u", dtype, gdtype, state)`` (``u``), ``state`` ``(mdtype, vdtype)`` or None (float32); per item the
+    :class:`~trainstream.core._ring.StagingRing` entry ``(state host addresses and bytes per element (m, v[, master]),
+    numel, item(lo, n, state device addresses) -> the kernel's item, None)``."""
     groups: dict[tuple, list] = {}
     for k, it in enumerate(items):
-        if it.dtype not in _ITEMSIZE or it.gdtype not in _ITEMSIZE:
-            raise TypeError(f"launch_external: item {k} has dtypes {it.dtype}/{it.gdtype}; the kernels take float32, "
-                            "float16 and bfloat16")
-        if bool(it.master) != (it.dtype != "float32") or (it.u and it.dtype != "float32"):
-            raise ValueError(f"launch_external: item {k}: {it.dtype} weights take "
-                             f"{'a master and no u' if it.dtype != 'float32' else 'no master'}")
-        key = ("u", it.gdtype) if it.u else ("w", it.dtype, it.gdtype)
-        state = (it.m, it.v, it.master) if it.master else (it.m, it.v)
+        if any(d not in _ITEMSIZE for d in (it.dtype, it.gdtype, it.mdtype, it.vdtype)):
+            raise TypeError(f"launch_external: item {k} has dtypes {it.dtype}/{it.gdtype}, state {it.mdtype}/"
+                            f"{it.vdtype}; the kernels take float32, float16 and bfloat16")
+        own = (it.mdtype, it.vdtype) != ("float32", "float32")  # optax's own state: no master
+        if bool(it.master) != (it.dtype != "float32" and not own) or (it.u and it.master):
+            raise ValueError(f"launch_external: item {k}: {it.dtype} weights with {it.mdtype}/{it.vdtype} state take "
+                             f"{'a master and no u' if it.dtype != 'float32' and not own else 'no master'}")
+        st = (it.mdtype, it.vdtype) if own else None
+        key = ("u" if it.u else "w", it.dtype, it.gdtype, st)
+        state = ((it.m, _ITEMSIZE[it.mdtype]), (it.v, _ITEMSIZE[it.vdtype])) + ((it.master, 4),) * bool(it.master)
+        ui = _ITEMSIZE[it.dtype if st == (it.dtype, it.dtype) else "float32"]  # u: optax's update dtype
 
-        def item(lo, n, d, it=it, pi=_ITEMSIZE[it.dtype], gi=_ITEMSIZE[it.gdtype]):
+        def item(lo, n, d, it=it, pi=_ITEMSIZE[it.dtype], gi=_ITEMSIZE[it.gdtype], ui=ui):
             """The kernel item of elements lo:lo+n, the state at ``d`` (m, v[, master])."""
-            third = d[2] if it.master else (it.u + 4 * lo if it.u else 0)
+            third = d[2] if it.master else (it.u + ui * lo if it.u else 0)
             return (it.weights + pi * lo, it.grad + gi * lo, third, d[0], d[1], n, it.scalars)
 
         groups.setdefault(key, []).append((state, int(it.numel), item, None))

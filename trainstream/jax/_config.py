@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import contract as C
 from ._plan import is_number as _is_number
 
-__all__ = ["DTYPES", "Config", "Family", "check_array_hyper", "check_cuda_config", "family", "leaf_dtype_name",
+__all__ = ["DTYPES", "Config", "Family", "check_array_hyper", "cuda_codes", "family", "leaf_dtype_name",
            "mu_dtype_name", "static_arg"]
 
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
@@ -65,24 +66,28 @@ def check_array_hyper(cfg: Config, kinds, fams, paths) -> None:
             "master_weights=True, or float32 parameters")
 
 
-def check_cuda_config(cfg: Config, fams, paths) -> None:
-    """On a GPU the kernels have optax.adamw's default float32 lines only (:data:`trainstream.contract`'s
-    optax/cuda), with fp32 masters for fp16/bf16 leaves."""
-    # a traced eps_root (optax.inject_hyperparams makes every number an array) is taken as given: only a known
-    # non-zero value is refused
-    why = [what for what, bad in (("nesterov=True", cfg.nesterov), ("eps_root != 0", _is_number(cfg.eps_root)
-                                  and cfg.eps_root != 0.0), ("eps == 0", _is_number(cfg.eps) and cfg.eps == 0.0))
-           if bad]
-    for f, path in zip(fams, paths):
-        if f.mu != "float32" or f.nu != "float32":
-            why.append(f"leaf {path}'s state in {f.mu}/{f.nu} (optax's default for fp16/bf16 leaves, or mu_dtype; "
-                       "master_weights=True keeps an fp32 master there)")
-            break
-    if why:
-        raise NotImplementedError("TrainStream offload_adamw on a GPU: the CUDA and host optax/cuda lines cover "
-                                  "optax.adamw's float32 state only; not yet " + ", ".join(why) +
-                                  " (issue 35, item 4: XLA:GPU's lines for them are derived from an H100's "
-                                  "recording, experiments/derive_xla_gpu_lines.py, but no kernel runs them yet)")
+def cuda_codes(cfg: Config, kinds, fams, paths) -> list[int]:
+    """Each leaf's optax/cuda code (:func:`trainstream.contract.optax_cuda_code`: XLA:GPU's lines for its dtype,
+    state and ``optax.adamw``'s arguments). ``NotImplementedError`` naming the leaf where those lines are not derived,
+    and in ``mode="cpu"`` for any but the float32 default lines (the host kernels have those alone)."""
+    codes = []
+    for kind, f, path in zip(kinds, fams, paths):
+        own = kind != "float32" and not f.master  # the update adds eps in the leaf's dtype
+        eps_zero = _is_number(cfg.eps) and float(C.round_to(np.float32(cfg.eps), kind if own else "float32")) == 0
+        eps_root = not (_is_number(cfg.eps_root) and cfg.eps_root == 0.0)  # (an array: maybe not)
+        try:
+            code = C.optax_cuda_code(kind, f.mu, f.nu, f.master, nesterov=bool(cfg.nesterov), eps_zero=eps_zero,
+                                     eps_root=eps_root, clip=cfg.max_grad_norm is not None)
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"TrainStream offload_adamw on a GPU, leaf {path} ({kind}): {exc}") from None
+        if cfg.mode == "cpu" and (code & ~C.OX_CLIP or eps_root):
+            raise NotImplementedError(
+                f"TrainStream offload_adamw(mode='cpu') on a GPU: leaf {path} ({kind}, state {f.mu}/{f.nu}) needs "
+                "XLA:GPU's lines for optax's 16-bit state, mu_dtype, nesterov, eps_root or eps == 0, which only the "
+                "GPU kernels run: use mode='gpu' (the host kernels reproduce optax.adamw's float32 default lines "
+                "there, within the contract's bound)")
+        codes.append(code)
+    return codes
 
 
 def static_arg(name: str, x, default, positive: bool = True):

@@ -32,8 +32,9 @@ from ._state import OffloadAdamWState
 
 __all__ = ["apply", "device_engine", "init"]
 
-def init(params, leaves):
-    """The state of ``params`` on one CUDA device (the count on it, the rest in its pinned host memory)."""
+def init(params, leaves, families):
+    """The state of ``params`` on one CUDA device (the count on it, the rest in its pinned host memory), each leaf's
+    as its :class:`~trainstream.jax._config.Family` says (mu's and nu's dtypes, an fp32 master or none)."""
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # init inside a program
         host, xp, count = jax.memory.Space.Host, jnp, jnp.zeros([], jnp.int32)
         to_f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -42,9 +43,11 @@ def init(params, leaves):
         host, xp = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"), np
         to_f32 = lambda x: np.asarray(jax.device_get(x)).astype(np.float32)  # noqa: E731
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
-    zeros = lambda x: jax.device_put(xp.zeros(xp.shape(x), xp.float32), host)  # noqa: E731
-    master = lambda x: None if np.dtype(x.dtype) == np.float32 else jax.device_put(to_f32(x), host)  # noqa: E731
-    return OffloadAdamWState(count, *(jax.tree.map(f, params) for f in (zeros, zeros, master)))
+    treedef = jax.tree.structure(params)
+    col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, families)])  # noqa: E731
+    zeros = lambda x, dt: jax.device_put(xp.zeros(xp.shape(x), jnp.dtype(dt)), host)  # noqa: E731
+    return OffloadAdamWState(count, col(lambda x, f: zeros(x, f.mu)), col(lambda x, f: zeros(x, f.nu)),
+                             col(lambda x, f: jax.device_put(to_f32(x), host) if f.master else None))
 
 
 def _noop(ctx, outs, *ins) -> None:
@@ -56,8 +59,9 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     ``(firsts, mu', nu', masters')``, ``firsts`` the new weights or, with ``plan.emit_u``, ``u`` of float32
     leaves and the rounded new weights of fp16/bf16 ones."""
     n, sds, f32 = plan.n, jax.ShapeDtypeStruct, jnp.float32
-    if plan.emit_u:  # fresh buffers: u (float32 leaves), the rounded weights (fp16/bf16)
-        like = [sds(np.shape(p), f32 if i not in plan.halves else p.dtype) for i, p in enumerate(p_leaves)]
+    if plan.emit_u:  # fresh buffers: u (optax's update dtype), or the rounded weights (of an fp32 master)
+        like = [sds(np.shape(p), jnp.dtype(plan.u_kinds[i]) if i not in plan.halves else p.dtype)
+                for i, p in enumerate(p_leaves)]
         # the gradients as operands, else XLA may hoist the call out of a loop (every iteration into one buffer)
         w = buffer_callback(_noop, like)(*g_leaves) if n else []
         reads = [p for i, p in enumerate(p_leaves) if i not in plan.halves]  # the kernel reads them
@@ -68,7 +72,7 @@ def apply(plan, scalars, count_inc, g_leaves, p_leaves, mu, nu, masters):
     state_in = [*mu, *nu, *masters, jax.device_put(jnp.zeros((1,), f32), jax.memory.Space.Host)]  # last: a token
     ops = [scalars, count_inc, *g_leaves, *w, *reads, *state_in]
     base = len(ops) - len(state_in)
-    res = [sds(np.shape(x), f32) for x in state_in]
+    res = [sds(np.shape(x), x.dtype) for x in state_in]
     outs = buffer_callback(plan.gpu, res, input_output_aliases={base + j: j for j in range(len(state_in))})(*ops)
     outs = [jax.device_put(x, jax.memory.Space.Host) for x in outs]  # host avals: the outputs stay there
     firsts = buffer_callback(_noop, like, input_output_aliases={i: i for i in range(n)})(*w, outs[-1]) if n else []
@@ -129,12 +133,12 @@ class _Update:
         for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
             if i in masters:  # reads the fp32 master, writes it and the rounded weights into w
                 weights_ptr, master, u = ptr(w[i]), ptr(masters[i]), 0
-            elif plan.emit_u:  # reads the float32 weights, writes u into w
+            elif plan.emit_u:  # reads the weights, writes u into w
                 weights_ptr, master, u = ptr(weights[i]), 0, ptr(w[i])
-            else:  # the float32 weights in place (w holds the params)
+            else:  # the weights in place (w holds the params)
                 weights_ptr, master, u = ptr(w[i]), 0, 0
             items.append(DeviceUpdate(weights_ptr, ptr(grads[i]), ptr(mus[i]), ptr(nus[i]), master, u, numel, kind,
-                                      kind, s0 + row * i))
+                                      kind, s0 + row * i, plan.mu_kinds[i], plan.nu_kinds[i]))
         device_engine(device).launch_external(items, stream)
 
     def _host(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:

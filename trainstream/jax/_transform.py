@@ -25,7 +25,7 @@ from .. import contract as C
 from ..backends import jax as xb
 from ..core import _budget, host_ring_bytes
 from . import _detect, _gpu, _plan, _resident, _sharding
-from ._config import (Config, Family, check_array_hyper, check_cuda_config, family, leaf_dtype_name, mu_dtype_name,
+from ._config import (Config, Family, check_array_hyper, cuda_codes, family, leaf_dtype_name, mu_dtype_name,
                       static_arg)
 from ._leaves import check_gpu_mode as _check_gpu_mode
 from ._leaves import layout_key as _layout_key
@@ -91,7 +91,7 @@ class _Impl:
         platform = _platform_of(leaves)
         _check_gpu_mode(platform, self.cfg)
         if platform == "cuda":
-            check_cuda_config(self.cfg, fams, paths)
+            cuda_codes(self.cfg, [leaf_dtype_name(x, p) for x, p in zip(leaves, paths)], fams, paths)
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
@@ -99,7 +99,7 @@ class _Impl:
         if layout is not None:
             return _sharding.init_state(params, leaves, layout, host_memory=platform == "cuda", families=fams)
         if platform == "cuda":
-            return _gpu.init(params, leaves)
+            return _gpu.init(params, leaves, fams)
         treedef = jax.tree.structure(params)
         col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, fams)])  # noqa: E731
         return OffloadAdamWState(jnp.zeros([], jnp.int32), col(lambda x, f: jnp.zeros(jnp.shape(x), f.mu)),
@@ -203,7 +203,7 @@ class _Impl:
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         check_array_hyper(cfg, kinds, fams, paths)
         if platform == "cuda":
-            check_cuda_config(cfg, fams, paths)
+            cuda = cuda_codes(cfg, kinds, fams, paths)
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True) if decay is None else decay
         if layout is None:
@@ -219,14 +219,15 @@ class _Impl:
             codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams],
                                         n_tree)
             _detect.warn_output_pairing(codes, decay, cfg.weight_decay)
-        else:  # optax/cuda reads only the clip bit
-            codes = [C.OX_CLIP if optax_clip else 0] * n
+        else:  # XLA:GPU's lines of each leaf
+            codes = cuda
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
         if optax_clip and norm is None:
             norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])
         sc = C.optax_scalar_matrix(state.count, codes, decay, learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2,
                                    eps=cfg.eps, weight_decay=cfg.weight_decay, global_norm=norm,
-                                   max_norm=cfg.max_grad_norm, xp=jnp, eps_root=cfg.eps_root, dtypes=kinds)
+                                   max_norm=cfg.max_grad_norm, xp=jnp, eps_root=cfg.eps_root, dtypes=kinds,
+                                   platform=platform)
         # on the CPU the weights passed in win over a master they no longer match
         masters = [C.master_of_weights(master[i], p_leaves[i], xp=jnp) if platform == "cpu" else master[i]
                    for i in halves]
