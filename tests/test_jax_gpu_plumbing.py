@@ -297,3 +297,22 @@ def test_gpu_path_refuses_lines_not_derived(simulated_gpu, mode, dtype, kw):
     tx = tsj.offload_adamw(1e-2, mode=mode, **kw)
     with pytest.raises(NotImplementedError, match=r"on a GPU, leaf \['a'\].*lines of optax.adamw for .* not derived"):
         tx.init(_params(jnp.dtype(dtype)))
+
+
+def test_cpu_mode_on_a_gpu_warns_once_with_the_bound(simulated_gpu, monkeypatch):
+    """mode="cpu" on a GPU is within the contract's bound, not bit-identical (XLA:GPU's approximate root): init says
+    so once per process, naming the bound and mode="gpu"; mode="gpu" says nothing."""
+    from trainstream.jax import _config
+
+    monkeypatch.setattr(_config, "_warned", [False])
+    params = _params(jnp.float32)
+    with pytest.warns(RuntimeWarning, match=rf"mode='cpu'\) on a GPU is not bit-identical.*within "
+                                            rf"{C.OPTAX_CUDA_HOST_MAX_ULP} ULP.*mode='gpu' is bit-identical"):
+        tsj.offload_adamw(1e-2, mode="cpu").init(params)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tsj.offload_adamw(1e-2, mode="cpu").init(params)  # once
+        _config._warned[0] = False
+        tsj.offload_adamw(1e-2, mode="gpu").init(params)

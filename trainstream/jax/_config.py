@@ -5,6 +5,7 @@ as optax does (:func:`family`): the dtype names of its moments, whether it has a
 from __future__ import annotations
 
 import collections
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from .. import contract as C
 from ._plan import is_number as _is_number
 
 __all__ = ["DTYPES", "Config", "Family", "check_array_hyper", "cuda_codes", "family", "leaf_dtype_name",
-           "mu_dtype_name", "static_arg"]
+           "mu_dtype_name", "static_arg", "warn_cpu_mode_on_gpu"]
 
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16"}
 
@@ -88,6 +89,21 @@ def cuda_codes(cfg: Config, kinds, fams, paths) -> list[int]:
                 "there, within the contract's bound)")
         codes.append(code)
     return codes
+
+
+_warned = [False]
+
+
+def warn_cpu_mode_on_gpu() -> None:
+    """Once per process: ``mode="cpu"`` on a GPU is not bit-identical to ``optax.adamw`` jitted there (the contract's
+    bound, :data:`trainstream.contract.OPTAX_CUDA_HOST_MAX_ULP`)."""
+    if not _warned[0]:
+        _warned[0] = True
+        warnings.warn("TrainStream offload_adamw(mode='cpu') on a GPU is not bit-identical to optax.adamw jitted on the "
+                      "GPU: the host computes XLA:GPU's lines in IEEE arithmetic where XLA:GPU approximates the square "
+                      f"root and division; the moments stay within {C.OPTAX_CUDA_HOST_MAX_ULP} ULP per step, the "
+                      "weights differ where Adam's first moment nearly cancels. mode='gpu' is bit-identical",
+                      RuntimeWarning, stacklevel=4)
 
 
 def static_arg(name: str, x, default, positive: bool = True):

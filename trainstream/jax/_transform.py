@@ -26,7 +26,7 @@ from ..backends import jax as xb
 from ..core import _budget, host_ring_bytes
 from . import _detect, _gpu, _plan, _resident, _sharding
 from ._config import (Config, Family, check_array_hyper, cuda_codes, family, leaf_dtype_name, mu_dtype_name,
-                      static_arg)
+                      static_arg, warn_cpu_mode_on_gpu)
 from ._leaves import check_gpu_mode as _check_gpu_mode
 from ._leaves import layout_key as _layout_key
 from ._leaves import paths as _paths
@@ -92,6 +92,8 @@ class _Impl:
         _check_gpu_mode(platform, self.cfg)
         if platform == "cuda":
             cuda_codes(self.cfg, [leaf_dtype_name(x, p) for x, p in zip(leaves, paths)], fams, paths)
+            if self.cfg.mode == "cpu":
+                warn_cpu_mode_on_gpu()
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
                       "fewer parameters' state per process (shard the parameters over the devices of more "
                       "processes, jax.distributed), or on a GPU mode='gpu' (no staging)")
@@ -333,9 +335,11 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
         fraction, raising ``MemoryError`` before any array is made. None: no check.
 
     Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
-    than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU anything
-    but optax's float32 state (fp16/bf16 leaves need ``master_weights=True`` there), ``nesterov``, ``eps_root`` and
-    ``eps = 0`` (issue 35, item 4).
+    than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU the
+    configurations whose XLA:GPU lines are not derived (:func:`trainstream.contract.optax_cuda_code`: e.g. fp16 state
+    with an ``eps`` that float16 keeps, ``mu_dtype`` with ``nesterov``), and in ``mode="cpu"`` there anything but
+    optax's float32 default lines (fp16/bf16 leaves need ``master_weights=True``; no ``nesterov``, ``eps_root``,
+    ``eps = 0``, ``mu_dtype``): ``mode="gpu"`` runs those.
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
