@@ -9,10 +9,7 @@ into optax's update (``test_optimization``'s own step), the pairing is chosen at
 """
 
 import functools
-import itertools
 import os
-import sys
-import types
 import unittest
 
 import numpy as np
@@ -25,59 +22,18 @@ jnp = jax.numpy
 import trainstream.jax as tsj  # noqa: E402
 
 from _jax_helpers import assert_tree_bits  # noqa: E402
+from _optax_alias import alias_cases as _cases  # noqa: E402
+from _optax_alias import alias_test_module as _alias_test_module  # noqa: E402
+from _optax_alias import compare as _compare  # noqa: E402
+from _optax_alias import pair as _pair  # noqa: E402
+from _optax_alias import problem as _problem  # noqa: E402
+from _optax_alias import run as _run  # noqa: E402
 
 if jax.default_backend() != "cpu":  # pragma: no cover - the CI runs JAX on the CPU
     pytest.skip("these tests run JAX on the CPU backend", allow_module_level=True)
 
 #: complex, float64 leaves or mu_dtype: refused by the adapter with a message naming the dtypes it keeps
 REFUSED = ("supports float32, float16 and bfloat16", "mu_dtype=complex64", "mu_dtype=float64")
-
-
-def _alias_test_module():
-    """optax's alias_test (its sklearn import is for the L-BFGS tests only: a stub is enough, removed from
-    ``sys.modules`` right after the import, since a module without ``__spec__`` breaks ``importlib.util.find_spec``
-    for the tests after this one in the process, torch's dynamo among them)."""
-    stubs = [n for n in ("sklearn", "sklearn.datasets", "sklearn.linear_model") if n not in sys.modules]
-    for name in stubs:
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules["sklearn"].datasets = sys.modules["sklearn.datasets"]
-    sys.modules["sklearn"].linear_model = sys.modules["sklearn.linear_model"]
-    try:
-        from optax._src import alias_test  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - optax without its tests or absl
-        pytest.skip(f"optax's alias_test is not importable: {exc}")
-    finally:
-        for name in stubs:
-            del sys.modules[name]
-    return alias_test
-
-
-def _cases() -> list[tuple[str, dict]]:
-    """(absl's method name, its parameters) of the adam/adamw cases, in absl.parameterized.product's order."""
-    at = _alias_test_module()
-    opts = at._OPTIMIZERS_UNDER_TEST
-    grids = {
-        "test_optimization": (opts, dict(target=("parabola", "rosenbrock"), dtype=("float32", "complex64"))),
-        "test_optimizers_accept_extra_args": (opts, {}),
-        "test_optimizers_can_be_wrapped_in_inject_hyperparams": (opts, {}),
-        "test_explicit_dtype": (None, dict(params_dtype=("bfloat16", "float32", "complex64", None),
-                                           state_dtype=("bfloat16", "float32", "complex64", None),
-                                           opt_name=("sgd_mom", "adam", "adamw"))),
-        "test_preserve_dtype": (opts, dict(dtype=("bfloat16", "float32"))),
-        "test_state_shape_dtype_shard_stability": (opts, dict(dtype=("float16", "bfloat16", "float32", "float64",
-                                                                     "complex64", "complex128"))),
-        "test_gradient_accumulation": (opts, dict(dtype=("bfloat16", "float32"))),
-    }
-    out = []
-    for name, (seq, grid) in grids.items():
-        axes = ([list(seq)] if seq is not None else []) + [[{k: v} for v in vals] for k, vals in grid.items()]
-        for i, combo in enumerate(itertools.product(*axes)):
-            d = {}
-            for c in combo:
-                d.update(c)
-            if d.get("opt_name") in ("adam", "adamw"):
-                out.append((f"{name}{i}", d))
-    return out
 
 
 def _refused(params: dict) -> bool:
@@ -111,43 +67,6 @@ def test_optax_alias_case(alias_module, name, params):
 
 
 # -- bit for bit against optax --------------------------------------------------------------------------------------
-def _pair(name: str, *args, **kwargs):
-    ref, ours = (optax.adam, tsj.offload_adam) if name == "adam" else (optax.adamw, tsj.offload_adamw)
-    return ref(*args, **kwargs), ours(*args, **kwargs)
-
-
-def _run(opt, params, grads, jit_update=True):
-    """Jitted update + apply_updates over the gradients: (params, updates, mu, nu) after each step."""
-    @jax.jit
-    def step(p, s, g):
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, u
-
-    p, s, out = params, opt.init(params), []
-    for g in grads:
-        p, s, u = step(p, s, g)
-        mu = optax.tree.get(s, "mu")
-        nu = optax.tree.get(s, "nu")
-        out.append((p, u, mu, nu))
-    return out
-
-
-def _compare(ref, ours, params, grads, what):
-    for t, (a, b) in enumerate(zip(_run(ours, params, grads), _run(ref, params, grads))):
-        for k, part in enumerate(("params", "updates", "mu", "nu")):
-            assert_tree_bits(a[k], b[k], f"{what} step {t + 1} {part}")
-
-
-def _problem(dtype, steps=6, seed=0, one_element=True):
-    """A 3-leaf tree (multi-element, vector, one element) and gradients over 5 decades."""
-    rng = np.random.default_rng(seed)
-    shapes = {"w": (9, 7), "b": (5,), "s": (1,)} if one_element else {"w": (9, 7), "b": (5,)}
-    params = {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
-    grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-4, 1), dtype) for k, s in shapes.items()}
-             for _ in range(steps)]
-    return params, grads
-
-
 #: every configuration's kernel compiles in 5 s (float32) to 50 s (fp16/bf16 state) on a cold Numba cache: the CI
 #: runs those the alias cases compile anyway, TRAINSTREAM_OPTAX_GRID=1 all
 FULL = os.environ.get("TRAINSTREAM_OPTAX_GRID") == "1"
