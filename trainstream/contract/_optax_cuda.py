@@ -41,7 +41,8 @@ With ``optax.clip_by_global_norm(M)`` first (:data:`OX_CLIP`, float32 gradients'
 float32): the JAX adapter's ``update`` returns it for its program to scale as optax does.
 
 Not derived, refused by :func:`optax_cuda_code`: clipping or ``eps_root != 0`` with fp16/bf16 state; fp16 state
-with ``eps`` not 0 in float16, or with nesterov; bf16 state with ``eps == 0``; ``mu_dtype=float32`` on fp16 leaves,
+with ``eps`` not 0 in float16, or with nesterov; bf16 state with ``eps == 0``, or with nesterov on a one-element
+leaf; ``mu_dtype=float32`` on fp16 leaves,
 or with nesterov or ``eps_root``; ``mu_dtype=bfloat16`` with nesterov, ``eps_root`` or ``eps == 0``; nesterov with
 ``eps == 0``; array hyper-parameters with fp16/bf16 state (as on the CPU).
 """
@@ -62,10 +63,11 @@ OX_CUDA_BITS = OX_CLIP | OX_NESTEROV | OX_RSQRT | OX_HALF | OX_MU_F32 | OX_MU_BF
 
 
 def optax_cuda_code(dtype: str, mu: str, nu: str, master: bool, *, nesterov: bool, eps_zero: bool, eps_root: bool,
-                    clip: bool) -> int:
+                    clip: bool, numel: int = 2) -> int:
     """The optax/cuda code of a leaf of ``dtype`` whose state is ``mu``/``nu`` (dtype names; ``master``: an fp32
     master with float32 moments), ``eps_zero``: ``eps`` is a number that is 0 in the dtype the update adds it in
-    (the leaf's for fp16/bf16 state, else float32); ``eps_root``: ``eps_root`` may be non-zero. Raises
+    (the leaf's for fp16/bf16 state, else float32); ``eps_root``: ``eps_root`` may be non-zero; ``numel``: the
+    leaf's elements (XLA:GPU compiles a one-element leaf's nesterov line otherwise: 2 bfloat16 ulps measured). Raises
     ``NotImplementedError`` naming the configuration where XLA:GPU's lines are not derived (module docstring)."""
     half = dtype != "float32" and not master and nu == dtype
     code = (OX_CLIP if clip else 0) | (OX_NESTEROV if nesterov else 0) | (OX_RSQRT if eps_zero else 0)
@@ -93,6 +95,8 @@ def optax_cuda_code(dtype: str, mu: str, nu: str, master: bool, *, nesterov: boo
         why = "float16 state with nesterov or an eps that is not 0 in float16"
     elif dtype == "bfloat16" and eps_zero:
         why = "bfloat16 state with eps == 0"
+    elif nesterov and numel == 1:
+        why = f"nesterov on a one-element {dtype} leaf with {dtype} state"
     return _checked(code, why)
 
 

@@ -67,18 +67,18 @@ def check_array_hyper(cfg: Config, kinds, fams, paths) -> None:
             "master_weights=True, or float32 parameters")
 
 
-def cuda_codes(cfg: Config, kinds, fams, paths) -> list[int]:
+def cuda_codes(cfg: Config, kinds, fams, paths, numels) -> list[int]:
     """Each leaf's optax/cuda code (:func:`trainstream.contract.optax_cuda_code`: XLA:GPU's lines for its dtype,
-    state and ``optax.adamw``'s arguments). ``NotImplementedError`` naming the leaf where those lines are not derived,
+    state, element count (``numels``: the whole leaf's) and ``optax.adamw``'s arguments). ``NotImplementedError`` naming the leaf where those lines are not derived,
     and in ``mode="cpu"`` for any but the float32 default lines (the host kernels have those alone)."""
     codes = []
-    for kind, f, path in zip(kinds, fams, paths):
+    for kind, f, path, numel in zip(kinds, fams, paths, numels):
         own = kind != "float32" and not f.master  # the update adds eps in the leaf's dtype
         eps_zero = _is_number(cfg.eps) and float(C.round_to(np.float32(cfg.eps), kind if own else "float32")) == 0
         eps_root = not (_is_number(cfg.eps_root) and cfg.eps_root == 0.0)  # (an array: maybe not)
         try:
             code = C.optax_cuda_code(kind, f.mu, f.nu, f.master, nesterov=bool(cfg.nesterov), eps_zero=eps_zero,
-                                     eps_root=eps_root, clip=cfg.max_grad_norm is not None)
+                                     eps_root=eps_root, clip=cfg.max_grad_norm is not None, numel=int(numel))
         except NotImplementedError as exc:
             raise NotImplementedError(f"TrainStream offload_adamw on a GPU, leaf {path} ({kind}): {exc}") from None
         if cfg.mode == "cpu" and (code & ~C.OX_CLIP or eps_root):

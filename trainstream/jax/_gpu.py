@@ -45,9 +45,11 @@ def init(params, leaves, families):
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
     treedef = jax.tree.structure(params)
     col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, families)])  # noqa: E731
-    zeros = lambda x, dt: jax.device_put(xp.zeros(xp.shape(x), jnp.dtype(dt)), host)  # noqa: E731
+    # copied into XLA's own buffers (may_alias=False): an array aliasing NumPy's memory cannot be donated
+    put = (lambda a: jax.device_put(a, host)) if xp is jnp else (lambda a: jax.device_put(a, host, may_alias=False))
+    zeros = lambda x, dt: put(xp.zeros(xp.shape(x), jnp.dtype(dt)))  # noqa: E731
     return OffloadAdamWState(count, col(lambda x, f: zeros(x, f.mu)), col(lambda x, f: zeros(x, f.nu)),
-                             col(lambda x, f: jax.device_put(to_f32(x), host) if f.master else None))
+                             col(lambda x, f: put(to_f32(x)) if f.master else None))
 
 
 def _noop(ctx, outs, *ins) -> None:

@@ -87,19 +87,21 @@ def init_state(params, leaves, layout: Layout, host_memory: bool, families=None)
     fams = families or [("float32", "float32", np.dtype(x.dtype) != np.float32) for x in leaves]
     of = {id(x): f for x, f in zip(leaves, fams)}
 
+    def put(x, spec, shard_of):
+        """The array of ``shard_of(addressable shard of x)`` per device, each copied into XLA's buffers (an array
+        aliasing NumPy's memory cannot be donated)."""
+        shards = [jax.device_put(shard_of(s), SingleDeviceSharding(s.device, memory_kind=kind), may_alias=False)
+                  for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
+                                                        shards)
+
     def zeros(x, spec, which=0):
         local = NamedSharding(mesh, spec).shard_shape(np.shape(x))
         dt = jnp.dtype(of[id(x)][which])
-        return jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
-                                            lambda _: np.zeros(local, dt))
+        return put(x, spec, lambda _: np.zeros(local, dt))
 
     def master(x, spec):
-        if not of[id(x)][2]:
-            return None
-        shards = [jax.device_put(np.asarray(s.data).astype(np.float32),
-                                 SingleDeviceSharding(s.device, memory_kind=kind)) for s in x.addressable_shards]
-        return jax.make_array_from_single_device_arrays(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
-                                                        shards)
+        return put(x, spec, lambda s: np.asarray(s.data).astype(np.float32)) if of[id(x)][2] else None
 
     treedef = jax.tree.structure(params)
     col = lambda f: jax.tree.unflatten(treedef, [f(x, s) for x, s in zip(leaves, layout.specs)])  # noqa: E731

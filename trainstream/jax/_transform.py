@@ -91,7 +91,8 @@ class _Impl:
         platform = _platform_of(leaves)
         _check_gpu_mode(platform, self.cfg)
         if platform == "cuda":
-            cuda_codes(self.cfg, [leaf_dtype_name(x, p) for x, p in zip(leaves, paths)], fams, paths)
+            cuda_codes(self.cfg, [leaf_dtype_name(x, p) for x, p in zip(leaves, paths)], fams, paths,
+                       [math.prod(np.shape(x)) for x in leaves])
             if self.cfg.mode == "cpu":
                 warn_cpu_mode_on_gpu()
         _budget.check(self.host_plan(leaves, paths, platform),  # before any array is made
@@ -205,7 +206,7 @@ class _Impl:
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         check_array_hyper(cfg, kinds, fams, paths)
         if platform == "cuda":
-            cuda = cuda_codes(cfg, kinds, fams, paths)
+            cuda = cuda_codes(cfg, kinds, fams, paths, [math.prod(np.shape(p)) for p in p_leaves])
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True) if decay is None else decay
         if layout is None:
