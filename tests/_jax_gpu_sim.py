@@ -117,9 +117,8 @@ class _Kernels:
 
     @staticmethod
     def _own_lines(sptr) -> bool:
-        """Lines other than the float32 default's (the host kernel's): a code bit or eps_root."""
-        s = _view(sptr, C.N_SCALARS, np.float32)
-        return bool(int(s[C.S_OX_CODE]) & ~C.OX_CLIP or s[C.S_EPS_ROOT] != 0)
+        """Lines other than the float32 default's (the host kernel's, eps_root included): a code bit."""
+        return bool(int(_view(sptr, C.N_SCALARS, np.float32)[C.S_OX_CODE]) & ~C.OX_CLIP)
 
     @staticmethod
     def _contract(pd, gd, state, item, emit_u):

@@ -53,7 +53,8 @@ def test_lines_not_derived_are_refused():
                      (("bfloat16", "bfloat16", "bfloat16", False), dict(eps_zero=False, clip=True)),
                      (("float16", "float32", "float16", False), dict(eps_zero=True)),
                      (("float32", "bfloat16", "float32", False), dict(nesterov=True)),
-                     (("bfloat16", "bfloat16", "bfloat16", False), dict(nesterov=True, numel=1))):
+                     (("bfloat16", "bfloat16", "bfloat16", False), dict(nesterov=True, numel=1)),
+                     (("float16", "float16", "float16", False), dict(eps_zero=True, b_half=True))):
         kw = {"nesterov": False, "eps_zero": False, "eps_root": False, "clip": False, **kw}
         with pytest.raises(NotImplementedError, match="not derived"):
             C.optax_cuda_code(*args, **kw)

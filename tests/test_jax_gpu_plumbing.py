@@ -249,9 +249,9 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
 
         def body(p, s, g, via=via):
             if via == "step":
-                return tx.step(g, s, p)
+                return (*tx.step(g, s, p), p)
             u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            return optax.apply_updates(p, u), s, u
 
         step = jax.jit(body, donate_argnums=(0, 1))
         p = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
@@ -259,18 +259,21 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
         m = {k: np.zeros_like(w[k]) for k in keys}
         v = {k: np.zeros_like(w[k]) for k in keys}
         for t, g in enumerate(gs):
-            p, s = step(p, s, g)
+            p_in = {k: _values(x) for k, x in p.items()}
+            p, s, u = step(p, s, g)
             row = np.asarray(mat(jnp.int32(t)))
             for i, k in enumerate(keys):
-                w[k], m[k], v[k], _ = C.optax_cuda_reference_update(w[k], m[k], v[k], _values(g[k]), row[i], dtype)
+                w[k], m[k], v[k], uk = C.optax_cuda_reference_update(w[k], m[k], v[k], _values(g[k]), row[i], dtype)
+                if via == "update" and not master:  # optax's scale_by_learning_rate of u, in u's dtype
+                    want_u = C.round_to(np.float32(uk * row[i][C.S_NEG_LR]), jnp.dtype(u[k].dtype).name)
+                    np.testing.assert_array_equal(_bits(_values(u[k])), _bits(want_u), err_msg=f"{case} u {k} {t}")
+                    w[k] = _values(p[k])  # XLA:CPU applies it (p + u: it may contract); the next step from there
+                    np.testing.assert_allclose(w[k], p_in[k] + _values(u[k]), rtol=2 ** -7, atol=1e-30)
         what = f"{case} {via}"
         for k in keys:
             for got, want, name in ((s.mu[k], m[k], "mu"), (s.nu[k], v[k], "nu"),
                                     (s.master[k] if master else p[k], w[k], "weights")):
-                if name == "weights" and via == "update" and not master:  # XLA:CPU applies u (it may contract)
-                    np.testing.assert_allclose(_values(got), want, rtol=2 ** -7, atol=1e-6, err_msg=what + k)
-                else:
-                    np.testing.assert_array_equal(_bits(_values(got)), _bits(want), err_msg=f"{what} {name} {k}")
+                np.testing.assert_array_equal(_bits(_values(got)), _bits(want), err_msg=f"{what} {name} {k}")
         kernel = ("u" if via == "update" and not master else "w")
         own = tuple(jnp.dtype(x["a"].dtype).name for x in (want_state.mu, want_state.nu))
         own = None if master or own == ("float32", "float32") else own
@@ -278,7 +281,7 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
                    for x in _Kernels.launches), (what, _Kernels.launches)
 
 
-@pytest.mark.parametrize("case", ["bf16", "fp32_nesterov", "fp32_eps0", "fp32_mu16", "fp32_eps_root"])
+@pytest.mark.parametrize("case", ["bf16", "fp32_nesterov", "fp32_eps0", "fp32_mu16"])
 def test_cpu_mode_on_a_gpu_refuses_lines_the_host_lacks(simulated_gpu, case):
     """mode="cpu" on a GPU has the host kernels' optax/cuda lines, the float32 default alone: the others are
     refused before anything is allocated, pointing to mode="gpu"."""
@@ -293,7 +296,8 @@ def test_cpu_mode_on_a_gpu_refuses_lines_the_host_lacks(simulated_gpu, case):
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 @pytest.mark.parametrize("dtype, kw", [("float16", {"eps": 1e-3}), ("bfloat16", {"eps_root": 1e-8}),
                                        ("float32", {"mu_dtype": jnp.bfloat16, "nesterov": True}),
-                                       ("float16", {"mu_dtype": jnp.float32})])
+                                       ("float16", {"mu_dtype": jnp.float32}), ("bfloat16", {"b1": 0.5}),
+                                       ("float16", {"b2": 0.5}), ("bfloat16", {"b1": 0.5, "mu_dtype": jnp.float32})])
 def test_gpu_path_refuses_lines_not_derived(simulated_gpu, mode, dtype, kw):
     """optax.adamw's configurations whose XLA:GPU lines nobody derived are refused on a GPU, naming the leaf and the
     configuration, before anything is allocated."""
@@ -319,3 +323,47 @@ def test_cpu_mode_on_a_gpu_warns_once_with_the_bound(simulated_gpu, monkeypatch)
         tsj.offload_adamw(1e-2, mode="cpu").init(params)  # once
         _config._warned[0] = False
         tsj.offload_adamw(1e-2, mode="gpu").init(params)
+
+
+def test_cpu_mode_on_a_gpu_takes_eps_root_and_inject_hyperparams(simulated_gpu):
+    """mode="cpu" on a GPU: the host's float32 lines add eps_root (a number, or an array as
+    optax.inject_hyperparams passes it) under the root as the contract's optax/cuda lines do (within the
+    contract's host bound: the host kernel may contract a moment's line into an FMA), and the weights are far from
+    those without eps_root."""
+    lr, wd = 1e-2, 0.05
+    params = _params(jnp.float32)
+    keys = list(params)
+    rng = np.random.default_rng(4)
+    gs = [_grads(rng, params) for _ in range(3)]
+    def matrix(hyper):  # inject_hyperparams passes float32 arrays: 1 - b etc. in float32, as optax computes them
+        return jax.jit(lambda c: C.optax_scalar_matrix(c, [0] * len(keys), [True] * len(keys), xp=jnp,
+                                                       platform="cuda", **hyper).scalars)
+
+    hyper = dict(learning_rate=lr, b1=0.9, b2=0.999, eps=1e-8, eps_root=1.0, weight_decay=wd)
+    arrays = {k: jnp.float32(x) for k, x in hyper.items()}
+    for tx, mat in ((tsj.offload_adamw(lr, weight_decay=wd, eps_root=1.0, mode="cpu"), matrix(hyper)),
+                    (optax.inject_hyperparams(tsj.offload_adamw, static_args=("mode",))(
+                        learning_rate=lr, weight_decay=wd, eps_root=1.0, mode="cpu"), matrix(arrays))):
+        s, p = tx.init(params), dict(params)
+        w = {k: _values(params[k]) for k in keys}
+        m = {k: np.zeros_like(w[k]) for k in keys}
+        v = {k: np.zeros_like(w[k]) for k in keys}
+        def body(p, s, g, tx=tx):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(body)
+        for t, g in enumerate(gs):
+            p, s = step(p, s, g)
+            row = np.asarray(mat(jnp.int32(t)))
+            for i, k in enumerate(keys):
+                w[k], m[k], v[k], _ = C.optax_cuda_reference_update(w[k], m[k], v[k], _values(g[k]), row[i])
+        inner = s.inner_state if hasattr(s, "inner_state") else s
+        for k in keys:
+            np.testing.assert_allclose(_values(inner.mu[k]), m[k], rtol=1e-6, atol=1e-8, err_msg=k)  # m cancels
+            np.testing.assert_allclose(_values(inner.nu[k]), v[k], rtol=1e-6, atol=1e-15, err_msg=k)
+            np.testing.assert_allclose(_values(p[k]), w[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        assert max(np.abs(_values(p[k]) - _values(params[k])).max() for k in keys) > 0
+        # eps_root=1.0 is felt: without it (v / d2 alone) the weights move several times further
+        moved = {k: np.abs(w[k] - _values(params[k])).max() for k in keys}
+        assert all(moved[k] < 0.5 * 3 * lr for k in keys), moved

@@ -40,7 +40,8 @@ With ``optax.clip_by_global_norm(M)`` first (:data:`OX_CLIP`, float32 gradients'
 ``u`` above is the update before the learning rate in optax's dtype for it (the leaf's for fp16/bf16 state, else
 float32): the JAX adapter's ``update`` returns it for its program to scale as optax does.
 
-Not derived, refused by :func:`optax_cuda_code`: clipping or ``eps_root != 0`` with fp16/bf16 state; fp16 state
+Not derived, refused by :func:`optax_cuda_code`: clipping or ``eps_root != 0`` with fp16/bf16 state, or ``b1``/``b2``
+near 0.5 (``1 - b`` and ``b`` equal in the dtype); fp16 state
 with ``eps`` not 0 in float16, or with nesterov; bf16 state with ``eps == 0``, or with nesterov on a one-element
 leaf; ``mu_dtype=float32`` on fp16 leaves,
 or with nesterov or ``eps_root``; ``mu_dtype=bfloat16`` with nesterov, ``eps_root`` or ``eps == 0``; nesterov with
@@ -63,11 +64,13 @@ OX_CUDA_BITS = OX_CLIP | OX_NESTEROV | OX_RSQRT | OX_HALF | OX_MU_F32 | OX_MU_BF
 
 
 def optax_cuda_code(dtype: str, mu: str, nu: str, master: bool, *, nesterov: bool, eps_zero: bool, eps_root: bool,
-                    clip: bool, numel: int = 2) -> int:
+                    clip: bool, numel: int = 2, b_half: bool = False) -> int:
     """The optax/cuda code of a leaf of ``dtype`` whose state is ``mu``/``nu`` (dtype names; ``master``: an fp32
     master with float32 moments), ``eps_zero``: ``eps`` is a number that is 0 in the dtype the update adds it in
     (the leaf's for fp16/bf16 state, else float32); ``eps_root``: ``eps_root`` may be non-zero; ``numel``: the
-    leaf's elements (XLA:GPU compiles a one-element leaf's nesterov line otherwise: 2 bfloat16 ulps measured). Raises
+    leaf's elements on the device (XLA:GPU compiles a one-element leaf's nesterov line otherwise: 2 bfloat16 ulps
+    measured); ``b_half``: ``1 - b`` and ``b`` round alike in the state's 16-bit dtype for ``b1`` or ``b2`` (XLA
+    factors ``(1-b) x + b y`` into ``(x + y) b`` there, as on the CPU: not derived on the GPU). Raises
     ``NotImplementedError`` naming the configuration where XLA:GPU's lines are not derived (module docstring)."""
     half = dtype != "float32" and not master and nu == dtype
     code = (OX_CLIP if clip else 0) | (OX_NESTEROV if nesterov else 0) | (OX_RSQRT if eps_zero else 0)
@@ -85,6 +88,8 @@ def optax_cuda_code(dtype: str, mu: str, nu: str, master: bool, *, nesterov: boo
     code |= OX_HALF
     if clip or eps_root:
         why = f"clip_by_global_norm or eps_root with {dtype} state"
+    elif b_half:
+        why = f"{dtype} state with b1 or b2 whose 1 - b rounds to b in {dtype} (b near 0.5)"
     elif mu == "float32":
         code |= OX_MU_F32
         if dtype != "bfloat16" or nesterov or eps_zero:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._scalars import (OX_CLIP, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_LERP_SMALL,
+from ._scalars import (OX_CLIP, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_EPS_ROOT,
+                       S_LERP_SMALL,
                        S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, VARIANT_OPTAX_CPU,
                        VARIANT_TORCH_CPU, variant_id)
 
@@ -143,7 +144,7 @@ def reference_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray,
                 g = (np.asarray(g0, np.float32) / s[S_CLIP_DIV]) * s[S_CLIP]
             m = s[S_OMB1] * g + s[S_BETA1] * m
             v = s[S_OMB2] * (g * g) + s[S_BETA2] * v
-            u = m / (s[S_BC1] * (np.sqrt(v / s[S_BC2_OPTAX]) + s[S_EPS]))
+            u = m / (s[S_BC1] * (np.sqrt(v / s[S_BC2_OPTAX] + s[S_EPS_ROOT]) + s[S_EPS]))
             u = u + s[S_WD] * p
             p = p + u * s[S_NEG_LR]
     return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)

@@ -76,15 +76,20 @@ def cuda_codes(cfg: Config, kinds, fams, paths, numels) -> list[int]:
         own = kind != "float32" and not f.master  # the update adds eps in the leaf's dtype
         eps_zero = _is_number(cfg.eps) and float(C.round_to(np.float32(cfg.eps), kind if own else "float32")) == 0
         eps_root = not (_is_number(cfg.eps_root) and cfg.eps_root == 0.0)  # (an array: maybe not)
+        # XLA factors (1-b)*x + b*y into (x+y)*b where both constants round alike (b near 0.5): not derived for
+        # 16-bit state (the optax/cpu lines' OX_B1_HALF, OX_B2_HALF)
+        b_half = own and any(_is_number(b) and float(C.round_to(np.float32(1 - b), kind)) ==
+                             float(C.round_to(np.float32(b), kind)) for b in (cfg.b1, cfg.b2))
         try:
             code = C.optax_cuda_code(kind, f.mu, f.nu, f.master, nesterov=bool(cfg.nesterov), eps_zero=eps_zero,
-                                     eps_root=eps_root, clip=cfg.max_grad_norm is not None, numel=int(numel))
+                                     eps_root=eps_root, clip=cfg.max_grad_norm is not None, numel=int(numel),
+                                     b_half=b_half)
         except NotImplementedError as exc:
             raise NotImplementedError(f"TrainStream offload_adamw on a GPU, leaf {path} ({kind}): {exc}") from None
-        if cfg.mode == "cpu" and (code & ~C.OX_CLIP or eps_root):
+        if cfg.mode == "cpu" and code & ~C.OX_CLIP:
             raise NotImplementedError(
                 f"TrainStream offload_adamw(mode='cpu') on a GPU: leaf {path} ({kind}, state {f.mu}/{f.nu}) needs "
-                "XLA:GPU's lines for optax's 16-bit state, mu_dtype, nesterov, eps_root or eps == 0, which only the "
+                "XLA:GPU's lines for optax's 16-bit state, mu_dtype, nesterov or eps == 0, which only the "
                 "GPU kernels run: use mode='gpu' (the host kernels reproduce optax.adamw's float32 default lines "
                 "there, within the contract's bound)")
         codes.append(code)

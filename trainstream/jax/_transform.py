@@ -206,7 +206,6 @@ class _Impl:
         halves = [i for i, f in enumerate(fams) if f.master]  # the leaves with an fp32 master
         check_array_hyper(cfg, kinds, fams, paths)
         if platform == "cuda":
-            cuda = cuda_codes(cfg, kinds, fams, paths, [math.prod(np.shape(p)) for p in p_leaves])
             _check_host_state(mu, nu, master, paths)  # (_flatten: float32 leaves have no master)
         decay = _resolve_mask(cfg.mask, params, p_def, "mask", True) if decay is None else decay
         if layout is None:
@@ -215,15 +214,15 @@ class _Impl:
             numels = [math.prod(jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(np.shape(p)))
                       for p, spec in zip(p_leaves, layout.specs)]
         optax_clip = cfg.max_grad_norm is not None
-        if platform == "cpu":
+        if platform == "cuda":  # XLA:GPU's lines of each leaf, by its elements on the device
+            codes = cuda_codes(cfg, kinds, fams, paths, numels)
+        else:
             codes = [self._code(n_tree or n, k, kind, fam, path, np.ndim(p))
                      for k, kind, fam, path, p in zip(numels, kinds, fams, paths, p_leaves)]
             # the pairing bits XLA:CPU gives optax's moment lines in this program (the family bits stay)
             codes = _detect.fused_codes(codes, g_leaves, p_leaves, decay, cfg, kinds, [f.master for f in fams],
                                         n_tree)
             _detect.warn_output_pairing(codes, decay, cfg.weight_decay)
-        else:  # XLA:GPU's lines of each leaf
-            codes = cuda
         # clip_by_global_norm's norm, in the global view (GSPMD partitions it as optax's)
         if optax_clip and norm is None:
             norm = optax.tree.norm([g.astype(jnp.float32) for g in g_leaves])
@@ -339,8 +338,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU the
     configurations whose XLA:GPU lines are not derived (:func:`trainstream.contract.optax_cuda_code`: e.g. fp16 state
     with an ``eps`` that float16 keeps, ``mu_dtype`` with ``nesterov``), and in ``mode="cpu"`` there anything but
-    optax's float32 default lines (fp16/bf16 leaves need ``master_weights=True``; no ``nesterov``, ``eps_root``,
-    ``eps = 0``, ``mu_dtype``): ``mode="gpu"`` runs those.
+    optax's float32 default lines (fp16/bf16 leaves need ``master_weights=True``; no ``nesterov``, ``eps = 0``,
+    ``mu_dtype``): ``mode="gpu"`` runs those.
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
