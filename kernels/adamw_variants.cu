@@ -111,24 +111,12 @@ __device__ __forceinline__ void ts_optax_lines(const float* s, float& p, const f
   p = __fadd_rn(p, __fmul_rn(u, nlr));
 }
 
-// optax/cuda, one element, float32 state (the fp32 master's with fp16/bf16 weights: the contract's conversions).
-struct TsOptax {
-  static constexpr bool kTorchCvt = false;
-  static constexpr bool kWritesGrad = false;
-  static __device__ __forceinline__ void prepare(TsCtx&) {}
-
-  template <typename G>
-  static __device__ __forceinline__ void el(float& p, float& graw, float& m, float& v, float&, const bool,
-                                            const TsCtx& c, const long long, float& u) {
-    ts_optax_lines<ts_bf16>(c.s.s, p, graw, m, v, u);
-  }
-};
-
-// optax/cuda, one element, optax's own state (fp16/bf16 leaves' in their dtype H, mu_dtype): XLA:GPU's
-// conversions (cvt.rn, as torch's on CUDA).
-template <typename H>
-struct TsOptaxState {
-  static constexpr bool kTorchCvt = true;
+// optax/cuda, one element: H, the 16-bit dtype of the lines (TS_OX_HALF's; bfloat16 for mu_dtype=bfloat16);
+// CVT, how values are stored: false, the contract's conversions (float32 state, the fp32 master's rounding to
+// fp16/bf16 weights); true, XLA:GPU's (cvt.rn, as torch's on CUDA: optax's own 16-bit state).
+template <typename H, bool CVT>
+struct TsOptaxT {
+  static constexpr bool kTorchCvt = CVT;
   static constexpr bool kWritesGrad = false;
   static __device__ __forceinline__ void prepare(TsCtx&) {}
 
@@ -138,6 +126,9 @@ struct TsOptaxState {
     ts_optax_lines<H>(c.s.s, p, graw, m, v, u);
   }
 };
+typedef TsOptaxT<ts_bf16, false> TsOptax;  // float32 state
+template <typename H>
+using TsOptaxState = TsOptaxT<H, true>;  // optax's own state
 
 // torch/cuda, one element: the contract's lines are TsOps' with fp32 state and TS_F_DECAY:
 //   p1 = p * f(1 - lr*wd); m = fma(f(1-b1), g - m, m) (weight < 0.5) or fma(f(1-b1) - 1, g - m, g);
