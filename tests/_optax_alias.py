@@ -102,3 +102,51 @@ def problem(dtype, steps=6, seed=0, one_element=True):
     return params, grads
 
 
+def compare_optimization(name: str, target: str, mode: str = "cpu") -> None:
+    """optax's test_optimization problems, 300 steps with learning rate 0.1, the gradient computed in its own program
+    and fed to the update: params, mu and nu of ours (``mode``) and optax's bit for bit at every step."""
+    at = alias_test_module()
+    init, _, objective = getattr(at, f"_setup_{target}")(jnp.float32)
+    grad = jax.jit(jax.grad(objective))
+    ref, ours = pair(name, 0.1, mode=mode)
+    runs = []
+    for opt in (ours, ref):
+        @jax.jit
+        def step(p, s, g, opt=opt):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        p, s, hist = init, opt.init(init), []
+        for _ in range(300):
+            p, s = step(p, s, grad(p))
+            hist.append((p, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
+        runs.append(hist)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert_tree_bits(a, b, f"{name} {target} step {t + 1}")
+
+
+def compare_lax_cond(dtype: str, mode: str = "cpu") -> None:
+    """test_state_shape_dtype_shard_stability's program (the update inside lax.cond) and test_preserve_dtype's: the
+    update in the gradient's dtype; params, updates and state of ours (``mode``) and optax's bit for bit."""
+    p0, fin = jnp.array([-1.0, 10.0, 1.0], dtype), jnp.array([1.0, -1.0, 1.0], dtype)
+
+    def objective(x):
+        return jnp.sum(jnp.abs(x - fin) ** 2)
+
+    runs = []
+    for opt in pair("adamw", 0.1, mode=mode):
+        @jax.jit
+        def step(params, state, opt=opt):
+            updates = jax.grad(objective)(params)
+            cond = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
+            updates, state = jax.lax.cond(cond, lambda: opt.update(updates, state, params), lambda: (params, state))
+            return optax.apply_updates(params, updates), state, updates
+
+        p, s, hist = p0, opt.init(p0), []
+        for _ in range(3):
+            p, s, u = step(p, s)
+            assert u.dtype == jnp.dtype(dtype) and p.dtype == jnp.dtype(dtype)
+            hist.append((p, u, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
+        runs.append(hist)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert_tree_bits(a, b, f"{dtype} lax.cond step {t + 1}")

@@ -25,6 +25,7 @@ from _jax_helpers import assert_tree_bits  # noqa: E402
 from _optax_alias import alias_cases as _cases  # noqa: E402
 from _optax_alias import alias_test_module as _alias_test_module  # noqa: E402
 from _optax_alias import compare as _compare  # noqa: E402
+from _optax_alias import compare_lax_cond, compare_optimization  # noqa: E402
 from _optax_alias import pair as _pair  # noqa: E402
 from _optax_alias import problem as _problem  # noqa: E402
 from _optax_alias import run as _run  # noqa: E402
@@ -220,24 +221,7 @@ def test_positional_order_is_optax():
 def test_optimization_bitwise(name, target):
     """test_optimization's problems, 300 steps with learning_rate 0.1: the gradient computed in its own program,
     fed to the update (params, mu and nu bit for bit at every step)."""
-    at = _alias_test_module()
-    init, _, objective = getattr(at, f"_setup_{target}")(jnp.float32)
-    grad = jax.jit(jax.grad(objective))
-    ref, ours = _pair(name, 0.1)
-    runs = []
-    for opt in (ours, ref):
-        @jax.jit
-        def step(p, s, g, opt=opt):
-            u, s = opt.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
-        p, s, hist = init, opt.init(init), []
-        for _ in range(300):
-            p, s = step(p, s, grad(p))
-            hist.append((p, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
-        runs.append(hist)
-    for t, (a, b) in enumerate(zip(*runs)):
-        assert_tree_bits(a, b, f"{name} {target} step {t + 1}")
+    compare_optimization(name, target)
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw"])
@@ -273,28 +257,7 @@ def test_inject_hyperparams_one_element_leaves():
 def test_lax_cond_and_preserve_dtype_bitwise(dtype):
     """test_state_shape_dtype_shard_stability's program (the update inside lax.cond) and test_preserve_dtype's:
     the update in the gradient's dtype, params and state bit for bit."""
-    p0, fin = jnp.array([-1.0, 10.0, 1.0], dtype), jnp.array([1.0, -1.0, 1.0], dtype)
-
-    def objective(x):
-        return jnp.sum(jnp.abs(x - fin) ** 2)
-
-    runs = []
-    for opt in _pair("adamw", 0.1):
-        @jax.jit
-        def step(params, state, opt=opt):
-            updates = jax.grad(objective)(params)
-            cond = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
-            updates, state = jax.lax.cond(cond, lambda: opt.update(updates, state, params), lambda: (params, state))
-            return optax.apply_updates(params, updates), state, updates
-
-        p, s, hist = p0, opt.init(p0), []
-        for _ in range(3):
-            p, s, u = step(p, s)
-            assert u.dtype == jnp.dtype(dtype) and p.dtype == jnp.dtype(dtype)
-            hist.append((p, u, optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))
-        runs.append(hist)
-    for t, (a, b) in enumerate(zip(*runs)):
-        assert_tree_bits(a, b, f"{dtype} lax.cond step {t + 1}")
+    compare_lax_cond(dtype)
 
 
 @pytest.mark.parametrize("mu_dtype", [None, "bfloat16", "float32"])
