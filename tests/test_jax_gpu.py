@@ -87,6 +87,23 @@ def _adam_state(st):
             if isinstance(x, optax.ScaleByAdamState)][0]
 
 
+def _steps(tx, ref, via):
+    """``(ours, theirs)``, jitted ``(params, state, grads) -> (params, state, updates)``: ours through ``tx.step`` (no
+    updates) or ``tx.update`` + ``apply_updates``, params and state donated; theirs ``ref.update`` + ``apply_updates``."""
+    def ours(p, s, g):
+        if via == "step":
+            p, s = tx.step(g, s, p)
+            return p, s, None
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    def theirs(p, s, g):
+        u, s = ref.update(g, s, p)
+        return optax.apply_updates(p, u), s, u
+
+    return jax.jit(ours, donate_argnums=(0, 1)), jax.jit(theirs)
+
+
 def _host_state(s):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves((s.mu, s.nu, s.master))}
     assert kinds == {"pinned_host"}, kinds
@@ -107,19 +124,7 @@ def test_gpu_mode_is_optax_on_the_gpu_bit_for_bit(via, dtype, clip):
                            mode="gpu")
     ref = _ref_tx(SCHEDULE, clip)
 
-    def ours(p, s, g):
-        if via == "step":
-            p, s = tx.step(g, s, p)
-            return p, s, None
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, u
-
-    @jax.jit
-    def theirs(p, s, g):
-        u, s = ref.update(g, s, p)
-        return optax.apply_updates(p, u), s, u
-
-    step = jax.jit(ours, donate_argnums=(0, 1))
+    step, theirs = _steps(tx, ref, via)
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     pr, sr = _f32(params), ref.init(_f32(params))
     rng = np.random.default_rng(1)
@@ -171,19 +176,7 @@ def test_gpu_mode_is_optax_on_the_gpu_for_each_line(via, case):
     inner = optax.adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, **kw)
     ref = optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
 
-    def ours(p, s, g):
-        if via == "step":
-            p, s = tx.step(g, s, p)
-            return p, s, None
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, u
-
-    @jax.jit
-    def theirs(p, s, g):
-        u, s = ref.update(g, s, p)
-        return optax.apply_updates(p, u), s, u
-
-    step = jax.jit(ours, donate_argnums=(0, 1))
+    step, theirs = _steps(tx, ref, via)
     p, s = jax.tree.map(jnp.copy, params), tx.init(params)
     pr = _f32(params) if master else jax.tree.map(jnp.copy, params)
     sr = ref.init(pr)
