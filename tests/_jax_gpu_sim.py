@@ -1,6 +1,6 @@
 """The CUDA calls of offload_adamw's GPU path (trainstream.jax._gpu) simulated on XLA:CPU:
 :func:`simulate_gpu` patches them with host stand-ins (mapped memory as NumPy buffers,
-copies as memmove, the kernel launches as the host kernel of the same variant). Used by
+copies as memmove, the kernel launches as the host kernel of the same variant and lines). Used by
 tests/test_jax_gpu_plumbing.py and tests/_jax_mesh_scenarios.py (a helper module, not
 collected by pytest)."""
 
@@ -91,85 +91,40 @@ class _Device:
         pass
 
 
-def _load(ptr, n, dtype):
-    """float32 values of ``n`` elements of ``dtype`` at ``ptr``."""
-    x = _view(ptr, n, _NP[dtype])
-    if dtype == "bfloat16":
-        return C.bf16_bits_to_f32(x)
-    return x.view(np.float16).astype(np.float32) if dtype == "float16" else x.copy()
-
-
-def _store(ptr, n, dtype, values):
-    x = _view(ptr, n, _NP[dtype])
-    if dtype == "bfloat16":
-        x[:] = C.f32_to_bf16_bits(values)
-    else:
-        x[:] = np.asarray(values, np.float32).astype(np.float16).view(np.uint16) if dtype == "float16" else values
-
-
 class _Kernels:
-    """launch_adamw_multi / launch_adamw_u_multi on host views: the host kernel of optax/cuda's float32 default lines,
-    the contract's NumPy lines (trainstream.contract.optax_cuda_reference_update) for the others and optax's own
-    state."""
+    """launch_adamw_multi / launch_adamw_u_multi on host views: the host kernel of optax/cuda's lines (the
+    contract's in IEEE arithmetic, trainstream._host_kernels._optax), optax's own state included."""
 
     MULTI_MAX = 3  # small, so that leaves of one dtype take several launches
     launches = []
 
     @staticmethod
-    def _own_lines(sptr) -> bool:
-        """Lines other than the float32 default's (the host kernel's, eps_root included): a code bit."""
-        return bool(int(_view(sptr, C.N_SCALARS, np.float32)[C.S_OX_CODE]) & ~C.OX_CLIP)
-
-    @staticmethod
-    def _contract(pd, gd, state, item, emit_u):
-        """One item by the contract's optax/cuda lines (IEEE stand-ins, as the host kernel's)."""
+    def _run(variant, pd, gd, state, item, emit_u):
         param, grad, third, m, v, n, sptr = item
-        s = _view(sptr, C.N_SCALARS, np.float32).copy()
         md, vd = state or ("float32", "float32")
-        master = state is None and pd != "float32" and not emit_u
-        p = _load(third if master else param, n, "float32" if master else pd)
-        new_p, mm, vv, u = C.optax_cuda_reference_update(p, _load(m, n, md), _load(v, n, vd), _load(grad, n, gd), s,
-                                                         pd)
-        _store(m, n, md, mm)
-        _store(v, n, vd, vv)
-        if emit_u:
-            _store(third, n, pd if state == (pd, pd) else "float32", u)
-            return
-        if master:
-            _store(third, n, "float32", new_p)
-        _store(param, n, pd, new_p)
+        if state is None and pd != "float32" and not emit_u:  # the fp32 master, the rounded weights out
+            p, out, okind = _view(third, n, np.float32), _view(param, n, np.uint16), _KIND[pd]
+        elif emit_u:  # u in optax's update dtype
+            p, out, okind = _view(param, n, _NP[pd]), _view(third, n, _NP[pd if state == (pd, pd) else "float32"]), \
+                K.OUT_U
+        else:  # the weights in place
+            p, out, okind = _view(param, n, _NP[pd]), None, 0
+        K.adamw_chunk(variant, p, _view(m, n, _NP[md]), _view(v, n, _NP[vd]), _view(grad, n, _NP[gd]), _KIND[gd], out,
+                      okind, 0, n, _view(sptr, C.N_SCALARS, np.float32).copy())
 
     @classmethod
     def launch_adamw_multi(cls, variant, pd, gd, items, stream=0, *, device=None, state=None):
         assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
         cls.launches.append(("w", pd, len(items)) + ((state,) if state else ()))
         for item in items:
-            if state is not None or cls._own_lines(item[6]):
-                cls._contract(pd, gd, state, item, False)
-                continue
-            param, grad, master, m, v, n, sptr = item
-            s = _view(sptr, C.N_SCALARS, np.float32)
-            g = _view(grad, n, _NP[gd])
-            if pd == "float32":
-                K.adamw_chunk(variant, _view(param, n, np.float32), _view(m, n, np.float32),
-                              _view(v, n, np.float32), g, _KIND[gd], None, 0, 0, n, s.copy())
-            else:
-                K.adamw_chunk(variant, _view(master, n, np.float32), _view(m, n, np.float32),
-                              _view(v, n, np.float32), g, _KIND[gd], _view(param, n, np.uint16), _KIND[pd], 0, n,
-                              s.copy())
+            cls._run(variant, pd, gd, state, item, False)
 
     @classmethod
     def launch_adamw_u_multi(cls, variant, gd, items, stream=0, *, device=None, param_dtype="float32", state=None):
         assert len(items) <= cls.MULTI_MAX and variant == C.VARIANT_OPTAX_CUDA
         cls.launches.append(("u", gd, len(items)) + ((param_dtype, state) if state else ()))
         for item in items:
-            if state is not None or cls._own_lines(item[6]):
-                cls._contract(param_dtype, gd, state, item, True)
-                continue
-            param, grad, u, m, v, n, sptr = item
-            s = _view(sptr, C.N_SCALARS, np.float32)
-            K.adamw_chunk(variant, _view(param, n, np.float32), _view(m, n, np.float32), _view(v, n, np.float32),
-                          _view(grad, n, _NP[gd]), _KIND[gd], _view(u, n, np.float32), K.OUT_U, 0, n, s.copy())
+            cls._run(variant, param_dtype, gd, state, item, True)
 
 
 def simulate_gpu(monkeypatch):

@@ -108,3 +108,52 @@ def test_out_u_dtype_checked():
     with pytest.raises(ValueError, match="writes u into a uint16 out"):
         K.adamw_chunk(C.VARIANT_OPTAX_CPU, a, a.copy(), a.copy(), a.copy(), K.KIND_BF16, np.zeros(4, np.float32),
                       K.OUT_U, 0, 4, s)
+
+
+#: optax/cuda's lines (trainstream.contract._optax_cuda), one case per line set of OX_CUDA_LINES: dtype, arguments.
+CUDA_CASES = {
+    0: ("float32", dict(eps_root=1e-3)),
+    C.OX_NESTEROV: ("float32", {}),
+    C.OX_RSQRT: ("float32", dict(eps=0.0)),
+    C.OX_MU_BF16: ("float32", {}),
+    C.OX_HALF: ("bfloat16", {}),
+    C.OX_HALF | C.OX_RSQRT: ("float16", dict(eps=0.0)),
+    C.OX_HALF | C.OX_NESTEROV: ("bfloat16", {}),
+    C.OX_HALF | C.OX_MU_F32: ("bfloat16", {}),
+}
+
+
+def test_cuda_cases_cover_every_line_set():
+    assert sorted(CUDA_CASES) == sorted(C.OX_CUDA_LINES)
+
+
+@pytest.mark.parametrize("code", sorted(CUDA_CASES))
+def test_optax_cuda_kernel_matches_reference(code):
+    """The host's optax/cuda lines (mode="cpu" on a GPU): 3 steps over 517 elements, the weights in place (``step``)
+    and u out (``update``), p, mu, nu and u bit for bit against the contract's NumPy lines."""
+    dtype, hyper = CUDA_CASES[code]
+    hp = {**HP, **hyper}
+    eps_root = hp.pop("eps_root", 0.0)
+    rng = np.random.default_rng(code + 1)
+    n, half = 517, bool(code & C.OX_HALF)
+    p_dt = dtype if half else "float32"
+    mu_dt = "bfloat16" if code & C.OX_MU_BF16 else "float32" if code & C.OX_MU_F32 or not half else dtype
+    u_dt = dtype if half and not code & C.OX_MU_F32 else "float32"
+    p = _data(rng, n, p_dt)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for t in range(3):
+        g = _data(rng, n, dtype)
+        sc = np.asarray(C.optax_scalar_matrix(t, [code], [t != 1], eps_root=eps_root, dtypes=[dtype],
+                                              platform="cuda", **hp).scalars[0])
+        want = C.optax_cuda_reference_update(p, m, v, g, sc, dtype)
+        for via in ("step", "update"):
+            kp, km, kv = _bits(p, p_dt), _bits(m, mu_dt), _bits(v, p_dt)
+            out = np.zeros(n, np.uint16 if u_dt != "float32" else np.float32) if via == "update" else None
+            K.adamw_chunk(C.VARIANT_OPTAX_CUDA, kp, km, kv, _bits(g, dtype), K.KIND[dtype], out,
+                          K.OUT_U if out is not None else 0, 0, n, sc)
+            got = [("mu", km, want[1], mu_dt), ("nu", kv, want[2], p_dt)]
+            got += [("u", out, want[3], u_dt)] if via == "update" else [("p", kp, want[0], p_dt)]
+            for name, x, w, dt in got:
+                bad = np.flatnonzero(_values(x, dt).view(np.uint32) != np.asarray(w, np.float32).view(np.uint32))
+                assert bad.size == 0, f"code {code} {dtype} {via} step {t + 1} {name}: {bad.size} differ, {bad[:3]}"
+        p, m, v = want[:3]

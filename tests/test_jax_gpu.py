@@ -10,6 +10,8 @@ a global norm in a program-dependent order, and the clip coefficient's last bit 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -243,6 +245,71 @@ def test_cpu_mode_within_the_contract_bound(dtype, clip):
     print(f"cpu mode {dtype} clip={clip}: moments <= {worst_mv:.0f} ULP, weights <= {worst_w:.2e} lr")
     assert worst_mv <= C.OPTAX_CUDA_HOST_MAX_ULP
     assert worst_w < 1e-2
+    _host_state(s)
+
+
+def _ulps(a, b) -> int:
+    """The largest distance in ULPs of their dtype between same-shaped arrays ``a`` and ``b`` (0: the same bits;
+    +0 and -0 apart by one)."""
+    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+    bits = {4: np.int32, 2: np.int16}[a.itemsize]
+    top = np.int64(np.iinfo(bits).min)
+    o = [np.where(x < 0, top - x.astype(np.int64), x.astype(np.int64)) for x in (a.view(bits), b.view(bits))]
+    return int(np.abs(o[0] - o[1]).max(initial=0))
+
+
+@pytest.mark.parametrize("case", sorted(LINES))
+def test_cpu_mode_each_line_within_the_bound(case):
+    """mode="cpu" on a GPU runs each of XLA:GPU's lines on the host in IEEE arithmetic. optax starts from our state at
+    every step (so differences cannot compound): float32 moments within OPTAX_CUDA_HOST_MAX_ULP of optax's
+    (``update_ulps``), 16-bit moments and weights within one ULP of their dtype, float32 weights within a hundredth
+    of the step; the figures printed (ULPs of each array's own dtype) are the measured bound."""
+    dev = _gpu()
+    dtype, kw = LINES[case]
+    kw = dict(kw)
+    clip, master = kw.pop("clip", None), kw.pop("master_weights", False)
+    params = _params(jnp.dtype(dtype), dev)
+    with warnings.catch_warnings():  # (the warning of mode="cpu" on a GPU: tests/test_jax_gpu_plumbing.py)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tx = tsj.offload_adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, max_grad_norm=clip, mode="cpu",
+                               master_weights=master, **kw)
+        s = tx.init(params)
+    inner = optax.adamw(SCHEDULE, weight_decay=1e-2, mask=_mask, **kw)
+    ref = optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
+    ours, theirs = _steps(tx, ref, "update")
+    p, sr = jax.tree.map(jnp.copy, params), ref.init(_f32(params) if master else params)
+    to_dev = lambda a: jax.device_put(np.array(a, copy=True), dev)  # noqa: E731 (see the test above)
+    rng = np.random.default_rng(4)
+    worst = dict.fromkeys(("mu", "nu", "u", "weights", "moments_update_ulps", "weights_per_lr"), 0.0)
+    for t in range(6):
+        g = _grads(rng, params, dev, exact_norm=clip is not None)
+        prev = jax.tree.map(lambda a: np.array(a, copy=True), (s.mu, s.nu))
+        adam = _adam_state(sr)._replace(mu=jax.tree.map(to_dev, s.mu), nu=jax.tree.map(to_dev, s.nu))
+        sr = jax.tree.map(lambda x: adam if isinstance(x, optax.ScaleByAdamState) else x, sr,
+                          is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        want, sr, ur = theirs(jax.tree.map(to_dev, s.master if master else p), sr, _f32(g) if master else g)
+        p, s, u = ours(p, s, g)
+        lr_t = max(float(SCHEDULE(t)), 1e-6)
+        for k in params:
+            pairs = [("mu", s.mu[k], _adam_state(sr).mu[k], prev[0][k]), ("nu", s.nu[k], _adam_state(sr).nu[k],
+                                                                          prev[1][k])]
+            for name, got, ref_x, old in pairs:
+                worst[name] = max(worst[name], _ulps(got, ref_x))
+                if np.asarray(got).dtype == np.float32:
+                    ul = C.update_ulps(np.asarray(got).ravel(), np.asarray(ref_x).ravel(), old.ravel())
+                    worst["moments_update_ulps"] = max(worst["moments_update_ulps"], float(ul.max(initial=0.0)))
+            w = (s.master if master else p)[k]
+            worst["weights"] = max(worst["weights"], _ulps(w, want[k]))
+            diff = np.abs(np.asarray(w, np.float32) - np.asarray(want[k], np.float32)).max()
+            worst["weights_per_lr"] = max(worst["weights_per_lr"], float(diff) / lr_t)
+            if not master:
+                worst["u"] = max(worst["u"], _ulps(u[k], ur[k]))
+    print(f"cpu mode line {case}: each step from the same state, ULPs of their dtypes: {worst}")
+    assert worst["moments_update_ulps"] <= C.OPTAX_CUDA_HOST_MAX_ULP, worst
+    if dtype != "float32" and not master:  # optax's 16-bit state
+        assert max(worst["mu"] if "mu_dtype" not in kw else 0, worst["nu"], worst["weights"]) <= 1, worst
+    else:
+        assert worst["weights_per_lr"] < 1e-2, worst
     _host_state(s)
 
 

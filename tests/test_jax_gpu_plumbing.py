@@ -217,12 +217,14 @@ def _values(x):
     return x.astype(np.float32).ravel()
 
 
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
 @pytest.mark.parametrize("case", sorted(LINES))
-def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
-    """mode="gpu" on every configuration with lines of its own: the state typed and placed as optax.adamw's (pinned
-    host memory), the launches of its kernel (optax's own state: no master), and the contract's optax/cuda lines bit
-    for bit through step and update (the simulated kernels run the contract's NumPy lines; the GPU tests hold the
-    CUDA kernels to optax on XLA:GPU)."""
+def test_each_derived_line_runs_with_optax_state(simulated_gpu, case, mode):
+    """Both modes on every configuration with lines of its own: the state typed and placed as optax.adamw's (pinned
+    host memory), the launches of its kernel (mode="gpu"; optax's own state: no master) or the staging ring's pieces
+    (mode="cpu": the weights of optax's own state down in their dtype, u up in optax's), and the contract's
+    optax/cuda lines bit for bit through step and update (the host kernels run them; the simulated launches too; the
+    GPU tests hold the CUDA kernels to optax on XLA:GPU)."""
     dtype, kw, code = LINES[case]
     if dtype == "float16" and not xla_float16():
         pytest.skip("XLA:CPU cannot compile float16 at this ISA level (the program around the simulated kernels)")
@@ -237,10 +239,11 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
     mat = jax.jit(lambda c: C.optax_scalar_matrix(c, [code] * len(keys), [_mask(params)[k] for k in keys],
                                                   learning_rate=lr, weight_decay=wd, xp=jnp, platform="cuda",
                                                   dtypes=[dtype] * len(keys), **hyper).scalars)
-    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode="gpu", **kw)
+    tx = tsj.offload_adamw(lr, weight_decay=wd, mask=_mask, mode=mode, threads=2, **kw)
     want_state = ref.init(jax.tree.map(lambda x: x.astype(jnp.float32), params) if master else params)[0]
     for via in ("step", "update"):
         _Kernels.launches.clear()
+        _Context.copies.clear()
         s = tx.init(params)
         for got, want in ((s.mu, want_state.mu), (s.nu, want_state.nu)):  # optax's dtypes, in host memory
             assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, want), case
@@ -269,7 +272,7 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
                     np.testing.assert_array_equal(_bits(_values(u[k])), _bits(want_u), err_msg=f"{case} u {k} {t}")
                     w[k] = _values(p[k])  # XLA:CPU applies it (p + u: it may contract); the next step from there
                     np.testing.assert_allclose(w[k], p_in[k] + _values(u[k]), rtol=2 ** -7, atol=1e-30)
-        what = f"{case} {via}"
+        what = f"{case} {mode} {via}"
         for k in keys:
             for got, want, name in ((s.mu[k], m[k], "mu"), (s.nu[k], v[k], "nu"),
                                     (s.master[k] if master else p[k], w[k], "weights")):
@@ -277,20 +280,16 @@ def test_gpu_mode_runs_each_derived_line_with_optax_state(simulated_gpu, case):
         kernel = ("u" if via == "update" and not master else "w")
         own = tuple(jnp.dtype(x["a"].dtype).name for x in (want_state.mu, want_state.nu))
         own = None if master or own == ("float32", "float32") else own
+        if mode == "cpu":  # the gradients and (no master) the weights down, the weights or u up, in their dtypes
+            item, numel = jnp.dtype(dtype).itemsize, sum(int(np.prod(np.shape(x))) for x in params.values())
+            up = item if via == "step" or master or own == (dtype, dtype) else 4
+            down = sum(n for d, n in _Context.copies if d == "d2h") - len(gs) * 4 * C.N_SCALARS * len(keys)
+            ups = sum(n for d, n in _Context.copies if d == "h2d")
+            assert (down, ups) == (len(gs) * numel * item * (1 if master else 2), len(gs) * numel * up), what
+            assert not _Kernels.launches
+            continue
         assert all(x[0] == kernel and (x[3:] == ((dtype, own) if kernel == "u" else (own,)) if own else len(x) == 3)
                    for x in _Kernels.launches), (what, _Kernels.launches)
-
-
-@pytest.mark.parametrize("case", ["bf16", "fp32_nesterov", "fp32_eps0", "fp32_mu16"])
-def test_cpu_mode_on_a_gpu_refuses_lines_the_host_lacks(simulated_gpu, case):
-    """mode="cpu" on a GPU has the host kernels' optax/cuda lines, the float32 default alone: the others are
-    refused before anything is allocated, pointing to mode="gpu"."""
-    dtype, kw, _ = LINES[case]
-    tx = tsj.offload_adamw(1e-2, mode="cpu", **kw)
-    live = _Mapped.live
-    with pytest.raises(NotImplementedError, match=r"mode='cpu'.*on a GPU.*use mode='gpu'"):
-        tx.init(_params(jnp.dtype(dtype)))
-    assert _Mapped.live == live
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])

@@ -71,7 +71,7 @@ _BUILDERS = {"adamw": build_adamw, "torch": build_torch, "accumulate": build_acc
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _OPTAX for gk in KINDS
               for ok in (KINDS if gk == KIND_F32 else KINDS + (OUT_IN_GRAD,)) + (OUT_U,)
-              for md in (C.OX_CODES if vr == VARIANT_OPTAX_CPU else (0,))},
+              for md in (C.OX_CODES if vr == VARIANT_OPTAX_CPU else C.OX_CUDA_LINES)},
     "torch": _torch_keys(),
     "accumulate": {(k,) for k in KINDS},
 }
@@ -141,7 +141,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     ``gkind`` 0, uint16 bits for 1 fp16 / 2 bf16); ``out16`` (uint16, or None) receives the new weights rounded to
     ``okind`` (1 fp16, 2 bf16; 0 nothing), and may be ``g`` itself (``okind == gkind``: each gradient is read before
     its weight overwrites it). ``okind`` :data:`OUT_U` (optax only): ``out16`` receives ``u`` (float32, or the
-    leaf's bits for fp16/bf16 state); ``p`` is only read. ``s``: the contract's scalar vector (optax/cpu's code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
+    leaf's bits for fp16/bf16 state); ``p`` is only read. ``s``: the contract's scalar vector (the optax code in ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu
     code. With ``recipe`` (a :class:`~trainstream.contract.TorchRecipe`; ``variant`` is ignored): ``m``, ``v`` and
     (amsgrad) ``vmax`` in the state dtype (float32, or the uint16 bits of fp16/bf16); without a master (fp16/bf16
     state) ``p`` is None and ``out16`` holds the weights' bits, read and written; else as above, ``okind`` the
@@ -149,7 +149,7 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     :func:`~trainstream.contract.torch_cpu_tails`. Unchecked: buffers must be C-contiguous, long enough, and
     disjoint but for ``out16 is g`` (the callers check)."""
     if recipe is None and variant in _OPTAX:
-        mode = int(s[C.S_OX_CODE]) if variant == VARIANT_OPTAX_CPU else 0
+        mode = int(s[C.S_OX_CODE]) & (-1 if variant == VARIANT_OPTAX_CPU else ~C.OX_CLIP)  # cuda: clip at run time
         if okind == OUT_U:
             want = np.uint16 if mode & C.OX_HALF and not mode & C.OX_MU_F32 else np.float32  # u in optax's dtype
             if out16 is None or out16.dtype != want:

@@ -7,7 +7,9 @@ fp16/bf16 into ``out16``, :data:`OUT_IN_GRAD` into the gradient buffer itself, :
 optax/cpu codes of every family (:func:`trainstream.contract.optax_family`): float32 state (and ``OX_MU_BF16``: mu
 stored as bfloat16 bits); ``OX_HALF``: the weights (``p``), mu and nu as the uint16 bits of the leaf's dtype
 (``gkind``), every operation rounded to it; ``OX_HALF | OX_MU_F32``: mu float32. The lines are
-:mod:`trainstream.contract._optax_reference`'s, one for one."""
+:mod:`trainstream.contract._optax_reference`'s, one for one. optax/cuda codes
+(:data:`trainstream.contract.OX_CUDA_LINES`, the same storage): :mod:`trainstream.contract._optax_cuda`'s lines, one
+for one, in IEEE arithmetic (XLA:GPU approximates the square root, ``rsqrt`` and division)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..contract import (OX_B1_HALF, OX_B2_HALF, OX_CLIP, OX_FORM_R, OX_HALF, OX_
                         S_OMB1, S_OMB2, S_OX_CODE, S_WD, VARIANT_OPTAX_CPU)
 from . import _ops
 from ._ops import AHEAD, KIND_BF16, KIND_F16, KIND_F32, LINE, OPTS, STRIP, ftz, load, mad_xla, njit, prefetch_r, \
-    prefetch_w, round16, round_xla, rsqrt_estimate, rx, select
+    prefetch_w, round16, round_xla, rsqrt_estimate, rt, rx, select
 
 #: ``okind`` that writes the rounded weights back into the fp16/bf16 gradient buffer (``out16 is g``): a kernel
 #: of its own, as overlapping array arguments fail LLVM's run-time alias check (scalar loop, ~6x slower).
@@ -38,8 +40,12 @@ _DEPS = source_stamp(_jit, _cpu_sqrt, contract, contract._scalars, _ops)
 
 
 def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool = True):
-    """The optax specialisation of ``(variant, gkind, okind, mode)``; ``mode``: the optax/cpu code (0 for cuda)."""
+    """The optax specialisation of ``(variant, gkind, okind, mode)``; ``mode``: the optax/cpu code, or the optax/cuda
+    code without ``OX_CLIP`` (read at run time)."""
     optax_cpu = variant == VARIANT_OPTAX_CPU
+    cu = 0 if optax_cpu else mode  # optax/cuda's lines
+    cu_half, cu_mu32, cu_mu16, cu_nesterov, cu_rsqrt = (
+        (cu & b) != 0 for b in (OX_HALF, OX_MU_F32, OX_MU_BF16, OX_NESTEROV, OX_RSQRT))
     ox = mode if optax_cpu else 0  # ox_unfused: XLA:CPU without FMA3, every contracted line two roundings, each flushed
     ox_unfused, ox_form_r, ox_clip, ox_mu_swap, ox_nu_swap = (
         (ox & b) != 0 for b in (OX_NO_FMA, OX_FORM_R, OX_CLIP, OX_MU_SWAP, OX_NU_SWAP))
@@ -261,18 +267,57 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     else:
                         m[i] = mi
                     v[i] = vi
-                else:  # optax/cuda (host emulation with IEEE sqrt and division)
+                elif cu_half:  # optax/cuda, fp16/bf16 state: every operation rounded to the dtype (rt), no FTZ
+                    gi = load(g[i], dk)  # (no clipping with 16-bit state: refused by optax_cuda_code)
+                    pi = load(p[i], dk)
+                    vo = load(v[i], dk)
+                    vi = rt(rt(rt(gi * gi, dk) * omb2, dk) + rt(vo * b2, dk), dk)
+                    sq = rt(np.float32(math.sqrt(vi / bc2)), dk)
+                    if cu_mu32:  # bf16 leaf, float32 mu: u float32
+                        mi = rt(gi * omb1, dk) + m[i] * b1
+                        u = mi / (bc1 * rt(sq + eps, dk))
+                        u = u + rt(pi * wd, dk)
+                        pi = rt(pi + u * neg_lr, dk)
+                        m[i] = mi
+                    else:
+                        mi = rt(rt(gi * omb1, dk) + rt(load(m[i], dk) * b1, dk), dk)
+                        if cu_rsqrt:  # XLA's m / sqrt(v) -> m * rsqrt(v)
+                            rs = rt(np.float32(1.0) / np.float32(math.sqrt(rt(vi / rt(bc2, dk), dk))), dk)
+                            u = rt(rt(mi / rt(bc1, dk), dk) * rs, dk)
+                        elif cu_nesterov:
+                            num = rt(rt(b1 * rt(mi / s[S_BC1_NEXT], dk), dk) + rt(omb1 * rt(gi / bc1, dk), dk), dk)
+                            u = rt(num / rt(sq + eps, dk), dk)
+                        else:
+                            u = rt(mi / rt(rt(bc1, dk) * rt(sq + eps, dk), dk), dk)
+                        u = rt(u + rt(pi * wd, dk), dk)
+                        pi = rt(pi + rt(u * neg_lr, dk), dk)
+                        m[i] = round16(mi, dk)
+                    v[i] = round16(vi, dk)
+                    if emit_u:
+                        out16[i] = u if cu_mu32 else round16(u, dk)
+                    else:
+                        p[i] = round16(pi, dk)
+                else:  # optax/cuda, float32 state (IEEE sqrt and division where XLA:GPU approximates)
                     graw = load(g[i], gkind)
                     gi = select(cuda_clip, (graw / div) * c, graw * c)
                     pi = p[i]
-                    mi = omb1 * gi + b1 * m[i]
+                    if cu_mu16:  # mu stored bfloat16, f(b1) m rounded to it
+                        mi = omb1 * gi + rt(load(m[i], KIND_BF16) * s[S_BETA1_MU], KIND_BF16)
+                    else:
+                        mi = omb1 * gi + b1 * m[i]
                     vi = omb2 * (gi * gi) + b2 * v[i]
-                    u = mi / (bc1 * (np.float32(math.sqrt(vi / bc2 + s[S_EPS_ROOT])) + eps))  # eps_root 0: no bit
+                    h = vi / bc2 + s[S_EPS_ROOT]  # eps_root 0: no bit
+                    if cu_nesterov:
+                        u = (b1 * (mi / s[S_BC1_NEXT]) + omb1 * (gi / bc1)) / (np.float32(math.sqrt(h)) + eps)
+                    elif cu_rsqrt:
+                        u = (mi / bc1) * (np.float32(1.0) / np.float32(math.sqrt(h)))
+                    else:
+                        u = mi / (bc1 * (np.float32(math.sqrt(h)) + eps))
                     u = u + wd * pi
                     pi = pi + u * neg_lr
-                    m[i] = mi
+                    m[i] = round16(mi, KIND_BF16) if cu_mu16 else mi
                     v[i] = vi
-                if not half:
+                if not (half or cu_half):
                     if emit_u:
                         out16[i] = u
                     else:

@@ -264,7 +264,7 @@ exactly as in the references (no guard); ``bc2`` underflows (``b2`` very close t
 only below float64 precision, far from any practical setting.
 """
 
-from ._optax_cuda import OX_CUDA_BITS, optax_cuda_code, optax_cuda_reference_update
+from ._optax_cuda import OX_CUDA_BITS, OX_CUDA_LINES, optax_cuda_code, optax_cuda_reference_update
 from ._optax_reference import optax_reference_update, round_xla, xla_rsqrt
 from ._reference import (OPTAX_CUDA_HOST_MAX_ULP, OPTAX_CUDA_MAX_ULP, TORCH_CPU_SQRT_MAX_ULP, bf16_bits_to_f32,
                          f32_to_bf16_bits, fma_f32, ftz, master_of_weights, merge_master, reference_update, round_to,
@@ -290,7 +290,7 @@ __all__ = [
     "CONVENTIONS", "PLATFORMS", "ITEMSIZE", "AdamWHyperParams", "validate_hyperparams", "variant_id",
     "torch_step_scalars", "optax_bias_corrections", "optax_clip_scalars", "optax_cpu_code", "optax_step_scalars",
     "optax_scalar_matrix", "OptaxStepScalars", "optax_code_valid", "optax_family", "optax_reference_update",
-    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies", "OX_CUDA_BITS", "optax_cuda_code",
+    "optax_rsqrt_decay_last", "optax_rsqrt_decay_varies", "OX_CUDA_BITS", "OX_CUDA_LINES", "optax_cuda_code",
     "optax_cuda_reference_update",
     "xla_rsqrt", "round_xla", "master_of_weights", "step_scalars", "clip_coefficient", "merge_master",
     "fma_f32", "ftz", "f32_to_bf16_bits", "bf16_bits_to_f32", "round_to", "reference_update",

@@ -61,6 +61,9 @@ _F32 = np.float32
 
 #: The bits of an optax/cuda code (the others are optax/cpu's).
 OX_CUDA_BITS = OX_CLIP | OX_NESTEROV | OX_RSQRT | OX_HALF | OX_MU_F32 | OX_MU_BF16
+#: The line sets :func:`optax_cuda_code` gives, :data:`OX_CLIP` aside (the kernels read it at run time).
+OX_CUDA_LINES: tuple[int, ...] = (0, OX_NESTEROV, OX_RSQRT, OX_MU_BF16, OX_HALF, OX_HALF | OX_RSQRT,
+                                  OX_HALF | OX_NESTEROV, OX_HALF | OX_MU_F32)
 
 
 def optax_cuda_code(dtype: str, mu: str, nu: str, master: bool, *, nesterov: bool, eps_zero: bool, eps_root: bool,

@@ -1,5 +1,5 @@
 """The host placement's staging ring for updates of buffers in GPU memory that the caller owns (the JAX adapter's
-``mode="cpu"`` on a GPU): each update's gradients (and float32 weights) go down piece by piece through a few pinned
+``mode="cpu"`` on a GPU): each update's gradients (and weights without a master) go down piece by piece through a few pinned
 buffers, the host workers update the state (host memory, in place) from them, and each piece's result (its new
 weights, or optax's ``u``) goes back up from the same buffer into the caller's. Its pinned memory is
 :func:`host_ring_bytes`: at most :data:`HOST_RING_DEPTH` buffers of :data:`HOST_RING_ELEMS` elements, whatever the
@@ -62,11 +62,13 @@ class StagedLeaf(NamedTuple):
 
     grad: int  # the gradient (gdtype) in GPU memory
     gdtype: str  # of the gradient and the weights
-    weights: int  # float32 weights in GPU memory, copied down and read; 0: fp16/bf16 weights with a master
+    weights: int  # the weights (gdtype: float32, or fp16/bf16 with optax's own state) in GPU memory, copied down and
+    #               read; 0: fp16/bf16 weights with a master
     master: np.ndarray | None  # the float32 master of fp16/bf16 weights (host memory); None with ``weights``
-    m: np.ndarray  # float32 moments (host memory)
+    m: np.ndarray  # the moments (host memory): float32, or the uint16 bits of optax's 16-bit state
     v: np.ndarray
-    out: int  # GPU memory that receives the result: the new weights (gdtype), or with ``emit_u`` optax's float32 u
+    out: int  # GPU memory that receives the result: the new weights (gdtype), or with ``emit_u`` optax's u (the
+    #           leaf's dtype where m and v are 16-bit, else float32)
     emit_u: bool  # with ``weights``: u (the weights read only); else the new weights
     numel: int
 
@@ -171,13 +173,16 @@ class HostRing:
                 g = _view(base, n, gview)
                 if lf.weights:
                     w_at = base + 4 * elems
-                    ctx.memcpy_dtoh_async(w_at, lf.weights + 4 * lo, 4 * n, self.d2h)
-                    p = _view(w_at, n, np.float32)
+                    ctx.memcpy_dtoh_async(w_at, lf.weights + item * lo, item * n, self.d2h)
+                    p = _view(w_at, n, gview)
                     if lf.emit_u:  # u in a third array, the weights only read
-                        out, out_kind, up = _view(base + 8 * elems, n, np.float32), "u", base + 8 * elems
+                        u16 = item == 2 and lf.m.itemsize == 2  # optax's u: fp16/bf16 state's dtype, else float32
+                        ui = 2 if u16 else 4
+                        out, out_kind, up = _view(base + 8 * elems, n, np.uint16 if u16 else np.float32), "u", \
+                            base + 8 * elems
                     else:  # the weights in place
-                        out, out_kind, up = None, None, w_at
-                    up_bytes, dst = 4 * n, lf.out + 4 * lo
+                        out, out_kind, up, ui = None, None, w_at, item
+                    up_bytes, dst = ui * n, lf.out + ui * lo
                 else:  # the master in host memory; the rounded weights overwrite the gradient, element by element
                     p, out, out_kind, up, up_bytes, dst = lf.master[lo:lo + n], g, lf.gdtype, base, item * n, \
                         lf.out + item * lo

@@ -69,8 +69,8 @@ def check_array_hyper(cfg: Config, kinds, fams, paths) -> None:
 
 def cuda_codes(cfg: Config, kinds, fams, paths, numels) -> list[int]:
     """Each leaf's optax/cuda code (:func:`trainstream.contract.optax_cuda_code`: XLA:GPU's lines for its dtype,
-    state, element count (``numels``: the whole leaf's) and ``optax.adamw``'s arguments). ``NotImplementedError`` naming the leaf where those lines are not derived,
-    and in ``mode="cpu"`` for any but the float32 default lines (the host kernels have those alone)."""
+    state, element count (``numels``: the whole leaf's) and ``optax.adamw``'s arguments); both modes run them
+    (``mode="cpu"`` in IEEE arithmetic). ``NotImplementedError`` naming the leaf where those lines are not derived."""
     codes = []
     for kind, f, path, numel in zip(kinds, fams, paths, numels):
         own = kind != "float32" and not f.master  # the update adds eps in the leaf's dtype
@@ -86,12 +86,6 @@ def cuda_codes(cfg: Config, kinds, fams, paths, numels) -> list[int]:
                                      b_half=b_half)
         except NotImplementedError as exc:
             raise NotImplementedError(f"TrainStream offload_adamw on a GPU, leaf {path} ({kind}): {exc}") from None
-        if cfg.mode == "cpu" and code & ~C.OX_CLIP:
-            raise NotImplementedError(
-                f"TrainStream offload_adamw(mode='cpu') on a GPU: leaf {path} ({kind}, state {f.mu}/{f.nu}) needs "
-                "XLA:GPU's lines for optax's 16-bit state, mu_dtype, nesterov or eps == 0, which only the "
-                "GPU kernels run: use mode='gpu' (the host kernels reproduce optax.adamw's float32 default lines "
-                "there, within the contract's bound)")
         codes.append(code)
     return codes
 

@@ -151,10 +151,11 @@ class _Update:
         plan, ptr = self.plan, xb.buffer_ptr
         leaves = []
         for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):
-            state = [xb.host_view(ptr(a), numel, np.float32) for a in (mus[i], nus[i])]
+            state = [xb.host_view(ptr(a), numel, np.float32 if k == "float32" else np.uint16)
+                     for a, k in ((mus[i], plan.mu_kinds[i]), (nus[i], plan.nu_kinds[i]))]
             if i in masters:  # the rounded weights go up into w
                 weights_ptr, master = 0, xb.host_view(ptr(masters[i]), numel, np.float32)
-            else:  # the float32 weights: w holds the params (step), or read them (update, u into w)
+            else:  # the weights (optax's own state): w holds the params (step), or read them (update, u into w)
                 weights_ptr, master = ptr(weights[i] if plan.emit_u else w[i]), None
             leaves.append(StagedLeaf(ptr(grads[i]), kind, weights_ptr, master, *state, ptr(w[i]),
                                      plan.emit_u and i not in masters, numel))
