@@ -16,8 +16,8 @@ otherwise). Every (size, setup) runs in its own process (its peak GPU and host m
 not fit"), the setups of a size one after another, ``--rounds`` times in turn (interleaved: the host's memory
 bandwidth drifts between runs); the step is the median of the rounds' medians. Prints step time, tokens/s, MFU (6 x
 parameters x tokens / step / ``--peak-tflops``), peak GPU memory, host memory high-water mark, and the largest size
-each setup trained. On a GPU ``ts_cpu`` and ``ts_cpu_res`` refuse bf16 parameters (optax's bf16 state: the host
-kernels lack XLA:GPU's bf16 lines, ``mode="gpu"``'s kernels run them): ``--param-dtype fp32`` for them. CPU smoke test: ``--device cpu --sizes tiny --batch 2 --seq 32 --setups optax_hbm,ts_cpu --check``.
+each setup trained. On a GPU ``ts_cpu`` and ``ts_cpu_res`` compute XLA:GPU's lines in IEEE arithmetic (within the
+contract's bound: their digest differs from optax's). CPU smoke test: ``--device cpu --sizes tiny --batch 2 --seq 32 --setups optax_hbm,ts_cpu --check``.
 """
 
 from __future__ import annotations
