@@ -45,9 +45,12 @@ def init(params, leaves, families):
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
     treedef = jax.tree.structure(params)
     col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, families)])  # noqa: E731
-    # copied into XLA's own buffers (may_alias=False): an array aliasing NumPy's memory cannot be donated
+    # XLA's own buffers: an array aliasing NumPy's memory cannot be donated (bfloat16 zeros put with may_alias=False
+    # could not be either, H100, jax 0.11.2: experiments/diag_jax_bf16_donation.py), so the zeros are made on the
+    # device, a leaf at a time, and copied
     put = (lambda a: jax.device_put(a, host)) if xp is jnp else (lambda a: jax.device_put(a, host, may_alias=False))
-    zeros = lambda x, dt: put(xp.zeros(xp.shape(x), jnp.dtype(dt)))  # noqa: E731
+    device = None if xp is jnp else dev
+    zeros = lambda x, dt: jax.device_put(jnp.zeros(jnp.shape(x), jnp.dtype(dt), device=device), host)  # noqa: E731
     return OffloadAdamWState(count, col(lambda x, f: zeros(x, f.mu)), col(lambda x, f: zeros(x, f.nu)),
                              col(lambda x, f: put(to_f32(x)) if f.master else None))
 
