@@ -476,7 +476,7 @@ def scenario_gpu_path():
     """The GPU code path (pinned_host state, the own/update/order callbacks) inside the
     shard_map, its CUDA calls simulated on XLA:CPU (tests/test_jax_gpu_plumbing.py): the
     state is sharded pinned_host memory and the weights equal the single-device run's
-    (the same gradients given to both)."""
+    (the same gradients given to both), with an fp32 master and with optax's own bf16 state."""
     import pytest
 
     from _jax_gpu_sim import simulate_gpu
@@ -489,7 +489,9 @@ def scenario_gpu_path():
             sim = simulate_gpu(mp)
             next(sim)
             try:
-                for dtype, vias in ((F32, ("update",)), (BF16, ("step",))):
+                # bf16: an fp32 master, and optax's own bf16 state (its weights and u staged in bf16 in cpu mode)
+                for dtype, master, vias in ((F32, True, ("update",)), (BF16, True, ("step",)),
+                                            (BF16, False, ("step", "update"))):
                     results = {}
                     for sharded in (True, False):
                         params = params_on(mesh, SPECS_1D, dtype)
@@ -497,7 +499,7 @@ def scenario_gpu_path():
                             params = {k: jnp.asarray(np.asarray(v)) for k, v in params.items()}
                         put = (lambda t, like=params, dt=dtype: {k: jax.device_put(jnp.asarray(v, dt), like[k].sharding)
                                                                  for k, v in t.items()})
-                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2, master_weights=True)
+                        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2, master_weights=master)
                         for via in vias:
                             def body(p, s, g, via=via, tx=tx):
                                 if via == "step":
@@ -517,7 +519,7 @@ def scenario_gpu_path():
                             results[sharded, via] = (p, s.mu, s.nu, s.master)
                     for via in vias:
                         for a, b in zip(jax.tree.leaves(results[True, via]), jax.tree.leaves(results[False, via])):
-                            assert np.array_equal(bits(a), bits(b)), (mode, dtype, via)
+                            assert np.array_equal(bits(a), bits(b)), (mode, dtype, master, via)
             finally:
                 next(sim, None)
 
