@@ -127,11 +127,15 @@ def test_cuda_cases_cover_every_line_set():
     assert sorted(CUDA_CASES) == sorted(C.OX_CUDA_LINES)
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 @pytest.mark.parametrize("code", sorted(CUDA_CASES))
-def test_optax_cuda_kernel_matches_reference(code):
+def test_optax_cuda_kernel_matches_reference(code, clip):
     """The host's optax/cuda lines (mode="cpu" on a GPU): 3 steps over 517 elements, the weights in place (``step``)
-    and u out (``update``), p, mu, nu and u bit for bit against the contract's NumPy lines."""
+    and u out (``update``), p, mu, nu and u bit for bit against the contract's NumPy lines; ``clip``: float32 lines
+    after ``clip_by_global_norm`` (OX_CLIP, read at run time: no kernel of its own)."""
     dtype, hyper = CUDA_CASES[code]
+    if clip and code & C.OX_HALF:
+        pytest.skip("clipping with fp16/bf16 state is refused (optax_cuda_code)")
     hp = {**HP, **hyper}
     eps_root = hp.pop("eps_root", 0.0)
     rng = np.random.default_rng(code + 1)
@@ -143,8 +147,9 @@ def test_optax_cuda_kernel_matches_reference(code):
     m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
     for t in range(3):
         g = _data(rng, n, dtype)
-        sc = np.asarray(C.optax_scalar_matrix(t, [code], [t != 1], eps_root=eps_root, dtypes=[dtype],
-                                              platform="cuda", **hp).scalars[0])
+        norm = dict(global_norm=np.float32(3.3 + t), max_norm=0.7) if clip else {}
+        sc = np.asarray(C.optax_scalar_matrix(t, [code | (C.OX_CLIP if clip else 0)], [t != 1], eps_root=eps_root,
+                                              dtypes=[dtype], platform="cuda", **norm, **hp).scalars[0])
         want = C.optax_cuda_reference_update(p, m, v, g, sc, dtype)
         for via in ("step", "update"):
             kp, km, kv = _bits(p, p_dt), _bits(m, mu_dt), _bits(v, p_dt)

@@ -43,8 +43,9 @@ class ExternalUpdate(NamedTuple):
     """One tensor's AdamW update over flat NumPy views of buffers the caller owns (e.g. XLA's), run by
     :meth:`~trainstream.core._host.HostPlacement.update_external` with :func:`trainstream._host_kernels.adamw_chunk`."""
 
-    p: np.ndarray  # float32 weights or fp32 master, updated in place (read-only with out_kind "u")
-    m: np.ndarray  # float32 moments, in place
+    p: np.ndarray  # float32 weights or fp32 master (optax's 16-bit state: the leaf's uint16 bits), updated in place
+    #                (read-only with out_kind "u")
+    m: np.ndarray  # the moments, in place: float32, or the uint16 bits of optax's 16-bit state
     v: np.ndarray
     g: np.ndarray  # the gradient: float32, or the uint16 bits of gdtype "float16"/"bfloat16"
     gdtype: str

@@ -1,6 +1,6 @@
 """The host placement's staging ring for updates of buffers in GPU memory that the caller owns (the JAX adapter's
-``mode="cpu"`` on a GPU): each update's gradients (and weights without a master) go down piece by piece through a few pinned
-buffers, the host workers update the state (host memory, in place) from them, and each piece's result (its new
+``mode="cpu"`` on a GPU): each update's gradients (and weights without a master) go down piece by piece through a
+few pinned buffers, the host workers update the state (host memory, in place) from them, and each piece's result (its new
 weights, or optax's ``u``) goes back up from the same buffer into the caller's. Its pinned memory is
 :func:`host_ring_bytes`: at most :data:`HOST_RING_DEPTH` buffers of :data:`HOST_RING_ELEMS` elements, whatever the
 model's size (staging as large as the model, three times for float32 leaves, took 12 bytes per parameter: 80.6 GB at
@@ -33,7 +33,7 @@ __all__ = ["HOST_RING_DEPTH", "HOST_RING_ELEMS", "HostRing", "StagedLeaf", "host
 HOST_RING_ELEMS = 1 << 22
 #: Buffers of the ring: pieces in flight (copied down, updated by the workers, copied up), 32M elements at most.
 HOST_RING_DEPTH = 8
-_SLOT_BYTES = 12  # per element: the gradient (at most float32), the float32 weights, the float32 update
+_SLOT_BYTES = 12  # per element, 4 bytes each at most: the gradient, the weights, the update u
 _ALIGN = 1024  # elements: pieces and the arrays in a buffer start 4 KiB aligned
 
 

@@ -28,6 +28,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from .. import contract as C
 from ..backends import jax as xb
 from ..core import DeviceUpdate, Engine, HostRing, StagedLeaf
+from ._sharding import host_zeros
 from ._state import OffloadAdamWState
 
 __all__ = ["apply", "device_engine", "init"]
@@ -45,12 +46,12 @@ def init(params, leaves, families):
         count = jax.device_put(jnp.zeros([], jnp.int32), dev)
     treedef = jax.tree.structure(params)
     col = lambda f: jax.tree.unflatten(treedef, [f(x, fam) for x, fam in zip(leaves, families)])  # noqa: E731
-    # XLA's own buffers: an array aliasing NumPy's memory cannot be donated (bfloat16 zeros put with may_alias=False
-    # could not be either, H100, jax 0.11.2: experiments/diag_jax_bf16_donation.py), so the zeros are made on the
-    # device, a leaf at a time, and copied
+    # XLA's own buffers: an array aliasing NumPy's memory cannot be donated (the zeros: _sharding.host_zeros)
     put = (lambda a: jax.device_put(a, host)) if xp is jnp else (lambda a: jax.device_put(a, host, may_alias=False))
-    device = None if xp is jnp else dev
-    zeros = lambda x, dt: jax.device_put(jnp.zeros(jnp.shape(x), jnp.dtype(dt), device=device), host)  # noqa: E731
+    if xp is jnp:
+        zeros = lambda x, dt: put(jnp.zeros(jnp.shape(x), jnp.dtype(dt)))  # noqa: E731
+    else:
+        zeros = lambda x, dt: host_zeros(np.shape(x), jnp.dtype(dt), host)  # noqa: E731
     return OffloadAdamWState(count, col(lambda x, f: zeros(x, f.mu)), col(lambda x, f: zeros(x, f.nu)),
                              col(lambda x, f: put(to_f32(x)) if f.master else None))
 
@@ -148,9 +149,9 @@ class _Update:
 
     def _host(self, device, stream, scal, grads, w, weights, mus, nus, masters) -> None:
         """``mode="cpu"``: the engine's host workers update each leaf's state in place, piece by piece through the
-        device's staging ring (:meth:`trainstream.core.HostRing.update`: the gradients and float32 weights down, the
-        new weights or ``u`` up into ``w``). Returns once the host work is done (XLA's stream waits for the copies
-        up)."""
+        device's staging ring (:meth:`trainstream.core.HostRing.update`: the gradients and the weights without a
+        master down, the new weights or ``u`` up into ``w``). Returns once the host work is done (XLA's stream waits
+        for the copies up)."""
         plan, ptr = self.plan, xb.buffer_ptr
         leaves = []
         for i, (kind, numel) in enumerate(zip(plan.kinds, plan.numels)):

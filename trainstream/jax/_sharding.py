@@ -79,10 +79,20 @@ def check_traced(leaves, paths) -> None:
                              "concrete arrays (a traced array carries none); call tx.init(params) outside jit first")
 
 
+def host_zeros(shape, dtype, sharding: SingleDeviceSharding):
+    """Zeros of ``shape``/``dtype`` in ``sharding``'s memory (pinned host), XLA's own buffer: made on its device and
+    copied, waited for, so that one transient device array lives at a time. (Suspected, session u: on an H100
+    NumPy's bfloat16 zeros put there with ``may_alias=False`` could not be donated;
+    ``experiments/diag_jax_bf16_donation.py``.)"""
+    x = jax.device_put(jnp.zeros(shape, dtype, device=next(iter(sharding.device_set))), sharding)
+    x.block_until_ready()
+    return x
+
+
 def init_state(params, leaves, layout: Layout, host_memory: bool, families=None):
-    """``OffloadAdamWState`` of sharded ``params``, put shard by shard from host memory (this process's shards
-    only, never through GPU memory). ``families``: per leaf ``(mu dtype, nu dtype, has a master)`` (default: float32
-    moments, a master for fp16/bf16 leaves)."""
+    """``OffloadAdamWState`` of sharded ``params``, put shard by shard (this process's shards only; the masters from
+    host memory, the moments' zeros through :func:`host_zeros` where ``host_memory``). ``families``: per leaf
+    ``(mu dtype, nu dtype, has a master)`` (default: float32 moments, a master for fp16/bf16 leaves)."""
     mesh, kind = layout.mesh, "pinned_host" if host_memory else None
     fams = families or [("float32", "float32", np.dtype(x.dtype) != np.float32) for x in leaves]
     of = {id(x): f for x, f in zip(leaves, fams)}
@@ -98,7 +108,11 @@ def init_state(params, leaves, layout: Layout, host_memory: bool, families=None)
     def zeros(x, spec, which=0):
         local = NamedSharding(mesh, spec).shard_shape(np.shape(x))
         dt = jnp.dtype(of[id(x)][which])
-        return put(x, spec, lambda _: np.zeros(local, dt))
+        if not host_memory:
+            return put(x, spec, lambda _: np.zeros(local, dt))
+        shards = [host_zeros(local, dt, SingleDeviceSharding(s.device, memory_kind=kind)) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(np.shape(x), NamedSharding(mesh, spec, memory_kind=kind),
+                                                        shards)
 
     def master(x, spec):
         return put(x, spec, lambda s: np.asarray(s.data).astype(np.float32)) if of[id(x)][2] else None
