@@ -162,3 +162,16 @@ def test_optax_cuda_kernel_matches_reference(code, clip):
                 bad = np.flatnonzero(_values(x, dt).view(np.uint32) != np.asarray(w, np.float32).view(np.uint32))
                 assert bad.size == 0, f"code {code} {dtype} {via} step {t + 1} {name}: {bad.size} differ, {bad[:3]}"
         p, m, v = want[:3]
+
+
+def test_optax_cuda_refuses_combinations_not_derived():
+    """An fp16 leaf with float32 mu (the derived line rounds to bf16), fp16/bf16 state on a float32 gradient or with
+    its weights out elsewhere: no kernel (optax_cuda_code refuses them before; this is the kernels' own guard)."""
+    a16, a32 = np.zeros(4, np.uint16), np.zeros(4, np.float32)
+    for code, gkind, out, okind in ((C.OX_HALF | C.OX_MU_F32, K.KIND_F16, None, 0),
+                                    (C.OX_HALF, K.KIND_F32, None, 0), (C.OX_HALF, K.KIND_BF16, a16.copy(), K.KIND_F16)):
+        s = np.zeros(C.N_SCALARS, np.float32)
+        s[C.S_OX_CODE] = code
+        with pytest.raises(ValueError, match="no specialisation"):
+            K.adamw_chunk(C.VARIANT_OPTAX_CUDA, a16.copy(), a32.copy(), a16.copy(), a16.copy(), gkind, out, okind,
+                          0, 4, s)

@@ -67,11 +67,20 @@ def _torch_keys() -> set:
     return keys
 
 
+def _cuda_key_valid(gk: int, ok: int, md: int) -> bool:
+    """optax/cuda's keys: fp16/bf16 state only on a leaf of its dtype, the weights in place or u out, float32 mu
+    only on bf16 (the combinations :func:`trainstream.contract.optax_cuda_code` gives)."""
+    if not md & C.OX_HALF:
+        return True
+    return gk != KIND_F32 and ok in (KIND_F32, OUT_U) and (not md & C.OX_MU_F32 or gk == KIND_BF16)
+
+
 _BUILDERS = {"adamw": build_adamw, "torch": build_torch, "accumulate": build_accumulate}
 _VALID_KEYS = {
     "adamw": {(vr, gk, ok, md) for vr in _OPTAX for gk in KINDS
               for ok in (KINDS if gk == KIND_F32 else KINDS + (OUT_IN_GRAD,)) + (OUT_U,)
-              for md in (C.OX_CODES if vr == VARIANT_OPTAX_CPU else C.OX_CUDA_LINES)},
+              for md in (C.OX_CODES if vr == VARIANT_OPTAX_CPU else C.OX_CUDA_LINES)
+              if vr == VARIANT_OPTAX_CPU or _cuda_key_valid(gk, ok, md)},
     "torch": _torch_keys(),
     "accumulate": {(k,) for k in KINDS},
 }
