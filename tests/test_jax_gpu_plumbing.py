@@ -366,3 +366,25 @@ def test_cpu_mode_on_a_gpu_takes_eps_root_and_inject_hyperparams(simulated_gpu):
         # eps_root=1.0 is felt: without it (v / d2 alone) the weights move several times further
         moved = {k: np.abs(w[k] - _values(params[k])).max() for k in keys}
         assert all(moved[k] < 0.5 * 3 * lr for k in keys), moved
+
+
+def test_gpu_state_bytes_with_optax_bf16_state_in_both_modes(simulated_gpu):
+    """gpu_state_bytes on bf16 leaves with optax's own bf16 state: two leaves kept (optax's update), the third
+    offloaded; step by step the two modes give the same weights (the offloaded leaf through the launches or the
+    staging ring, both the host's optax/cuda lines here), and the kept leaves' state is not in host memory."""
+    params = {k: v for k, v in _params(jnp.bfloat16).items() if k in ("a", "b", "c")}
+    rng = np.random.default_rng(5)
+    gs = [_grads(rng, params) for _ in range(3)]
+    got = {}
+    for mode in ("gpu", "cpu"):
+        tx = tsj.offload_adamw(1e-2, weight_decay=0.1, mode=mode, threads=2, gpu_state_bytes=7000)
+        assert tx.host_memory_plan(params)["gpu_state_leaves"] == 2
+        s, p = tx.init(params), jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        step = jax.jit(lambda p, s, g, tx=tx: tx.step(g, s, p), donate_argnums=(0, 1))
+        for g in gs:
+            p, s = step(p, s, g)
+        kinds = {k: s.mu[k].sharding.memory_kind for k in params}
+        assert kinds["c"] == "pinned_host" and kinds["a"] != "pinned_host" and kinds["b"] != "pinned_host", kinds
+        got[mode] = p
+    for k in params:
+        np.testing.assert_array_equal(_bits(got["gpu"][k]), _bits(got["cpu"][k]), k)
