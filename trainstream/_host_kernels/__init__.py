@@ -154,9 +154,9 @@ def adamw_chunk(variant, p, m, v, g, gkind, out16, okind, begin, end, s, tc_code
     ``s[S_OX_CODE]``); ``tc_code``: the torch/cpu code. With ``recipe`` (a :class:`~trainstream.contract.TorchRecipe`;
     ``variant`` is ignored): ``m``, ``v`` and (amsgrad) ``vmax`` in the state dtype (float32, or the uint16 bits of
     fp16/bf16); without a master (fp16/bf16 state) ``p`` is None and ``out16`` holds the weights' bits, read and
-    written; else as above, ``okind`` the parameter's kind. ``s``: :func:`~trainstream.contract.torch_scalars`' vector; ``tails``: the slot's
-    :func:`~trainstream.contract.torch_cpu_tails`. Unchecked: buffers must be C-contiguous, long enough, and
-    disjoint but for ``out16 is g`` (the callers check)."""
+    written; else as above, ``okind`` the parameter's kind. ``s``: :func:`~trainstream.contract.torch_scalars`'
+    vector; ``tails``: the slot's :func:`~trainstream.contract.torch_cpu_tails`. Unchecked: buffers must be
+    C-contiguous, long enough, and disjoint but for ``out16 is g`` (the callers check)."""
     if recipe is None and variant in _OPTAX:
         mode = int(s[C.S_OX_CODE]) & (-1 if variant == VARIANT_OPTAX_CPU else ~C.OX_CLIP)  # cuda: clip at run time
         if okind == OUT_U:

@@ -272,7 +272,7 @@ def build_adamw(variant: int, gkind: int, okind: int, mode: int = 0, cache: bool
                     pi = load(p[i], dk)
                     vo = load(v[i], dk)
                     vi = rt(rt(rt(gi * gi, dk) * omb2, dk) + rt(vo * b2, dk), dk)
-                    sq = rt(np.float32(math.sqrt(vi / bc2)), dk)
+                    sq = np.float32(0.0) if cu_rsqrt else rt(np.float32(math.sqrt(vi / bc2)), dk)  # (rsqrt: below)
                     if cu_mu32:  # bf16 leaf, float32 mu: u float32
                         mi = rt(gi * omb1, dk) + m[i] * b1
                         u = mi / (bc1 * rt(sq + eps, dk))

@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._scalars import (OX_CLIP, S_BC1, S_BC2_OPTAX, S_BETA1, S_BETA2, S_CLIP, S_CLIP_DIV, S_DECAY, S_EPS, S_EPS_ROOT,
-                       S_LERP_SMALL,
-                       S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD, VARIANT_OPTAX_CPU,
-                       VARIANT_TORCH_CPU, variant_id)
+                       S_LERP_SMALL, S_NEG_LR, S_NEG_STEP, S_OMB1, S_OMB2, S_OX_CODE, S_SQRT_BC2, S_WD,
+                       VARIANT_OPTAX_CPU, VARIANT_TORCH_CPU, variant_id)
 
 # -- where bit-identity is impossible: the bounds, in float32 ULPs --------------------------
 #: ``Tensor.sqrt()`` on the CPU (MKL's high-accuracy ``vsSqrt``) against the correctly rounded

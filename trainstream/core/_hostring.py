@@ -1,7 +1,7 @@
 """The host placement's staging ring for updates of buffers in GPU memory that the caller owns (the JAX adapter's
 ``mode="cpu"`` on a GPU): each update's gradients (and weights without a master) go down piece by piece through a
-few pinned buffers, the host workers update the state (host memory, in place) from them, and each piece's result (its new
-weights, or optax's ``u``) goes back up from the same buffer into the caller's. Its pinned memory is
+few pinned buffers, the host workers update the state (host memory, in place) from them, and each piece's result
+(its new weights, or optax's ``u``) goes back up from the same buffer into the caller's. Its pinned memory is
 :func:`host_ring_bytes`: at most :data:`HOST_RING_DEPTH` buffers of :data:`HOST_RING_ELEMS` elements, whatever the
 model's size (staging as large as the model, three times for float32 leaves, took 12 bytes per parameter: 80.6 GB at
 7B).

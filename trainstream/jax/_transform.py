@@ -337,9 +337,7 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     Not reproduced (``NotImplementedError`` saying which and why): float64 and complex leaves; ``mu_dtype`` other
     than the leaf's, float32 or (float32 leaves) bfloat16; ``max_grad_norm`` with fp16/bf16 state; on a GPU the
     configurations whose XLA:GPU lines are not derived (:func:`trainstream.contract.optax_cuda_code`: e.g. fp16 state
-    with an ``eps`` that float16 keeps, ``mu_dtype`` with ``nesterov``), and in ``mode="cpu"`` there anything but
-    optax's float32 default lines (fp16/bf16 leaves need ``master_weights=True``; no ``nesterov``, ``eps = 0``,
-    ``mu_dtype``): ``mode="gpu"`` runs those.
+    with an ``eps`` that float16 keeps, ``mu_dtype`` with ``nesterov``), in either mode.
 
     Bad arguments raise ``ValueError`` or ``TypeError``, unsupported uses (e.g. ``jax.vmap``) ``NotImplementedError``.
 
@@ -350,8 +348,8 @@ def offload_adamw(learning_rate: float | Callable, b1: float = 0.9, b2: float = 
     fed the upcast gradients, the weights its rounding (``update`` returns
     the float32 difference ``apply_updates`` turns into it); on the CPU a master that does not round to the weights
     passed in is replaced by them (:func:`trainstream.contract.master_of_weights`), on a GPU used as it is. On a GPU
-    ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same formula in IEEE arithmetic on the host, within the
-    contract's ``OPTAX_CUDA_HOST_MAX_ULP``.
+    ``mode="gpu"`` gives optax's bits, ``mode="cpu"`` the same lines in IEEE arithmetic on the host, within the
+    contract's ``OPTAX_CUDA_HOST_MAX_ULP`` (warned once).
 
     Donation: donate the state (``jax.jit(..., donate_argnums=...)``) to update it in place, else XLA copies it
     first; then pass and return params and state in the same order (``step(params, state, ...) -> (params,
